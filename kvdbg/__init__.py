@@ -1,0 +1,32 @@
+"""kvdbg: inspect, replay and debug paged KV caches of LLM serving engines.
+
+The package imports nothing heavy at start: torch-backed names are loaded on
+first use so that ``kvdbg --help``, ``info`` and ``window`` stay instant.
+"""
+
+from kvdbg._version import __version__
+
+_LAZY = {
+    "Snapshot": "kvdbg.snapshot",
+    "Step": "kvdbg.snapshot",
+    "save_snapshot": "kvdbg.snapshot",
+    "load_snapshot": "kvdbg.snapshot",
+    "open_snapshot": "kvdbg.format",
+    "SynthSpec": "kvdbg.synth",
+    "synth_snapshot": "kvdbg.synth",
+    "SnapshotError": "kvdbg.errors",
+    "KvdbgError": "kvdbg.errors",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvdbg' has no attribute {name!r}")
+    import importlib
+
+    if name == "open_snapshot":
+        return importlib.import_module("kvdbg.format").read_header
+    return getattr(importlib.import_module(module), name)

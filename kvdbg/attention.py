@@ -1,0 +1,101 @@
+"""The contract between the replay core and the backends (vLLM's builder -> metadata -> impl split).
+
+The replay core derives one :class:`CommonMetadata` per snapshot step (like
+vLLM's ``CommonAttentionMetadata``) and hands it to every backend. A backend
+module in ``backends/`` exposes ``BACKEND``, a :class:`BackendSpec`; its
+``create`` returns an object with a ``builder`` (``build(common) -> metadata``)
+and an ``impl`` (``forward(query, kv_cache, metadata) -> output``), and a
+``describe()`` that says what really runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+if TYPE_CHECKING:  # torch stays out of module import time
+    import torch
+
+    from kvdbg.format import SnapshotMeta
+
+
+@dataclass
+class CommonMetadata:
+    """Engine-level metadata of one decode step, derived once and shared by every builder.
+
+    All tensors live on the replay device.
+    """
+
+    block_table: "torch.Tensor"  # [num_reqs, width] int64 indices into the stored pages; -1 = not stored
+    block_table_engine: "torch.Tensor"  # [num_reqs, width] the engine's physical page ids, as captured
+    seq_lens: "torch.Tensor"  # [num_reqs] int64, query tokens included
+    query_start_loc: "torch.Tensor"  # [num_reqs + 1] int64
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    causal: bool
+    sliding_window: int | None
+    page_size: int
+    num_pages: int  # stored pages in the working cache
+    null_page: int | None  # stored index of engine page 0 (vLLM's null block), if stored
+    step: int = 0
+
+    @property
+    def query_lens(self) -> "torch.Tensor":
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+
+@dataclass
+class ReplayOptions:
+    """What the user asked for; backends read only what concerns them."""
+
+    device: str = "cpu"
+    exact: bool = False  # reference in fp64 instead of fp32
+    compile: bool | None = None  # flex: None = backend default (eager on CPU, compiled on CUDA)
+    force_emulation: bool = False  # flashinfer_ts: emulate even where the real kernel could run
+
+
+@dataclass
+class Finding:
+    """Something a user must know: a kernel precondition violated, a silently masked page, ..."""
+
+    backend: str
+    code: str  # short stable identifier, e.g. "seq_len_exceeds_max_kv_len"
+    message: str  # one line with the numbers
+    severity: str = "error"  # "error" fails replay (exit 1); "warning" and "info" do not
+    step: int | None = None
+    request: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunInfo:
+    """What really ran, shown in every table and JSON record. Never pretend."""
+
+    backend: str
+    kernel: str  # e.g. "flex_attention (eager)", "prims_ts BatchDecodePagedTSWrapper", "torch emulation"
+    device: str
+    dtype: str  # compute / output dtype
+    emulated: bool = False
+    compiled: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+class BackendInstance(Protocol):
+    builder: Any
+    impl: Any
+
+    def describe(self) -> RunInfo: ...
+
+    def findings(self, common: CommonMetadata, metadata: Any) -> list[Finding]: ...
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str  # the --backend name, e.g. "flex"
+    engine_name: str  # vLLM's name, e.g. "FLEX_ATTENTION"
+    summary: str
+    # Returns None when the backend can replay this snapshot, else the reason it cannot.
+    unsupported_reason: Callable[["SnapshotMeta"], str | None]
+    create: Callable[["SnapshotMeta", ReplayOptions], BackendInstance]

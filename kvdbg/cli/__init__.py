@@ -1,0 +1,50 @@
+"""The ``kvdbg`` command line. Subcommands live in one module per topic and import torch lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from kvdbg._version import __version__
+
+# name -> module:attribute; modules are imported only when a command is looked up.
+COMMANDS = {
+    "info": "kvdbg.cli.info:info",
+    "synth": "kvdbg.cli.synth:synth",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="kvdbg")
+def cli():
+    """Inspect, replay and debug paged KV-cache snapshots of LLM serving engines.
+
+    A snapshot is one attention layer's decode step(s) captured into a single
+    safetensors file: KV pages, block table, lengths, query and the engine's
+    output. kvdbg replays it through the FLASHINFER_TS and FLEX_ATTENTION
+    backends and an exact reference, and shows where they disagree.
+
+    Exit codes: 0 clean, 1 mismatch or finding, 2 bad input.
+
+    \b
+    Examples:
+      kvdbg info snapshot.safetensors
+      kvdbg synth out.safetensors --seq-lens 9000,1200 --query-len 8 --window 4096 --mask dense
+    """
+
+
+def main(argv=None):
+    cli.main(args=argv, prog_name="kvdbg")

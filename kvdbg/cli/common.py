@@ -1,0 +1,70 @@
+"""Shared CLI plumbing: one console, one error path (exit 2), JSON output, finding exits."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from typing import Any, Callable
+
+import click
+
+from kvdbg.errors import KvdbgError
+
+EXIT_OK, EXIT_FINDING, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class BadInput(click.ClickException):
+    """A user-facing error printed on one line; exit code 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def show(self, file=None) -> None:
+        click.echo(f"Error: {self.format_message()}", err=True)
+
+
+def guarded(fn: Callable) -> Callable:
+    """Turn kvdbg's own errors (and a few OS ones) into one-line exit-2 errors."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KvdbgError as exc:
+            raise BadInput(str(exc)) from None
+        except MemoryError:
+            raise BadInput("out of memory while reading the input; is the snapshot consistent?") from None
+
+    return wrapper
+
+
+def console(*, stderr: bool = False):
+    from rich.console import Console
+
+    # rich honours NO_COLOR and non-terminal output by itself.
+    width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "120"))
+    return Console(stderr=stderr, width=width, highlight=False)
+
+
+def emit_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, default=_json_default))
+
+
+def _json_default(value: Any):
+    if hasattr(value, "to_json_dict"):
+        return value.to_json_dict()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, float):
+        return None
+    return str(value)
+
+
+def finish(findings: int) -> None:
+    """Exit 1 when there are findings, else return normally (exit 0)."""
+    if findings:
+        sys.exit(EXIT_FINDING)
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")

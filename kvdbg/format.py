@@ -1,0 +1,525 @@
+"""Snapshot format v1: header parsing, metadata schema and structural checks, without torch.
+
+Everything here reads only the safetensors header (and, on request, a few small
+integer tensors) with the standard library, so that ``kvdbg info`` stays instant
+on multi-GB files. docs/snapshot-format.md is the specification this implements.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+from array import array
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from kvdbg.errors import SnapshotError
+
+FORMAT_KEY = "kvdbg.format"
+META_KEY = "kvdbg.meta"
+FORMAT_VERSION = "1"
+
+# safetensors refuses headers above 100 MB; so do we, before reading one.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_META_BYTES = 1024 * 1024
+
+LAYOUT_VLLM = "pages,heads,tokens,2*dim"
+LAYOUT_SEED = "2,pages,tokens,heads,dim"
+LAYOUTS = (LAYOUT_VLLM, LAYOUT_SEED)
+
+MODEL_DTYPES = ("float16", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+
+# safetensors dtype tag -> (bytes per element, kvdbg/torch name)
+ST_DTYPES: dict[str, tuple[int, str]] = {
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "F32": (4, "float32"),
+    "F64": (8, "float64"),
+    "U8": (1, "uint8"),
+    "I8": (1, "int8"),
+    "I16": (2, "int16"),
+    "I32": (4, "int32"),
+    "I64": (8, "int64"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "BOOL": (1, "bool"),
+}
+DTYPE_TO_ST = {name: tag for tag, (_, name) in ST_DTYPES.items()}
+INDEX_DTYPES = ("int32", "int64")
+FP8_STORAGE_DTYPES = ("uint8", "float8_e4m3fn")
+
+STEP_TENSORS_REQUIRED = ("block_table", "seq_lens", "query_start_loc", "query")
+STEP_TENSORS_UPDATE = ("key", "value", "slot_mapping")
+STEP_TENSORS = STEP_TENSORS_REQUIRED + STEP_TENSORS_UPDATE + ("output",)
+GLOBAL_TENSORS = ("kv_cache", "page_ids")
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+@dataclass(frozen=True)
+class LayerMeta:
+    """The attention layer the snapshot was taken from."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    causal: bool
+    sliding_window: int | None = None
+    dtype: str = "bfloat16"  # the model dtype: query, new K/V and output use it
+    kv_cache_dtype: str = "auto"  # "auto" (model dtype) or "fp8_e4m3"
+    q_scale: float = 1.0
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    logits_soft_cap: float | None = None
+    has_sinks: bool = False
+    has_alibi: bool = False
+    kv_sharing_target: str | None = None
+    attn_type: str = "decoder"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class BackendMeta:
+    """The engine-side backend configuration the step ran under."""
+
+    name: str
+    page_size: int
+    max_model_len: int
+    num_gpu_blocks: int  # pages in the engine's cache; block-table ids are below this
+    max_decode_query_len: int = 1
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    layer: LayerMeta
+    backend: BackendMeta
+    kv_layout: str
+    num_steps: int = 1
+    capture: dict[str, Any] = field(default_factory=dict)
+    notes: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    def step_prefix(self, step: int) -> str:
+        return step_prefix(step, self.num_steps)
+
+
+def step_prefix(step: int, num_steps: int) -> str:
+    """Tensor-name prefix of one step: bare names for a single step, ``step.N.`` otherwise."""
+    return "" if num_steps == 1 else f"step.{step}."
+
+
+def _field_error(path: str, expected: str, value: Any) -> SnapshotError:
+    shown = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+    return SnapshotError(f"meta field {path} must be {expected}, got {shown[:80]}")
+
+
+def _get(obj: Mapping[str, Any], path: str, key: str, kind: str, *, required: bool = True, default: Any = None) -> Any:
+    if key not in obj:
+        if required:
+            raise SnapshotError(f"meta field {path}.{key} is missing")
+        return default
+    value = obj[key]
+    where = f"{path}.{key}"
+    if kind == "str":
+        if not isinstance(value, str):
+            raise _field_error(where, "a string", value)
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise _field_error(where, "true or false", value)
+    elif kind in ("pos_int", "opt_pos_int", "nonneg_int"):
+        if value is None and kind == "opt_pos_int":
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _field_error(where, "an integer", value)
+        if kind == "nonneg_int" and value < 0 or kind != "nonneg_int" and value <= 0:
+            raise _field_error(where, "a positive integer" if kind != "nonneg_int" else "a non-negative integer", value)
+        if value > 2**40:
+            raise _field_error(where, "an integer below 2**40", value)
+    elif kind in ("scale", "opt_float"):
+        if value is None and kind == "opt_float":
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _field_error(where, "a number", value)
+        value = float(value)
+        if kind == "scale" and (not math.isfinite(value) or value <= 0):
+            raise _field_error(where, "a finite positive number", value)
+    elif kind == "opt_str":
+        if value is not None and not isinstance(value, str):
+            raise _field_error(where, "a string or null", value)
+    return value
+
+
+def parse_meta(raw: str) -> SnapshotMeta:
+    """Parse and validate the ``kvdbg.meta`` JSON string."""
+    if len(raw) > MAX_META_BYTES:
+        raise SnapshotError(f"{META_KEY} is {len(raw)} bytes, over the {MAX_META_BYTES}-byte limit")
+    try:
+        obj = json.loads(raw)
+    except RecursionError:
+        raise SnapshotError(f"{META_KEY} is nested too deeply to be kvdbg metadata") from None
+    except ValueError as exc:
+        raise SnapshotError(f"{META_KEY} is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise SnapshotError(f"{META_KEY} must be a JSON object, got {type(obj).__name__}")
+    for section in ("layer", "backend"):
+        if not isinstance(obj.get(section), dict):
+            raise SnapshotError(f"meta field {section} is missing or not an object")
+    lo, bo = obj["layer"], obj["backend"]
+    layer = LayerMeta(
+        name=_get(lo, "layer", "name", "str"),
+        num_heads=_get(lo, "layer", "num_heads", "pos_int"),
+        num_kv_heads=_get(lo, "layer", "num_kv_heads", "pos_int"),
+        head_size=_get(lo, "layer", "head_size", "pos_int"),
+        scale=_get(lo, "layer", "scale", "scale"),
+        causal=_get(lo, "layer", "causal", "bool"),
+        sliding_window=_get(lo, "layer", "sliding_window", "opt_pos_int", required=False),
+        dtype=_get(lo, "layer", "dtype", "str"),
+        kv_cache_dtype=_get(lo, "layer", "kv_cache_dtype", "str", required=False, default="auto"),
+        q_scale=_get(lo, "layer", "q_scale", "scale", required=False, default=1.0),
+        k_scale=_get(lo, "layer", "k_scale", "scale", required=False, default=1.0),
+        v_scale=_get(lo, "layer", "v_scale", "scale", required=False, default=1.0),
+        logits_soft_cap=_get(lo, "layer", "logits_soft_cap", "opt_float", required=False),
+        has_sinks=_get(lo, "layer", "has_sinks", "bool", required=False, default=False),
+        has_alibi=_get(lo, "layer", "has_alibi", "bool", required=False, default=False),
+        kv_sharing_target=_get(lo, "layer", "kv_sharing_target", "opt_str", required=False),
+        attn_type=_get(lo, "layer", "attn_type", "str", required=False, default="decoder"),
+    )
+    if layer.dtype not in MODEL_DTYPES:
+        raise _field_error("layer.dtype", f"one of {', '.join(MODEL_DTYPES)}", layer.dtype)
+    if layer.kv_cache_dtype == "fp8":
+        layer = _replace(layer, kv_cache_dtype="fp8_e4m3")
+    if layer.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise _field_error("layer.kv_cache_dtype", f"one of {', '.join(KV_CACHE_DTYPES)}", layer.kv_cache_dtype)
+    if layer.num_heads % layer.num_kv_heads:
+        raise SnapshotError(
+            f"meta field layer.num_heads ({layer.num_heads}) must be a multiple of "
+            f"layer.num_kv_heads ({layer.num_kv_heads}) for grouped-query attention"
+        )
+    backend = BackendMeta(
+        name=_get(bo, "backend", "name", "str"),
+        page_size=_get(bo, "backend", "page_size", "pos_int"),
+        max_model_len=_get(bo, "backend", "max_model_len", "pos_int"),
+        num_gpu_blocks=_get(bo, "backend", "num_gpu_blocks", "pos_int"),
+        max_decode_query_len=_get(bo, "backend", "max_decode_query_len", "pos_int", required=False, default=1),
+        max_num_seqs=_get(bo, "backend", "max_num_seqs", "opt_pos_int", required=False),
+        max_num_batched_tokens=_get(bo, "backend", "max_num_batched_tokens", "opt_pos_int", required=False),
+    )
+    kv_layout = _get(obj, "meta", "kv_layout", "str")
+    if kv_layout not in LAYOUTS:
+        raise SnapshotError(
+            f"meta field kv_layout {json.dumps(kv_layout)[:60]} is not a known layout; "
+            f"expected one of: {', '.join(repr(x) for x in LAYOUTS)}"
+        )
+    num_steps = _get(obj, "meta", "num_steps", "pos_int", required=False, default=1)
+    if num_steps > 4096:
+        raise _field_error("num_steps", "at most 4096", num_steps)
+    capture = obj.get("capture", {})
+    if not isinstance(capture, dict):
+        raise _field_error("capture", "an object", capture)
+    notes = _get(obj, "meta", "notes", "str", required=False, default="")
+    return SnapshotMeta(layer=layer, backend=backend, kv_layout=kv_layout, num_steps=num_steps,
+                        capture=capture, notes=notes)
+
+
+def _replace(obj, **changes):
+    from dataclasses import replace
+
+    return replace(obj, **changes)
+
+
+# --------------------------------------------------------------------------- header
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as the safetensors header declares it."""
+
+    name: str
+    dtype: str  # kvdbg/torch name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    begin: int  # byte offsets relative to the start of the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Header:
+    """The parsed header of a snapshot file: metadata, tensor directory and sizes."""
+
+    path: str
+    file_size: int
+    data_start: int  # absolute offset of the data section
+    metadata: dict[str, str]
+    tensors: dict[str, TensorEntry]
+    meta: SnapshotMeta
+
+    def step_tensor(self, step: int, name: str) -> TensorEntry | None:
+        return self.tensors.get(self.meta.step_prefix(step) + name)
+
+
+def read_raw_header(path: str | os.PathLike) -> tuple[int, int, dict[str, str], dict[str, TensorEntry]]:
+    """Read and check a safetensors header. Returns (file_size, data_start, metadata, tensors)."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as fh:
+            file_size = os.fstat(fh.fileno()).st_size
+            if not os.path.isfile(path):
+                raise SnapshotError(f"{path}: not a regular file")
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise SnapshotError(
+                    f"{path}: not a safetensors file ({file_size} bytes, shorter than the 8-byte header length)"
+                )
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES:
+                raise SnapshotError(
+                    f"{path}: not a safetensors file (header length {header_len} is over the "
+                    f"{MAX_HEADER_BYTES}-byte limit)"
+                )
+            if header_len > file_size - 8:
+                raise SnapshotError(
+                    f"{path}: truncated file or not a safetensors file (header declares {header_len} bytes, "
+                    f"only {file_size - 8} follow)"
+                )
+            raw = fh.read(header_len)
+    except IsADirectoryError:
+        raise SnapshotError(f"{path}: is a directory, not a snapshot file") from None
+    except FileNotFoundError:
+        raise SnapshotError(f"{path}: no such file") from None
+    except PermissionError:
+        raise SnapshotError(f"{path}: permission denied") from None
+    except OSError as exc:
+        raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise SnapshotError(f"{path}: not a safetensors file (header JSON nested too deeply)") from None
+    except (UnicodeDecodeError, ValueError):
+        raise SnapshotError(f"{path}: not a safetensors file (header is not JSON)") from None
+    if not isinstance(obj, dict):
+        raise SnapshotError(f"{path}: not a safetensors file (header is not a JSON object)")
+    data_start = 8 + header_len
+    data_size = file_size - data_start
+    metadata = obj.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise SnapshotError(f"{path}: __metadata__ must map strings to strings")
+    tensors: dict[str, TensorEntry] = {}
+    for name, info in obj.items():
+        label = f"tensor {name[:60]!r}"
+        if not isinstance(info, dict):
+            raise SnapshotError(f"{path}: {label} header entry is not an object")
+        tag, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if tag not in ST_DTYPES:
+            raise SnapshotError(f"{path}: {label} has unknown dtype {str(tag)[:20]!r}")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 8
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape)
+        ):
+            raise SnapshotError(f"{path}: {label} has a malformed shape {str(shape)[:60]}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
+            raise SnapshotError(f"{path}: {label} has malformed data_offsets {str(offsets)[:60]}")
+        begin, end = offsets
+        itemsize, dtype = ST_DTYPES[tag]
+        expected = math.prod(shape) * itemsize
+        if begin < 0 or end < begin or end - begin != expected:
+            raise SnapshotError(
+                f"{path}: {label} data_offsets [{begin}, {end}] do not hold its shape "
+                f"{list(shape)} of {tag} ({expected} bytes)"
+            )
+        if end > data_size:
+            raise SnapshotError(
+                f"{path}: truncated file: {label} ends at data byte {end} but only {data_size} data bytes exist"
+            )
+        tensors[name] = TensorEntry(name, dtype, tuple(shape), begin, end)
+    spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise SnapshotError(f"{path}: tensors {n0[:40]!r} and {n1[:40]!r} overlap in the data section")
+    return file_size, data_start, metadata, tensors
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Read a snapshot's header, metadata and tensor directory, and check their structure."""
+    path = os.fspath(path)
+    file_size, data_start, metadata, tensors = read_raw_header(path)
+    if FORMAT_KEY not in metadata:
+        raise SnapshotError(
+            f"{path}: missing __metadata__[{FORMAT_KEY!r}]: a safetensors file, but not a kvdbg snapshot"
+        )
+    version = metadata[FORMAT_KEY]
+    if version != FORMAT_VERSION:
+        raise SnapshotError(
+            f"{path}: unknown {FORMAT_KEY} {version[:20]!r}; this kvdbg reads format {FORMAT_VERSION} "
+            "(upgrade kvdbg to read newer snapshots)"
+        )
+    if META_KEY not in metadata:
+        raise SnapshotError(f"{path}: missing __metadata__[{META_KEY!r}]")
+    try:
+        meta = parse_meta(metadata[META_KEY])
+    except SnapshotError as exc:
+        raise SnapshotError(f"{path}: {exc}") from None
+    header = Header(path, file_size, data_start, metadata, tensors, meta)
+    try:
+        check_structure(header)
+    except SnapshotError as exc:
+        raise SnapshotError(f"{path}: {exc}") from None
+    return header
+
+
+# --------------------------------------------------------------------------- structure
+
+
+def kv_cache_shape(meta: SnapshotMeta, num_pages: int) -> tuple[int, ...]:
+    """The shape ``kv_cache`` must have in the snapshot's layout for ``num_pages`` stored pages."""
+    layer, ps = meta.layer, meta.backend.page_size
+    if meta.kv_layout == LAYOUT_VLLM:
+        return (num_pages, layer.num_kv_heads, ps, 2 * layer.head_size)
+    return (2, num_pages, ps, layer.num_kv_heads, layer.head_size)
+
+
+def kv_storage_dtypes(layer: LayerMeta) -> tuple[str, ...]:
+    return FP8_STORAGE_DTYPES if layer.is_fp8 else (layer.dtype,)
+
+
+def _need(tensors: Mapping[str, TensorEntry], name: str) -> TensorEntry:
+    entry = tensors.get(name)
+    if entry is None:
+        raise SnapshotError(f"missing required tensor {name!r}")
+    return entry
+
+
+def _check_dtype(entry: TensorEntry, allowed: tuple[str, ...], why: str = "") -> None:
+    if entry.dtype not in allowed:
+        raise SnapshotError(
+            f"tensor {entry.name!r} has dtype {entry.dtype}, expected {' or '.join(allowed)}{why}"
+        )
+
+
+def _check_shape(entry: TensorEntry, expected: tuple[int | None, ...], what: str) -> None:
+    if len(entry.shape) != len(expected):
+        raise SnapshotError(
+            f"tensor {entry.name!r} has rank {len(entry.shape)} (shape {list(entry.shape)}), expected {what}"
+        )
+    for got, want in zip(entry.shape, expected):
+        if want is not None and got != want:
+            raise SnapshotError(f"tensor {entry.name!r} has shape {list(entry.shape)}, expected {what}")
+
+
+def check_structure(header: Header) -> None:
+    """Check names, ranks, shapes and dtypes of every tensor against the metadata."""
+    meta, tensors = header.meta, header.tensors
+    layer = meta.layer
+    page_ids = _need(tensors, "page_ids")
+    _check_dtype(page_ids, INDEX_DTYPES)
+    _check_shape(page_ids, (None,), "[num_stored_pages]")
+    num_pages = page_ids.shape[0]
+    if num_pages > meta.backend.num_gpu_blocks:
+        raise SnapshotError(
+            f"tensor 'page_ids' holds {num_pages} pages, more than backend.num_gpu_blocks "
+            f"({meta.backend.num_gpu_blocks})"
+        )
+    kv = _need(tensors, "kv_cache")
+    want = kv_cache_shape(meta, num_pages)
+    _check_shape(kv, want, f"{list(want)} for layout {meta.kv_layout!r} and {num_pages} stored pages")
+    _check_dtype(
+        kv,
+        kv_storage_dtypes(layer),
+        " (an FP8 cache is stored as uint8 or float8_e4m3fn)" if layer.is_fp8
+        else f" (kv_cache_dtype 'auto' stores the model dtype {layer.dtype})",
+    )
+    known = set(GLOBAL_TENSORS)
+    hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_size
+    q_dtypes = (layer.dtype,) + (FP8_STORAGE_DTYPES if layer.is_fp8 else ())
+    for step in range(meta.num_steps):
+        prefix = meta.step_prefix(step)
+        known.update(prefix + n for n in STEP_TENSORS)
+        bt = _need(tensors, prefix + "block_table")
+        _check_dtype(bt, INDEX_DTYPES)
+        _check_shape(bt, (None, None), "[num_reqs, max_pages_per_req]")
+        num_reqs = bt.shape[0]
+        sl = _need(tensors, prefix + "seq_lens")
+        _check_dtype(sl, INDEX_DTYPES)
+        _check_shape(sl, (num_reqs,), f"[{num_reqs}] (one length per block-table row)")
+        qsl = _need(tensors, prefix + "query_start_loc")
+        _check_dtype(qsl, INDEX_DTYPES)
+        _check_shape(qsl, (num_reqs + 1,), f"[{num_reqs + 1}] (num_reqs + 1 offsets)")
+        q = _need(tensors, prefix + "query")
+        _check_dtype(q, q_dtypes)
+        _check_shape(q, (None, hq, d), f"[num_tokens, {hq}, {d}] (num_heads, head_size)")
+        num_tokens = q.shape[0]
+        update = [prefix + n for n in STEP_TENSORS_UPDATE]
+        present = [n for n in update if n in tensors]
+        if present and len(present) != len(update):
+            missing = sorted(set(update) - set(present))
+            raise SnapshotError(
+                f"missing required tensor {missing[0]!r}: key, value and slot_mapping come together"
+            )
+        if present:
+            for n in ("key", "value"):
+                e = tensors[prefix + n]
+                _check_dtype(e, (layer.dtype,))
+                _check_shape(e, (num_tokens, hkv, d), f"[{num_tokens}, {hkv}, {d}] (num_tokens, num_kv_heads, head_size)")
+            sm = tensors[prefix + "slot_mapping"]
+            _check_dtype(sm, INDEX_DTYPES)
+            _check_shape(sm, (num_tokens,), f"[{num_tokens}] (one slot per query token)")
+        out = tensors.get(prefix + "output")
+        if out is not None:
+            _check_dtype(out, (layer.dtype,))
+            _check_shape(out, (num_tokens, hq, d), f"[{num_tokens}, {hq}, {d}] (like query)")
+    unknown = sorted(set(tensors) - known)
+    if unknown:
+        hint = " (a multi-step file names tensors step.N.*)" if unknown[0].startswith("step.") or meta.num_steps > 1 else ""
+        raise SnapshotError(f"unexpected tensor {unknown[0][:60]!r}{hint}")
+
+
+# --------------------------------------------------------------------------- small reads
+
+
+_ARRAY_CODES = {"int32": "i", "int64": "q"}
+
+
+def read_index_tensor(header: Header, name: str) -> list[int]:
+    """Read a small int32/int64 tensor with the standard library (no torch), flattened."""
+    entry = header.tensors[name]
+    code = _ARRAY_CODES[entry.dtype]
+    values = array(code)
+    if values.itemsize * entry.numel != entry.nbytes:  # platform without 4/8-byte codes
+        raise SnapshotError(f"tensor {name!r}: cannot read {entry.dtype} on this platform")
+    with open(header.path, "rb") as fh:
+        fh.seek(header.data_start + entry.begin)
+        values.frombytes(fh.read(entry.nbytes))
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()

@@ -1,0 +1,1 @@
+"""Rich renderers: each takes a result dataclass and returns renderables; nothing is computed here."""

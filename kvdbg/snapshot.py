@@ -1,0 +1,392 @@
+"""The in-memory snapshot model and its public API: save_snapshot, load_snapshot, open_snapshot.
+
+A snapshot holds one attention layer's decode step(s): the referenced KV pages
+in the engine's own layout, the block tables (engine page ids), lengths, query,
+optionally the step's new K/V with their slots and the engine's output. The
+format is specified in docs/snapshot-format.md.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field, replace
+from typing import Iterable
+
+import torch
+
+from kvdbg.errors import OptionError, SnapshotError
+from kvdbg.format import (
+    DTYPE_TO_ST,
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    LAYOUT_VLLM,
+    META_KEY,
+    Header,
+    SnapshotMeta,
+    TensorEntry,
+    check_structure,
+    read_header,
+)
+
+__all__ = [
+    "Step",
+    "Snapshot",
+    "save_snapshot",
+    "load_snapshot",
+    "open_snapshot",
+    "referenced_pages",
+    "compact_cache",
+]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class Step:
+    """One decode step as the engine saw it. Page ids are the engine's physical ids."""
+
+    block_table: torch.Tensor  # [num_reqs, max_pages] int32/int64
+    seq_lens: torch.Tensor  # [num_reqs] total length incl. this step's query tokens
+    query_start_loc: torch.Tensor  # [num_reqs + 1] offsets of each request's query tokens
+    query: torch.Tensor  # [num_tokens, Hq, D]
+    key: torch.Tensor | None = None  # [num_tokens, Hkv, D] new tokens, written before attention
+    value: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] page_id * page_size + offset, -1 = pad
+    output: torch.Tensor | None = None  # [num_tokens, Hq, D] what the engine produced
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.block_table.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query.shape[0])
+
+    @property
+    def query_lens(self) -> list[int]:
+        qsl = self.query_start_loc.tolist()
+        return [b - a for a, b in zip(qsl, qsl[1:])]
+
+    @property
+    def has_update(self) -> bool:
+        return self.slot_mapping is not None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        names = ("block_table", "seq_lens", "query_start_loc", "query", "key", "value", "slot_mapping", "output")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
+@dataclass
+class Snapshot:
+    """A loaded (memory-mapped) or freshly built snapshot."""
+
+    meta: SnapshotMeta
+    kv_cache: torch.Tensor  # stored pages in meta.kv_layout
+    page_ids: torch.Tensor  # [num_stored_pages] engine id of each stored page
+    steps: list[Step]
+    path: str | None = field(default=None, compare=False)
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.page_ids.shape[0])
+
+    @property
+    def page_size(self) -> int:
+        return self.meta.backend.page_size
+
+    def kv_views(self, cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as views ``[pages, Hkv, page_size, D]`` of ``cache`` (default: the stored one).
+
+        No data is copied: for vLLM's layout they are the two halves of the last
+        dimension (token stride ``2*D``); for the seed-era layout, permuted planes.
+        FP8 caches stored as uint8 are viewed as float8_e4m3fn.
+        """
+        kv = self.kv_cache if cache is None else cache
+        if self.meta.layer.is_fp8 and kv.dtype == torch.uint8:
+            kv = kv.view(torch.float8_e4m3fn)
+        d = self.meta.layer.head_size
+        if self.meta.kv_layout == LAYOUT_VLLM:
+            return kv[..., :d], kv[..., d:]
+        return kv[0].permute(0, 2, 1, 3), kv[1].permute(0, 2, 1, 3)
+
+    def to_stored_index(self, engine_ids: torch.Tensor) -> torch.Tensor:
+        """Map engine page ids to indices into the stored pages; -1 where a page is not stored."""
+        ids = self.page_ids.to(torch.int64)
+        order = torch.argsort(ids)
+        sorted_ids = ids[order]
+        flat = engine_ids.to(torch.int64).reshape(-1)
+        pos = torch.searchsorted(sorted_ids, flat).clamp_max(max(len(ids) - 1, 0))
+        if len(ids) == 0:
+            return torch.full_like(engine_ids, -1, dtype=torch.int64)
+        found = sorted_ids[pos] == flat
+        out = torch.where(found, order[pos], torch.full_like(flat, -1))
+        return out.reshape(engine_ids.shape)
+
+    def stored_block_table(self, step: int) -> torch.Tensor:
+        """The step's block table with engine ids replaced by stored-page indices (-1: not stored)."""
+        return self.to_stored_index(self.steps[step].block_table)
+
+    def null_page_index(self) -> int | None:
+        """Stored index of engine page 0 (vLLM's null block), if it is stored."""
+        hits = (self.page_ids == 0).nonzero()
+        return int(hits[0, 0]) if len(hits) else None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"kv_cache": self.kv_cache, "page_ids": self.page_ids}
+        for i, step in enumerate(self.steps):
+            prefix = self.meta.step_prefix(i)
+            out.update({prefix + n: t for n, t in step.tensors().items()})
+        return out
+
+
+# --------------------------------------------------------------------------- compaction
+
+
+def live_page_counts(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    return (seq_lens.to(torch.int64) + page_size - 1) // page_size
+
+
+def live_mask(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[num_reqs, width] True for the block-table entries a request's length reaches."""
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    return cols.unsqueeze(0) < live_page_counts(seq_lens, page_size).unsqueeze(1)
+
+
+def referenced_pages(steps: Iterable[Step], page_size: int) -> torch.Tensor:
+    """Sorted engine ids of every page a step reads (live block-table entries) or writes (slots)."""
+    parts = []
+    for step in steps:
+        bt = step.block_table.to(torch.int64)
+        parts.append(bt[live_mask(bt, step.seq_lens, page_size)])
+        if step.slot_mapping is not None:
+            slots = step.slot_mapping.to(torch.int64)
+            parts.append(slots[slots >= 0] // page_size)
+    if not parts:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.unique(torch.cat(parts))
+
+
+def compact_cache(engine_cache: torch.Tensor, kv_layout: str, page_ids: torch.Tensor) -> torch.Tensor:
+    """Copy only ``page_ids`` out of a full engine cache tensor (in its own layout)."""
+    idx = page_ids.to(torch.int64).to(engine_cache.device)
+    page_dim = 0 if kv_layout == LAYOUT_VLLM else 1
+    return engine_cache.index_select(page_dim, idx).contiguous()
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _entries(tensors: dict[str, torch.Tensor]) -> dict[str, TensorEntry]:
+    out = {}
+    for name, t in tensors.items():
+        out[name] = TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), 0, t.numel() * t.element_size())
+    return out
+
+
+def _first_index(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero()[0])
+
+
+def check_values(meta: SnapshotMeta, page_ids: torch.Tensor, steps: list[Step]) -> None:
+    """Check ids, lengths and offsets; raise SnapshotError naming the first bad entry."""
+    backend = meta.backend
+    ps, total = backend.page_size, backend.num_gpu_blocks
+    ids = page_ids.to(torch.int64)
+    if len(ids):
+        bad = (ids < 0) | (ids >= total)
+        if bad.any():
+            (i,) = _first_index(bad)
+            raise SnapshotError(
+                f"page_ids[{i}] = {int(ids[i])} is outside the engine's cache of {total} pages "
+                "(backend.num_gpu_blocks)"
+            )
+        uniq = torch.unique(ids)
+        if len(uniq) != len(ids):
+            sorted_ids, _ = torch.sort(ids)
+            dup = int(sorted_ids[1:][sorted_ids[1:] == sorted_ids[:-1]][0])
+            raise SnapshotError(f"page_ids lists page {dup} more than once")
+    stored = torch.sort(ids).values
+    for step_no, step in enumerate(steps):
+        prefix = meta.step_prefix(step_no)
+        bt = step.block_table.to(torch.int64)
+        sl = step.seq_lens.to(torch.int64)
+        qsl = step.query_start_loc.to(torch.int64)
+        width = bt.shape[1]
+        if len(sl) and (sl < 0).any():
+            (r,) = _first_index(sl < 0)
+            raise SnapshotError(f"{prefix}seq_lens[{r}] = {int(sl[r])} is negative")
+        too_long = sl > width * ps
+        if too_long.any():
+            (r,) = _first_index(too_long)
+            need = (int(sl[r]) + ps - 1) // ps
+            raise SnapshotError(
+                f"{prefix}seq_lens[{r}] = {int(sl[r])} needs {need} pages of {ps} tokens, "
+                f"but {prefix}block_table has only {width} columns"
+            )
+        over_model = sl > backend.max_model_len
+        if over_model.any():
+            (r,) = _first_index(over_model)
+            raise SnapshotError(
+                f"{prefix}seq_lens[{r}] = {int(sl[r])} exceeds backend.max_model_len ({backend.max_model_len})"
+            )
+        if int(qsl[0]) != 0:
+            raise SnapshotError(f"{prefix}query_start_loc[0] = {int(qsl[0])}, expected 0")
+        steps_back = qsl[1:] < qsl[:-1]
+        if steps_back.any():
+            (r,) = _first_index(steps_back)
+            raise SnapshotError(
+                f"{prefix}query_start_loc decreases at index {r + 1} ({int(qsl[r])} -> {int(qsl[r + 1])})"
+            )
+        if int(qsl[-1]) != step.num_tokens:
+            raise SnapshotError(
+                f"{prefix}query_start_loc[-1] = {int(qsl[-1])} but {prefix}query has {step.num_tokens} tokens"
+            )
+        qlens = qsl[1:] - qsl[:-1]
+        short = qlens > sl
+        if short.any():
+            (r,) = _first_index(short)
+            raise SnapshotError(
+                f"{prefix}seq_lens[{r}] = {int(sl[r])} is shorter than the request's {int(qlens[r])} query tokens"
+            )
+        if bt.numel():
+            outside = (bt < 0) | (bt >= total)
+            if outside.any():
+                r, c = _first_index(outside)
+                raise SnapshotError(
+                    f"{prefix}block_table[{r}, {c}] = {int(bt[r, c])} is outside the engine's cache of "
+                    f"{total} pages (backend.num_gpu_blocks)"
+                )
+            live = live_mask(bt, sl, ps)
+            pos = torch.searchsorted(stored, bt.clamp_min(0)).clamp_max(max(len(stored) - 1, 0))
+            is_stored = (stored[pos] == bt) if len(stored) else torch.zeros_like(bt, dtype=torch.bool)
+            missing = live & ~is_stored
+            if missing.any():
+                r, c = _first_index(missing)
+                raise SnapshotError(
+                    f"{prefix}block_table[{r}, {c}] = {int(bt[r, c])} is not among the {len(stored)} "
+                    "stored pages (page_ids)"
+                )
+        if step.slot_mapping is not None:
+            slots = step.slot_mapping.to(torch.int64)
+            bad = (slots < -1) | (slots >= total * ps)
+            if bad.any():
+                (t,) = _first_index(bad)
+                raise SnapshotError(
+                    f"{prefix}slot_mapping[{t}] = {int(slots[t])} is outside the engine's cache of "
+                    f"{total * ps} slots"
+                )
+            pages = slots // ps
+            pos = torch.searchsorted(stored, pages.clamp_min(0)).clamp_max(max(len(stored) - 1, 0))
+            is_stored = (stored[pos] == pages) if len(stored) else torch.zeros_like(pages, dtype=torch.bool)
+            missing = (slots >= 0) & ~is_stored
+            if missing.any():
+                (t,) = _first_index(missing)
+                raise SnapshotError(
+                    f"{prefix}slot_mapping[{t}] = {int(slots[t])} writes page {int(pages[t])}, which is not "
+                    "among the stored pages (page_ids)"
+                )
+
+
+def validate(snapshot: Snapshot) -> None:
+    """Run every structural and value check on an in-memory snapshot."""
+    if len(snapshot.steps) != snapshot.meta.num_steps:
+        raise SnapshotError(
+            f"meta field num_steps is {snapshot.meta.num_steps} but the snapshot has {len(snapshot.steps)} steps"
+        )
+    tensors = snapshot.tensors()
+    header = Header("<memory>", 0, 0, {}, _entries(tensors), snapshot.meta)
+    check_structure(header)
+    check_values(snapshot.meta, snapshot.page_ids, snapshot.steps)
+
+
+# --------------------------------------------------------------------------- I/O
+
+
+def save_snapshot(snapshot: Snapshot, path: str | os.PathLike, *, overwrite: bool = False) -> str:
+    """Validate and write ``snapshot`` atomically (temp file + rename). Returns the path.
+
+    An existing file is never replaced unless ``overwrite`` is true.
+    """
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    validate(snapshot)
+    if os.path.isdir(path):
+        raise OptionError(f"{path} is a directory; give a file name for the snapshot")
+    if os.path.exists(path) and not overwrite:
+        raise OptionError(f"{path} already exists; pass --force (overwrite=True) to replace it")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise OptionError(f"cannot write {path}: directory {directory} does not exist")
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in snapshot.tensors().items()}
+    for name, t in tensors.items():
+        if dtype_name(t.dtype) not in DTYPE_TO_ST:
+            raise OptionError(f"tensor {name!r} has dtype {t.dtype}, which the snapshot format cannot store")
+    metadata = {FORMAT_KEY: FORMAT_VERSION, META_KEY: snapshot.meta.to_json()}
+    fd, tmp = tempfile.mkstemp(prefix=".kvdbg-", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:  # link() refuses to clobber a file that appeared meanwhile
+                os.link(tmp, path)
+            except FileExistsError:
+                raise OptionError(f"{path} already exists; pass --force (overwrite=True) to replace it") from None
+            except OSError:
+                if os.path.exists(path):
+                    raise OptionError(f"{path} already exists; pass --force to replace it") from None
+                os.replace(tmp, path)
+    except OSError as exc:
+        raise OptionError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def open_snapshot(path: str | os.PathLike) -> Header:
+    """Read only the header: metadata, tensor shapes and dtypes. Never touches tensor data."""
+    return read_header(path)
+
+
+def load_snapshot(path: str | os.PathLike, *, validate_values: bool = True) -> Snapshot:
+    """Load and validate a snapshot. Tensors are memory-mapped (private, copy-on-write):
+
+    nothing is read until used, and writing to them never changes the file.
+    """
+    from safetensors import safe_open
+
+    header = read_header(path)
+    try:
+        with safe_open(header.path, framework="pt", device="cpu") as fh:
+            tensors = {name: fh.get_tensor(name) for name in header.tensors}
+    except Exception as exc:  # safetensors raises its own error types for malformed files
+        raise SnapshotError(f"{header.path}: safetensors cannot read the file: {str(exc).splitlines()[0][:200]}") from None
+    meta = header.meta
+    steps = []
+    for i in range(meta.num_steps):
+        prefix = meta.step_prefix(i)
+        steps.append(Step(**{n: tensors.get(prefix + n) for n in (
+            "block_table", "seq_lens", "query_start_loc", "query", "key", "value", "slot_mapping", "output")}))
+    snap = Snapshot(meta=meta, kv_cache=tensors["kv_cache"], page_ids=tensors["page_ids"], steps=steps,
+                    path=header.path)
+    if validate_values:
+        try:
+            check_values(meta, snap.page_ids, steps)
+        except SnapshotError as exc:
+            raise SnapshotError(f"{header.path}: {exc}") from None
+    return snap
+
+
+def with_meta(snapshot: Snapshot, **changes) -> Snapshot:
+    """A copy of ``snapshot`` sharing its tensors, with metadata fields replaced."""
+    return replace(snapshot, meta=replace(snapshot.meta, **changes))

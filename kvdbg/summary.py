@@ -1,0 +1,125 @@
+"""`kvdbg info`: a header-only summary of a snapshot (no torch, no tensor data beyond lengths)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvdbg.format import ST_DTYPES, DTYPE_TO_ST, Header, read_header, read_index_tensor
+
+# Per-request lengths are read for at most this many requests per step.
+MAX_REQUESTS_READ = 65536
+
+
+@dataclass
+class TensorRow:
+    name: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+
+
+@dataclass
+class RequestRow:
+    index: int
+    seq_len: int
+    query_len: int
+    live_pages: int
+
+
+@dataclass
+class StepSummary:
+    step: int
+    num_reqs: int
+    num_tokens: int
+    table_width: int
+    has_update: bool
+    has_output: bool
+    requests: list[RequestRow] = field(default_factory=list)
+    requests_omitted: bool = False
+
+
+@dataclass
+class InfoSummary:
+    path: str
+    file_size: int
+    format_version: str
+    kv_layout: str
+    layer: dict[str, Any]
+    backend: dict[str, Any]
+    num_steps: int
+    capture: dict[str, Any]
+    notes: str
+    stored_pages: int
+    page_bytes: int
+    referenced_page_bytes: int
+    kv_cache_dtype_stored: str
+    tensors: list[TensorRow]
+    steps: list[StepSummary]
+
+    @property
+    def overhead_bytes(self) -> int:
+        return self.file_size - self.referenced_page_bytes
+
+    def to_json_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["overhead_bytes"] = self.overhead_bytes
+        return out
+
+
+def summarize(path: str | os.PathLike) -> InfoSummary:
+    header = read_header(path)
+    return summarize_header(header)
+
+
+def summarize_header(header: Header) -> InfoSummary:
+    meta = header.meta
+    kv = header.tensors["kv_cache"]
+    stored_pages = header.tensors["page_ids"].shape[0]
+    page_bytes = kv.nbytes // stored_pages if stored_pages else 0
+    ps = meta.backend.page_size
+    steps = []
+    for i in range(meta.num_steps):
+        bt = header.step_tensor(i, "block_table")
+        q = header.step_tensor(i, "query")
+        summary = StepSummary(
+            step=i,
+            num_reqs=bt.shape[0],
+            num_tokens=q.shape[0],
+            table_width=bt.shape[1],
+            has_update=header.step_tensor(i, "slot_mapping") is not None,
+            has_output=header.step_tensor(i, "output") is not None,
+        )
+        if bt.shape[0] <= MAX_REQUESTS_READ:
+            prefix = meta.step_prefix(i)
+            lens = read_index_tensor(header, prefix + "seq_lens")
+            qsl = read_index_tensor(header, prefix + "query_start_loc")
+            for r, length in enumerate(lens):
+                summary.requests.append(
+                    RequestRow(r, length, qsl[r + 1] - qsl[r], -(-length // ps) if length > 0 else 0)
+                )
+        else:
+            summary.requests_omitted = True
+        steps.append(summary)
+    return InfoSummary(
+        path=header.path,
+        file_size=header.file_size,
+        format_version=header.metadata.get("kvdbg.format", "?"),
+        kv_layout=meta.kv_layout,
+        layer=asdict(meta.layer),
+        backend=asdict(meta.backend),
+        num_steps=meta.num_steps,
+        capture=meta.capture,
+        notes=meta.notes,
+        stored_pages=stored_pages,
+        page_bytes=page_bytes,
+        referenced_page_bytes=kv.nbytes,
+        kv_cache_dtype_stored=kv.dtype,
+        tensors=[TensorRow(t.name, t.dtype, list(t.shape), t.nbytes) for t in
+                 sorted(header.tensors.values(), key=lambda t: t.name)],
+        steps=steps,
+    )
+
+
+__all__ = ["InfoSummary", "summarize", "summarize_header", "ST_DTYPES", "DTYPE_TO_ST"]

@@ -1,0 +1,237 @@
+"""Deterministic synthetic snapshots: the fixtures and most tests are made with these."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvdbg._version import __version__
+from kvdbg.errors import OptionError
+from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM, LAYOUTS, MODEL_DTYPES, BackendMeta, LayerMeta, SnapshotMeta
+from kvdbg.snapshot import Snapshot, Step, torch_dtype, validate
+
+FP8_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    """Everything that determines a synthetic snapshot; equal specs give equal bytes."""
+
+    seq_lens: tuple[int, ...] = (9, 77, 200, 333)  # per request at the first step, query included
+    query_len: int = 1
+    query_lens: tuple[int, ...] | None = None  # ragged blocks instead of query_len for every request
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_size: int = 64
+    page_size: int = 16
+    sliding_window: int | None = None
+    causal: bool = True
+    dtype: str = "bfloat16"
+    fp8: bool = False
+    fp8_storage: str = "uint8"
+    q_scale: float = 1.0
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    layout: str = LAYOUT_VLLM
+    shuffle: bool = True
+    shared_prefix_pages: int = 0
+    use_page_zero: bool = False
+    page_zero_request: int | None = None
+    stale_tail: int = 0  # extra block-table columns filled with stale non-zero ids
+    steps: int = 1
+    new_kv: bool = True
+    seed: int = 0
+    num_gpu_blocks: int | None = None
+    max_model_len: int | None = None
+    max_decode_query_len: int | None = None
+    backend: str | None = None
+    layer_name: str = "model.layers.0.self_attn.attn"
+    notes: str = ""
+    extra_layer: dict = field(default_factory=dict)  # e.g. {"has_sinks": True} to exercise rejections
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check(spec: SynthSpec) -> None:
+    def bad(msg: str) -> OptionError:
+        return OptionError(msg)
+
+    if not spec.seq_lens:
+        raise bad("--seq-lens needs at least one length")
+    qlens = spec.query_lens or (spec.query_len,) * len(spec.seq_lens)
+    if len(qlens) != len(spec.seq_lens):
+        raise bad(f"--query-lens gives {len(qlens)} lengths for {len(spec.seq_lens)} requests")
+    for i, (length, q) in enumerate(zip(spec.seq_lens, qlens)):
+        if q < 0:
+            raise bad(f"query length of request {i} must be >= 0, got {q}")
+        if length < q or length <= 0:
+            raise bad(f"--seq-lens[{i}] = {length} must be positive and hold the request's {q} query tokens")
+    for name in ("num_heads", "num_kv_heads", "head_size", "page_size", "steps"):
+        if getattr(spec, name) <= 0:
+            raise bad(f"--{name.replace('_', '-')} must be positive, got {getattr(spec, name)}")
+    if spec.num_heads % spec.num_kv_heads:
+        raise bad(f"--num-heads {spec.num_heads} must be a multiple of --num-kv-heads {spec.num_kv_heads}")
+    if spec.dtype not in MODEL_DTYPES:
+        raise bad(f"--dtype must be one of {', '.join(MODEL_DTYPES)}, got {spec.dtype}")
+    if spec.layout not in LAYOUTS:
+        raise bad(f"--layout must be one of {', '.join(LAYOUTS)}, got {spec.layout}")
+    if spec.sliding_window is not None and spec.sliding_window <= 0:
+        raise bad(f"--window must be positive, got {spec.sliding_window}")
+    if spec.fp8_storage not in ("uint8", "float8_e4m3fn"):
+        raise bad(f"--fp8-storage must be uint8 or float8_e4m3fn, got {spec.fp8_storage}")
+    for name in ("q_scale", "k_scale", "v_scale"):
+        value = getattr(spec, name)
+        if not (math.isfinite(value) and value > 0):
+            raise bad(f"--{name.replace('_', '-')} must be a finite positive number, got {value}")
+    if spec.shared_prefix_pages < 0 or spec.stale_tail < 0:
+        raise bad("--shared-prefix-pages and --stale-tail must be >= 0")
+    if spec.shared_prefix_pages:
+        for i, (length, q) in enumerate(zip(spec.seq_lens, qlens)):
+            if length - q < spec.shared_prefix_pages * spec.page_size:
+                raise bad(
+                    f"request {i} (seq_len {length}, {q} query tokens) is too short to share "
+                    f"{spec.shared_prefix_pages} full prefix pages of {spec.page_size} tokens"
+                )
+    if spec.page_zero_request is not None and not 0 <= spec.page_zero_request < len(spec.seq_lens):
+        raise bad(f"--page-zero-request {spec.page_zero_request} is not a request index")
+    if len(spec.seq_lens) > 4096 or max(spec.seq_lens) > 2**22 or spec.steps > 64:
+        raise bad("synthetic snapshots are limited to 4096 requests, 4M tokens per request and 64 steps")
+
+
+def synth_snapshot(spec: SynthSpec) -> Snapshot:
+    """Build a snapshot from ``spec``. Only the referenced pages are generated and stored."""
+    _check(spec)
+    gen = torch.Generator().manual_seed(spec.seed)
+    ps = spec.page_size
+    qlens = list(spec.query_lens or (spec.query_len,) * len(spec.seq_lens))
+    num_reqs = len(qlens)
+    final_lens = [length + (spec.steps - 1) * q for length, q in zip(spec.seq_lens, qlens)]
+    pages_per_req = [_cdiv(n, ps) for n in final_lens]
+    shared = spec.shared_prefix_pages
+    needed = shared + sum(n - shared for n in pages_per_req)
+    num_gpu_blocks = spec.num_gpu_blocks or (2 * needed + 8 if spec.shuffle else needed + 1)
+    if num_gpu_blocks < needed + 1:
+        raise OptionError(f"--num-gpu-blocks {num_gpu_blocks} is too small for the {needed} pages needed (+ null page 0)")
+
+    # Engine ids: page 0 stays the null block unless a request is asked to use it.
+    if spec.shuffle:
+        pool = (torch.randperm(num_gpu_blocks - 1, generator=gen)[:needed] + 1).tolist()
+    else:
+        pool = list(range(1, needed + 1))
+    shared_ids, pool = pool[:shared], pool[shared:]
+    rows = []
+    for n in pages_per_req:
+        rows.append(shared_ids + pool[: n - shared])
+        pool = pool[n - shared:]
+    if spec.use_page_zero:
+        req = spec.page_zero_request if spec.page_zero_request is not None else min(1, num_reqs - 1)
+        rows[req][min(shared, len(rows[req]) - 1)] = 0
+    width = max(pages_per_req) + spec.stale_tail
+    used = sorted({i for row in rows for i in row})
+
+    # Stored pages: every page any step reads or writes, in engine-id order.
+    page_ids = torch.tensor(used, dtype=torch.int32)
+    num_pages = len(used)
+    hkv, d = spec.num_kv_heads, spec.head_size
+    k_true = torch.randn(num_pages, hkv, ps, d, generator=gen)
+    v_true = torch.randn(num_pages, hkv, ps, d, generator=gen)
+
+    model_dtype = torch_dtype(spec.dtype)
+    if spec.fp8:
+        kv_dtype = torch.float8_e4m3fn
+        k_store = _quantize(k_true, spec.k_scale)
+        v_store = _quantize(v_true, spec.v_scale)
+    else:
+        kv_dtype = model_dtype
+        k_store, v_store = k_true.to(model_dtype), v_true.to(model_dtype)
+    if spec.layout == LAYOUT_VLLM:
+        kv_cache = torch.cat([k_store, v_store], dim=-1).contiguous()
+    else:
+        kv_cache = torch.stack([k_store.permute(0, 2, 1, 3), v_store.permute(0, 2, 1, 3)]).contiguous()
+    if spec.fp8 and spec.fp8_storage == "uint8":
+        kv_cache = kv_cache.view(torch.uint8)
+    del kv_dtype
+
+    steps = []
+    for s in range(spec.steps):
+        lens = [length + s * q for length, q in zip(spec.seq_lens, qlens)]
+        table = torch.zeros(num_reqs, width, dtype=torch.int32)
+        for r, row in enumerate(rows):
+            live = _cdiv(lens[r], ps)
+            table[r, :live] = torch.tensor(row[:live], dtype=torch.int32)
+            tail = width - live
+            if spec.stale_tail and tail > 0:
+                stale = torch.randint(1, num_gpu_blocks, (tail,), generator=gen, dtype=torch.int32)
+                table[r, live:] = stale
+        qsl = torch.tensor([0] + list(_cumsum(qlens)), dtype=torch.int32)
+        num_tokens = sum(qlens)
+        query = torch.randn(num_tokens, spec.num_heads, d, generator=gen)
+        query = _quantize(query, spec.q_scale) if spec.fp8 else query.to(model_dtype)
+        if spec.fp8 and spec.fp8_storage == "uint8":
+            query = query.view(torch.uint8)
+        step = Step(block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32), query_start_loc=qsl,
+                    query=query)
+        if spec.new_kv:
+            slots = []
+            for r, (length, q) in enumerate(zip(lens, qlens)):
+                for pos in range(length - q, length):
+                    slots.append(rows[r][pos // ps] * ps + pos % ps)
+            step.key = torch.randn(num_tokens, hkv, d, generator=gen).to(model_dtype)
+            step.value = torch.randn(num_tokens, hkv, d, generator=gen).to(model_dtype)
+            step.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        steps.append(step)
+
+    layer = LayerMeta(
+        name=spec.layer_name,
+        num_heads=spec.num_heads,
+        num_kv_heads=hkv,
+        head_size=d,
+        scale=1.0 / math.sqrt(d),
+        causal=spec.causal,
+        sliding_window=spec.sliding_window,
+        dtype=spec.dtype,
+        kv_cache_dtype="fp8_e4m3" if spec.fp8 else "auto",
+        q_scale=spec.q_scale,
+        k_scale=spec.k_scale,
+        v_scale=spec.v_scale,
+        **spec.extra_layer,
+    )
+    backend_name = spec.backend or ("FLASHINFER_TS" if spec.layout == LAYOUT_VLLM else "FLEX_ATTENTION")
+    max_model_len = spec.max_model_len or max(32768, 1 << (max(final_lens) - 1).bit_length())
+    backend = BackendMeta(
+        name=backend_name,
+        page_size=ps,
+        max_model_len=max_model_len,
+        num_gpu_blocks=num_gpu_blocks,
+        max_decode_query_len=spec.max_decode_query_len or max(max(qlens), 1),
+    )
+    spec_record = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(spec).items()}
+    meta = SnapshotMeta(
+        layer=layer,
+        backend=backend,
+        kv_layout=spec.layout,
+        num_steps=spec.steps,
+        capture={"engine": "kvdbg synth", "kvdbg": __version__, "synth": spec_record},
+        notes=spec.notes,
+    )
+    snap = Snapshot(meta=meta, kv_cache=kv_cache, page_ids=page_ids, steps=steps)
+    validate(snap)
+    return snap
+
+
+def _quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _cumsum(values):
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
+__all__ = ["SynthSpec", "synth_snapshot", "LAYOUT_SEED", "LAYOUT_VLLM"]
