@@ -4,8 +4,15 @@ The replay core derives one :class:`CommonMetadata` per snapshot step (like
 vLLM's ``CommonAttentionMetadata``) and hands it to every backend. A backend
 module in ``backends/`` exposes ``BACKEND``, a :class:`BackendSpec`; its
 ``create`` returns an object with a ``builder`` (``build(common) -> metadata``)
-and an ``impl`` (``forward(query, kv_cache, metadata) -> output``), and a
+and an ``impl`` (``forward(query, kv_cache, metadata, output) -> output``), and a
 ``describe()`` that says what really runs.
+
+Output convention: the replay core allocates ``output`` [num_tokens, Hq, D]
+filled with NaN and the impl writes the tokens it computes, so tokens a backend
+leaves unwritten (ragged leftovers, a no-op batch) show up as "not written".
+``query`` and ``kv_cache`` are the snapshot's own dtypes (FP8 as stored); the
+working ``kv_cache`` is in the snapshot's layout and already holds the step's
+new K/V.
 """
 
 from __future__ import annotations
@@ -89,6 +96,10 @@ class BackendInstance(Protocol):
     def describe(self) -> RunInfo: ...
 
     def findings(self, common: CommonMetadata, metadata: Any) -> list[Finding]: ...
+
+    def explain(self, common: CommonMetadata, metadata: Any) -> list[dict[str, Any]]:
+        """Per-request builder decisions (one dict per request) for ``replay --explain``."""
+        ...
 
 
 @dataclass(frozen=True)
