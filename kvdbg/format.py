@@ -504,6 +504,30 @@ def check_structure(header: Header) -> None:
         raise SnapshotError(f"unexpected tensor {unknown[0][:60]!r}{hint}")
 
 
+# --------------------------------------------------------------------------- writing
+
+
+def write_safetensors(fh, tensors: list[tuple[str, str, tuple[int, ...], Any]], metadata: dict[str, str]) -> None:
+    """Write a safetensors file to the open binary file ``fh``, deterministically.
+
+    ``tensors`` holds (name, dtype name, shape, buffer of raw little-endian bytes).
+    The safetensors library orders ``__metadata__`` keys differently from run to
+    run; sorting everything here is what makes fixtures reproducible byte for byte.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for name, dtype, shape, buf in sorted(tensors, key=lambda t: t[0]):
+        nbytes = memoryview(buf).nbytes
+        header[name] = {"dtype": DTYPE_TO_ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned, as safetensors does
+    fh.write(struct.pack("<Q", len(raw)))
+    fh.write(raw)
+    for _, _, _, buf in sorted(tensors, key=lambda t: t[0]):
+        fh.write(memoryview(buf).cast("B"))
+
+
 # --------------------------------------------------------------------------- small reads
 
 

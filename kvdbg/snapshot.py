@@ -27,6 +27,7 @@ from kvdbg.format import (
     TensorEntry,
     check_structure,
     read_header,
+    write_safetensors,
 )
 
 __all__ = [
@@ -314,8 +315,6 @@ def save_snapshot(snapshot: Snapshot, path: str | os.PathLike, *, overwrite: boo
 
     An existing file is never replaced unless ``overwrite`` is true.
     """
-    from safetensors.torch import save_file
-
     path = os.fspath(path)
     validate(snapshot)
     if os.path.isdir(path):
@@ -325,15 +324,22 @@ def save_snapshot(snapshot: Snapshot, path: str | os.PathLike, *, overwrite: boo
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise OptionError(f"cannot write {path}: directory {directory} does not exist")
-    tensors = {n: t.detach().to("cpu").contiguous() for n, t in snapshot.tensors().items()}
-    for name, t in tensors.items():
+    entries = []
+    for name, t in snapshot.tensors().items():
         if dtype_name(t.dtype) not in DTYPE_TO_ST:
             raise OptionError(f"tensor {name!r} has dtype {t.dtype}, which the snapshot format cannot store")
+        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        entries.append((name, dtype_name(t.dtype), tuple(t.shape), raw))
     metadata = {FORMAT_KEY: FORMAT_VERSION, META_KEY: snapshot.meta.to_json()}
     fd, tmp = tempfile.mkstemp(prefix=".kvdbg-", suffix=".tmp", dir=directory)
-    os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        with os.fdopen(fd, "wb") as fh:
+            write_safetensors(fh, entries, metadata)
+            fh.flush()
+            os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a snapshot is a normal user file
         if overwrite:
             os.replace(tmp, path)
         else:
