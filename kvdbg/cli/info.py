@@ -10,9 +10,11 @@ from kvdbg.cli.common import console, emit_json, guarded, json_option
 @click.command()
 @click.argument("snapshot", type=click.Path(dir_okay=False))
 @click.option("--full", is_flag=True, help="List every request, not the first 32.")
+@click.option("--check", is_flag=True,
+              help="Also map the tensors and validate every page id, length and offset (loads torch).")
 @json_option
 @guarded
-def info(snapshot: str, full: bool, as_json: bool) -> None:
+def info(snapshot: str, full: bool, check: bool, as_json: bool) -> None:
     """Summarise a snapshot from its header alone (instant, even on multi-GB files).
 
     Shows the layer and backend parameters, tensor shapes and dtypes, the
@@ -27,6 +29,10 @@ def info(snapshot: str, full: bool, as_json: bool) -> None:
     from kvdbg.summary import summarize
 
     summary = summarize(snapshot)
+    if check:
+        from kvdbg.snapshot import load_snapshot
+
+        load_snapshot(snapshot)
     if as_json:
         emit_json(summary.to_json_dict())
     else:

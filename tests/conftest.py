@@ -1,0 +1,35 @@
+"""Shared test helpers: synthetic snapshots on disk and a raw writer that bypasses validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvdbg.snapshot import save_snapshot
+from kvdbg.synth import SynthSpec, synth_snapshot
+
+from tests.helpers import FIXTURES, ROOT, run_python, write_raw  # noqa: F401  (re-exported)
+
+
+@pytest.fixture
+def make_snapshot(tmp_path):
+    """make_snapshot(**SynthSpec fields) -> (path, Snapshot)."""
+    counter = [0]
+
+    def make(**kwargs):
+        counter[0] += 1
+        snap = synth_snapshot(SynthSpec(**kwargs))
+        path = save_snapshot(snap, tmp_path / f"snap{counter[0]}.safetensors")
+        return path, snap
+
+    return make
+
+
+@pytest.fixture
+def small_parts():
+    """A small valid snapshot as (tensors dict, meta dict) to corrupt one piece at a time."""
+    snap = synth_snapshot(SynthSpec(seq_lens=(20, 40), num_heads=4, num_kv_heads=2, head_size=16))
+    meta = json.loads(snap.meta.to_json())
+    return dict(snap.tensors()), meta

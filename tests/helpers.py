@@ -1,0 +1,37 @@
+"""Helpers shared by the test files (importable as tests.helpers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from kvdbg.format import FORMAT_KEY, META_KEY, write_safetensors
+from kvdbg.snapshot import dtype_name
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "fixtures")
+
+
+def write_raw(path, tensors: dict[str, torch.Tensor], meta, *, fmt: str | None = "1", extra_meta=None) -> str:
+    """Write a safetensors file exactly as given (no kvdbg validation), for bad-input tests."""
+    metadata = {}
+    if fmt is not None:
+        metadata[FORMAT_KEY] = fmt
+    if meta is not None:
+        metadata[META_KEY] = meta if isinstance(meta, str) else json.dumps(meta)
+    metadata.update(extra_meta or {})
+    entries = [
+        (n, dtype_name(t.dtype), tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy())
+        for n, t in tensors.items()
+    ]
+    with open(path, "wb") as fh:
+        write_safetensors(fh, entries, metadata)
+    return str(path)
+
+
+def run_python(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout

@@ -1,0 +1,70 @@
+"""`kvdbg synth` and the bundled fixtures it makes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from kvdbg.cli import cli
+from kvdbg.fixtures_path import FIXTURES as FIXTURE_NAMES
+from kvdbg.fixtures_path import default_fixture, fixture_path
+from kvdbg.snapshot import load_snapshot
+from tests.helpers import FIXTURES, ROOT
+
+
+def test_synth_writes_and_refuses_to_clobber(tmp_path):
+    out = tmp_path / "s.safetensors"
+    args = ["synth", str(out), "--seq-lens", "30,70", "--query-len", "4", "--mask", "dense", "--window", "32",
+            "--num-heads", "4", "--num-kv-heads", "1", "--head-dim", "32", "--steps", "2", "--json"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    snap = load_snapshot(out)
+    assert snap.meta.layer.sliding_window == 32 and not snap.meta.layer.causal
+    assert snap.steps[1].seq_lens.tolist() == [34, 74]
+    before = out.read_bytes()
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and "already exists" in result.output
+    assert out.read_bytes() == before
+    assert CliRunner().invoke(cli, args + ["--force"]).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--seq-lens", "10,x"], "--seq-lens must be a comma-separated list of integers"),
+        (["--seq-lens", "3", "--query-len", "8"], "must be positive and hold the request's 8 query tokens"),
+        (["--num-heads", "6", "--num-kv-heads", "4"], "--num-heads 6 must be a multiple of --num-kv-heads 4"),
+        (["--window", "0"], "--window must be positive"),
+        (["--fp8", "--k-scale", "0"], "--k-scale must be a finite positive number"),
+        (["--shared-prefix-pages", "5", "--seq-lens", "20,40"], "too short to share 5 full prefix pages"),
+    ],
+)
+def test_synth_bad_options(tmp_path, args, message):
+    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "x.safetensors"), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_fixtures_are_small_and_valid():
+    total = 0
+    for name in FIXTURE_NAMES:
+        path = fixture_path(name)
+        size = os.path.getsize(path)
+        assert size < 4 * 1024 * 1024, (name, size)
+        total += size
+        load_snapshot(path)
+    assert total < 10 * 1024 * 1024
+    assert default_fixture().endswith("dflash.safetensors")
+
+
+def test_fixtures_regenerate_byte_for_byte(tmp_path):
+    env = dict(os.environ, KVDBG=f"{sys.executable} -m kvdbg")
+    subprocess.run(["bash", os.path.join(FIXTURES, "regenerate.sh"), str(tmp_path)], check=True, env=env,
+                   cwd=ROOT, capture_output=True)
+    for name in FIXTURE_NAMES:
+        assert (tmp_path / name).read_bytes() == open(os.path.join(FIXTURES, name), "rb").read(), name
