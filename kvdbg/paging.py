@@ -104,7 +104,7 @@ def restrict_to_window(seq_len: int, window: int | None, query_len: int, page_si
         reason = ""
     else:
         reason = (
-            f"seq_len {seq_len} minus the window span {span} is less than one page of {page_size}: "
+            f"seq_len {seq_len} is below window span {span} + page_size {page_size}: "
             "no whole page lies before the window, nothing is dropped"
         )
     return WindowRestriction(
