@@ -12,6 +12,7 @@ from kvdbg._version import __version__
 COMMANDS = {
     "info": "kvdbg.cli.info:info",
     "synth": "kvdbg.cli.synth:synth",
+    "window": "kvdbg.cli.window:window",
 }
 
 
