@@ -25,7 +25,6 @@ def info(snapshot: str, full: bool, check: bool, as_json: bool) -> None:
     Example:
       kvdbg info snapshot.safetensors --json
     """
-    from kvdbg.render.info import render_info
     from kvdbg.summary import summarize
 
     summary = summarize(snapshot)
@@ -36,4 +35,6 @@ def info(snapshot: str, full: bool, check: bool, as_json: bool) -> None:
     if as_json:
         emit_json(summary.to_json_dict())
     else:
+        from kvdbg.render.info import render_info  # rich's table machinery only when drawing
+
         console().print(render_info(summary, full=full))
