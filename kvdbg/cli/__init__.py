@@ -11,6 +11,7 @@ from kvdbg._version import __version__
 # name -> module:attribute; modules are imported only when a command is looked up.
 COMMANDS = {
     "info": "kvdbg.cli.info:info",
+    "map": "kvdbg.cli.map:map_",
     "synth": "kvdbg.cli.synth:synth",
     "window": "kvdbg.cli.window:window",
 }

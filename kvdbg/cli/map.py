@@ -1,0 +1,42 @@
+"""`kvdbg map SNAP`."""
+
+from __future__ import annotations
+
+import click
+
+from kvdbg.cli.common import console, emit_json, finish, guarded, json_option
+
+
+@click.command(name="map")
+@click.argument("snapshot", type=click.Path(dir_okay=False))
+@click.option("--step", type=int, default=0, show_default=True, help="Decode step to show.")
+@click.option("--request", type=int, default=None, help="Show one request (and the anomalies it is part of).")
+@click.option("--full", is_flag=True, help="Do not elide long rows or long request lists.")
+@json_option
+@guarded
+def map_(snapshot: str, step: int, request: int | None, full: bool, as_json: bool) -> None:
+    """Show block tables, the physical→logical page map and paging anomalies.
+
+    For each request: the live block-table entries (engine page ids) and the
+    stale tail past cdiv(seq_len, page_size); the physical→logical map as
+    vLLM's FLEX_ATTENTION derives it (stale entries ignored, page 0 = null
+    block); and anomalies: a live page 0 or a page mapped twice (harmful,
+    exit 1), pages shared across requests, stale non-zero tails, stored pages
+    nothing references.
+
+    \b
+    Examples:
+      kvdbg map snapshot.safetensors
+      kvdbg map snapshot.safetensors --step 1 --request 3 --full --json
+    """
+    from kvdbg.pagemap import page_map
+    from kvdbg.snapshot import load_snapshot
+
+    result = page_map(load_snapshot(snapshot), step=step, request=request)
+    if as_json:
+        emit_json(result.to_json_dict())
+    else:
+        from kvdbg.render.pagemap import render_page_map
+
+        console().print(render_page_map(result, full=full))
+    finish(result.errors)

@@ -1,0 +1,199 @@
+"""Block tables of a snapshot step, the physical->logical map FLEX_ATTENTION derives, and page anomalies.
+
+The physical->logical map follows current vLLM (v0.33): block-table entries
+at or beyond ``cdiv(seq_len, page_size)`` are ignored, and physical page 0 is
+reset to -1 because it is the null block. Both rules hide real bugs: a live
+page 0 is silently masked, and a page mapped twice keeps only one logical
+index (whichever ``scatter_`` writes last).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvdbg.errors import OptionError
+from kvdbg.paging import cdiv
+
+if TYPE_CHECKING:
+    from kvdbg.snapshot import Snapshot
+
+__all__ = ["Anomaly", "PhysicalEntry", "RequestMap", "PageMap", "find_anomalies", "page_map", "SEVERITIES"]
+
+SEVERITIES = ("error", "warning", "info")
+NULL_PAGE = 0
+
+
+@dataclass
+class Anomaly:
+    """Something odd in a step's paging. ``error`` means a backend computes the wrong thing."""
+
+    code: str
+    severity: str  # "error" | "warning" | "info"
+    request: int | None  # None when it concerns several requests
+    message: str
+    pages: list[int] = field(default_factory=list)  # engine page ids involved
+    requests: list[int] = field(default_factory=list)  # every request involved
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PhysicalEntry:
+    physical: int  # engine page id
+    logical: int  # what FLEX_ATTENTION's map holds: -1 for the null page
+    candidates: list[int]  # every live logical page that maps here (more than one: aliasing)
+
+
+@dataclass
+class RequestMap:
+    request: int
+    seq_len: int
+    query_len: int
+    live_pages: int  # cdiv(seq_len, page_size)
+    table_width: int
+    live: list[int]  # block-table entries the request's length reaches (engine ids)
+    stale: list[int]  # entries past them, as captured
+    physical_to_logical: list[PhysicalEntry]  # sorted by physical id
+
+
+@dataclass
+class PageMap:
+    path: str | None
+    step: int
+    num_steps: int
+    page_size: int
+    stored_pages: int
+    num_reqs: int
+    requests: list[RequestMap]
+    anomalies: list[Anomaly]
+
+    @property
+    def errors(self) -> int:
+        return sum(a.severity == "error" for a in self.anomalies)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["errors"] = self.errors
+        return out
+
+
+def _rows(snapshot: "Snapshot", step: int) -> tuple[list[list[int]], list[int], list[int]]:
+    if not 0 <= step < len(snapshot.steps):
+        raise OptionError(f"--step {step} is out of range: the snapshot has {len(snapshot.steps)} step(s)")
+    s = snapshot.steps[step]
+    return s.block_table.tolist(), [int(x) for x in s.seq_lens.tolist()], s.query_lens
+
+
+def _physical_to_logical(live: list[int]) -> list[PhysicalEntry]:
+    seen: dict[int, list[int]] = defaultdict(list)
+    for logical, physical in enumerate(live):
+        seen[physical].append(logical)
+    out = []
+    for physical in sorted(seen):
+        candidates = seen[physical]
+        # scatter_ keeps one writer per physical slot; on CPU in practice the
+        # last, but vLLM gives no guarantee, so callers must treat it as ambiguous.
+        logical = -1 if physical == NULL_PAGE else candidates[-1]
+        out.append(PhysicalEntry(physical, logical, candidates))
+    return out
+
+
+def find_anomalies(snapshot: "Snapshot", step: int = 0) -> list[Anomaly]:
+    """Every paging anomaly of one step, errors first."""
+    table, seq_lens, _ = _rows(snapshot, step)
+    ps = snapshot.page_size
+    out: list[Anomaly] = []
+    users: dict[int, list[int]] = defaultdict(list)  # physical -> requests reading it
+    for r, (row, length) in enumerate(zip(table, seq_lens)):
+        live_count = cdiv(length, ps)
+        live, stale = row[:live_count], row[live_count:]
+        for logical, physical in enumerate(live):
+            if physical == NULL_PAGE:
+                out.append(Anomaly(
+                    "live_page_zero", "error", r,
+                    f"request {r}: logical page {logical} (tokens {logical * ps}-{min(length, (logical + 1) * ps) - 1}) "
+                    "is physical page 0, the null block FLEX_ATTENTION masks out",
+                    pages=[0], requests=[r]))
+        positions: dict[int, list[int]] = defaultdict(list)
+        for logical, physical in enumerate(live):
+            positions[physical].append(logical)
+        for physical, logicals in sorted(positions.items()):
+            if len(logicals) > 1:
+                out.append(Anomaly(
+                    "page_mapped_twice", "error", r,
+                    f"request {r}: physical page {physical} backs logical pages {', '.join(map(str, logicals))}; "
+                    "FLEX_ATTENTION's physical->logical map keeps only one of them",
+                    pages=[physical], requests=[r]))
+        for physical in positions:
+            users[physical].append(r)
+        stale_nonzero = [p for p in stale if p != NULL_PAGE]
+        if stale_nonzero:
+            aliasing = sorted({p for p in stale_nonzero if p in positions})
+            if aliasing:
+                # The seed-era map scattered every column, so a stale copy of a
+                # live page overwrote that page's logical index.
+                out.append(Anomaly(
+                    "stale_tail_aliases_live", "warning", r,
+                    f"request {r}: {len(stale_nonzero)} stale non-zero entries past its {live_count} live pages, "
+                    f"repeating live page(s) {', '.join(map(str, aliasing))}; a consumer that reads the whole "
+                    "row (seed-era FLEX_ATTENTION) remaps them",
+                    pages=aliasing, requests=[r]))
+            else:
+                out.append(Anomaly(
+                    "stale_tail", "info", r,
+                    f"request {r}: {len(stale_nonzero)} stale non-zero entries past its {live_count} live pages "
+                    "(ignored by current vLLM)",
+                    pages=sorted(set(stale_nonzero)), requests=[r]))
+
+    by_group: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for physical, reqs in users.items():
+        if len(reqs) > 1:
+            by_group[tuple(reqs)].append(physical)
+    for reqs, pages in sorted(by_group.items()):
+        pages.sort()
+        out.append(Anomaly(
+            "shared_pages", "info", None,
+            f"{len(pages)} page(s) ({_short(pages)}) shared by requests {', '.join(map(str, reqs))} "
+            "(prefix sharing)",
+            pages=pages, requests=list(reqs)))
+
+    referenced = set(users)
+    unreferenced = sorted(int(p) for p in snapshot.page_ids.tolist() if int(p) not in referenced)
+    if unreferenced:
+        out.append(Anomaly(
+            "unreferenced_pages", "info", None,
+            f"{len(unreferenced)} stored page(s) ({_short(unreferenced)}) are not live in step {step}",
+            pages=unreferenced, requests=[]))
+    rank = {s: i for i, s in enumerate(SEVERITIES)}
+    out.sort(key=lambda a: rank[a.severity])
+    return out
+
+
+def _short(values: list[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, values[:limit]))
+    return shown + (f", … {len(values) - limit} more" if len(values) > limit else "")
+
+
+def page_map(snapshot: "Snapshot", step: int = 0, request: int | None = None) -> PageMap:
+    """Block tables, physical->logical maps and anomalies of one step (optionally one request)."""
+    table, seq_lens, query_lens = _rows(snapshot, step)
+    if request is not None and not 0 <= request < len(table):
+        raise OptionError(f"--request {request} is out of range: step {step} has {len(table)} request(s)")
+    ps = snapshot.page_size
+    chosen = range(len(table)) if request is None else [request]
+    requests = []
+    for r in chosen:
+        live_count = cdiv(seq_lens[r], ps)
+        live = table[r][:live_count]
+        requests.append(RequestMap(
+            request=r, seq_len=seq_lens[r], query_len=query_lens[r], live_pages=live_count,
+            table_width=len(table[r]), live=live, stale=table[r][live_count:],
+            physical_to_logical=_physical_to_logical(live)))
+    anomalies = find_anomalies(snapshot, step)
+    if request is not None:
+        anomalies = [a for a in anomalies if request in a.requests]
+    return PageMap(path=snapshot.path, step=step, num_steps=len(snapshot.steps), page_size=ps,
+                   stored_pages=snapshot.num_pages, num_reqs=len(table), requests=requests, anomalies=anomalies)
