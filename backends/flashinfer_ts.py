@@ -1,0 +1,758 @@
+"""vLLM's FLASHINFER_TS: prims_ts paged decode, on the real kernel where it can run, else its contract in torch.
+
+The builder reproduces vLLM's (seed 000) decisions exactly -- uniform query
+blocks, the no-op batch, persistent int32 buffers, the page-aligned window
+restriction for dense windowed layers, plans keyed by (num_reqs, query_len,
+causal) with one constant max_kv_len. The kernel runs with ``validate=False``,
+so :meth:`FlashInferTSInstance.findings` checks every documented precondition
+of each batch the builder produces; what the real kernel does with a batch
+that breaks one is undefined, and that is usually the bug being chased.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.errors import BackendUnavailable
+from kvdbg.format import LAYOUT_VLLM
+from kvdbg.paging import (
+    cdiv,
+    restrict_to_window,
+    ts_mask_type,
+    ts_max_kv_len,
+    ts_table_width,
+    ts_window_left,
+    visibility_table,
+)
+from kvdbg.ts_contract import SUPPORTED_CAPABILITIES, Violation, check_plan, check_request
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvdbg.format import SnapshotMeta
+
+NAME = "flashinfer_ts"
+ENGINE_NAME = "FLASHINFER_TS"
+MIN_FLASHINFER = (0, 7, 1)
+EMULATED_KERNEL = "prims_ts contract, emulated in torch"
+FP8_MAX = 448.0
+
+# Named in the reason a GPU is refused, so a user sees at once which machine they are on.
+_ARCH_NAMES = {7: "Volta/Turing", 8: "Ampere/Ada", 9: "Hopper, e.g. H100/H200", 12: "consumer Blackwell"}
+
+
+# --------------------------------------------------------------------------- can the real kernel run here?
+
+
+@dataclass(frozen=True)
+class KernelGate:
+    """Whether the real prims_ts kernel runs, and precisely why not when it does not."""
+
+    available: bool
+    reason: str | None = None  # why not; shown in RunInfo.notes of the emulated run
+    wrapper_cls: Any = None  # flashinfer's BatchDecodePagedTSWrapper (or a test double)
+    flashinfer_version: str | None = None
+    capability: tuple[int, int] | None = None
+
+
+def _import_prims_ts() -> tuple[Any, str]:
+    """(BatchDecodePagedTSWrapper, flashinfer.__version__); raises ImportError where absent.
+
+    Kept in its own function so tests can replace it, and so flashinfer is only
+    ever imported when a replay asks for this backend.
+    """
+    from flashinfer.attention.prims_ts import BatchDecodePagedTSWrapper
+
+    import flashinfer
+
+    return BatchDecodePagedTSWrapper, str(getattr(flashinfer, "__version__", "unknown"))
+
+
+def _probe_device(device: str) -> tuple[tuple[int, int] | None, str | None]:
+    """(compute capability, None) for a usable CUDA replay device, else (None, why not)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        built = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+        return None, f"no CUDA: {built} (torch {torch.__version__}); prims_ts needs a CUDA device"
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None, f"the replay runs on {device}; prims_ts needs CUDA tensors (replay with --device cuda)"
+    return tuple(torch.cuda.get_device_capability(dev)), None
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """The release triple of a version string (``0.7.0.post1`` -> (0, 7, 0)); None if it has none."""
+    match = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", text or "")
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+
+
+def _too_old_reason(version: str, parsed: tuple[int, int, int]) -> str:
+    need = ".".join(map(str, MIN_FLASHINFER))
+    if parsed[:2] == (0, 7):
+        # The one release before the fix: the module imports, then the first plan() dies in codegen.
+        why = ("its prims_ts code generation still passes a `context` keyword to Task._run_task_body_impl, "
+               "which cutlass-dsl 4.8 removed, so the first plan() fails with a TypeError")
+    else:
+        why = "earlier prims_ts builds do not accept vLLM's K/V halves with token stride 2*D"
+    return f"flashinfer-python {version} is too old: FLASHINFER_TS needs >= {need} ({why})"
+
+
+def kernel_gate(device: str, *, force_emulation: bool = False) -> KernelGate:
+    """Check, in order: forced emulation, flashinfer importable, version, CUDA, compute capability."""
+    if force_emulation:
+        return KernelGate(False, "emulation requested (force_emulation): the real kernel was not tried")
+    try:
+        wrapper_cls, version = _import_prims_ts()
+    except ImportError as exc:
+        need = ".".join(map(str, MIN_FLASHINFER))
+        return KernelGate(False, f"flashinfer missing: flashinfer.attention.prims_ts does not import "
+                                 f"({exc}); FLASHINFER_TS needs flashinfer-python >= {need}")
+    parsed = parse_version(version)
+    if parsed is None:
+        return KernelGate(False, f"flashinfer reports version {version!r}, which kvdbg cannot compare with "
+                                 f"{'.'.join(map(str, MIN_FLASHINFER))}", flashinfer_version=version)
+    if parsed < MIN_FLASHINFER:
+        return KernelGate(False, _too_old_reason(version, parsed), flashinfer_version=version)
+    capability, why = _probe_device(device)
+    if capability is None:
+        return KernelGate(False, why, flashinfer_version=version)
+    capability = (int(capability[0]), int(capability[1]))
+    if capability not in SUPPORTED_CAPABILITIES:
+        arch = _ARCH_NAMES.get(capability[0])
+        shown = f"{capability[0]}.{capability[1]}" + (f" ({arch})" if arch else "")
+        wanted = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_CAPABILITIES)
+        return KernelGate(False, f"compute capability {shown} is not supported: prims_ts runs only on "
+                                 f"{wanted} (B200, B300, Rubin)", flashinfer_version=version, capability=capability)
+    return KernelGate(True, None, wrapper_cls, version, capability)
+
+
+# --------------------------------------------------------------------------- what vLLM refuses
+
+
+def unsupported_reason(meta: "SnapshotMeta") -> str | None:
+    """Why FLASHINFER_TS cannot replay this snapshot (vLLM's own rejections, and layout), else None."""
+    layer = meta.layer
+    if layer.has_sinks:
+        return "FLASHINFER_TS rejects attention sinks (layer.has_sinks); vLLM would not pick it for this layer"
+    if layer.has_alibi:
+        return "FLASHINFER_TS rejects ALiBi slopes (layer.has_alibi); vLLM would not pick it for this layer"
+    if layer.logits_soft_cap:
+        return (f"FLASHINFER_TS rejects logits soft-capping (layer.logits_soft_cap = {layer.logits_soft_cap}); "
+                "vLLM would not pick it for this layer")
+    if layer.kv_sharing_target is not None:
+        return (f"FLASHINFER_TS rejects KV sharing (layer.kv_sharing_target = {layer.kv_sharing_target!r}); "
+                "vLLM would not pick it for this layer")
+    if layer.attn_type != "decoder":
+        return f"FLASHINFER_TS supports decoder attention only, not attn_type {layer.attn_type!r}"
+    if meta.kv_layout != LAYOUT_VLLM:
+        return (f"kv_layout {meta.kv_layout!r} keeps K and V in separate planes with token stride Hkv*D; "
+                f"FLASHINFER_TS hands the kernel the two halves of a {LAYOUT_VLLM!r} page (HND, token stride 2*D), "
+                "so this cache cannot be given to prims_ts as it is (capture it from a vLLM with that layout)")
+    return None
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def kv_kernel_dtype(layer) -> "torch.dtype":
+    """An FP8 cache is stored as uint8 and viewed as e4m3; otherwise the model dtype."""
+    import torch
+
+    return torch.float8_e4m3fn if layer.is_fp8 else getattr(torch, layer.dtype)
+
+
+def ts_output_dtype(q_dtype: "torch.dtype", model_dtype: "torch.dtype") -> "torch.dtype":
+    """The dtype the kernel writes: an FP8 query only yields fp16 (or fp8), so a non-fp16 model stages via fp16."""
+    import torch
+
+    if q_dtype == torch.float8_e4m3fn and model_dtype != torch.float16:
+        return torch.float16
+    return model_dtype
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------- builder
+
+
+@dataclass(frozen=True)
+class TSPlan:
+    """The keyword arguments FLASHINFER_TS passes to ``BatchDecodePagedTSWrapper.plan`` for one plan key."""
+
+    device: Any  # torch.device
+    batch_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    max_kv_len: int
+    max_seq_len_q: int
+    packed_query: bool
+    q_data_type: Any  # torch.dtype
+    kv_data_type: Any
+    o_data_type: Any
+    mask_type: str
+    window_left: int
+
+    def kwargs(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+@dataclass
+class FlashInferTSMetadata:
+    """What the builder hands the kernel for one step (passive; filled by FlashInferTSBuilder.build).
+
+    ``seq_lens`` and ``block_table`` are views of the builder's persistent
+    buffers, overwritten by the next build, exactly as in vLLM (CUDA graphs
+    record their addresses).
+    """
+
+    seq_lens: "torch.Tensor"  # [num_reqs] int32: the (restricted) lengths the kernel reads
+    block_table: "torch.Tensor"  # [num_reqs, width] int32 stored-page indices the kernel reads
+    num_reqs: int
+    num_actual_tokens: int  # tokens the kernel writes: num_reqs * query_len (0 for a no-op batch)
+    query_len: int  # uniform block length (0: no-op batch)
+    plan: TSPlan | None
+    plan_key: tuple[int, int, bool] | None
+    wrapper: Any  # the planned real wrapper; None when emulated or no-op
+    causal: bool
+    restricted: bool  # the dense-window page restriction ran
+    start_page: "torch.Tensor | None"  # [num_reqs] int64 first engine column kept, when restricted
+    num_tokens: int  # query tokens in the step, before rounding to whole blocks
+    quotient_query_len: int  # num_tokens // num_reqs, before the no-op rule
+    noop_reason: str | None  # why the builder planned a no-op batch
+    overflow: str | None  # vLLM's builder raises here (more requests than buffer rows); nothing runs
+    buffer_rows: int
+    buffer_width: int
+    max_kv_len: int
+    build_id: int
+
+
+def _buffer_rows(meta: "SnapshotMeta", query_len: int) -> int | None:
+    backend = meta.backend
+    seqs, tokens = backend.max_num_seqs, backend.max_num_batched_tokens
+    if seqs is None and tokens is None:
+        return None
+    return max(seqs or 0, (tokens or 0) // max(query_len, 1))
+
+
+class FlashInferTSBuilder:
+    """vLLM's FlashInferTSMetadataBuilder, step for step; planning goes to the real wrapper when it runs."""
+
+    def __init__(self, meta: "SnapshotMeta", device: str, gate: KernelGate):
+        import torch
+
+        layer, backend = meta.layer, meta.backend
+        self.meta = meta
+        self.gate = gate
+        self.device = torch.device(device)
+        self.page_size = backend.page_size
+        self.num_kv_heads = layer.num_kv_heads
+        self.num_qo_heads = layer.num_heads
+        self.head_size = layer.head_size
+        self.kv_dtype = kv_kernel_dtype(layer)
+        self.q_dtype = self.kv_dtype
+        self.out_dtype = getattr(torch, layer.dtype)
+        self.sliding_window = layer.sliding_window
+        self.query_len = backend.max_decode_query_len
+        self.max_kv_len = ts_max_kv_len(self.sliding_window, self.query_len, self.page_size, backend.max_model_len)
+        self.plans: dict[tuple[int, int, bool], tuple[TSPlan, Any]] = {}
+        self.plan_calls = 0
+        self.build_count = 0
+        rows = _buffer_rows(meta, self.query_len)
+        # Without the scheduler limits the seed's sizing is unknown: grow to the largest batch seen, and say so.
+        self.rows_known = rows is not None
+        self.buffer_width = ts_table_width(self.sliding_window, self.query_len, self.page_size, backend.max_model_len)
+        self._buf_seq_lens = torch.zeros(rows or 0, dtype=torch.int32, device=self.device)
+        self._buf_block_table = torch.zeros((rows or 0, self.buffer_width), dtype=torch.int32, device=self.device)
+
+    def _plan_for(self, num_reqs: int, query_len: int, causal: bool) -> tuple[TSPlan, Any]:
+        key = (num_reqs, query_len, causal)
+        cached = self.plans.get(key)
+        if cached is not None:
+            return cached
+        plan = TSPlan(
+            device=self.device, batch_size=num_reqs, num_qo_heads=self.num_qo_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_size, page_size=self.page_size,
+            max_kv_len=self.max_kv_len, max_seq_len_q=query_len, packed_query=False,
+            q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
+            o_data_type=ts_output_dtype(self.q_dtype, self.out_dtype),
+            mask_type=ts_mask_type(causal), window_left=ts_window_left(self.sliding_window, causal),
+        )
+        wrapper = None
+        if self.gate.available:
+            wrapper = self.gate.wrapper_cls(kv_layout="HND")
+            wrapper.plan(**plan.kwargs())
+        self.plan_calls += 1
+        self.plans[key] = (plan, wrapper)
+        return plan, wrapper
+
+    def build(self, common: CommonMetadata) -> FlashInferTSMetadata:
+        import torch
+
+        from kvdbg.paging_torch import restrict_to_window_tensors
+
+        causal = common.causal
+        if isinstance(causal, torch.Tensor):
+            raise BackendUnavailable("FLASHINFER_TS plans one mask per batch; a per-request causal tensor "
+                                     "cannot be expressed")
+        causal = bool(causal)
+        self.build_count += 1
+        num_reqs, num_tokens = common.num_reqs, common.num_actual_tokens
+        quotient = num_tokens // num_reqs if num_reqs else 0
+        query_len = quotient
+        noop_reason = None
+        if query_len > self.query_len:
+            noop_reason = (f"query_len {query_len} ({num_tokens} tokens over {num_reqs} requests) exceeds "
+                           f"max_decode_query_len {self.query_len}: the builder treats it as a batch it never runs")
+            query_len = 0
+        elif query_len == 0 and num_tokens > 0:
+            noop_reason = f"{num_tokens} tokens over {num_reqs} requests round down to 0 tokens per request"
+        window = self.sliding_window
+
+        if num_reqs > self._buf_seq_lens.shape[0] and not self.rows_known:
+            self._buf_seq_lens = torch.zeros(num_reqs, dtype=torch.int32, device=self.device)
+            self._buf_block_table = torch.zeros((num_reqs, self.buffer_width), dtype=torch.int32, device=self.device)
+        rows = int(self._buf_seq_lens.shape[0])
+        base = dict(num_reqs=num_reqs, causal=causal, num_tokens=num_tokens, quotient_query_len=quotient,
+                    noop_reason=noop_reason, buffer_rows=rows, buffer_width=self.buffer_width,
+                    max_kv_len=self.max_kv_len, build_id=self.build_count)
+        seq_lens = common.seq_lens[:num_reqs]
+        table = common.block_table[:num_reqs]
+        if num_reqs > rows:
+            overflow = (f"{num_reqs} requests but the persistent metadata buffers hold {rows} rows "
+                        f"(max(max_num_seqs, max_num_batched_tokens // {max(self.query_len, 1)})); "
+                        "vLLM's builder fails here and no token is computed")
+            return FlashInferTSMetadata(seq_lens=seq_lens, block_table=table, num_actual_tokens=0, query_len=0,
+                                        plan=None, plan_key=None, wrapper=None, restricted=False, start_page=None,
+                                        overflow=overflow, **base)
+
+        restricted = window is not None and not causal
+        start_page = None
+        if restricted:
+            restricted_lens, restricted_table, start_page = restrict_to_window_tensors(
+                seq_lens, table, window, query_len, self.page_size, self.buffer_width)
+            out_lens = self._buf_seq_lens[:num_reqs]
+            out_table = self._buf_block_table[:num_reqs]
+            out_lens.copy_(restricted_lens)
+            out_table.copy_(restricted_table)
+        else:
+            # A causal windowed layer's buffer is only the window's width: long requests get a truncated table.
+            width = min(table.shape[1], self.buffer_width)
+            out_lens = self._buf_seq_lens[:num_reqs]
+            out_table = self._buf_block_table[:num_reqs, :width]
+            out_lens.copy_(seq_lens)
+            out_table.copy_(table[:, :width])
+
+        if query_len == 0:
+            return FlashInferTSMetadata(seq_lens=seq_lens, block_table=table, num_actual_tokens=0, query_len=0,
+                                        plan=None, plan_key=None, wrapper=None, restricted=restricted,
+                                        start_page=start_page, overflow=None, **base)
+        plan, wrapper = self._plan_for(num_reqs, query_len, causal)
+        return FlashInferTSMetadata(seq_lens=out_lens, block_table=out_table, num_actual_tokens=num_reqs * query_len,
+                                    query_len=query_len, plan=plan, plan_key=(num_reqs, query_len, causal),
+                                    wrapper=wrapper, restricted=restricted, start_page=start_page, overflow=None,
+                                    **base)
+
+
+# --------------------------------------------------------------------------- the kernel contract in torch
+
+
+def emulate_decode(
+    q: "torch.Tensor",
+    k_cache: "torch.Tensor",
+    v_cache: "torch.Tensor",
+    seq_lens: "torch.Tensor",
+    block_tables: "torch.Tensor",
+    *,
+    mask_type: str,
+    window_left: int,
+    bmm1_scale: float,
+    bmm2_scale: float,
+    out: "torch.Tensor",
+    requests: list[int] | None = None,
+    key_mask: Callable[[int], "torch.Tensor"] | None = None,
+) -> "torch.Tensor":
+    """prims_ts paged decode by its documented contract, in fp32.
+
+    ``q`` [B, SQ, Hq, D]; K/V caches [pages, Hkv, page_size, D] (any strides);
+    ``out`` [B, SQ, Hq, D] in the kernel's output dtype. Request ``b`` gathers
+    ``cdiv(seq_lens[b], page_size)`` pages through ``block_tables[b]``. "dense"
+    sees every key below seq_len; "causal" is bottom-right aligned (row i sees
+    keys ``[0, L - SQ + i]``) and ``window_left >= 0`` keeps only the last
+    ``window_left + 1`` of those. Logits are scaled by ``bmm1_scale`` and the
+    normalised output by ``bmm2_scale``. Only ``requests`` are written (default
+    all); a row that sees no key is left as it was. ``key_mask(b)`` -> [SQ, L]
+    bool can hide further keys (tests use it to take out the restriction's extras).
+    """
+    import torch
+
+    batch, sq, hq, d = q.shape
+    hkv, page_size = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    for b in (range(batch) if requests is None else requests):
+        length = int(seq_lens[b])
+        if length <= 0:
+            continue
+        pages = block_tables[b, : cdiv(length, page_size)].to(torch.int64)
+        keys = k_cache[pages].float().permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :length]
+        values = v_cache[pages].float().permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :length]
+        query = q[b].float().reshape(sq, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, SQ, D]
+        scores = torch.matmul(query, keys.unsqueeze(1).transpose(-1, -2)) * bmm1_scale  # [Hkv, G, SQ, L]
+        key_pos = torch.arange(length, device=q.device).unsqueeze(0)
+        if mask_type == "causal":
+            last = (length - sq + torch.arange(sq, device=q.device)).unsqueeze(1)
+            allowed = key_pos <= last
+            if window_left >= 0:
+                allowed = allowed & (key_pos >= last - window_left)
+        else:
+            allowed = torch.ones(sq, length, dtype=torch.bool, device=q.device)
+        if key_mask is not None:
+            allowed = allowed & key_mask(b).to(q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        result = torch.matmul(probs, values.unsqueeze(1)) * bmm2_scale  # [Hkv, G, SQ, D]
+        result = result.permute(2, 0, 1, 3).reshape(sq, hq, d)
+        seen = allowed.any(dim=1)
+        out[b, seen] = result[seen].to(out.dtype)
+    return out
+
+
+def kv_views(kv_cache: "torch.Tensor", head_size: int, fp8: bool) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """K and V as the two halves of vLLM's [pages, Hkv, page_size, 2*D] page: views, token stride 2*D."""
+    import torch
+
+    if fp8 and kv_cache.dtype == torch.uint8:
+        kv_cache = kv_cache.view(torch.float8_e4m3fn)
+    return kv_cache[..., :head_size], kv_cache[..., head_size:]
+
+
+def view_violations(k: "torch.Tensor", v: "torch.Tensor", head_size: int) -> list[Violation]:
+    """Stride preconditions of the K/V views: the kernel builds TMA descriptors from their own strides."""
+    out = []
+    for name, t in (("K", k), ("V", v)):
+        if t.dim() != 4 or t.shape[-1] != head_size:
+            out.append(Violation("kv_view_shape", f"{name} view has shape {list(t.shape)}, expected "
+                                 f"[pages, Hkv, page_size, {head_size}]", details={"shape": list(t.shape)}))
+            continue
+        strides = list(t.stride())
+        if strides[-1] != 1:
+            out.append(Violation("kv_head_dim_not_contiguous",
+                                 f"{name} view has head_dim stride {strides[-1]}; the kernel needs a contiguous "
+                                 "head_dim (stride 1)", details={"strides": strides}))
+        token_bytes = strides[2] * t.element_size()
+        if strides[2] < head_size or token_bytes % 16:
+            out.append(Violation("kv_token_stride_invalid",
+                                 f"{name} view has token stride {strides[2]} elements ({token_bytes} bytes); TMA "
+                                 f"needs >= head_dim {head_size} and a multiple of 16 bytes",
+                                 details={"strides": strides}))
+    if k.dim() == 4 and v.dim() == 4 and k.stride() != v.stride():
+        out.append(Violation("kv_strides_differ", f"K strides {list(k.stride())} differ from V strides "
+                             f"{list(v.stride())}", details={"k": list(k.stride()), "v": list(v.stride())}))
+    return out
+
+
+class FlashInferTSImpl:
+    """vLLM's FlashInferTSImpl.forward: real ``wrapper.run(validate=False)`` or the emulated contract."""
+
+    def __init__(self, meta: "SnapshotMeta", builder: FlashInferTSBuilder):
+        layer = meta.layer
+        self.meta = meta
+        self.builder = builder
+        self.num_heads = layer.num_heads
+        self.head_size = layer.head_size
+        self.fp8 = layer.is_fp8
+        # vLLM's layer keeps q/k/v scales even without FP8 (1.0 by default) and the backend folds them all.
+        self.bmm1_scale = float(layer.scale) * float(layer.q_scale) * float(layer.k_scale)
+        self.bmm2_scale = float(layer.v_scale)
+        self.q_scale = float(layer.q_scale)
+        self.last_views: tuple[Any, Any] | None = None
+
+    def kernel_query(self, query: "torch.Tensor") -> "torch.Tensor":
+        """The query in the plan's dtype: FP8 bytes viewed as e4m3; a model-dtype query on an FP8 cache is
+        quantised with q_scale, as vLLM's attention layer does before calling this backend."""
+        import torch
+
+        if not self.fp8:
+            return query
+        if query.dtype == torch.uint8:
+            return query.view(torch.float8_e4m3fn)
+        if query.dtype == torch.float8_e4m3fn:
+            return query
+        return (query.float() / self.q_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+    def forward(self, query, kv_cache, md: FlashInferTSMetadata, output):
+        import torch
+
+        if md.overflow is not None or md.num_actual_tokens == 0:
+            return output
+        if md.build_id != self.builder.build_count:
+            raise RuntimeError(f"FLASHINFER_TS metadata of build {md.build_id} was overwritten by build "
+                               f"{self.builder.build_count}: its buffers are persistent, run each build before the next")
+        n, b, sq = md.num_actual_tokens, md.num_reqs, md.query_len
+        k_cache, v_cache = kv_views(kv_cache, self.head_size, self.fp8)
+        self.last_views = (k_cache, v_cache)
+        # The flat view assigns token t to request t // sq whatever query_start_loc says (see findings).
+        q = self.kernel_query(query[:n]).reshape(b, sq, self.num_heads, self.head_size)
+        plan = md.plan
+        model_dtype = self.builder.out_dtype
+        if md.wrapper is not None:
+            kernel_out = torch.empty((b, sq, self.num_heads, self.head_size), dtype=plan.o_data_type,
+                                     device=query.device)
+            md.wrapper.run(q=q, paged_kv_cache=(k_cache, v_cache), seq_lens=md.seq_lens,
+                           block_tables=md.block_table, bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale,
+                           out=kernel_out, validate=False)
+        else:
+            # NaN marks rows the emulation cannot predict (undefined on the real kernel): they stay "not written".
+            kernel_out = torch.full((b, sq, self.num_heads, self.head_size), float("nan"), dtype=plan.o_data_type,
+                                    device=query.device)
+            undefined = undefined_requests(md, int(k_cache.shape[0]), self.builder.page_size)
+            defined = [r for r in range(b) if r not in undefined]
+            emulate_decode(q, k_cache, v_cache, md.seq_lens, md.block_table, mask_type=plan.mask_type,
+                           window_left=plan.window_left, bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale,
+                           out=kernel_out, requests=defined)
+        # The engine converts the kernel's dtype (fp16 for an FP8 query) to the model dtype.
+        output[:n] = kernel_out.reshape(n, self.num_heads, self.head_size).to(model_dtype).to(output.dtype)
+        return output
+
+
+def undefined_requests(md: FlashInferTSMetadata, num_pages: int, page_size: int) -> dict[int, str]:
+    """Requests whose handed inputs break a kernel precondition, with the first broken one."""
+    out: dict[int, str] = {}
+    if md.query_len == 0 or md.overflow is not None:
+        return out
+    lens = md.seq_lens.to("cpu").tolist()
+    table = md.block_table.to("cpu")
+    width = table.shape[1]
+    for r, length in enumerate(lens):
+        if length < md.query_len:
+            out[r] = "seq_len_below_query_len"
+        elif length > md.max_kv_len:
+            out[r] = "seq_len_over_max_kv_len"
+        elif cdiv(length, page_size) > width:
+            out[r] = "table_too_narrow"
+        else:
+            live = table[r, : cdiv(length, page_size)]
+            if bool(((live < 0) | (live >= num_pages)).any()):
+                out[r] = "page_outside_cache"
+    return out
+
+
+# --------------------------------------------------------------------------- the backend instance
+
+
+class FlashInferTSInstance:
+    def __init__(self, meta: "SnapshotMeta", options: ReplayOptions, gate: KernelGate | None = None):
+        import torch
+
+        self.meta = meta
+        self.options = options
+        gate = gate or kernel_gate(options.device, force_emulation=options.force_emulation)
+        layer = meta.layer
+        self.plan_violations = check_plan(
+            head_dim=layer.head_size, page_size=meta.backend.page_size,
+            q_dtype=_dtype_name(kv_kernel_dtype(layer)), kv_dtype=_dtype_name(kv_kernel_dtype(layer)),
+            mask_type=ts_mask_type(layer.causal), window_left=ts_window_left(layer.sliding_window, layer.causal))
+        if gate.available and self.plan_violations:
+            # plan() would raise before anything ran; the findings carry the details.
+            gate = KernelGate(False, "the real plan() would reject this layer: " + "; ".join(
+                v.message for v in self.plan_violations), flashinfer_version=gate.flashinfer_version,
+                capability=gate.capability)
+        self.gate = gate
+        self.output_dtype = getattr(torch, layer.dtype)
+        self.builder = FlashInferTSBuilder(meta, options.device, gate)
+        self.impl = FlashInferTSImpl(meta, self.builder)
+
+    # ------------------------------------------------------------------ what ran
+
+    def describe(self) -> RunInfo:
+        layer = self.meta.layer
+        plan_out = ts_output_dtype(self.builder.q_dtype, self.output_dtype)
+        dtype = layer.dtype if plan_out == self.output_dtype else \
+            f"{layer.dtype} (kernel writes {_dtype_name(plan_out)}, converted)"
+        notes = []
+        if not self.builder.rows_known:
+            notes.append("the snapshot does not record max_num_seqs / max_num_batched_tokens: metadata buffers "
+                         "are sized to the largest batch, so buffer overflow cannot be checked")
+        if layer.is_fp8:
+            notes.append(f"FP8: bmm1_scale = scale*q_scale*k_scale = {self.impl.bmm1_scale:.6g}, bmm2_scale = "
+                         f"v_scale = {self.impl.bmm2_scale:.6g}; a model-dtype query is quantised with q_scale "
+                         "first, as vLLM's layer does")
+        if self.gate.available:
+            cap = self.gate.capability
+            return RunInfo(backend=NAME, kernel=f"prims_ts BatchDecodePagedTSWrapper on sm{cap[0]}{cap[1]}",
+                           device=self.options.device, dtype=dtype, emulated=False,
+                           notes=[f"flashinfer-python {self.gate.flashinfer_version}, run(validate=False)"] + notes)
+        notes = [f"real kernel not run: {self.gate.reason}",
+                 "emulated: the same builder output (restricted table, lengths, plan), then attention by the "
+                 "kernel's documented contract in fp32; requests whose inputs break a precondition are left "
+                 "unwritten (undefined on the real kernel, see findings)"] + notes
+        if layer.is_fp8:
+            notes.append("FP8 emulation keeps probabilities in fp32; the kernel may round them to e4m3 before "
+                         "the PV product, so expect differences of order 1e-2")
+        return RunInfo(backend=NAME, kernel=EMULATED_KERNEL, device=self.options.device, dtype=dtype,
+                       emulated=True, notes=notes)
+
+    # ------------------------------------------------------------------ findings
+
+    def _finding(self, common: CommonMetadata, code: str, message: str, severity: str = "error",
+                 request: int | None = None, details: dict | None = None) -> Finding:
+        return Finding(backend=NAME, code=code, message=message, severity=severity, step=common.step,
+                       request=request, details=details or {})
+
+    def _from_violations(self, common: CommonMetadata, violations: list[Violation]) -> list[Finding]:
+        return [self._finding(common, v.code, v.message, "error", v.request, dict(v.details)) for v in violations]
+
+    def findings(self, common: CommonMetadata, md: FlashInferTSMetadata) -> list[Finding]:
+        """Every kernel precondition this step's builder output breaks, with the numbers."""
+        found: list[Finding] = []
+        if md.overflow is not None:
+            return [self._finding(common, "buffer_overflow", md.overflow,
+                                  details={"num_reqs": md.num_reqs, "buffer_rows": md.buffer_rows})]
+        if md.noop_reason is not None:
+            found.append(self._finding(
+                common, "noop_batch", f"no token written: {md.noop_reason}",
+                details={"num_tokens": md.num_tokens, "num_reqs": md.num_reqs,
+                         "query_len": md.quotient_query_len, "max_decode_query_len": self.builder.query_len}))
+            return found
+        if md.query_len == 0:
+            return found
+        found += self._from_violations(common, self.plan_violations)
+        found += self._query_block_findings(common, md)
+        found += self._request_findings(common, md)
+        views = self.impl.last_views or self._static_views()
+        found += self._from_violations(common, view_violations(views[0], views[1], self.meta.layer.head_size))
+        return found
+
+    def _static_views(self):
+        """K/V views of an empty cache in the snapshot's layout, on the meta device (strides only)."""
+        import torch
+
+        layer = self.meta.layer
+        shape = (1, layer.num_kv_heads, self.meta.backend.page_size, 2 * layer.head_size)
+        dtype = torch.uint8 if layer.is_fp8 else getattr(torch, layer.dtype)
+        return kv_views(torch.empty(shape, dtype=dtype, device="meta"), layer.head_size, layer.is_fp8)
+
+    def _query_block_findings(self, common: CommonMetadata, md: FlashInferTSMetadata) -> list[Finding]:
+        found = []
+        q, n = md.query_len, md.num_reqs
+        starts = common.query_start_loc.to("cpu").tolist()
+        lens = [b - a for a, b in zip(starts, starts[1:])]
+        wrong = [r for r in range(n) if (starts[r], starts[r + 1]) != (r * q, (r + 1) * q)]
+        if wrong:
+            shown = ", ".join(f"{r} (tokens {starts[r]}..{starts[r + 1] - 1}, kernel block {r * q}..{(r + 1) * q - 1})"
+                              for r in wrong[:8])
+            more = f" and {len(wrong) - 8} more" if len(wrong) > 8 else ""
+            found.append(self._finding(
+                common, "non_uniform_query_blocks",
+                f"query lens {lens[:16]} are not uniform: the kernel views the flat query as {n} blocks of {q}, "
+                f"so requests {shown}{more} get other requests' tokens",
+                details={"query_lens": lens, "query_len": q, "misassigned_requests": wrong}))
+        leftover = md.num_tokens - n * q
+        if leftover > 0:
+            found.append(self._finding(
+                common, "ragged_leftover_tokens",
+                f"{md.num_tokens} tokens over {n} requests round down to blocks of {q}: tokens "
+                f"{n * q}..{md.num_tokens - 1} ({leftover}) are not written",
+                details={"num_tokens": md.num_tokens, "query_len": q, "first_unwritten": n * q,
+                         "unwritten": leftover}))
+        return found
+
+    def _request_findings(self, common: CommonMetadata, md: FlashInferTSMetadata) -> list[Finding]:
+        found = []
+        ps = self.builder.page_size
+        lens = md.seq_lens.to("cpu").tolist()
+        table = md.block_table.to("cpu")
+        engine_lens = common.seq_lens[: md.num_reqs].to("cpu").tolist()
+        start_pages = md.start_page.to("cpu").tolist() if md.start_page is not None else [0] * md.num_reqs
+        width = int(table.shape[1])
+        for r, length in enumerate(lens):
+            found += self._from_violations(common, check_request(
+                request=r, seq_len=length, query_len=md.query_len, max_kv_len=md.max_kv_len,
+                table_width=width, page_size=ps))
+            live = table[r, : min(cdiv(length, ps), width)]
+            bad = ((live < 0) | (live >= common.num_pages)).nonzero().flatten().tolist()
+            if bad:
+                col = bad[0]
+                engine_col = min(start_pages[r] + col, common.block_table_engine.shape[1] - 1)
+                engine_id = int(common.block_table_engine[r, engine_col])
+                value = int(live[col])
+                where = "not stored in the snapshot" if value < 0 else f"outside the {common.num_pages} stored pages"
+                found.append(self._finding(
+                    common, "page_outside_cache",
+                    f"request {r}: handed block-table column {col} holds page {value} (engine page {engine_id}), "
+                    f"{where}; {len(bad)} live column(s) read outside the cache",
+                    request=r, details={"column": col, "stored_index": value, "engine_page": engine_id,
+                                        "bad_columns": bad, "num_pages": common.num_pages}))
+            if md.restricted and md.query_len <= engine_lens[r]:
+                vis = visibility_table(engine_lens[r], self.builder.sliding_window, md.query_len, ps, False)
+                if vis.worst_extra > 0:
+                    found.append(self._finding(
+                        common, "window_restriction_extra_keys",
+                        f"request {r}: the page-aligned restriction keeps keys from {start_pages[r] * ps} on; query "
+                        f"tokens see up to {vis.worst_extra} keys outside their exact window "
+                        f"(one shared start, drift {vis.drift})", severity="warning", request=r,
+                        details={"first_kept_token": start_pages[r] * ps, "worst_extra": vis.worst_extra,
+                                 "drift": vis.drift, "extra_per_token": [t.extra for t in vis.tokens]}))
+        return found
+
+    # ------------------------------------------------------------------ explain
+
+    def explain(self, common: CommonMetadata, md: FlashInferTSMetadata) -> list[dict[str, Any]]:
+        """Per request: the builder's decisions that decide what the kernel sees."""
+        ps = self.builder.page_size
+        engine_lens = common.seq_lens[: md.num_reqs].to("cpu").tolist()
+        handed = md.seq_lens.to("cpu").tolist()
+        start_pages = md.start_page.to("cpu").tolist() if md.start_page is not None else [0] * md.num_reqs
+        width = int(md.block_table.shape[1])
+        window = self.builder.sliding_window
+        rows = []
+        for r, length in enumerate(engine_lens):
+            row = {
+                "request": r,
+                "seq_len": length,
+                "restricted_seq_len": handed[r],
+                "restricted": md.restricted,
+                "start_page": start_pages[r],
+                "first_kept_token": start_pages[r] * ps,
+                "pages_kept": cdiv(handed[r], ps),
+                "table_width": width,
+                "plan_key": list(md.plan_key) if md.plan_key else None,
+                "query_len": md.query_len,
+                "mask_type": md.plan.mask_type if md.plan else ts_mask_type(md.causal),
+                "window_left": md.plan.window_left if md.plan else ts_window_left(window, md.causal),
+                "max_kv_len": md.max_kv_len,
+            }
+            if md.overflow is not None:
+                row["note"] = "buffer overflow: vLLM's builder fails, nothing runs"
+            elif md.query_len == 0:
+                row["note"] = f"no-op batch: {md.noop_reason or 'no tokens'}"
+            elif md.restricted and md.query_len <= length:
+                row["restriction"] = asdict(restrict_to_window(length, window, md.query_len, ps))
+            rows.append(row)
+        return rows
+
+
+def create(meta: "SnapshotMeta", options: ReplayOptions, *, gate: KernelGate | None = None) -> FlashInferTSInstance:
+    """A ready backend; ``gate`` overrides the real-kernel probe (tests pass a recording wrapper this way)."""
+    reason = unsupported_reason(meta)
+    if reason is not None:
+        raise BackendUnavailable(reason)
+    return FlashInferTSInstance(meta, options, gate)
+
+
+BACKEND = BackendSpec(
+    name=NAME,
+    engine_name=ENGINE_NAME,
+    summary="FlashInfer prims_ts paged decode (uniform query blocks, dense or causal, page-restricted windows)",
+    unsupported_reason=unsupported_reason,
+    create=create,
+)
