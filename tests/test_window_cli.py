@@ -1,0 +1,107 @@
+"""`kvdbg window`: exit codes, messages, --json numbers, and no torch on its path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from kvdbg.cli import cli
+
+
+def run(*args):
+    return CliRunner().invoke(cli, ["window", *args], env={"NO_COLOR": "1", "COLUMNS": "160"})
+
+
+def test_issue_example_tables():
+    res = run("--seq-len", "9000", "--window", "4096", "--query-len", "8")
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())  # column padding depends on the widest cell
+    assert "first kept │ page 306, token 4896" in out
+    assert "306 dropped, 257 kept of 563" in out
+    assert "restricted seq_len │ 4104" in out
+    assert "plan max_kv_len │ 4120" in out
+    assert "worst extra tokens │ 8 " in out and "shared-start drift │ 7 tokens" in out
+    assert "│ 7 │ 8999 │ [4904, 9000) │ [4896, 9000) │ 8 │ 0 │" in out
+    # Without colour the strip still reads through its letters.
+    assert "303 304 305 306 307 308 309 310-560 561 562 … D D D P K K K … K Q" in out
+    assert "no findings" in out
+
+
+def test_json_has_the_same_numbers():
+    res = run("--seq-len", "9000", "--window", "4096", "--query-len", "8", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    r = data["restriction"]
+    assert (r["span"], r["start_page"], r["restricted_seq_len"], r["table_width"]) == (4103, 306, 4104, 258)
+    assert data["builder"]["max_kv_len"] == 4120 and data["builder"]["mask_type"] == "dense"
+    assert [t["extra"] for t in data["visibility"]["tokens"]] == list(range(1, 9))
+    assert data["visibility"]["drift"] == 7 and data["findings"] == []
+
+
+def test_causal_window_past_max_kv_len_exits_1():
+    res = run("--seq-len", "9000", "--window", "4096", "--query-len", "8", "--mask", "causal")
+    assert res.exit_code == 1, res.output
+    assert "does not apply — causal mask" in res.output
+    assert "seq_len 9000 exceeds the plan's max_kv_len 4120" in res.output
+    assert "seq_len 9000 needs 563 pages of 16 but the block table has 258 columns" in res.output
+    assert "X" in res.output  # pages the kernel needs but never got
+
+
+def test_short_sequence_says_why_and_still_checks():
+    res = run("--seq-len", "1000", "--window", "4096", "--query-len", "4", "--json")
+    assert res.exit_code == 0
+    data = json.loads(res.output)
+    assert data["applies"] is False and "nothing is dropped" in data["reason"]
+    assert data["builder"]["seq_len"] == 1000 and data["builder"]["max_kv_len"] == 4096 + 4 + 16
+
+
+def test_no_window_full_attention():
+    res = run("--seq-len", "9000", "--query-len", "8", "--json")
+    assert res.exit_code == 0
+    data = json.loads(res.output)
+    assert data["reason"].startswith("no sliding window")
+    assert data["builder"]["max_kv_len"] == 32768 and data["builder"]["buffer_width"] == 2048
+
+
+def test_unsupported_page_size_is_a_finding():
+    res = run("--seq-len", "9000", "--window", "4096", "--page-size", "24")
+    assert res.exit_code == 1
+    assert "page_size 24 is not supported by prims_ts" in res.output
+
+
+def test_long_query_block_is_elided_unless_full():
+    short = run("--seq-len", "9000", "--window", "4096", "--query-len", "40")
+    assert short.exit_code == 0 and "32 more (--full)" in short.output and "8975" not in short.output
+    full = run("--seq-len", "9000", "--window", "4096", "--query-len", "40", "--full")
+    assert "more (--full)" not in full.output and "8975" in full.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seq-len", "0", "--window", "4096"], "Error: --seq-len must be >= 1, got 0"),
+    (["--seq-len", "100", "--window", "-5"], "Error: --window must be >= 1, got -5"),
+    (["--seq-len", "100", "--page-size", "0"], "Error: --page-size must be >= 1, got 0"),
+    (["--seq-len", "4", "--query-len", "8"], "Error: --query-len 8 is longer than --seq-len 4"),
+    (["--seq-len", "40000", "--max-model-len", "32768"], "Error: --seq-len 40000 exceeds --max-model-len 32768"),
+    (["--seq-len", "100", "--max-decode-query-len", "0"], "Error: --max-decode-query-len must be >= 1, got 0"),
+])
+def test_bad_options_exit_2_with_one_line(args, message):
+    res = CliRunner().invoke(cli, ["window", *args])
+    assert res.exit_code == 2
+    assert res.output.strip() == message
+
+
+def test_window_cli_does_not_import_torch():
+    code = ("import runpy, sys\n"
+            "sys.argv = ['kvdbg', 'window', '--seq-len', '9000', '--window', '4096', '--query-len', '8']\n"
+            "try:\n"
+            "    runpy.run_module('kvdbg', run_name='__main__')\n"
+            "except SystemExit as exc:\n"
+            "    assert not exc.code, exc.code\n"
+            "print('TORCH', 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "306 dropped" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "TORCH False"
