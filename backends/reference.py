@@ -1,0 +1,215 @@
+"""The exact reference: attention over the logical KV gathered through the block table.
+
+Correctness is defined here; every backend is compared against it. Masks follow
+DESIGN.md with ``p = L - q + i`` the absolute position of query token ``i``:
+causal ``k <= p`` (window: ``p - w < k <= p``); dense ``k < L`` (window:
+``p - w < k < L``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvdbg.format import SnapshotMeta
+
+# Bytes of gathered K/V + scores one chunk of requests may hold. Keeps 64 x 8192
+# token batches within a few hundred MiB instead of materialising all at once.
+CHUNK_BUDGET_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class ReferenceMetadata:
+    """Requests grouped into chunks of similar length (passive; built by ReferenceBuilder)."""
+
+    chunks: list["torch.Tensor"]  # each: request indices (int64) processed together
+    page_counts: list[int]  # live pages each chunk gathers (its longest request)
+    query_lens: "torch.Tensor"  # [num_reqs] int64
+    seq_lens: "torch.Tensor"  # [num_reqs] int64
+    query_start_loc: "torch.Tensor"  # [num_reqs + 1] int64
+    block_table: "torch.Tensor"  # [num_reqs, width] stored-page indices
+    causal: bool
+    sliding_window: int | None
+    page_size: int
+
+
+def _as_fp8(t: "torch.Tensor") -> "torch.Tensor":
+    import torch
+
+    return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
+
+
+class ReferenceBuilder:
+    def __init__(self, meta: "SnapshotMeta", compute_dtype: "torch.dtype"):
+        self.meta = meta
+        self.compute_dtype = compute_dtype
+
+    def build(self, common: CommonMetadata) -> ReferenceMetadata:
+        import torch
+
+        layer, ps = self.meta.layer, common.page_size
+        seq_lens = common.seq_lens.to(torch.int64)
+        query_lens = common.query_lens.to(torch.int64)
+        pages = (seq_lens + ps - 1) // ps
+        bytes_per = torch.finfo(self.compute_dtype).bits // 8
+        # Sorting by length makes each chunk pad to a length close to its members'.
+        order = torch.argsort(pages, stable=True).cpu()
+        pages_cpu = pages.cpu().tolist()
+        qlens_cpu = query_lens.cpu().tolist()
+        chunks, page_counts, current, widest_q = [], [], [], 0
+        for r in order.tolist():
+            # Ascending order: the request just added is the chunk's longest.
+            longest = pages_cpu[r] * ps
+            wider = max(widest_q, qlens_cpu[r])
+            per_request = longest * (2 * layer.num_kv_heads * layer.head_size + 2 * layer.num_heads * wider)
+            if current and (len(current) + 1) * per_request * bytes_per > CHUNK_BUDGET_BYTES:
+                chunks.append(torch.tensor(current, dtype=torch.int64))
+                page_counts.append(pages_cpu[current[-1]])
+                current, wider = [], qlens_cpu[r]
+            current.append(r)
+            widest_q = wider
+        if current:
+            chunks.append(torch.tensor(current, dtype=torch.int64))
+            page_counts.append(pages_cpu[current[-1]])
+        device = common.seq_lens.device
+        return ReferenceMetadata(
+            chunks=[c.to(device) for c in chunks],
+            page_counts=page_counts,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            query_start_loc=common.query_start_loc.to(torch.int64),
+            block_table=common.block_table.to(torch.int64),
+            causal=common.causal,
+            sliding_window=common.sliding_window,
+            page_size=ps,
+        )
+
+
+class ReferenceImpl:
+    def __init__(self, meta: "SnapshotMeta", compute_dtype: "torch.dtype"):
+        self.meta = meta
+        self.compute_dtype = compute_dtype
+
+    def forward(self, query, kv_cache, md: ReferenceMetadata, output):
+        import torch
+
+        from kvdbg.replay import kv_views
+
+        layer = self.meta.layer
+        dt = self.compute_dtype
+        hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_size
+        group = hq // hkv
+        ps = md.page_size
+        k_pages, v_pages = kv_views(self.meta, kv_cache)
+        k_scale = layer.k_scale if layer.is_fp8 else 1.0
+        v_scale = layer.v_scale if layer.is_fp8 else 1.0
+        q_scale = layer.q_scale if layer.is_fp8 and query.dtype in (torch.uint8, torch.float8_e4m3fn) else 1.0
+        query = _as_fp8(query) if layer.is_fp8 else query
+        device = query.device
+
+        for reqs, num_pages in zip(md.chunks, md.page_counts):
+            n = reqs.numel()
+            if n == 0 or num_pages == 0:
+                continue
+            seq_lens = md.seq_lens[reqs]
+            qlens = md.query_lens[reqs]
+            qmax = int(qlens.max())
+            if qmax == 0:
+                continue
+            kv_len = num_pages * ps
+            # Entries past a request's live pages may be -1 (not stored) or stale; they are masked by k < L.
+            table = md.block_table[reqs, :num_pages].clamp_min(0)
+            keys = k_pages[table].to(dt) * k_scale  # [n, pages, Hkv, ps, D]
+            values = v_pages[table].to(dt) * v_scale
+            keys = keys.permute(0, 2, 1, 3, 4).reshape(n, hkv, kv_len, d)
+            values = values.permute(0, 2, 1, 3, 4).reshape(n, hkv, kv_len, d)
+
+            # Gather each request's query block, padded to qmax; padded rows are dropped below.
+            offsets = torch.arange(qmax, device=device)
+            token = md.query_start_loc[reqs].unsqueeze(1) + offsets.unsqueeze(0)  # [n, qmax]
+            real = offsets.unsqueeze(0) < qlens.unsqueeze(1)
+            token = torch.where(real, token, torch.zeros_like(token))
+            q = query[token].to(dt) * q_scale  # [n, qmax, Hq, D]
+            q = q.reshape(n, qmax, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, group * qmax, d)
+
+            scores = torch.matmul(q, keys.transpose(-1, -2)) * layer.scale  # [n, Hkv, G*qmax, kv_len]
+            scores = scores.view(n, hkv, group, qmax, kv_len)
+            pos = (seq_lens - qlens).unsqueeze(1) + offsets.unsqueeze(0)  # p = L - q + i, [n, qmax]
+            k = torch.arange(kv_len, device=device).view(1, 1, kv_len)
+            p = pos.unsqueeze(2)
+            if md.causal:
+                allowed = k <= p
+            else:
+                allowed = k < seq_lens.view(n, 1, 1)
+            if md.sliding_window is not None:
+                allowed = allowed & (k > p - md.sliding_window)
+            allowed = allowed & real.unsqueeze(2)
+            scores = scores.masked_fill(~allowed.view(n, 1, 1, qmax, kv_len), float("-inf"))
+            del keys
+            probs = torch.softmax(scores, dim=-1).view(n, hkv, group * qmax, kv_len)
+            del scores
+            out = torch.matmul(probs, values).view(n, hkv, group, qmax, d)
+            out = out.permute(0, 3, 1, 2, 4).reshape(n, qmax, hq, d)
+            output[token[real]] = out[real].to(output.dtype)
+        return output
+
+
+class ReferenceInstance:
+    def __init__(self, meta: "SnapshotMeta", options: ReplayOptions):
+        import torch
+
+        self.meta = meta
+        self.options = options
+        self.compute_dtype = torch.float64 if options.exact else torch.float32
+        self.output_dtype = self.compute_dtype
+        self.builder = ReferenceBuilder(meta, self.compute_dtype)
+        self.impl = ReferenceImpl(meta, self.compute_dtype)
+
+    def describe(self) -> RunInfo:
+        name = "float64" if self.options.exact else "float32"
+        notes = ["logical KV gathered through the block table; GQA by head grouping"]
+        if self.meta.layer.is_fp8:
+            notes.append("FP8 query/K/V dequantised with the q/k/v scales before attention")
+        return RunInfo(backend="reference", kernel=f"exact torch attention ({name} accumulate)",
+                       device=self.options.device, dtype=name, notes=notes)
+
+    def findings(self, common: CommonMetadata, metadata: Any) -> list[Finding]:
+        return []
+
+    def explain(self, common: CommonMetadata, metadata: ReferenceMetadata) -> list[dict[str, Any]]:
+        rows = []
+        w = metadata.sliding_window
+        for r, (length, q) in enumerate(zip(metadata.seq_lens.tolist(), metadata.query_lens.tolist())):
+            first = length - q
+            if metadata.causal:
+                lo = (first - w + 1) if w else 0
+                seen = f"[{max(lo, 0)}, p] for p in [{first}, {length - 1}]"
+            else:
+                seen = f"[max(0, p-{w - 1}), {length - 1}]" if w else f"[0, {length - 1}]"
+            rows.append({"request": r, "seq_len": length, "query_len": q, "keys": seen})
+        return rows
+
+
+def _unsupported(meta: "SnapshotMeta") -> str | None:
+    layer = meta.layer
+    if layer.has_sinks:
+        return "attention sinks are not modelled by the reference"
+    if layer.has_alibi:
+        return "ALiBi is not modelled by the reference"
+    if layer.logits_soft_cap:
+        return "logits soft-capping is not modelled by the reference"
+    return None
+
+
+BACKEND = BackendSpec(
+    name="reference",
+    engine_name="REFERENCE",
+    summary="exact attention over the logical KV (fp32, fp64 with --exact)",
+    unsupported_reason=_unsupported,
+    create=lambda meta, options: ReferenceInstance(meta, options),
+)

@@ -1,0 +1,304 @@
+"""The replay core: derive each step's CommonMetadata, apply the step's cache update, run every backend."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+
+from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.errors import BackendUnavailable, OptionError
+
+if TYPE_CHECKING:
+    from kvdbg.format import SnapshotMeta
+    from kvdbg.snapshot import Snapshot
+
+FP8_MAX = 448.0  # float8_e4m3fn saturates here, as vLLM's cache write does
+
+
+@dataclass
+class BackendRun:
+    """One backend on one step: what ran, what it wrote, what it found."""
+
+    backend: str
+    engine_name: str
+    step: int
+    info: RunInfo | None = None
+    output: torch.Tensor | None = None  # [num_tokens, Hq, D]; NaN where the backend wrote nothing
+    findings: list[Finding] = field(default_factory=list)
+    explain: list[dict[str, Any]] = field(default_factory=list)
+    build_s: float = 0.0
+    forward_s: float = 0.0
+    error: str | None = None  # the backend raised while building or running (reported as a finding too)
+
+
+@dataclass
+class StepReplay:
+    step: int
+    common: CommonMetadata
+    runs: dict[str, BackendRun]  # in the order the backends were asked for
+    captured_output: torch.Tensor | None  # the engine's own output, if the snapshot has one
+
+
+@dataclass
+class BackendStatus:
+    """Whether a backend could be set up for this snapshot, and if not, why."""
+
+    name: str
+    engine_name: str | None
+    available: bool
+    reason: str | None = None
+    info: RunInfo | None = None
+
+
+@dataclass
+class ReplayResult:
+    path: str | None
+    meta: "SnapshotMeta"
+    options: ReplayOptions
+    backends: list[BackendStatus]
+    steps: list[StepReplay]
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [f for s in self.steps for run in s.runs.values() for f in run.findings]
+
+
+# --------------------------------------------------------------------------- cache helpers
+
+
+def kv_views(meta: "SnapshotMeta", cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views ``[pages, Hkv, page_size, D]`` of a cache in ``meta``'s layout (no copy)."""
+    from kvdbg.snapshot import Snapshot
+
+    return Snapshot(meta=meta, kv_cache=cache, page_ids=cache.new_empty(0, dtype=torch.int32), steps=[]).kv_views(cache)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        built = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+        raise BackendUnavailable(f"--device cuda: {built} (torch {torch.__version__})")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise OptionError(f"--device must be cpu, cuda or auto, got {device!r}")
+    return device
+
+
+def common_metadata(snapshot: "Snapshot", step: int, device: str = "cpu") -> CommonMetadata:
+    """Engine-level metadata of one step, on ``device``, shared by every backend's builder."""
+    if not 0 <= step < len(snapshot.steps):
+        raise OptionError(f"--step {step} is out of range: the snapshot has {len(snapshot.steps)} step(s)")
+    s = snapshot.steps[step]
+    seq_lens = s.seq_lens.to(torch.int64)
+    qsl = s.query_start_loc.to(torch.int64)
+    qlens = qsl[1:] - qsl[:-1]
+    return CommonMetadata(
+        block_table=snapshot.stored_block_table(step).to(device),
+        block_table_engine=s.block_table.to(torch.int64).to(device),
+        seq_lens=seq_lens.to(device),
+        query_start_loc=qsl.to(device),
+        num_reqs=s.num_reqs,
+        num_actual_tokens=s.num_tokens,
+        max_query_len=int(qlens.max()) if len(qlens) else 0,
+        max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
+        causal=snapshot.meta.layer.causal,
+        sliding_window=snapshot.meta.layer.sliding_window,
+        page_size=snapshot.page_size,
+        num_pages=snapshot.num_pages,
+        null_page=snapshot.null_page_index(),
+        step=step,
+    )
+
+
+def working_cache(snapshot: "Snapshot", device: str = "cpu") -> torch.Tensor:
+    """A private copy of the stored pages that step updates may write into."""
+    return snapshot.kv_cache.to(device, copy=True).contiguous()
+
+
+def apply_step_update(snapshot: "Snapshot", cache: torch.Tensor, step: int) -> int:
+    """Write step ``step``'s new key/value into ``cache`` at its slots, as the engine's cache update does.
+
+    FP8 caches store ``x / scale`` saturated to e4m3. Returns the number of tokens written.
+    """
+    s = snapshot.steps[step]
+    if s.slot_mapping is None or s.key is None or s.value is None:
+        return 0
+    ps = snapshot.page_size
+    device = cache.device
+    slots = s.slot_mapping.to(torch.int64).to(device)
+    keep = slots >= 0
+    slots = slots[keep]
+    if slots.numel() == 0:
+        return 0
+    stored = snapshot.to_stored_index(slots.cpu() // ps).to(device)
+    if (stored < 0).any():
+        bad = int(slots[stored < 0][0])
+        raise OptionError(f"step {step}: slot_mapping writes slot {bad}, whose page is not stored")
+    offset = slots % ps
+    k_view, v_view = kv_views(snapshot.meta, cache)
+    layer = snapshot.meta.layer
+    for view, new, scale in ((k_view, s.key, layer.k_scale), (v_view, s.value, layer.v_scale)):
+        new = new.to(device)[keep.to(device)]
+        if layer.is_fp8:
+            quant = (new.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            # Write bytes: index_put_ is not implemented for float8 on every device.
+            view.view(torch.uint8)[stored, :, offset] = quant.view(torch.uint8)
+        else:
+            view[stored, :, offset] = new.to(view.dtype)
+    return int(slots.numel())
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def load_backends(names: Iterable[str], meta: "SnapshotMeta", options: ReplayOptions,
+                  *, required: Iterable[str] = ()) -> tuple[list[BackendStatus], dict[str, Any], dict[str, BackendSpec]]:
+    """Import and create each backend. One that cannot run becomes an unavailable status with the reason.
+
+    Unknown names raise OptionError. A backend in ``required`` (asked for by name) that is unavailable
+    raises BackendUnavailable instead: the user asked for it, so nothing is shown without it.
+    """
+    from kvdbg.backends import backend_names, get_backend
+
+    names = list(dict.fromkeys(names))
+    valid = backend_names()
+    for name in names:
+        if name not in valid:
+            raise OptionError(f"unknown backend {name!r}; choose from: {', '.join(valid)}")
+    required = set(required)
+    statuses, instances, specs = [], {}, {}
+    for name in names:
+        try:
+            spec = get_backend(name)
+        except Exception as exc:  # a missing or broken optional module must not take the replay down
+            reason = f"kvdbg.backends.{name} cannot be imported: {type(exc).__name__}: {_first_line(exc)}"
+            statuses.append(BackendStatus(name, None, False, reason))
+            continue
+        reason = spec.unsupported_reason(meta)
+        if reason is None:
+            try:
+                inst = spec.create(meta, options)
+            except Exception as exc:
+                reason = f"{type(exc).__name__}: {_first_line(exc)}" if not isinstance(exc, BackendUnavailable) \
+                    else _first_line(exc)
+            else:
+                instances[name], specs[name] = inst, spec
+                statuses.append(BackendStatus(name, spec.engine_name, True, None, inst.describe()))
+                continue
+        statuses.append(BackendStatus(name, spec.engine_name, False, reason))
+    for st in statuses:
+        if not st.available and st.name in required:
+            raise BackendUnavailable(f"backend {st.name} cannot run: {st.reason}")
+    return statuses, instances, specs
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:300]
+
+
+def run_backend(name: str, spec: BackendSpec, inst: Any, common: CommonMetadata, query: torch.Tensor,
+                cache: torch.Tensor, output_dtype: torch.dtype, *, propagate: bool = False) -> BackendRun:
+    """builder.build → impl.forward into a NaN-filled output → findings → explain, timed."""
+    num_tokens = query.shape[0]
+    meta_layer = getattr(getattr(inst, "meta", None), "layer", None)
+    hq = query.shape[1]
+    d = meta_layer.head_size if meta_layer is not None else query.shape[2]
+    dtype = getattr(inst, "output_dtype", None) or output_dtype
+    run = BackendRun(backend=name, engine_name=spec.engine_name, step=common.step, info=inst.describe())
+    output = torch.full((num_tokens, hq, d), float("nan"), dtype=dtype, device=query.device)
+    try:
+        t0 = time.perf_counter()
+        md = inst.builder.build(common)
+        _sync(query.device)
+        t1 = time.perf_counter()
+        inst.impl.forward(query, cache, md, output)
+        _sync(query.device)
+        t2 = time.perf_counter()
+    except Exception as exc:
+        if propagate:
+            raise
+        run.error = f"{type(exc).__name__}: {_first_line(exc)}"
+        run.findings.append(Finding(backend=name, code="backend_raised", severity="error", step=common.step,
+                                    message=f"{name} raised while replaying step {common.step}: {run.error}",
+                                    details={"traceback": traceback.format_exc(limit=6)}))
+        return run
+    run.build_s, run.forward_s = t1 - t0, t2 - t1
+    run.output = output
+    run.info = inst.describe()  # a backend may refine what it reports once it has run
+    findings_fn = getattr(inst, "findings", None)
+    if findings_fn is not None:
+        run.findings.extend(findings_fn(common, md))
+    explain_fn = getattr(inst, "explain", None)
+    if explain_fn is not None:
+        run.explain = list(explain_fn(common, md))
+    return run
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options: ReplayOptions | None = None, *,
+           steps: Iterable[int] | None = None, required: Iterable[str] = (),
+           progress: Callable[[str], None] | None = None) -> ReplayResult:
+    """Replay ``snapshot`` through ``backends`` (default: reference, flex, flashinfer_ts).
+
+    Every step's update is applied to a working copy of the cache in order, so the
+    ``steps`` chosen are replayed against the cache state the engine had then; the
+    caller's ``snapshot`` is never modified. The reference always raises when it
+    fails (nothing can be compared without it); another backend's failure becomes a
+    ``backend_raised`` error finding on its column.
+    """
+    from kvdbg.backends import DEFAULT_ORDER
+
+    options = options or ReplayOptions()
+    device = resolve_device(options.device)
+    options.device = device
+    names = list(backends) if backends is not None else list(DEFAULT_ORDER)
+    if not names:
+        raise OptionError("--backend: give at least one backend")
+    num_steps = len(snapshot.steps)
+    wanted = sorted(set(range(num_steps) if steps is None else steps))
+    for s in wanted:
+        if not 0 <= s < num_steps:
+            raise OptionError(f"--step {s} is out of range: the snapshot has {num_steps} step(s)")
+    statuses, instances, specs = load_backends(names, snapshot.meta, options, required=required)
+    model_dtype = getattr(torch, snapshot.meta.layer.dtype)
+    cache = working_cache(snapshot, device)
+    results = []
+    last = wanted[-1] if wanted else -1
+    for step in range(last + 1):
+        apply_step_update(snapshot, cache, step)
+        if step not in wanted:
+            continue
+        common = common_metadata(snapshot, step, device)
+        query = snapshot.steps[step].query.to(device)
+        runs = {}
+        for name in names:
+            if name not in instances:
+                continue
+            if progress:
+                progress(f"step {step}: {name}")
+            runs[name] = run_backend(name, specs[name], instances[name], common, query, cache, model_dtype,
+                                     propagate=(name == "reference"))
+        captured = snapshot.steps[step].output
+        results.append(StepReplay(step=step, common=common, runs=runs,
+                                  captured_output=None if captured is None else captured.to(device)))
+    for st in statuses:  # report what the backends say after running (e.g. compiled or not)
+        if st.available and results:
+            last_run = results[-1].runs.get(st.name)
+            if last_run is not None and last_run.info is not None:
+                st.info = last_run.info
+    return ReplayResult(path=snapshot.path, meta=snapshot.meta, options=options, backends=statuses, steps=results)
+
+
+__all__ = [
+    "BackendRun", "BackendStatus", "ReplayResult", "StepReplay", "apply_step_update", "common_metadata",
+    "kv_views", "load_backends", "replay", "resolve_device", "run_backend", "working_cache",
+]
