@@ -1,0 +1,224 @@
+"""Per request × head comparison of a backend's output against the reference (or the engine's output).
+
+An element passes when ``|a - e| <= atol + rtol * |e|`` (e: expected). Default
+tolerances depend on the dtype the compared backend computes in, because its
+output is rounded to that dtype:
+
+=============  ======  ======  ==========================================
+dtype          atol    rtol    why
+=============  ======  ======  ==========================================
+float64        1e-10   1e-10   round-off only
+float32        1e-5    1e-5    a few fp32 ulps of accumulated round-off
+float16        2e-3    2e-3    2 ulps of the fp16 output (eps 9.8e-4)
+bfloat16       1.6e-2  1.6e-2  2 ulps of the bf16 output (eps 7.8e-3)
+fp8 KV cache   3e-2    3e-2    bf16/fp16 rounding of dequantised values
+=============  ======  ======  ==========================================
+
+Non-finite outputs are counted, never raised: NaN where the expected value is
+finite usually means the backend did not write that token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+DEFAULT_TOLERANCES = {
+    "float64": (1e-10, 1e-10),
+    "float32": (1e-5, 1e-5),
+    "float16": (2e-3, 2e-3),
+    "bfloat16": (1.6e-2, 1.6e-2),
+    "fp8": (3e-2, 3e-2),
+}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    source: str  # "default for bfloat16", "--atol/--rtol"
+
+    @property
+    def rule(self) -> str:
+        return f"|a - e| <= {self.atol:g} + {self.rtol:g}·|e|"
+
+
+def default_tolerance(dtype: str, *, fp8: bool = False, atol: float | None = None,
+                      rtol: float | None = None) -> Tolerance:
+    """The tolerance for a backend computing in ``dtype``; ``atol``/``rtol`` override either part."""
+    key = "fp8" if fp8 else dtype
+    base_atol, base_rtol = DEFAULT_TOLERANCES.get(key, DEFAULT_TOLERANCES["bfloat16"])
+    source = f"default for {'fp8 KV cache' if fp8 else dtype}"
+    if atol is not None or rtol is not None:
+        source = "--atol/--rtol" if atol is not None and rtol is not None else source + " with --atol/--rtol"
+    return Tolerance(base_atol if atol is None else atol, base_rtol if rtol is None else rtol, source)
+
+
+@dataclass
+class HeadDiff:
+    request: int
+    head: int
+    num_tokens: int
+    max_abs: float
+    mean_abs: float
+    max_rel: float  # |a - e| / max(|e|, atol), so near-zero expected values do not explode it
+    cosine: float
+    worst_token: int  # index into the step's query tokens
+    worst_position: int  # absolute position of that token in its request (L - q + i)
+    nonfinite: int  # elements where actual is NaN/inf and expected is finite
+    unwritten: int  # of those, NaN: the backend left them as allocated
+    failing: int  # elements outside the tolerance (non-finite included)
+    passed: bool
+
+    def to_json_dict(self) -> dict:
+        return {k: (None if isinstance(v, float) and v != v else v) for k, v in asdict(self).items()}
+
+
+@dataclass
+class Comparison:
+    """One backend against one expectation (the reference, or the engine's captured output)."""
+
+    actual: str  # backend name, or "captured"
+    expected: str  # "reference" or "captured"
+    step: int
+    tolerance: Tolerance
+    heads: list[HeadDiff] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[HeadDiff]:
+        return [h for h in self.heads if not h.passed]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed
+
+    @property
+    def max_abs(self) -> float:
+        finite = [h.max_abs for h in self.heads if h.max_abs == h.max_abs]
+        return max(finite, default=0.0)
+
+    @property
+    def nonfinite(self) -> int:
+        return sum(h.nonfinite for h in self.heads)
+
+    def to_json_dict(self) -> dict:
+        return {
+            "actual": self.actual, "expected": self.expected, "step": self.step,
+            "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol, "source": self.tolerance.source,
+                          "rule": self.tolerance.rule},
+            "passed": self.passed, "failed_heads": len(self.failed), "heads_compared": len(self.heads),
+            "max_abs": self.max_abs, "nonfinite": self.nonfinite,
+            "heads": [h.to_json_dict() for h in self.heads],
+        }
+
+
+def compare(actual: torch.Tensor, expected: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+            tolerance: Tolerance, *, requests: list[int] | None = None, heads: list[int] | None = None,
+            actual_name: str = "actual", expected_name: str = "expected", step: int = 0) -> Comparison:
+    """Compare ``actual`` to ``expected`` ([num_tokens, Hq, D]) per request × head, vectorised over tokens."""
+    if actual.shape != expected.shape:
+        raise ValueError(f"{actual_name} has shape {tuple(actual.shape)} but {expected_name} {tuple(expected.shape)}")
+    qsl = query_start_loc.to(torch.int64).cpu()
+    lens = seq_lens.to(torch.int64).cpu()
+    num_reqs = len(qsl) - 1
+    num_tokens, num_heads, _ = actual.shape
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    head_ids = list(range(num_heads)) if heads is None else [h for h in heads if 0 <= h < num_heads]
+    req_ids = list(range(num_reqs)) if requests is None else [r for r in requests if 0 <= r < num_reqs]
+    a, e = a[:, head_ids], e[:, head_ids]
+    # Only positions where the expected value exists are judged; the reference writes every query token.
+    judged = torch.isfinite(e)
+    finite_a = torch.isfinite(a)
+    bad_value = judged & ~finite_a
+    err = torch.where(judged & finite_a, (a - e).abs(), torch.zeros_like(a))
+    limit = tolerance.atol + tolerance.rtol * e.abs().nan_to_num(0.0)
+    outside = (judged & finite_a & (err > limit)) | bad_value
+    rel = err / torch.clamp(e.abs().nan_to_num(0.0), min=max(tolerance.atol, 1e-30))
+
+    doc = torch.repeat_interleave(torch.arange(num_reqs), qsl[1:] - qsl[:-1])
+    pos = torch.arange(num_tokens) - qsl[doc] + (lens - (qsl[1:] - qsl[:-1]))[doc]
+    # Per token × head reductions over the head dimension D, then per request with segment sums.
+    tok_max = err.amax(-1)  # [T, H]
+    tok_sum = err.sum(-1)
+    tok_rel = rel.amax(-1)
+    tok_bad = bad_value.sum(-1)
+    tok_nan = (judged & a.isnan()).sum(-1)
+    tok_out = outside.sum(-1)
+    tok_cnt = judged.sum(-1)
+    dot = torch.where(judged & finite_a, a * e, torch.zeros_like(a)).sum(-1)
+    aa = torch.where(judged & finite_a, a * a, torch.zeros_like(a)).sum(-1)
+    ee = torch.where(judged, e * e, torch.zeros_like(e)).nan_to_num(0.0).sum(-1)
+
+    nh = len(head_ids)
+
+    def seg_sum(x):
+        return torch.zeros(num_reqs, nh, dtype=x.dtype).index_add_(0, doc, x)
+
+    index = doc.unsqueeze(1).expand(-1, nh)
+    req_max = torch.full((num_reqs, nh), -1.0, dtype=torch.float64).scatter_reduce_(0, index, tok_max, "amax")
+    req_rel = torch.zeros(num_reqs, nh, dtype=torch.float64).scatter_reduce_(0, index, tok_rel, "amax")
+    sums, cnts = seg_sum(tok_sum), seg_sum(tok_cnt)
+    bads, nans, outs = seg_sum(tok_bad), seg_sum(tok_nan), seg_sum(tok_out)
+    dots, aas, ees = seg_sum(dot), seg_sum(aa), seg_sum(ee)
+    # Worst token: the first token of the request whose error equals the request's maximum.
+    is_worst = tok_max == req_max[doc]
+    big = num_tokens + 1
+    worst = torch.full((num_reqs, nh), big, dtype=torch.int64).scatter_reduce_(
+        0, index, torch.where(is_worst, torch.arange(num_tokens).unsqueeze(1).expand(-1, nh), big), "amin")
+    comp = Comparison(actual=actual_name, expected=expected_name, step=step, tolerance=tolerance)
+    for r in req_ids:
+        if int(qsl[r + 1] - qsl[r]) == 0:
+            continue
+        for j, h in enumerate(head_ids):
+            count = int(cnts[r, j])
+            w = int(worst[r, j]) if int(worst[r, j]) < big else int(qsl[r])
+            denom = float(aas[r, j].sqrt() * ees[r, j].sqrt())
+            cosine = float(dots[r, j]) / denom if denom > 0 else (1.0 if float(aas[r, j]) == float(ees[r, j]) else 0.0)
+            if int(bads[r, j]):
+                cosine = float("nan")
+            comp.heads.append(HeadDiff(
+                request=r, head=h, num_tokens=int(qsl[r + 1] - qsl[r]),
+                max_abs=float(req_max[r, j]) if count else 0.0,
+                mean_abs=float(sums[r, j]) / count if count else 0.0,
+                max_rel=float(req_rel[r, j]), cosine=cosine, worst_token=w, worst_position=int(pos[w]),
+                nonfinite=int(bads[r, j]), unwritten=int(nans[r, j]), failing=int(outs[r, j]),
+                passed=int(outs[r, j]) == 0))
+    return comp
+
+
+def compare_step(step_replay, meta, *, atol: float | None = None, rtol: float | None = None,
+                 requests: list[int] | None = None, heads: list[int] | None = None) -> list[Comparison]:
+    """Every backend of one replayed step against the reference, and against the captured output if any.
+
+    The captured output itself is also compared with the reference (``captured`` vs ``reference``).
+    """
+    common = step_replay.common
+    fp8 = meta.layer.is_fp8
+    out = []
+    ref = step_replay.runs.get("reference")
+    expected_sets = []
+    if ref is not None and ref.output is not None:
+        expected_sets.append(("reference", ref.output))
+    if step_replay.captured_output is not None:
+        expected_sets.append(("captured", step_replay.captured_output))
+    for expected_name, expected in expected_sets:
+        for name, run in step_replay.runs.items():
+            if name == "reference" or run.output is None:
+                continue
+            dtype = run.info.dtype if run.info is not None else meta.layer.dtype
+            tol = default_tolerance(dtype, fp8=fp8, atol=atol, rtol=rtol)
+            out.append(compare(run.output, expected, common.query_start_loc, common.seq_lens, tol,
+                               requests=requests, heads=heads, actual_name=name, expected_name=expected_name,
+                               step=step_replay.step))
+        if expected_name == "reference" and step_replay.captured_output is not None:
+            tol = default_tolerance(meta.layer.dtype, fp8=fp8, atol=atol, rtol=rtol)
+            out.append(compare(step_replay.captured_output, expected, common.query_start_loc, common.seq_lens, tol,
+                               requests=requests, heads=heads, actual_name="captured", expected_name="reference",
+                               step=step_replay.step))
+    return out
+
+
+__all__ = ["Comparison", "DEFAULT_TOLERANCES", "HeadDiff", "Tolerance", "compare", "compare_step",
+           "default_tolerance"]
