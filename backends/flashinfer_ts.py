@@ -12,7 +12,7 @@ that breaks one is undefined, and that is usually the bug being chased.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
