@@ -298,7 +298,55 @@ def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
     return ReplayResult(path=snapshot.path, meta=snapshot.meta, options=options, backends=statuses, steps=results)
 
 
+def save_outputs(result: ReplayResult, path: str, *, overwrite: bool = False) -> str:
+    """Write every backend's output (and the captured one) to a safetensors file, atomically.
+
+    Tensor names are ``step.N.<backend>``; the metadata lists what each backend ran.
+    """
+    import json
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise OptionError(f"--save-outputs {path} is a directory; give a file name")
+    if os.path.exists(path) and not overwrite:
+        raise OptionError(f"--save-outputs {path} already exists; pass --force to replace it")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise OptionError(f"--save-outputs {path}: directory {directory} does not exist")
+    tensors = {}
+    for step in result.steps:
+        for name, run in step.runs.items():
+            if run.output is not None:
+                tensors[f"step.{step.step}.{name}"] = run.output.detach().cpu().contiguous()
+        if step.captured_output is not None:
+            tensors[f"step.{step.step}.captured"] = step.captured_output.detach().cpu().contiguous()
+    kernels = {st.name: (st.info.kernel if st.info else f"unavailable: {st.reason}") for st in result.backends}
+    metadata = {"kvdbg.replay": json.dumps({"snapshot": result.path, "kernels": kernels})}
+    fd, tmp = tempfile.mkstemp(prefix=".kvdbg-", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:  # link() refuses to replace a file that appeared meanwhile
+                os.link(tmp, path)
+            except FileExistsError:
+                raise OptionError(f"--save-outputs {path} already exists; pass --force to replace it") from None
+    except OSError as exc:
+        raise OptionError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
 __all__ = [
+    "save_outputs",
     "BackendRun", "BackendStatus", "ReplayResult", "StepReplay", "apply_step_update", "common_metadata",
     "kv_views", "load_backends", "replay", "resolve_device", "run_backend", "working_cache",
 ]

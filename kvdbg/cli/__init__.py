@@ -12,6 +12,7 @@ from kvdbg._version import __version__
 COMMANDS = {
     "info": "kvdbg.cli.info:info",
     "map": "kvdbg.cli.map:map_",
+    "replay": "kvdbg.cli.replay:replay",
     "synth": "kvdbg.cli.synth:synth",
     "window": "kvdbg.cli.window:window",
 }

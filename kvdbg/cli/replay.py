@@ -1,0 +1,132 @@
+"""`kvdbg replay [SNAP]`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvdbg.cli.common import EXIT_FINDING, console, emit_json, guarded, json_option
+from kvdbg.errors import OptionError
+
+
+def parse_ranges(value: str | None, option: str) -> list[int] | None:
+    """``"0-3,7"`` → ``[0, 1, 2, 3, 7]``; None stays None (everything)."""
+    if value is None:
+        return None
+    out: list[int] = []
+    for part in value.replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            if "-" in part[1:]:
+                lo, hi = part.split("-", 1) if not part.startswith("-") else (part, "")
+                lo_i, hi_i = int(lo), int(hi)
+                if hi_i < lo_i:
+                    raise ValueError
+                out.extend(range(lo_i, hi_i + 1))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise OptionError(f"{option} must look like 0-3,7 (non-negative indices and ranges), got {value!r}") \
+                from None
+    if not out or min(out) < 0:
+        raise OptionError(f"{option} must list non-negative indices, got {value!r}")
+    return sorted(set(out))
+
+
+def default_snapshot() -> str:
+    try:
+        from kvdbg.fixtures_path import default_fixture
+    except ImportError:
+        import os
+        from importlib import resources
+
+        path = os.fspath(resources.files("kvdbg.fixtures") / "dflash.safetensors")
+        if not os.path.isfile(path):
+            raise OptionError("no SNAPSHOT given and the bundled fixture dflash.safetensors is missing") from None
+        return path
+    return default_fixture()
+
+
+@click.command()
+@click.argument("snapshot", required=False, type=click.Path(dir_okay=False))
+@click.option("--backend", "backends", multiple=True,
+              help="Backend to replay (repeatable): reference, flex, flashinfer_ts. Default: all three.")
+@click.option("--step", type=int, default=None, help="Replay only this step (earlier steps' cache updates still apply).")
+@click.option("--request", "requests", default=None, help="Requests to compare, e.g. 0-3,7 (default: all).")
+@click.option("--heads", default=None, help="Query heads to compare, e.g. 0-3,7 (default: all).")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@click.option("--exact", is_flag=True, help="Reference in float64 instead of float32.")
+@click.option("--compile/--no-compile", "compile_", default=None,
+              help="torch.compile flex_attention (default: eager on CPU, compiled on CUDA).")
+@click.option("--atol", type=float, default=None, help="Absolute tolerance (default by dtype, see the footer).")
+@click.option("--rtol", type=float, default=None, help="Relative tolerance (default by dtype).")
+@click.option("--explain", is_flag=True, help="Show each backend's per-request builder decisions.")
+@click.option("--full", is_flag=True, help="Show every head, not only failing ones and the worst passing.")
+@click.option("--save-outputs", type=click.Path(dir_okay=False), default=None,
+              help="Write every backend's output tensors to this safetensors file.")
+@click.option("--force", is_flag=True, help="Let --save-outputs replace an existing file.")
+@json_option
+@guarded
+def replay(snapshot, backends, step, requests, heads, device, exact, compile_, atol, rtol, explain, full,
+           save_outputs, force, as_json):
+    """Replay a snapshot through the exact reference and the backends, and diff them per head.
+
+    Without SNAPSHOT, replays the bundled dflash fixture. Each backend reports
+    what really ran (kernel, device, eager/compiled, dtype, emulated or not);
+    findings list what the engine's backend would silently get wrong; the
+    per-head table shows failing heads first.
+
+    Exit 0 when everything matches, 1 on a mismatch or an error finding, 2 on bad input.
+
+    \b
+    Examples:
+      kvdbg replay snapshot.safetensors
+      kvdbg replay snapshot.safetensors --backend flex --heads 0-3 --json
+      kvdbg replay --explain --save-outputs outputs.safetensors
+    """
+    from kvdbg.attention import ReplayOptions
+    from kvdbg.diff import compare_step
+    from kvdbg.render.replay import render_replay, replay_json
+    from kvdbg.replay import replay as run_replay
+    from kvdbg.replay import save_outputs as write_outputs
+    from kvdbg.snapshot import load_snapshot
+
+    for name, value in (("--atol", atol), ("--rtol", rtol)):
+        if value is not None and not value >= 0:
+            raise OptionError(f"{name} must be a non-negative number, got {value}")
+    request_ids = parse_ranges(requests, "--request")
+    head_ids = parse_ranges(heads, "--heads")
+    path = snapshot or default_snapshot()
+    snap = load_snapshot(path)
+    if head_ids is not None and max(head_ids) >= snap.meta.layer.num_heads:
+        raise OptionError(f"--heads {max(head_ids)} is out of range: the layer has {snap.meta.layer.num_heads} heads")
+    if request_ids is not None:
+        most = max(s.num_reqs for s in snap.steps)
+        if max(request_ids) >= most:
+            raise OptionError(f"--request {max(request_ids)} is out of range: the snapshot has {most} requests")
+    names = list(backends) if backends else None
+    if names is not None and "reference" not in names:
+        names.insert(0, "reference")  # every comparison needs the exact answer
+    progress = None
+    if sys.stderr.isatty() and not as_json:
+        err = console(stderr=True)
+
+        def progress(message: str) -> None:
+            err.print(f"[dim]replaying {message}…[/dim]")
+
+    options = ReplayOptions(device=device, exact=exact, compile=compile_)
+    result = run_replay(snap, names, options, steps=None if step is None else [step],
+                        required=list(backends), progress=progress)
+    comparisons = [c for s in result.steps
+                   for c in compare_step(s, snap.meta, atol=atol, rtol=rtol, requests=request_ids, heads=head_ids)]
+    if save_outputs:
+        write_outputs(result, save_outputs, overwrite=force)
+    if as_json:
+        emit_json(replay_json(result, comparisons, explain=explain))
+    else:
+        console().print(render_replay(result, comparisons, explain=explain, full=full, saved=save_outputs))
+    failed = any(not c.passed for c in comparisons) or any(f.severity == "error" for f in result.findings)
+    if failed:
+        sys.exit(EXIT_FINDING)

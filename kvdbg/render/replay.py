@@ -1,0 +1,201 @@
+"""Tables and JSON for `kvdbg replay`: what ran, findings, per-head diffs, the tolerance rule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from kvdbg.diff import Comparison, HeadDiff
+from kvdbg.replay import ReplayResult
+
+MAX_FAILING_ROWS = 32
+MAX_PASSING_ROWS = 8
+SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def _fmt(value: float, spec: str = ".3g") -> str:
+    if value != value:
+        return "nan"
+    return format(value, spec)
+
+
+def _mode(info) -> str:
+    if info is None:
+        return "-"
+    return "compiled" if info.compiled else "eager"
+
+
+def render_backends(result: ReplayResult) -> Table:
+    table = Table(title="backends", title_justify="left")
+    for col in ("backend", "engine name", "status", "kernel", "device", "mode", "dtype", "emulated", "time"):
+        table.add_column(col, justify="right" if col == "time" else "left")
+    times: dict[str, float] = {}
+    for step in result.steps:
+        for name, run in step.runs.items():
+            times[name] = times.get(name, 0.0) + run.build_s + run.forward_s
+    errors = {name for step in result.steps for name, run in step.runs.items() if run.error}
+    for st in result.backends:
+        if not st.available:
+            table.add_row(st.name, st.engine_name or "-", Text("unavailable", style="yellow"),
+                          Text(st.reason or "", style="yellow"), "", "", "", "", "")
+            continue
+        info = st.info
+        status = Text("raised", style="bold red") if st.name in errors else Text("ran", style="green")
+        table.add_row(st.name, st.engine_name or "-", status, info.kernel, info.device, _mode(info), info.dtype,
+                      "yes" if info.emulated else "no", f"{times.get(st.name, 0.0) * 1e3:.1f} ms")
+    return table
+
+
+def render_notes(result: ReplayResult) -> Table | None:
+    rows = [(st.name, note) for st in result.backends if st.info for note in st.info.notes]
+    if not rows:
+        return None
+    table = Table(title="what each backend did", title_justify="left", show_header=False)
+    table.add_column("backend", style="bold")
+    table.add_column("note")
+    for name, note in rows:
+        table.add_row(name, note)
+    return table
+
+
+def render_findings(result: ReplayResult) -> Table | None:
+    findings = sorted(result.findings, key=lambda f: (("error", "warning", "info").index(f.severity)
+                                                      if f.severity in ("error", "warning", "info") else 3,
+                                                      f.step or 0, f.request if f.request is not None else -1))
+    if not findings:
+        return None
+    table = Table(title=f"findings ({len(findings)})", title_justify="left")
+    for col in ("severity", "backend", "step", "request", "code", "message"):
+        table.add_column(col)
+    for f in findings:
+        style = SEVERITY_STYLE.get(f.severity, "")
+        table.add_row(Text(f.severity, style=style), f.backend, "-" if f.step is None else str(f.step),
+                      "-" if f.request is None else str(f.request), f.code, Text(f.message, style=style))
+    return table
+
+
+def _head_rows(heads: list[HeadDiff], full: bool) -> tuple[list[HeadDiff], int]:
+    failing = sorted((h for h in heads if not h.passed), key=lambda h: (-h.nonfinite, -h.max_abs))
+    passing = sorted((h for h in heads if h.passed), key=lambda h: -h.max_abs)
+    if full:
+        return failing + passing, 0
+    shown = failing[:MAX_FAILING_ROWS] + passing[:MAX_PASSING_ROWS]
+    return shown, len(heads) - len(shown)
+
+
+def render_comparison(comp: Comparison, *, full: bool = False) -> Table:
+    verdict = (Text("PASS", style="bold green") if comp.passed
+               else Text(f"FAIL: {len(comp.failed)} of {len(comp.heads)} heads", style="bold red"))
+    title = Text.assemble(f"step {comp.step}: {comp.actual} vs {comp.expected} — ", verdict,
+                          f"  (max abs {_fmt(comp.max_abs)}"
+                          + (f", {comp.nonfinite} non-finite" if comp.nonfinite else "") + ")")
+    table = Table(title=title, title_justify="left")
+    for col in ("request", "head", "status", "max abs", "mean abs", "max rel", "cosine", "worst token (pos)",
+                "failing", "non-finite"):
+        table.add_column(col, justify="left" if col == "status" else "right")
+    rows, hidden = _head_rows(comp.heads, full)
+    for h in rows:
+        status = Text("ok", style="green") if h.passed else Text("FAIL", style="bold red")
+        nonfinite = f"{h.nonfinite} ({h.unwritten} unwritten)" if h.nonfinite else "0"
+        table.add_row(str(h.request), str(h.head), status, _fmt(h.max_abs), _fmt(h.mean_abs), _fmt(h.max_rel),
+                      _fmt(h.cosine, ".6f"), f"{h.worst_token} ({h.worst_position})", str(h.failing),
+                      Text(nonfinite, style="red" if h.nonfinite else ""))
+    if hidden:
+        table.add_row("…", "", "", f"{hidden} more passing heads (--full)", "", "", "", "", "", "")
+    return table
+
+
+def render_explain(result: ReplayResult) -> list[Table]:
+    tables = []
+    for step in result.steps:
+        for name, run in step.runs.items():
+            if not run.explain:
+                continue
+            table = Table(title=f"step {step.step}: {name} builder decisions", title_justify="left")
+            columns = list(dict.fromkeys(k for row in run.explain for k in row))
+            for col in columns:
+                table.add_column(col, justify="right")
+            for row in run.explain:
+                table.add_row(*(str(row.get(col, "")) for col in columns))
+            tables.append(table)
+    return tables
+
+
+def render_footer(comparisons: list[Comparison]) -> Text:
+    text = Text("pass rule: an element passes when |a - e| <= atol + rtol·|e| (e: expected); "
+                "NaN or inf where e is finite always fails\n", style="dim")
+    seen = set()
+    for c in comparisons:
+        key = (c.actual, c.expected, c.tolerance)
+        if key in seen:
+            continue
+        seen.add(key)
+        text.append(f"  {c.actual} vs {c.expected}: atol {c.tolerance.atol:g}, rtol {c.tolerance.rtol:g} "
+                    f"({c.tolerance.source})\n", style="dim")
+    return text
+
+
+def render_replay(result: ReplayResult, comparisons: list[Comparison], *, explain: bool = False,
+                  full: bool = False, saved: str | None = None) -> Group:
+    layer = result.meta.layer
+    mask = ("causal" if layer.causal else "dense") + (f", window {layer.sliding_window}" if layer.sliding_window else "")
+    steps = ", ".join(str(s.step) for s in result.steps)
+    parts: list[Any] = [Text(f"replay {result.path or '<memory>'}: Hq {layer.num_heads} / Hkv {layer.num_kv_heads}, "
+                             f"head_size {layer.head_size}, {mask}, kv cache {layer.kv_cache_dtype}; step(s) {steps}",
+                             style="bold")]
+    parts.append(render_backends(result))
+    notes = render_notes(result)
+    if notes is not None:
+        parts.append(notes)
+    findings = render_findings(result)
+    if findings is not None:
+        parts.append(findings)
+    if explain:
+        parts.extend(render_explain(result))
+    parts.extend(render_comparison(c, full=full) for c in comparisons)
+    if not comparisons:
+        parts.append(Text("nothing to compare: no backend besides the reference produced an output", style="yellow"))
+    parts.append(render_footer(comparisons))
+    if saved:
+        parts.append(Text(f"outputs written to {saved}", style="dim"))
+    return Group(*parts)
+
+
+def _info_json(info) -> dict | None:
+    if info is None:
+        return None
+    return {"kernel": info.kernel, "device": info.device, "dtype": info.dtype, "emulated": info.emulated,
+            "compiled": info.compiled, "notes": list(info.notes)}
+
+
+def replay_json(result: ReplayResult, comparisons: list[Comparison], *, explain: bool = False) -> dict:
+    steps = []
+    for step in result.steps:
+        record: dict[str, Any] = {
+            "step": step.step,
+            "num_reqs": step.common.num_reqs,
+            "num_tokens": step.common.num_actual_tokens,
+            "has_captured_output": step.captured_output is not None,
+            "runs": {name: {"build_s": run.build_s, "forward_s": run.forward_s, "error": run.error}
+                     for name, run in step.runs.items()},
+        }
+        if explain:
+            record["explain"] = {name: run.explain for name, run in step.runs.items() if run.explain}
+        steps.append(record)
+    findings = [{"backend": f.backend, "code": f.code, "severity": f.severity, "step": f.step, "request": f.request,
+                 "message": f.message, "details": {k: v for k, v in f.details.items() if k != "traceback"}}
+                for f in result.findings]
+    passed = all(c.passed for c in comparisons) and not any(f["severity"] == "error" for f in findings)
+    return {
+        "snapshot": result.path,
+        "passed": passed,
+        "backends": [{"name": st.name, "engine_name": st.engine_name, "available": st.available,
+                      "reason": st.reason, "run": _info_json(st.info)} for st in result.backends],
+        "findings": findings,
+        "steps": steps,
+        "comparisons": [c.to_json_dict() for c in comparisons],
+        "rule": "|a - e| <= atol + rtol*|e|",
+    }
