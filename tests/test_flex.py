@@ -1,0 +1,152 @@
+"""FLEX_ATTENTION replay against the reference, vLLM's map quirks as findings, the direct BlockMask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvdbg.backends.flex as flex_module
+from kvdbg.attention import ReplayOptions
+from kvdbg.diff import compare_step
+from kvdbg.format import LAYOUT_SEED
+from kvdbg.replay import common_metadata, replay
+from kvdbg.synth import SynthSpec, synth_snapshot
+
+SPECS = {
+    "causal_decode": dict(),
+    "causal_window": dict(sliding_window=40, query_len=5),
+    "dense": dict(causal=False, query_len=3),
+    "dense_window": dict(causal=False, sliding_window=50, query_len=4),
+    "seed_layout": dict(layout=LAYOUT_SEED, query_len=2, sliding_window=33),
+    "ragged_fp16": dict(dtype="float16", query_lens=(1, 7, 3, 20)),
+    "fp32_window": dict(dtype="float32", sliding_window=17, query_len=3),
+    "shared_prefix": dict(shared_prefix_pages=1, query_len=2, seq_lens=(40, 77, 200, 333)),
+    "stale_tail": dict(stale_tail=4, query_len=2),
+    "fp8": dict(fp8=True, query_len=2, q_scale=0.05, k_scale=0.03, v_scale=0.04),
+    "page_size_8": dict(page_size=8, query_len=2, causal=False),
+}
+
+
+def _run(snap, **options):
+    result = replay(snap, ["reference", "flex"], ReplayOptions(**options))
+    step = result.steps[0]
+    (comparison,) = compare_step(step, snap.meta)
+    return result, step, comparison
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_flex_matches_reference(name):
+    snap = synth_snapshot(SynthSpec(**SPECS[name]))
+    result, step, comparison = _run(snap)
+    assert comparison.passed, [(h.request, h.head, h.max_abs) for h in comparison.failed]
+    assert not [f for f in step.runs["flex"].findings if f.severity == "error"]
+    assert torch.isfinite(step.runs["flex"].output).all()
+    info = step.runs["flex"].info
+    assert info.kernel == "flex_attention (eager)" and info.device == "cpu" and not info.compiled
+    assert info.dtype == snap.meta.layer.dtype
+
+
+def test_fp8_is_dequantised_and_says_so():
+    snap = synth_snapshot(SynthSpec(**SPECS["fp8"]))
+    _, step, _ = _run(snap)
+    assert any("dequantises" in note for note in step.runs["flex"].info.notes)
+    assert {f.code for f in step.runs["flex"].findings} == {"fp8_dequantised"}
+
+
+@pytest.mark.parametrize("request_with_zero", [0, 2])
+def test_null_page_silently_masked_only_for_that_request(request_with_zero):
+    snap = synth_snapshot(SynthSpec(use_page_zero=True, page_zero_request=request_with_zero, query_len=2))
+    _, step, comparison = _run(snap)
+    failing = {(h.request, h.head) for h in comparison.failed}
+    assert failing == {(request_with_zero, h) for h in range(snap.meta.layer.num_heads)}
+    (finding,) = [f for f in step.runs["flex"].findings if f.code == "null_page_masked"]
+    assert finding.severity == "error" and finding.request == request_with_zero
+    (col,) = finding.details["columns"]
+    length = int(snap.steps[0].seq_lens[request_with_zero])
+    assert finding.details["masked_tokens"] == min(snap.page_size, length - col * snap.page_size)
+
+
+def test_page_mapped_twice_keeps_last_block_and_is_reported():
+    snap = synth_snapshot(SynthSpec(query_len=2, seq_lens=(40, 77, 200)))
+    table = snap.steps[0].block_table.clone()
+    table[1, 1] = table[1, 3]  # the same engine page at logical blocks 1 and 3 of request 1
+    snap.steps[0].block_table = table
+    _, step, comparison = _run(snap)
+    assert {h.request for h in comparison.failed} == {1}
+    (finding,) = [f for f in step.runs["flex"].findings if f.code == "page_mapped_twice"]
+    assert finding.request == 1 and finding.details["logical_blocks"] == [1, 3] and finding.details["kept"] == 3
+    assert finding.details["masked_tokens"] == snap.page_size
+    assert step.runs["flex"].explain[1]["lost_blocks"] == 1
+
+
+def test_physical_to_logical_ignores_entries_past_live_pages_and_the_null_page():
+    snap = synth_snapshot(SynthSpec(stale_tail=3, use_page_zero=True, page_zero_request=1, query_len=1))
+    common = common_metadata(snap, 0)
+    md = flex_module.FlexBuilder(snap.meta).build(common)
+    p2l = md.physical_to_logical
+    live = (common.seq_lens + snap.page_size - 1) // snap.page_size
+    for r in range(common.num_reqs):
+        expected = torch.full((common.num_pages,), -1, dtype=torch.int64)
+        for col in range(int(live[r])):
+            expected[int(common.block_table[r, col])] = col
+        expected[common.null_page] = -1
+        assert torch.equal(p2l[r], expected), r
+
+
+def test_block_mask_lists_each_query_blocks_pages_once():
+    snap = synth_snapshot(SynthSpec(query_lens=(3, 20, 1, 9), seq_lens=(30, 90, 17, 200), stale_tail=2))
+    common = common_metadata(snap, 0)
+    md = flex_module.FlexBuilder(snap.meta).build(common)
+    span = -(-common.max_seq_len // snap.page_size)
+    for qb in range(md.kv_num_blocks.numel()):
+        listed = md.kv_indices[qb, : int(md.kv_num_blocks[qb])].tolist()
+        assert len(listed) == len(set(listed))
+        toks = range(qb * md.q_block_size, min((qb + 1) * md.q_block_size, common.num_actual_tokens))
+        reqs = {int(md.doc_ids[t]) for t in toks}
+        want = {int(p) for r in reqs for p in common.block_table[r, :span].tolist() if p >= 0}
+        assert set(listed) == want
+    assert md.block_mask.BLOCK_SIZE == (flex_module.Q_BLOCK_SIZE, snap.page_size)
+
+
+def test_window_drops_blocks_wholly_before_the_window():
+    snap = synth_snapshot(SynthSpec(seq_lens=(300,), query_len=1, sliding_window=40, page_size=16))
+    md = flex_module.FlexBuilder(snap.meta).build(common_metadata(snap, 0))
+    # p = 299: keys 260..299 -> logical blocks 16..18 (block of 259 - 39 = 260 // 16 = 16)
+    assert int(md.kv_num_blocks[0]) == 3
+
+
+def test_eager_split_into_several_calls_gives_the_same_output(monkeypatch):
+    snap = synth_snapshot(SynthSpec(query_lens=(17, 9, 30, 5), seq_lens=(40, 77, 200, 333)))
+    whole = _run(snap)[1].runs["flex"].output
+    monkeypatch.setattr(flex_module, "EAGER_SCORE_BUDGET_BYTES", 1)
+    result, step, comparison = _run(snap)
+    assert comparison.passed
+    assert any("split into" in note for note in step.runs["flex"].info.notes)
+    torch.testing.assert_close(step.runs["flex"].output, whole, atol=0, rtol=0)
+
+
+def test_compiled_flex_on_cpu_matches_reference():
+    snap = synth_snapshot(SynthSpec(query_len=3, sliding_window=40, seq_lens=(9, 77, 200)))
+    result, step, comparison = _run(snap, compile=True)
+    assert step.runs["flex"].error is None
+    assert step.runs["flex"].info.kernel == "flex_attention (compiled)" and step.runs["flex"].info.compiled
+    assert comparison.passed
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_on_cuda_compiled_matches_reference():
+    snap = synth_snapshot(SynthSpec(query_len=4, sliding_window=64, seq_lens=(9, 77, 200, 1333)))
+    result, step, comparison = _run(snap, device="cuda")
+    info = step.runs["flex"].info
+    assert info.compiled and info.device == "cuda" and info.kernel == "flex_attention (compiled)"
+    assert comparison.passed
+
+
+def test_unsupported_features_make_the_column_unavailable_with_the_reason():
+    snap = synth_snapshot(SynthSpec(extra_layer={"kv_sharing_target": "model.layers.0.self_attn.attn"}))
+    result = replay(snap, ["reference", "flex"], ReplayOptions())
+    status = {s.name: s for s in result.backends}
+    assert status["reference"].available
+    assert not status["flex"].available and "KV sharing" in status["flex"].reason
+    assert list(result.steps[0].runs) == ["reference"]
