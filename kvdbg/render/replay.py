@@ -104,7 +104,8 @@ def render_comparison(comp: Comparison, *, full: bool = False) -> Table:
                       _fmt(h.cosine, ".6f"), f"{h.worst_token} ({h.worst_position})", str(h.failing),
                       Text(nonfinite, style="red" if h.nonfinite else ""))
     if hidden:
-        table.add_row("…", "", "", f"{hidden} more passing heads (--full)", "", "", "", "", "", "")
+        table.caption = f"… {hidden} more passing heads (--full)"
+        table.caption_justify = "left"
     return table
 
 

@@ -1,0 +1,132 @@
+"""`kvdbg replay`: exit codes, messages, JSON, unavailable backends, --save-outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import kvdbg.backends as backends_pkg
+from kvdbg.cli import cli
+from kvdbg.cli.replay import parse_ranges
+
+from tests.helpers import run_python
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, ["replay", *args], catch_exceptions=False)
+
+
+def test_clean_snapshot_exits_0_and_shows_what_ran(make_snapshot):
+    path, _ = make_snapshot(query_len=2, sliding_window=40)
+    res = invoke(path, "--backend", "flex")
+    assert res.exit_code == 0, res.output
+    assert "flex_attention (eager)" in res.output
+    assert "step 0: flex vs reference — PASS" in res.output
+    assert "|a - e| <= atol + rtol·|e|" in res.output
+    assert "atol 0.016, rtol 0.016 (default for bfloat16)" in res.output
+
+
+def test_null_page_exits_1_with_finding_and_failing_heads_first(make_snapshot):
+    path, snap = make_snapshot(use_page_zero=True, page_zero_request=2, query_len=2)
+    res = invoke(path, "--backend", "flex", "--json")
+    assert res.exit_code == 1
+    data = json.loads(res.output)
+    assert not data["passed"]
+    assert [f["code"] for f in data["findings"]] == ["null_page_masked"]
+    (comp,) = data["comparisons"]
+    assert comp["failed_heads"] == snap.meta.layer.num_heads
+    assert {h["request"] for h in comp["heads"] if not h["passed"]} == {2}
+    table = invoke(path, "--backend", "flex").output
+    rows = [line for line in table.splitlines() if "FAIL" in line or " ok " in line]
+    assert "FAIL" in rows[1] and " ok " in rows[-1]  # rows[0] is the table title
+
+
+def test_unknown_backend_lists_valid_names(make_snapshot):
+    path, _ = make_snapshot()
+    res = invoke(path, "--backend", "flash")
+    assert res.exit_code == 2
+    assert res.output.strip() == ("Error: unknown backend 'flash'; choose from: reference, flex, flashinfer_ts")
+
+
+def test_cuda_unavailable_is_bad_input(make_snapshot):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    path, _ = make_snapshot()
+    res = invoke(path, "--device", "cuda")
+    assert res.exit_code == 2
+    assert res.output.startswith("Error: --device cuda: ") and len(res.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--heads", "3-1"], "--heads must look like 0-3,7 (non-negative indices and ranges), got '3-1'"),
+    (["--heads", "8"], "--heads 8 is out of range: the layer has 8 heads"),
+    (["--request", "9"], "--request 9 is out of range: the snapshot has 4 requests"),
+    (["--step", "1"], "--step 1 is out of range: the snapshot has 1 step(s)"),
+    (["--atol", "-1"], "--atol must be a non-negative number, got -1.0"),
+])
+def test_bad_options_exit_2_with_one_line(make_snapshot, args, message):
+    path, _ = make_snapshot()
+    res = invoke(path, "--backend", "reference", *args)
+    assert res.exit_code == 2
+    assert res.output.strip() == f"Error: {message}"
+
+
+def test_missing_file_exit_2(tmp_path):
+    res = invoke(str(tmp_path / "nope.safetensors"), "--backend", "reference")
+    assert res.exit_code == 2 and res.output.startswith("Error: ")
+
+
+def test_broken_optional_backend_is_an_unavailable_column(make_snapshot, monkeypatch):
+    monkeypatch.setitem(backends_pkg.BACKEND_MODULES, "flashinfer_ts", "kvdbg.backends.no_such_module_for_test")
+    path, _ = make_snapshot(query_len=2)
+    res = invoke(path, "--json")
+    assert res.exit_code == 0, res.output
+    status = {b["name"]: b for b in json.loads(res.output)["backends"]}
+    assert not status["flashinfer_ts"]["available"]
+    assert "cannot be imported: ModuleNotFoundError" in status["flashinfer_ts"]["reason"]
+    assert status["flex"]["available"] and status["flex"]["run"]["kernel"] == "flex_attention (eager)"
+    # asked for by name, it is an error rather than a silent gap
+    res = invoke(path, "--backend", "flashinfer_ts")
+    assert res.exit_code == 2 and "backend flashinfer_ts cannot run: kvdbg.backends.flashinfer_ts cannot be imported" \
+        in res.output
+
+
+def test_save_outputs_writes_once_and_refuses_to_overwrite(make_snapshot, tmp_path):
+    path, snap = make_snapshot(query_len=2)
+    out = tmp_path / "outputs.safetensors"
+    assert invoke(path, "--backend", "flex", "--save-outputs", str(out)).exit_code == 0
+    tensors = load_file(str(out))
+    assert set(tensors) == {"step.0.reference", "step.0.flex"}
+    assert tensors["step.0.flex"].shape == snap.steps[0].query.shape
+    res = invoke(path, "--backend", "flex", "--save-outputs", str(out))
+    assert res.exit_code == 2 and "already exists; pass --force" in res.output
+    assert invoke(path, "--backend", "flex", "--save-outputs", str(out), "--force").exit_code == 0
+
+
+def test_explain_and_full(make_snapshot):
+    path, _ = make_snapshot(query_len=2, num_heads=16, num_kv_heads=4)
+    res = invoke(path, "--backend", "flex", "--explain")
+    assert "flex builder decisions" in res.output and "decode_offset" in res.output
+    assert "more passing heads (--full)" in res.output
+    assert "more passing heads" not in invoke(path, "--backend", "flex", "--full").output
+
+
+def test_default_fixture_when_no_argument():
+    res = invoke("--backend", "reference", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["snapshot"].endswith("dflash.safetensors")
+
+
+def test_parse_ranges():
+    assert parse_ranges("0-3,7", "--heads") == [0, 1, 2, 3, 7]
+    assert parse_ranges(None, "--heads") is None
+
+
+def test_help_does_not_import_torch():
+    out = run_python("import sys\nfrom kvdbg.cli import main\ntry:\n    main(['replay', '--help'])\n"
+                     "except SystemExit:\n    pass\nprint('TORCH', 'torch' in sys.modules)\n")
+    assert "TORCH False" in out and "--save-outputs" in out
