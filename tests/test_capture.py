@@ -1,0 +1,364 @@
+"""kvdbg.capture: engine tensors -> snapshot, budgets, filters, and never raising into the engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from kvdbg.capture import (
+    Capturer,
+    IntRanges,
+    LayerFilter,
+    capture_step,
+    infer_kv_layout,
+    snapshot_file_size,
+)
+from kvdbg.errors import OptionError
+from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM
+from kvdbg.snapshot import load_snapshot, referenced_pages
+from kvdbg.synth import SynthSpec, synth_snapshot
+
+PAD_ROWS = 3  # CUDA-graph padding: rows past query_start_loc[-1] that must not be stored
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def page_dim(layout: str) -> int:
+    return 0 if layout == LAYOUT_VLLM else 1
+
+
+class Engine:
+    """A synthetic engine step: a full-size cache with the step's pages at their ids and garbage elsewhere."""
+
+    def __init__(self, **spec):
+        spec.setdefault("seq_lens", (20, 45, 70))
+        spec.setdefault("num_heads", 4)
+        spec.setdefault("num_kv_heads", 2)
+        spec.setdefault("head_size", 16)
+        spec.setdefault("stale_tail", 2)
+        self.snap = synth_snapshot(SynthSpec(**spec))
+        meta = self.snap.meta
+        dim = page_dim(meta.kv_layout)
+        shape = list(self.snap.kv_cache.shape)
+        shape[dim] = meta.backend.num_gpu_blocks
+        gen = torch.Generator().manual_seed(99)
+        if self.snap.kv_cache.dtype == torch.uint8:
+            cache = torch.randint(0, 120, shape, dtype=torch.uint8, generator=gen)
+        else:
+            cache = torch.randn(shape, generator=gen).to(self.snap.kv_cache.dtype)
+        cache.index_copy_(dim, self.snap.page_ids.long(), self.snap.kv_cache)
+        self.cache = cache
+        step = self.snap.steps[0]
+        hq, d = meta.layer.num_heads, meta.layer.head_size
+        model_dtype = getattr(torch, meta.layer.dtype)
+        self.output = torch.randn(step.num_tokens + PAD_ROWS, hq, d, generator=gen).to(model_dtype)
+
+        def pad(t, fill=0):
+            extra = torch.full((PAD_ROWS,) + tuple(t.shape[1:]), fill, dtype=t.dtype)
+            return torch.cat([t, extra])
+
+        self.fields = dict(
+            layer_name=meta.layer.name,
+            query=pad(step.query),
+            key=pad(step.key),
+            value=pad(step.value),
+            slot_mapping=pad(step.slot_mapping, -1),
+            kv_cache=self.cache,
+            kv_layout=meta.kv_layout,
+            block_table=step.block_table,
+            seq_lens=step.seq_lens,
+            query_start_loc=step.query_start_loc,
+            causal=meta.layer.causal,
+            num_heads=hq,
+            num_kv_heads=meta.layer.num_kv_heads,
+            head_size=d,
+            scale=meta.layer.scale,
+            sliding_window=meta.layer.sliding_window,
+            kv_cache_dtype="fp8" if meta.layer.is_fp8 else "auto",
+            model_dtype=model_dtype,
+            q_scale=meta.layer.q_scale,
+            k_scale=meta.layer.k_scale,
+            v_scale=meta.layer.v_scale,
+            page_size=meta.backend.page_size,
+            max_model_len=meta.backend.max_model_len,
+            num_gpu_blocks=meta.backend.num_gpu_blocks,
+            max_decode_query_len=meta.backend.max_decode_query_len,
+            backend_name=meta.backend.name,
+            step=7,
+            rank=0,
+        )
+
+
+CASES = {
+    "vllm-bf16": dict(layout=LAYOUT_VLLM, dtype="bfloat16"),
+    "seed-fp16-window": dict(layout=LAYOUT_SEED, dtype="float16", sliding_window=24, causal=False, query_len=2),
+    "vllm-fp8-uint8": dict(layout=LAYOUT_VLLM, fp8=True, fp8_storage="uint8", k_scale=0.5, v_scale=0.25, q_scale=2.0),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_capture_reproduces_every_tensor(tmp_path, case):
+    engine = Engine(**CASES[case])
+    path = capture_step(tmp_path, output=engine.output, **engine.fields)
+    assert path is not None and os.path.dirname(path) == str(tmp_path)
+    got = load_snapshot(path)
+    want, step = engine.snap, engine.snap.steps[0]
+    num_tokens = step.num_tokens
+
+    # Only referenced pages, engine ids kept, bytes untouched.
+    assert torch.equal(got.page_ids.long(), referenced_pages([step], want.meta.backend.page_size))
+    assert torch.equal(got.page_ids.long(), want.page_ids.long())
+    assert got.num_pages < want.meta.backend.num_gpu_blocks
+    assert same_bytes(got.kv_cache, want.kv_cache)
+    expected_pages = engine.cache.index_select(page_dim(want.meta.kv_layout), got.page_ids.long())
+    assert same_bytes(got.kv_cache, expected_pages)
+
+    s = got.steps[0]
+    for name in ("block_table", "seq_lens", "query_start_loc"):
+        assert torch.equal(getattr(s, name), getattr(step, name)), name
+    assert same_bytes(s.query, step.query)
+    assert same_bytes(s.key, step.key) and same_bytes(s.value, step.value)
+    assert torch.equal(s.slot_mapping, step.slot_mapping)
+    assert same_bytes(s.output, engine.output[:num_tokens])
+
+    assert got.meta.layer == want.meta.layer
+    assert got.meta.backend == want.meta.backend
+    assert got.meta.kv_layout == want.meta.kv_layout
+    capture = got.meta.capture
+    assert capture["step"] == 7 and capture["rank"] == 0
+    assert capture["torch"] == torch.__version__
+    assert capture["time"].endswith("+00:00")
+    assert capture["stored_pages"] == got.num_pages
+    assert capture["query_rows_given"] == num_tokens + PAD_ROWS
+    assert capture["kv_cache_engine_shape"] == list(engine.cache.shape)
+
+
+def test_file_size_prediction_is_exact(tmp_path):
+    engine = Engine()
+    capturer = Capturer(tmp_path)
+    pending = capturer.begin(**engine.fields)
+    path = capturer.finish(pending, engine.output)
+    assert os.path.getsize(path) == capturer.bytes_written
+    assert snapshot_file_size(load_snapshot(path)) == os.path.getsize(path)
+
+
+def test_begin_copies_what_the_forward_may_overwrite(tmp_path):
+    engine = Engine()
+    step = engine.snap.steps[0]
+    kept = {n: t.clone() for n, t in step.tensors().items()}
+    kept_pages = engine.snap.kv_cache.clone()
+    capturer = Capturer(tmp_path)
+    pending = capturer.begin(**engine.fields)
+    # An in-place kernel (or the next step) scribbles over every engine buffer.
+    for name in ("query", "key", "value", "kv_cache", "block_table", "seq_lens", "query_start_loc", "slot_mapping"):
+        engine.fields[name].zero_()
+    path = capturer.finish(pending, engine.output)
+    got = load_snapshot(path)
+    assert same_bytes(got.kv_cache, kept_pages)
+    for name in ("block_table", "seq_lens", "query_start_loc", "query", "key", "value", "slot_mapping"):
+        assert same_bytes(getattr(got.steps[0], name), kept[name]), name
+
+
+@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_SEED])
+def test_pre_update_restores_pages_the_cache_update_overwrote(tmp_path, layout):
+    engine = Engine(layout=layout)
+    fields = engine.fields
+    before = engine.cache.clone()
+    capturer = Capturer(tmp_path)
+    pre = capturer.save_pre_update(
+        layer_name=fields["layer_name"], step=7, key=fields["key"], value=fields["value"],
+        slot_mapping=fields["slot_mapping"], kv_cache=engine.cache, num_kv_heads=fields["num_kv_heads"],
+        head_size=fields["head_size"],
+    )
+    assert pre is not None and len(pre.page_ids) > 0
+    # The engine's cache update: every slot's page now holds the new K.
+    dim = page_dim(layout)
+    engine.cache.index_fill_(dim, pre.page_ids, 3.0)
+    assert not torch.equal(engine.cache, before)
+    path = capturer.capture(output=engine.output, pre_update=pre,
+                            **{k: v for k, v in fields.items() if k not in ("key", "value", "slot_mapping")})
+    got = load_snapshot(path)
+    assert same_bytes(got.kv_cache, before.index_select(dim, got.page_ids.long()))
+    assert torch.equal(got.steps[0].slot_mapping, engine.snap.steps[0].slot_mapping)
+    assert same_bytes(got.steps[0].key, engine.snap.steps[0].key)
+    assert got.meta.capture["pre_update_pages_restored"] == len(pre.page_ids)
+
+
+def test_capture_without_new_kv(tmp_path):
+    engine = Engine()
+    fields = {k: v for k, v in engine.fields.items() if k not in ("key", "value", "slot_mapping")}
+    got = load_snapshot(capture_step(tmp_path, key=None, value=None, slot_mapping=None, **fields))
+    assert not got.steps[0].has_update and got.steps[0].output is None
+
+
+# --------------------------------------------------------------------------- budgets and failures
+
+
+def records(caplog):
+    return [r for r in caplog.records if r.name == "kvdbg.capture"]
+
+
+def test_byte_cap_too_small_writes_nothing(tmp_path, caplog):
+    engine = Engine()
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    capturer = Capturer(tmp_path / "snaps", max_bytes=1000)
+    assert capturer.capture(output=engine.output, **engine.fields) is None
+    assert capturer.capture(output=engine.output, **engine.fields) is None
+    assert not (tmp_path / "snaps").exists()
+    logged = records(caplog)
+    assert len(logged) == 1 and "1000" in logged[0].getMessage()
+    assert capturer.active  # a smaller step could still fit
+
+
+def test_byte_cap_admits_exactly_what_fits(tmp_path):
+    engine = Engine()
+    size = os.path.getsize(capture_step(tmp_path / "probe", output=engine.output, **engine.fields))
+    capturer = Capturer(tmp_path / "snaps", max_bytes=size, rank=0)  # same provenance, same size
+    assert capturer.capture(output=engine.output, **engine.fields) is not None
+    assert capturer.capture(output=engine.output, **engine.fields) is None
+    assert capturer.bytes_written == size and len(os.listdir(tmp_path / "snaps")) == 1
+
+
+def test_count_cap_turns_capture_off(tmp_path):
+    engine = Engine()
+    capturer = Capturer(tmp_path, max_snapshots=2)
+    paths = [capturer.capture(output=engine.output, **engine.fields) for _ in range(3)]
+    assert paths[2] is None and len(set(paths[:2])) == 2
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in paths[:2])
+    assert not capturer.active
+
+
+def test_unwritable_directory_logs_once_and_never_raises(tmp_path, caplog):
+    engine = Engine()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    capturer = Capturer(blocker / "snaps")
+    for _ in range(3):
+        assert capturer.capture(output=engine.output, **engine.fields) is None
+    logged = records(caplog)
+    assert len(logged) == 1 and logged[0].levelno == logging.ERROR
+    assert "cannot create capture directory" in logged[0].getMessage()
+    assert not capturer.active
+
+
+@pytest.mark.parametrize("change, field_named", [
+    (dict(query=torch.zeros(5, 3, 16, dtype=torch.bfloat16)), "query"),
+    (dict(block_table=torch.zeros(3, dtype=torch.int32)), "block_table"),
+    (dict(seq_lens=torch.tensor([20, 45], dtype=torch.int32)), "seq_lens"),
+    (dict(kv_cache=torch.zeros(4, 2, 16, 16, dtype=torch.bfloat16)), "kv_cache"),
+    (dict(k_scale=float("nan")), "layer.k_scale"),
+    (dict(model_dtype=torch.int8), "model_dtype"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype"),
+])
+def test_malformed_input_is_skipped_not_raised(tmp_path, caplog, change, field_named):
+    engine = Engine()
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    capturer = Capturer(tmp_path / "snaps")
+    assert capturer.capture(output=engine.output, **{**engine.fields, **change}) is None
+    logged = records(caplog)
+    assert len(logged) == 1 and field_named in logged[0].getMessage()
+    assert capturer.active and not (tmp_path / "snaps").exists()
+    # The next, well-formed step is still captured.
+    assert capturer.capture(output=engine.output, **engine.fields) is not None
+
+
+def test_block_table_outside_the_cache_is_skipped(tmp_path):
+    engine = Engine()
+    table = engine.fields["block_table"].clone()
+    table[0, 0] = engine.snap.meta.backend.num_gpu_blocks + 5
+    assert capture_step(tmp_path, **{**engine.fields, "block_table": table}) is None
+    assert os.listdir(tmp_path) == []
+
+
+def test_wrong_output_shape_is_skipped(tmp_path):
+    engine = Engine()
+    capturer = Capturer(tmp_path)
+    assert capturer.capture(output=engine.output[:, :2], **engine.fields) is None
+    assert capturer.failures and os.listdir(tmp_path) == []
+
+
+def test_misspelt_keyword_does_not_raise(tmp_path, caplog):
+    engine = Engine()
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    assert Capturer(tmp_path).capture(querry=1, **engine.fields) is None
+    assert len(records(caplog)) == 1
+
+
+def test_disabled_or_filtered_capturer_writes_nothing(tmp_path):
+    engine = Engine()
+    off = Capturer(tmp_path / "off")
+    off.disable("test")
+    assert off.capture(output=engine.output, **engine.fields) is None
+    other_layer = Capturer(tmp_path / "layer", layers="*.layers.9.*")
+    assert other_layer.capture(output=engine.output, **engine.fields) is None
+    other_step = Capturer(tmp_path / "step", steps="0-6,8-")
+    assert other_step.capture(output=engine.output, **engine.fields) is None
+    other_rank = Capturer(tmp_path / "rank", ranks="1-3")
+    assert other_rank.capture(output=engine.output, **engine.fields) is None
+    assert not any((tmp_path / d).exists() for d in ("off", "layer", "step", "rank"))
+    assert Capturer(tmp_path / "on", layers="re:layers\\.0\\.", steps="7", ranks="0").capture(**engine.fields)
+
+
+def test_names_are_unique_across_capturers(tmp_path):
+    engine = Engine()
+    first = capture_step(tmp_path, **engine.fields)
+    second = capture_step(tmp_path, **engine.fields)
+    assert first and second and first != second
+    assert os.path.basename(first).startswith("model.layers.0.self_attn.attn-step7-rank0-")
+    assert len(os.listdir(tmp_path)) == 2
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def test_int_ranges():
+    ranges = IntRanges.parse("0, 4,10-20,100-")
+    assert [v for v in (0, 1, 4, 9, 10, 20, 21, 99, 100, 10**6) if v in ranges] == [0, 4, 10, 20, 100, 10**6]
+    assert str(ranges) == "0,4,10-20,100-"
+    for bad in ("", "ten", "5-3", "1,,2", "-4"):
+        with pytest.raises(OptionError):
+            IntRanges.parse(bad, "KVDBG_CAPTURE_STEPS")
+
+
+def test_layer_filter_globs_and_regex():
+    glob = LayerFilter("*.layers.1.*,model.layers.3.self_attn.attn")
+    assert glob("model.layers.1.self_attn.attn") and glob("model.layers.3.self_attn.attn")
+    assert not glob("model.layers.11.self_attn.attn") and not glob("model.layers.3.self_attn.attn.x")
+    regex = LayerFilter(r"re:layers\.(2|5)\.")
+    assert regex("model.layers.5.self_attn.attn") and not regex("model.layers.25.self_attn.attn")
+    with pytest.raises(OptionError):
+        LayerFilter("re:(")
+
+
+def test_from_env(tmp_path):
+    capturer = Capturer.from_env({
+        "KVDBG_CAPTURE_DIR": str(tmp_path), "KVDBG_CAPTURE_MAX": "5", "KVDBG_CAPTURE_MAX_BYTES": "512M",
+        "KVDBG_CAPTURE_LAYERS": "*.layers.2.*", "KVDBG_CAPTURE_STEPS": "10-20", "KVDBG_CAPTURE_RANKS": "0,2",
+    })
+    assert (capturer.max_snapshots, capturer.max_bytes) == (5, 512 * 1024**2)
+    assert capturer.wants("m.layers.2.attn", 15, rank=2)
+    assert not capturer.wants("m.layers.2.attn", 21, rank=2)
+    assert not capturer.wants("m.layers.3.attn", 15, rank=2)
+    assert not capturer.wants("m.layers.2.attn", 15, rank=1)
+    defaults = Capturer.from_env({"KVDBG_CAPTURE_DIR": str(tmp_path)})
+    assert defaults.max_snapshots == 32 and defaults.max_bytes == 4 * 1024**3
+    unlimited = Capturer.from_env({"KVDBG_CAPTURE_DIR": str(tmp_path), "KVDBG_CAPTURE_MAX": "unlimited"})
+    assert unlimited.max_snapshots is None
+    for bad in ({"KVDBG_CAPTURE_MAX": "0"}, {"KVDBG_CAPTURE_MAX_BYTES": "lots"}, {"KVDBG_CAPTURE_STEPS": "x"}):
+        with pytest.raises(OptionError):
+            Capturer.from_env({"KVDBG_CAPTURE_DIR": str(tmp_path), **bad})
+    with pytest.raises(OptionError, match="KVDBG_CAPTURE_DIR"):
+        Capturer.from_env({})
+
+
+def test_infer_kv_layout():
+    assert infer_kv_layout(torch.empty(9, 2, 16, 32), 2, 16) == LAYOUT_VLLM
+    assert infer_kv_layout(torch.empty(2, 9, 16, 2, 16), 2, 16) == LAYOUT_SEED
