@@ -268,8 +268,6 @@ def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
     for s in wanted:
         if not 0 <= s < num_steps:
             raise OptionError(f"--step {s} is out of range: the snapshot has {num_steps} step(s)")
-    # Nothing can be judged without the reference, so it is always required when asked for.
-    required = set(required) | ({"reference"} & set(names))
     statuses, instances, specs = load_backends(names, snapshot.meta, options, required=required)
     model_dtype = getattr(torch, snapshot.meta.layer.dtype)
     cache = working_cache(snapshot, device)

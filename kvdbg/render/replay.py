@@ -158,7 +158,10 @@ def render_replay(result: ReplayResult, comparisons: list[Comparison], *, explai
         parts.extend(render_explain(result))
     parts.extend(render_comparison(c, full=full) for c in comparisons)
     if not comparisons:
-        parts.append(Text("nothing to compare: no backend besides the reference produced an output", style="yellow"))
+        ref = next((st for st in result.backends if st.name == "reference"), None)
+        why = (f"the reference is unavailable ({ref.reason})" if ref is not None and not ref.available
+               else "no backend besides the reference produced an output")
+        parts.append(Text(f"nothing to compare: {why}", style="yellow"))
     parts.append(render_footer(comparisons))
     if saved:
         parts.append(Text(f"outputs written to {saved}", style="dim"))
