@@ -1,0 +1,451 @@
+"""vLLM general plugin: with KVDBG_CAPTURE_DIR set, capture attention steps of chosen backends as snapshots.
+
+vLLM calls :func:`register` in every process it starts (entry point group
+``vllm.general_plugins``). Without ``KVDBG_CAPTURE_DIR`` it returns at once and
+patches nothing; importing this module never imports torch or vLLM. With it,
+the impl and metadata-builder classes of the selected backends are wrapped:
+
+- ``builder.build`` keeps a copy of the engine-level ``CommonAttentionMetadata``
+  (block table, seq_lens, query_start_loc, slots, causal) with the metadata it
+  returns, so a snapshot holds what the engine asked for, before any
+  backend-specific restriction;
+- ``impl.do_kv_cache_update`` saves the step's new K/V and the pages they are
+  about to overwrite;
+- ``impl.forward`` hands the step to :class:`kvdbg.capture.Capturer` before
+  running, and the output buffer after.
+
+:func:`unregister` restores every class as it was. docs/capture.md lists the
+variables and what was and was not checked against a real vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch and the capture module load only once capture is switched on
+    import torch
+
+    from kvdbg.capture import Capturer, PendingCapture, PreUpdate
+
+logger = logging.getLogger("kvdbg.capture")
+
+ENV_DIR = "KVDBG_CAPTURE_DIR"  # same name as kvdbg.capture.ENV_DIR, kept here so reading it needs no torch
+ENV_BACKENDS = "KVDBG_CAPTURE_BACKENDS"
+DEFAULT_BACKENDS = ("FLASHINFER_TS", "FLEX_ATTENTION")
+
+
+@dataclass(frozen=True)
+class KnownBackend:
+    module: str
+    impl: str
+    builder: str
+
+
+# Where vLLM 0.33 defines the classes of the backends kvdbg replays. Used when
+# the backend registry (vllm.v1.attention.backends.registry) has no entry of
+# that name; the registry is asked first because it honours overrides.
+KNOWN_BACKENDS = {
+    "FLASHINFER_TS": KnownBackend(
+        "vllm.v1.attention.backends.flashinfer_ts", "FlashInferTSImpl", "FlashInferTSMetadataBuilder"
+    ),
+    "FLEX_ATTENTION": KnownBackend(
+        "vllm.v1.attention.backends.flex_attention", "FlexAttentionImpl", "FlexAttentionMetadataBuilder"
+    ),
+}
+
+_ENGINE_ATTR = "_kvdbg_engine"
+_SIDE_TABLE_SIZE = 256
+
+_lock = threading.Lock()
+_state: "_PluginState | None" = None
+
+
+# --------------------------------------------------------------------------- public entry points
+
+
+def register() -> None:
+    """vLLM's plugin hook. Does nothing unless ``KVDBG_CAPTURE_DIR`` is set; safe to call again."""
+    global _state
+    if not os.environ.get(ENV_DIR, "").strip():
+        return
+    try:
+        with _lock:
+            if _state is not None:
+                return
+            if importlib.util.find_spec("vllm") is None:
+                logger.warning("kvdbg capture: %s is set but vLLM is not importable here; nothing is captured", ENV_DIR)
+                return
+            from kvdbg.capture import Capturer
+
+            capturer = Capturer.from_env()
+            names = _backend_names(os.environ.get(ENV_BACKENDS))
+            state = _PluginState(capturer)
+            for name in names:
+                state.wrap_backend(name)
+            if not state.wrapped:
+                state.restore()
+                logger.error("kvdbg capture: none of the backends %s could be wrapped; nothing is captured",
+                             ",".join(names))
+                return
+            # The imported module knows its version even where no package metadata was installed.
+            capturer.engine = f"vllm {getattr(sys.modules.get('vllm'), '__version__', 'unknown')}"
+            _state = state
+        logger.info("kvdbg capture active for %s: %s", ",".join(state.wrapped), capturer.describe())
+    except Exception as exc:  # vLLM calls plugins unguarded: a failure here must not stop the engine
+        logger.error("kvdbg capture not started: %s", exc)
+
+
+def unregister() -> None:
+    """Undo :func:`register`: every wrapped method is the original again."""
+    global _state
+    with _lock:
+        if _state is not None:
+            _state.restore()
+            _state = None
+
+
+def active_capturer() -> "Capturer | None":
+    """The capturer the plugin writes through, when registered (tests and debugging)."""
+    return None if _state is None else _state.capturer
+
+
+def _backend_names(raw: str | None) -> list[str]:
+    if raw is None or not raw.strip():
+        return list(DEFAULT_BACKENDS)
+    names = [n.strip().upper() for n in raw.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"{ENV_BACKENDS} names no backend; e.g. {','.join(DEFAULT_BACKENDS)}")
+    return names
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass
+class _ImplInfo:
+    backend_name: str
+    update_in_forward: bool  # the backend writes the step's K/V inside forward (older vLLM backends)
+    update_source: str
+
+
+@dataclass
+class _EngineContext:
+    """The engine-level metadata of one build, copied before the builder restricts anything."""
+
+    owner_id: int
+    block_table: "torch.Tensor"
+    seq_lens: "torch.Tensor"
+    query_start_loc: "torch.Tensor"
+    slot_mapping: "torch.Tensor | None"
+    causal: Any
+    max_model_len: int | None
+    max_decode_query_len: int | None
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    spec_block_size: int | None
+    builder: str
+
+
+class _PluginState:
+    def __init__(self, capturer: "Capturer"):
+        self.capturer = capturer
+        self.wrapped: list[str] = []
+        self._patches: list[tuple[type, str, bool, Any]] = []
+        self._impl_info: dict[type, _ImplInfo] = {}
+        self._forward_counts: dict[str, int] = {}
+        self._pre_updates: dict[str, "PreUpdate"] = {}
+        self._side_table: OrderedDict[int, tuple[Any, _EngineContext]] = OrderedDict()
+
+    # ---------------------------------------------------------------- patching
+
+    def wrap_backend(self, name: str) -> None:
+        try:
+            impl_cls, builder_cls, backend_cls, source = _resolve_backend(name)
+        except Exception as exc:
+            logger.warning("kvdbg capture: backend %s not wrapped: %s", name, exc)
+            return
+        if backend_cls is not None and hasattr(backend_cls, "forward_includes_kv_cache_update"):
+            info = _ImplInfo(name, bool(backend_cls.forward_includes_kv_cache_update),
+                             f"{backend_cls.__name__}.forward_includes_kv_cache_update")
+        elif hasattr(impl_cls, "forward_includes_kv_cache_update"):
+            info = _ImplInfo(name, bool(impl_cls.forward_includes_kv_cache_update),
+                             f"{impl_cls.__name__}.forward_includes_kv_cache_update")
+        else:
+            info = _ImplInfo(name, False, "not declared; new K/V are taken only from do_kv_cache_update")
+        self._impl_info[impl_cls] = info
+        self._patch(impl_cls, "forward", _wrap_forward)
+        if hasattr(impl_cls, "do_kv_cache_update"):
+            self._patch(impl_cls, "do_kv_cache_update", _wrap_cache_update)
+        self._patch(builder_cls, "build", _wrap_build)
+        self.wrapped.append(name)
+        logger.debug("kvdbg capture: wrapped %s (%s, %s) found via %s", name, impl_cls.__name__,
+                     builder_cls.__name__, source)
+
+    def _patch(self, cls: type, attr: str, make_wrapper) -> None:
+        current = getattr(cls, attr)
+        if getattr(current, "_kvdbg_original", None) is not None:
+            return  # two names resolving to one class: wrap it once
+        had_own = attr in cls.__dict__
+        original = cls.__dict__[attr] if had_own else current
+        setattr(cls, attr, make_wrapper(self, current))
+        self._patches.append((cls, attr, had_own, original))
+
+    def restore(self) -> None:
+        for cls, attr, had_own, original in reversed(self._patches):
+            if had_own:
+                setattr(cls, attr, original)
+            else:
+                delattr(cls, attr)
+        self._patches.clear()
+
+    # ---------------------------------------------------------------- builder
+
+    def after_build(self, builder: Any, common: Any, metadata: Any) -> None:
+        try:
+            if metadata is None or common is None or not self.capturer.active:
+                return
+            names = getattr(builder, "layer_names", None)
+            if names and not any(self.capturer.layer_selected(n) for n in names):
+                return
+            if _graph_capturing(common.seq_lens):
+                return
+            num_reqs = int(common.num_reqs)
+            num_tokens = int(common.num_actual_tokens)
+            causal = common.causal
+            vllm_config = getattr(builder, "vllm_config", None)
+            model_config = getattr(vllm_config, "model_config", None)
+            scheduler_config = getattr(vllm_config, "scheduler_config", None)
+            # Clones are stream-ordered copies on the engine's device: no host sync
+            # here, and a later in-place update of the runner's buffers cannot reach them.
+            ctx = _EngineContext(
+                owner_id=id(metadata),
+                block_table=common.block_table_tensor[:num_reqs].clone(),
+                seq_lens=common.seq_lens[:num_reqs].clone(),
+                query_start_loc=common.query_start_loc[: num_reqs + 1].clone(),
+                slot_mapping=None if common.slot_mapping is None else common.slot_mapping[:num_tokens].clone(),
+                causal=causal.clone() if hasattr(causal, "clone") else causal,
+                max_model_len=getattr(model_config, "max_model_len", None),
+                max_decode_query_len=getattr(builder, "query_len", None),
+                max_num_seqs=getattr(scheduler_config, "max_num_seqs", None),
+                max_num_batched_tokens=getattr(scheduler_config, "max_num_batched_tokens", None),
+                spec_block_size=getattr(getattr(builder, "kv_cache_spec", None), "block_size", None),
+                builder=type(builder).__name__,
+            )
+            self._stash(metadata, ctx)
+        except Exception as exc:
+            self.capturer.report(exc, f"{type(builder).__name__}.build")
+
+    def _stash(self, metadata: Any, ctx: _EngineContext) -> None:
+        try:
+            setattr(metadata, _ENGINE_ATTR, ctx)
+            return
+        except (AttributeError, TypeError):  # frozen dataclass or __slots__: keep it beside
+            pass
+        self._side_table[id(metadata)] = (metadata, ctx)
+        while len(self._side_table) > _SIDE_TABLE_SIZE:
+            self._side_table.popitem(last=False)
+
+    def _lookup(self, metadata: Any) -> _EngineContext | None:
+        ctx = getattr(metadata, _ENGINE_ATTR, None)
+        # A copy of a metadata object (e.g. update_block_table) carries the attribute
+        # of the original, whose block table is another group's: refuse it.
+        if isinstance(ctx, _EngineContext) and ctx.owner_id == id(metadata):
+            return ctx
+        entry = self._side_table.get(id(metadata))
+        if entry is not None and entry[0] is metadata:
+            return entry[1]
+        return None
+
+    # ---------------------------------------------------------------- cache update
+
+    def before_cache_update(self, impl: Any, layer: Any, key, value, kv_cache, slot_mapping) -> None:
+        try:
+            if not self.capturer.active or key is None or value is None or slot_mapping is None:
+                return
+            if _graph_capturing(kv_cache):
+                return
+            name = getattr(layer, "layer_name", None)
+            if name is None:
+                return
+            step = self._forward_counts.get(name, 0)  # the forward this update belongs to comes next
+            pre = self.capturer.save_pre_update(
+                layer_name=name, step=step, key=key, value=value, slot_mapping=slot_mapping, kv_cache=kv_cache,
+                num_kv_heads=int(impl.num_kv_heads), head_size=int(impl.head_size),
+            )
+            if pre is not None:
+                self._pre_updates[name] = pre
+        except Exception as exc:
+            self.capturer.report(exc, f"{type(impl).__name__}.do_kv_cache_update")
+
+    # ---------------------------------------------------------------- forward
+
+    def before_forward(self, impl: Any, layer: Any, query, key, value, kv_cache, metadata, output) -> "PendingCapture | None":
+        try:
+            if metadata is None or not self.capturer.active:  # profiling runs carry no metadata
+                return None
+            if _graph_capturing(query):
+                return None
+            name = getattr(layer, "layer_name", None)
+            if name is None:
+                return None
+            step = self._forward_counts.get(name, 0)
+            self._forward_counts[name] = step + 1
+            pre = self._pre_updates.pop(name, None)
+            if pre is not None and pre.step != step:
+                pre = None
+            if not self.capturer.wants(name, step):
+                return None
+            ctx = self._lookup(metadata)
+            if ctx is None:
+                from kvdbg.capture import CaptureInputError
+
+                raise CaptureInputError(
+                    f"the {type(metadata).__name__} it received was not returned by a wrapped builder's build(), "
+                    "so the engine-level metadata is unknown"
+                )
+            if ctx.max_model_len is None:
+                from kvdbg.capture import CaptureInputError
+
+                raise CaptureInputError(f"{ctx.builder} has no vllm_config.model_config.max_model_len")
+            return self.capturer.begin(**self._fields(impl, layer, query, key, value, kv_cache, output, ctx, pre, step))
+        except Exception as exc:
+            self.capturer.report(exc, f"{type(impl).__name__}.forward")
+            return None
+
+    def _fields(self, impl, layer, query, key, value, kv_cache, output, ctx: _EngineContext, pre, step) -> dict:
+        info = self._impl_info.get(type(impl)) or next(
+            (v for cls, v in self._impl_info.items() if isinstance(impl, cls)), None
+        )
+        backend_name = info.backend_name if info else type(impl).__name__
+        new_kv: dict[str, Any] = {}
+        if pre is not None:
+            new_kv_note = "saved before do_kv_cache_update; the pages it overwrote are restored"
+        elif info is not None and info.update_in_forward and key is not None and ctx.slot_mapping is not None:
+            new_kv = dict(key=key, value=value, slot_mapping=ctx.slot_mapping)
+            new_kv_note = f"taken at forward ({info.update_source} is true)"
+        else:
+            new_kv_note = ("absent: no do_kv_cache_update preceded this forward (KV sharing, a fused update or "
+                           "no new tokens); kv_cache holds the state attention read")
+        sliding_window = getattr(layer, "sliding_window", getattr(impl, "sliding_window", None))
+        attn_type = getattr(layer, "attn_type", getattr(impl, "attn_type", "decoder"))
+        model_dtype = output.dtype if output is not None else layer.dtype
+        return dict(
+            layer_name=layer.layer_name,
+            query=query,
+            kv_cache=kv_cache,
+            block_table=ctx.block_table,
+            seq_lens=ctx.seq_lens,
+            query_start_loc=ctx.query_start_loc,
+            causal=ctx.causal,
+            num_heads=int(impl.num_heads),
+            num_kv_heads=int(impl.num_kv_heads),
+            head_size=int(impl.head_size),
+            scale=float(impl.scale),
+            model_dtype=model_dtype,
+            max_model_len=int(ctx.max_model_len),
+            backend_name=backend_name,
+            pre_update=pre,
+            sliding_window=sliding_window,
+            kv_cache_dtype=str(getattr(impl, "kv_cache_dtype", getattr(layer, "kv_cache_dtype", "auto"))),
+            q_scale=float(layer._q_scale_float),
+            k_scale=float(layer._k_scale_float),
+            v_scale=float(layer._v_scale_float),
+            max_decode_query_len=ctx.max_decode_query_len,
+            max_num_seqs=ctx.max_num_seqs,
+            max_num_batched_tokens=ctx.max_num_batched_tokens,
+            layer_extras=dict(
+                logits_soft_cap=getattr(impl, "logits_soft_cap", None) or None,
+                has_sinks=bool(getattr(layer, "has_sink", False)),
+                has_alibi=getattr(impl, "alibi_slopes", None) is not None,
+                kv_sharing_target=getattr(layer, "kv_sharing_target_layer_name", None),
+                attn_type=str(getattr(attn_type, "value", attn_type)),
+            ),
+            capture_info={
+                "metadata_source": f"CommonAttentionMetadata as passed to {ctx.builder}.build (before restriction)",
+                "new_kv": new_kv_note,
+                "max_decode_query_len_source": (f"{ctx.builder}.query_len" if ctx.max_decode_query_len is not None
+                                                else "format default 1 (the builder has no query_len)"),
+                "kv_cache_spec_block_size": ctx.spec_block_size,
+                "impl": type(impl).__name__,
+            },
+            step=step,
+            **new_kv,
+        )
+
+    def after_forward(self, pending: "PendingCapture", output, result) -> None:
+        try:
+            self.capturer.finish(pending, output if output is not None else result)
+        except Exception as exc:  # finish does not raise; this guards the engine against a kvdbg bug anyway
+            self.capturer.report(exc, "after forward")
+
+
+def _graph_capturing(t: Any) -> bool:
+    import torch
+
+    return bool(getattr(t, "is_cuda", False)) and torch.cuda.is_current_stream_capturing()
+
+
+def _resolve_backend(name: str) -> tuple[type, type, type | None, str]:
+    """(impl class, builder class, backend class or None, where they were found)."""
+    registry_error = None
+    try:
+        registry = importlib.import_module("vllm.v1.attention.backends.registry")
+        member = registry.AttentionBackendEnum[name]
+        backend_cls = member.get_class()
+        return backend_cls.get_impl_cls(), backend_cls.get_builder_cls(), backend_cls, f"registry {member.get_path()}"
+    except Exception as exc:  # an unknown name raises ValueError there; fall through to the known modules
+        registry_error = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    known = KNOWN_BACKENDS.get(name)
+    if known is None:
+        raise LookupError(f"the vLLM backend registry does not resolve it ({registry_error}) and kvdbg knows no "
+                          f"module for it (known: {', '.join(KNOWN_BACKENDS)})")
+    module = importlib.import_module(known.module)
+    return getattr(module, known.impl), getattr(module, known.builder), None, f"module {known.module}"
+
+
+# --------------------------------------------------------------------------- wrappers
+
+
+def _wrap_forward(state: _PluginState, original):
+    @functools.wraps(original)
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        output = kwargs.get("output", args[0] if args else None)
+        pending = state.before_forward(self, layer, query, key, value, kv_cache, attn_metadata, output)
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        if pending is not None:
+            state.after_forward(pending, output, result)
+        return result
+
+    forward._kvdbg_original = original
+    return forward
+
+
+def _wrap_cache_update(state: _PluginState, original):
+    @functools.wraps(original)
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
+        state.before_cache_update(self, layer, key, value, kv_cache, slot_mapping)
+        return original(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
+
+    do_kv_cache_update._kvdbg_original = original
+    return do_kv_cache_update
+
+
+def _wrap_build(state: _PluginState, original):
+    @functools.wraps(original)
+    def build(self, *args, **kwargs):
+        metadata = original(self, *args, **kwargs)
+        common = kwargs.get("common_attn_metadata", args[1] if len(args) > 1 else None)
+        state.after_build(self, common, metadata)
+        return metadata
+
+    build._kvdbg_original = original
+    return build

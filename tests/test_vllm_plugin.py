@@ -1,0 +1,444 @@
+"""kvdbg.vllm_plugin against the vLLM 0.33 stand-ins in tests/vllm_standins (no real vLLM here)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvdbg import vllm_plugin
+from kvdbg.snapshot import load_snapshot
+from tests.helpers import ROOT
+
+STANDINS = Path(__file__).parent / "vllm_standins"
+ENV_VARS = ("KVDBG_CAPTURE_DIR", "KVDBG_CAPTURE_BACKENDS", "KVDBG_CAPTURE_LAYERS", "KVDBG_CAPTURE_STEPS",
+            "KVDBG_CAPTURE_RANKS", "KVDBG_CAPTURE_MAX", "KVDBG_CAPTURE_MAX_BYTES", "RANK")
+WRAPPED = {
+    "vllm.v1.attention.backends.flashinfer_ts": {"FlashInferTSImpl": ("forward", "do_kv_cache_update"),
+                                                  "FlashInferTSMetadataBuilder": ("build",)},
+    "vllm.v1.attention.backends.flex_attention": {"FlexAttentionImpl": ("forward", "do_kv_cache_update"),
+                                                   "FlexAttentionMetadataBuilder": ("build",)},
+}
+
+
+def _drop_vllm_modules():
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def clean(monkeypatch):
+    """No KVDBG_* variables, no plugin state, and no stand-in modules left behind."""
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    vllm_plugin.unregister()
+    assert "vllm" not in sys.modules
+    yield monkeypatch
+    vllm_plugin.unregister()
+    _drop_vllm_modules()
+
+
+@pytest.fixture
+def standins(clean):
+    clean.syspath_prepend(str(STANDINS))
+    return clean
+
+
+def originals() -> dict[tuple[str, str, str], object]:
+    import importlib
+
+    out = {}
+    for module, classes in WRAPPED.items():
+        mod = importlib.import_module(module)
+        for cls_name, attrs in classes.items():
+            for attr in attrs:
+                out[module, cls_name, attr] = getattr(mod, cls_name).__dict__[attr]
+    return out
+
+
+def current() -> dict[tuple[str, str, str], object]:
+    return {key: sys.modules[key[0]].__dict__[key[1]].__dict__[key[2]] for key in originals()}
+
+
+def enable(monkeypatch, directory, **env):
+    monkeypatch.setenv("KVDBG_CAPTURE_DIR", str(directory))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    vllm_plugin.register()
+
+
+# --------------------------------------------------------------------------- a small engine
+
+
+class TSBackend:
+    """Backend descriptor for FLASHINFER_TS: its real class name was not in the sources read, so the
+    test supplies one; the plugin itself finds the impl and builder through their module."""
+
+    forward_includes_kv_cache_update = False
+
+    @staticmethod
+    def get_name():
+        return "FLASHINFER_TS"
+
+    @staticmethod
+    def get_impl_cls():
+        from vllm.v1.attention.backends.flashinfer_ts import FlashInferTSImpl
+
+        return FlashInferTSImpl
+
+    @staticmethod
+    def get_builder_cls():
+        from vllm.v1.attention.backends.flashinfer_ts import FlashInferTSMetadataBuilder
+
+        return FlashInferTSMetadataBuilder
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class StandinEngine:
+    """One KV-cache group served by a stand-in backend: a cache, block tables, layers, steps."""
+
+    def __init__(self, backend="FLASHINFER_TS", *, seq_lens=(300, 77, 150), query_len=4, causal=False,
+                 window=64, page_size=16, num_blocks=72, num_heads=4, num_kv_heads=2, head_size=16,
+                 fp8=False, layers=1, max_model_len=4096, seed=0):
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+        from vllm.model_executor.layers.attention.attention import Attention
+        from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+        gen = torch.Generator().manual_seed(seed)
+        self.gen = gen
+        self.query_len, self.causal, self.page_size = query_len, causal, page_size
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.seq_lens = list(seq_lens)
+        cache_dtype = "fp8" if fp8 else "auto"
+        self.vllm_config = VllmConfig(
+            model_config=ModelConfig(max_model_len=max_model_len, num_attention_heads=num_heads),
+            cache_config=CacheConfig(block_size=page_size, num_gpu_blocks=num_blocks, cache_dtype=cache_dtype),
+            scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+            speculative_config=SpeculativeConfig(num_speculative_tokens=query_len - 1),
+        )
+        spec_cls = SlidingWindowSpec if window else FullAttentionSpec
+        kv_dtype = torch.uint8 if fp8 else torch.bfloat16
+        self.spec = spec_cls(block_size=page_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=kv_dtype,
+                             sliding_window=window)
+        self.backend = TSBackend if backend == "FLASHINFER_TS" else FlexAttentionBackend
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        self.layers = []
+        with default_dtype(torch.bfloat16):
+            for name in self.names:
+                layer = Attention(num_heads, head_size, head_size ** -0.5, num_kv_heads,
+                                  cache_config=CacheConfig(cache_dtype=cache_dtype), per_layer_sliding_window=window,
+                                  prefix=name, attn_backend=self.backend)
+                if fp8:
+                    layer.set_kv_scales(1.0, 0.05, 0.04)
+                cache_shape = (num_blocks, num_kv_heads, page_size, 2 * head_size)
+                if fp8:
+                    cache = (torch.randn(cache_shape, generator=gen) * 8).to(torch.float8_e4m3fn).view(torch.uint8)
+                else:
+                    cache = torch.randn(cache_shape, generator=gen).to(torch.bfloat16)
+                layer.kv_cache = cache
+                self.layers.append(layer)
+        # Shuffled engine pages (page 0 stays vLLM's null block) and a stale tail of random ids.
+        pool = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+        width = max(-(-n // page_size) for n in self.seq_lens) + 3
+        self.block_table = torch.randint(1, num_blocks, (len(self.seq_lens), width), generator=gen, dtype=torch.int32)
+        for r, length in enumerate(self.seq_lens):
+            live = -(-length // page_size)
+            self.block_table[r, :live] = torch.tensor(pool[:live], dtype=torch.int32)
+            pool = pool[live:]
+        self.builder = self.backend.get_builder_cls()(self.spec, self.names, self.vllm_config, torch.device("cpu"))
+
+    def common(self):
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        num_reqs, q = len(self.seq_lens), self.query_len
+        qsl = torch.arange(num_reqs + 1, dtype=torch.int32) * q
+        slots = []
+        for r, length in enumerate(self.seq_lens):
+            for pos in range(length - q, length):
+                slots.append(int(self.block_table[r, pos // self.page_size]) * self.page_size + pos % self.page_size)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32), num_reqs=num_reqs,
+            num_actual_tokens=num_reqs * q, max_query_len=q, max_seq_len=max(self.seq_lens),
+            block_table_tensor=self.block_table.clone(), slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            causal=self.causal,
+        )
+
+    def inputs(self):
+        tokens = len(self.seq_lens) * self.query_len
+        g = self.gen
+        return (torch.randn(tokens, self.num_heads * self.head_size, generator=g).to(torch.bfloat16),
+                torch.randn(tokens, self.num_kv_heads * self.head_size, generator=g).to(torch.bfloat16),
+                torch.randn(tokens, self.num_kv_heads * self.head_size, generator=g).to(torch.bfloat16))
+
+    def step(self, common=None, metadata=None, inputs=None):
+        """One engine step: build the metadata, then run every layer's forward. Returns what each saw."""
+        from vllm.forward_context import set_forward_context
+
+        common = common or self.common()
+        metadata = metadata if metadata is not None else self.builder.build(0, common)
+        seen = []
+        for name, layer in zip(self.names, self.layers):
+            query, key, value = inputs or self.inputs()
+            pre_update = layer.kv_cache.clone()
+            with set_forward_context({name: metadata}, {name: layer}, {name: common.slot_mapping}):
+                output = layer.forward(query, key, value)
+            seen.append(dict(name=name, query=query, key=key, value=value, output=output,
+                             cache_before=pre_update, cache_after=layer.kv_cache.clone()))
+        self.seq_lens = [n + self.query_len for n in self.seq_lens]
+        return common, metadata, seen
+
+
+def snapshots(directory) -> list:
+    if not os.path.isdir(directory):
+        return []
+    return [load_snapshot(os.path.join(directory, f)) for f in sorted(os.listdir(directory))]
+
+
+def replay_with_standins(snap, backend):
+    """Run the stand-in engine on nothing but the snapshot: a fresh cache holding the stored pages."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    meta, step = snap.meta, snap.steps[0]
+    engine = StandinEngine(backend, seq_lens=step.seq_lens.tolist(), query_len=step.query_lens[0],
+                           causal=meta.layer.causal, window=meta.layer.sliding_window,
+                           page_size=meta.backend.page_size, num_blocks=meta.backend.num_gpu_blocks,
+                           fp8=meta.layer.is_fp8, max_model_len=meta.backend.max_model_len, seed=123)
+    layer = engine.layers[0]
+    layer.set_kv_scales(meta.layer.q_scale, meta.layer.k_scale, meta.layer.v_scale)
+    layer.kv_cache.zero_()
+    layer.kv_cache.index_copy_(0, snap.page_ids.long(), snap.kv_cache)
+    common = CommonAttentionMetadata(
+        query_start_loc=step.query_start_loc, query_start_loc_cpu=step.query_start_loc,
+        seq_lens=step.seq_lens, num_reqs=step.num_reqs, num_actual_tokens=step.num_tokens,
+        max_query_len=max(step.query_lens), max_seq_len=int(step.seq_lens.max()),
+        block_table_tensor=step.block_table, slot_mapping=step.slot_mapping, causal=meta.layer.causal,
+    )
+    hidden = meta.layer.num_heads * meta.layer.head_size
+    kv_hidden = meta.layer.num_kv_heads * meta.layer.head_size
+    inputs = (step.query.reshape(-1, hidden), step.key.reshape(-1, kv_hidden), step.value.reshape(-1, kv_hidden))
+    _, _, seen = engine.step(common=common, inputs=inputs)
+    return seen[0]
+
+
+# --------------------------------------------------------------------------- switched off
+
+
+def test_import_and_register_without_the_variable_touch_nothing():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVDBG_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(STANDINS), ROOT])
+    code = ("import sys, kvdbg.vllm_plugin as p; p.register(); "
+            "print(sorted(m for m in ('torch', 'vllm', 'kvdbg.capture') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_unset_variable_patches_nothing(standins):
+    before = originals()
+    vllm_plugin.register()
+    assert current() == before
+    assert vllm_plugin.active_capturer() is None
+    assert all(not hasattr(fn, "_kvdbg_original") for fn in before.values())
+
+
+def test_without_vllm_one_line_and_nothing(clean, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(clean, tmp_path)
+    assert vllm_plugin.active_capturer() is None
+    logged = [r for r in caplog.records if r.name == "kvdbg.capture"]
+    assert len(logged) == 1 and "vLLM is not importable" in logged[0].getMessage()
+
+
+def test_bad_variable_logs_and_patches_nothing(standins, tmp_path, caplog):
+    before = originals()
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="ten-twenty")
+    assert current() == before and vllm_plugin.active_capturer() is None
+    logged = [r for r in caplog.records if r.name == "kvdbg.capture"]
+    assert len(logged) == 1 and "KVDBG_CAPTURE_STEPS" in logged[0].getMessage()
+
+
+def test_register_is_idempotent_and_reversible(standins, tmp_path):
+    before = originals()
+    enable(standins, tmp_path)
+    wrapped = current()
+    assert all(wrapped[k] is not before[k] and wrapped[k]._kvdbg_original is before[k] for k in before)
+    vllm_plugin.register()
+    assert current() == wrapped
+    engine = StandinEngine()
+    engine.step()
+    assert len(snapshots(tmp_path)) == 1  # wrapped twice would capture twice
+    vllm_plugin.unregister()
+    assert current() == before
+
+
+def test_unknown_backend_is_named_and_the_rest_wrapped(standins, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    before = originals()
+    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="flashinfer_ts,NO_SUCH_BACKEND")
+    after = current()
+    ts, flex = "vllm.v1.attention.backends.flashinfer_ts", "vllm.v1.attention.backends.flex_attention"
+    assert all(after[k] is not before[k] for k in before if k[0] == ts)
+    assert all(after[k] is before[k] for k in before if k[0] == flex)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "NO_SUCH_BACKEND" in warnings[0] and "FLEX_ATTENTION" in warnings[0]
+
+
+# --------------------------------------------------------------------------- capturing
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_flashinfer_ts_snapshot_holds_pre_restriction_metadata_and_output(standins, tmp_path, fp8):
+    enable(standins, tmp_path)
+    engine = StandinEngine("FLASHINFER_TS", fp8=fp8)
+    common, metadata, seen = engine.step()
+    # The builder restricted the page table to the window: what the snapshot must NOT hold.
+    assert not torch.equal(metadata.seq_lens, common.seq_lens)
+    assert metadata.block_table.shape != common.block_table_tensor.shape
+
+    (snap,) = snapshots(tmp_path)
+    step, run = snap.steps[0], seen[0]
+    assert torch.equal(step.block_table, common.block_table_tensor)
+    assert torch.equal(step.seq_lens, common.seq_lens)
+    assert torch.equal(step.query_start_loc, common.query_start_loc)
+    assert torch.equal(step.slot_mapping, common.slot_mapping)
+    assert torch.equal(step.output, run["output"].view(step.output.shape))
+    assert torch.equal(step.query, run["query"].view(step.query.shape))
+    assert torch.equal(step.key, run["key"].view(step.key.shape))
+    # Pages as the step found them, although do_kv_cache_update wrote the slots before forward.
+    assert torch.equal(snap.kv_cache, run["cache_before"][snap.page_ids.long()])
+    assert not torch.equal(snap.kv_cache, run["cache_after"][snap.page_ids.long()])
+
+    meta = snap.meta
+    assert (meta.layer.causal, meta.layer.sliding_window, meta.layer.dtype) == (False, 64, "bfloat16")
+    assert meta.layer.kv_cache_dtype == ("fp8_e4m3" if fp8 else "auto")
+    assert (meta.layer.k_scale, meta.layer.v_scale) == ((0.05, 0.04) if fp8 else (1.0, 1.0))
+    assert (meta.backend.name, meta.backend.page_size, meta.backend.num_gpu_blocks) == ("FLASHINFER_TS", 16, 72)
+    assert (meta.backend.max_decode_query_len, meta.backend.max_model_len) == (4, 4096)
+    assert meta.capture["engine"] == "vllm 0.33.0+kvdbg.standin"
+    assert "FlashInferTSMetadataBuilder.build" in meta.capture["metadata_source"]
+    assert meta.capture["step"] == 0 and meta.capture["pre_update_pages_restored"] > 0
+
+    # The snapshot alone reproduces the engine's forward, bit for bit.
+    vllm_plugin.unregister()
+    replayed = replay_with_standins(snap, "FLASHINFER_TS")
+    assert torch.equal(replayed["output"].view(step.output.shape), step.output)
+
+
+def test_flex_attention_found_through_the_registry(standins, tmp_path):
+    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="FLEX_ATTENTION")
+    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, query_len=1, seq_lens=(40, 17))
+    common, _, seen = engine.step()
+    (snap,) = snapshots(tmp_path)
+    assert snap.meta.backend.name == "FLEX_ATTENTION" and snap.meta.layer.causal
+    assert snap.meta.backend.max_decode_query_len == 1
+    assert "format default" in snap.meta.capture["max_decode_query_len_source"]
+    assert torch.equal(snap.steps[0].block_table, common.block_table_tensor)
+    assert torch.equal(snap.steps[0].output, seen[0]["output"].view(snap.steps[0].output.shape))
+    vllm_plugin.unregister()
+    replayed = replay_with_standins(snap, "FLEX_ATTENTION")
+    assert torch.equal(replayed["output"].view(snap.steps[0].output.shape), snap.steps[0].output)
+
+
+def test_later_builds_do_not_leak_into_an_earlier_capture(standins, tmp_path):
+    """The builder rewrites its buffers in place on every build; the capture keeps its own copy."""
+    enable(standins, tmp_path)
+    engine = StandinEngine("FLASHINFER_TS")
+    common = engine.common()
+    engine_table = common.block_table_tensor.clone()
+    metadata = engine.builder.build(0, common)
+    common.block_table_tensor.fill_(5)  # the runner refills its block-table buffer for the next batch
+    engine.step(common=common, metadata=metadata)
+    (snap,) = snapshots(tmp_path)
+    assert torch.equal(snap.steps[0].block_table, engine_table)
+
+
+def run_filtered(monkeypatch, directory, steps=4, **env):
+    enable(monkeypatch, directory, **env)
+    engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(100, 60))
+    for _ in range(steps):
+        engine.step()
+    return sorted((s.meta.layer.name.split(".")[2], s.meta.capture["step"], s.meta.capture["rank"])
+                  for s in snapshots(directory))
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"KVDBG_CAPTURE_LAYERS": "*.layers.1.*", "KVDBG_CAPTURE_STEPS": "2-"}, [("1", 2, 0), ("1", 3, 0)]),
+    ({"KVDBG_CAPTURE_LAYERS": r"re:layers\.0\.", "KVDBG_CAPTURE_STEPS": "0,3"}, [("0", 0, 0), ("0", 3, 0)]),
+    ({"KVDBG_CAPTURE_STEPS": "1-2"}, [("0", 1, 0), ("0", 2, 0), ("1", 1, 0), ("1", 2, 0)]),
+    ({"KVDBG_CAPTURE_RANKS": "1", "RANK": "0"}, []),
+    ({"KVDBG_CAPTURE_RANKS": "1-2", "RANK": "1", "KVDBG_CAPTURE_STEPS": "0"}, [("0", 0, 1), ("1", 0, 1)]),
+    ({"KVDBG_CAPTURE_MAX": "3"}, [("0", 0, 0), ("0", 1, 0), ("1", 0, 0)]),
+], ids=["layers-glob", "layers-regex", "steps", "other-rank", "this-rank", "max"])
+def test_filters(standins, tmp_path, env, expected):
+    assert run_filtered(standins, tmp_path / "snaps", **env) == expected
+    if not expected:
+        assert not (tmp_path / "snaps").exists()
+
+
+def test_byte_budget_too_small_writes_nothing_and_the_engine_runs_on(standins, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path / "snaps", KVDBG_CAPTURE_MAX_BYTES="2K")
+    engine = StandinEngine("FLASHINFER_TS")
+    _, _, seen = engine.step()
+    engine.step()
+    assert not (tmp_path / "snaps").exists()
+    assert seen[0]["output"].isfinite().all()
+    budget = [r for r in caplog.records if "KVDBG_CAPTURE_MAX_BYTES" in r.getMessage()]
+    assert len(budget) == 1
+
+
+def test_metadata_from_an_unwrapped_build_is_reported_once(standins, tmp_path, caplog):
+    engine = StandinEngine("FLASHINFER_TS")
+    metadata = engine.builder.build(0, engine.common())  # built before the plugin was registered
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path)
+    engine.step(metadata=metadata)
+    _, _, seen = engine.step(metadata=metadata)
+    assert snapshots(tmp_path) == []
+    assert seen[0]["output"].isfinite().all()
+    reported = [r for r in caplog.records if "wrapped builder" in r.getMessage()]
+    assert len(reported) == 1
+
+
+def test_a_capture_bug_turns_capture_off_without_touching_the_engine(standins, tmp_path, caplog, monkeypatch):
+    from kvdbg.capture import Capturer
+
+    def broken(self, **kwargs):
+        raise RuntimeError("bug inside kvdbg")
+
+    monkeypatch.setattr(Capturer, "_prepare", broken)
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path)
+    engine = StandinEngine("FLASHINFER_TS")
+    _, _, seen = engine.step()
+    engine.step()
+    assert snapshots(tmp_path) == []
+    assert seen[0]["output"].isfinite().all()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "bug inside kvdbg" in errors[0].getMessage() and errors[0].exc_info
+    assert not vllm_plugin.active_capturer().active
+
+
+def test_entry_point_is_declared():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        project = tomllib.load(fh)["project"]
+    assert project["entry-points"]["vllm.general_plugins"] == {"kvdbg": "kvdbg.vllm_plugin:register"}
+    assert callable(vllm_plugin.register)
