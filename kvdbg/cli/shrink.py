@@ -1,0 +1,54 @@
+"""`kvdbg shrink SNAP -o OUT`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvdbg.cli.common import console, emit_json, guarded, json_option
+
+
+@click.command()
+@click.argument("snapshot", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Where to write the reduced snapshot (atomically).")
+@click.option("--backend", default=None,
+              help="Backend whose failure to keep (flex, flashinfer_ts). Default: the first one that fails.")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@json_option
+@guarded
+def shrink(snapshot, output, backend, device, force, as_json):
+    """Reduce a failing snapshot while the same backend keeps failing on the same heads.
+
+    The failure kept is the chosen backend's failing (request, head) pairs
+    against the exact reference, and its error findings, at the last step
+    where it fails. Steps, requests, KV heads (with their query heads) and
+    whole pages before each query block are removed delta-debugging style;
+    every candidate is verified by replaying it through the reference and that
+    backend. A snapshot that does not fail is refused (exit 2).
+
+    \b
+    Examples:
+      kvdbg shrink big.safetensors -o small.safetensors
+      kvdbg shrink big.safetensors -o small.safetensors --backend flex --json
+    """
+    from kvdbg.shrink import shrink as run_shrink
+    from kvdbg.snapshot import load_snapshot
+
+    progress = None
+    if sys.stderr.isatty():
+        err = console(stderr=True)
+
+        def progress(message: str) -> None:
+            err.print(f"[dim]{message}[/dim]", markup=True, highlight=False)
+
+    result = run_shrink(load_snapshot(snapshot), backend, device=device, progress=progress, output_path=output,
+                        overwrite=force)
+    if as_json:
+        emit_json(result.to_json_dict())
+    else:
+        from kvdbg.render.shrink import render_shrink
+
+        console().print(render_shrink(result))

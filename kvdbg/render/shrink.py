@@ -1,0 +1,38 @@
+"""Tables for `kvdbg shrink`: sizes before and after, what each pass removed, the failure kept."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from kvdbg.render.util import elide, human_bytes
+from kvdbg.shrink import ShrinkResult
+
+
+def render_shrink(r: ShrinkResult) -> Group:
+    ratio = r.input_bytes / r.output_bytes if r.output_bytes else float("inf")
+    head = Text(f"shrunk {r.input_path or '<memory>'} → {r.output_path or '<memory>'}: "
+                f"{human_bytes(r.input_bytes)} → {human_bytes(r.output_bytes)} ({ratio:.1f}× smaller) "
+                f"in {r.seconds:.1f} s, {r.replays} replays", style="bold")
+    passes = Table(title="passes", title_justify="left")
+    for col in ("pass", "candidates", "removed", "tensor bytes after"):
+        passes.add_column(col, justify="right" if col in ("candidates", "tensor bytes after") else "left")
+    for p in r.passes:
+        passes.add_row(p.name, str(p.candidates), p.removed or "-", human_bytes(p.bytes_after))
+    kept = Table(title="what remains", title_justify="left", show_header=False)
+    kept.add_column("field", style="bold")
+    kept.add_column("value")
+    kept.add_row("steps", f"1 of {r.steps_before} (input step {r.signature.step})")
+    kept.add_row("requests", f"{len(r.kept_requests)} (input ids {elide(r.kept_requests)})")
+    kept.add_row("query heads", f"{len(r.kept_heads)} (input ids {elide(r.kept_heads)}; KV heads "
+                 f"{elide(r.kept_kv_heads)})")
+    kept.add_row("pages", f"{r.pages_after} of {r.pages_before}")
+    kept.add_row("keys (sum of seq_lens)", f"{r.tokens_after} of {r.tokens_before}")
+    fail = ", ".join(f"({req}, {h})" for req, h in r.failing_heads_after[:16])
+    if len(r.failing_heads_after) > 16:
+        fail += f", … {len(r.failing_heads_after) - 16} more"
+    codes = sorted({c for c, _ in r.signature.error_findings})
+    kept.add_row("failure kept", Text(f"{r.backend} fails on (request, head) {fail or 'none'}"
+                                      + (f"; error findings {', '.join(codes)}" if codes else ""), style="red"))
+    return Group(head, passes, kept)
