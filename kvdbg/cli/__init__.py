@@ -13,6 +13,7 @@ COMMANDS = {
     "info": "kvdbg.cli.info:info",
     "map": "kvdbg.cli.map:map_",
     "replay": "kvdbg.cli.replay:replay",
+    "report": "kvdbg.cli.report:report",
     "shrink": "kvdbg.cli.shrink:shrink",
     "synth": "kvdbg.cli.synth:synth",
     "window": "kvdbg.cli.window:window",

@@ -1,0 +1,72 @@
+"""`kvdbg report SNAP`."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from kvdbg.cli.common import EXIT_FINDING, console, guarded
+from kvdbg.errors import OptionError
+
+
+@click.command()
+@click.argument("snapshot", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
+              help="Write the Markdown here (atomically) instead of to stdout.")
+@click.option("--backend", "backends", multiple=True,
+              help="Backend to replay (repeatable): reference, flex, flashinfer_ts. Default: all three.")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@click.option("--svg", "svg_dir", default=None, type=click.Path(file_okay=False),
+              help="Also write the info, map and replay tables as SVG images into this directory.")
+@click.option("--force", is_flag=True, help="Replace existing output files.")
+@guarded
+def report(snapshot, output, backends, device, svg_dir, force):
+    """Write a Markdown bug report for a snapshot, ready to paste into a GitHub issue.
+
+    Sections: the environment (OS, Python, torch and its CUDA build, GPUs,
+    flashinfer and vllm versions, read from package metadata without importing
+    them), the snapshot's sha256 and summary, paging anomalies and the
+    FLASHINFER_TS window restriction, the replay per backend (what ran,
+    pass/fail, worst heads, findings), and the command that reproduces it.
+
+    Exit 0 when the replay is clean, 1 on a mismatch or an error finding, 2 on bad input.
+
+    \b
+    Examples:
+      kvdbg report snapshot.safetensors > report.md
+      kvdbg report snapshot.safetensors -o report.md --svg figures/ --backend flex
+    """
+    from kvdbg.render.report import render_markdown, render_svgs
+    from kvdbg.report import build_report, write_text_atomic
+
+    svg_paths = []
+    if svg_dir is not None:
+        if os.path.exists(svg_dir) and not os.path.isdir(svg_dir):
+            raise OptionError(f"--svg {svg_dir} is not a directory")
+        svg_paths = [os.path.join(svg_dir, f"{stem}.svg") for stem in ("info", "map", "replay")]
+        taken = [p for p in svg_paths if os.path.exists(p)]
+        if taken and not force:
+            raise OptionError(f"{taken[0]} already exists; pass --force to replace it")
+    if output is not None and os.path.exists(output) and not force:
+        raise OptionError(f"{output} already exists; pass --force to replace it")
+    progress = None
+    if sys.stderr.isatty():
+        err = console(stderr=True)
+
+        def progress(message: str) -> None:
+            err.print(f"[dim]{message}…[/dim]")
+
+    result = build_report(snapshot, list(backends) or None, device=device, progress=progress)
+    text = render_markdown(result)
+    if svg_dir is not None:
+        os.makedirs(svg_dir, exist_ok=True)
+        for path, (stem, svg) in zip(svg_paths, render_svgs(result).items()):
+            write_text_atomic(path, svg, overwrite=force)
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        write_text_atomic(output, text, overwrite=force)
+    if result.failed:
+        sys.exit(EXIT_FINDING)

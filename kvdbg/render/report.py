@@ -1,0 +1,215 @@
+"""`kvdbg report` rendering: GitHub-flavoured Markdown, and the rich tables as SVG images."""
+
+from __future__ import annotations
+
+import io
+import re
+import shlex
+
+from kvdbg.render.util import human_bytes
+from kvdbg.report import BugReport
+
+MAX_TABLE_ROWS = 32
+# Backslash-escaping every ASCII punctuation character that can start inline markup
+# keeps cell text literal; pipes would otherwise split table cells.
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|~#!&])")
+
+
+def md_escape(text: object) -> str:
+    """Text safe inside a Markdown paragraph or table cell: markup characters escaped, one line."""
+    s = " ".join(str(text).split())  # a newline would end the table row
+    return _MD_SPECIAL.sub(r"\\\1", s)
+
+
+def md_code(text: object) -> str:
+    """An inline code span; a backtick fence one longer than any run inside it, pipes escaped for tables."""
+    s = " ".join(str(text).split())
+    longest = max((len(m) for m in re.findall(r"`+", s)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if s.startswith("`") or s.endswith("`") else ""
+    # GFM splits table rows on pipes before parsing code spans; \| is read back as |.
+    return f"{fence}{pad}{s.replace('|', chr(92) + '|')}{pad}{fence}"
+
+
+def md_table(headers: list[str], rows: list[list[str]], *, align: list[str] | None = None) -> str:
+    """Cells must already be escaped (md_escape / md_code)."""
+    align = align or ["left"] * len(headers)
+    marks = {"left": "---", "right": "---:", "center": ":---:"}
+    lines = ["| " + " | ".join(md_escape(h) for h in headers) + " |",
+             "| " + " | ".join(marks[a] for a in align) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _fmt(value: float) -> str:
+    return "nan" if value != value else f"{value:.3g}"
+
+
+def _fence(text: str, info: str = "") -> str:
+    longest = max((len(m) for m in re.findall(r"`{3,}", text)), default=2)
+    fence = "`" * (longest + 1)
+    return f"{fence}{info}\n{text}\n{fence}"
+
+
+def _elided(rows: list[list[str]], total: int, what: str) -> str:
+    if total <= len(rows):
+        return ""
+    return f"\n\n_… {total - len(rows)} more {what} not shown._"
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _environment(r: BugReport) -> str:
+    env = r.environment
+    gpus = "; ".join(f"{name} (compute capability {cap})" for name, cap in env.gpus) or "none"
+    rows = [
+        ["OS", md_escape(env.os)],
+        ["Python", md_escape(env.python)],
+        ["torch", md_escape(f"{env.torch}, built with {env.torch_cuda_build}")],
+        ["CUDA available", "yes" if env.cuda_available else "no"],
+        ["GPUs", md_escape(gpus)],
+        *[[md_escape(name), md_escape(version)] for name, version in env.packages.items()],
+        ["kvdbg", md_escape(env.kvdbg)],
+        ["replay device", md_escape(r.device)],
+    ]
+    return "## Environment\n\n" + md_table(["item", "value"], rows)
+
+
+def _snapshot(r: BugReport) -> str:
+    s = r.summary
+    layer, backend = s.layer, s.backend
+    window = layer["sliding_window"]
+    mask = ("causal" if layer["causal"] else "dense (non-causal)") + (f", sliding window {window}" if window
+                                                                      else ", no sliding window")
+    dtypes = f"model {layer['dtype']}, kv cache {layer['kv_cache_dtype']} (stored {s.kv_cache_dtype_stored})"
+    if layer["kv_cache_dtype"] != "auto":
+        dtypes += f", scales q {layer['q_scale']:.6g} k {layer['k_scale']:.6g} v {layer['v_scale']:.6g}"
+    capture = ", ".join(f"{k}={v}" for k, v in sorted(s.capture.items()) if not isinstance(v, (dict, list)))
+    rows = [
+        ["file", md_code(r.path)],
+        ["sha256", md_code(r.sha256)],
+        ["size", md_escape(f"{human_bytes(s.file_size)} ({s.file_size} bytes); {s.stored_pages} stored pages × "
+                          f"{human_bytes(s.page_bytes)} = {human_bytes(s.referenced_page_bytes)}")],
+        ["format", md_escape(f"kvdbg v{s.format_version}, layout {s.kv_layout}")],
+        ["layer", md_code(layer["name"])],
+        ["heads", md_escape(f"Hq {layer['num_heads']} / Hkv {layer['num_kv_heads']}, head_size "
+                           f"{layer['head_size']}, scale {layer['scale']:.6g}")],
+        ["mask", md_escape(mask)],
+        ["dtypes", md_escape(dtypes)],
+        ["backend", md_escape(f"{backend['name']}: page_size {backend['page_size']}, max_model_len "
+                             f"{backend['max_model_len']}, max_decode_query_len {backend['max_decode_query_len']}, "
+                             f"engine pages {backend['num_gpu_blocks']}")],
+        ["steps", str(s.num_steps)],
+        ["capture", md_escape(capture or "-")],
+    ]
+    if s.notes:
+        rows.append(["notes", md_escape(s.notes)])
+    parts = ["## Snapshot\n\n" + md_table(["field", "value"], rows)]
+    for step in s.steps:
+        shown = step.requests[:MAX_TABLE_ROWS]
+        table = md_table(["request", "seq_len", "query_len", "live pages"],
+                         [[str(q.index), str(q.seq_len), str(q.query_len), str(q.live_pages)] for q in shown],
+                         align=["right"] * 4)
+        title = (f"Step {step.step}: {step.num_reqs} requests, {step.num_tokens} query tokens, "
+                 f"table width {step.table_width}")
+        parts.append(f"### {md_escape(title)}\n\n{table}"
+                     + _elided(shown, len(step.requests), "requests"))
+    return "\n\n".join(parts)
+
+
+def _paging(r: BugReport) -> str:
+    parts = ["## Paging and window"]
+    rows = [[str(m.step), md_escape(a.severity), md_code(a.code), "-" if a.request is None else str(a.request),
+             md_escape(a.message)] for m in r.page_maps for a in m.anomalies]
+    total = len(rows)
+    if rows:
+        parts.append("### Map anomalies\n\n" + md_table(["step", "severity", "code", "request", "message"],
+                                                         rows[:MAX_TABLE_ROWS]) + _elided(rows[:MAX_TABLE_ROWS],
+                                                                                          total, "anomalies"))
+    else:
+        parts.append("### Map anomalies\n\nNone: no live page 0, no page mapped twice, no stale tails.")
+    if r.window:
+        rows = [[str(w.step), str(w.request), str(w.seq_len), str(w.query_len), "yes" if w.applies else "no",
+                 str(w.start_page), str(w.pages_dropped), str(w.restricted_seq_len), str(w.worst_extra),
+                 str(w.drift), md_escape(", ".join(w.findings) or "-")] for w in r.window]
+        shown = rows[:MAX_TABLE_ROWS]
+        parts.append("### FLASHINFER_TS window restriction (per request)\n\n" + md_table(
+            ["step", "request", "seq_len", "query_len", "restricted", "start page", "pages dropped",
+             "kernel seq_len", "worst extra keys", "drift", "findings"], shown, align=["right"] * 10 + ["left"])
+            + _elided(shown, len(rows), "requests"))
+    else:
+        parts.append(f"### Window restriction\n\nNot applicable: {md_escape(r.window_reason)}.")
+    return "\n\n".join(parts)
+
+
+def _replay(r: BugReport) -> str:
+    rows = []
+    for b in r.backends:
+        worst = ", ".join(f"step {s} req {q} head {h} ({_fmt(m)})" for s, q, h, m in b.worst) or "-"
+        findings = ", ".join(f"{code} ×{n}" for code, n in sorted(b.finding_counts.items())) or "-"
+        verdict = b.verdict if b.verdict not in ("FAIL", "pass") else (
+            f"**FAIL** ({b.failed_heads} of {b.heads_compared} heads)" if b.verdict == "FAIL"
+            else f"pass ({b.heads_compared} heads)")
+        ran = md_escape(b.kernel) + (" *(emulated)*" if b.emulated else "")
+        rows.append([md_code(b.name), md_escape(b.engine_name or "-"), md_escape(b.status), ran, verdict,
+                     _fmt(b.max_abs) if b.verdict in ("FAIL", "pass") else "-", md_escape(worst), md_escape(findings)])
+    verdict = "**FAILED**: a backend mismatches the reference or has an error finding." if r.failed \
+        else "**PASSED**: every backend matches the reference within tolerance; no error finding."
+    parts = ["## Replay", verdict, md_table(
+        ["backend", "engine name", "status", "what ran", "vs reference", "max abs", "worst heads", "findings"], rows)]
+    findings = [f for f in r.findings if f.severity in ("error", "warning")]
+    if findings:
+        frows = [[md_escape(f.severity), md_code(f.backend), "-" if f.step is None else str(f.step),
+                  "-" if f.request is None else str(f.request), md_code(f.code), md_escape(f.message)]
+                 for f in findings]
+        shown = frows[:MAX_TABLE_ROWS]
+        parts.append("### Findings\n\n" + md_table(["severity", "backend", "step", "request", "code", "message"],
+                                                   shown) + _elided(shown, len(frows), "findings"))
+    captured = [c for c in r.comparisons if c.expected == "captured" or c.actual == "captured"]
+    if captured:
+        crows = [[str(c.step), md_code(c.actual), md_code(c.expected),
+                  "pass" if c.passed else f"**FAIL** ({len(c.failed)} of {len(c.heads)} heads)", _fmt(c.max_abs)]
+                 for c in captured]
+        parts.append("### Against the engine's captured output\n\n"
+                     + md_table(["step", "actual", "expected", "verdict", "max abs"], crows))
+    tolerances = sorted({(c.tolerance.atol, c.tolerance.rtol, c.tolerance.source) for c in r.comparisons})
+    if tolerances:
+        parts.append("Pass rule: an element passes when \\|a − e\\| ≤ atol + rtol·\\|e\\| (e: expected); "
+                     "tolerances used: " + "; ".join(md_escape(f"atol {a:g}, rtol {t:g} ({s})")
+                                                     for a, t, s in tolerances) + ".")
+    return "\n\n".join(parts)
+
+
+def render_markdown(r: BugReport) -> str:
+    name = r.path.rsplit("/", 1)[-1]
+    head = (f"# kvdbg report: {md_escape(name)}\n\n"
+            f"Generated by kvdbg {md_escape(r.environment.kvdbg)}. Snapshot sha256 {md_code(r.sha256)}.")
+    check = f"echo {shlex.quote(r.sha256 + '  ' + name)} | sha256sum -c -"
+    reproduce = (f"## Reproduce\n\nWith the snapshot attached to this issue saved as {md_code(name)}:\n\n"
+                 + _fence(f"{check}\n{r.command}", "bash"))
+    return "\n\n".join([head, _environment(r), _snapshot(r), _paging(r), _replay(r), reproduce]) + "\n"
+
+
+# --------------------------------------------------------------------------- SVG
+
+
+def render_svgs(r: BugReport, *, width: int = 120) -> dict[str, str]:
+    """The info, map and replay tables as SVG documents (rich's own export), by file stem."""
+    from rich.console import Console
+
+    from kvdbg.render.info import render_info
+    from kvdbg.render.pagemap import render_page_map
+    from kvdbg.render.replay import render_replay
+
+    def record(*renderables, title: str) -> str:
+        console = Console(record=True, width=width, file=io.StringIO(), color_system="truecolor")
+        for renderable in renderables:
+            console.print(renderable)
+        return console.export_svg(title=title)
+
+    return {
+        "info": record(render_info(r.summary), title=f"kvdbg info {r.path}"),
+        "map": record(*(render_page_map(m) for m in r.page_maps), title=f"kvdbg map {r.path}"),
+        "replay": record(render_replay(r.replay, r.comparisons), title=r.command),
+    }

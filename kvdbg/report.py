@@ -1,0 +1,322 @@
+"""`kvdbg report`: everything a bug report about a snapshot needs, computed once (rendering is in render/report.py).
+
+The environment is collected the way vLLM's and PyTorch's ``collect_env`` do it:
+versions from package metadata, never by importing flashinfer or vllm (either
+can take seconds to import, or fail to, on the very machine the report is for).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shlex
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from kvdbg._version import __version__
+from kvdbg.errors import OptionError, SnapshotError
+
+if TYPE_CHECKING:
+    from kvdbg.attention import Finding
+    from kvdbg.diff import Comparison
+    from kvdbg.pagemap import PageMap
+    from kvdbg.replay import ReplayResult
+    from kvdbg.summary import InfoSummary
+
+__all__ = ["Environment", "WindowRow", "BackendSummary", "BugReport", "collect_environment", "file_sha256",
+           "build_report", "reproduce_command", "write_text_atomic", "MAX_WORST_HEADS"]
+
+MAX_WORST_HEADS = 3
+# Distribution names to look up; the first one installed wins (flashinfer was renamed on its index).
+PACKAGES = {
+    "flashinfer": ("flashinfer-python", "flashinfer"),
+    "vllm": ("vllm",),
+    "safetensors": ("safetensors",),
+    "numpy": ("numpy",),
+    "rich": ("rich",),
+    "click": ("click",),
+}
+
+
+@dataclass
+class Environment:
+    os: str
+    python: str
+    torch: str
+    torch_cuda_build: str  # CUDA (or ROCm) version torch was built with, or "none (CPU-only build)"
+    cuda_available: bool
+    gpus: list[tuple[str, str]]  # (name, compute capability "major.minor")
+    packages: dict[str, str]  # distribution -> version, or "not installed"
+    kvdbg: str
+
+
+@dataclass
+class WindowRow:
+    """FLASHINFER_TS's dense-window page restriction for one request (kvdbg.paging.analyze_window)."""
+
+    step: int
+    request: int
+    seq_len: int
+    query_len: int
+    applies: bool
+    start_page: int
+    pages_dropped: int
+    restricted_seq_len: int
+    worst_extra: int  # keys the kernel sees that the exact window excludes (worst query token)
+    drift: int
+    findings: list[str]  # violation codes
+    note: str  # why nothing is restricted, when nothing is
+
+
+@dataclass
+class BackendSummary:
+    name: str
+    engine_name: str | None
+    status: str  # "ran", "raised", "unavailable"
+    kernel: str  # what ran, or why it could not
+    emulated: bool
+    verdict: str  # "pass", "FAIL", "not compared"
+    failed_heads: int
+    heads_compared: int
+    max_abs: float
+    worst: list[tuple[int, int, int, float]]  # (step, request, head, max abs) of the worst failing heads
+    finding_counts: dict[str, int]  # code -> count, errors and warnings
+    error_findings: int
+
+
+@dataclass
+class BugReport:
+    path: str
+    sha256: str
+    environment: Environment
+    summary: "InfoSummary"
+    page_maps: list["PageMap"]  # one per step, with its anomalies
+    window: list[WindowRow]  # empty unless the layer has a window and FLASHINFER_TS is involved
+    window_reason: str  # why there is no window section, when there is none
+    replay: "ReplayResult"
+    comparisons: list["Comparison"]
+    backends: list[BackendSummary]
+    command: str
+    device: str
+
+    @property
+    def findings(self) -> list["Finding"]:
+        return self.replay.findings
+
+    @property
+    def failed(self) -> bool:
+        """What `kvdbg replay` exits 1 for: a failing comparison or an error finding."""
+        return any(not c.passed for c in self.comparisons) or any(f.severity == "error" for f in self.findings)
+
+
+# --------------------------------------------------------------------------- environment and digest
+
+
+def _package_version(names: Sequence[str]) -> str:
+    from importlib import metadata
+
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def collect_environment() -> Environment:
+    import torch
+
+    if torch.version.cuda:
+        build = f"CUDA {torch.version.cuda}"
+    elif getattr(torch.version, "hip", None):
+        build = f"ROCm {torch.version.hip}"
+    else:
+        build = "none (CPU-only build)"
+    available = bool(torch.cuda.is_available())
+    gpus = []
+    if available:
+        for index in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(index)
+            gpus.append((torch.cuda.get_device_name(index), f"{major}.{minor}"))
+    return Environment(
+        os=f"{platform.platform()} ({platform.machine()})",
+        python=f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
+        torch=torch.__version__,
+        torch_cuda_build=build,
+        cuda_available=available,
+        gpus=gpus,
+        packages={name: _package_version(dists) for name, dists in PACKAGES.items()},
+        kvdbg=__version__,
+    )
+
+
+def file_sha256(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
+    """SHA-256 of a file read in chunks, so multi-GB snapshots are never held in memory."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            while chunk := fh.read(chunk_size):
+                digest.update(chunk)
+    except OSError as exc:
+        raise SnapshotError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def window_rows(snapshot, backends: Sequence[str]) -> tuple[list[WindowRow], str]:
+    """The restriction per request of every step, when FLASHINFER_TS would restrict this layer's pages."""
+    from kvdbg.paging import analyze_window
+
+    layer, backend = snapshot.meta.layer, snapshot.meta.backend
+    if layer.sliding_window is None:
+        return [], "the layer has no sliding window"
+    if backend.name != "FLASHINFER_TS" and "flashinfer_ts" not in backends:
+        return [], f"captured from {backend.name}, and flashinfer_ts was not replayed"
+    rows = []
+    for s, step in enumerate(snapshot.steps):
+        for r, (length, qlen) in enumerate(zip(step.seq_lens.tolist(), step.query_lens)):
+            if qlen <= 0:
+                continue
+            try:
+                a = analyze_window(int(length), layer.sliding_window, query_len=qlen, page_size=backend.page_size,
+                                   causal=layer.causal, max_model_len=backend.max_model_len,
+                                   max_decode_query_len=backend.max_decode_query_len)
+            except OptionError as exc:  # a length the builder never sees (e.g. beyond max_model_len)
+                rows.append(WindowRow(s, r, int(length), qlen, False, 0, 0, int(length), 0, 0, [], str(exc)))
+                continue
+            rows.append(WindowRow(
+                step=s, request=r, seq_len=int(length), query_len=qlen, applies=a.applies,
+                start_page=a.restriction.start_page if a.applies else 0,
+                pages_dropped=a.restriction.pages_dropped if a.applies else 0,
+                restricted_seq_len=a.builder.seq_len, worst_extra=a.visibility.worst_extra,
+                drift=a.visibility.drift, findings=[v.code for v in a.findings], note=a.reason))
+    return rows, ""
+
+
+def backend_summaries(result: "ReplayResult", comparisons: list["Comparison"]) -> list[BackendSummary]:
+    out = []
+    raised = {name for step in result.steps for name, run in step.runs.items() if run.error}
+    for st in result.backends:
+        if st.name == "reference":
+            vs_ref: list = []
+        else:
+            vs_ref = [c for c in comparisons if c.actual == st.name and c.expected == "reference"]
+        failed = [(c.step, h) for c in vs_ref for h in c.failed]
+        failed.sort(key=lambda sh: (-sh[1].nonfinite, -(sh[1].max_abs if sh[1].max_abs == sh[1].max_abs else 0.0)))
+        findings = [f for f in result.findings if f.backend == st.name and f.severity in ("error", "warning")]
+        counts: dict[str, int] = {}
+        for f in findings:
+            counts[f.code] = counts.get(f.code, 0) + 1
+        if not st.available:
+            status, kernel = "unavailable", st.reason or ""
+        else:
+            status = "raised" if st.name in raised else "ran"
+            info = st.info
+            kernel = (f"{info.kernel} on {info.device}, {'compiled' if info.compiled else 'eager'}, {info.dtype}"
+                      if info else "")
+        if st.name == "reference":
+            verdict = "reference"
+        elif not vs_ref:
+            verdict = "not compared"
+        else:
+            verdict = "FAIL" if failed else "pass"
+        out.append(BackendSummary(
+            name=st.name, engine_name=st.engine_name, status=status, kernel=kernel,
+            emulated=bool(st.info.emulated) if st.info else False, verdict=verdict,
+            failed_heads=len(failed), heads_compared=sum(len(c.heads) for c in vs_ref),
+            max_abs=max((c.max_abs for c in vs_ref), default=0.0),
+            worst=[(s, h.request, h.head, h.max_abs) for s, h in failed[:MAX_WORST_HEADS]],
+            finding_counts=counts, error_findings=sum(f.severity == "error" for f in findings)))
+    return out
+
+
+def reproduce_command(path: str, backends: Sequence[str], device: str = "cpu") -> str:
+    parts = ["kvdbg", "replay", path]
+    for name in backends:
+        if name != "reference":  # replay always adds the reference
+            parts += ["--backend", name]
+    if device != "cpu":
+        parts += ["--device", device]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def build_report(path: str, backends: Sequence[str] | None = None, *, device: str = "cpu",
+                 progress: Callable[[str], None] | None = None) -> BugReport:
+    """Load, summarise, map and replay ``path``; everything the Markdown report shows."""
+    from kvdbg.attention import ReplayOptions
+    from kvdbg.backends import DEFAULT_ORDER
+    from kvdbg.diff import compare_step
+    from kvdbg.pagemap import page_map
+    from kvdbg.replay import replay
+    from kvdbg.snapshot import load_snapshot
+    from kvdbg.summary import summarize
+
+    path = os.fspath(path)
+    summary = summarize(path)
+    snapshot = load_snapshot(path)
+    names = list(dict.fromkeys(backends)) if backends else list(DEFAULT_ORDER)
+    if "reference" not in names:
+        names.insert(0, "reference")
+    if progress:
+        progress("hashing the file")
+    sha = file_sha256(path)
+    page_maps = [page_map(snapshot, step=s) for s in range(len(snapshot.steps))]
+    window, window_reason = window_rows(snapshot, names)
+    options = ReplayOptions(device=device)
+    result = replay(snapshot, names, options, required=[n for n in (backends or ()) if n != "reference"],
+                    progress=progress)
+    comparisons = [c for s in result.steps for c in compare_step(s, snapshot.meta)]
+    return BugReport(
+        path=path, sha256=sha, environment=collect_environment(), summary=summary, page_maps=page_maps,
+        window=window, window_reason=window_reason, replay=result, comparisons=comparisons,
+        backends=backend_summaries(result, comparisons),
+        command=reproduce_command(os.path.basename(path), _replayed(result, explicit=bool(backends)), options.device),
+        device=options.device)
+
+
+def _replayed(result: "ReplayResult", *, explicit: bool) -> list[str]:
+    """Backends the reproducing command names: all asked for, or the defaults that could run here."""
+    return [st.name for st in result.backends if st.name != "reference" and (explicit or st.available)]
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, *, overwrite: bool = False) -> str:
+    """Write ``text`` through a temporary file and a rename; never replace a file unless ``overwrite``."""
+    import tempfile
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise OptionError(f"{path} is a directory; give a file name")
+    if os.path.exists(path) and not overwrite:
+        raise OptionError(f"{path} already exists; pass --force to replace it")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise OptionError(f"cannot write {path}: directory {directory} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=".kvdbg-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a report is a normal user file
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:  # link() refuses to clobber a file that appeared meanwhile
+                os.link(tmp, path)
+            except FileExistsError:
+                raise OptionError(f"{path} already exists; pass --force to replace it") from None
+    except OSError as exc:
+        raise OptionError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
