@@ -9,6 +9,10 @@ import click
 from kvdbg.cli.common import EXIT_FINDING, console, emit_json, guarded, json_option
 from kvdbg.errors import OptionError
 
+# No engine has this many heads or requests in one step; the bound keeps a typo
+# like 0-100000000000 from expanding into a list that exhausts memory.
+MAX_RANGE_INDEX = 2**20 - 1
+
 
 def parse_ranges(value: str | None, option: str) -> list[int] | None:
     """``"0-3,7"`` → ``[0, 1, 2, 3, 7]``; None stays None (everything)."""
@@ -24,6 +28,8 @@ def parse_ranges(value: str | None, option: str) -> list[int] | None:
                 lo_i, hi_i = int(lo), int(hi)
                 if hi_i < lo_i:
                     raise ValueError
+                if hi_i > MAX_RANGE_INDEX:
+                    raise OptionError(f"{option} {hi_i} is out of range (indices stop at {MAX_RANGE_INDEX})")
                 out.extend(range(lo_i, hi_i + 1))
             else:
                 out.append(int(part))
