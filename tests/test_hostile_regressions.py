@@ -32,3 +32,9 @@ def test_replay_huge_head_range_is_an_option_error():
                           "--heads 100000000000 is out of range")
     assert_one_line_error(invoke("replay", path, "--backend", "reference", "--request", "0-100000000000"),
                           "--request 100000000000 is out of range")
+
+
+def test_window_huge_query_len_is_an_option_error():
+    assert_one_line_error(invoke("window", "--seq-len", 2**31, "--query-len", 10**9, "--full"),
+                          "--query-len 1000000000 is over 4096")
+    assert invoke("window", "--seq-len", 9000, "--window", 4096, "--query-len", 4096).exit_code in (0, 1)

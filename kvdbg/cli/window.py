@@ -5,6 +5,11 @@ from __future__ import annotations
 import click
 
 from kvdbg.cli.common import console, emit_json, finish, guarded, json_option
+from kvdbg.errors import OptionError
+
+# The analysis holds one row per query token (and --full draws each); a decode
+# query block, even a drafter's, is a few dozen tokens; a billion would hang.
+MAX_QUERY_LEN = 4096
 
 
 @click.command()
@@ -36,6 +41,8 @@ def window(seq_len, window, query_len, page_size, mask, max_model_len, max_decod
     """
     from kvdbg.paging import analyze_window
 
+    if query_len > MAX_QUERY_LEN:
+        raise OptionError(f"--query-len {query_len} is over {MAX_QUERY_LEN}, longer than any decode query block")
     analysis = analyze_window(
         seq_len, window, query_len=query_len, page_size=page_size, causal=(mask == "causal"),
         max_model_len=max_model_len, max_decode_query_len=max_decode_query_len,
