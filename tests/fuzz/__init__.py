@@ -1,0 +1,1 @@
+"""Mutation fuzzing of the snapshot loader and every command (issue 6)."""
