@@ -13,6 +13,7 @@ FIXTURES = (
     "dflash.safetensors",
     "fp8_dense.safetensors",
     "prefix_page0.safetensors",
+    "ts_causal_window.safetensors",
 )
 
 

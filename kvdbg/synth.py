@@ -49,6 +49,8 @@ class SynthSpec:
     backend: str | None = None
     layer_name: str = "model.layers.0.self_attn.attn"
     notes: str = ""
+    # Store each step's output as computed by this kvdbg backend, standing in for the engine's own.
+    engine_output: str | None = None
     extra_layer: dict = field(default_factory=dict)  # e.g. {"has_sinks": True} to exercise rejections
 
 
@@ -220,7 +222,21 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
     )
     snap = Snapshot(meta=meta, kv_cache=kv_cache, page_ids=page_ids, steps=steps)
     validate(snap)
+    if spec.engine_output:
+        _attach_engine_output(snap, spec.engine_output)
     return snap
+
+
+def _attach_engine_output(snap: Snapshot, backend: str) -> None:
+    """Replay every step through ``backend`` on CPU and store its output as the engine's."""
+    from kvdbg.replay import replay
+
+    result = replay(snap, [backend], required=[backend])
+    for step, replayed in zip(snap.steps, result.steps):
+        run = replayed.runs[backend]
+        if run.output is None:
+            raise OptionError(f"--engine-output {backend}: the backend produced no output ({run.error})")
+        step.output = run.output.to(torch_dtype(snap.meta.layer.dtype))
 
 
 def _quantize(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -58,13 +58,16 @@ def _int_list(value: str | None, name: str) -> tuple[int, ...] | None:
 @click.option("--max-decode-query-len", type=int, default=None)
 @click.option("--backend-name", default=None, help="Engine backend recorded in the metadata.")
 @click.option("--notes", default="", help="Free text stored in the snapshot.")
+@click.option("--engine-output", default=None, metavar="BACKEND",
+              help="Store each step's output computed by this kvdbg backend (reference, flex, flashinfer_ts) "
+                   "as the engine's captured output.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @json_option
 @guarded
 def synth(out, seq_lens, query_len, query_lens, num_heads, num_kv_heads, head_dim, page_size, window, mask, dtype,
           fp8, fp8_storage, q_scale, k_scale, v_scale, layout, shuffle, shared_prefix_pages, use_page_zero,
           page_zero_request, stale_tail, steps, new_kv, seed, num_gpu_blocks, max_model_len,
-          max_decode_query_len, backend_name, notes, force, as_json):
+          max_decode_query_len, backend_name, notes, engine_output, force, as_json):
     """Write a deterministic synthetic snapshot to OUT (same options and seed: same bytes).
 
     \b
@@ -106,6 +109,7 @@ def synth(out, seq_lens, query_len, query_lens, num_heads, num_kv_heads, head_di
         max_decode_query_len=max_decode_query_len,
         backend=backend_name,
         notes=notes,
+        engine_output=engine_output,
     )
     snap = synth_snapshot(spec)
     path = save_snapshot(snap, out, overwrite=force)
