@@ -41,6 +41,7 @@ class StepReplay:
     common: CommonMetadata
     runs: dict[str, BackendRun]  # in the order the backends were asked for
     captured_output: torch.Tensor | None  # the engine's own output, if the snapshot has one
+    findings: list[Finding] = field(default_factory=list)  # about the inputs themselves, before any backend
 
 
 @dataclass
@@ -64,7 +65,8 @@ class ReplayResult:
 
     @property
     def findings(self) -> list[Finding]:
-        return [f for s in self.steps for run in s.runs.values() for f in run.findings]
+        return [f for s in self.steps for f in s.findings] + \
+            [f for s in self.steps for run in s.runs.values() for f in run.findings]
 
 
 # --------------------------------------------------------------------------- cache helpers
@@ -150,6 +152,16 @@ def apply_step_update(snapshot: "Snapshot", cache: torch.Tensor, step: int) -> i
         else:
             view[stored, :, offset] = new.to(view.dtype)
     return int(slots.numel())
+
+
+def input_findings(snapshot: "Snapshot", step: int, cache: torch.Tensor) -> list[Finding]:
+    """NaN/Inf and all-zero live pages of the cache the step's backends are about to read."""
+    from kvdbg.pagemap import live_page_values, value_anomalies
+
+    values = live_page_values(snapshot, step, cache)
+    return [Finding(backend="replay", code=a.code, message=a.message, severity=a.severity, step=step,
+                    request=a.request, details={"pages": a.pages})
+            for a in value_anomalies(values)]
 
 
 # --------------------------------------------------------------------------- backends
@@ -278,6 +290,7 @@ def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
         if step not in wanted:
             continue
         common = common_metadata(snapshot, step, device)
+        found = input_findings(snapshot, step, cache)
         query = snapshot.steps[step].query.to(device)
         runs = {}
         for name in names:
@@ -289,7 +302,8 @@ def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
                                      propagate=(name == "reference"))
         captured = snapshot.steps[step].output
         results.append(StepReplay(step=step, common=common, runs=runs,
-                                  captured_output=None if captured is None else captured.to(device)))
+                                  captured_output=None if captured is None else captured.to(device),
+                                  findings=found))
     for st in statuses:  # report what the backends say after running (e.g. compiled or not)
         if st.available and results:
             last_run = results[-1].runs.get(st.name)
@@ -304,19 +318,11 @@ def save_outputs(result: ReplayResult, path: str, *, overwrite: bool = False) ->
     Tensor names are ``step.N.<backend>``; the metadata lists what each backend ran.
     """
     import json
-    import os
-    import tempfile
 
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise OptionError(f"--save-outputs {path} is a directory; give a file name")
-    if os.path.exists(path) and not overwrite:
-        raise OptionError(f"--save-outputs {path} already exists; pass --force to replace it")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise OptionError(f"--save-outputs {path}: directory {directory} does not exist")
+    from kvdbg.atomic import atomic_write
+
     tensors = {}
     for step in result.steps:
         for name, run in step.runs.items():
@@ -326,27 +332,13 @@ def save_outputs(result: ReplayResult, path: str, *, overwrite: bool = False) ->
             tensors[f"step.{step.step}.captured"] = step.captured_output.detach().cpu().contiguous()
     kernels = {st.name: (st.info.kernel if st.info else f"unavailable: {st.reason}") for st in result.backends}
     metadata = {"kvdbg.replay": json.dumps({"snapshot": result.path, "kernels": kernels})}
-    fd, tmp = tempfile.mkstemp(prefix=".kvdbg-", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            try:  # link() refuses to replace a file that appeared meanwhile
-                os.link(tmp, path)
-            except FileExistsError:
-                raise OptionError(f"--save-outputs {path} already exists; pass --force to replace it") from None
-    except OSError as exc:
-        raise OptionError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    payload = save(tensors, metadata=metadata)
+    return atomic_write(path, lambda fh: fh.write(payload), overwrite=overwrite, what="--save-outputs")
 
 
 __all__ = [
     "save_outputs",
     "BackendRun", "BackendStatus", "ReplayResult", "StepReplay", "apply_step_update", "common_metadata",
+    "input_findings",
     "kv_views", "load_backends", "replay", "resolve_device", "run_backend", "working_cache",
 ]

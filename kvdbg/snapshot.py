@@ -9,12 +9,12 @@ format is specified in docs/snapshot-format.md.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import torch
 
+from kvdbg.atomic import atomic_write
 from kvdbg.errors import OptionError, SnapshotError
 from kvdbg.format import (
     DTYPE_TO_ST,
@@ -315,15 +315,7 @@ def save_snapshot(snapshot: Snapshot, path: str | os.PathLike, *, overwrite: boo
 
     An existing file is never replaced unless ``overwrite`` is true.
     """
-    path = os.fspath(path)
     validate(snapshot)
-    if os.path.isdir(path):
-        raise OptionError(f"{path} is a directory; give a file name for the snapshot")
-    if os.path.exists(path) and not overwrite:
-        raise OptionError(f"{path} already exists; pass --force (overwrite=True) to replace it")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise OptionError(f"cannot write {path}: directory {directory} does not exist")
     entries = []
     for name, t in snapshot.tensors().items():
         if dtype_name(t.dtype) not in DTYPE_TO_ST:
@@ -331,32 +323,7 @@ def save_snapshot(snapshot: Snapshot, path: str | os.PathLike, *, overwrite: boo
         raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         entries.append((name, dtype_name(t.dtype), tuple(t.shape), raw))
     metadata = {FORMAT_KEY: FORMAT_VERSION, META_KEY: snapshot.meta.to_json()}
-    fd, tmp = tempfile.mkstemp(prefix=".kvdbg-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write_safetensors(fh, entries, metadata)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a snapshot is a normal user file
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            try:  # link() refuses to clobber a file that appeared meanwhile
-                os.link(tmp, path)
-            except FileExistsError:
-                raise OptionError(f"{path} already exists; pass --force (overwrite=True) to replace it") from None
-            except OSError:
-                if os.path.exists(path):
-                    raise OptionError(f"{path} already exists; pass --force to replace it") from None
-                os.replace(tmp, path)
-    except OSError as exc:
-        raise OptionError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return atomic_write(path, lambda fh: write_safetensors(fh, entries, metadata), overwrite=overwrite)
 
 
 def open_snapshot(path: str | os.PathLike) -> Header:

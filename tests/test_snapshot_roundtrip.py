@@ -107,3 +107,21 @@ def test_synth_options_shape_the_snapshot():
     assert snap.steps[0].query_lens == [1, 1, 1]
     fp8 = synth_snapshot(SynthSpec(fp8=True, k_scale=0.03, num_heads=2, num_kv_heads=1, head_size=8))
     assert fp8.kv_cache.dtype == torch.uint8 and fp8.meta.layer.kv_cache_dtype == "fp8_e4m3"
+
+
+def test_atomic_write_leaves_nothing_behind_on_failure(tmp_path):
+    from kvdbg.atomic import atomic_write
+
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"keep me")
+
+    def broken(fh):
+        fh.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OptionError, match="No space left on device"):
+        atomic_write(target, broken, overwrite=True)
+    assert target.read_bytes() == b"keep me"
+    assert sorted(os.listdir(tmp_path)) == ["out.bin"]
+    with pytest.raises(OptionError, match="is a directory"):
+        atomic_write(tmp_path, lambda fh: None)
