@@ -5,9 +5,10 @@ input: the last step where the chosen backend fails against the exact
 reference. It is the set of (request, query head) pairs that backend fails on,
 plus the set of its error findings (code, request). A candidate reproduces the
 failure when, replayed through the reference and that backend only, it fails on
-exactly the signature's pairs and findings that survive the candidate's
-removals (mapped back to the input's numbering), and on at least one of them:
-nothing new fails, nothing kept stops failing.
+the signature's pairs and findings that survive the candidate's
+removals (mapped back to the input's numbering), and on at least one of them
+(:func:`same_failure` has the exact rule: no kept failing head stops failing, no
+error finding appears or disappears, no request that passed starts failing).
 
 Passes, each verified by replaying every candidate:
 
@@ -332,6 +333,20 @@ def _running(values: Iterable[int]) -> list[int]:
 # --------------------------------------------------------------------------- the shrinker
 
 
+def same_failure(seen_pairs: frozenset, seen_finds: frozenset, want_pairs: frozenset, want_finds: frozenset) -> bool:
+    """The rule a candidate must meet (all in the input's numbering).
+
+    Error findings must be exactly the kept ones: a new error code is a different bug. Every kept
+    failing head must still fail; other heads of an already failing request may start failing too,
+    because removing context (dropped pages, other requests' tokens) only makes the same error weigh
+    more in each softmax. A head of a request that did not fail must not start failing.
+    """
+    if not (want_pairs or want_finds) or seen_finds != want_finds or not want_pairs <= seen_pairs:
+        return False
+    failing_requests = {r for r, _ in want_pairs}
+    return all(r in failing_requests for r, _ in seen_pairs)
+
+
 class _Shrinker:
     def __init__(self, signature: Signature, device: str, progress: Callable[[str], None] | None):
         self.signature = signature
@@ -357,7 +372,7 @@ class _Shrinker:
         seen_pairs = frozenset((requests[r], heads[h]) for r, h in obs.failing_heads)
         seen_finds = frozenset((c, None if r is None else requests[r]) for c, r in obs.error_findings)
         want_pairs, want_finds = self.signature.restricted(requests, heads)
-        return (seen_pairs, seen_finds) == (want_pairs, want_finds) and bool(want_pairs or want_finds)
+        return same_failure(seen_pairs, seen_finds, want_pairs, want_finds)
 
 
 def shrink(snapshot: "Snapshot", backend: str | None = None, *, device: str = "cpu",

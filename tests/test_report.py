@@ -1,0 +1,192 @@
+"""`kvdbg report`: Markdown parsed back with markdown-it, digest, window section, SVG, exit codes, environment."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import xml.etree.ElementTree as ET
+
+import pytest
+from click.testing import CliRunner
+from markdown_it import MarkdownIt
+
+from kvdbg.cli import cli
+from kvdbg.render.report import md_code, md_escape, md_table
+from kvdbg.report import file_sha256
+
+from tests.helpers import run_python
+
+REPLAY_HEADERS = ["backend", "engine name", "status", "what ran", "vs reference", "max abs", "worst heads", "findings"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, ["report", *args], catch_exceptions=False)
+
+
+def _text(inline) -> str:
+    return "".join(c.content for c in inline.children or [] if c.content)
+
+
+def parse(markdown: str) -> dict:
+    """Headings, tables (header cells, body rows as cell texts) and fenced code of a Markdown document."""
+    tokens = MarkdownIt("commonmark").enable("table").parse(markdown)
+    out = {"headings": [], "tables": [], "fences": []}
+    table = row = None
+    in_head = False
+    for i, tok in enumerate(tokens):
+        if tok.type == "heading_open":
+            out["headings"].append(_text(tokens[i + 1]))
+        elif tok.type == "fence":
+            out["fences"].append(tok.content)
+        elif tok.type == "table_open":
+            table = {"headers": [], "rows": []}
+        elif tok.type == "thead_open":
+            in_head = True
+        elif tok.type == "thead_close":
+            in_head = False
+        elif tok.type == "tr_open":
+            row = []
+        elif tok.type in ("th_open", "td_open"):
+            row.append(_text(tokens[i + 1]))
+        elif tok.type == "tr_close":
+            (table["headers"].__iadd__(row) if in_head else table["rows"].append(row))
+        elif tok.type == "table_close":
+            out["tables"].append(table)
+            table = None
+    return out
+
+
+def table_with(doc: dict, headers: list[str]) -> dict:
+    matches = [t for t in doc["tables"] if t["headers"] == headers]
+    assert matches, f"no table with headers {headers}; have {[t['headers'] for t in doc['tables']]}"
+    return matches[0]
+
+
+def kv_table(doc: dict) -> dict[str, str]:
+    return {row[0]: row[1] for row in table_with(doc, ["field", "value"])["rows"]}
+
+
+def test_failing_snapshot_report_tables_digest_and_exit_1(make_snapshot, tmp_path):
+    path, _ = make_snapshot(seq_lens=(40, 70, 100), steps=2, use_page_zero=True, page_zero_request=1)
+    out = tmp_path / "report.md"
+    res = invoke(path, "--backend", "flex", "-o", str(out))
+    assert res.exit_code == 1, res.output
+    assert res.output == ""  # the document went to the file
+    doc = parse(out.read_text())
+    assert doc["headings"][1:] == ["Environment", "Snapshot", "Step 0: 3 requests, 3 query tokens, table width 7",
+                                   "Step 1: 3 requests, 3 query tokens, table width 7", "Paging and window",
+                                   "Map anomalies", "Window restriction", "Replay", "Findings", "Reproduce"]
+    with open(path, "rb") as fh:
+        digest = hashlib.sha256(fh.read()).hexdigest()
+    snapshot = kv_table(doc)
+    assert snapshot["sha256"] == digest
+    assert snapshot["heads"] == "Hq 8 / Hkv 2, head_size 64, scale 0.125"
+    assert snapshot["steps"] == "2"
+    lengths = table_with(doc, ["request", "seq_len", "query_len", "live pages"])
+    assert lengths["rows"] == [["0", "40", "1", "3"], ["1", "70", "1", "5"], ["2", "100", "1", "7"]]
+
+    anomalies = table_with(doc, ["step", "severity", "code", "request", "message"])
+    assert ["0", "error", "live_page_zero", "1"] in [r[:4] for r in anomalies["rows"]]
+    assert ["1", "error", "live_page_zero", "1"] in [r[:4] for r in anomalies["rows"]]
+
+    replay = table_with(doc, REPLAY_HEADERS)
+    assert [r[0] for r in replay["rows"]] == ["reference", "flex"]
+    flex = dict(zip(REPLAY_HEADERS, replay["rows"][1]))
+    assert flex["engine name"] == "FLEX_ATTENTION" and flex["status"] == "ran"
+    assert flex["vs reference"] == "FAIL (16 of 48 heads)"  # request 1's 8 heads on both steps
+    assert flex["worst heads"].count("req 1 head") == 3
+    assert flex["findings"] == "null_page_masked ×2"
+    assert "flex_attention (eager)" in flex["what ran"]
+
+    findings = table_with(doc, ["severity", "backend", "step", "request", "code", "message"])
+    assert [r[:5] for r in findings["rows"]] == [["error", "flex", "0", "1", "null_page_masked"],
+                                                 ["error", "flex", "1", "1", "null_page_masked"]]
+    (fence,) = doc["fences"]
+    name = os.path.basename(path)
+    assert fence.splitlines() == [f"echo '{digest}  {name}' | sha256sum -c -", f"kvdbg replay {name} --backend flex"]
+    for table in doc["tables"]:
+        assert all(len(row) == len(table["headers"]) for row in table["rows"])
+
+
+def test_clean_snapshot_to_stdout_exits_0(make_snapshot):
+    path, _ = make_snapshot(seq_lens=(30, 50))
+    res = invoke(path, "--backend", "flex", "--backend", "flashinfer_ts")
+    assert res.exit_code == 0, res.output
+    doc = parse(res.output)
+    assert doc["headings"][0] == f"kvdbg report: {os.path.basename(path)}"
+    rows = {r[0]: r for r in table_with(doc, REPLAY_HEADERS)["rows"]}
+    assert rows["flex"][4] == "pass (16 heads)" and rows["flashinfer_ts"][4] == "pass (16 heads)"
+    assert "(emulated)" in rows["flashinfer_ts"][3]
+    assert "PASSED" in res.output
+    assert doc["fences"][0].splitlines()[1].endswith("--backend flex --backend flashinfer_ts")
+
+
+def test_dense_window_restriction_per_request(make_snapshot):
+    path, _ = make_snapshot(seq_lens=(300, 40), query_len=4, causal=False, sliding_window=64, shuffle=False)
+    res = invoke(path, "--backend", "flashinfer_ts")
+    assert res.exit_code in (0, 1), res.output
+    doc = parse(res.output)
+    window = table_with(doc, ["step", "request", "seq_len", "query_len", "restricted", "start page", "pages dropped",
+                              "kernel seq_len", "worst extra keys", "drift", "findings"])
+    span = 64 + 4 - 1
+    start = (300 - span) // 16  # the builder's page-aligned window start
+    assert window["rows"][0][:8] == ["0", "0", "300", "4", "yes", str(start), str(start), str(300 - start * 16)]
+    assert window["rows"][1][:5] == ["0", "1", "40", "4", "no"]
+    assert int(window["rows"][0][9]) == 3  # one shared window start for the 4-token block
+
+
+def test_markdown_escaping_keeps_cells_intact(make_snapshot):
+    tricky = "a|b `c` *d* _e_ [f](g) <h> \\i"
+    doc = parse(md_table(["x", "y"], [[md_escape(tricky), md_code("p|q`r")]]))
+    assert doc["tables"][0]["rows"] == [[tricky, "p|q`r"]]
+    assert md_escape("two\nlines") == "two lines"
+
+    path, _ = make_snapshot(seq_lens=(20,), layer_name="model|layers.0`attn_x*", notes="see | pipe\nsecond line")
+    res = invoke(path, "--backend", "flex")
+    fields = kv_table(parse(res.output))
+    assert fields["layer"] == "model|layers.0`attn_x*"
+    assert fields["notes"] == "see | pipe second line"
+
+
+def test_svg_images_are_valid_and_output_refuses_overwrite(make_snapshot, tmp_path):
+    path, _ = make_snapshot(seq_lens=(20, 40), use_page_zero=True, page_zero_request=0)
+    out, svg = tmp_path / "r.md", tmp_path / "figs"
+    assert invoke(path, "--backend", "flex", "-o", str(out), "--svg", str(svg)).exit_code == 1
+    for stem in ("info", "map", "replay"):
+        root = ET.parse(svg / f"{stem}.svg").getroot()
+        assert root.tag == "{http://www.w3.org/2000/svg}svg"
+        assert len(list(root.iter("{http://www.w3.org/2000/svg}text"))) > 10
+    assert "null_page_masked" in (svg / "replay.svg").read_text().replace("&#160;", " ")
+    before = out.read_text()
+    res = invoke(path, "--backend", "flex", "-o", str(out))
+    assert res.exit_code == 2
+    assert res.output.strip() == f"Error: {out} already exists; pass --force to replace it"
+    res = invoke(path, "--backend", "flex", "--svg", str(svg))
+    assert res.exit_code == 2 and "info.svg already exists" in res.output
+    assert invoke(path, "--backend", "flex", "-o", str(out), "--svg", str(svg), "--force").exit_code == 1
+    assert out.read_text() == before
+
+
+def test_bad_input_exits_2_on_one_line(tmp_path):
+    res = invoke(str(tmp_path / "missing.safetensors"))
+    assert res.exit_code == 2
+    assert len(res.output.strip().splitlines()) == 1 and res.output.startswith("Error:")
+    res = invoke(str(tmp_path / "missing.safetensors"), "--backend", "nope")
+    assert res.exit_code == 2
+
+
+def test_file_sha256_streams(tmp_path):
+    data = os.urandom(3 * 1024 + 17)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    assert file_sha256(path, chunk_size=1000) == hashlib.sha256(data).hexdigest()
+
+
+def test_environment_reads_versions_without_importing_engines():
+    out = run_python(
+        "import sys, torch\n"
+        "from kvdbg.report import collect_environment\n"
+        "e = collect_environment()\n"
+        "print(e.torch == torch.__version__, 'vllm' in sys.modules, 'flashinfer' in sys.modules,"
+        " sorted(e.packages)[:2], e.cuda_available == torch.cuda.is_available())\n")
+    assert out.strip() == "True False False ['click', 'flashinfer'] True"
