@@ -17,12 +17,17 @@ from kvdbg.errors import OptionError
 from kvdbg.paging import cdiv
 
 if TYPE_CHECKING:
+    import torch
+
     from kvdbg.snapshot import Snapshot
 
-__all__ = ["Anomaly", "PhysicalEntry", "RequestMap", "PageMap", "find_anomalies", "page_map", "SEVERITIES"]
+__all__ = ["Anomaly", "PhysicalEntry", "RequestMap", "PageMap", "LivePageValues", "find_anomalies",
+           "live_page_values", "value_anomalies", "page_map", "SEVERITIES"]
 
 SEVERITIES = ("error", "warning", "info")
 NULL_PAGE = 0
+# Float32 bytes of K+V one chunk of pages may expand to while being scanned.
+SCAN_BUDGET_BYTES = 32 * 1024 * 1024
 
 
 @dataclass
@@ -160,6 +165,8 @@ def find_anomalies(snapshot: "Snapshot", step: int = 0) -> list[Anomaly]:
             "(prefix sharing)",
             pages=pages, requests=list(reqs)))
 
+    out.extend(value_anomalies(live_page_values(snapshot, step, _cache_at(snapshot, step))))
+
     referenced = set(users)
     unreferenced = sorted(int(p) for p in snapshot.page_ids.tolist() if int(p) not in referenced)
     if unreferenced:
@@ -170,6 +177,94 @@ def find_anomalies(snapshot: "Snapshot", step: int = 0) -> list[Anomaly]:
     rank = {s: i for i, s in enumerate(SEVERITIES)}
     out.sort(key=lambda a: rank[a.severity])
     return out
+
+
+@dataclass
+class LivePageValues:
+    """Per request, the live pages (engine ids) whose K/V values a kernel should never see."""
+
+    nonfinite: dict[int, list[int]]  # request -> pages holding NaN or Inf anywhere in K or V
+    zero: dict[int, list[int]]  # request -> pages whose live tokens are all zero in both K and V
+
+
+def live_page_values(snapshot: "Snapshot", step: int, cache: "torch.Tensor | None" = None) -> LivePageValues:
+    """Scan only the pages a step reads, a bounded chunk at a time.
+
+    ``cache`` is the working cache as the step sees it (default: the stored
+    pages). NaN/Inf count anywhere in a live page: kernels read whole pages and
+    0 x NaN is NaN, so even a masked slot poisons the output. Zeros count only
+    over the tokens the request's length reaches, since slots past it are
+    legitimately unwritten.
+    """
+    import torch
+
+    from kvdbg.snapshot import live_mask
+
+    s = snapshot.steps[step]
+    ps = snapshot.page_size
+    table = snapshot.stored_block_table(step)
+    live = live_mask(table, s.seq_lens, ps) & (table >= 0)
+    out = LivePageValues({}, {})
+    if not bool(live.any()):
+        return out
+    cols = torch.arange(table.shape[1]).unsqueeze(0).expand_as(table)
+    live_tokens = (s.seq_lens.to(torch.int64).unsqueeze(1) - cols * ps).clamp(0, ps)
+    pages, used = table[live], live_tokens[live]
+    unique, inverse = torch.unique(pages, return_inverse=True)
+    tokens = torch.zeros(len(unique), dtype=torch.int64).scatter_reduce(0, inverse, used, "amax")
+    k_view, v_view = snapshot.kv_views(cache)
+    if k_view.dtype == torch.uint8:
+        k_view, v_view = k_view.view(torch.float8_e4m3fn), v_view.view(torch.float8_e4m3fn)
+    per_page = 2 * 4 * k_view[0].numel() if len(k_view) else 1
+    chunk = max(1, SCAN_BUDGET_BYTES // max(1, per_page))
+    bad_pages, zero_pages = [], []
+    for start in range(0, len(unique), chunk):
+        idx = unique[start:start + chunk]
+        k, v = k_view[idx].float(), v_view[idx].float()  # [n, Hkv, ps, D]
+        finite = torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1)
+        nonzero_token = (k != 0).any(3).any(1) | (v != 0).any(3).any(1)  # [n, ps]
+        in_length = torch.arange(ps).unsqueeze(0) < tokens[start:start + chunk].unsqueeze(1)
+        zero = ~(nonzero_token & in_length).any(1)
+        bad_pages.append(idx[~finite])
+        zero_pages.append(idx[zero & finite])
+    engine = snapshot.page_ids.to(torch.int64)
+    for flagged, into in ((torch.cat(bad_pages), out.nonfinite), (torch.cat(zero_pages), out.zero)):
+        if not len(flagged):
+            continue
+        hit = live & torch.isin(table, flagged)
+        for r, c in hit.nonzero().tolist():
+            page = int(engine[table[r, c]])
+            into.setdefault(r, [])
+            if page not in into[r]:
+                into[r].append(page)
+    return out
+
+
+def value_anomalies(values: LivePageValues) -> list[Anomaly]:
+    out = []
+    for r, pages in sorted(values.nonfinite.items()):
+        out.append(Anomaly(
+            "nonfinite_kv", "error", r,
+            f"request {r}: live page(s) {_short(pages)} hold NaN or Inf in K or V; attention over them "
+            "yields NaN", pages=pages, requests=[r]))
+    for r, pages in sorted(values.zero.items()):
+        out.append(Anomaly(
+            "zero_page", "warning", r,
+            f"request {r}: live page(s) {_short(pages)} are all zeros over the request's tokens "
+            "(never written, or wiped)", pages=pages, requests=[r]))
+    return out
+
+
+def _cache_at(snapshot: "Snapshot", step: int) -> "torch.Tensor | None":
+    """The pages as step ``step`` reads them: earlier and own cache updates applied (None: no update)."""
+    if not any(s.has_update for s in snapshot.steps[:step + 1]):
+        return None
+    from kvdbg.replay import apply_step_update, working_cache
+
+    cache = working_cache(snapshot)
+    for s in range(step + 1):
+        apply_step_update(snapshot, cache, s)
+    return cache
 
 
 def _short(values: list[int], limit: int = 8) -> str:

@@ -38,3 +38,82 @@ def test_window_huge_query_len_is_an_option_error():
     assert_one_line_error(invoke("window", "--seq-len", 2**31, "--query-len", 10**9, "--full"),
                           "--query-len 1000000000 is over 4096")
     assert invoke("window", "--seq-len", 9000, "--window", 4096, "--query-len", 4096).exit_code in (0, 1)
+
+
+def _snap_with_bad_pages(tmp_path, *, nan=False, inf=False, zero=False, zero_tail=False, fp8=False):
+    """Small causal snapshot; request 0's second page poisoned, request 1's first page wiped."""
+    from kvdbg.snapshot import save_snapshot
+    from kvdbg.synth import SynthSpec, synth_snapshot
+
+    snap = synth_snapshot(SynthSpec(seq_lens=(20, 40), num_heads=4, num_kv_heads=2, head_size=16, new_kv=False,
+                                    stale_tail=1, fp8=fp8, q_scale=0.05 if fp8 else 1.0))
+    k, v = snap.kv_views()
+    if fp8:
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    table = snap.stored_block_table(0)
+    bad = float("nan") if not fp8 else 0x7F  # 0x7F is e4m3fn's NaN
+    if nan:
+        k[table[0, 1], 1, 3, 5] = bad
+    if inf:
+        v[table[0, 0], 0, 0, 0] = float("-inf")
+    if zero:
+        k[table[1, 0]] = 0
+        v[table[1, 0]] = 0
+    if zero_tail:  # slots past request 0's 20 tokens are unwritten in a real cache: not a finding
+        k[table[0, 1], :, 4:] = 0
+        v[table[0, 1], :, 4:] = 0
+    return save_snapshot(snap, tmp_path / "bad.safetensors"), snap
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_map_reports_nonfinite_live_pages_as_errors(tmp_path, fp8):
+    path, snap = _snap_with_bad_pages(tmp_path, nan=True, fp8=fp8)
+    result = invoke("map", path, "--json")
+    assert result.exit_code == 1, result.output
+    anomalies = json.loads(result.stdout)["anomalies"]
+    bad = [a for a in anomalies if a["code"] == "nonfinite_kv"]
+    assert [(a["severity"], a["request"], a["pages"]) for a in bad] == \
+        [("error", 0, [int(snap.steps[0].block_table[0, 1])])]
+
+
+def test_map_reports_inf_and_zero_pages(tmp_path):
+    path, snap = _snap_with_bad_pages(tmp_path, inf=True, zero=True)
+    anomalies = json.loads(invoke("map", path, "--json").stdout)["anomalies"]
+    codes = {(a["code"], a["severity"], a["request"]) for a in anomalies}
+    assert ("nonfinite_kv", "error", 0) in codes
+    assert ("zero_page", "warning", 1) in codes
+    zero = next(a for a in anomalies if a["code"] == "zero_page")
+    assert zero["pages"] == [int(snap.steps[0].block_table[1, 0])]
+
+
+def test_clean_pages_and_unwritten_tail_slots_are_not_reported(tmp_path):
+    path, _ = _snap_with_bad_pages(tmp_path, zero_tail=True)
+    result = invoke("map", path, "--json")
+    assert result.exit_code == 0, result.output
+    codes = [a["code"] for a in json.loads(result.stdout)["anomalies"]]
+    assert "nonfinite_kv" not in codes and "zero_page" not in codes
+    for name in os.listdir(FIXTURES):
+        if name.endswith(".safetensors"):
+            out = json.loads(invoke("map", os.path.join(FIXTURES, name), "--json").stdout)
+            assert not [a for a in out["anomalies"] if a["code"] in ("nonfinite_kv", "zero_page")], name
+
+
+def test_replay_reports_nonfinite_pages_before_the_backends(tmp_path):
+    path, snap = _snap_with_bad_pages(tmp_path, nan=True, zero=True)
+    result = invoke("replay", path, "--backend", "reference", "--json")
+    assert result.exit_code == 1, result.output
+    findings = json.loads(result.stdout)["findings"]
+    core = [(f["backend"], f["code"], f["severity"], f["request"]) for f in findings if f["backend"] == "replay"]
+    assert core == [("replay", "nonfinite_kv", "error", 0), ("replay", "zero_page", "warning", 1)]
+
+
+def test_live_page_scan_is_chunked(tmp_path, monkeypatch):
+    """The scan must visit every live page even when one chunk holds a single page."""
+    import kvdbg.pagemap as pagemap
+    from kvdbg.snapshot import load_snapshot
+
+    path, snap = _snap_with_bad_pages(tmp_path, nan=True, zero=True)
+    monkeypatch.setattr(pagemap, "SCAN_BUDGET_BYTES", 1)
+    values = pagemap.live_page_values(load_snapshot(path), 0)
+    assert values.nonfinite == {0: [int(snap.steps[0].block_table[0, 1])]}
+    assert values.zero == {1: [int(snap.steps[0].block_table[1, 0])]}
