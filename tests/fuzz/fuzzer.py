@@ -747,7 +747,9 @@ def run(count: int, seed: int, out_dir: str, *, jobs: int = 2, timeout: float = 
         rng = random.Random(f"{seed}:{index}")
         base = rng.choices(seeds, weights)[0]
         blob, mutations = mutate(rng, blobs[base])
-        path = os.path.join(work, f"in{index % (4 * jobs)}.safetensors")
+        # One file per input: a slow child still has its input memory-mapped while
+        # faster ones finish, and rewriting that file under it raises SIGBUS.
+        path = os.path.join(work, f"in{index}.safetensors")
         with open(path, "wb") as fh:
             fh.write(blob)
         cmds = commands_for(rng, path, default_backends=default_backends)
@@ -796,6 +798,7 @@ def run(count: int, seed: int, out_dir: str, *, jobs: int = 2, timeout: float = 
         counts["max_rss_growth_mb"] = max(counts.get("max_rss_growth_mb", 0), grown_kb // 1024)
         if grown_kb > limit_kb:
             record_failure(job, None, "memory", None, f"peak RSS grew {grown_kb // 1024} MB (limit {limit_kb // 1024} MB)")
+        os.unlink(job.path)  # failures were copied to the out dir above
 
     while next_index < count or running:
         while next_index < count and len(running) < jobs:
