@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -117,3 +118,53 @@ def test_live_page_scan_is_chunked(tmp_path, monkeypatch):
     values = pagemap.live_page_values(load_snapshot(path), 0)
     assert values.nonfinite == {0: [int(snap.steps[0].block_table[0, 1])]}
     assert values.zero == {1: [int(snap.steps[0].block_table[1, 0])]}
+
+
+def _terabyte_header_file(tmp_path, small_parts, *, consistent_offsets: bool):
+    """A small file whose header declares a 1 TiB kv_cache."""
+    from kvdbg.format import ST_DTYPES
+
+    tensors, meta = small_parts
+    path = write_raw(tmp_path / "tb.safetensors", tensors, meta)
+    blob = open(path, "rb").read()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    entry = header["kv_cache"]
+    itemsize = ST_DTYPES[entry["dtype"]][0]
+    per_page = itemsize * entry["shape"][1] * entry["shape"][2] * entry["shape"][3]
+    entry["shape"][0] = 2**40 // per_page
+    if consistent_offsets:
+        entry["data_offsets"][1] = entry["data_offsets"][0] + 2**40
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little") + raw + blob[8 + n:])
+    return path
+
+
+PEAK_RSS_PROBE = r"""
+import resource, subprocess, sys
+proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+print(proc.returncode, round(peak_mb, 1), proc.stderr.strip().replace("\n", "|"))
+"""
+
+
+@pytest.mark.parametrize("consistent_offsets", [True, False])
+def test_terabyte_tensor_is_rejected_before_any_allocation(tmp_path, small_parts, consistent_offsets):
+    import sys
+
+    path = _terabyte_header_file(tmp_path, small_parts, consistent_offsets=consistent_offsets)
+    assert os.path.getsize(path) < 100_000
+    kvdbg = [sys.executable, "-m", "kvdbg"]
+    for args in (["info", path], ["info", "--check", path], ["replay", path, "--backend", "reference"],
+                 ["map", path]):
+        # A probe process runs kvdbg as its only child, so RUSAGE_CHILDREN is kvdbg's own peak RSS.
+        out = subprocess.run([sys.executable, "-c", PEAK_RSS_PROBE, *kvdbg, *args], capture_output=True,
+                             text=True, timeout=120).stdout.split(" ", 2)
+        code, peak_mb, stderr = int(out[0]), float(out[1]), out[2].strip()
+        print(f"{args[0]}{' --check' if '--check' in args else ''}: peak RSS {peak_mb} MB")
+        assert code == 2, stderr
+        assert stderr.startswith("Error: ") and "|" not in stderr, stderr
+        assert "kv_cache" in stderr, stderr
+        assert peak_mb < 400, (args, peak_mb)
