@@ -153,7 +153,7 @@ def m_header_len(rng, blob):
 
 
 def m_append(rng, blob):
-    return blob + os.urandom(rng.choice([1, 7, 4096])), "append junk"
+    return blob + rng.randbytes(rng.choice([1, 7, 4096])), "append junk"
 
 
 def m_tensor_dtype(rng, blob):
