@@ -372,6 +372,10 @@ class _Shrinker:
         seen_pairs = frozenset((requests[r], heads[h]) for r, h in obs.failing_heads)
         seen_finds = frozenset((c, None if r is None else requests[r]) for c, r in obs.error_findings)
         want_pairs, want_finds = self.signature.restricted(requests, heads)
+        # Each part of the signature that the input showed must survive: otherwise dropping the failing
+        # heads would leave a "failure" made of findings alone, or the other way round.
+        if (self.signature.failing_heads and not want_pairs) or (self.signature.error_findings and not want_finds):
+            return False
         return same_failure(seen_pairs, seen_finds, want_pairs, want_finds)
 
 

@@ -6,7 +6,6 @@ import hashlib
 import os
 import xml.etree.ElementTree as ET
 
-import pytest
 from click.testing import CliRunner
 from markdown_it import MarkdownIt
 

@@ -48,7 +48,8 @@ def test_shrink_keeps_flex_failure_on_the_same_renumbered_heads(make_snapshot, t
     # Independent replay of the written file, mapped back to the input's numbering.
     obs = observe(small, "flex", 0)
     mapped = {(data["kept_requests"][r], data["kept_heads"][h]) for r, h in obs.failing_heads}
-    assert mapped == {p for p in sig if p[1] in data["kept_heads"]}
+    assert mapped and mapped == {p for p in sig if p[1] in data["kept_heads"]}
+    assert {tuple(p) for p in data["failing_heads_after"]} == set(obs.failing_heads)
     assert obs.error_findings == {("null_page_masked", 0)}
     res = CliRunner().invoke(cli, ["replay", str(out), "--backend", "flex"])
     assert res.exit_code == 1

@@ -24,7 +24,9 @@ def shrink(snapshot, output, backend, device, force, as_json):
 
     The failure kept is the chosen backend's failing (request, head) pairs
     against the exact reference, and its error findings, at the last step
-    where it fails. Steps, requests, KV heads (with their query heads) and
+    where it fails: in the output every kept failing head still fails, the
+    same error findings (and no other) appear, and no request that passed
+    fails (a failing request's other heads may join it). Steps, requests, KV heads (with their query heads) and
     whole pages before each query block are removed delta-debugging style;
     every candidate is verified by replaying it through the reference and that
     backend. A snapshot that does not fail is refused (exit 2).
