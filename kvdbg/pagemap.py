@@ -220,9 +220,11 @@ def live_page_values(snapshot: "Snapshot", step: int, cache: "torch.Tensor | Non
     bad_pages, zero_pages = [], []
     for start in range(0, len(unique), chunk):
         idx = unique[start:start + chunk]
-        k, v = k_view[idx].float(), v_view[idx].float()  # [n, Hkv, ps, D]
-        finite = torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1)
-        nonzero_token = (k != 0).any(3).any(1) | (v != 0).any(3).any(1)  # [n, ps]
+        # The working cache may live on the GPU; the bookkeeping stays on the CPU.
+        on_device = idx.to(k_view.device)
+        k, v = k_view[on_device].float(), v_view[on_device].float()  # [n, Hkv, ps, D]
+        finite = (torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1)).cpu()
+        nonzero_token = ((k != 0).any(3).any(1) | (v != 0).any(3).any(1)).cpu()  # [n, ps]
         in_length = torch.arange(ps).unsqueeze(0) < tokens[start:start + chunk].unsqueeze(1)
         zero = ~(nonzero_token & in_length).any(1)
         bad_pages.append(idx[~finite])
