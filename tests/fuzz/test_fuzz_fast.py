@@ -9,7 +9,7 @@ import sys
 
 from tests.helpers import ROOT
 
-COUNT, SEED = 120, 6
+COUNT, SEED = 500, 6
 
 
 def test_fuzz_fast_mode_has_no_tracebacks_hangs_or_blowups(tmp_path):
