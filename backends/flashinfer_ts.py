@@ -38,6 +38,7 @@ NAME = "flashinfer_ts"
 ENGINE_NAME = "FLASHINFER_TS"
 MIN_FLASHINFER = (0, 7, 1)
 EMULATED_KERNEL = "prims_ts contract, emulated in torch"
+EMULATED_KERNEL_TRITON = "prims_ts contract, emulated in Triton"
 FP8_MAX = 448.0
 
 # Named in the reason a GPU is refused, so a user sees at once which machine they are on.
@@ -489,6 +490,28 @@ class FlashInferTSImpl:
             return query
         return (query.float() / self.q_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
+    def _emulator(self, q: "torch.Tensor", k_cache: "torch.Tensor") -> Callable:
+        """The Triton kernel of the same contract on CUDA (fast on large batches), else the torch loop.
+
+        ``KVDBG_EMULATION=torch`` forces the torch definition everywhere.
+        """
+        import os
+
+        self.emulator, self.emulator_note = "torch", None
+        if not q.is_cuda or os.environ.get("KVDBG_EMULATION", "").lower() == "torch":
+            return emulate_decode
+        try:
+            from kvdbg.backends import _triton_decode
+        except Exception as exc:  # triton missing or broken: say so, run the torch definition
+            self.emulator_note = f"Triton emulation unavailable ({type(exc).__name__}: {exc}); torch loop used"
+            return emulate_decode
+        reason = _triton_decode.supported(q, k_cache)
+        if reason is not None:
+            self.emulator_note = f"Triton emulation not used: {reason}; torch loop used"
+            return emulate_decode
+        self.emulator = "triton"
+        return _triton_decode.triton_decode
+
     def forward(self, query, kv_cache, md: FlashInferTSMetadata, output):
         import torch
 
@@ -516,9 +539,10 @@ class FlashInferTSImpl:
                                     device=query.device)
             undefined = undefined_requests(md, int(k_cache.shape[0]), self.builder.page_size)
             defined = [r for r in range(b) if r not in undefined]
-            emulate_decode(q, k_cache, v_cache, md.seq_lens, md.block_table, mask_type=plan.mask_type,
-                           window_left=plan.window_left, bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale,
-                           out=kernel_out, requests=defined)
+            emulate = self._emulator(q, k_cache)
+            emulate(q, k_cache, v_cache, md.seq_lens, md.block_table, mask_type=plan.mask_type,
+                    window_left=plan.window_left, bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale,
+                    out=kernel_out, requests=defined)
         # The engine converts the kernel's dtype (fp16 for an FP8 query) to the model dtype.
         output[:n] = kernel_out.reshape(n, self.num_heads, self.head_size).to(model_dtype).to(output.dtype)
         return output
@@ -529,20 +553,24 @@ def undefined_requests(md: FlashInferTSMetadata, num_pages: int, page_size: int)
     out: dict[int, str] = {}
     if md.query_len == 0 or md.overflow is not None:
         return out
-    lens = md.seq_lens.to("cpu").tolist()
-    table = md.block_table.to("cpu")
+    import torch
+
+    # Vectorised over requests (one host round trip): replays of large batches call this every step.
+    lens = md.seq_lens.to("cpu", torch.int64)
+    table = md.block_table.to("cpu", torch.int64)
     width = table.shape[1]
-    for r, length in enumerate(lens):
-        if length < md.query_len:
-            out[r] = "seq_len_below_query_len"
-        elif length > md.max_kv_len:
-            out[r] = "seq_len_over_max_kv_len"
-        elif cdiv(length, page_size) > width:
-            out[r] = "table_too_narrow"
-        else:
-            live = table[r, : cdiv(length, page_size)]
-            if bool(((live < 0) | (live >= num_pages)).any()):
-                out[r] = "page_outside_cache"
+    pages = (lens + page_size - 1) // page_size
+    live = torch.arange(width).unsqueeze(0) < pages.clamp_max(width).unsqueeze(1)
+    outside = (live & ((table < 0) | (table >= num_pages))).any(1)
+    checks = (  # in precedence order: a request is reported under its first broken precondition
+        (lens < md.query_len, "seq_len_below_query_len"),
+        (lens > md.max_kv_len, "seq_len_over_max_kv_len"),
+        (pages > width, "table_too_narrow"),
+        (outside, "page_outside_cache"),
+    )
+    for broken, code in checks:
+        for r in broken.nonzero().flatten().tolist():
+            out.setdefault(r, code)
     return out
 
 
@@ -598,7 +626,10 @@ class FlashInferTSInstance:
         if layer.is_fp8:
             notes.append("FP8 emulation keeps probabilities in fp32; the kernel may round them to e4m3 before "
                          "the PV product, so expect differences of order 1e-2")
-        return RunInfo(backend=NAME, kernel=EMULATED_KERNEL, device=self.options.device, dtype=dtype,
+        if getattr(self.impl, "emulator_note", None):
+            notes.append(self.impl.emulator_note)
+        kernel = EMULATED_KERNEL_TRITON if getattr(self.impl, "emulator", "torch") == "triton" else EMULATED_KERNEL
+        return RunInfo(backend=NAME, kernel=kernel, device=self.options.device, dtype=dtype,
                        emulated=True, notes=notes)
 
     # ------------------------------------------------------------------ findings

@@ -1,0 +1,137 @@
+"""The prims_ts decode contract as one Triton kernel, for emulating FLASHINFER_TS fast on CUDA.
+
+Same contract as ``flashinfer_ts.emulate_decode`` (which stays the definition and
+the CPU path): request ``b`` reads ``cdiv(seq_lens[b], page_size)`` pages through
+``block_tables[b]``; "dense" rows see every key below ``seq_lens[b]``; "causal"
+rows are bottom-right aligned with ``window_left``; logits are scaled by
+``bmm1_scale``, the normalised output by ``bmm2_scale``; rows that see no key are
+left as they were. Q·K runs on tensor cores in the inputs' own 16-bit dtype
+(FP8 is widened to bf16 exactly) with fp32 accumulation: every product is exact,
+as in the fp32 torch emulation. The probabilities stay fp32 by splitting them
+into two 16-bit halves (hi + lo, ~16 significant bits) for the P·V product. With
+an online softmax the results match the torch emulation to fp32-level rounding,
+not bit for bit. One program handles one (request, KV head) pair and all of
+that head's query rows (GQA group x query tokens), so each K/V byte is read once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, table_ptr, requests_ptr,
+    stride_qb, stride_qs, stride_qh,
+    stride_kp, stride_kh, stride_kt,
+    stride_vp, stride_vh, stride_vt,
+    stride_ob, stride_os, stride_oh,
+    stride_tb,
+    bmm1_scale, bmm2_scale, window_left,
+    SQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    b = tl.load(requests_ptr + tl.program_id(0)).to(tl.int64)
+    kvh = tl.program_id(1)
+    length = tl.load(seq_lens_ptr + b).to(tl.int64)
+
+    rows = tl.arange(0, BLOCK_M)  # row = g * SQ + i
+    g = rows // SQ
+    i = rows % SQ
+    row_ok = rows < GROUP * SQ
+    head = kvh * GROUP + g
+    dims = tl.arange(0, D)
+    q_off = b * stride_qb + i[:, None] * stride_qs + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
+    if q.dtype.is_fp8():
+        q = q.to(tl.bfloat16)
+
+    last = length - SQ + i  # causal: the row's own position
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    start = length * 0
+    if CAUSAL:
+        # A causal window lets no row see keys before its first row's window: skip those blocks.
+        lo = tl.maximum(length - SQ - window_left, 0)
+        start = tl.where(window_left >= 0, (lo // BLOCK_N) * BLOCK_N, start)
+    for tok0 in range(start, length, BLOCK_N):
+        toks = tok0 + tl.arange(0, BLOCK_N)
+        tok_ok = toks < length
+        page = tl.load(table_ptr + b * stride_tb + toks // PAGE, mask=tok_ok, other=0).to(tl.int64)
+        slot = toks % PAGE
+        k_off = page[:, None] * stride_kp + kvh * stride_kh + slot[:, None] * stride_kt + dims[None, :]
+        v_off = page[:, None] * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt + dims[None, :]
+        k = tl.load(k_ptr + k_off, mask=tok_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + v_off, mask=tok_ok[:, None], other=0.0)
+        if k.dtype.is_fp8():
+            k = k.to(tl.bfloat16)
+            v = v.to(tl.bfloat16)
+        s = tl.dot(q, tl.trans(k)) * bmm1_scale
+        allowed = tok_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            allowed = allowed & (toks[None, :] <= last[:, None])
+            if window_left >= 0:
+                allowed = allowed & (toks[None, :] >= last[:, None] - window_left)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # Rows that have seen no key yet keep m = -inf; subtract 0 there to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        p_hi = p.to(v.dtype)
+        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+        m = m_new
+
+    seen = row_ok & (denom > 0)
+    result = acc / tl.where(seen, denom, 1.0)[:, None] * bmm2_scale
+    o_off = b * stride_ob + i[:, None] * stride_os + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_off, result.to(out_ptr.dtype.element_ty), mask=seen[:, None])
+
+
+def supported(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
+    """None when the Triton path can run these tensors, else why not (the torch path runs instead)."""
+    d = q.shape[-1]
+    if not (q.is_cuda and k_cache.is_cuda):
+        return "tensors are not on CUDA"
+    if d & (d - 1) or d < 16:
+        return f"head_dim {d} is not a power of two >= 16"
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        return "head_dim is not contiguous"
+    kinds = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+    if q.dtype not in kinds or k_cache.dtype not in kinds or (q.dtype.itemsize == 2 and q.dtype != k_cache.dtype):
+        return f"query {q.dtype} / cache {k_cache.dtype} are not one of the kernel's dtype pairs"
+    return None
+
+
+def triton_decode(q, k_cache, v_cache, seq_lens, block_tables, *, mask_type: str, window_left: int,
+                  bmm1_scale: float, bmm2_scale: float, out: torch.Tensor, requests: list[int] | None = None,
+                  block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
+    """Drop-in for ``emulate_decode`` on CUDA tensors (no ``key_mask``); the tile knobs are for bench/."""
+    batch, sq, hq, d = q.shape
+    hkv, page_size = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    reqs = list(range(batch)) if requests is None else list(requests)
+    if not reqs or sq == 0:
+        return out
+    req_t = torch.tensor(reqs, dtype=torch.int32, device=q.device)
+    block_m = max(16, triton.next_power_of_2(group * sq))
+    # Keep the fp32 score and accumulator tiles within registers/shared memory.
+    if block_n is None:  # measured on an H200 (bench/ts_triton_tiles.py): larger key tiles while registers allow
+        block_n = 128 if block_m * d <= 32 * 128 else 64 if block_m * d <= 64 * 128 else 32
+    _decode_kernel[(len(reqs), hkv)](
+        q, k_cache, v_cache, out, seq_lens, block_tables, req_t,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        block_tables.stride(0),
+        float(bmm1_scale), float(bmm2_scale), int(window_left),
+        SQ=sq, GROUP=group, D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=mask_type == "causal", num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,74 @@
+"""The Triton emulation of the prims_ts contract equals the torch definition (CUDA only)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from kvdbg.backends import flashinfer_ts as ts  # noqa: E402
+from kvdbg.backends._triton_decode import triton_decode  # noqa: E402
+
+
+def _case(batch, sq, hq, hkv, d, ps, lens, fp8, seed):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    pages = sum(-(-n // ps) for n in lens) + 3
+    page = torch.randn(pages, hkv, ps, 2 * d, generator=gen)
+    q = torch.randn(batch, sq, hq, d, generator=gen)
+    if fp8:
+        page, q = (page * 8).to(torch.float8_e4m3fn), (q * 8).to(torch.float8_e4m3fn)
+    else:
+        page, q = page.to(torch.bfloat16), q.to(torch.bfloat16)
+    page, q = page.cuda(), q.cuda()
+    k, v = page[..., :d], page[..., d:]  # token stride 2*D, as vLLM's page
+    perm = torch.randperm(pages, generator=gen).tolist()
+    width = max(-(-n // ps) for n in lens) + 2
+    table = torch.zeros(batch, width, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        need = -(-n // ps)
+        table[b, :need] = torch.tensor(perm[used:used + need], dtype=torch.int32)
+        used += need
+    return q, k, v, torch.tensor(lens, dtype=torch.int32).cuda(), table.cuda()
+
+
+@pytest.mark.parametrize("mask_type,window_left", [("dense", -1), ("causal", -1), ("causal", 40)])
+@pytest.mark.parametrize("sq,hq,hkv,d,ps,fp8", [
+    (1, 8, 2, 64, 16, False), (8, 4, 1, 64, 16, False), (8, 32, 8, 128, 64, False), (4, 8, 2, 64, 16, True),
+    (3, 16, 2, 256, 32, False), (2, 2, 2, 128, 4, False),
+])
+def test_triton_matches_torch_emulation(mask_type, window_left, sq, hq, hkv, d, ps, fp8):
+    lens = [sq, 37, 300, 129, 1000][:4]
+    lens[0] = max(lens[0], sq)
+    q, k, v, seq_lens, table = _case(4, sq, hq, hkv, d, ps, lens, fp8, seed=sq * 31 + d)
+    out_dtype = torch.float16 if fp8 else torch.bfloat16
+    a = torch.full((4, sq, hq, d), float("nan"), dtype=out_dtype, device="cuda")
+    b = a.clone()
+    kwargs = dict(mask_type=mask_type, window_left=window_left, bmm1_scale=0.11, bmm2_scale=0.7,
+                  requests=[0, 2, 3])
+    ts.emulate_decode(q, k, v, seq_lens, table, out=a, **kwargs)
+    triton_decode(q, k, v, seq_lens, table, out=b, **kwargs)
+    assert torch.equal(a.isnan(), b.isnan())  # the same rows written (request 1 skipped, empty rows left)
+    assert a[~a.isnan()].numel() > 0
+    # one 16-bit rounding step of the output apart at most
+    torch.testing.assert_close(b, a, atol=2e-3, rtol=8e-3, equal_nan=True)
+
+
+def test_replay_on_cuda_says_triton_and_matches_torch(monkeypatch):
+    from kvdbg.fixtures_path import fixture_path
+    from kvdbg.attention import ReplayOptions
+    from kvdbg.replay import replay
+    from kvdbg.snapshot import load_snapshot
+
+    snap = load_snapshot(fixture_path("dflash"))
+    fast = replay(snap, ["flashinfer_ts"], ReplayOptions(device="cuda")).steps[0].runs["flashinfer_ts"]
+    assert fast.info.kernel == ts.EMULATED_KERNEL_TRITON and fast.info.emulated
+    monkeypatch.setenv("KVDBG_EMULATION", "torch")
+    slow = replay(snap, ["flashinfer_ts"], ReplayOptions(device="cuda")).steps[0].runs["flashinfer_ts"]
+    assert slow.info.kernel == ts.EMULATED_KERNEL
+    torch.testing.assert_close(fast.output.float(), slow.output.float(), atol=8e-3, rtol=8e-3)
