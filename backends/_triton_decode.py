@@ -23,7 +23,7 @@ import triton.language as tl
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, table_ptr, requests_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, table_ptr, valid_ptr,
     stride_qb, stride_qs, stride_qh,
     stride_kp, stride_kh, stride_kt,
     stride_vp, stride_vh, stride_vt,
@@ -33,9 +33,10 @@ def _decode_kernel(
     SQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    b = tl.load(requests_ptr + tl.program_id(0)).to(tl.int64)
+    b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    length = tl.load(seq_lens_ptr + b).to(tl.int64)
+    # A request left out (valid == 0) sees no key, so nothing of it is stored.
+    length = tl.where(tl.load(valid_ptr + b) != 0, tl.load(seq_lens_ptr + b).to(tl.int64), 0)
 
     rows = tl.arange(0, BLOCK_M)  # row = g * SQ + i
     g = rows // SQ
@@ -110,21 +111,30 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
 
 def triton_decode(q, k_cache, v_cache, seq_lens, block_tables, *, mask_type: str, window_left: int,
                   bmm1_scale: float, bmm2_scale: float, out: torch.Tensor, requests: list[int] | None = None,
-                  block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
-    """Drop-in for ``emulate_decode`` on CUDA tensors (no ``key_mask``); the tile knobs are for bench/."""
+                  valid: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
+                  num_stages: int = 2):
+    """Drop-in for ``emulate_decode`` on CUDA tensors (no ``key_mask``); the tile knobs are for bench/.
+
+    ``valid`` [batch] bool on the device selects requests without a host round trip;
+    ``requests`` (host indices) does the same the way ``emulate_decode`` takes it.
+    """
     batch, sq, hq, d = q.shape
     hkv, page_size = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    reqs = list(range(batch)) if requests is None else list(requests)
-    if not reqs or sq == 0:
+    if valid is None:
+        valid = torch.ones(batch, dtype=torch.bool, device=q.device)
+    if requests is not None:
+        chosen = torch.zeros(batch, dtype=torch.bool)
+        chosen[list(requests)] = True
+        valid = valid & chosen.to(q.device)
+    if batch == 0 or sq == 0:
         return out
-    req_t = torch.tensor(reqs, dtype=torch.int32, device=q.device)
     block_m = max(16, triton.next_power_of_2(group * sq))
     # Keep the fp32 score and accumulator tiles within registers/shared memory.
     if block_n is None:  # measured on an H200 (bench/ts_triton_tiles.py): larger key tiles while registers allow
         block_n = 128 if block_m * d <= 32 * 128 else 64 if block_m * d <= 64 * 128 else 32
-    _decode_kernel[(len(reqs), hkv)](
-        q, k_cache, v_cache, out, seq_lens, block_tables, req_t,
+    _decode_kernel[(batch, hkv)](
+        q, k_cache, v_cache, out, seq_lens, block_tables, valid.to(torch.int8),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -537,41 +537,52 @@ class FlashInferTSImpl:
             # NaN marks rows the emulation cannot predict (undefined on the real kernel): they stay "not written".
             kernel_out = torch.full((b, sq, self.num_heads, self.head_size), float("nan"), dtype=plan.o_data_type,
                                     device=query.device)
-            undefined = undefined_requests(md, int(k_cache.shape[0]), self.builder.page_size)
-            defined = [r for r in range(b) if r not in undefined]
+            codes = undefined_codes(md, int(k_cache.shape[0]), self.builder.page_size)
             emulate = self._emulator(q, k_cache)
-            emulate(q, k_cache, v_cache, md.seq_lens, md.block_table, mask_type=plan.mask_type,
-                    window_left=plan.window_left, bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale,
-                    out=kernel_out, requests=defined)
+            if emulate is emulate_decode:
+                defined = [r for r, code in enumerate(codes.tolist()) if not code]
+                emulate_decode(q, k_cache, v_cache, md.seq_lens, md.block_table, mask_type=plan.mask_type,
+                               window_left=plan.window_left, bmm1_scale=self.bmm1_scale,
+                               bmm2_scale=self.bmm2_scale, out=kernel_out, requests=defined)
+            else:  # the device mask keeps the CUDA path free of host round trips
+                emulate(q, k_cache, v_cache, md.seq_lens, md.block_table, mask_type=plan.mask_type,
+                        window_left=plan.window_left, bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale,
+                        out=kernel_out, valid=codes == 0)
         # The engine converts the kernel's dtype (fp16 for an FP8 query) to the model dtype.
         output[:n] = kernel_out.reshape(n, self.num_heads, self.head_size).to(model_dtype).to(output.dtype)
         return output
 
 
-def undefined_requests(md: FlashInferTSMetadata, num_pages: int, page_size: int) -> dict[int, str]:
-    """Requests whose handed inputs break a kernel precondition, with the first broken one."""
-    out: dict[int, str] = {}
-    if md.query_len == 0 or md.overflow is not None:
-        return out
+UNDEFINED_CODES = ("seq_len_below_query_len", "seq_len_over_max_kv_len", "table_too_narrow", "page_outside_cache")
+
+
+def undefined_codes(md: FlashInferTSMetadata, num_pages: int, page_size: int) -> "torch.Tensor":
+    """Per request, 1 + the index in UNDEFINED_CODES of its first broken precondition, 0 when defined.
+
+    Computed on the metadata's device without a host round trip, so the CUDA
+    emulation can skip undefined requests inside the kernel.
+    """
     import torch
 
-    # Vectorised over requests (one host round trip): replays of large batches call this every step.
-    lens = md.seq_lens.to("cpu", torch.int64)
-    table = md.block_table.to("cpu", torch.int64)
+    lens = md.seq_lens.to(torch.int64)
+    table = md.block_table
     width = table.shape[1]
     pages = (lens + page_size - 1) // page_size
-    live = torch.arange(width).unsqueeze(0) < pages.clamp_max(width).unsqueeze(1)
+    live = torch.arange(width, device=lens.device).unsqueeze(0) < pages.clamp_max(width).unsqueeze(1)
     outside = (live & ((table < 0) | (table >= num_pages))).any(1)
-    checks = (  # in precedence order: a request is reported under its first broken precondition
-        (lens < md.query_len, "seq_len_below_query_len"),
-        (lens > md.max_kv_len, "seq_len_over_max_kv_len"),
-        (pages > width, "table_too_narrow"),
-        (outside, "page_outside_cache"),
-    )
-    for broken, code in checks:
-        for r in broken.nonzero().flatten().tolist():
-            out.setdefault(r, code)
-    return out
+    checks = (lens < md.query_len, lens > md.max_kv_len, pages > width, outside)  # precedence order
+    codes = torch.zeros_like(lens)
+    for index in reversed(range(len(checks))):
+        codes = torch.where(checks[index], index + 1, codes)
+    return codes
+
+
+def undefined_requests(md: FlashInferTSMetadata, num_pages: int, page_size: int) -> dict[int, str]:
+    """Requests whose handed inputs break a kernel precondition, with the first broken one."""
+    if md.query_len == 0 or md.overflow is not None:
+        return {}
+    codes = undefined_codes(md, num_pages, page_size).tolist()
+    return {r: UNDEFINED_CODES[c - 1] for r, c in enumerate(codes) if c}
 
 
 # --------------------------------------------------------------------------- the backend instance

@@ -72,3 +72,15 @@ def test_replay_on_cuda_says_triton_and_matches_torch(monkeypatch):
     slow = replay(snap, ["flashinfer_ts"], ReplayOptions(device="cuda")).steps[0].runs["flashinfer_ts"]
     assert slow.info.kernel == ts.EMULATED_KERNEL
     torch.testing.assert_close(fast.output.float(), slow.output.float(), atol=8e-3, rtol=8e-3)
+
+
+def test_device_mask_selects_the_same_requests_as_a_host_list():
+    q, k, v, seq_lens, table = _case(4, 2, 8, 2, 64, 16, [5, 37, 300, 129], False, seed=3)
+    kwargs = dict(mask_type="dense", window_left=-1, bmm1_scale=0.1, bmm2_scale=1.0)
+    a = torch.full((4, 2, 8, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+    b = a.clone()
+    triton_decode(q, k, v, seq_lens, table, out=a, requests=[0, 3], **kwargs)
+    triton_decode(q, k, v, seq_lens, table, out=b, valid=torch.tensor([True, False, False, True], device="cuda"),
+                  **kwargs)
+    assert torch.equal(a.isnan(), b.isnan()) and a[1].isnan().all() and not a[0].isnan().any()
+    torch.testing.assert_close(a, b, equal_nan=True, atol=0, rtol=0)
