@@ -18,8 +18,10 @@ if TYPE_CHECKING:
 
     from kvdbg.format import SnapshotMeta
 
-# Bytes of gathered K/V + scores one chunk of requests may hold. Keeps 64 x 8192
-# token batches within a few hundred MiB instead of materialising all at once.
+# Bytes of gathered K/V + scores one chunk may hold. Requests are grouped up to it,
+# and a request too long for it alone is cut along its KV length into blocks merged
+# by an exact log-sum-exp (online softmax), so neither a long batch nor a hostile
+# table repeating one page thousands of times can make the reference allocate more.
 CHUNK_BUDGET_BYTES = 256 * 1024 * 1024
 
 
@@ -29,6 +31,7 @@ class ReferenceMetadata:
 
     chunks: list["torch.Tensor"]  # each: request indices (int64) processed together
     page_counts: list[int]  # live pages each chunk gathers (its longest request)
+    block_pages: list[int]  # pages of KV each chunk gathers at once (== page_counts[i] when not cut)
     query_lens: "torch.Tensor"  # [num_reqs] int64
     seq_lens: "torch.Tensor"  # [num_reqs] int64
     query_start_loc: "torch.Tensor"  # [num_reqs + 1] int64
@@ -57,29 +60,40 @@ class ReferenceBuilder:
         query_lens = common.query_lens.to(torch.int64)
         pages = (seq_lens + ps - 1) // ps
         bytes_per = torch.finfo(self.compute_dtype).bits // 8
+        budget = CHUNK_BUDGET_BYTES // bytes_per  # elements
         # Sorting by length makes each chunk pad to a length close to its members'.
         order = torch.argsort(pages, stable=True).cpu()
         pages_cpu = pages.cpu().tolist()
         qlens_cpu = query_lens.cpu().tolist()
-        chunks, page_counts, current, widest_q = [], [], [], 0
+
+        def per_token(q_len: int) -> int:  # gathered K and V, plus scores and probabilities
+            return 2 * layer.num_kv_heads * layer.head_size + 2 * layer.num_heads * q_len
+
+        chunks, page_counts, block_pages, current, widest_q = [], [], [], [], 0
+
+        def close(members: list[int], q_len: int) -> None:
+            longest = pages_cpu[members[-1]]
+            fit = budget // max(1, len(members) * ps * per_token(q_len))
+            chunks.append(torch.tensor(members, dtype=torch.int64))
+            page_counts.append(longest)
+            block_pages.append(max(1, min(longest, fit)))
+
         for r in order.tolist():
             # Ascending order: the request just added is the chunk's longest.
             longest = pages_cpu[r] * ps
             wider = max(widest_q, qlens_cpu[r])
-            per_request = longest * (2 * layer.num_kv_heads * layer.head_size + 2 * layer.num_heads * wider)
-            if current and (len(current) + 1) * per_request * bytes_per > CHUNK_BUDGET_BYTES:
-                chunks.append(torch.tensor(current, dtype=torch.int64))
-                page_counts.append(pages_cpu[current[-1]])
+            if current and (len(current) + 1) * longest * per_token(wider) > budget:
+                close(current, widest_q)
                 current, wider = [], qlens_cpu[r]
             current.append(r)
             widest_q = wider
         if current:
-            chunks.append(torch.tensor(current, dtype=torch.int64))
-            page_counts.append(pages_cpu[current[-1]])
+            close(current, widest_q)
         device = common.seq_lens.device
         return ReferenceMetadata(
             chunks=[c.to(device) for c in chunks],
             page_counts=page_counts,
+            block_pages=block_pages,
             query_lens=query_lens,
             seq_lens=seq_lens,
             query_start_loc=common.query_start_loc.to(torch.int64),
@@ -112,7 +126,7 @@ class ReferenceImpl:
         query = _as_fp8(query) if layer.is_fp8 else query
         device = query.device
 
-        for reqs, num_pages in zip(md.chunks, md.page_counts):
+        for reqs, num_pages, step_pages in zip(md.chunks, md.page_counts, md.block_pages):
             n = reqs.numel()
             if n == 0 or num_pages == 0:
                 continue
@@ -121,14 +135,6 @@ class ReferenceImpl:
             qmax = int(qlens.max())
             if qmax == 0:
                 continue
-            kv_len = num_pages * ps
-            # Entries past a request's live pages may be -1 (not stored) or stale; they are masked by k < L.
-            table = md.block_table[reqs, :num_pages].clamp_min(0)
-            keys = k_pages[table].to(dt) * k_scale  # [n, pages, Hkv, ps, D]
-            values = v_pages[table].to(dt) * v_scale
-            keys = keys.permute(0, 2, 1, 3, 4).reshape(n, hkv, kv_len, d)
-            values = values.permute(0, 2, 1, 3, 4).reshape(n, hkv, kv_len, d)
-
             # Gather each request's query block, padded to qmax; padded rows are dropped below.
             offsets = torch.arange(qmax, device=device)
             token = md.query_start_loc[reqs].unsqueeze(1) + offsets.unsqueeze(0)  # [n, qmax]
@@ -136,27 +142,70 @@ class ReferenceImpl:
             token = torch.where(real, token, torch.zeros_like(token))
             q = query[token].to(dt) * q_scale  # [n, qmax, Hq, D]
             q = q.reshape(n, qmax, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, group * qmax, d)
-
-            scores = torch.matmul(q, keys.transpose(-1, -2)) * layer.scale  # [n, Hkv, G*qmax, kv_len]
-            scores = scores.view(n, hkv, group, qmax, kv_len)
             pos = (seq_lens - qlens).unsqueeze(1) + offsets.unsqueeze(0)  # p = L - q + i, [n, qmax]
-            k = torch.arange(kv_len, device=device).view(1, 1, kv_len)
-            p = pos.unsqueeze(2)
-            if md.causal:
-                allowed = k <= p
+
+            def block_scores(first_page: int, last_page: int):
+                """Masked scores [n, Hkv, G*qmax, keys] and values of pages [first_page, last_page)."""
+                kv_len = (last_page - first_page) * ps
+                # Entries past a request's live pages may be -1 (not stored) or stale; they are masked by k < L.
+                table = md.block_table[reqs, first_page:last_page].clamp_min(0)
+                keys = k_pages[table].to(dt) * k_scale  # [n, pages, Hkv, ps, D]
+                values = v_pages[table].to(dt) * v_scale
+                keys = keys.permute(0, 2, 1, 3, 4).reshape(n, hkv, kv_len, d)
+                values = values.permute(0, 2, 1, 3, 4).reshape(n, hkv, kv_len, d)
+                scores = torch.matmul(q, keys.transpose(-1, -2)) * layer.scale  # [n, Hkv, G*qmax, kv_len]
+                del keys
+                k = torch.arange(first_page * ps, last_page * ps, device=device).view(1, 1, kv_len)
+                p = pos.unsqueeze(2)
+                allowed = (k <= p) if md.causal else (k < seq_lens.view(n, 1, 1))
+                if md.sliding_window is not None:
+                    allowed = allowed & (k > p - md.sliding_window)
+                allowed = allowed & real.unsqueeze(2)
+                scores = scores.view(n, hkv, group, qmax, kv_len)
+                scores = scores.masked_fill(~allowed.view(n, 1, 1, qmax, kv_len), float("-inf"))
+                return scores.view(n, hkv, group * qmax, kv_len), values
+
+            if step_pages >= num_pages:
+                scores, values = block_scores(0, num_pages)
+                probs = torch.softmax(scores, dim=-1)
+                del scores
+                out = torch.matmul(probs, values)
             else:
-                allowed = k < seq_lens.view(n, 1, 1)
-            if md.sliding_window is not None:
-                allowed = allowed & (k > p - md.sliding_window)
-            allowed = allowed & real.unsqueeze(2)
-            scores = scores.masked_fill(~allowed.view(n, 1, 1, qmax, kv_len), float("-inf"))
-            del keys
-            probs = torch.softmax(scores, dim=-1).view(n, hkv, group * qmax, kv_len)
-            del scores
-            out = torch.matmul(probs, values).view(n, hkv, group, qmax, d)
-            out = out.permute(0, 3, 1, 2, 4).reshape(n, qmax, hq, d)
+                out = self._online_softmax(block_scores, num_pages, step_pages)
+            out = out.view(n, hkv, group, qmax, d).permute(0, 3, 1, 2, 4).reshape(n, qmax, hq, d)
             output[token[real]] = out[real].to(output.dtype)
         return output
+
+    @staticmethod
+    def _online_softmax(block_scores, num_pages: int, step_pages: int):
+        """softmax(scores) @ values over KV blocks of ``step_pages`` pages, merged exactly.
+
+        Keeps a running row maximum ``m``, denominator ``l`` and unnormalised
+        output ``acc``; a new block rescales them by ``exp(m_old - m_new)``. Rows
+        that see no key at all end as 0/0 = NaN, as one softmax over -inf gives.
+        """
+        import torch
+
+        m = l = acc = None
+        for first in range(0, num_pages, step_pages):
+            scores, values = block_scores(first, min(first + step_pages, num_pages))
+            block_max = scores.amax(dim=-1, keepdim=True)
+            m_new = block_max if m is None else torch.maximum(m, block_max)
+            # A row with no visible key so far has m_new = -inf; shift by 0 there so exp gives 0, not NaN.
+            shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            weights = torch.exp(scores - shift)
+            del scores
+            block_out = torch.matmul(weights, values)
+            block_sum = weights.sum(dim=-1, keepdim=True)
+            del weights, values
+            if m is None:
+                acc, l = block_out, block_sum
+            else:
+                rescale = torch.exp(torch.where(torch.isinf(m), m, m - shift))
+                acc = acc * rescale + block_out
+                l = l * rescale + block_sum
+            m = m_new
+        return acc / l
 
 
 class ReferenceInstance:

@@ -132,14 +132,65 @@ def test_reference_random_small_cases(data):
 def test_reference_chunking_does_not_change_results(monkeypatch):
     snap = synth_snapshot(SynthSpec(seq_lens=tuple(range(20, 340, 20)), query_len=2, dtype="float32"))
     whole = reference_output(snap)
-    monkeypatch.setattr(reference_module, "CHUNK_BUDGET_BYTES", 64 * 1024)
-    inst = reference_module.BACKEND.create(snap.meta, ReplayOptions(exact=True))
-    from kvdbg.replay import common_metadata
-
-    md = inst.builder.build(common_metadata(snap, 0))
+    # Room for the longest request alone: requests are grouped, none is cut along its KV length.
+    monkeypatch.setattr(reference_module, "CHUNK_BUDGET_BYTES", 1024 * 1024)
+    md = _reference_metadata(snap)
     assert len(md.chunks) > 3
+    assert md.block_pages == md.page_counts
     assert sorted(torch.cat(md.chunks).tolist()) == list(range(len(snap.steps[0].seq_lens)))
     torch.testing.assert_close(reference_output(snap), whole, atol=0, rtol=0)
+
+
+def _reference_metadata(snap: Snapshot, exact: bool = True):
+    from kvdbg.replay import common_metadata
+
+    inst = reference_module.BACKEND.create(snap.meta, ReplayOptions(exact=exact))
+    return inst.builder.build(common_metadata(snap, 0))
+
+
+KV_BLOCK_CASES = {
+    "causal": dict(seq_lens=(333, 17, 200), query_len=2),
+    # Early KV blocks lie wholly outside the window: rows start with no visible key.
+    "causal_window": dict(seq_lens=(333, 90, 200), sliding_window=37, query_len=4),
+    "dense_window": dict(seq_lens=(300, 250), causal=False, sliding_window=50, query_len=5),
+    "ragged_seed_layout": dict(seq_lens=(300, 41, 129), query_lens=(1, 6, 3), layout=LAYOUT_SEED),
+    "fp8_dense": dict(seq_lens=(280, 33), fp8=True, causal=False, query_len=2, k_scale=0.03, v_scale=0.04),
+}
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("case", sorted(KV_BLOCK_CASES))
+def test_reference_kv_length_blocks_equal_one_softmax(case, exact, monkeypatch):
+    snap = synth_snapshot(SynthSpec(dtype="float32", num_heads=6, num_kv_heads=2, head_size=32,
+                                    **KV_BLOCK_CASES[case]))
+    whole = reference_output(snap, exact=exact)
+    monkeypatch.setattr(reference_module, "CHUNK_BUDGET_BYTES", 16 * 1024)
+    md = _reference_metadata(snap, exact)
+    assert any(b < p for b, p in zip(md.block_pages, md.page_counts)), "the budget must cut a request"
+    blocked = reference_output(snap, exact=exact)
+    tol = 1e-12 if exact else 2e-6
+    torch.testing.assert_close(blocked, whole, atol=tol, rtol=tol)
+    if exact:
+        torch.testing.assert_close(blocked, independent_attention(snap), atol=1e-10, rtol=1e-10)
+
+
+def test_reference_repeated_page_table_stays_within_budget(monkeypatch):
+    """A small file whose table repeats one page: the gather is bounded by the budget, not by seq_len."""
+    snap = synth_snapshot(SynthSpec(seq_lens=(4000,), query_len=1, dtype="float32", num_heads=4, num_kv_heads=2,
+                                    head_size=16, page_size=16, new_kv=False))
+    step = snap.steps[0]
+    first = step.block_table[0, 0].item()
+    step.block_table[0, :] = first  # every logical page is the same stored page
+    keep = snap.page_ids == first
+    snap = dataclasses.replace(snap, page_ids=snap.page_ids[keep].clone(),
+                               kv_cache=snap.kv_cache[keep].clone())
+    whole = reference_output(snap)
+    monkeypatch.setattr(reference_module, "CHUNK_BUDGET_BYTES", 32 * 1024)
+    md = _reference_metadata(snap)
+    per_token_bytes = 8 * (2 * 2 * 16 + 2 * 4 * 1)
+    assert md.block_pages[0] * 16 * per_token_bytes <= 32 * 1024 < md.page_counts[0] * 16 * per_token_bytes
+    torch.testing.assert_close(reference_output(snap), whole, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(whole, independent_attention(snap), atol=1e-10, rtol=1e-10)
 
 
 def test_reference_writes_every_query_token_and_only_those():
