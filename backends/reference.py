@@ -149,8 +149,12 @@ class ReferenceImpl:
                 kv_len = (last_page - first_page) * ps
                 # Entries past a request's live pages may be -1 (not stored) or stale; they are masked by k < L.
                 table = md.block_table[reqs, first_page:last_page].clamp_min(0)
-                keys = k_pages[table].to(dt) * k_scale  # [n, pages, Hkv, ps, D]
-                values = v_pages[table].to(dt) * v_scale
+                keys = k_pages[table].to(dt)  # [n, pages, Hkv, ps, D]
+                values = v_pages[table].to(dt)
+                if k_scale != 1.0:  # in place: a scaled copy would be one more K-sized buffer
+                    keys.mul_(k_scale)
+                if v_scale != 1.0:
+                    values.mul_(v_scale)
                 keys = keys.permute(0, 2, 1, 3, 4).reshape(n, hkv, kv_len, d)
                 values = values.permute(0, 2, 1, 3, 4).reshape(n, hkv, kv_len, d)
                 scores = torch.matmul(q, keys.transpose(-1, -2)) * layer.scale  # [n, Hkv, G*qmax, kv_len]

@@ -117,7 +117,16 @@ def common_metadata(snapshot: "Snapshot", step: int, device: str = "cpu") -> Com
 
 
 def working_cache(snapshot: "Snapshot", device: str = "cpu") -> torch.Tensor:
-    """A private copy of the stored pages that step updates may write into."""
+    """A private cache of the stored pages that step updates may write into; ``snapshot`` is never written.
+
+    On CPU, a snapshot loaded from a file gets a second private mapping of the
+    file rather than a copy: a copy would double the memory of a multi-GB
+    replay, while the mapping costs only the pages a step writes.
+    """
+    if torch.device(device).type == "cpu":
+        mapped = snapshot.remap_kv_cache()
+        if mapped is not None:
+            return mapped
     return snapshot.kv_cache.to(device, copy=True).contiguous()
 
 

@@ -93,6 +93,9 @@ class Snapshot:
     page_ids: torch.Tensor  # [num_stored_pages] engine id of each stored page
     steps: list[Step]
     path: str | None = field(default=None, compare=False)
+    # Set by load_snapshot: the file's identity and kv_cache's pointer and version counter
+    # as loaded, so that remap_kv_cache can tell the tensor is still exactly the file's.
+    kv_source: tuple | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_pages(self) -> int:
@@ -116,6 +119,33 @@ class Snapshot:
         if self.meta.kv_layout == LAYOUT_VLLM:
             return kv[..., :d], kv[..., d:]
         return kv[0].permute(0, 2, 1, 3), kv[1].permute(0, 2, 1, 3)
+
+    def remap_kv_cache(self) -> torch.Tensor | None:
+        """A fresh private (copy-on-write) mapping of the file's ``kv_cache``, or None.
+
+        None unless ``kv_cache`` is still the tensor load_snapshot mapped, never
+        written in place, and the file is unchanged since. Writing to the result
+        changes neither the file nor ``kv_cache``; only pages written become memory
+        of their own, which is why a replay uses it instead of copying the cache.
+        """
+        if self.kv_source is None or self.path is None:
+            return None
+        file_id, data_ptr, version = self.kv_source
+        kv = self.kv_cache
+        if kv.device.type != "cpu" or kv.data_ptr() != data_ptr or kv._version != version:
+            return None
+        try:
+            if _file_identity(self.path) != file_id:
+                return None
+            from safetensors import safe_open
+
+            with safe_open(self.path, framework="pt", device="cpu") as fh:
+                mapped = fh.get_tensor("kv_cache")
+        except Exception:  # the file moved or became unreadable: the caller copies instead
+            return None
+        if mapped.shape != kv.shape or mapped.dtype != kv.dtype or mapped.data_ptr() == kv.data_ptr():
+            return None
+        return mapped
 
     def to_stored_index(self, engine_ids: torch.Tensor) -> torch.Tensor:
         """Map engine page ids to indices into the stored pages; -1 where a page is not stored."""
@@ -339,6 +369,7 @@ def load_snapshot(path: str | os.PathLike, *, validate_values: bool = True) -> S
     from safetensors import safe_open
 
     header = read_header(path)
+    file_id = _file_identity(header.path)
     try:
         with safe_open(header.path, framework="pt", device="cpu") as fh:
             tensors = {name: fh.get_tensor(name) for name in header.tensors}
@@ -350,14 +381,20 @@ def load_snapshot(path: str | os.PathLike, *, validate_values: bool = True) -> S
         prefix = meta.step_prefix(i)
         steps.append(Step(**{n: tensors.get(prefix + n) for n in (
             "block_table", "seq_lens", "query_start_loc", "query", "key", "value", "slot_mapping", "output")}))
-    snap = Snapshot(meta=meta, kv_cache=tensors["kv_cache"], page_ids=tensors["page_ids"], steps=steps,
-                    path=header.path)
+    kv = tensors["kv_cache"]
+    snap = Snapshot(meta=meta, kv_cache=kv, page_ids=tensors["page_ids"], steps=steps, path=header.path,
+                    kv_source=(file_id, kv.data_ptr(), kv._version))
     if validate_values:
         try:
             check_values(meta, snap.page_ids, steps)
         except SnapshotError as exc:
             raise SnapshotError(f"{header.path}: {exc}") from None
     return snap
+
+
+def _file_identity(path: str) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def with_meta(snapshot: Snapshot, **changes) -> Snapshot:
