@@ -107,6 +107,8 @@ class BackendMeta:
 
 @dataclass(frozen=True)
 class SnapshotMeta:
+    """Everything kvdbg.meta holds: the layer, the backend, the layout and provenance."""
+
     layer: LayerMeta
     backend: BackendMeta
     kv_layout: str

@@ -173,6 +173,8 @@ def kernel_visible_range(
 
 @dataclass(frozen=True)
 class TokenVisibility:
+    """One query token: the keys its exact window holds against the keys the kernel reads."""
+
     index: int  # i within the query block
     position: int  # p = L - q + i
     exact_lo: int
@@ -185,6 +187,8 @@ class TokenVisibility:
 
 @dataclass(frozen=True)
 class VisibilityTable:
+    """Every query token of one request, with the worst extra keys and the shared-start drift."""
+
     tokens: list[TokenVisibility]
     worst_extra: int
     drift: int  # spread of the exact window starts the kernel collapses into one (q - 1 when dense+window)
@@ -266,6 +270,8 @@ class BuilderOutput:
 
 @dataclass(frozen=True)
 class StripCell:
+    """One page (or an elided run of pages) of the page strip around the window's old edge."""
+
     page: int | None  # None: a gap of ``count`` elided pages
     kind: str  # dropped | edge | kept | query | missing | gap
     first_token: int = 0
@@ -277,6 +283,8 @@ STRIP_LETTERS = {"dropped": "D", "edge": "P", "kept": "K", "query": "Q", "missin
 
 @dataclass(frozen=True)
 class WindowAnalysis:
+    """Everything `kvdbg window` shows: restriction, builder output, visibility, strip, findings."""
+
     seq_len: int
     window: int | None
     query_len: int

@@ -14,6 +14,8 @@ MAX_REQUESTS_READ = 65536
 
 @dataclass
 class TensorRow:
+    """One tensor of the file, from the header."""
+
     name: str
     dtype: str
     shape: list[int]
@@ -22,6 +24,8 @@ class TensorRow:
 
 @dataclass
 class RequestRow:
+    """One request's lengths at one step."""
+
     index: int
     seq_len: int
     query_len: int
@@ -30,6 +34,8 @@ class RequestRow:
 
 @dataclass
 class StepSummary:
+    """One step's batch shape and, for reasonable batches, each request's lengths."""
+
     step: int
     num_reqs: int
     num_tokens: int
@@ -42,6 +48,8 @@ class StepSummary:
 
 @dataclass
 class InfoSummary:
+    """Everything `kvdbg info` shows, read from the header and the small index tensors."""
+
     path: str
     file_size: int
     format_version: str

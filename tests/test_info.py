@@ -65,3 +65,16 @@ def test_version_and_module_entry_point():
     result = CliRunner().invoke(cli, ["--version"])
     assert result.exit_code == 0 and "kvdbg, version" in result.output
     assert "Usage" in run_python("import runpy, sys; sys.argv=['kvdbg','--help']\ntry:\n runpy.run_module('kvdbg', run_name='__main__')\nexcept SystemExit: pass")
+
+
+def test_info_prints_user_text_verbatim(tmp_path):
+    """Notes and names are data: rich markup or emoji codes in them are printed as written."""
+    from kvdbg.snapshot import save_snapshot
+    from kvdbg.synth import SynthSpec, synth_snapshot
+
+    notes = "[bold]kept[/bold] :smile: [red]"
+    path = str(tmp_path / "notes.safetensors")
+    save_snapshot(synth_snapshot(SynthSpec(notes=notes)), path)
+    result = CliRunner().invoke(cli, ["info", path], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert notes in result.output

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 from typing import Any, Callable
@@ -42,12 +41,17 @@ def guarded(fn: Callable) -> Callable:
 def console(*, stderr: bool = False):
     from rich.console import Console
 
-    # rich honours NO_COLOR and non-terminal output by itself.
+    # rich honours NO_COLOR and non-terminal output by itself. Cells hold the user's data
+    # (layer names, paths, notes), printed as given: no markup ("[x]" would vanish) and no
+    # emoji codes (":x:" would change), which also spares parsing every cell and loading
+    # rich's emoji table.
     width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "120"))
-    return Console(stderr=stderr, width=width, highlight=False)
+    return Console(stderr=stderr, width=width, highlight=False, markup=False, emoji=False)
 
 
 def emit_json(obj: Any) -> None:
+    import json  # only --json needs it; `kvdbg window` otherwise never loads it
+
     click.echo(json.dumps(obj, indent=2, default=_json_default))
 
 

@@ -120,7 +120,7 @@ def replay(snapshot, backends, step, requests, heads, device, exact, compile_, a
         err = console(stderr=True)
 
         def progress(message: str) -> None:
-            err.print(f"[dim]replaying {message}…[/dim]")
+            err.print(f"replaying {message}…", style="dim")
 
     options = ReplayOptions(device=device, exact=exact, compile=compile_)
     result = run_replay(snap, names, options, steps=None if step is None else [step],

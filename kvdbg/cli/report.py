@@ -56,7 +56,7 @@ def report(snapshot, output, backends, device, svg_dir, force):
         err = console(stderr=True)
 
         def progress(message: str) -> None:
-            err.print(f"[dim]{message}…[/dim]")
+            err.print(f"{message}…", style="dim")
 
     result = build_report(snapshot, list(backends) or None, device=device, progress=progress)
     text = render_markdown(result)

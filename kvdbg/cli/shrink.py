@@ -44,7 +44,7 @@ def shrink(snapshot, output, backend, device, force, as_json):
         err = console(stderr=True)
 
         def progress(message: str) -> None:
-            err.print(f"[dim]{message}[/dim]", markup=True, highlight=False)
+            err.print(message, style="dim")
 
     result = run_shrink(load_snapshot(snapshot), backend, device=device, progress=progress, output_path=output,
                         overwrite=force)
