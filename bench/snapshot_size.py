@@ -40,7 +40,7 @@ CASES = {
     "16 x 2048, q=8, 4 steps, stale tails": ([2048] * 16, ["--query-len", "8", "--steps", "4", "--stale-tail", "8"]),
     "4096 x 64 tokens (4096 requests)": ([64] * 4096, []),
     "64 x 1024": ([1024] * 64, []),
-    "64 x 8192 (2 GiB)": ([8192] * 64, []),
+    "64 x 8192 (2 GiB, as bench/_big.py)": ([8192] * 64, []),
 }
 
 
@@ -91,8 +91,8 @@ def main(argv=None) -> None:
             if not args.keep:
                 os.remove(path)
     finally:
-        if not args.keep:
-            os.rmdir(workdir) if not os.listdir(workdir) else None
+        if not args.keep and not os.listdir(workdir):
+            os.rmdir(workdir)
 
 
 def human(n: float) -> str:
