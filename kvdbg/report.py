@@ -288,35 +288,6 @@ def _replayed(result: "ReplayResult", *, explicit: bool) -> list[str]:
 
 def write_text_atomic(path: str | os.PathLike, text: str, *, overwrite: bool = False) -> str:
     """Write ``text`` through a temporary file and a rename; never replace a file unless ``overwrite``."""
-    import tempfile
+    from kvdbg.atomic import write_text_atomic as write
 
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise OptionError(f"{path} is a directory; give a file name")
-    if os.path.exists(path) and not overwrite:
-        raise OptionError(f"{path} already exists; pass --force to replace it")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise OptionError(f"cannot write {path}: directory {directory} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=".kvdbg-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a report is a normal user file
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            try:  # link() refuses to clobber a file that appeared meanwhile
-                os.link(tmp, path)
-            except FileExistsError:
-                raise OptionError(f"{path} already exists; pass --force to replace it") from None
-    except OSError as exc:
-        raise OptionError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return write(path, text, overwrite=overwrite)
