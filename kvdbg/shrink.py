@@ -381,8 +381,12 @@ class _Shrinker:
 
 def shrink(snapshot: "Snapshot", backend: str | None = None, *, device: str = "cpu",
            progress: Callable[[str], None] | None = None, output_path: str | None = None,
-           overwrite: bool = False) -> ShrinkResult:
-    """Reduce ``snapshot`` while its failure keeps reproducing; write it to ``output_path`` if given."""
+           overwrite: bool = False, same_heads: bool = True) -> ShrinkResult:
+    """Reduce ``snapshot`` while its failure keeps reproducing; write it to ``output_path`` if given.
+
+    With ``same_heads`` every failing head of the requests kept stays in the output (and still
+    fails); without it the head pass may drop failing heads too, keeping at least one.
+    """
     from kvdbg.snapshot import save_snapshot
 
     import os
@@ -443,10 +447,20 @@ def shrink(snapshot: "Snapshot", backend: str | None = None, *, device: str = "c
     def heads_of(kv_subset: list[int]) -> list[int]:
         return [heads[k * group + g] for k in kv_subset for g in range(group)]
 
-    def test_heads(subset: list[int]) -> bool:
-        return bool(subset) and shrinker.reproduces(select_kv_heads(base, subset), requests, heads_of(subset))
+    # KV heads holding a failing query head of a kept request stay: the shrunk file must fail on the
+    # same heads as the input, so only the other KV heads are candidates for removal.
+    required = sorted({heads.index(h) // group for r, h in signature.failing_heads if r in requests}) \
+        if same_heads else []
 
-    kept = ddmin(range(len(kv_heads)), test_heads)
+    def with_required(subset: list[int]) -> list[int]:
+        return sorted(set(subset) | set(required))
+
+    def test_heads(subset: list[int]) -> bool:
+        chosen = with_required(subset)
+        return bool(chosen) and shrinker.reproduces(select_kv_heads(base, chosen), requests, heads_of(chosen))
+
+    optional = [k for k in range(len(kv_heads)) if k not in required]
+    kept = with_required(ddmin(optional, test_heads, allow_empty=bool(required)))
     if len(kept) < len(kv_heads):
         current = select_kv_heads(base, kept)
         removed = f"{len(kv_heads) - len(kept)} of {len(kv_heads)} KV heads (with their query heads)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -37,13 +38,13 @@ def test_shrink_keeps_flex_failure_on_the_same_renumbered_heads(make_snapshot, t
     assert sig == {(3, h) for h in range(8)}  # page 0 hides 16 of request 3's keys from every head
     assert data["signature"]["error_findings"] == [{"code": "null_page_masked", "request": 3}]
     assert data["kept_requests"] == [3]
-    assert len(data["kept_kv_heads"]) == 1 and len(data["kept_heads"]) == 2
+    assert data["kept_heads"] == list(range(8))  # --same-heads (default): every failing head stays
     assert data["output_bytes"] < data["input_bytes"] / 10
     assert [p["name"] for p in data["passes"]] == ["steps", "requests", "heads", "sequences", "table width"]
 
     small = load_snapshot(out)
     assert len(small.steps) == 1 and small.steps[0].num_reqs == 1
-    assert (small.meta.layer.num_heads, small.meta.layer.num_kv_heads) == (2, 1)
+    assert (small.meta.layer.num_heads, small.meta.layer.num_kv_heads) == (8, 4)
     assert 0 in small.page_ids.tolist()
     # Independent replay of the written file, mapped back to the input's numbering.
     obs = observe(small, "flex", 0)
@@ -53,6 +54,14 @@ def test_shrink_keeps_flex_failure_on_the_same_renumbered_heads(make_snapshot, t
     assert obs.error_findings == {("null_page_masked", 0)}
     res = CliRunner().invoke(cli, ["replay", str(out), "--backend", "flex"])
     assert res.exit_code == 1
+
+    # --any-heads lets the head pass drop failing heads too: one KV group (2 query heads) is enough.
+    smaller = tmp_path / "smaller.safetensors"
+    res = invoke(path, "-o", str(smaller), "--json", "--any-heads")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert len(data["kept_kv_heads"]) == 1 and len(data["kept_heads"]) == 2
+    assert data["output_bytes"] < os.path.getsize(out)
 
 
 def test_refuses_clean_input_and_existing_output(make_snapshot, tmp_path):

@@ -16,10 +16,13 @@ from kvdbg.cli.common import console, emit_json, guarded, json_option
 @click.option("--backend", default=None,
               help="Backend whose failure to keep (flex, flashinfer_ts). Default: the first one that fails.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@click.option("--same-heads/--any-heads", default=True, show_default=True,
+              help="Keep every failing head of the kept requests (default), or let the head pass drop "
+                   "failing heads too for a smaller file.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @json_option
 @guarded
-def shrink(snapshot, output, backend, device, force, as_json):
+def shrink(snapshot, output, backend, device, same_heads, force, as_json):
     """Reduce a failing snapshot while the same backend keeps failing on the same heads.
 
     The failure kept is the chosen backend's failing (request, head) pairs
@@ -47,6 +50,7 @@ def shrink(snapshot, output, backend, device, force, as_json):
             err.print(message, style="dim")
 
     result = run_shrink(load_snapshot(snapshot), backend, device=device, progress=progress, output_path=output,
+                        same_heads=same_heads,
                         overwrite=force)
     if as_json:
         emit_json(result.to_json_dict())
