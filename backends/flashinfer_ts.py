@@ -534,9 +534,15 @@ class FlashInferTSImpl:
                            block_tables=md.block_table, bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale,
                            out=kernel_out, validate=False)
         else:
-            # NaN marks rows the emulation cannot predict (undefined on the real kernel): they stay "not written".
-            kernel_out = torch.full((b, sq, self.num_heads, self.head_size), float("nan"), dtype=plan.o_data_type,
-                                    device=query.device)
+            # As the backend does, the kernel writes straight into the output unless a cast is needed. Rows the
+            # emulation cannot predict (undefined on the real kernel) are left as they were: the replay core's
+            # NaN, or NaN in the staging buffer, so they show as "not written".
+            direct = output[:n]
+            if plan.o_data_type == output.dtype == model_dtype and direct.is_contiguous():
+                kernel_out = direct.view(b, sq, self.num_heads, self.head_size)
+            else:
+                kernel_out = torch.full((b, sq, self.num_heads, self.head_size), float("nan"),
+                                        dtype=plan.o_data_type, device=query.device)
             codes = undefined_codes(md, int(k_cache.shape[0]), self.builder.page_size)
             emulate = self._emulator(q, k_cache)
             if emulate is emulate_decode:
@@ -549,7 +555,8 @@ class FlashInferTSImpl:
                         window_left=plan.window_left, bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale,
                         out=kernel_out, valid=codes == 0)
         # The engine converts the kernel's dtype (fp16 for an FP8 query) to the model dtype.
-        output[:n] = kernel_out.reshape(n, self.num_heads, self.head_size).to(model_dtype).to(output.dtype)
+        if kernel_out.data_ptr() != output.data_ptr():
+            output[:n] = kernel_out.reshape(n, self.num_heads, self.head_size).to(model_dtype).to(output.dtype)
         return output
 
 
