@@ -27,6 +27,4 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'kvdbg' has no attribute {name!r}")
     import importlib
 
-    if name == "open_snapshot":
-        return importlib.import_module("kvdbg.format").read_header
     return getattr(importlib.import_module(module), name)

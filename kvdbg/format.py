@@ -400,6 +400,10 @@ def read_header(path: str | os.PathLike) -> Header:
     return header
 
 
+# The public header-only reader (no torch): kvdbg.open_snapshot.
+open_snapshot = read_header
+
+
 # --------------------------------------------------------------------------- structure
 
 

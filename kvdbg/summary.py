@@ -6,7 +6,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvdbg.format import ST_DTYPES, DTYPE_TO_ST, Header, read_header, read_index_tensor
+from kvdbg.format import Header, read_header, read_index_tensor
 
 # Per-request lengths are read for at most this many requests per step.
 MAX_REQUESTS_READ = 65536
@@ -130,4 +130,4 @@ def summarize_header(header: Header) -> InfoSummary:
     )
 
 
-__all__ = ["InfoSummary", "summarize", "summarize_header", "ST_DTYPES", "DTYPE_TO_ST"]
+__all__ = ["InfoSummary", "summarize", "summarize_header"]

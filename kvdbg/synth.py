@@ -144,11 +144,9 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
 
     model_dtype = torch_dtype(spec.dtype)
     if spec.fp8:
-        kv_dtype = torch.float8_e4m3fn
         k_store = _quantize(k_true, spec.k_scale)
         v_store = _quantize(v_true, spec.v_scale)
     else:
-        kv_dtype = model_dtype
         k_store, v_store = k_true.to(model_dtype), v_true.to(model_dtype)
     if spec.layout == LAYOUT_VLLM:
         kv_cache = torch.cat([k_store, v_store], dim=-1).contiguous()
@@ -156,7 +154,6 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
         kv_cache = torch.stack([k_store.permute(0, 2, 1, 3), v_store.permute(0, 2, 1, 3)]).contiguous()
     if spec.fp8 and spec.fp8_storage == "uint8":
         kv_cache = kv_cache.view(torch.uint8)
-    del kv_dtype
 
     steps = []
     for s in range(spec.steps):

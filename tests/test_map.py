@@ -149,3 +149,27 @@ def test_cli_bad_options_exit_2(snapshot_files, args, message):
 def test_cli_missing_file_exits_2(tmp_path):
     res = CliRunner().invoke(cli, ["map", str(tmp_path / "nope.safetensors")])
     assert res.exit_code == 2 and res.output.startswith("Error: ") and len(res.output.strip().splitlines()) == 1
+
+
+def test_map_and_flex_backend_derive_the_same_physical_to_logical_map():
+    """`kvdbg map` (pure Python, engine ids) and the flex backend (tensors, stored indices) implement
+    the same vLLM rule; they must agree entry for entry, quirks included."""
+    from kvdbg.attention import ReplayOptions
+    from kvdbg.backends import get_backend
+    from kvdbg.pagemap import page_map
+    from kvdbg.replay import common_metadata
+    from kvdbg.synth import SynthSpec, synth_snapshot
+
+    snap = synth_snapshot(SynthSpec(seq_lens=(60, 90, 40), use_page_zero=True, page_zero_request=1,
+                                    shared_prefix_pages=1, stale_tail=2, num_heads=2, num_kv_heads=1, head_size=16))
+    table = snap.steps[0].block_table
+    table[2, 2] = table[2, 1]  # a page mapped twice within request 2
+    common = common_metadata(snap, 0, "cpu")
+    flex = get_backend("flex").create(snap.meta, ReplayOptions()).builder.build(common)
+    engine_ids = snap.page_ids.tolist()
+    for req in page_map(snap, 0).requests:
+        from_map = {e.physical: e.logical for e in req.physical_to_logical}
+        from_flex = {engine_ids[i]: int(flex.physical_to_logical[req.request, i])
+                     for i in range(snap.num_pages) if engine_ids[i] in from_map}
+        assert from_map == from_flex, req.request
+    assert {e.physical: e.logical for e in page_map(snap, 0).requests[1].physical_to_logical}[0] == -1
