@@ -9,7 +9,7 @@ format is specified in docs/snapshot-format.md.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import torch
@@ -395,3 +395,8 @@ def load_snapshot(path: str | os.PathLike, *, validate_values: bool = True) -> S
 def _file_identity(path: str) -> tuple[int, int, int, int]:
     st = os.stat(path)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def with_meta(snapshot: Snapshot, **changes) -> Snapshot:
+    """A copy of ``snapshot`` sharing its tensors, with metadata fields replaced."""
+    return replace(snapshot, meta=replace(snapshot.meta, **changes))
