@@ -1,9 +1,11 @@
 """The exact reference: attention over the logical KV gathered through the block table.
 
-Correctness is defined here; every backend is compared against it. Masks follow
-DESIGN.md with ``p = L - q + i`` the absolute position of query token ``i``:
-causal ``k <= p`` (window: ``p - w < k <= p``); dense ``k < L`` (window:
-``p - w < k < L``).
+Correctness is defined here; every backend is compared against it. Masks are
+those of docs/snapshot-format.md, with ``p = L - q + i`` the absolute position of
+query token ``i``: causal ``k <= p`` (window: ``p - w < k <= p``); dense
+``k < L`` (window: vLLM's ``|p - k| < w`` and ``k < L``). A soft-capped layer
+caps the scaled logits as ``cap * tanh(s / cap)`` before the mask. A key no
+token may see contributes nothing, even when its K or V holds NaN.
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ class ReferenceImpl:
         q_scale = layer.q_scale if layer.is_fp8 and query.dtype in (torch.uint8, torch.float8_e4m3fn) else 1.0
         query = _as_fp8(query) if layer.is_fp8 else query
         device = query.device
+        soft_cap = float(layer.logits_soft_cap or 0.0)
 
         for reqs, num_pages, step_pages in zip(md.chunks, md.page_counts, md.block_pages):
             n = reqs.numel()
@@ -159,21 +162,25 @@ class ReferenceImpl:
                 values = values.permute(0, 2, 1, 3, 4).reshape(n, hkv, kv_len, d)
                 scores = torch.matmul(q, keys.transpose(-1, -2)) * layer.scale  # [n, Hkv, G*qmax, kv_len]
                 del keys
+                if soft_cap:
+                    scores = torch.tanh(scores / soft_cap) * soft_cap
                 k = torch.arange(first_page * ps, last_page * ps, device=device).view(1, 1, kv_len)
                 p = pos.unsqueeze(2)
                 allowed = (k <= p) if md.causal else (k < seq_lens.view(n, 1, 1))
                 if md.sliding_window is not None:
-                    allowed = allowed & (k > p - md.sliding_window)
+                    allowed = allowed & ((p - k).abs() < md.sliding_window)
                 allowed = allowed & real.unsqueeze(2)
                 scores = scores.view(n, hkv, group, qmax, kv_len)
                 scores = scores.masked_fill(~allowed.view(n, 1, 1, qmax, kv_len), float("-inf"))
-                return scores.view(n, hkv, group * qmax, kv_len), values
+                return scores.view(n, hkv, group * qmax, kv_len), _masked_values(values, allowed, group)
 
             if step_pages >= num_pages:
-                scores, values = block_scores(0, num_pages)
+                scores, (values, poisoned) = block_scores(0, num_pages)
                 probs = torch.softmax(scores, dim=-1)
                 del scores
                 out = torch.matmul(probs, values)
+                if poisoned is not None:
+                    out = out.masked_fill(poisoned, float("nan"))
             else:
                 out = self._online_softmax(block_scores, num_pages, step_pages)
             out = out.view(n, hkv, group, qmax, d).permute(0, 3, 1, 2, 4).reshape(n, qmax, hq, d)
@@ -190,9 +197,11 @@ class ReferenceImpl:
         """
         import torch
 
-        m = l = acc = None
+        m = l = acc = poisoned = None
         for first in range(0, num_pages, step_pages):
-            scores, values = block_scores(first, min(first + step_pages, num_pages))
+            scores, (values, block_poisoned) = block_scores(first, min(first + step_pages, num_pages))
+            if block_poisoned is not None:
+                poisoned = block_poisoned if poisoned is None else poisoned | block_poisoned
             block_max = scores.amax(dim=-1, keepdim=True)
             m_new = block_max if m is None else torch.maximum(m, block_max)
             # A row with no visible key so far has m_new = -inf; shift by 0 there so exp gives 0, not NaN.
@@ -209,7 +218,30 @@ class ReferenceImpl:
                 acc = acc * rescale + block_out
                 l = l * rescale + block_sum
             m = m_new
-        return acc / l
+        out = acc / l
+        return out if poisoned is None else out.masked_fill(poisoned, float("nan"))
+
+
+def _masked_values(values, allowed, group: int):
+    """(values with non-finite entries zeroed, [n, Hkv, G*q, D] mask of outputs they make NaN) or (values, None).
+
+    ``probs @ values`` would turn a NaN value under a zero probability (a key
+    outside the token's window) into NaN: 0 x NaN = NaN. The exact answer is that
+    such a key contributes nothing, while a NaN a token does see makes its output
+    NaN in that channel. The check is one reduction; only a poisoned cache pays
+    for the extra product.
+    """
+    import torch
+
+    bad = ~torch.isfinite(values)
+    if not bool(bad.any()):
+        return values, None
+    n, hkv, kv_len, d = values.shape
+    qmax = allowed.shape[1]
+    seen = allowed.to(values.dtype).view(n, 1, qmax, kv_len)
+    hits = torch.matmul(seen, bad.to(values.dtype)) > 0  # [n, Hkv, qmax, D]
+    poisoned = hits.unsqueeze(2).expand(n, hkv, group, qmax, d).reshape(n, hkv, group * qmax, d)
+    return torch.where(bad, torch.zeros_like(values), values), poisoned
 
 
 class ReferenceInstance:
@@ -228,6 +260,9 @@ class ReferenceInstance:
         notes = ["logical KV gathered through the block table; GQA by head grouping"]
         if self.meta.layer.is_fp8:
             notes.append("FP8 query/K/V dequantised with the q/k/v scales before attention")
+        if self.meta.layer.logits_soft_cap:
+            cap = self.meta.layer.logits_soft_cap
+            notes.append(f"logits soft-capped: {cap:g} * tanh(scale * q.k / {cap:g}) before the mask")
         return RunInfo(backend="reference", kernel=f"exact torch attention ({name} accumulate)",
                        device=self.options.device, dtype=name, notes=notes)
 
@@ -243,7 +278,8 @@ class ReferenceInstance:
                 lo = (first - w + 1) if w else 0
                 seen = f"[{max(lo, 0)}, p] for p in [{first}, {length - 1}]"
             else:
-                seen = f"[max(0, p-{w - 1}), {length - 1}]" if w else f"[0, {length - 1}]"
+                seen = (f"[max(0, p-{w - 1}), min({length - 1}, p+{w - 1})] for p in [{first}, {length - 1}]"
+                        if w else f"[0, {length - 1}]")
             rows.append({"request": r, "seq_len": length, "query_len": q, "keys": seen})
         return rows
 
@@ -254,8 +290,6 @@ def _unsupported(meta: "SnapshotMeta") -> str | None:
         return "attention sinks are not modelled by the reference"
     if layer.has_alibi:
         return "ALiBi is not modelled by the reference"
-    if layer.logits_soft_cap:
-        return "logits soft-capping is not modelled by the reference"
     return None
 
 

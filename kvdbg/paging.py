@@ -22,6 +22,7 @@ __all__ = [
     "ts_mask_type",
     "ts_window_left",
     "exact_visible_range",
+    "first_visible_key",
     "kernel_visible_range",
     "TokenVisibility",
     "VisibilityTable",
@@ -144,11 +145,31 @@ def ts_window_left(window: int | None, causal: bool) -> int:
 
 
 def exact_visible_range(seq_len: int, query_len: int, i: int, window: int | None, causal: bool) -> tuple[int, int]:
-    """Keys query token ``i`` must attend to, as the reference defines them."""
+    """Keys query token ``i`` must attend to, as the reference defines them (docs/snapshot-format.md).
+
+    Causal: ``k <= p``, with a window ``p - w < k``. Dense: ``k < L``, with a
+    window vLLM's symmetric ``|p - k| < w`` -- which ends before ``L`` for the
+    block's first tokens when ``w < q``.
+    """
     p = seq_len - query_len + i
     hi = p + 1 if causal else seq_len
-    lo = 0 if window is None else max(0, p - window + 1)
+    lo = 0
+    if window is not None:
+        lo = max(0, p - window + 1)
+        hi = min(hi, p + window)
     return lo, hi
+
+
+def first_visible_key(seq_len: int, query_len: int, window: int | None) -> int:
+    """The earliest key any query token of a request may see: ``max(0, L - q - w + 1)``, 0 without a window.
+
+    Keys before it are outside every token's window (causal or dense alike), so
+    no correct kernel reads them; vLLM's sliding-window manager frees their
+    blocks and puts the null block in their table entries.
+    """
+    if window is None:
+        return 0
+    return max(0, seq_len - query_len - window + 1)
 
 
 def kernel_visible_range(
