@@ -8,8 +8,12 @@ and an ``impl`` (``forward(query, kv_cache, metadata, output) -> output``), and 
 ``describe()`` that says what really runs.
 
 Output convention: the replay core allocates ``output`` [num_tokens, Hq, D]
-filled with NaN and the impl writes the tokens it computes, so tokens a backend
-leaves unwritten (ragged leftovers, a no-op batch) show up as "not written".
+filled with NaN and the impl writes the tokens it computes. A backend that may
+leave tokens unwritten (ragged leftovers, a request its kernel cannot run) says
+which it wrote with ``written_tokens(common, metadata)``, so NaN it *produced*
+is never mistaken for a token it did not write. A backend whose builder would
+not run a step at all says why with ``not_applicable(common, metadata)``; that
+step is then not compared for it, and is no failure.
 ``query`` and ``kv_cache`` are the snapshot's own dtypes (FP8 as stored); the
 working ``kv_cache`` is in the snapshot's layout and already holds the step's
 new K/V.
@@ -47,6 +51,7 @@ class CommonMetadata:
     num_pages: int  # stored pages in the working cache
     null_page: int | None  # stored index of engine page 0 (vLLM's null block), if stored
     step: int = 0
+    has_engine_output: bool = False  # the snapshot holds the engine's own output of this step
 
     @property
     def query_lens(self) -> "torch.Tensor":

@@ -14,8 +14,11 @@ bfloat16       1.6e-2  1.6e-2  2 ulps of the bf16 output (eps 7.8e-3)
 fp8 KV cache   3e-2    3e-2    bf16/fp16 rounding of dequantised values
 =============  ======  ======  ==========================================
 
-Non-finite outputs are counted, never raised: NaN where the expected value is
-finite usually means the backend did not write that token.
+Non-finite values are counted, never raised, and never pass: an element is
+compared only where both sides hold finite numbers, and every other element
+fails its head under one cause -- the compared side produced NaN/inf, the
+compared side did not write that token (a request its kernel cannot run), or
+the expected side is non-finite (nothing there can be verified).
 """
 
 from __future__ import annotations
@@ -57,18 +60,28 @@ def default_tolerance(dtype: str, *, fp8: bool = False, atol: float | None = Non
 
 @dataclass
 class HeadDiff:
+    """One request × query head. Error statistics cover only the elements both sides hold as finite numbers.
+
+    A head never passes when either side has a non-finite element or the
+    backend left one unwritten: those elements are counted apart, by cause, and
+    the statistics they would falsify are NaN (null in JSON), never 0 or 1.0.
+    """
+
     request: int
     head: int
     num_tokens: int
-    max_abs: float
+    compared: int  # elements where both sides are finite (the statistics below are over these)
+    max_abs: float  # NaN when nothing was compared
     mean_abs: float
     max_rel: float  # |a - e| / max(|e|, atol), so near-zero expected values do not explode it
-    cosine: float
+    cosine: float  # NaN when any element is non-finite or unwritten
     worst_token: int  # index into the step's query tokens
     worst_position: int  # absolute position of that token in its request (L - q + i)
-    nonfinite: int  # elements where actual is NaN/inf and expected is finite
-    unwritten: int  # of those, NaN: the backend left them as allocated
-    failing: int  # elements outside the tolerance (non-finite included)
+    actual_nonfinite: int  # NaN/inf the compared side produced (in tokens it wrote)
+    unwritten: int  # elements of tokens the compared side did not write (e.g. a request a kernel cannot run)
+    expected_nonfinite: int  # NaN/inf on the expected side: nothing there can be verified
+    not_compared: int  # elements skipped for any of the three causes above (a side may have several)
+    failing: int  # elements outside the tolerance, plus every non-finite or unwritten one
     passed: bool
 
     def to_json_dict(self) -> dict:
@@ -91,32 +104,47 @@ class Comparison:
 
     @property
     def passed(self) -> bool:
-        return not self.failed
+        """Every compared head passed, and at least one head was compared."""
+        return bool(self.heads) and not self.failed
 
     @property
     def max_abs(self) -> float:
-        finite = [h.max_abs for h in self.heads if h.max_abs == h.max_abs]
-        return max(finite, default=0.0)
+        """The largest finite error over the heads; NaN when no element was compared."""
+        finite = [h.max_abs for h in self.heads if h.compared]
+        return max(finite) if finite else float("nan")
 
     @property
     def nonfinite(self) -> int:
-        return sum(h.nonfinite for h in self.heads)
+        """Elements not compared because a side holds no finite value there."""
+        return sum(h.not_compared for h in self.heads)
+
+    def counts(self) -> dict[str, int]:
+        """Elements not compared, by cause."""
+        return {"actual_nonfinite": sum(h.actual_nonfinite for h in self.heads),
+                "unwritten": sum(h.unwritten for h in self.heads),
+                "expected_nonfinite": sum(h.expected_nonfinite for h in self.heads)}
 
     def to_json_dict(self) -> dict:
+        max_abs = self.max_abs
         return {
             "actual": self.actual, "expected": self.expected, "step": self.step,
             "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol, "source": self.tolerance.source,
                           "rule": self.tolerance.rule},
             "passed": self.passed, "failed_heads": len(self.failed), "heads_compared": len(self.heads),
-            "max_abs": self.max_abs, "nonfinite": self.nonfinite,
+            "max_abs": None if max_abs != max_abs else max_abs, "nonfinite": self.nonfinite, **self.counts(),
             "heads": [h.to_json_dict() for h in self.heads],
         }
 
 
 def compare(actual: torch.Tensor, expected: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
             tolerance: Tolerance, *, requests: list[int] | None = None, heads: list[int] | None = None,
-            actual_name: str = "actual", expected_name: str = "expected", step: int = 0) -> Comparison:
-    """Compare ``actual`` to ``expected`` ([num_tokens, Hq, D]) per request × head, vectorised over tokens."""
+            actual_name: str = "actual", expected_name: str = "expected", step: int = 0,
+            written: torch.Tensor | None = None) -> Comparison:
+    """Compare ``actual`` to ``expected`` ([num_tokens, Hq, D]) per request × head, vectorised over tokens.
+
+    ``written`` [num_tokens] bool marks the tokens the actual side wrote (default: all); the
+    others count as unwritten, apart from non-finite values the side produced.
+    """
     if actual.shape != expected.shape:
         raise ValueError(f"{actual_name} has shape {tuple(actual.shape)} but {expected_name} {tuple(expected.shape)}")
     qsl = query_start_loc.to(torch.int64).cpu()
@@ -128,28 +156,32 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, query_start_loc: torch
     head_ids = list(range(num_heads)) if heads is None else [h for h in heads if 0 <= h < num_heads]
     req_ids = list(range(num_reqs)) if requests is None else [r for r in requests if 0 <= r < num_reqs]
     a, e = a[:, head_ids], e[:, head_ids]
-    # Only positions where the expected value exists are judged; the reference writes every query token.
-    judged = torch.isfinite(e)
-    finite_a = torch.isfinite(a)
-    bad_value = judged & ~finite_a
-    err = torch.where(judged & finite_a, (a - e).abs(), torch.zeros_like(a))
-    limit = tolerance.atol + tolerance.rtol * e.abs().nan_to_num(0.0)
-    outside = (judged & finite_a & (err > limit)) | bad_value
-    rel = err / torch.clamp(e.abs().nan_to_num(0.0), min=max(tolerance.atol, 1e-30))
+    if written is None:
+        wrote = torch.ones_like(a, dtype=torch.bool)
+    else:
+        wrote = written.detach().to("cpu", torch.bool).view(num_tokens, 1, 1).expand_as(a)
+    finite_e, finite_a = torch.isfinite(e), torch.isfinite(a)
+    unwritten = ~wrote
+    bad_actual = wrote & ~finite_a
+    bad_expected = ~finite_e  # counted whatever the other side holds: each side is reported on its own
+    both = finite_e & finite_a & wrote
+    zero = torch.zeros_like(a)
+    err = torch.where(both, (a - e).abs(), zero)
+    e_abs = torch.where(both, e.abs(), zero)
+    limit = tolerance.atol + tolerance.rtol * e_abs
+    outside = (both & (err > limit)) | ~both
+    rel = err / torch.clamp(e_abs, min=max(tolerance.atol, 1e-30))
 
     doc = torch.repeat_interleave(torch.arange(num_reqs), qsl[1:] - qsl[:-1])
     pos = torch.arange(num_tokens) - qsl[doc] + (lens - (qsl[1:] - qsl[:-1]))[doc]
     # Per token × head reductions over the head dimension D, then per request with segment sums.
-    tok_max = err.amax(-1)  # [T, H]
+    tok_max = torch.where(both.any(-1), err.amax(-1), torch.full_like(err[..., 0], -1.0))  # [T, H]
     tok_sum = err.sum(-1)
     tok_rel = rel.amax(-1)
-    tok_bad = bad_value.sum(-1)
-    tok_nan = (judged & a.isnan()).sum(-1)
-    tok_out = outside.sum(-1)
-    tok_cnt = judged.sum(-1)
-    dot = torch.where(judged & finite_a, a * e, torch.zeros_like(a)).sum(-1)
-    aa = torch.where(judged & finite_a, a * a, torch.zeros_like(a)).sum(-1)
-    ee = torch.where(judged, e * e, torch.zeros_like(e)).nan_to_num(0.0).sum(-1)
+    tok_counts = [x.sum(-1) for x in (both, bad_actual, unwritten, bad_expected, outside, ~both)]
+    dot = torch.where(both, a * e, zero).sum(-1)
+    aa = torch.where(both, a * a, zero).sum(-1)
+    ee = torch.where(both, e * e, zero).sum(-1)
 
     nh = len(head_ids)
 
@@ -159,32 +191,39 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, query_start_loc: torch
     index = doc.unsqueeze(1).expand(-1, nh)
     req_max = torch.full((num_reqs, nh), -1.0, dtype=torch.float64).scatter_reduce_(0, index, tok_max, "amax")
     req_rel = torch.zeros(num_reqs, nh, dtype=torch.float64).scatter_reduce_(0, index, tok_rel, "amax")
-    sums, cnts = seg_sum(tok_sum), seg_sum(tok_cnt)
-    bads, nans, outs = seg_sum(tok_bad), seg_sum(tok_nan), seg_sum(tok_out)
+    sums = seg_sum(tok_sum)
+    compared, bads, unwr, exp_bad, outs, skipped = (seg_sum(x) for x in tok_counts)
     dots, aas, ees = seg_sum(dot), seg_sum(aa), seg_sum(ee)
-    # Worst token: the first token of the request whose error equals the request's maximum.
+    # Worst token: the first token of the request whose error equals the request's maximum; a token
+    # with nothing to compare is "worst" when no token of the request could be compared.
     is_worst = tok_max == req_max[doc]
     big = num_tokens + 1
     worst = torch.full((num_reqs, nh), big, dtype=torch.int64).scatter_reduce_(
         0, index, torch.where(is_worst, torch.arange(num_tokens).unsqueeze(1).expand(-1, nh), big), "amin")
     comp = Comparison(actual=actual_name, expected=expected_name, step=step, tolerance=tolerance)
+    nan = float("nan")
     for r in req_ids:
         if int(qsl[r + 1] - qsl[r]) == 0:
             continue
         for j, h in enumerate(head_ids):
-            count = int(cnts[r, j])
+            count = int(compared[r, j])
+            missing = int(skipped[r, j])
             w = int(worst[r, j]) if int(worst[r, j]) < big else int(qsl[r])
             denom = float(aas[r, j].sqrt() * ees[r, j].sqrt())
-            cosine = float(dots[r, j]) / denom if denom > 0 else (1.0 if float(aas[r, j]) == float(ees[r, j]) else 0.0)
-            if int(bads[r, j]):
-                cosine = float("nan")
+            if missing or not count:
+                cosine = nan
+            elif denom > 0:
+                cosine = float(dots[r, j]) / denom
+            else:  # both sides all zeros: identical; one side zero: nothing alike
+                cosine = 1.0 if float(aas[r, j]) == float(ees[r, j]) else 0.0
             comp.heads.append(HeadDiff(
-                request=r, head=h, num_tokens=int(qsl[r + 1] - qsl[r]),
-                max_abs=float(req_max[r, j]) if count else 0.0,
-                mean_abs=float(sums[r, j]) / count if count else 0.0,
-                max_rel=float(req_rel[r, j]), cosine=cosine, worst_token=w, worst_position=int(pos[w]),
-                nonfinite=int(bads[r, j]), unwritten=int(nans[r, j]), failing=int(outs[r, j]),
-                passed=int(outs[r, j]) == 0))
+                request=r, head=h, num_tokens=int(qsl[r + 1] - qsl[r]), compared=count,
+                max_abs=float(req_max[r, j]) if count else nan,
+                mean_abs=float(sums[r, j]) / count if count else nan,
+                max_rel=float(req_rel[r, j]) if count else nan, cosine=cosine, worst_token=w,
+                worst_position=int(pos[w]), actual_nonfinite=int(bads[r, j]), unwritten=int(unwr[r, j]),
+                expected_nonfinite=int(exp_bad[r, j]), not_compared=missing, failing=int(outs[r, j]),
+                passed=int(outs[r, j]) == 0 and count > 0))
     return comp
 
 
@@ -205,13 +244,13 @@ def compare_step(step_replay, meta, *, atol: float | None = None, rtol: float | 
         expected_sets.append(("captured", step_replay.captured_output))
     for expected_name, expected in expected_sets:
         for name, run in step_replay.runs.items():
-            if name == "reference" or run.output is None:
+            if name == "reference" or run.output is None or run.not_applicable is not None:
                 continue
             dtype = run.info.dtype if run.info is not None else meta.layer.dtype
             tol = default_tolerance(dtype, fp8=fp8, atol=atol, rtol=rtol)
             out.append(compare(run.output, expected, common.query_start_loc, common.seq_lens, tol,
                                requests=requests, heads=heads, actual_name=name, expected_name=expected_name,
-                               step=step_replay.step))
+                               step=step_replay.step, written=run.written))
         if expected_name == "reference" and step_replay.captured_output is not None:
             tol = default_tolerance(meta.layer.dtype, fp8=fp8, atol=atol, rtol=rtol)
             out.append(compare(step_replay.captured_output, expected, common.query_start_loc, common.seq_lens, tol,

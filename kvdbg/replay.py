@@ -28,6 +28,8 @@ class BackendRun:
     step: int
     info: RunInfo | None = None
     output: torch.Tensor | None = None  # [num_tokens, Hq, D]; NaN where the backend wrote nothing
+    written: torch.Tensor | None = None  # [num_tokens] bool, tokens the backend wrote; None: every token
+    not_applicable: str | None = None  # why the backend's builder would not run this step (not compared)
     findings: list[Finding] = field(default_factory=list)
     explain: list[dict[str, Any]] = field(default_factory=list)
     build_s: float = 0.0
@@ -113,6 +115,7 @@ def common_metadata(snapshot: "Snapshot", step: int, device: str = "cpu") -> Com
         num_pages=snapshot.num_pages,
         null_page=snapshot.null_page_index(),
         step=step,
+        has_engine_output=s.output is not None,
     )
 
 
@@ -251,6 +254,12 @@ def run_backend(name: str, spec: BackendSpec, inst: Any, common: CommonMetadata,
     run.build_s, run.forward_s = t1 - t0, t2 - t1
     run.output = output
     run.info = inst.describe()  # a backend may refine what it reports once it has run
+    not_applicable_fn = getattr(inst, "not_applicable", None)
+    if not_applicable_fn is not None:
+        run.not_applicable = not_applicable_fn(common, md)
+    written_fn = getattr(inst, "written_tokens", None)
+    if written_fn is not None:
+        run.written = written_fn(common, md)
     findings_fn = getattr(inst, "findings", None)
     if findings_fn is not None:
         run.findings.extend(findings_fn(common, md))

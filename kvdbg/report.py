@@ -19,6 +19,7 @@ from kvdbg._version import __version__
 from kvdbg.errors import OptionError, SnapshotError
 
 if TYPE_CHECKING:
+    from kvdbg.verdict import Verdict
     from kvdbg.attention import Finding
     from kvdbg.diff import Comparison
     from kvdbg.pagemap import PageMap
@@ -106,9 +107,15 @@ class BugReport:
         return self.replay.findings
 
     @property
+    def verdict(self) -> "Verdict":
+        """The same verdict and exit code as `kvdbg replay` on this snapshot."""
+        from kvdbg.verdict import replay_verdict
+
+        return replay_verdict(self.comparisons, self.findings)
+
+    @property
     def failed(self) -> bool:
-        """What `kvdbg replay` exits 1 for: a failing comparison or an error finding."""
-        return any(not c.passed for c in self.comparisons) or any(f.severity == "error" for f in self.findings)
+        return self.verdict.status == "fail"
 
 
 # --------------------------------------------------------------------------- environment and digest
@@ -206,7 +213,7 @@ def backend_summaries(result: "ReplayResult", comparisons: list["Comparison"]) -
         else:
             vs_ref = [c for c in comparisons if c.actual == st.name and c.expected == "reference"]
         failed = [(c.step, h) for c in vs_ref for h in c.failed]
-        failed.sort(key=lambda sh: (-sh[1].nonfinite, -(sh[1].max_abs if sh[1].max_abs == sh[1].max_abs else 0.0)))
+        failed.sort(key=lambda sh: (-sh[1].not_compared, -(sh[1].max_abs if sh[1].max_abs == sh[1].max_abs else 0.0)))
         findings = [f for f in result.findings if f.backend == st.name and f.severity in ("error", "warning")]
         counts: dict[str, int] = {}
         for f in findings:
@@ -214,7 +221,10 @@ def backend_summaries(result: "ReplayResult", comparisons: list["Comparison"]) -
         if not st.available:
             status, kernel = "unavailable", st.reason or ""
         else:
+            runs = [step.runs[st.name] for step in result.steps if st.name in step.runs]
             status = "raised" if st.name in raised else "ran"
+            if runs and all(run.not_applicable is not None for run in runs):
+                status = "not applicable"
             info = st.info
             kernel = (f"{info.kernel} on {info.device}, {'compiled' if info.compiled else 'eager'}, {info.dtype}"
                       if info else "")
@@ -228,7 +238,7 @@ def backend_summaries(result: "ReplayResult", comparisons: list["Comparison"]) -
             name=st.name, engine_name=st.engine_name, status=status, kernel=kernel,
             emulated=bool(st.info.emulated) if st.info else False, verdict=verdict,
             failed_heads=len(failed), heads_compared=sum(len(c.heads) for c in vs_ref),
-            max_abs=max((c.max_abs for c in vs_ref), default=0.0),
+            max_abs=max((c.max_abs for c in vs_ref if c.max_abs == c.max_abs), default=float("nan")),
             worst=[(s, h.request, h.head, h.max_abs) for s, h in failed[:MAX_WORST_HEADS]],
             finding_counts=counts, error_findings=sum(f.severity == "error" for f in findings)))
     return out

@@ -48,14 +48,47 @@ def test_tolerance_rule_is_atol_plus_rtol_times_expected():
 def test_non_finite_outputs_are_counted_not_raised():
     e = _expected()
     a = e.clone()
-    a[5] = float("nan")  # request 2 never written
+    a[5] = float("nan")  # request 2 produced NaN
     a[0, 1, 0] = float("inf")
     comp = compare(a, e, QSL, SEQ_LENS, default_tolerance("float32"))
     by_key = {(h.request, h.head): h for h in comp.failed}
     assert set(by_key) == {(0, 1)} | {(2, h) for h in range(4)}
-    assert by_key[(2, 0)].nonfinite == 8 and by_key[(2, 0)].unwritten == 8
-    assert by_key[(0, 1)].nonfinite == 1 and by_key[(0, 1)].unwritten == 0
-    assert comp.nonfinite == 33
+    # NaN the backend wrote is its own output, never "unwritten".
+    assert by_key[(2, 0)].actual_nonfinite == 8 and by_key[(2, 0)].unwritten == 0
+    assert by_key[(0, 1)].actual_nonfinite == 1 and by_key[(0, 1)].expected_nonfinite == 0
+    assert comp.nonfinite == 33 and comp.counts()["actual_nonfinite"] == 33
+    # A head with any non-finite element never reports cosine 1.0.
+    assert by_key[(0, 1)].cosine != by_key[(0, 1)].cosine
+
+
+def test_tokens_the_backend_did_not_write_are_unwritten_not_nan():
+    e = _expected()
+    a = e.clone()
+    a[5] = float("nan")
+    written = torch.tensor([True] * 5 + [False])
+    comp = compare(a, e, QSL, SEQ_LENS, default_tolerance("float32"), written=written)
+    heads = [h for h in comp.heads if h.request == 2]
+    assert all(not h.passed and h.unwritten == 8 and h.actual_nonfinite == 0 for h in heads)
+    assert comp.counts() == {"actual_nonfinite": 0, "unwritten": 32, "expected_nonfinite": 0}
+
+
+def test_non_finite_expected_side_never_passes():
+    """Both sides NaN: nothing can be verified, so nothing passes, and no statistic claims agreement."""
+    e = torch.full((6, 4, 8), float("nan"), dtype=torch.float64)
+    comp = compare(e.clone(), e, QSL, SEQ_LENS, default_tolerance("float32"))
+    assert not comp.passed and len(comp.failed) == 12
+    for h in comp.heads:
+        assert h.compared == 0 and h.expected_nonfinite == h.num_tokens * 8 and h.actual_nonfinite == h.expected_nonfinite
+        assert h.max_abs != h.max_abs and h.cosine != h.cosine  # NaN (null in JSON), never 0 / 1.0
+    record = comp.to_json_dict()
+    assert record["passed"] is False and record["max_abs"] is None and record["expected_nonfinite"] == 6 * 4 * 8
+    assert record["heads"][0]["cosine"] is None
+
+
+def test_a_comparison_of_no_heads_does_not_pass():
+    e = _expected()
+    comp = compare(e, e, QSL, SEQ_LENS, default_tolerance("float32"), heads=[])
+    assert comp.heads == [] and not comp.passed
 
 
 def test_request_and_head_filters():

@@ -41,8 +41,9 @@ def test_null_page_exits_1_with_finding_and_failing_heads_first(make_snapshot):
     assert comp["failed_heads"] == snap.meta.layer.num_heads
     assert {h["request"] for h in comp["heads"] if not h["passed"]} == {2}
     table = invoke(path, "--backend", "flex").output
-    rows = [line for line in table.splitlines() if "FAIL" in line or " ok " in line]
-    assert "FAIL" in rows[1] and " ok " in rows[-1]  # rows[0] is the table title
+    rows = [line for line in table.splitlines() if "│" in line and ("FAIL" in line or " ok " in line)]
+    assert "FAIL" in rows[0] and " ok " in rows[-1]
+    assert table.rstrip().splitlines()[-1].startswith("FAIL: 1 of 1 comparison(s) failed (flex vs reference)")
 
 
 def test_unknown_backend_lists_valid_names(make_snapshot):

@@ -42,7 +42,8 @@ def cli():
     output. kvdbg replays it through the FLASHINFER_TS and FLEX_ATTENTION
     backends and an exact reference, and shows where they disagree.
 
-    Exit codes: 0 clean, 1 mismatch or finding, 2 bad input.
+    Exit codes: 0 clean; 1 a mismatch or an error finding (warnings and notes
+    do not count); 2 bad input; 3 nothing could be compared; 130 interrupted.
 
     \b
     Examples:
@@ -52,4 +53,17 @@ def cli():
 
 
 def main(argv=None):
-    cli.main(args=argv, prog_name="kvdbg")
+    """The console script: click's own handling, except that Ctrl-C exits 130 (as a shell expects), not 1."""
+    import sys
+
+    from kvdbg.verdict import EXIT_INTERRUPTED
+
+    try:
+        code = cli.main(args=argv, prog_name="kvdbg", standalone_mode=False)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("kvdbg: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -10,8 +10,7 @@ from typing import Any, Callable
 import click
 
 from kvdbg.errors import KvdbgError
-
-EXIT_OK, EXIT_FINDING, EXIT_BAD_INPUT = 0, 1, 2
+from kvdbg.verdict import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK  # noqa: F401  (the one definition)
 
 
 class BadInput(click.ClickException):
@@ -52,7 +51,20 @@ def console(*, stderr: bool = False):
 def emit_json(obj: Any) -> None:
     import json  # only --json needs it; `kvdbg window` otherwise never loads it
 
-    click.echo(json.dumps(obj, indent=2, default=_json_default))
+    # Strict JSON: a non-finite float (an error that is NaN, a tolerance of inf) becomes null.
+    click.echo(json.dumps(_finite(obj), indent=2, default=_json_default, allow_nan=False))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if hasattr(value, "to_json_dict"):
+        return _finite(value.to_json_dict())
+    return value
 
 
 def _json_default(value: Any):

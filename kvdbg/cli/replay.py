@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvdbg.cli.common import EXIT_FINDING, console, emit_json, guarded, json_option
+from kvdbg.cli.common import console, emit_json, guarded, json_option
 from kvdbg.errors import OptionError
 
 # No engine has this many heads or requests in one step; the bound keeps a typo
@@ -84,7 +84,10 @@ def replay(snapshot, backends, step, requests, heads, device, exact, compile_, a
     findings list what the engine's backend would silently get wrong; the
     per-head table shows failing heads first.
 
-    Exit 0 when everything matches, 1 on a mismatch or an error finding, 2 on bad input.
+    Exit 0 when everything compared matches and no finding is an error; 1 on
+    a mismatch or an error finding (warnings and notes never count); 2 on bad
+    input; 3 when nothing could be compared (e.g. only the reference ran and the
+    snapshot holds no engine output).
 
     \b
     Examples:
@@ -98,6 +101,7 @@ def replay(snapshot, backends, step, requests, heads, device, exact, compile_, a
     from kvdbg.replay import replay as run_replay
     from kvdbg.replay import save_outputs as write_outputs
     from kvdbg.snapshot import load_snapshot
+    from kvdbg.verdict import replay_verdict
 
     for name, value in (("--atol", atol), ("--rtol", rtol)):
         if value is not None and not value >= 0:
@@ -129,10 +133,11 @@ def replay(snapshot, backends, step, requests, heads, device, exact, compile_, a
                    for c in compare_step(s, snap.meta, atol=atol, rtol=rtol, requests=request_ids, heads=head_ids)]
     if save_outputs:
         write_outputs(result, save_outputs, overwrite=force)
+    verdict = replay_verdict(comparisons, result.findings)
     if as_json:
-        emit_json(replay_json(result, comparisons, explain=explain))
+        emit_json(replay_json(result, comparisons, verdict, explain=explain))
     else:
-        console().print(render_replay(result, comparisons, explain=explain, full=full, saved=save_outputs))
-    failed = any(not c.passed for c in comparisons) or any(f.severity == "error" for f in result.findings)
-    if failed:
-        sys.exit(EXIT_FINDING)
+        console().print(render_replay(result, comparisons, verdict, explain=explain, full=full,
+                                      saved=save_outputs))
+    if verdict.exit_code:
+        sys.exit(verdict.exit_code)

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from kvdbg.cli.common import EXIT_FINDING, console, guarded
+from kvdbg.cli.common import console, guarded
 from kvdbg.errors import OptionError
 
 
@@ -68,5 +68,6 @@ def report(snapshot, output, backends, device, svg_dir, force):
         click.echo(text, nl=False)
     else:
         write_text_atomic(output, text, overwrite=force)
-    if result.failed:
-        sys.exit(EXIT_FINDING)
+    verdict = result.verdict
+    if verdict.exit_code:
+        sys.exit(verdict.exit_code)

@@ -154,8 +154,9 @@ def _replay(r: BugReport) -> str:
         ran = md_escape(b.kernel) + (" *(emulated)*" if b.emulated else "")
         rows.append([md_code(b.name), md_escape(b.engine_name or "-"), md_escape(b.status), ran, verdict,
                      _fmt(b.max_abs) if b.verdict in ("FAIL", "pass") else "-", md_escape(worst), md_escape(findings)])
-    verdict = "**FAILED**: a backend mismatches the reference or has an error finding." if r.failed \
-        else "**PASSED**: every backend matches the reference within tolerance; no error finding."
+    v = r.verdict
+    verdict = {"fail": "**FAILED**", "pass": "**PASSED**"}.get(v.status, "**NOTHING VERIFIED**") + \
+        f": {v.summary.split(': ', 1)[-1]} (`kvdbg replay` exits {v.exit_code})."
     parts = ["## Replay", verdict, md_table(
         ["backend", "engine name", "status", "what ran", "vs reference", "max abs", "worst heads", "findings"], rows)]
     findings = [f for f in r.findings if f.severity in ("error", "warning")]
