@@ -3,8 +3,9 @@
 Semantics follow current vLLM (v0.33): the physical→logical page map ignores
 block-table entries past ``cdiv(L, page_size)``, keeps the highest logical block
 when a page appears twice in a request, and resets the null block (engine page
-0) to -1 so its tokens are silently masked. kvdbg reproduces those quirks and
-reports them as findings.
+0) to -1 so its tokens are masked. kvdbg reproduces those rules and reports
+each entry they touch: an error when it hides a key the mask must show, a note
+when it lies before the window (vLLM's sliding-window manager does that by design).
 """
 
 from __future__ import annotations
@@ -221,8 +222,14 @@ class FlexImpl:
             return output
         per_token = hq * md.total_cache_tokens * 4 * 3
         step = max(md.q_block_size, EAGER_SCORE_BUDGET_BYTES // max(per_token, 1) // md.q_block_size * md.q_block_size)
+        poisoned = _PoisonedPages.find(keys, values, md, kv_cache)
+        if poisoned is not None:
+            step = md.q_block_size  # one query block a call: each loads only its own listed pages
+            keys, values = poisoned.keys, poisoned.values
         for start in range(0, tokens, step):
             stop = min(tokens, start + step)
+            if poisoned is not None:
+                poisoned.load_for_block(start // md.q_block_size)
             if start == 0 and stop == tokens:
                 mask = md.block_mask
             else:
@@ -240,6 +247,56 @@ class FlexImpl:
             output[start:stop].copy_(out[0].permute(1, 0, 2))
             self.calls += 1
         return output
+
+
+class _PoisonedPages:
+    """Eager flex over a cache whose pages hold NaN/inf: only the pages a query block lists are loaded.
+
+    The compiled kernel reads only the KV blocks its BlockMask lists for a query
+    block; a NaN in a listed page poisons that block's rows (0 x NaN), a NaN
+    elsewhere is never read. Eager flex computes every (query, cache token) pair,
+    so a NaN anywhere in the cache would reach every row through a zero
+    probability. To give the kernel's answer, non-finite pages are zeroed in a
+    private copy, and each call (one query block) restores the ones it lists.
+    """
+
+    def __init__(self, keys, values, bad, page_size: int, md: FlexMetadata):
+        self.keys, self.values, self.md = keys, values, md
+        self.bad = bad  # stored page indices holding a non-finite K or V value
+        shape = (keys.shape[0], keys.shape[1], -1, page_size, keys.shape[-1])
+        self.k5, self.v5 = keys.view(shape), values.view(shape)
+        self.raw_k, self.raw_v = self.k5[:, :, bad].clone(), self.v5[:, :, bad].clone()
+        self.k5[:, :, bad] = 0
+        self.v5[:, :, bad] = 0
+        self.loaded = bad[:0]
+
+    @classmethod
+    def find(cls, keys, values, md: FlexMetadata, kv_cache) -> "_PoisonedPages | None":
+        import torch
+
+        ps = md.kv_block_size
+        per_page = lambda t: torch.isfinite(t).view(t.shape[0], t.shape[1], -1, ps, t.shape[-1]).all(4).all(3) \
+            .all(1).all(0)  # noqa: E731
+        bad = (~(per_page(keys) & per_page(values))).nonzero().flatten()
+        if bad.numel() == 0:
+            return None
+        # Never zero the working cache itself: the flattened views are copies unless the layout made them views.
+        shares = lambda t: t.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr()  # noqa: E731
+        keys = keys.clone() if shares(keys) else keys
+        values = values.clone() if shares(values) else values
+        return cls(keys, values, bad, ps, md)
+
+    def load_for_block(self, block: int) -> None:
+        import torch
+
+        count = int(self.md.kv_num_blocks[block])
+        listed = self.md.kv_indices[block, :count].to(self.bad.device, torch.int64)
+        wanted = torch.isin(self.bad, listed)
+        self.k5[:, :, self.loaded] = 0  # the previous block's pages go back to zero
+        self.v5[:, :, self.loaded] = 0
+        self.loaded = self.bad[wanted]
+        self.k5[:, :, self.loaded] = self.raw_k[:, :, wanted]
+        self.v5[:, :, self.loaded] = self.raw_v[:, :, wanted]
 
 
 def _resolve_compile(options: ReplayOptions) -> bool:
@@ -278,38 +335,26 @@ class FlexInstance:
     def findings(self, common: CommonMetadata, md: FlexMetadata) -> list[Finding]:
         import torch
 
+        from kvdbg.pagemap import hazard_message, paging_hazards
         from kvdbg.snapshot import live_mask
 
         out: list[Finding] = []
         ps = common.page_size
         engine = common.block_table_engine.to(torch.int64)
         live = live_mask(engine, common.seq_lens, ps)
-        lost = md.lost_blocks.cpu()
         engine_cpu, live_cpu = engine.cpu(), live.cpu()
         seq_lens = common.seq_lens.cpu().tolist()
+        query_lens = common.query_lens.cpu().tolist()
+        codes = {("null_block", True): "null_page_masked", ("null_block", False): "null_block_outside_window",
+                 ("aliased", True): "page_mapped_twice", ("aliased", False): "page_reused_outside_window"}
         for r in range(common.num_reqs):
-            row, row_live = engine_cpu[r], live_cpu[r]
-            null_cols = ((row == 0) & row_live).nonzero().flatten().tolist()
-            if null_cols:
-                tokens = sum(min(ps, seq_lens[r] - c * ps) for c in null_cols)
+            live_ids = engine_cpu[r][live_cpu[r]].tolist()
+            for h in paging_hazards(live_ids, seq_lens[r], query_lens[r], ps, common.sliding_window):
                 out.append(Finding(
-                    backend="flex", code="null_page_masked", severity="error", step=common.step, request=r,
-                    message=(f"request {r}: live block-table column(s) {_cols(null_cols)} hold engine page 0, "
-                             f"vLLM's null block; FLEX_ATTENTION resets its map entry to -1 and silently "
-                             f"masks those {tokens} tokens"),
-                    details={"columns": null_cols, "masked_tokens": tokens}))
-            ids = row[row_live]
-            uniq, counts = torch.unique(ids, return_counts=True)
-            for page in uniq[(counts > 1) & (uniq != 0)].tolist():
-                cols = (row_live & (row == page)).nonzero().flatten().tolist()
-                dropped = [c for c in cols if bool(lost[r, c])]
-                tokens = sum(min(ps, seq_lens[r] - c * ps) for c in dropped)
-                out.append(Finding(
-                    backend="flex", code="page_mapped_twice", severity="error", step=common.step, request=r,
-                    message=(f"request {r}: engine page {page} is mapped at logical blocks {_cols(cols)}; "
-                             f"FLEX_ATTENTION keeps block {max(cols)} only and masks the {tokens} tokens "
-                             f"of block(s) {_cols(dropped)}"),
-                    details={"page": page, "logical_blocks": cols, "kept": max(cols), "masked_tokens": tokens}))
+                    backend="flex", code=codes[(h.kind, h.hidden_keys > 0)], severity=h.severity,
+                    step=common.step, request=r, message=hazard_message(r, h, ps, seq_lens[r]),
+                    details={"page": h.page, "logical_blocks": list(h.blocks), "masked_blocks": list(h.dropped),
+                             "kept": h.kept, "hidden_keys": h.hidden_keys, "first_visible_key": h.first_visible}))
         if common.page_size % VLLM_KERNEL_BLOCK_MULTIPLE:
             out.append(Finding(
                 backend="flex", code="page_size_unsupported", severity="warning", step=common.step,

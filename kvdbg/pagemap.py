@@ -1,10 +1,13 @@
 """Block tables of a snapshot step, the physical->logical map FLEX_ATTENTION derives, and page anomalies.
 
 The physical->logical map follows current vLLM (v0.33): block-table entries
-at or beyond ``cdiv(seq_len, page_size)`` are ignored, and physical page 0 is
-reset to -1 because it is the null block. Both rules hide real bugs: a live
-page 0 is silently masked, and a page mapped twice keeps only one logical
-index (whichever ``scatter_`` writes last).
+at or beyond ``cdiv(seq_len, page_size)`` are ignored, physical page 0 is
+reset to -1 because it is the null block, and a page listed twice keeps one
+logical block (the last). vLLM produces both on purpose for sliding-window
+layers: blocks that left the window are freed (their entries become the null
+block) and freed blocks are handed out again, even to the same request. So a
+live page 0 or a page mapped twice is an error only when it hides a key some
+query token's mask shows (:func:`paging_hazards`); otherwise it is a note.
 """
 
 from __future__ import annotations
@@ -14,15 +17,15 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvdbg.errors import OptionError
-from kvdbg.paging import cdiv
+from kvdbg.paging import cdiv, first_visible_key
 
 if TYPE_CHECKING:
     import torch
 
     from kvdbg.snapshot import Snapshot
 
-__all__ = ["Anomaly", "PhysicalEntry", "RequestMap", "PageMap", "LivePageValues", "find_anomalies",
-           "live_page_values", "value_anomalies", "page_map", "SEVERITIES"]
+__all__ = ["Anomaly", "PhysicalEntry", "RequestMap", "PageMap", "LivePageValues", "PagingHazard", "find_anomalies",
+           "live_page_values", "value_anomalies", "page_map", "paging_hazards", "SEVERITIES"]
 
 SEVERITIES = ("error", "warning", "info")
 NULL_PAGE = 0
@@ -106,32 +109,99 @@ def _physical_to_logical(live: list[int]) -> list[PhysicalEntry]:
     return out
 
 
+@dataclass(frozen=True)
+class PagingHazard:
+    """A live null block, or a page at several logical blocks, in one request's table, judged by what it hides.
+
+    FLEX_ATTENTION masks every block of page 0 and keeps only the last block of
+    a page listed twice (``dropped``: the blocks it masks). ``hidden_keys``
+    counts the keys of those blocks that some query token's mask shows: the
+    keys the backend really loses. Zero means vLLM's own sliding-window rules
+    produced the entry and nothing is lost.
+    """
+
+    kind: str  # "null_block" | "aliased"
+    page: int  # engine page id
+    blocks: tuple[int, ...]  # logical blocks holding the page
+    dropped: tuple[int, ...]  # blocks FLEX_ATTENTION's map masks
+    kept: int | None  # the block the map keeps (aliased pages)
+    hidden_keys: int  # keys of the dropped blocks some query token must see
+    first_visible: int  # earliest key any query token of the request sees
+
+    @property
+    def severity(self) -> str:
+        return "error" if self.hidden_keys else "info"
+
+
+def paging_hazards(live: list[int], seq_len: int, query_len: int, page_size: int,
+                   window: int | None) -> list[PagingHazard]:
+    """The null-block and aliased-page entries of one request's live table, each with the keys it hides."""
+    first = first_visible_key(seq_len, query_len, window)
+
+    def visible(block: int) -> int:
+        return max(0, min(seq_len, (block + 1) * page_size) - max(first, block * page_size))
+
+    positions: dict[int, list[int]] = defaultdict(list)
+    for logical, physical in enumerate(live):
+        positions[physical].append(logical)
+    out = []
+    for physical, blocks in sorted(positions.items()):
+        if physical == NULL_PAGE:
+            dropped, kept, kind = blocks, None, "null_block"
+        elif len(blocks) > 1:
+            dropped, kept, kind = blocks[:-1], blocks[-1], "aliased"
+        else:
+            continue
+        out.append(PagingHazard(kind, physical, tuple(blocks), tuple(dropped), kept,
+                                sum(visible(b) for b in dropped), first))
+    return out
+
+
+def _blocks(blocks) -> str:
+    return _short([str(b) for b in blocks])
+
+
+def hazard_message(r: int, h: PagingHazard, page_size: int, seq_len: int) -> str:
+    """One line for a paging hazard: what FLEX_ATTENTION does with it, and whether that loses keys."""
+    if h.kind == "null_block":
+        what = (f"request {r}: logical block(s) {_blocks(h.blocks)} hold engine page 0, vLLM's null block, which "
+                "FLEX_ATTENTION masks")
+        if h.hidden_keys:
+            return (f"{what}: {h.hidden_keys} key(s) the mask must show are hidden (keys from {h.first_visible} to "
+                    f"{seq_len - 1} are visible); a real page was replaced by the null block")
+        return (f"{what}; all lie before key {h.first_visible}, the first any query token sees: vLLM's "
+                "sliding-window manager puts the null block in entries that left the window "
+                "(SlidingWindowManager.remove_skipped_blocks), nothing is hidden")
+    what = (f"request {r}: engine page {h.page} sits at logical blocks {_blocks(h.blocks)}; FLEX_ATTENTION's "
+            f"physical->logical map keeps block {h.kept} and masks {_blocks(h.dropped)}")
+    if h.hidden_keys:
+        return f"{what}, hiding {h.hidden_keys} key(s) the mask must show"
+    return (f"{what}, which lie before key {h.first_visible}, the first any query token sees: the page left the "
+            "window, was freed and handed out again (vLLM's block pool reuses freed blocks); nothing is hidden")
+
+
+HAZARD_CODES = {  # (kind, hides keys) -> map's code
+    ("null_block", True): "live_page_zero",
+    ("null_block", False): "null_block_outside_window",
+    ("aliased", True): "page_mapped_twice",
+    ("aliased", False): "page_reused_outside_window",
+}
+
+
 def find_anomalies(snapshot: "Snapshot", step: int = 0) -> list[Anomaly]:
     """Every paging anomaly of one step, errors first."""
-    table, seq_lens, _ = _rows(snapshot, step)
+    table, seq_lens, query_lens = _rows(snapshot, step)
     ps = snapshot.page_size
+    window = snapshot.meta.layer.sliding_window
     out: list[Anomaly] = []
     users: dict[int, list[int]] = defaultdict(list)  # physical -> requests reading it
     for r, (row, length) in enumerate(zip(table, seq_lens)):
         live_count = cdiv(length, ps)
         live, stale = row[:live_count], row[live_count:]
-        for logical, physical in enumerate(live):
-            if physical == NULL_PAGE:
-                out.append(Anomaly(
-                    "live_page_zero", "error", r,
-                    f"request {r}: logical page {logical} (tokens {logical * ps}-{min(length, (logical + 1) * ps) - 1}) "
-                    "is physical page 0, the null block FLEX_ATTENTION masks out",
-                    pages=[0], requests=[r]))
-        positions: dict[int, list[int]] = defaultdict(list)
-        for logical, physical in enumerate(live):
-            positions[physical].append(logical)
-        for physical, logicals in sorted(positions.items()):
-            if len(logicals) > 1:
-                out.append(Anomaly(
-                    "page_mapped_twice", "error", r,
-                    f"request {r}: physical page {physical} backs logical pages {', '.join(map(str, logicals))}; "
-                    "FLEX_ATTENTION's physical->logical map keeps only one of them",
-                    pages=[physical], requests=[r]))
+        for h in paging_hazards(live, length, query_lens[r], ps, window):
+            out.append(Anomaly(HAZARD_CODES[(h.kind, h.hidden_keys > 0)], h.severity, r,
+                               hazard_message(r, h, ps, length), pages=[h.page], requests=[r]))
+        positions = set(live)
         for physical in positions:
             users[physical].append(r)
         stale_nonzero = [p for p in stale if p != NULL_PAGE]
@@ -155,7 +225,7 @@ def find_anomalies(snapshot: "Snapshot", step: int = 0) -> list[Anomaly]:
 
     by_group: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for physical, reqs in users.items():
-        if len(reqs) > 1:
+        if len(reqs) > 1 and physical != NULL_PAGE:  # the null block is in many tables by design
             by_group[tuple(reqs)].append(physical)
     for reqs, pages in sorted(by_group.items()):
         pages.sort()
@@ -191,10 +261,12 @@ def live_page_values(snapshot: "Snapshot", step: int, cache: "torch.Tensor | Non
     """Scan only the pages a step reads, a bounded chunk at a time.
 
     ``cache`` is the working cache as the step sees it (default: the stored
-    pages). NaN/Inf count anywhere in a live page: kernels read whole pages and
-    0 x NaN is NaN, so even a masked slot poisons the output. Zeros count only
-    over the tokens the request's length reaches, since slots past it are
-    legitimately unwritten.
+    pages). A page counts when some query token's mask reaches into it: pages
+    wholly before a sliding window are left out, since vLLM frees them (the null
+    block often stands there) and no correct kernel reads them. NaN/Inf count
+    anywhere in a counted page: kernels read whole pages and 0 x NaN is NaN, so
+    even a masked slot poisons the output. Zeros count only over the tokens the
+    request's length reaches, since slots past it are legitimately unwritten.
     """
     import torch
 
@@ -204,6 +276,12 @@ def live_page_values(snapshot: "Snapshot", step: int, cache: "torch.Tensor | Non
     ps = snapshot.page_size
     table = snapshot.stored_block_table(step)
     live = live_mask(table, s.seq_lens, ps) & (table >= 0)
+    window = snapshot.meta.layer.sliding_window
+    if window is not None:
+        first_block = [first_visible_key(int(length), q, window) // ps
+                       for length, q in zip(s.seq_lens.tolist(), s.query_lens)]
+        cols = torch.arange(table.shape[1]).unsqueeze(0)
+        live &= cols >= torch.tensor(first_block, dtype=torch.int64).view(-1, 1)
     out = LivePageValues({}, {})
     if not bool(live.any()):
         return out

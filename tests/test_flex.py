@@ -11,6 +11,7 @@ from kvdbg.diff import compare_step
 from kvdbg.format import LAYOUT_SEED
 from kvdbg.replay import common_metadata, replay
 from kvdbg.synth import SynthSpec, synth_snapshot
+from tests.helpers import assert_close_ulps
 
 SPECS = {
     "causal_decode": dict(),
@@ -61,9 +62,9 @@ def test_null_page_silently_masked_only_for_that_request(request_with_zero):
     assert failing == {(request_with_zero, h) for h in range(snap.meta.layer.num_heads)}
     (finding,) = [f for f in step.runs["flex"].findings if f.code == "null_page_masked"]
     assert finding.severity == "error" and finding.request == request_with_zero
-    (col,) = finding.details["columns"]
+    (col,) = finding.details["logical_blocks"]
     length = int(snap.steps[0].seq_lens[request_with_zero])
-    assert finding.details["masked_tokens"] == min(snap.page_size, length - col * snap.page_size)
+    assert finding.details["hidden_keys"] == min(snap.page_size, length - col * snap.page_size)
 
 
 def test_page_mapped_twice_keeps_last_block_and_is_reported():
@@ -75,7 +76,7 @@ def test_page_mapped_twice_keeps_last_block_and_is_reported():
     assert {h.request for h in comparison.failed} == {1}
     (finding,) = [f for f in step.runs["flex"].findings if f.code == "page_mapped_twice"]
     assert finding.request == 1 and finding.details["logical_blocks"] == [1, 3] and finding.details["kept"] == 3
-    assert finding.details["masked_tokens"] == snap.page_size
+    assert finding.details["hidden_keys"] == snap.page_size and finding.details["masked_blocks"] == [1]
     assert step.runs["flex"].explain[1]["lost_blocks"] == 1
 
 
@@ -122,7 +123,7 @@ def test_eager_split_into_several_calls_gives_the_same_output(monkeypatch):
     result, step, comparison = _run(snap)
     assert comparison.passed
     assert any("split into" in note for note in step.runs["flex"].info.notes)
-    torch.testing.assert_close(step.runs["flex"].output, whole, atol=0, rtol=0)
+    assert_close_ulps(step.runs["flex"].output, whole)
 
 
 def test_compiled_flex_on_cpu_matches_reference():

@@ -36,8 +36,8 @@ def test_live_page_zero_is_an_error():
     assert codes(found) == ["live_page_zero"]
     (a,) = found
     assert (a.severity, a.request, a.pages) == ("error", 2, [0])
-    assert a.message == ("request 2: logical page 0 (tokens 0-15) is physical page 0, the null block "
-                         "FLEX_ATTENTION masks out")
+    assert a.message.startswith("request 2: logical block(s) 0 hold engine page 0, vLLM's null block, which "
+                                "FLEX_ATTENTION masks: 16 key(s) the mask must show are hidden")
     entry = next(e for e in page_map(snap).requests[2].physical_to_logical if e.physical == 0)
     assert entry.logical == -1 and entry.candidates == [0]
 
@@ -67,7 +67,7 @@ def test_page_mapped_twice_and_stale_alias_are_detected():
     found = find_anomalies(snap, 0)
     twice = [a for a in found if a.code == "page_mapped_twice"]
     assert len(twice) == 1 and twice[0].request == 3 and twice[0].severity == "error"
-    assert "backs logical pages 2, 5" in twice[0].message
+    assert "sits at logical blocks 2, 5" in twice[0].message and "hiding 16 key(s)" in twice[0].message
     alias = [a for a in found if a.code == "stale_tail_aliases_live"]
     assert len(alias) == 1 and alias[0].request == 0 and alias[0].severity == "warning"
     entry = next(e for e in page_map(snap).requests[3].physical_to_logical if e.physical == int(table[3, 2]))
