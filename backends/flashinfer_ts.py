@@ -155,7 +155,19 @@ def unsupported_reason(meta: "SnapshotMeta") -> str | None:
         return (f"kv_layout {meta.kv_layout!r} keeps K and V in separate planes with token stride Hkv*D; "
                 f"FLASHINFER_TS hands the kernel the two halves of a {LAYOUT_VLLM!r} page (HND, token stride 2*D), "
                 "so this cache cannot be given to prims_ts as it is (capture it from a vLLM with that layout)")
+    refused = _plan_violations(meta)
+    if refused:
+        # plan() raises on these, so no output of this backend exists to compare -- emulated or not.
+        return "prims_ts plan() rejects this layer: " + "; ".join(v.message for v in refused)
     return None
+
+
+def _plan_violations(meta: "SnapshotMeta") -> list[Violation]:
+    layer = meta.layer
+    kv_dtype = "float8_e4m3fn" if layer.is_fp8 else layer.dtype
+    return check_plan(head_dim=layer.head_size, page_size=meta.backend.page_size, q_dtype=kv_dtype,
+                      kv_dtype=kv_dtype, mask_type=ts_mask_type(layer.causal),
+                      window_left=ts_window_left(layer.sliding_window, layer.causal))
 
 
 # --------------------------------------------------------------------------- dtypes
@@ -534,6 +546,8 @@ class FlashInferTSImpl:
                            block_tables=md.block_table, bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale,
                            out=kernel_out, validate=False)
         else:
+            if view_violations(k_cache, v_cache, self.head_size):
+                return output  # the kernel's TMA descriptors would be wrong: nothing to predict (see findings)
             # As the backend does, the kernel writes straight into the output unless a cast is needed. Rows the
             # emulation cannot predict (undefined on the real kernel) are left as they were: the replay core's
             # NaN, or NaN in the staging buffer, so they show as "not written".
@@ -603,15 +617,6 @@ class FlashInferTSInstance:
         self.options = options
         gate = gate or kernel_gate(options.device, force_emulation=options.force_emulation)
         layer = meta.layer
-        self.plan_violations = check_plan(
-            head_dim=layer.head_size, page_size=meta.backend.page_size,
-            q_dtype=_dtype_name(kv_kernel_dtype(layer)), kv_dtype=_dtype_name(kv_kernel_dtype(layer)),
-            mask_type=ts_mask_type(layer.causal), window_left=ts_window_left(layer.sliding_window, layer.causal))
-        if gate.available and self.plan_violations:
-            # plan() would raise before anything ran; the findings carry the details.
-            gate = KernelGate(False, "the real plan() would reject this layer: " + "; ".join(
-                v.message for v in self.plan_violations), flashinfer_version=gate.flashinfer_version,
-                capability=gate.capability)
         self.gate = gate
         self.output_dtype = getattr(torch, layer.dtype)
         self.builder = FlashInferTSBuilder(meta, options.device, gate)
@@ -660,9 +665,59 @@ class FlashInferTSInstance:
     def _from_violations(self, common: CommonMetadata, violations: list[Violation]) -> list[Finding]:
         return [self._finding(common, v.code, v.message, "error", v.request, dict(v.details)) for v in violations]
 
+    def not_applicable(self, common: CommonMetadata, md: FlashInferTSMetadata) -> str | None:
+        """Why this step is not a batch FLASHINFER_TS runs, or None.
+
+        The backend runs uniform draft blocks only: every request brings the same
+        number of query tokens, at most max_decode_query_len. vLLM's model runner
+        also builds its metadata for the target's prefill and mixed batches, and
+        never runs them (the builder plans a no-op). Such a step says nothing about
+        FLASHINFER_TS -- unless the engine's own backend is FLASHINFER_TS and the
+        snapshot holds the output it produced: then the engine did run this batch
+        and its output depended on it, and the findings say what went wrong.
+        """
+        if self.meta.backend.name == ENGINE_NAME and common.has_engine_output:
+            return None
+        if md.overflow is not None:
+            return None
+        lens = common.query_lens.to("cpu").tolist()
+        lo, hi = (min(lens), max(lens)) if lens else (0, 0)
+        if md.noop_reason is not None:
+            return (f"not a draft-block batch ({md.noop_reason}); vLLM builds FLASHINFER_TS metadata for such "
+                    "prefill-shaped batches and never runs it")
+        if lo != hi or md.num_tokens != md.num_reqs * md.query_len:
+            return (f"query lengths {lo}..{hi} are not one uniform block: FLASHINFER_TS runs only batches where "
+                    f"every request brings the same number of query tokens (at most {self.builder.query_len})")
+        return None
+
+    def written_tokens(self, common: CommonMetadata, md: FlashInferTSMetadata) -> "torch.Tensor":
+        """[num_tokens] bool: the tokens whose output this backend produced (emulated or real).
+
+        Tokens past the uniform blocks, requests whose inputs break a kernel
+        precondition, and every token of a batch the kernel cannot take (no-op,
+        buffer overflow, K/V views it cannot describe) are not written: the real
+        kernel's output there is undefined, so nothing there is compared as a pass.
+        """
+        import torch
+
+        written = torch.zeros(common.num_actual_tokens, dtype=torch.bool)
+        if md.overflow is not None or md.query_len == 0:
+            return written
+        views = self.impl.last_views or self._static_views()
+        if view_violations(views[0], views[1], self.meta.layer.head_size):
+            return written
+        undefined = undefined_requests(md, common.num_pages, self.builder.page_size)
+        q = md.query_len
+        for r in range(md.num_reqs):
+            if r not in undefined:
+                written[r * q:(r + 1) * q] = True
+        return written
+
     def findings(self, common: CommonMetadata, md: FlashInferTSMetadata) -> list[Finding]:
         """Every kernel precondition this step's builder output breaks, with the numbers."""
         found: list[Finding] = []
+        if self.not_applicable(common, md) is not None:
+            return found
         if md.overflow is not None:
             return [self._finding(common, "buffer_overflow", md.overflow,
                                   details={"num_reqs": md.num_reqs, "buffer_rows": md.buffer_rows})]
@@ -674,7 +729,6 @@ class FlashInferTSInstance:
             return found
         if md.query_len == 0:
             return found
-        found += self._from_violations(common, self.plan_violations)
         found += self._query_block_findings(common, md)
         found += self._request_findings(common, md)
         views = self.impl.last_views or self._static_views()
@@ -744,11 +798,15 @@ class FlashInferTSInstance:
             if md.restricted and md.query_len <= engine_lens[r]:
                 vis = visibility_table(engine_lens[r], self.builder.sliding_window, md.query_len, ps, False)
                 if vis.worst_extra > 0:
+                    worst = max(vis.tokens, key=lambda t: t.extra)
                     found.append(self._finding(
                         common, "window_restriction_extra_keys",
-                        f"request {r}: the page-aligned restriction keeps keys from {start_pages[r] * ps} on; query "
-                        f"tokens see up to {vis.worst_extra} keys outside their exact window "
-                        f"(one shared start, drift {vis.drift})", severity="warning", request=r,
+                        f"request {r}: FLASHINFER_TS's page-aligned window restriction (dense mask, one shared "
+                        f"start) keeps keys from {start_pages[r] * ps} on: {sum(t.extra > 0 for t in vis.tokens)} "
+                        f"of {len(vis.tokens)} query tokens see keys outside their exact window |p - k| < "
+                        f"{self.builder.sliding_window}; worst token {worst.index} (position {worst.position}) sees "
+                        f"keys {worst.kernel_lo}..{worst.kernel_hi - 1} instead of {worst.exact_lo}.."
+                        f"{worst.exact_hi - 1} ({worst.extra} extra)", severity="warning", request=r,
                         details={"first_kept_token": start_pages[r] * ps, "worst_extra": vis.worst_extra,
                                  "drift": vis.drift, "extra_per_token": [t.extra for t in vis.tokens]}))
         return found

@@ -28,8 +28,13 @@ def _emulated(snap):
 
 
 def _build_and_run(snap, common=None, inst=None):
+    """The builder, the emulated kernel and the findings, as when the engine ran FLASHINFER_TS on this batch.
+
+    ``has_engine_output`` marks the batch as one the engine's FLASHINFER_TS really ran, so batch shapes it
+    would otherwise never run (prefill-shaped, ragged) are judged, not skipped as not applicable.
+    """
     inst = inst or _emulated(snap)
-    common = common or common_metadata(snap, 0)
+    common = common or replace(common_metadata(snap, 0), has_engine_output=True)
     md = inst.builder.build(common)
     layer = snap.meta.layer
     out = torch.full((common.num_actual_tokens, layer.num_heads, layer.head_size), float("nan"),
@@ -222,15 +227,20 @@ def test_seq_len_shorter_than_the_uniform_block():
     assert torch.isnan(out[:2].float()).all()
 
 
-@pytest.mark.parametrize("kw, code", [
-    (dict(head_size=96), "head_dim_unsupported"),
-    (dict(page_size=12), "page_size_unsupported"),
-    (dict(dtype="float32"), "q_dtype_unsupported"),
+@pytest.mark.parametrize("kw, code, words", [
+    (dict(head_size=96), "head_dim_unsupported", "head_dim 96"),
+    (dict(page_size=12), "page_size_unsupported", "page_size 12"),
+    (dict(dtype="float32"), "q_dtype_unsupported", "float32"),
 ])
-def test_plan_preconditions(kw, code):
+def test_a_layer_plan_rejects_is_unavailable_never_an_emulated_pass(kw, code, words):
+    """plan() raises on these: no output exists to compare, so the column is unavailable with the reason."""
     snap = _snap(seq_lens=(40,), **kw)
-    _, _, _, findings = _build_and_run(snap)
-    assert code in _codes(findings, "error")
+    reason = ts.BACKEND.unsupported_reason(snap.meta)
+    assert reason is not None and "plan() rejects" in reason and words in reason
+    result = replay(snap, ["reference", "flex", "flashinfer_ts"])
+    status = {s.name: s for s in result.backends}["flashinfer_ts"]
+    assert not status.available and status.reason == reason
+    assert all("flashinfer_ts" not in step.runs for step in result.steps)
 
 
 def test_view_strides_are_checked():
