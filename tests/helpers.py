@@ -13,6 +13,16 @@ from kvdbg.format import FORMAT_KEY, META_KEY, write_safetensors
 from kvdbg.snapshot import dtype_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Float outputs of kernels are compared within a few ulps of their dtype, never bit for bit: another CPU
+# (Intel vs AMD), BLAS path or batch shape may round the last bit differently. Only inputs and metadata
+# that are deterministic by construction are compared byte for byte.
+KERNEL_ULPS = 4
+
+
+def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int = KERNEL_ULPS, **kw) -> None:
+    """``actual`` equals ``expected`` within ``ulps`` units in the last place of ``expected``'s dtype."""
+    tol = ulps * torch.finfo(expected.dtype).eps
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol, **kw)
 FIXTURES = os.path.join(ROOT, "fixtures")
 
 
