@@ -20,9 +20,11 @@ def map_(snapshot: str, step: int, request: int | None, full: bool, as_json: boo
     For each request: the live block-table entries (engine page ids) and the
     stale tail past cdiv(seq_len, page_size); the physical→logical map as
     vLLM's FLEX_ATTENTION derives it (stale entries ignored, page 0 = null
-    block); and anomalies: a live page 0 or a page mapped twice (harmful,
-    exit 1), pages shared across requests, stale non-zero tails, stored pages
-    nothing references.
+    block); and anomalies: a live page 0 or a page mapped twice is an error
+    (exit 1) when it hides a key some query token's mask shows, and a note
+    when it lies before the sliding window (vLLM puts its null block there and
+    reuses freed blocks by design); pages shared across requests, stale
+    non-zero tails, stored pages nothing references.
 
     \b
     Examples:
