@@ -135,7 +135,7 @@ def render_comparison(comp: Comparison, *, full: bool = False) -> Table:
                           + "".join(f", {c}" for c in causes if c) + ")")
     table = Table(title=title, title_justify="left")
     for col in ("request", "head", "status", "max abs", "mean abs", "max rel", "cosine", "worst token (pos)",
-                "failing", "non-finite"):
+                "failing", "not compared"):
         table.add_column(col, justify="left" if col == "status" else "right")
     rows, hidden = _head_rows(comp.heads, full)
     for h in rows:
