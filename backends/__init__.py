@@ -15,8 +15,10 @@ BACKEND_MODULES = {
     "reference": "kvdbg.backends.reference",
     "flex": "kvdbg.backends.flex",
     "flashinfer_ts": "kvdbg.backends.flashinfer_ts",
+    "vllm_flex": "kvdbg.backends.vllm_flex",
 }
-DEFAULT_ORDER = ("reference", "flex", "flashinfer_ts")
+# vllm_flex runs the installed vLLM's own code; without vLLM its column says so and nothing else changes.
+DEFAULT_ORDER = ("reference", "flex", "flashinfer_ts", "vllm_flex")
 
 
 def backend_names() -> list[str]:

@@ -277,7 +277,7 @@ def _sync(device) -> None:
 def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options: ReplayOptions | None = None, *,
            steps: Iterable[int] | None = None, required: Iterable[str] = (),
            progress: Callable[[str], None] | None = None) -> ReplayResult:
-    """Replay ``snapshot`` through ``backends`` (default: reference, flex, flashinfer_ts).
+    """Replay ``snapshot`` through ``backends`` (default: reference, flex, flashinfer_ts, vllm_flex).
 
     Every step's update is applied to a working copy of the cache in order, so the
     ``steps`` chosen are replayed against the cache state the engine had then; the

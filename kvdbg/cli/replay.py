@@ -58,7 +58,7 @@ def default_snapshot() -> str:
 @click.command()
 @click.argument("snapshot", required=False, type=click.Path(dir_okay=False))
 @click.option("--backend", "backends", multiple=True,
-              help="Backend to replay (repeatable): reference, flex, flashinfer_ts. Default: all three.")
+              help="Backend to replay (repeatable): reference, flex, flashinfer_ts, vllm_flex (the installed vLLM's own code). Default: all.")
 @click.option("--step", type=int, default=None, help="Replay only this step (earlier steps' cache updates still apply).")
 @click.option("--request", "requests", default=None, help="Requests to compare, e.g. 0-3,7 (default: all).")
 @click.option("--heads", default=None, help="Query heads to compare, e.g. 0-3,7 (default: all).")

@@ -16,7 +16,7 @@ from kvdbg.errors import OptionError
 @click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
               help="Write the Markdown here (atomically) instead of to stdout.")
 @click.option("--backend", "backends", multiple=True,
-              help="Backend to replay (repeatable): reference, flex, flashinfer_ts. Default: all three.")
+              help="Backend to replay (repeatable): reference, flex, flashinfer_ts, vllm_flex (the installed vLLM's own code). Default: all.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
 @click.option("--svg", "svg_dir", default=None, type=click.Path(file_okay=False),
               help="Also write the info, map and replay tables as SVG images into this directory.")
