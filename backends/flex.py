@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 # vLLM's direct build uses 16-token query blocks on torch >= 2.9 and KV blocks of one page.
 Q_BLOCK_SIZE = 16
-# Eager flex_attention materialises [Hq, tokens, cache tokens] scores; above this we split the
-# query tokens into independent calls (rows are computed independently, so results do not change).
+# Eager flex_attention materialises [Hq, tokens, cache tokens] scores: each eager call covers a run of
+# query blocks over only the pages they list, with the run sized to keep those scores within this.
 EAGER_SCORE_BUDGET_BYTES = 512 * 1024 * 1024
 VLLM_KERNEL_BLOCK_MULTIPLE = 16
 
@@ -186,117 +186,146 @@ class FlexImpl:
 
     def forward(self, query, kv_cache, md: FlexMetadata, output):
         import torch
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
         from kvdbg.replay import kv_views
 
         layer = self.meta.layer
         model_dtype = getattr(torch, layer.dtype)
-        hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_size
         k_pages, v_pages = kv_views(self.meta, kv_cache)
         if layer.is_fp8:
             # vLLM's flex has no FP8 path; dequantising is kvdbg's choice, stated in RunInfo.notes.
             q = query.view(torch.float8_e4m3fn) if query.dtype == torch.uint8 else query
             q = (q.float() * layer.q_scale).to(model_dtype) if q.dtype == torch.float8_e4m3fn else q.to(model_dtype)
-            keys = (k_pages.float() * layer.k_scale).to(model_dtype)
-            values = (v_pages.float() * layer.v_scale).to(model_dtype)
         else:
-            q, keys, values = query.to(model_dtype), k_pages, v_pages
-        # [pages, Hkv, ps, D] -> [1, Hkv, pages*ps, D]: physical token index = page * ps + offset.
-        keys = keys.permute(1, 0, 2, 3).reshape(1, hkv, md.total_cache_tokens, d)
-        values = values.permute(1, 0, 2, 3).reshape(1, hkv, md.total_cache_tokens, d)
+            q = query.to(model_dtype)
         tokens = md.num_actual_tokens
         q = q[:tokens].permute(1, 0, 2).unsqueeze(0)  # [1, Hq, T, D]
-        gqa = hq != hkv
-        kwargs = {"scale": float(layer.scale), "enable_gqa": gqa}
         self.calls = 0
         if tokens == 0:
             return output
         if self.compiled:
-            if q.is_cuda:
-                kwargs["kernel_options"] = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": md.q_block_size,
-                                            "BLOCK_N": md.kv_block_size}
-            out = _flex_compiled(q.device.type)(q, keys, values, block_mask=md.block_mask, **kwargs)
-            self.calls = 1
-            output[:tokens].copy_(out[0].permute(1, 0, 2))
-            return output
-        per_token = hq * md.total_cache_tokens * 4 * 3
-        step = max(md.q_block_size, EAGER_SCORE_BUDGET_BYTES // max(per_token, 1) // md.q_block_size * md.q_block_size)
-        poisoned = _PoisonedPages.find(keys, values, md, kv_cache)
-        if poisoned is not None:
-            step = md.q_block_size  # one query block a call: each loads only its own listed pages
-            keys, values = poisoned.keys, poisoned.values
-        for start in range(0, tokens, step):
-            stop = min(tokens, start + step)
-            if poisoned is not None:
-                poisoned.load_for_block(start // md.q_block_size)
-            if start == 0 and stop == tokens:
-                mask = md.block_mask
-            else:
-                first, last = start // md.q_block_size, -(-stop // md.q_block_size)
-                part_mod = make_mask_mod(md.physical_to_logical, md.doc_ids, md.query_start_loc, md.decode_offset,
-                                         md.seq_lens, md.page_size, md.causal, md.sliding_window, q_offset=start)
-                mask = BlockMask.from_kv_blocks(
-                    md.kv_num_blocks[first:last][None, None], md.kv_indices[first:last][None, None],
-                    BLOCK_SIZE=(md.q_block_size, md.kv_block_size), mask_mod=part_mod,
-                    seq_lengths=(stop - start, md.total_cache_tokens), compute_q_blocks=False)
-            with warnings.catch_warnings():
-                # torch warns that eager flex is unfused; RunInfo already says it ran eager.
-                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-                out = flex_attention(q[:, :, start:stop], keys, values, block_mask=mask, **kwargs)
-            output[start:stop].copy_(out[0].permute(1, 0, 2))
-            self.calls += 1
+            return self._forward_compiled(q, k_pages, v_pages, md, output)
+        return self._forward_eager(q, k_pages, v_pages, md, output)
+
+    def _pages(self, k_pages, v_pages, pages=None):
+        """K/V of ``pages`` (all when None) as [1, Hkv, pages*ps, D] in the model dtype (FP8 dequantised)."""
+        import torch
+
+        layer = self.meta.layer
+        keys, values = (k_pages, v_pages) if pages is None else (k_pages[pages], v_pages[pages])
+        if layer.is_fp8:
+            model_dtype = getattr(torch, layer.dtype)
+            keys = (keys.float() * layer.k_scale).to(model_dtype)
+            values = (values.float() * layer.v_scale).to(model_dtype)
+        n, hkv, ps, d = keys.shape
+        # [pages, Hkv, ps, D] -> [1, Hkv, pages*ps, D]: token index = page * ps + offset.
+        return (keys.permute(1, 0, 2, 3).reshape(1, hkv, n * ps, d),
+                values.permute(1, 0, 2, 3).reshape(1, hkv, n * ps, d))
+
+    def _kwargs(self) -> dict:
+        layer = self.meta.layer
+        return {"scale": float(layer.scale), "enable_gqa": layer.num_heads != layer.num_kv_heads}
+
+    def _forward_compiled(self, q, k_pages, v_pages, md: FlexMetadata, output):
+        """One call over the whole physical cache: the compiled kernel skips what the BlockMask leaves out."""
+        keys, values = self._pages(k_pages, v_pages)
+        kwargs = self._kwargs()
+        if q.is_cuda:
+            kwargs["kernel_options"] = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": md.q_block_size,
+                                        "BLOCK_N": md.kv_block_size}
+        out = _flex_compiled(q.device.type)(q, keys, values, block_mask=md.block_mask, **kwargs)
+        self.calls = 1
+        output[:md.num_actual_tokens].copy_(out[0].permute(1, 0, 2))
         return output
 
+    def _forward_eager(self, q, k_pages, v_pages, md: FlexMetadata, output):
+        """Runs of query blocks, each over a compact cache of only the pages its BlockMask rows list.
 
-class _PoisonedPages:
-    """Eager flex over a cache whose pages hold NaN/inf: only the pages a query block lists are loaded.
-
-    The compiled kernel reads only the KV blocks its BlockMask lists for a query
-    block; a NaN in a listed page poisons that block's rows (0 x NaN), a NaN
-    elsewhere is never read. Eager flex computes every (query, cache token) pair,
-    so a NaN anywhere in the cache would reach every row through a zero
-    probability. To give the kernel's answer, non-finite pages are zeroed in a
-    private copy, and each call (one query block) restores the ones it lists.
-    """
-
-    def __init__(self, keys, values, bad, page_size: int, md: FlexMetadata):
-        self.keys, self.values, self.md = keys, values, md
-        self.bad = bad  # stored page indices holding a non-finite K or V value
-        shape = (keys.shape[0], keys.shape[1], -1, page_size, keys.shape[-1])
-        self.k5, self.v5 = keys.view(shape), values.view(shape)
-        self.raw_k, self.raw_v = self.k5[:, :, bad].clone(), self.v5[:, :, bad].clone()
-        self.k5[:, :, bad] = 0
-        self.v5[:, :, bad] = 0
-        self.loaded = bad[:0]
-
-    @classmethod
-    def find(cls, keys, values, md: FlexMetadata, kv_cache) -> "_PoisonedPages | None":
+        Eager flex evaluates every (query, cache token) pair, so over the whole
+        cache it costs tokens x cache and reads pages the compiled kernel never
+        loads. Giving each run only the pages vLLM's direct build lists for its
+        query blocks (relabelled; the map's null-block and aliasing rules are
+        already in ``physical_to_logical``) is what the compiled kernel reads: the
+        same keys, in a cache sized by the run. A run whose pages hold NaN/inf is
+        split into single query blocks, so a poisoned page reaches only the rows
+        of blocks that list it -- as in the kernel, where 0 x NaN poisons a tile.
+        """
         import torch
 
-        ps = md.kv_block_size
-        per_page = lambda t: torch.isfinite(t).view(t.shape[0], t.shape[1], -1, ps, t.shape[-1]).all(4).all(3) \
-            .all(1).all(0)  # noqa: E731
-        bad = (~(per_page(keys) & per_page(values))).nonzero().flatten()
-        if bad.numel() == 0:
-            return None
-        # Never zero the working cache itself: the flattened views are copies unless the layout made them views.
-        shares = lambda t: t.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr()  # noqa: E731
-        keys = keys.clone() if shares(keys) else keys
-        values = values.clone() if shares(values) else values
-        return cls(keys, values, bad, ps, md)
+        qb, ps = md.q_block_size, md.kv_block_size
+        num_blocks = -(-md.num_actual_tokens // qb)
+        counts = md.kv_num_blocks[:num_blocks].tolist()
+        # A query block joins the run before it when it adds few pages to the run's (a request's tokens
+        # spread over several blocks read the same pages): the run's scores grow with its tokens times
+        # its pages, so blocks of other requests are cheaper apart. Score bytes: Hq x tokens x keys x 12.
+        per_element = self.meta.layer.num_heads * 4 * 3
+        in_run = torch.zeros(md.physical_to_logical.shape[1] + 1, dtype=torch.bool, device=md.kv_indices.device)
+        runs, first, pages = [], 0, 0
+        for block in range(num_blocks):
+            listed = md.kv_indices[block, :counts[block]].to(torch.int64)
+            new = int((~in_run[listed]).sum()) if block > first else counts[block]
+            fits = (block + 1 - first) * qb * (pages + new) * ps * per_element <= EAGER_SCORE_BUDGET_BYTES
+            if block > first and (new > pages // 4 or not fits):
+                runs.append((first, block))
+                first, pages = block, counts[block]
+                in_run.zero_()
+            else:
+                pages += new
+            in_run[listed] = True
+        if num_blocks:
+            runs.append((first, num_blocks))
+        for first, last in runs:
+            if not self._eager_run(q, k_pages, v_pages, md, output, first, last, check_finite=True):
+                for block in range(first, last):  # poisoned pages: one query block a call
+                    self._eager_run(q, k_pages, v_pages, md, output, block, block + 1, check_finite=False)
+        return output
 
-    def load_for_block(self, block: int) -> None:
+    def _eager_run(self, q, k_pages, v_pages, md: FlexMetadata, output, first: int, last: int, *,
+                   check_finite: bool) -> bool:
+        """Query blocks [first, last) over the pages they list; False (nothing written) when ``check_finite``
+        finds NaN/inf in those pages and the run spans several blocks."""
         import torch
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-        count = int(self.md.kv_num_blocks[block])
-        listed = self.md.kv_indices[block, :count].to(self.bad.device, torch.int64)
-        wanted = torch.isin(self.bad, listed)
-        self.k5[:, :, self.loaded] = 0  # the previous block's pages go back to zero
-        self.v5[:, :, self.loaded] = 0
-        self.loaded = self.bad[wanted]
-        self.k5[:, :, self.loaded] = self.raw_k[:, :, wanted]
-        self.v5[:, :, self.loaded] = self.raw_v[:, :, wanted]
+        qb, ps = md.q_block_size, md.kv_block_size
+        start, stop = first * qb, min(md.num_actual_tokens, last * qb)
+        counts = md.kv_num_blocks[first:last].to(torch.int64)
+        indices = md.kv_indices[first:last].to(torch.int64)
+        listed = torch.arange(indices.shape[1], device=indices.device).unsqueeze(0) < counts.unsqueeze(1)
+        pages = torch.unique(indices[listed])
+        keys, values = self._pages(k_pages, v_pages, pages)
+        if check_finite and last - first > 1 and not _all_finite(keys, values):
+            return False
+        p2l = md.physical_to_logical[:, pages]
+        if pages.numel() == 0:  # rows that list no page still need one key column: a page nothing maps
+            keys = keys.new_zeros(1, keys.shape[1], ps, keys.shape[-1])
+            values = values.new_zeros(1, values.shape[1], ps, values.shape[-1])
+            p2l = md.physical_to_logical.new_full((md.physical_to_logical.shape[0], 1), -1)
+        width = p2l.shape[1]
+        compact = torch.zeros(md.physical_to_logical.shape[1], dtype=torch.int64, device=pages.device)
+        compact[pages] = torch.arange(pages.numel(), device=pages.device)
+        run_indices = torch.where(listed, compact[indices], torch.zeros_like(indices))[:, :width]
+        if run_indices.shape[1] < width:  # the CPU kernel wants kv_indices as wide as the cache
+            run_indices = torch.nn.functional.pad(run_indices, (0, width - run_indices.shape[1]))
+        mask_mod = make_mask_mod(p2l, md.doc_ids, md.query_start_loc, md.decode_offset, md.seq_lens, ps,
+                                 md.causal, md.sliding_window, q_offset=start)
+        mask = BlockMask.from_kv_blocks(counts.to(torch.int32)[None, None], run_indices.to(torch.int32)[None, None],
+                                        BLOCK_SIZE=(qb, ps), mask_mod=mask_mod,
+                                        seq_lengths=(stop - start, width * ps), compute_q_blocks=False)
+        with warnings.catch_warnings():
+            # torch warns that eager flex is unfused; RunInfo already says it ran eager.
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            out = flex_attention(q[:, :, start:stop], keys, values, block_mask=mask, **self._kwargs())
+        output[start:stop].copy_(out[0].permute(1, 0, 2))
+        self.calls += 1
+        return True
+
+
+def _all_finite(*tensors) -> bool:
+    """Every element finite: an fp32 sum first (cheap, finite for any real cache), element-wise only if not."""
+    import torch
+
+    return all(bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _resolve_compile(options: ReplayOptions) -> bool:
@@ -322,10 +351,10 @@ class FlexInstance:
         notes = [f"BlockMask built directly from the page table (BlockMask.from_kv_blocks), "
                  f"blocks {Q_BLOCK_SIZE} query tokens x {self.meta.backend.page_size} (one page)"]
         if not self.compiled:
-            notes.append("eager flex_attention evaluates mask_mod over every (query, cache token) pair; "
-                         "only the compiled kernel skips the blocks the BlockMask leaves out")
+            notes.append("eager flex_attention, each call over a compact cache of only the pages its query "
+                         "blocks' BlockMask rows list (the pages the compiled kernel reads)")
             if self.impl.calls > 1:
-                notes.append(f"query tokens split into {self.impl.calls} eager calls to bound memory")
+                notes.append(f"query blocks split into {self.impl.calls} eager calls to bound memory")
         if layer.is_fp8:
             notes.append(f"FP8 KV cache: vLLM's FLEX_ATTENTION rejects quantized caches; kvdbg dequantises "
                          f"query/K/V with the q/k/v scales to {layer.dtype} and runs flex on that")

@@ -12,9 +12,9 @@ synthesises the 2 GiB 64 x 8192 snapshot there if missing), each
 peak RSS (the kernel's ru_maxrss for that child, from os.wait4) is printed
 against the file size. The replay CLI always adds the reference, so
 ``--backend flashinfer_ts`` is reference + flashinfer_ts. Eager flex on CPU
-scores every query against the whole flattened cache (64 x 8192 tokens: a
-score matrix of several GiB), so it is measured on ``--flex-snapshot``
-(default: a 64 x 1024, 256 MiB snapshot made here) unless ``--flex-big``.
+scores each run of query blocks against only the pages those blocks list, but
+is still measured on ``--flex-snapshot`` (default: a 64 x 1024, 256 MiB
+snapshot made here) unless ``--flex-big``.
 
     python bench/replay_cpu.py --make-2gb /tmp/kvdbg-2g.safetensors
 """

@@ -151,3 +151,40 @@ def test_unsupported_features_make_the_column_unavailable_with_the_reason():
     assert status["reference"].available
     assert not status["flex"].available and "KV sharing" in status["flex"].reason
     assert list(result.steps[0].runs) == ["reference"]
+
+
+def _whole_cache_eager(snap, md):
+    """One eager flex_attention call over the whole physical cache with the step's BlockMask (the plain way)."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from kvdbg.replay import kv_views, working_cache
+
+    layer = snap.meta.layer
+    k, v = kv_views(snap.meta, working_cache(snap))
+    n, hkv, ps, d = k.shape
+    keys = k.permute(1, 0, 2, 3).reshape(1, hkv, n * ps, d)
+    values = v.permute(1, 0, 2, 3).reshape(1, hkv, n * ps, d)
+    q = snap.steps[0].query.to(getattr(torch, layer.dtype))[:md.num_actual_tokens].permute(1, 0, 2).unsqueeze(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = flex_attention(q, keys, values, block_mask=md.block_mask, scale=layer.scale,
+                             enable_gqa=layer.num_heads != layer.num_kv_heads)
+    return out[0].permute(1, 0, 2)
+
+
+@pytest.mark.parametrize("spec", [
+    dict(query_lens=(17, 9, 30, 5), seq_lens=(40, 77, 200, 333)),
+    dict(sliding_window=24, query_len=3, seq_lens=(300, 41, 129), use_page_zero=True, page_zero_request=0),
+    dict(causal=False, sliding_window=5, query_len=8, seq_lens=(100, 45), dtype="float32"),
+    dict(shared_prefix_pages=2, query_len=2, seq_lens=(64, 90, 150), stale_tail=3, num_kv_heads=1, num_heads=8),
+], ids=["ragged", "window_null_block", "dense_narrow_window", "prefix_gqa"])
+@pytest.mark.parametrize("budget", [flex_module.EAGER_SCORE_BUDGET_BYTES, 1], ids=["runs", "one_block_a_call"])
+def test_compact_eager_runs_equal_one_call_over_the_whole_cache(spec, budget, monkeypatch):
+    """Each eager call sees only the pages its query blocks list; the answer is the whole-cache one."""
+    snap = synth_snapshot(SynthSpec(new_kv=False, **spec))
+    monkeypatch.setattr(flex_module, "EAGER_SCORE_BUDGET_BYTES", budget)
+    _, step, _ = _run(snap)
+    md = flex_module.FlexBuilder(snap.meta).build(common_metadata(snap, 0))
+    assert_close_ulps(step.runs["flex"].output, _whole_cache_eager(snap, md))
