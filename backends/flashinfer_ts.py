@@ -108,7 +108,7 @@ class KernelGate:
             why = f"flashinfer {self.flashinfer_version} unusable" if self.flashinfer_version else \
                 "no usable flashinfer installed"
             return f"{why}: held to the {STRICTEST.label}'s rules, the strictest kvdbg knows"
-        path = f"flashinfer {self.flashinfer_version}: {self.api.label}"
+        path = f"flashinfer-python {self.flashinfer_version}, called with the {self.api.label}"
         return f"{path} ({self.api_note})" if self.api_note else path
 
 
