@@ -989,15 +989,33 @@ class FlashInferTSInstance:
         for c in codes:
             rule, source = PRECONDITIONS[c]
             by_source.setdefault(source, []).append(f"{rule} {'BROKEN' if c in broken else 'ok'}")
+        if mask_type == "dense":
+            by_source[PRECONDITIONS["seq_len_below_query_len"][1]].append(
+                "no query_len bound for dense (every row sees all seq_len keys)")
         if md.query_len == 1:
             by_source.setdefault("run: _validate_q, _validate_out", []).append(
                 "q/out [B, 1, Hq, D] for a length-1 query unverified")
+        return "; ".join(f"{source}: {', '.join(rules)}" for source, rules in by_source.items())
+
+    def _layer_preconditions(self) -> str:
+        """plan() rules (all hold, or the backend would be unavailable) and the K/V view rules, by source."""
+        views = self.impl.last_views or self._static_views()
+        broken = {v.code for v in view_violations(*views[:2], self.meta.layer.head_size, views[2])}
+        broken |= {v.code for v in _plan_violations(self.meta, self.gate.contract)}
+        codes = ("head_dim_unsupported", "page_size_unsupported", "heads_not_divisible", "head_ratio_unsupported",
+                 "dtype_mismatch", "window_needs_causal", "kv_head_dim_not_contiguous", "kv_stride_not_positive",
+                 "kv_stride_misaligned", "kv_base_misaligned", "kv_dims_overlap")
+        by_source: dict[str, list[str]] = {}
+        for c in codes:
+            rule, source = PRECONDITIONS[c]
+            by_source.setdefault(source, []).append(f"{rule} {'BROKEN' if c in broken else 'ok'}")
         return "; ".join(f"{source}: {', '.join(rules)}" for source, rules in by_source.items())
 
     def explain(self, common: CommonMetadata, md: FlashInferTSMetadata) -> list[dict[str, Any]]:
         """Per request: the builder's decisions that decide what the kernel sees, the FlashInfer calling path,
         and every run() precondition with the wrapper validation it comes from."""
         self._num_pages = common.num_pages
+        layer_rules = self._layer_preconditions()
         ps = self.builder.page_size
         engine_lens = common.seq_lens[: md.num_reqs].to("cpu").tolist()
         handed = md.seq_lens.to("cpu").tolist()
@@ -1030,6 +1048,7 @@ class FlashInferTSInstance:
                 if md.restricted and md.query_len <= length:
                     row["restriction"] = asdict(restrict_to_window(length, window, md.query_len, ps))
                 row["preconditions"] = self._preconditions(md, r, handed[r], md.block_table.to("cpu"))
+                row["layer_preconditions"] = layer_rules
             rows.append(row)
         return rows
 

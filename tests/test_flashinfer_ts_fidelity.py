@@ -276,6 +276,9 @@ def test_explain_names_the_flashinfer_path_and_each_precondition_source():
     assert all("flashinfer_path" in row for row in rows)
     assert "_validate_decode_run_metadata_values" in rows[0]["preconditions"]
     assert "BROKEN" in rows[0]["preconditions"] and "BROKEN" not in rows[1]["preconditions"]
+    for source in ("_validate_head_geometry", "_validate_head_dim", "_validate_native_hnd_tma_strides"):
+        assert source in rows[0]["layer_preconditions"]
+    assert "BROKEN" not in rows[0]["layer_preconditions"]
 
 
 # --------------------------------------------------------------------------- 6. API drift
