@@ -113,4 +113,10 @@ def test_fp8_replay_on_cuda_runs_the_torch_p_rounding_model_and_says_why():
     assert run.info.kernel == ts.EMULATED_KERNEL
     assert any("torch emulation only" in note for note in run.info.notes)
     cpu = replay(snap, ["flashinfer_ts"], ReplayOptions()).steps[0].runs["flashinfer_ts"]
-    torch.testing.assert_close(run.output.float().cpu(), cpu.output.float(), atol=8e-3, rtol=8e-3)
+    # The same P-rounding model on two devices: exp() of two libraries may round a probability that sits on
+    # an e4m3 boundary apart, moving that output by at most half an e4m3 step (1/16) of the largest |V|.
+    # Such elements must be rare; every other one agrees to output rounding.
+    v = ts.kv_views(snap.kv_cache, snap.meta.layer.head_size, fp8=True)[1].float() * snap.meta.layer.v_scale
+    gap = (run.output.float().cpu() - cpu.output.float()).abs()
+    assert (gap <= v.abs().max() / 16 + 8e-3).all()
+    assert (gap > 8e-3 + 8e-3 * cpu.output.float().abs()).float().mean() <= 1e-3
