@@ -21,7 +21,10 @@ from typing import Any
 __all__ = [
     "API_0_7_1",
     "API_0_7_4",
+    "API_GENERATIONS",
     "ApiGeneration",
+    "NEWEST_KNOWN",
+    "STRICTEST",
     "MAX_HEAD_RATIO",
     "PRECONDITIONS",
     "api_for_version",
@@ -37,6 +40,7 @@ __all__ = [
     "canonical_dtype",
     "check_request",
     "check_plan",
+    "request_inactive",
     "check_capability",
 ]
 
