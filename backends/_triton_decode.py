@@ -7,7 +7,9 @@ rows are bottom-right aligned with ``window_left``; logits are scaled by
 ``bmm1_scale``, the normalised output by ``bmm2_scale``; rows that see no key are
 left as they were. Q·K runs on tensor cores in the inputs' own 16-bit dtype
 (FP8 is widened to bf16 exactly) with fp32 accumulation: every product is exact,
-as in the fp32 torch emulation. The probabilities stay fp32 by splitting them
+as in the fp32 torch emulation (the backend sends FP8 to the torch emulation, which models the
+kernel's e4m3 rounding of P; called directly on FP8 this kernel keeps P unrounded, as
+``emulate_decode(..., fp8_p=False)``). The probabilities stay fp32 by splitting them
 into two 16-bit halves (hi + lo, ~16 significant bits) for the P·V product. With
 an online softmax the results match the torch emulation to fp32-level rounding,
 not bit for bit. One program handles one (request, KV head) pair and all of
@@ -103,6 +105,10 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
         return f"head_dim {d} is not a power of two >= 16"
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         return "head_dim is not contiguous"
+    if q.dtype == torch.float8_e4m3fn:
+        # The FP8 kernel rounds P to e4m3 per 128-key tile against two streams' running max; that model
+        # lives in the torch emulation only, so both emulations give one answer.
+        return "FP8 P rounding (448x e4m3 per 128-key tile) is modelled in the torch emulation only"
     kinds = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
     if q.dtype not in kinds or k_cache.dtype not in kinds or (q.dtype.itemsize == 2 and q.dtype != k_cache.dtype):
         return f"query {q.dtype} / cache {k_cache.dtype} are not one of the kernel's dtype pairs"

@@ -27,7 +27,18 @@ from kvdbg.paging import (
     ts_window_left,
     visibility_table,
 )
-from kvdbg.ts_contract import SUPPORTED_CAPABILITIES, Violation, check_plan, check_request
+from kvdbg.ts_contract import (
+    PRECONDITIONS,
+    STRICTEST,
+    SUPPORTED_CAPABILITIES,
+    ApiGeneration,
+    Violation,
+    api_for_version,
+    check_kv_views,
+    check_plan,
+    check_request,
+    request_inactive,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -40,9 +51,27 @@ MIN_FLASHINFER = (0, 7, 1)
 EMULATED_KERNEL = "prims_ts contract, emulated in torch"
 EMULATED_KERNEL_TRITON = "prims_ts contract, emulated in Triton"
 FP8_MAX = 448.0
+# The FP8 kernel scales unnormalised probabilities by 448 (e4m3's largest finite value) and rounds them to
+# e4m3 before the P.V product (fmha_decode helpers_softmax). It streams keys in tiles of 128, dealt in turn
+# to two instances with their own running max, merged at the end: kvdbg models that at split count 1.
+FP8_P_SCALE = 448.0
+FP8_P_TILE = 128
+FP8_P_STREAMS = 2
+FP8_P_CAVEAT = ("P rounded to e4m3 at 448x per 128-key tile against each of 2 streams' running max, modelled "
+                "at split count 1; the real planner may split the keys further (its choice depends on batch "
+                "and GPU), which moves where P is rounded: each P stays within half an e4m3 step (1/16 "
+                "relative) of exact either way")
 
 # Named in the reason a GPU is refused, so a user sees at once which machine they are on.
 _ARCH_NAMES = {7: "Volta/Turing", 8: "Ampere/Ada", 9: "Hopper, e.g. H100/H200", 12: "consumer Blackwell"}
+
+
+# For query length 1 the wrapper documents q and out as [B, Hq, D] (_validate_q, _validate_out: rank 3),
+# while FLASHINFER_TS always passes [B, SQ, Hq, D]; only validate=False lets that through.
+SQ1_RANK_NOTE = ("query length 1: FLASHINFER_TS passes q and out as [B, 1, Hq, D] with validate=False, where "
+                 "the wrapper's _validate_q/_validate_out expect [B, Hq, D] for a length-1 query; the memory "
+                 "layout is the same, but whether the kernel reads it right is unverified (no Blackwell GPU "
+                 "has run it for kvdbg)")
 
 
 # --------------------------------------------------------------------------- can the real kernel run here?
@@ -57,6 +86,30 @@ class KernelGate:
     wrapper_cls: Any = None  # flashinfer's BatchDecodePagedTSWrapper (or a test double)
     flashinfer_version: str | None = None
     capability: tuple[int, int] | None = None
+    api: ApiGeneration | None = None  # the installed flashinfer's API generation (None: not installed/usable)
+    api_note: str | None = None  # set when the installed release is newer than any kvdbg knows
+
+    @property
+    def contract(self) -> ApiGeneration:
+        """The generation whose rules a batch is held to: the installed one, else the strictest known."""
+        return self.api or STRICTEST
+
+    @property
+    def short_path(self) -> str:
+        """``path`` in a few words, for a table column."""
+        if self.api is None:
+            return f"none usable: {STRICTEST.label} rules (strictest)"
+        return f"{self.flashinfer_version}: {self.api.label}" + (" (newer, untested)" if self.api_note else "")
+
+    @property
+    def path(self) -> str:
+        """Which FlashInfer calling path and rules apply, in words (``--explain``, the column's notes)."""
+        if self.api is None:
+            why = f"flashinfer {self.flashinfer_version} unusable" if self.flashinfer_version else \
+                "no usable flashinfer installed"
+            return f"{why}: held to the {STRICTEST.label}'s rules, the strictest kvdbg knows"
+        path = f"flashinfer-python {self.flashinfer_version}, called with the {self.api.label}"
+        return f"{path} ({self.api_note})" if self.api_note else path
 
 
 def _import_prims_ts() -> tuple[Any, str]:
@@ -96,21 +149,28 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
 def _too_old_reason(version: str, parsed: tuple[int, int, int]) -> str:
     need = ".".join(map(str, MIN_FLASHINFER))
     if parsed[:2] == (0, 7):
-        # The one release before the fix: the module imports, then the first plan() dies in codegen.
+        # The one release before the fix: the module imports, then the first plan() dies in codegen; and
+        # its unchecked run() path passes the kernel only the page stride, assuming compact HND pages.
         why = ("its prims_ts code generation still passes a `context` keyword to Task._run_task_body_impl, "
-               "which cutlass-dsl 4.8 removed, so the first plan() fails with a TypeError")
+               "which cutlass-dsl 4.8 removed, so the first plan() fails with a TypeError; and it requires "
+               "compact K/V strides (head_dim-wide tokens): with validate=False it would read vLLM's K/V "
+               "halves, whose token stride is 2*D, at the wrong addresses without any error")
     else:
         why = "earlier prims_ts builds do not accept vLLM's K/V halves with token stride 2*D"
     return f"flashinfer-python {version} is too old: FLASHINFER_TS needs >= {need} ({why})"
 
 
 def kernel_gate(device: str, *, force_emulation: bool = False) -> KernelGate:
-    """Check, in order: forced emulation, flashinfer importable, version, CUDA, compute capability."""
-    if force_emulation:
-        return KernelGate(False, "emulation requested (force_emulation): the real kernel was not tried")
+    """Check, in order: flashinfer importable, version, forced emulation, CUDA, compute capability.
+
+    The installed release decides the calling path and the rules a batch is held to, emulated or not.
+    """
+    forced = "emulation requested (force_emulation): the real kernel was not tried"
     try:
         wrapper_cls, version = _import_prims_ts()
     except ImportError as exc:
+        if force_emulation:
+            return KernelGate(False, forced)
         need = ".".join(map(str, MIN_FLASHINFER))
         return KernelGate(False, f"flashinfer missing: flashinfer.attention.prims_ts does not import "
                                  f"({exc}); FLASHINFER_TS needs flashinfer-python >= {need}")
@@ -118,26 +178,44 @@ def kernel_gate(device: str, *, force_emulation: bool = False) -> KernelGate:
     if parsed is None:
         return KernelGate(False, f"flashinfer reports version {version!r}, which kvdbg cannot compare with "
                                  f"{'.'.join(map(str, MIN_FLASHINFER))}", flashinfer_version=version)
-    if parsed < MIN_FLASHINFER:
+    api, api_note = api_for_version(parsed)
+    if api is None:
         return KernelGate(False, _too_old_reason(version, parsed), flashinfer_version=version)
+    versioned = dict(flashinfer_version=version, api=api, api_note=api_note)
+    if force_emulation:
+        return KernelGate(False, forced, **versioned)
     capability, why = _probe_device(device)
     if capability is None:
-        return KernelGate(False, why, flashinfer_version=version)
+        return KernelGate(False, why, **versioned)
     capability = (int(capability[0]), int(capability[1]))
     if capability not in SUPPORTED_CAPABILITIES:
         arch = _ARCH_NAMES.get(capability[0])
         shown = f"{capability[0]}.{capability[1]}" + (f" ({arch})" if arch else "")
         wanted = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_CAPABILITIES)
         return KernelGate(False, f"compute capability {shown} is not supported: prims_ts runs only on "
-                                 f"{wanted} (B200, B300, Rubin)", flashinfer_version=version, capability=capability)
-    return KernelGate(True, None, wrapper_cls, version, capability)
+                                 f"{wanted} (B200, B300, Rubin)", capability=capability, **versioned)
+    return KernelGate(True, None, wrapper_cls, capability=capability, **versioned)
 
 
 # --------------------------------------------------------------------------- what vLLM refuses
 
 
-def unsupported_reason(meta: "SnapshotMeta") -> str | None:
-    """Why FLASHINFER_TS cannot replay this snapshot (vLLM's own rejections, and layout), else None."""
+def installed_api() -> ApiGeneration:
+    """The installed flashinfer's API generation, else the strictest known (no flashinfer: nothing to run)."""
+    try:
+        _, version = _import_prims_ts()
+    except ImportError:
+        return STRICTEST
+    parsed = parse_version(version)
+    api = api_for_version(parsed)[0] if parsed is not None else None
+    return api or STRICTEST
+
+
+def unsupported_reason(meta: "SnapshotMeta", api: ApiGeneration | None = None) -> str | None:
+    """Why FLASHINFER_TS cannot replay this snapshot (vLLM's own rejections, and layout), else None.
+
+    ``api``: the FlashInfer generation whose plan() rules apply (default: the installed one).
+    """
     layer = meta.layer
     if layer.has_sinks:
         return "FLASHINFER_TS rejects attention sinks (layer.has_sinks); vLLM would not pick it for this layer"
@@ -155,17 +233,20 @@ def unsupported_reason(meta: "SnapshotMeta") -> str | None:
         return (f"kv_layout {meta.kv_layout!r} keeps K and V in separate planes with token stride Hkv*D; "
                 f"FLASHINFER_TS hands the kernel the two halves of a {LAYOUT_VLLM!r} page (HND, token stride 2*D), "
                 "so this cache cannot be given to prims_ts as it is (capture it from a vLLM with that layout)")
-    refused = _plan_violations(meta)
+    api = api or installed_api()
+    refused = _plan_violations(meta, api)
     if refused:
         # plan() raises on these, so no output of this backend exists to compare -- emulated or not.
-        return "prims_ts plan() rejects this layer: " + "; ".join(v.message for v in refused)
+        return "prims_ts plan() rejects this layer: " + "; ".join(
+            f"{v.message} [{PRECONDITIONS[v.code][1]}]" for v in refused)
     return None
 
 
-def _plan_violations(meta: "SnapshotMeta") -> list[Violation]:
+def _plan_violations(meta: "SnapshotMeta", api: ApiGeneration) -> list[Violation]:
     layer = meta.layer
     kv_dtype = "float8_e4m3fn" if layer.is_fp8 else layer.dtype
-    return check_plan(head_dim=layer.head_size, page_size=meta.backend.page_size, q_dtype=kv_dtype,
+    return check_plan(head_dim=layer.head_size, num_qo_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+                      api=api, page_size=meta.backend.page_size, q_dtype=kv_dtype,
                       kv_dtype=kv_dtype, mask_type=ts_mask_type(layer.causal),
                       window_left=ts_window_left(layer.sliding_window, layer.causal))
 
@@ -198,7 +279,11 @@ def _dtype_name(dtype) -> str:
 
 @dataclass(frozen=True)
 class TSPlan:
-    """The keyword arguments FLASHINFER_TS passes to ``BatchDecodePagedTSWrapper.plan`` for one plan key."""
+    """The keyword arguments FLASHINFER_TS passes to ``BatchDecodePagedTSWrapper.plan`` for one plan key.
+
+    Named as the seed (flashinfer 0.7.1-0.7.2) names them; ``ApiGeneration.plan_kwargs`` renames them for
+    the installed release.
+    """
 
     device: Any  # torch.device
     batch_size: int
@@ -303,7 +388,7 @@ class FlashInferTSBuilder:
         wrapper = None
         if self.gate.available:
             wrapper = self.gate.wrapper_cls(kv_layout="HND")
-            wrapper.plan(**plan.kwargs())
+            wrapper.plan(**self.gate.api.plan_kwargs(plan.kwargs()))
         self.plan_calls += 1
         self.plans[key] = (plan, wrapper)
         return plan, wrapper
@@ -393,6 +478,7 @@ def emulate_decode(
     out: "torch.Tensor",
     requests: list[int] | None = None,
     key_mask: Callable[[int], "torch.Tensor"] | None = None,
+    fp8_p: bool | None = None,
 ) -> "torch.Tensor":
     """prims_ts paged decode by its documented contract, in fp32.
 
@@ -405,8 +491,15 @@ def emulate_decode(
     normalised output by ``bmm2_scale``. Only ``requests`` are written (default
     all); a row that sees no key is left as it was. ``key_mask(b)`` -> [SQ, L]
     bool can hide further keys (tests use it to take out the restriction's extras).
+    A dense row sees all ``seq_len`` keys even when ``seq_len < SQ``.
+
+    ``fp8_p`` (default: when q and K are FP8) models the FP8 kernel's P
+    rounding, see :func:`fp8_rounded_attention`; otherwise P stays fp32.
     """
     import torch
+
+    if fp8_p is None:
+        fp8_p = q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
 
     batch, sq, hq, d = q.shape
     hkv, page_size = k_cache.shape[1], k_cache.shape[2]
@@ -431,12 +524,51 @@ def emulate_decode(
         if key_mask is not None:
             allowed = allowed & key_mask(b).to(q.device)
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        result = torch.matmul(probs, values.unsqueeze(1)) * bmm2_scale  # [Hkv, G, SQ, D]
+        if fp8_p:
+            result = fp8_rounded_attention(scores, values.unsqueeze(1)) * bmm2_scale
+        else:
+            probs = torch.softmax(scores, dim=-1)
+            result = torch.matmul(probs, values.unsqueeze(1)) * bmm2_scale  # [Hkv, G, SQ, D]
         result = result.permute(2, 0, 1, 3).reshape(sq, hq, d)
         seen = allowed.any(dim=1)
         out[b, seen] = result[seen].to(out.dtype)
     return out
+
+
+def fp8_rounded_attention(scores: "torch.Tensor", values: "torch.Tensor") -> "torch.Tensor":
+    """softmax(scores) @ values with P rounded as prims_ts's FP8 path rounds it, at split count 1.
+
+    ``scores`` [..., SQ, L] fp32, already scaled, -inf where masked; ``values``
+    [..., L, D]. Keys go in tiles of 128; tile ``t`` belongs to stream ``t % 2``
+    and is exponentiated against ``m_t``, that stream's running max after it.
+    Its unnormalised P, times 448, is rounded to e4m3 for the P.V product, while
+    the softmax sum adds the unrounded values. Rescaling every tile to the
+    overall max ``M`` is exactly what the online merge does::
+
+        out = sum_t e^(m_t - M) * e4m3(448 e^(s_t - m_t)) @ V_t
+              / sum_t e^(m_t - M) * sum(448 e^(s_t - m_t))
+
+    Rows that see no key come back NaN.
+    """
+    import torch
+
+    length = scores.shape[-1]
+    tiles = -(-length // FP8_P_TILE)
+    padded = torch.nn.functional.pad(scores, (0, tiles * FP8_P_TILE - length), value=float("-inf"))
+    tiled = padded.unflatten(-1, (tiles, FP8_P_TILE))  # [..., SQ, T, 128]
+    tile_max = tiled.amax(-1)  # [..., SQ, T]
+    running = torch.empty_like(tile_max)
+    for stream in range(FP8_P_STREAMS):
+        running[..., stream::FP8_P_STREAMS] = torch.cummax(tile_max[..., stream::FP8_P_STREAMS], dim=-1).values
+    empty = running == float("-inf")
+    anchor = running.masked_fill(empty, 0.0)
+    probs = torch.exp(tiled - anchor.unsqueeze(-1)) * FP8_P_SCALE
+    rounded = probs.to(torch.float8_e4m3fn).float()
+    overall = running.amax(-1, keepdim=True)
+    weight = torch.exp(running - overall.masked_fill(overall == float("-inf"), 0.0)).masked_fill(empty, 0.0)
+    denom = (probs.sum(-1) * weight).sum(-1, keepdim=True)  # [..., SQ, 1]
+    weighted = (rounded * weight.unsqueeze(-1)).flatten(-2)[..., :length]
+    return torch.matmul(weighted, values) / denom
 
 
 def kv_views(kv_cache: "torch.Tensor", head_size: int, fp8: bool) -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -448,29 +580,24 @@ def kv_views(kv_cache: "torch.Tensor", head_size: int, fp8: bool) -> tuple["torc
     return kv_cache[..., :head_size], kv_cache[..., head_size:]
 
 
-def view_violations(k: "torch.Tensor", v: "torch.Tensor", head_size: int) -> list[Violation]:
-    """Stride preconditions of the K/V views: the kernel builds TMA descriptors from their own strides."""
-    out = []
-    for name, t in (("K", k), ("V", v)):
-        if t.dim() != 4 or t.shape[-1] != head_size:
-            out.append(Violation("kv_view_shape", f"{name} view has shape {list(t.shape)}, expected "
-                                 f"[pages, Hkv, page_size, {head_size}]", details={"shape": list(t.shape)}))
-            continue
-        strides = list(t.stride())
-        if strides[-1] != 1:
-            out.append(Violation("kv_head_dim_not_contiguous",
-                                 f"{name} view has head_dim stride {strides[-1]}; the kernel needs a contiguous "
-                                 "head_dim (stride 1)", details={"strides": strides}))
-        token_bytes = strides[2] * t.element_size()
-        if strides[2] < head_size or token_bytes % 16:
-            out.append(Violation("kv_token_stride_invalid",
-                                 f"{name} view has token stride {strides[2]} elements ({token_bytes} bytes); TMA "
-                                 f"needs >= head_dim {head_size} and a multiple of 16 bytes",
-                                 details={"strides": strides}))
-    if k.dim() == 4 and v.dim() == 4 and k.stride() != v.stride():
-        out.append(Violation("kv_strides_differ", f"K strides {list(k.stride())} differ from V strides "
-                             f"{list(v.stride())}", details={"k": list(k.stride()), "v": list(v.stride())}))
-    return out
+def _view_record(t: "torch.Tensor", base: "torch.Tensor | None") -> dict[str, Any]:
+    if base is not None:
+        # The address that matters is the engine's, not that of kvdbg's copy (a memory-mapped file can start
+        # anywhere): take the engine's page tensor as 16-byte aligned -- allocators align far more -- and
+        # check where in it the view starts (V starts D elements in).
+        ptr = (t.storage_offset() - base.storage_offset()) * t.element_size()
+    else:
+        ptr = None if t.device.type == "meta" else int(t.data_ptr())
+    return {"shape": tuple(t.shape), "strides": tuple(t.stride()), "element_size": t.element_size(), "data_ptr": ptr}
+
+
+def view_violations(k: "torch.Tensor", v: "torch.Tensor", head_size: int,
+                    base: "torch.Tensor | None" = None) -> list[Violation]:
+    """What ``_validate_native_hnd_tma_strides`` checks of the K/V views (see ``ts_contract.check_kv_view``).
+
+    ``base``: the page tensor the views were cut from; addresses are then taken relative to it.
+    """
+    return check_kv_views(_view_record(k, base), _view_record(v, base), head_size)
 
 
 class FlashInferTSImpl:
@@ -487,7 +614,7 @@ class FlashInferTSImpl:
         self.bmm1_scale = float(layer.scale) * float(layer.q_scale) * float(layer.k_scale)
         self.bmm2_scale = float(layer.v_scale)
         self.q_scale = float(layer.q_scale)
-        self.last_views: tuple[Any, Any] | None = None
+        self.last_views: tuple[Any, Any, Any] | None = None  # K view, V view, the page tensor
 
     def kernel_query(self, query: "torch.Tensor") -> "torch.Tensor":
         """The query in the plan's dtype: FP8 bytes viewed as e4m3; a model-dtype query on an FP8 cache is
@@ -534,7 +661,7 @@ class FlashInferTSImpl:
                                f"{self.builder.build_count}: its buffers are persistent, run each build before the next")
         n, b, sq = md.num_actual_tokens, md.num_reqs, md.query_len
         k_cache, v_cache = kv_views(kv_cache, self.head_size, self.fp8)
-        self.last_views = (k_cache, v_cache)
+        self.last_views = (k_cache, v_cache, kv_cache)
         # The flat view assigns token t to request t // sq whatever query_start_loc says (see findings).
         q = self.kernel_query(query[:n]).reshape(b, sq, self.num_heads, self.head_size)
         plan = md.plan
@@ -542,11 +669,11 @@ class FlashInferTSImpl:
         if md.wrapper is not None:
             kernel_out = torch.empty((b, sq, self.num_heads, self.head_size), dtype=plan.o_data_type,
                                      device=query.device)
-            md.wrapper.run(q=q, paged_kv_cache=(k_cache, v_cache), seq_lens=md.seq_lens,
-                           block_tables=md.block_table, bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale,
-                           out=kernel_out, validate=False)
+            md.wrapper.run(**self.builder.gate.api.run_kwargs(dict(
+                q=q, paged_kv_cache=(k_cache, v_cache), seq_lens=md.seq_lens, block_tables=md.block_table,
+                bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale, out=kernel_out, validate=False)))
         else:
-            if view_violations(k_cache, v_cache, self.head_size):
+            if view_violations(k_cache, v_cache, self.head_size, kv_cache):
                 return output  # the kernel's TMA descriptors would be wrong: nothing to predict (see findings)
             # As the backend does, the kernel writes straight into the output unless a cast is needed. Rows the
             # emulation cannot predict (undefined on the real kernel) are left as they were: the replay core's
@@ -557,7 +684,7 @@ class FlashInferTSImpl:
             else:
                 kernel_out = torch.full((b, sq, self.num_heads, self.head_size), float("nan"),
                                         dtype=plan.o_data_type, device=query.device)
-            codes = undefined_codes(md, int(k_cache.shape[0]), self.builder.page_size)
+            codes = undefined_codes(md, int(k_cache.shape[0]), self.builder.page_size, self.builder.gate.contract)
             emulate = self._emulator(q, k_cache)
             if emulate is emulate_decode:
                 defined = [r for r, code in enumerate(codes.tolist()) if not code]
@@ -574,35 +701,49 @@ class FlashInferTSImpl:
         return output
 
 
-UNDEFINED_CODES = ("seq_len_below_query_len", "seq_len_over_max_kv_len", "table_too_narrow", "page_outside_cache")
+UNDEFINED_CODES = ("seq_len_not_positive", "seq_len_below_query_len", "seq_len_over_max_kv_len",
+                   "table_too_narrow", "page_outside_cache", "inactive_request")
 
 
-def undefined_codes(md: FlashInferTSMetadata, num_pages: int, page_size: int) -> "torch.Tensor":
-    """Per request, 1 + the index in UNDEFINED_CODES of its first broken precondition, 0 when defined.
+def undefined_codes(md: FlashInferTSMetadata, num_pages: int, page_size: int,
+                    api: ApiGeneration = STRICTEST) -> "torch.Tensor":
+    """Per request, 1 + the index in UNDEFINED_CODES of the first reason it is not computed, 0 when it is.
 
-    Computed on the metadata's device without a host round trip, so the CUDA
-    emulation can skip undefined requests inside the kernel.
+    The same rules as ``ts_contract.check_request``, on the metadata's device
+    without a host round trip, so the CUDA emulation can skip those requests
+    inside the kernel. A dense mask has no ``query_len <= seq_len`` rule;
+    ``inactive_request`` (0.7.4+, ``seq_len <= 0``) is defined -- its output is
+    left untouched -- but nothing is computed for it either.
     """
     import torch
 
     lens = md.seq_lens.to(torch.int64)
     table = md.block_table
     width = table.shape[1]
-    pages = (lens + page_size - 1) // page_size
+    active = lens > 0
+    pages = (lens.clamp_min(0) + page_size - 1) // page_size
     live = torch.arange(width, device=lens.device).unsqueeze(0) < pages.clamp_max(width).unsqueeze(1)
     outside = (live & ((table < 0) | (table >= num_pages))).any(1)
-    checks = (lens < md.query_len, lens > md.max_kv_len, pages > width, outside)  # precedence order
+    causal = md.plan.mask_type == "causal" if md.plan is not None else md.causal
+    inactive = ~active if api.nonpositive_is_inactive else torch.zeros_like(active)
+    checks = (~active & ~inactive,  # precedence order
+              active & (lens < md.query_len) & causal,
+              active & (lens > md.max_kv_len),
+              active & (pages > width),
+              active & outside,
+              inactive)
     codes = torch.zeros_like(lens)
     for index in reversed(range(len(checks))):
         codes = torch.where(checks[index], index + 1, codes)
     return codes
 
 
-def undefined_requests(md: FlashInferTSMetadata, num_pages: int, page_size: int) -> dict[int, str]:
-    """Requests whose handed inputs break a kernel precondition, with the first broken one."""
+def undefined_requests(md: FlashInferTSMetadata, num_pages: int, page_size: int,
+                       api: ApiGeneration = STRICTEST) -> dict[int, str]:
+    """Requests the kernel does not compute (a broken precondition, or inactive), with the first reason."""
     if md.query_len == 0 or md.overflow is not None:
         return {}
-    codes = undefined_codes(md, num_pages, page_size).tolist()
+    codes = undefined_codes(md, num_pages, page_size, api).tolist()
     return {r: UNDEFINED_CODES[c - 1] for r, c in enumerate(codes) if c}
 
 
@@ -641,14 +782,14 @@ class FlashInferTSInstance:
             cap = self.gate.capability
             return RunInfo(backend=NAME, kernel=f"prims_ts BatchDecodePagedTSWrapper on sm{cap[0]}{cap[1]}",
                            device=self.options.device, dtype=dtype, emulated=False,
-                           notes=[f"flashinfer-python {self.gate.flashinfer_version}, run(validate=False)"] + notes)
+                           notes=[f"{self.gate.path}, run(validate=False)"] + notes)
         notes = [f"real kernel not run: {self.gate.reason}",
                  "emulated: the same builder output (restricted table, lengths, plan), then attention by the "
                  "kernel's documented contract in fp32; requests whose inputs break a precondition are left "
-                 "unwritten (undefined on the real kernel, see findings)"] + notes
+                 "unwritten (undefined on the real kernel, see findings)",
+                 f"contract: {self.gate.path}"] + notes
         if layer.is_fp8:
-            notes.append("FP8 emulation keeps probabilities in fp32; the kernel may round them to e4m3 before "
-                         "the PV product, so expect differences of order 1e-2")
+            notes.append(f"FP8 emulation: {FP8_P_CAVEAT}")
         if getattr(self.impl, "emulator_note", None):
             notes.append(self.impl.emulator_note)
         kernel = EMULATED_KERNEL_TRITON if getattr(self.impl, "emulator", "torch") == "triton" else EMULATED_KERNEL
@@ -704,9 +845,9 @@ class FlashInferTSInstance:
         if md.overflow is not None or md.query_len == 0:
             return written
         views = self.impl.last_views or self._static_views()
-        if view_violations(views[0], views[1], self.meta.layer.head_size):
+        if view_violations(*views[:2], self.meta.layer.head_size, views[2]):
             return written
-        undefined = undefined_requests(md, common.num_pages, self.builder.page_size)
+        undefined = undefined_requests(md, common.num_pages, self.builder.page_size, self.gate.contract)
         q = md.query_len
         for r in range(md.num_reqs):
             if r not in undefined:
@@ -730,9 +871,13 @@ class FlashInferTSInstance:
         if md.query_len == 0:
             return found
         found += self._query_block_findings(common, md)
+        if md.query_len == 1:
+            found.append(self._finding(common, "q_rank_sq1_unverified", SQ1_RANK_NOTE, severity="info",
+                                       details={"q_shape": [md.num_reqs, 1, self.meta.layer.num_heads,
+                                                            self.meta.layer.head_size]}))
         found += self._request_findings(common, md)
         views = self.impl.last_views or self._static_views()
-        found += self._from_violations(common, view_violations(views[0], views[1], self.meta.layer.head_size))
+        found += self._from_violations(common, view_violations(*views[:2], self.meta.layer.head_size, views[2]))
         return found
 
     def _static_views(self):
@@ -742,7 +887,8 @@ class FlashInferTSInstance:
         layer = self.meta.layer
         shape = (1, layer.num_kv_heads, self.meta.backend.page_size, 2 * layer.head_size)
         dtype = torch.uint8 if layer.is_fp8 else getattr(torch, layer.dtype)
-        return kv_views(torch.empty(shape, dtype=dtype, device="meta"), layer.head_size, layer.is_fp8)
+        pages = torch.empty(shape, dtype=dtype, device="meta")
+        return (*kv_views(pages, layer.head_size, layer.is_fp8), pages)
 
     def _query_block_findings(self, common: CommonMetadata, md: FlashInferTSMetadata) -> list[Finding]:
         found = []
@@ -777,10 +923,19 @@ class FlashInferTSInstance:
         engine_lens = common.seq_lens[: md.num_reqs].to("cpu").tolist()
         start_pages = md.start_page.to("cpu").tolist() if md.start_page is not None else [0] * md.num_reqs
         width = int(table.shape[1])
+        api = self.gate.contract
+        mask_type = md.plan.mask_type if md.plan is not None else ts_mask_type(md.causal)
         for r, length in enumerate(lens):
             found += self._from_violations(common, check_request(
                 request=r, seq_len=length, query_len=md.query_len, max_kv_len=md.max_kv_len,
-                table_width=width, page_size=ps))
+                table_width=width, page_size=ps, mask_type=mask_type, api=api))
+            if request_inactive(length, api):
+                found.append(self._finding(
+                    common, "inactive_request",
+                    f"request {r}: seq_len {length} <= 0 marks an inactive request in the {api.label}: the "
+                    "kernel leaves its output untouched, so none of its tokens is computed",
+                    severity="warning", request=r, details={"seq_len": length}))
+                continue
             live = table[r, : min(cdiv(length, ps), width)]
             bad = ((live < 0) | (live >= common.num_pages)).nonzero().flatten().tolist()
             if bad:
@@ -813,8 +968,54 @@ class FlashInferTSInstance:
 
     # ------------------------------------------------------------------ explain
 
+    def _preconditions(self, md: FlashInferTSMetadata, request: int, seq_len: int, table) -> str:
+        """Every run() precondition of one request: ok or broken, each with the wrapper validation that owns it."""
+        api = self.gate.contract
+        ps = self.builder.page_size
+        mask_type = md.plan.mask_type if md.plan is not None else ts_mask_type(md.causal)
+        if request_inactive(seq_len, api):
+            return f"inactive (seq_len {seq_len} <= 0): output left untouched [{api.label}]"
+        broken = {v.code for v in check_request(request=request, seq_len=seq_len, query_len=md.query_len,
+                                                max_kv_len=md.max_kv_len, table_width=int(table.shape[1]),
+                                                page_size=ps, mask_type=mask_type, api=api)}
+        codes = ["seq_len_not_positive", "seq_len_over_max_kv_len", "table_too_narrow", "page_outside_cache"]
+        if mask_type == "causal":
+            codes.insert(1, "seq_len_below_query_len")
+        live = table[request, : min(cdiv(max(seq_len, 0), ps), int(table.shape[1]))]
+        if bool(((live < 0) | (live >= self._num_pages)).any()):
+            broken.add("page_outside_cache")
+        # Grouped by the wrapper validation that owns them: "source: rule ok, rule BROKEN".
+        by_source: dict[str, list[str]] = {}
+        for c in codes:
+            rule, source = PRECONDITIONS[c]
+            by_source.setdefault(source, []).append(f"{rule} {'BROKEN' if c in broken else 'ok'}")
+        if mask_type == "dense":
+            by_source[PRECONDITIONS["seq_len_below_query_len"][1]].append(
+                "no query_len bound for dense (every row sees all seq_len keys)")
+        if md.query_len == 1:
+            by_source.setdefault("run: _validate_q, _validate_out", []).append(
+                "q/out [B, 1, Hq, D] for a length-1 query unverified")
+        return "; ".join(f"{source}: {', '.join(rules)}" for source, rules in by_source.items())
+
+    def _layer_preconditions(self) -> str:
+        """plan() rules (all hold, or the backend would be unavailable) and the K/V view rules, by source."""
+        views = self.impl.last_views or self._static_views()
+        broken = {v.code for v in view_violations(*views[:2], self.meta.layer.head_size, views[2])}
+        broken |= {v.code for v in _plan_violations(self.meta, self.gate.contract)}
+        codes = ("head_dim_unsupported", "page_size_unsupported", "heads_not_divisible", "head_ratio_unsupported",
+                 "dtype_mismatch", "window_needs_causal", "kv_head_dim_not_contiguous", "kv_stride_not_positive",
+                 "kv_stride_misaligned", "kv_base_misaligned", "kv_dims_overlap")
+        by_source: dict[str, list[str]] = {}
+        for c in codes:
+            rule, source = PRECONDITIONS[c]
+            by_source.setdefault(source, []).append(f"{rule} {'BROKEN' if c in broken else 'ok'}")
+        return "; ".join(f"{source}: {', '.join(rules)}" for source, rules in by_source.items())
+
     def explain(self, common: CommonMetadata, md: FlashInferTSMetadata) -> list[dict[str, Any]]:
-        """Per request: the builder's decisions that decide what the kernel sees."""
+        """Per request: the builder's decisions that decide what the kernel sees, the FlashInfer calling path,
+        and every run() precondition with the wrapper validation it comes from."""
+        self._num_pages = common.num_pages
+        layer_rules = self._layer_preconditions()
         ps = self.builder.page_size
         engine_lens = common.seq_lens[: md.num_reqs].to("cpu").tolist()
         handed = md.seq_lens.to("cpu").tolist()
@@ -837,20 +1038,25 @@ class FlashInferTSInstance:
                 "mask_type": md.plan.mask_type if md.plan else ts_mask_type(md.causal),
                 "window_left": md.plan.window_left if md.plan else ts_window_left(window, md.causal),
                 "max_kv_len": md.max_kv_len,
+                "flashinfer_path": self.gate.short_path,
             }
             if md.overflow is not None:
                 row["note"] = "buffer overflow: vLLM's builder fails, nothing runs"
             elif md.query_len == 0:
                 row["note"] = f"no-op batch: {md.noop_reason or 'no tokens'}"
-            elif md.restricted and md.query_len <= length:
-                row["restriction"] = asdict(restrict_to_window(length, window, md.query_len, ps))
+            else:
+                if md.restricted and md.query_len <= length:
+                    row["restriction"] = asdict(restrict_to_window(length, window, md.query_len, ps))
+                row["preconditions"] = self._preconditions(md, r, handed[r], md.block_table.to("cpu"))
+                row["layer_preconditions"] = layer_rules
             rows.append(row)
         return rows
 
 
 def create(meta: "SnapshotMeta", options: ReplayOptions, *, gate: KernelGate | None = None) -> FlashInferTSInstance:
     """A ready backend; ``gate`` overrides the real-kernel probe (tests pass a recording wrapper this way)."""
-    reason = unsupported_reason(meta)
+    gate = gate or kernel_gate(options.device, force_emulation=options.force_emulation)
+    reason = unsupported_reason(meta, gate.contract)
     if reason is not None:
         raise BackendUnavailable(reason)
     return FlashInferTSInstance(meta, options, gate)

@@ -443,7 +443,7 @@ def analyze_window(
                                mask_type=builder.mask_type, window_left=builder.window_left)
         findings += check_request(request=None, seq_len=builder.seq_len, query_len=query_len,
                                   max_kv_len=builder.max_kv_len, table_width=builder.columns_copied,
-                                  page_size=page_size)
+                                  page_size=page_size, mask_type=builder.mask_type)
     if visibility.total_missed and not builder.noop:
         worst = max(visibility.tokens, key=lambda t: t.missed)
         findings.append(Violation(

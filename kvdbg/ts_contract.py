@@ -3,7 +3,14 @@
 FLASHINFER_TS runs the kernel with ``validate=False`` (its CUDA-graph path), so
 nothing checks these at run time: a batch that breaks one gives undefined
 output. Each check returns :class:`Violation` records instead of raising, so a
-caller can report every broken precondition of a batch at once.
+caller can report every broken precondition of a batch at once. Every rule
+names its ``source``: the wrapper validation in flashinfer-python that would
+refuse the input with ``validate=True`` (read from the 0.7.1, 0.7.2 and 0.7.4
+releases' ``flashinfer/attention/prims_ts/decode.py``).
+
+The wrapper's keywords and a few rules changed between releases, so the rules
+come per API generation (:data:`API_0_7_1`, :data:`API_0_7_4`); see
+:func:`api_for_version`.
 """
 
 from __future__ import annotations
@@ -12,6 +19,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "API_0_7_1",
+    "API_0_7_4",
+    "API_GENERATIONS",
+    "ApiGeneration",
+    "NEWEST_KNOWN",
+    "STRICTEST",
+    "MAX_HEAD_RATIO",
+    "PRECONDITIONS",
+    "api_for_version",
+    "check_heads",
+    "check_kv_view",
+    "check_kv_views",
     "HEAD_DIMS",
     "PAGE_SIZES",
     "SUPPORTED_CAPABILITIES",
@@ -21,15 +40,17 @@ __all__ = [
     "canonical_dtype",
     "check_request",
     "check_plan",
+    "request_inactive",
     "check_capability",
 ]
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 256)  # 0.7.1-0.7.2; 0.7.4 adds 192 and 512 (ApiGeneration.head_dims)
 PAGE_SIZES = (4, 8, 16, 32, 64, 128)
 # B200, B300 and Rubin; Hopper (9.0) has no prims_ts build.
 SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 KERNEL_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 MASK_TYPES = ("causal", "dense")
+MAX_HEAD_RATIO = 128  # Hq / Hkv, _validate_head_geometry
 
 # Spellings callers use for the same dtype: torch names, vLLM's kv_cache_dtype, short forms.
 _DTYPE_ALIASES = {
@@ -38,6 +59,92 @@ _DTYPE_ALIASES = {
     "float8_e4m3fn": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn",
     "e4m3": "float8_e4m3fn", "torch.float8_e4m3fn": "float8_e4m3fn",
 }
+
+# Where each rule lives in flashinfer-python: the wrapper validation that refuses the input when
+# validate=True. FLASHINFER_TS runs with validate=False, so none of them runs there.
+PRECONDITIONS: dict[str, tuple[str, str]] = {
+    # code: (the rule, its source)
+    "head_dim_unsupported": ("head_dim is a supported size", "plan: _validate_head_dim"),
+    "page_size_unsupported": ("page_size in 4..128 (powers of two)", "plan: _validate_page_size"),
+    "heads_not_divisible": ("Hq is a multiple of Hkv", "plan: _validate_head_geometry"),
+    "head_ratio_unsupported": (f"1 <= Hq/Hkv <= {MAX_HEAD_RATIO}", "plan: _validate_head_geometry"),
+    "q_dtype_unsupported": ("q dtype fp16, bf16 or fp8 e4m3", "plan: _validate_dtype_pair"),
+    "kv_dtype_unsupported": ("kv dtype fp16, bf16 or fp8 e4m3", "plan: _validate_dtype_pair"),
+    "dtype_mismatch": ("q and kv dtypes form a supported pair", "plan: _validate_dtype_pair"),
+    "mask_type_unknown": ("mask_type dense or causal", "plan: _validate_mask"),
+    "window_left_invalid": ("window_left -1 or >= 0", "plan: _validate_window_left"),
+    "window_needs_causal": ("window_left >= 0 only with mask_type causal", "plan: _validate_window_left"),
+    "seq_len_not_positive": ("seq_len >= 1", "run: _validate_decode_run_metadata_values"),
+    "seq_len_over_max_kv_len": ("seq_len <= the plan's max_kv_len", "run: _validate_decode_run_metadata_values"),
+    "seq_len_below_query_len": ("causal: query_len <= seq_len", "run: _validate_decode_run_metadata_values"),
+    "table_too_narrow": ("block table has cdiv(seq_len, page_size) columns",
+                         "run: _validate_decode_run_metadata_values"),
+    "page_outside_cache": ("live page ids index the cache", "run: _validate_decode_run_metadata_values"),
+    "kv_view_shape": ("K and V are rank-4 HND views of one logical shape", "run: _normalize_paged_kv_cache_views"),
+    "kv_head_dim_not_contiguous": ("K/V head-dimension stride 1", "run: _validate_native_hnd_tma_strides"),
+    "kv_stride_not_positive": ("K/V page, head and token strides positive", "run: _validate_native_hnd_tma_strides"),
+    "kv_stride_misaligned": ("K/V page, head and token strides 16-byte aligned",
+                             "run: _validate_native_hnd_tma_strides"),
+    "kv_base_misaligned": ("K/V base address 16-byte aligned", "run: _validate_native_hnd_tma_strides"),
+    "kv_dims_overlap": ("K/V dimensions do not overlap", "run: _validate_native_hnd_tma_strides"),
+}
+
+
+@dataclass(frozen=True)
+class ApiGeneration:
+    """One generation of BatchDecodePagedTSWrapper's API: its keyword names and the rules that differ.
+
+    ``plan_names`` / ``run_names`` map FLASHINFER_TS's (0.7.1-era, the seed's)
+    keyword to this generation's keyword; a name not listed is unchanged.
+    """
+
+    label: str
+    first: tuple[int, int, int]  # the first release of this generation
+    plan_names: dict[str, str]
+    run_names: dict[str, str]
+    head_dims: tuple[int, ...]
+    # 0.7.4: "Nonpositive per-run K/V lengths mark inactive requests ... output is left untouched";
+    # 0.7.1-0.7.2 require every length in [1, max_kv_len].
+    nonpositive_is_inactive: bool
+
+    def plan_kwargs(self, seed_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {self.plan_names.get(k, k): v for k, v in seed_kwargs.items()}
+
+    def run_kwargs(self, seed_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {self.run_names.get(k, k): v for k, v in seed_kwargs.items()}
+
+
+API_0_7_1 = ApiGeneration(
+    label="flashinfer 0.7.1-0.7.2 API", first=(0, 7, 1), plan_names={}, run_names={},
+    head_dims=HEAD_DIMS, nonpositive_is_inactive=False)
+# 0.7.4 renamed these keywords without keeping the old names.
+API_0_7_4 = ApiGeneration(
+    label="flashinfer 0.7.4+ API", first=(0, 7, 4),
+    plan_names={"max_seq_len_q": "max_q_len", "q_data_type": "q_dtype", "kv_data_type": "kv_dtype",
+                "o_data_type": "out_dtype"},
+    run_names={"seq_lens": "seq_lens_kv", "bmm1_scale": "softmax_scale", "bmm2_scale": "output_scale"},
+    head_dims=(64, 128, 192, 256, 512), nonpositive_is_inactive=True)
+API_GENERATIONS = (API_0_7_1, API_0_7_4)
+NEWEST_KNOWN = (0, 7, 4)
+# With no flashinfer installed, the emulation holds a batch to the strictest generation kvdbg knows.
+STRICTEST = API_0_7_1
+
+
+def api_for_version(version: tuple[int, int, int]) -> tuple[ApiGeneration | None, str | None]:
+    """The API generation of a flashinfer release, and a label when kvdbg has not seen that release.
+
+    None below 0.7.1. A release newer than the newest known is tried with the
+    newest mapping and labelled as such.
+    """
+    if version < API_0_7_1.first:
+        return None, None
+    if version < API_0_7_4.first:
+        return API_0_7_1, None
+    if version == NEWEST_KNOWN:
+        return API_0_7_4, None
+    newest = ".".join(map(str, NEWEST_KNOWN))
+    return API_0_7_4, (f"flashinfer {'.'.join(map(str, version))} is newer than {newest}, the newest release "
+                       f"kvdbg knows: called with the {newest} keywords, not verified against this release")
 
 
 @dataclass
@@ -63,19 +170,34 @@ def _who(request: int | None) -> str:
 
 
 def check_request(
-    *, request: int | None, seq_len: int, query_len: int, max_kv_len: int, table_width: int, page_size: int
+    *, request: int | None, seq_len: int, query_len: int, max_kv_len: int, table_width: int, page_size: int,
+    mask_type: str, api: ApiGeneration = STRICTEST,
 ) -> list[Violation]:
-    """Per-request preconditions: ``query_len <= seq_len <= max_kv_len`` and a wide enough table.
+    """Per-request preconditions of ``run`` (``_validate_decode_run_metadata_values``).
 
+    ``1 <= seq_len <= max_kv_len`` and a table with ``cdiv(seq_len, page_size)``
+    columns; for a causal mask also ``query_len <= seq_len``. A dense mask has
+    no such bound: each of its rows sees every key below ``seq_len``, however
+    short. From 0.7.4 on, ``seq_len <= 0`` marks an inactive request whose
+    output is left untouched: no violation (see :func:`request_inactive`).
     ``table_width`` is the number of block-table columns that hold this
-    request's real entries; the kernel reads ``cdiv(seq_len, page_size)`` of them.
+    request's real entries.
     """
     who = _who(request)
     out = []
-    if seq_len < query_len:
+    if seq_len <= 0:
+        if api.nonpositive_is_inactive:
+            return out
+        out.append(Violation(
+            "seq_len_not_positive",
+            f"{who}seq_len {seq_len} is not positive; the {api.label} needs every seq_len in [1, max_kv_len]",
+            request, {"seq_len": seq_len},
+        ))
+        return out
+    if mask_type == "causal" and seq_len < query_len:
         out.append(Violation(
             "seq_len_below_query_len",
-            f"{who}seq_len {seq_len} is shorter than its {query_len} query tokens",
+            f"{who}seq_len {seq_len} is shorter than its {query_len} query tokens, which a causal mask needs",
             request, {"seq_len": seq_len, "query_len": query_len},
         ))
     if seq_len > max_kv_len:
@@ -95,21 +217,119 @@ def check_request(
     return out
 
 
+def request_inactive(seq_len: int, api: ApiGeneration) -> bool:
+    """0.7.4+: a request with ``seq_len <= 0`` is inactive; the kernel leaves its output untouched."""
+    return api.nonpositive_is_inactive and seq_len <= 0
+
+
+def check_heads(num_qo_heads: int, num_kv_heads: int) -> list[Violation]:
+    """GQA geometry (``_validate_head_geometry``): Hq a multiple of Hkv, and ``1 <= Hq/Hkv <= 128``."""
+    if num_kv_heads <= 0 or num_qo_heads <= 0 or num_qo_heads % num_kv_heads:
+        return [Violation("heads_not_divisible",
+                          f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}",
+                          details={"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads})]
+    ratio = num_qo_heads // num_kv_heads
+    if ratio > MAX_HEAD_RATIO:
+        return [Violation("head_ratio_unsupported",
+                          f"Hq/Hkv = {num_qo_heads}/{num_kv_heads} = {ratio} exceeds prims_ts's limit of "
+                          f"{MAX_HEAD_RATIO} query heads per KV head",
+                          details={"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "ratio": ratio})]
+    return []
+
+
+def check_kv_view(
+    name: str, shape: tuple[int, ...], strides: tuple[int, ...], element_size: int, data_ptr: int | None,
+) -> list[Violation]:
+    """What ``_validate_native_hnd_tma_strides`` requires of one K or V view ``[pages, Hkv, page_size, D]``.
+
+    The kernel builds TMA descriptors from the view's own strides, so any
+    strides work that: keep head_dim contiguous; make the page, head and token
+    strides positive and 16-byte multiples; start at a 16-byte aligned address
+    (``data_ptr`` None: not known, not checked); and never overlap -- taking the
+    dimensions from the smallest stride up, each stride must reach past
+    everything the smaller ones span::
+
+        D=64, 16 tokens of stride 2*D=128, 2 heads of stride 2048:
+        head dim spans [0, 64); tokens start at 128 >= 64, span to 1984;
+        heads start at 2048 >= 1984: no overlap (the gap is V's half).
+
+    K and V are checked apart: nothing requires their strides to be equal.
+    """
+    if len(shape) != 4 or len(strides) != 4:
+        return [Violation("kv_view_shape", f"{name} view has shape {list(shape)}, expected rank 4 "
+                          "[pages, Hkv, page_size, head_dim]", details={"shape": list(shape)})]
+    out = []
+    page_stride, head_stride, token_stride, dim_stride = strides
+    if dim_stride != 1:
+        out.append(Violation("kv_head_dim_not_contiguous",
+                             f"{name} view has head_dim stride {dim_stride}; the kernel needs stride 1",
+                             details={"strides": list(strides)}))
+    named = (("page", page_stride), ("head", head_stride), ("token", token_stride))
+    bad = [n for n, st in named if st <= 0]
+    if bad:
+        out.append(Violation("kv_stride_not_positive",
+                             f"{name} view has non-positive {'/'.join(bad)} stride(s) {list(strides)}",
+                             details={"strides": list(strides)}))
+    misaligned = [f"{n} {st * element_size} bytes" for n, st in named if st > 0 and st * element_size % 16]
+    if misaligned:
+        out.append(Violation("kv_stride_misaligned",
+                             f"{name} view strides are not 16-byte multiples for TMA: {', '.join(misaligned)}",
+                             details={"strides": list(strides), "element_size": element_size}))
+    if data_ptr is not None and data_ptr % 16:
+        out.append(Violation("kv_base_misaligned",
+                             f"{name} view starts at an address {data_ptr % 16} bytes past a 16-byte boundary",
+                             details={"offset_mod_16": data_ptr % 16}))
+    pages, heads, tokens, dims = shape
+    span = 1
+    for stride, extent, dim in sorted(((1, dims, "head_dim"), (token_stride, tokens, "token"),
+                                       (head_stride, heads, "head"), (page_stride, pages, "page"))):
+        if extent <= 1:
+            continue
+        if stride < span:
+            out.append(Violation("kv_dims_overlap",
+                                 f"{name} view's {dim} dimension (stride {stride}) overlaps the {span} elements "
+                                 "its smaller dimensions span", details={"strides": list(strides),
+                                                                         "shape": list(shape)}))
+            break
+        span += (extent - 1) * stride
+    return out
+
+
+def check_kv_views(k: dict[str, Any], v: dict[str, Any], head_dim: int) -> list[Violation]:
+    """Both views (each a dict of shape, strides, element_size, data_ptr): one logical shape, each valid."""
+    out = []
+    if tuple(k["shape"]) != tuple(v["shape"]):
+        out.append(Violation("kv_view_shape", f"K view shape {list(k['shape'])} differs from V view shape "
+                             f"{list(v['shape'])}", details={"k": list(k["shape"]), "v": list(v["shape"])}))
+    for name, view in (("K", k), ("V", v)):
+        if len(view["shape"]) == 4 and view["shape"][-1] != head_dim:
+            out.append(Violation("kv_view_shape", f"{name} view has head_dim {view['shape'][-1]}, the plan "
+                                 f"{head_dim}", details={"shape": list(view["shape"])}))
+        out += check_kv_view(name, tuple(view["shape"]), tuple(view["strides"]), view["element_size"],
+                             view.get("data_ptr"))
+    return out
+
+
 def check_plan(
     *,
     head_dim: int | None,
+    num_qo_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    api: ApiGeneration = STRICTEST,
     page_size: int,
     q_dtype: str | None,
     kv_dtype: str | None,
     mask_type: str,
     window_left: int,
 ) -> list[Violation]:
-    """Plan-level preconditions. ``None`` for head_dim or a dtype means "not known here" and skips that check."""
+    """Plan-level preconditions. ``None`` for a value means "not known here" and skips that check."""
     out = []
-    if head_dim is not None and head_dim not in HEAD_DIMS:
+    if head_dim is not None and head_dim not in api.head_dims:
         out.append(Violation("head_dim_unsupported",
-                             f"head_dim {head_dim} is not supported by prims_ts (needs one of "
-                             f"{', '.join(map(str, HEAD_DIMS))})", details={"head_dim": head_dim}))
+                             f"head_dim {head_dim} is not supported by prims_ts (the {api.label} needs one of "
+                             f"{', '.join(map(str, api.head_dims))})", details={"head_dim": head_dim}))
+    if num_qo_heads is not None and num_kv_heads is not None:
+        out += check_heads(num_qo_heads, num_kv_heads)
     if page_size not in PAGE_SIZES:
         out.append(Violation("page_size_unsupported",
                              f"page_size {page_size} is not supported by prims_ts (needs one of "

@@ -251,7 +251,7 @@ def test_view_strides_are_checked():
     codes = [x.code for x in ts.view_violations(odd, odd, 64)]
     assert "kv_head_dim_not_contiguous" in codes
     narrow = torch.zeros(3, 2, 16, 68, dtype=torch.bfloat16)[..., :64]  # 136-byte token stride
-    assert [x.code for x in ts.view_violations(narrow, narrow, 64)] == ["kv_token_stride_invalid"] * 2
+    assert [x.code for x in ts.view_violations(narrow, narrow, 64)] == ["kv_stride_misaligned"] * 2
 
 
 def test_replay_end_to_end_reports_findings_and_explain():

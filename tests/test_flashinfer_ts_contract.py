@@ -16,6 +16,7 @@ from kvdbg.backends import flashinfer_ts as ts
 from kvdbg.errors import BackendUnavailable
 from kvdbg.replay import common_metadata, replay, working_cache
 from kvdbg.synth import LAYOUT_SEED, SynthSpec, synth_snapshot
+from kvdbg.ts_contract import api_for_version
 
 from tests.helpers import ROOT
 
@@ -45,8 +46,9 @@ class Recording:
         return wrapper
 
 
-def _gate(log):
-    return ts.KernelGate(True, None, Recording(log), "0.7.1", (10, 0))
+def _gate(log, version="0.7.1"):
+    api, note = api_for_version(ts.parse_version(version))
+    return ts.KernelGate(True, None, Recording(log), version, (10, 0), api=api, api_note=note)
 
 
 def _run(snap, log):

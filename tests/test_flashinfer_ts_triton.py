@@ -51,7 +51,8 @@ def test_triton_matches_torch_emulation(mask_type, window_left, sq, hq, hkv, d, 
     b = a.clone()
     kwargs = dict(mask_type=mask_type, window_left=window_left, bmm1_scale=0.11, bmm2_scale=0.7,
                   requests=[0, 2, 3])
-    ts.emulate_decode(q, k, v, seq_lens, table, out=a, **kwargs)
+    # Called directly on FP8 the Triton kernel keeps P unrounded; the backend never sends FP8 there.
+    ts.emulate_decode(q, k, v, seq_lens, table, out=a, fp8_p=False, **kwargs)
     triton_decode(q, k, v, seq_lens, table, out=b, **kwargs)
     assert torch.equal(a.isnan(), b.isnan())  # the same rows written (request 1 skipped, empty rows left)
     assert a[~a.isnan()].numel() > 0
@@ -84,3 +85,38 @@ def test_device_mask_selects_the_same_requests_as_a_host_list():
                   **kwargs)
     assert torch.equal(a.isnan(), b.isnan()) and a[1].isnan().all() and not a[0].isnan().any()
     torch.testing.assert_close(a, b, equal_nan=True, atol=0, rtol=0)
+
+
+def test_dense_request_shorter_than_its_block_is_written_like_the_torch_emulation():
+    # seq_len 2 against a block of 4: a dense row sees both keys (FlashInfer bounds query_len only for causal).
+    q, k, v, seq_lens, table = _case(3, 4, 8, 2, 64, 16, [2, 37, 300], False, seed=5)
+    kwargs = dict(mask_type="dense", window_left=-1, bmm1_scale=0.1, bmm2_scale=1.0)
+    a = torch.full((3, 4, 8, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+    b = a.clone()
+    ts.emulate_decode(q, k, v, seq_lens, table, out=a, **kwargs)
+    triton_decode(q, k, v, seq_lens, table, out=b, **kwargs)
+    assert not a.isnan().any() and not b.isnan().any()
+    torch.testing.assert_close(b, a, atol=2e-3, rtol=8e-3)
+
+
+def test_fp8_replay_on_cuda_runs_the_torch_p_rounding_model_and_says_why():
+    from kvdbg.attention import ReplayOptions
+    from kvdbg.backends._triton_decode import supported
+    from kvdbg.fixtures_path import fixture_path
+    from kvdbg.replay import replay
+    from kvdbg.snapshot import load_snapshot
+
+    q = torch.zeros(1, 1, 2, 64, device="cuda").to(torch.float8_e4m3fn)
+    assert "torch emulation only" in supported(q, q)
+    snap = load_snapshot(fixture_path("fp8_dense"))
+    run = replay(snap, ["flashinfer_ts"], ReplayOptions(device="cuda")).steps[0].runs["flashinfer_ts"]
+    assert run.info.kernel == ts.EMULATED_KERNEL
+    assert any("torch emulation only" in note for note in run.info.notes)
+    cpu = replay(snap, ["flashinfer_ts"], ReplayOptions()).steps[0].runs["flashinfer_ts"]
+    # The same P-rounding model on two devices: exp() of two libraries may round a probability that sits on
+    # an e4m3 boundary apart, moving that output by at most half an e4m3 step (1/16) of the largest |V|.
+    # Such elements must be rare; every other one agrees to output rounding.
+    v = ts.kv_views(snap.kv_cache, snap.meta.layer.head_size, fp8=True)[1].float() * snap.meta.layer.v_scale
+    gap = (run.output.float().cpu() - cpu.output.float()).abs()
+    assert (gap <= v.abs().max() / 16 + 8e-3).all()
+    assert (gap > 8e-3 + 8e-3 * cpu.output.float().abs()).float().mean() <= 1e-3

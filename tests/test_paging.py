@@ -128,7 +128,7 @@ def test_restriction_properties(seq_len, window, query_len, page_size):
     assert r.first_kept_token % page_size == 0 and r.first_kept_token + r.restricted_seq_len == seq_len
     assert not check_request(request=0, seq_len=r.restricted_seq_len, query_len=query_len,
                              max_kv_len=ts_max_kv_len(window, query_len, page_size, 1 << 30),
-                             table_width=r.table_width, page_size=page_size)
+                             table_width=r.table_width, page_size=page_size, mask_type="dense")
 
 
 def test_torch_twin_matches_scalar_rule():
@@ -158,13 +158,19 @@ def test_torch_twin_matches_scalar_rule():
 
 
 def test_contract_request_messages():
-    assert check_request(request=3, seq_len=100, query_len=8, max_kv_len=4120, table_width=7, page_size=16) == []
-    v = check_request(request=3, seq_len=9000, query_len=8, max_kv_len=4120, table_width=258, page_size=16)
+    assert check_request(request=3, seq_len=100, query_len=8, max_kv_len=4120, table_width=7, page_size=16,
+                         mask_type="causal") == []
+    v = check_request(request=3, seq_len=9000, query_len=8, max_kv_len=4120, table_width=258, page_size=16,
+                      mask_type="causal")
     assert [x.code for x in v] == ["seq_len_over_max_kv_len", "table_too_narrow"]
     assert v[0].message == "request 3: seq_len 9000 exceeds the plan's max_kv_len 4120"
     assert v[1].message == "request 3: seq_len 9000 needs 563 pages of 16 but the block table has 258 columns"
-    v = check_request(request=0, seq_len=4, query_len=8, max_kv_len=4120, table_width=1, page_size=16)
+    v = check_request(request=0, seq_len=4, query_len=8, max_kv_len=4120, table_width=1, page_size=16,
+                      mask_type="causal")
     assert [x.code for x in v] == ["seq_len_below_query_len"] and v[0].request == 0
+    # A dense row sees every key below seq_len however short (FlashInfer's run(validate=True) bounds only causal).
+    assert check_request(request=0, seq_len=4, query_len=8, max_kv_len=4120, table_width=1, page_size=16,
+                         mask_type="dense") == []
 
 
 def test_contract_plan():
