@@ -50,7 +50,7 @@ def test_unknown_backend_lists_valid_names(make_snapshot):
     path, _ = make_snapshot()
     res = invoke(path, "--backend", "flash")
     assert res.exit_code == 2
-    assert res.output.strip() == ("Error: unknown backend 'flash'; choose from: reference, flex, flashinfer_ts")
+    assert res.output.strip() == ("Error: unknown backend 'flash'; choose from: reference, flex, flashinfer_ts, vllm_flex")
 
 
 def test_cuda_unavailable_is_bad_input(make_snapshot):
