@@ -47,6 +47,23 @@ def render_page_map(m: PageMap, *, full: bool = False) -> Group:
     return Group(tables, inverse, _anomalies(m))
 
 
+def map_verdict(maps: list[PageMap]):
+    """FAIL (exit 1) when an anomaly is harmful (an error), else PASS; notes and warnings never fail."""
+    from kvdbg.render.util import simple_verdict
+    from kvdbg.verdict import EXIT_FINDING, EXIT_OK
+
+    errors = [a for m in maps for a in m.anomalies if a.severity == "error"]
+    others = sum(len(m.anomalies) for m in maps) - len(errors)
+    where = ", ".join(f"step {m.step}" for m in maps) or "no step"
+    if errors:
+        codes = ", ".join(sorted({a.code for a in errors}))
+        return simple_verdict("fail", EXIT_FINDING,
+                              f"FAIL: {len(errors)} harmful paging anomal{'y' if len(errors) == 1 else 'ies'} "
+                              f"({codes}) in {where}")
+    tail = f"; {others} note(s) or warning(s)" if others else ""
+    return simple_verdict("pass", EXIT_OK, f"PASS: no harmful paging anomaly in {where}{tail}")
+
+
 def _anomalies(m: PageMap):
     if not m.anomalies:
         return Text("no anomalies", style="green")
