@@ -191,6 +191,8 @@ def render_comparison(comp: Comparison, *, full: bool = False, starts: dict[int,
                       Column("not compared", priority=8, min_width=8)], title=title)
     first = (starts or {}).get(comp.step)
     rows, hidden = _head_rows(comp.heads, full)
+    if not any(h.not_compared for h in rows):
+        table.columns[-1].priority = 1  # a column of zeros drops first (the title counts what was skipped)
     for h in rows:
         status = Text("ok", style="green") if h.passed else Text("FAIL", style="bold red")
         own = h.worst_token - first[h.request] if first is not None and h.request < len(first) else h.worst_token
