@@ -126,7 +126,8 @@ def render_findings(result: ReplayResult, findings=None) -> FitTable | None:
         return None
     table = FitTable([Column("severity", priority=10), Column("backend", priority=8),
                       Column("step", priority=5, min_width=4), Column("req", numeric=True, priority=7),
-                      Column("code", priority=6), Column("message", priority=9)],
+                      Column("code", numeric=True, justify="left", priority=6),
+                      Column("message", priority=9)],
                      title=f"findings ({len(merged)})")
     for f, steps, differ in merged:
         style = SEVERITY_STYLE.get(f.severity, "")
