@@ -280,3 +280,16 @@ def test_report_svgs_are_self_contained_titled_by_what_ran_and_free_of_local_pat
     title = re.search(r'class="terminal-[0-9]+-title"[^>]*>([^<]*)<', svgs["replay"]).group(1)
     assert "reference, flex ran on cpu" in title.replace("&#160;", " ")
     assert "--backend" not in title
+
+
+def test_shrink_ends_on_its_verdict_in_text_and_json(make_snapshot, tmp_path):
+    path, _ = make_snapshot(seq_lens=(30, 50), num_heads=4, num_kv_heads=2, head_size=16, use_page_zero=True,
+                            page_zero_request=0)
+    res = invoke("shrink", path, "-o", tmp_path / "a.safetensors", "--backend", "FLEX_ATTENTION")
+    assert res.exit_code == 0, res.output
+    last = " ".join(res.output.split()[-40:])
+    assert re.search(r"DONE: flex still fails on \d+ \(request, head\) pair\(s\) in \S+a\.safetensors \(exit 0\)$",
+                     last), last
+    data = json.loads(invoke("shrink", path, "-o", tmp_path / "b.safetensors", "--json").output)
+    assert list(data)[-1] == "verdict" and data["verdict"]["status"] == "pass"
+    assert data["verdict"]["summary"].startswith("DONE: flex still fails")

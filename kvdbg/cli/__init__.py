@@ -73,6 +73,11 @@ def cli():
     Exit codes: 0 clean; 1 a mismatch or an error finding (warnings and notes
     do not count); 2 bad input; 3 nothing could be compared; 130 interrupted.
 
+    Every table command ends on its verdict line (also the "verdict" key of
+    --json). Tables fit the terminal; piped output is laid out for 80 columns
+    (COLUMNS=N overrides). Numbers are never cut: a table too wide leaves
+    whole columns out and says which.
+
     \b
     Examples:
       kvdbg info snapshot.safetensors
