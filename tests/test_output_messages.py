@@ -293,3 +293,12 @@ def test_shrink_ends_on_its_verdict_in_text_and_json(make_snapshot, tmp_path):
     data = json.loads(invoke("shrink", path, "-o", tmp_path / "b.safetensors", "--json").output)
     assert list(data)[-1] == "verdict" and data["verdict"]["status"] == "pass"
     assert data["verdict"]["summary"].startswith("DONE: flex still fails")
+
+
+def test_report_lists_unavailable_backends_apart_from_what_ran():
+    res = invoke("report", FIXTURES / "prefix_page0.safetensors")
+    assert res.exit_code == 1
+    row = next(line for line in res.output.splitlines() if line.startswith("| `flashinfer_ts` |"))
+    assert "kv\\_layout" not in row and "| unavailable | - |" in row
+    section = res.output[res.output.index("### Backends that did not run"):]
+    assert section.splitlines()[2].startswith("- `flashinfer_ts`: kv\\_layout")

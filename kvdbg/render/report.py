@@ -42,7 +42,10 @@ def md_table(headers: list[str], rows: list[list[str]], *, align: list[str] | No
 
 
 def _fmt(value: float) -> str:
-    return "nan" if value != value else f"{value:.3g}"
+    """Three significant digits, as the terminal tables print them (2.36e-01)."""
+    from kvdbg.render.replay import _fmt as fmt
+
+    return fmt(value)
 
 
 def _fence(text: str, info: str = "") -> str:
@@ -151,7 +154,8 @@ def _replay(r: BugReport) -> str:
         verdict = b.verdict if b.verdict not in ("FAIL", "pass") else (
             f"**FAIL** ({b.failed_heads} of {b.heads_compared} heads)" if b.verdict == "FAIL"
             else f"pass ({b.heads_compared} heads)")
-        ran = md_escape(b.kernel) + (" *(emulated)*" if b.emulated else "")
+        # An unavailable backend's reason is a paragraph: it gets its own list below the table.
+        ran = "-" if b.status == "unavailable" else md_escape(b.kernel) + (" *(emulated)*" if b.emulated else "")
         rows.append([md_code(b.name), md_escape(b.engine_name or "-"), md_escape(b.status), ran, verdict,
                      _fmt(b.max_abs) if b.verdict in ("FAIL", "pass") else "-", md_escape(worst), md_escape(findings)])
     v = r.verdict
@@ -159,6 +163,10 @@ def _replay(r: BugReport) -> str:
         f": {v.summary.split(': ', 1)[-1]} (`kvdbg replay` exits {v.exit_code})."
     parts = ["## Replay", verdict, md_table(
         ["backend", "engine name", "status", "what ran", "vs reference", "max abs", "worst heads", "findings"], rows)]
+    unavailable = [b for b in r.backends if b.status == "unavailable"]
+    if unavailable:
+        parts.append("### Backends that did not run\n\n" + "\n".join(
+            f"- {md_code(b.name)}: {md_escape(b.kernel or 'no reason given')}" for b in unavailable))
     findings = [f for f in r.findings if f.severity in ("error", "warning")]
     if findings:
         frows = [[md_escape(f.severity), md_code(f.backend), "-" if f.step is None else str(f.step),
