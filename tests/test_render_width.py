@@ -150,3 +150,16 @@ def test_piped_output_is_laid_out_for_80_columns(monkeypatch):
                              env={"COLUMNS": None}, catch_exceptions=False)
     widths = [len(line) for line in res.output.splitlines()]
     assert max(widths) <= 80 and max(widths) >= 70  # laid out at 80, not 120
+
+
+def test_fit_table_drops_the_least_important_column_and_names_it():
+    from kvdbg.render.fit import Column, FitTable
+
+    table = FitTable([Column("name", priority=10), Column("max abs", whole=True, priority=9),
+                      Column("cosine", whole=True, priority=3), Column("note", priority=5)], title="t")
+    table.add_row("reference", "7.81e-03", "0.999998", "a long explanation that wraps over several lines")
+    wide, narrow = render(table, 120), render(table, 40)
+    assert "0.999998" in wide and "hidden at" not in wide
+    assert "7.81e-03" in narrow and "0.999998" not in narrow
+    assert "hidden at 40 columns: cosine" in " ".join(narrow.split())
+    assert_uncut(narrow, 40)

@@ -1,7 +1,7 @@
 """Tables that fit the terminal: numbers are never cut; text wraps first, then whole columns drop.
 
 rich squeezes every column of a table that is too wide, numbers included
-(``0.00…``). A ``FitTable`` is drawn at the width it is given: numeric columns
+(``0.00…``). A ``FitTable`` is drawn at the width it is given: whole columns (numbers, codes)
 keep their full width, text columns wrap (and fold only a word longer than the
 column), and when even that does not fit, the least important columns are left
 out and the caption says which.
@@ -22,7 +22,7 @@ TEXT_MIN_WIDTH = 12
 @dataclass
 class Column:
     header: str
-    numeric: bool = False  # numbers: right-aligned, never wrapped nor cut
+    whole: bool = False  # numbers (and codes): never wrapped nor cut; right-aligned unless told
     priority: int = 0  # higher stays longer; the lowest drops first when the table does not fit
     style: str | None = None
     min_width: int = TEXT_MIN_WIDTH  # text columns only
@@ -38,7 +38,6 @@ class FitTable:
     title: Any = None
     caption: str | None = None
     show_header: bool = True
-    box: Any = "default"
 
     def add_row(self, *cells: Any) -> None:
         self.rows.append(list(cells))
@@ -46,26 +45,23 @@ class FitTable:
     def fit(self, width: int) -> tuple[list[int], list[str]]:
         """Indices of the columns shown at ``width`` and the headers left out."""
         keep = list(range(len(self.columns)))
-        while True:
-            if _needed(self, keep) <= width or len(keep) <= 1:
-                break
-            drop = min((i for i in keep), key=lambda i: (self.columns[i].priority, -i))
+        while _needed(self, keep) > width and len(keep) > 1:
+            drop = min(keep, key=lambda i: (self.columns[i].priority, -i))  # the rightmost of the least important
             keep.remove(drop)
         dropped = [self.columns[i].header for i in range(len(self.columns)) if i not in keep]
         return keep, dropped
 
     def table(self, width: int) -> Table:
         keep, dropped = self.fit(width)
-        kwargs = {} if self.box == "default" else {"box": self.box}
         caption = self.caption
         if dropped:
             note = f"hidden at {width} columns: {', '.join(dropped)} (wider terminal or --json)"
             caption = f"{caption}\n{note}" if caption else note
         table = Table(title=self.title, title_justify="left", caption=caption, caption_justify="left",
-                      show_header=self.show_header, **kwargs)
+                      show_header=self.show_header)
         for i in keep:
             col = self.columns[i]
-            if col.numeric:
+            if col.whole:
                 # A fixed width as wide as the widest cell: rich never squeezes it, and the header wraps.
                 table.add_column(col.header, justify=col.justify or "right", width=_cell_width(self, i),
                                  overflow="fold", style=col.style)
@@ -107,10 +103,9 @@ def _needed(t: FitTable, keep: list[int]) -> int:
     total = 0
     for i in keep:
         col = t.columns[i]
-        total += _cell_width(t, i) if col.numeric else _text_min(t, i)
+        total += _cell_width(t, i) if col.whole else _text_min(t, i)
     # rich's default box: one border left, then padding 1 + cell + padding 1 + border per column.
-    edges = 1 + 3 * len(keep) if t.box == "default" or t.box is not None else 2 * len(keep)
-    return total + edges
+    return total + 1 + 3 * len(keep)
 
 
 __all__ = ["Column", "FitTable", "TEXT_MIN_WIDTH"]

@@ -55,7 +55,7 @@ def render_info(s: InfoSummary, *, full: bool = False) -> Group:
     parts.append(overview)
 
     tensors = FitTable([Column("name", priority=10, min_width=28), Column("dtype", priority=8),
-                        Column("shape", numeric=True, priority=9), Column("bytes", numeric=True, priority=7)],
+                        Column("shape", whole=True, priority=9), Column("bytes", whole=True, priority=7)],
                        title="tensors")
     for t in s.tensors:
         tensors.add_row(t.name, t.dtype, "×".join(map(str, t.shape)) or "scalar", human_bytes(t.nbytes))
@@ -67,7 +67,7 @@ def render_info(s: InfoSummary, *, full: bool = False) -> Group:
             f"{step.table_width}{', new K/V + slot_mapping' if step.has_update else ''}"
             f"{', engine output' if step.has_output else ''}"
         )
-        table = FitTable([Column(col, numeric=True, priority=10 - n)
+        table = FitTable([Column(col, whole=True, priority=10 - n)
                           for n, col in enumerate(("request", "seq_len", "query_len", "live pages"))], title=title)
         rows = step.requests if full else step.requests[:MAX_REQUEST_ROWS]
         for r in rows:

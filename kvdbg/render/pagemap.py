@@ -24,12 +24,12 @@ def _p2l(entry: PhysicalEntry) -> str:
 def render_page_map(m: PageMap, *, full: bool = False) -> Group:
     title = (f"{m.path or 'snapshot'} step {m.step} of {m.num_steps}: {m.num_reqs} request(s), "
              f"page_size {m.page_size}, {m.stored_pages} stored pages")
-    tables = FitTable([Column("req", numeric=True, priority=10), Column("seq_len", numeric=True, priority=9),
-                       Column("q", numeric=True, priority=7), Column("live/width", numeric=True, priority=8),
+    tables = FitTable([Column("req", whole=True, priority=10), Column("seq_len", whole=True, priority=9),
+                       Column("q", whole=True, priority=7), Column("live/width", whole=True, priority=8),
                        Column("logical → physical (live)", priority=10), Column("stale tail", priority=6)],
                       title=title,
                       caption="engine page ids; stale: entries past cdiv(seq_len, page_size), ignored by current vLLM")
-    inverse = FitTable([Column("req", numeric=True, priority=10), Column("physical→logical", priority=9)],
+    inverse = FitTable([Column("req", whole=True, priority=10), Column("physical→logical", priority=9)],
                        title="physical → logical, as FLEX_ATTENTION derives it (page 0 is the null block)",
                        caption="a|b: one physical page backs several logical pages")
     rows = m.requests if full else m.requests[:MAX_REQUEST_ROWS]
@@ -65,7 +65,7 @@ def _anomalies(m: PageMap):
     if not m.anomalies:
         return Text("no anomalies", style="green")
     # The code is what a user searches for: it is kept whole, like a number.
-    t = FitTable([Column("severity", priority=10), Column("code", numeric=True, justify="left", priority=9),
+    t = FitTable([Column("severity", priority=10), Column("code", whole=True, justify="left", priority=9),
                   Column("message", priority=10)],
                  title=f"{len(m.anomalies)} anomal{'y' if len(m.anomalies) == 1 else 'ies'} ({m.errors} harmful)")
     for a in m.anomalies:

@@ -38,7 +38,7 @@ def render_backends(result: ReplayResult) -> FitTable:
     table = FitTable([Column("backend", priority=10, style="bold"), Column("engine name", priority=2),
                       Column("status", priority=9), Column("kernel", priority=8), Column("device", priority=5),
                       Column("mode", priority=4), Column("dtype", priority=6), Column("emulated", priority=7),
-                      Column("time", numeric=True, priority=3)], title="backends")
+                      Column("time", whole=True, priority=3)], title="backends")
     times: dict[str, float] = {}
     for step in result.steps:
         for name, run in step.runs.items():
@@ -125,8 +125,8 @@ def render_findings(result: ReplayResult, findings=None) -> FitTable | None:
     if not merged:
         return None
     table = FitTable([Column("severity", priority=10), Column("backend", priority=8),
-                      Column("step", priority=5, min_width=4), Column("req", numeric=True, priority=7),
-                      Column("code", numeric=True, justify="left", priority=6),
+                      Column("step", priority=5, min_width=4), Column("req", whole=True, priority=7),
+                      Column("code", whole=True, justify="left", priority=6),
                       Column("message", priority=9)],
                      title=f"findings ({len(merged)})")
     for f, steps, differ in merged:
@@ -183,12 +183,12 @@ def render_comparison(comp: Comparison, *, full: bool = False, starts: dict[int,
     title = Text.assemble(f"step {comp.step}: {comp.actual} vs {comp.expected} — ", verdict,
                           f"  (max abs {_fmt(comp.max_abs)}"
                           + "".join(f", {c}" for c in causes if c) + ")")
-    table = FitTable([Column("req", numeric=True, priority=10), Column("head", numeric=True, priority=10),
-                      Column("status", priority=10, min_width=4), Column("max abs", numeric=True, priority=9),
-                      Column("mean abs", numeric=True, priority=4), Column("max rel", numeric=True, priority=5),
-                      Column("cosine", numeric=True, priority=3),
-                      Column("worst token (pos)", numeric=True, priority=2),
-                      Column("failing elements", numeric=True, priority=7),
+    table = FitTable([Column("req", whole=True, priority=10), Column("head", whole=True, priority=10),
+                      Column("status", priority=10, min_width=4), Column("max abs", whole=True, priority=9),
+                      Column("mean abs", whole=True, priority=4), Column("max rel", whole=True, priority=5),
+                      Column("cosine", whole=True, priority=3),
+                      Column("worst token (pos)", whole=True, priority=2),
+                      Column("failing elements", whole=True, priority=7),
                       Column("not compared", priority=8, min_width=8)], title=title)
     first = (starts or {}).get(comp.step)
     rows, hidden = _head_rows(comp.heads, full)

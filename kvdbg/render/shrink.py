@@ -16,8 +16,8 @@ def render_shrink(r: ShrinkResult) -> Group:
     head = Text(f"shrunk {r.input_path or '<memory>'} → {r.output_path or '<memory>'}: "
                 f"{human_bytes(r.input_bytes)} → {human_bytes(r.output_bytes)} ({ratio:.1f}× smaller) "
                 f"in {r.seconds:.1f} s, {r.replays} replays", style="bold")
-    passes = FitTable([Column("pass", priority=10), Column("candidates", numeric=True, priority=7),
-                       Column("removed", priority=8), Column("tensor bytes after", numeric=True, priority=9)],
+    passes = FitTable([Column("pass", priority=10), Column("candidates", whole=True, priority=7),
+                       Column("removed", priority=8), Column("tensor bytes after", whole=True, priority=9)],
                       title="passes")
     for p in r.passes:
         passes.add_row(p.name, str(p.candidates), p.removed or "-", human_bytes(p.bytes_after))

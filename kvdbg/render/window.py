@@ -69,9 +69,9 @@ def _summary(a: WindowAnalysis) -> Table:
 
 
 def _tokens(a: WindowAnalysis, *, full: bool) -> FitTable:
-    t = FitTable([Column("i", numeric=True, priority=10), Column("position", numeric=True, priority=6),
-                  Column("exact keys", numeric=True, priority=9), Column("kernel keys", numeric=True, priority=9),
-                  Column("extra", numeric=True, priority=7), Column("missed", numeric=True, priority=8)],
+    t = FitTable([Column("i", whole=True, priority=10), Column("position", whole=True, priority=6),
+                  Column("exact keys", whole=True, priority=9), Column("kernel keys", whole=True, priority=9),
+                  Column("extra", whole=True, priority=7), Column("missed", whole=True, priority=8)],
                  title="per query token: exact window vs what the kernel sees",
                  caption="kernel keys: the keys it reads through table columns the builder filled")
     rows = a.visibility.tokens
