@@ -136,7 +136,7 @@ def test_findings_are_listed_once_with_their_steps(page_zero):
     table = invoke("replay", path, "--backend", "flex").output
     rows = [line for line in table.splitlines() if "│ null_page_masked" in line]
     assert len(rows) == 1 and re.search(r"│ 0, 1\s+│", rows[0]), rows
-    assert "findings (1)" in table
+    assert "findings (1, all flex)" in table
     assert "the other steps' numbers differ" in " ".join(table.replace("│", " ").split())
 
 

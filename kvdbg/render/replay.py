@@ -124,11 +124,14 @@ def render_findings(result: ReplayResult, findings=None) -> FitTable | None:
     merged = dedupe_findings(result.findings if findings is None else findings)
     if not merged:
         return None
+    backends = sorted({f.backend for f, _, _ in merged})
+    title = f"findings ({len(merged)}" + (f", all {backends[0]})" if len(backends) == 1 else ")")
     table = FitTable([Column("severity", priority=10), Column("backend", priority=8),
                       Column("step", priority=5, min_width=4), Column("req", whole=True, priority=7),
                       Column("code", whole=True, justify="left", priority=6),
-                      Column("message", priority=9)],
-                     title=f"findings ({len(merged)})")
+                      Column("message", priority=9)], title=title)
+    if len(backends) == 1:
+        table.columns[1].priority = 0  # the title names it; the column drops first
     for f, steps, differ in merged:
         style = SEVERITY_STYLE.get(f.severity, "")
         message = f.message
