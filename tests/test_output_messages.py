@@ -302,3 +302,20 @@ def test_report_lists_unavailable_backends_apart_from_what_ran():
     assert "kv\\_layout" not in row and "| unavailable | - |" in row
     section = res.output[res.output.index("### Backends that did not run"):]
     assert section.splitlines()[2].startswith("- `flashinfer_ts`: kv\\_layout")
+
+
+def test_report_writes_pngs_where_a_converter_is_installed(tmp_path, monkeypatch):
+    """rsvg-convert stands in here as a script that records its call and writes the file it is asked for."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    script = bin_dir / "rsvg-convert"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nprintf PNG > "$2"\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    res = invoke("report", FIXTURES / "causal_gqa.safetensors", "--backend", "flex", "--svg", tmp_path / "svg",
+                 "-o", tmp_path / "r.md")
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in (tmp_path / "svg").iterdir()) == [
+        "info.png", "info.svg", "map.png", "map.svg", "replay.png", "replay.svg"]
+    assert len(calls.read_text().splitlines()) == 3
