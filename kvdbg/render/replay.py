@@ -269,14 +269,14 @@ def render_explain(result: ReplayResult, requests: list[int] | None = None) -> l
 def render_footer(comparisons: list[Comparison]) -> Text:
     text = Text("pass rule: an element passes when |a - e| <= atol + rtol·|e| (e: expected); "
                 "NaN or inf on either side, or a token not written, always fails\n", style="dim")
-    seen = set()
+    # One line per tolerance, naming the comparisons it was used for (usually one line in all).
+    by_tolerance: dict[Any, list[str]] = {}
     for c in comparisons:
-        key = (c.actual, c.expected, c.tolerance)
-        if key in seen:
-            continue
-        seen.add(key)
-        text.append(f"  {c.actual} vs {c.expected}: atol {c.tolerance.atol:g}, rtol {c.tolerance.rtol:g} "
-                    f"({c.tolerance.source})\n", style="dim")
+        pairs = by_tolerance.setdefault(c.tolerance, [])
+        if f"{c.actual} vs {c.expected}" not in pairs:
+            pairs.append(f"{c.actual} vs {c.expected}")
+    for tol, pairs in by_tolerance.items():
+        text.append(f"  atol {tol.atol:g}, rtol {tol.rtol:g} ({tol.source}): {', '.join(pairs)}\n", style="dim")
     if any(c.heads for c in comparisons):
         text.append("failing elements: elements (query tokens × head_size) of the head outside tolerance or not "
                     "compared; worst token: the request's own query token index (its position in the request)\n",
