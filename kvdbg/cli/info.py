@@ -29,7 +29,6 @@ def info(snapshot: str, full: bool, check: bool, as_json: bool) -> None:
       kvdbg info snapshot.safetensors --json
     """
     from kvdbg.summary import summarize
-
     from kvdbg.verdict import EXIT_OK
 
     summary = summarize(snapshot)
