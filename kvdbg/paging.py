@@ -46,6 +46,15 @@ def _require(name: str, value: int | None, minimum: int) -> None:
         raise OptionError(f"{name} must be >= {minimum}, got {value}")
 
 
+# The engine holds lengths, positions and page ids as int32 (seq_lens, block_table).
+INT32_MAX = 2**31 - 1
+
+
+def _require_int32(name: str, value: int) -> None:
+    if value > INT32_MAX:
+        raise OptionError(f"{name} {value} is beyond int32 ({INT32_MAX}), the dtype the engine holds lengths in")
+
+
 # --------------------------------------------------------------------------- the builder's rule
 
 
@@ -397,10 +406,12 @@ def analyze_window(
     max_decode_query_len: int | None = None,
 ) -> WindowAnalysis:
     """Everything `kvdbg window` shows: restriction, builder output, per-token visibility, strip, findings."""
-    for name, value in (("--seq-len", seq_len), ("--query-len", query_len), ("--page-size", page_size)):
-        _require(name, value, 1)
-    if window is not None:
-        _require("--window", window, 1)
+    for name, value in (("--seq-len", seq_len), ("--query-len", query_len), ("--page-size", page_size),
+                        ("--window", window), ("--max-model-len", max_model_len),
+                        ("--max-decode-query-len", max_decode_query_len)):
+        if value is not None:
+            _require(name, value, 1)
+            _require_int32(name, value)
     if query_len > seq_len:
         raise OptionError(f"--query-len {query_len} is longer than --seq-len {seq_len}")
     max_model_len = max(32768, seq_len) if max_model_len is None else max_model_len

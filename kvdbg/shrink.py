@@ -206,8 +206,10 @@ def failure_signature(snapshot: "Snapshot", backend: str | None = None, *, devic
             obs = _observation(result, name, index)
             if obs.fails:
                 return Signature(name, result.steps[index].step, obs.failing_heads, obs.error_findings)
-    which = f"backend {backend}" if backend else f"no backend ({', '.join(candidates)})"
-    raise OptionError(f"{snapshot.path or 'the snapshot'}: {which} fails against the reference "
+    if backend and backend in unavailable:
+        raise OptionError(f"backend {backend} cannot run here ({unavailable[backend]}); there is nothing to shrink")
+    which = f"backend {backend} passes" if backend else f"every backend ({', '.join(candidates)}) passes"
+    raise OptionError(f"{snapshot.path or 'the snapshot'}: {which} against the reference "
                       "(no failing head, no error finding); there is nothing to shrink")
 
 

@@ -33,3 +33,14 @@ def small_parts():
     snap = synth_snapshot(SynthSpec(seq_lens=(20, 40), num_heads=4, num_kv_heads=2, head_size=16))
     meta = json.loads(snap.meta.to_json())
     return dict(snap.tensors()), meta
+
+
+@pytest.fixture(autouse=True)
+def _wide_output(monkeypatch):
+    """Tests read CLI output at 120 columns unless they set COLUMNS themselves.
+
+    Piped output is laid out for 80 columns (kvdbg.cli.common.PIPED_WIDTH); most
+    tests assert phrases that 120 columns keep on one line. The layout at 60, 80
+    and 120 columns is tested in test_render_width.py.
+    """
+    monkeypatch.setenv("COLUMNS", "120")

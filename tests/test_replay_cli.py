@@ -50,7 +50,9 @@ def test_unknown_backend_lists_valid_names(make_snapshot):
     path, _ = make_snapshot()
     res = invoke(path, "--backend", "flash")
     assert res.exit_code == 2
-    assert res.output.strip() == ("Error: unknown backend 'flash'; choose from: reference, flex, flashinfer_ts, vllm_flex")
+    assert res.output.strip() == (
+        "Error: --backend: unknown backend 'flash'; did you mean flashinfer_ts? (choose from: reference, flex, "
+        "flashinfer_ts, vllm_flex; engine names FLEX_ATTENTION and FLASHINFER_TS work too)")
 
 
 def test_cuda_unavailable_is_bad_input(make_snapshot):
@@ -67,7 +69,7 @@ def test_cuda_unavailable_is_bad_input(make_snapshot):
     (["--heads", "8"], "--heads 8 is out of range: the layer has 8 heads"),
     (["--request", "9"], "--request 9 is out of range: the snapshot has 4 requests"),
     (["--step", "1"], "--step 1 is out of range: the snapshot has 1 step(s)"),
-    (["--atol", "-1"], "--atol must be a non-negative number, got -1.0"),
+    (["--atol", "-1"], "Invalid value for '--atol': must be a non-negative number, got '-1'"),
 ])
 def test_bad_options_exit_2_with_one_line(make_snapshot, args, message):
     path, _ = make_snapshot()
@@ -111,7 +113,7 @@ def test_save_outputs_writes_once_and_refuses_to_overwrite(make_snapshot, tmp_pa
 def test_explain_and_full(make_snapshot):
     path, _ = make_snapshot(query_len=2, num_heads=16, num_kv_heads=4)
     res = invoke(path, "--backend", "flex", "--explain")
-    assert "flex builder decisions" in res.output and "decode_offset" in res.output
+    assert "step 0, request 0: builder decisions" in res.output and "decode_offset" in res.output
     assert "more passing heads (--full)" in res.output
     assert "more passing heads" not in invoke(path, "--backend", "flex", "--full").output
 

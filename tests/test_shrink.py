@@ -70,13 +70,13 @@ def test_refuses_clean_input_and_existing_output(make_snapshot, tmp_path):
     out = tmp_path / "out.safetensors"
     res = invoke(clean, "-o", str(out))
     assert res.exit_code == 2
-    assert res.output.startswith("Error: ") and "fails against the reference" in res.output
+    assert res.output.startswith("Error: ") and "passes against the reference" in res.output
     assert "nothing to shrink" in res.output and len(res.output.strip().splitlines()) == 1
     assert not out.exists()
 
     failing, _ = make_snapshot(seq_lens=(30, 50), use_page_zero=True, page_zero_request=0)
     res = invoke(failing, "-o", str(out), "--backend", "flashinfer_ts")  # page 0 is no bug for flashinfer_ts
-    assert res.exit_code == 2 and "backend flashinfer_ts fails" in res.output
+    assert res.exit_code == 2 and "backend flashinfer_ts passes against the reference" in res.output
     out.write_bytes(b"keep me")
     res = invoke(failing, "-o", str(out))
     assert res.exit_code == 2 and "already exists; pass --force" in res.output

@@ -20,9 +20,37 @@ COMMANDS = {
 }
 
 
+def _one_line(exc: click.UsageError) -> click.UsageError:
+    """Drop the context so click prints just ``Error: ...`` (no usage block): one line, exit 2."""
+    exc.ctx = None
+    return exc
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx):
         return sorted(COMMANDS)
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+    def resolve_command(self, ctx, args):
+        name = args[0] if args else None
+        if name is not None and not name.startswith("-") and self.get_command(ctx, name) is None:
+            import difflib
+
+            close = difflib.get_close_matches(name, list(COMMANDS), n=1, cutoff=0.5)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise click.UsageError(f"No such command {name!r}.{hint} Commands: {', '.join(sorted(COMMANDS))}.")
+        return super().resolve_command(ctx, args)
 
     def get_command(self, ctx, name):
         target = COMMANDS.get(name)
@@ -44,6 +72,11 @@ def cli():
 
     Exit codes: 0 clean; 1 a mismatch or an error finding (warnings and notes
     do not count); 2 bad input; 3 nothing could be compared; 130 interrupted.
+
+    Every table command ends on its verdict line (also the "verdict" key of
+    --json). Tables fit the terminal; piped output is laid out for 80 columns
+    (COLUMNS=N overrides). Numbers are never cut: a table too wide leaves
+    whole columns out and says which.
 
     \b
     Examples:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import click
 
 from kvdbg.errors import KvdbgError
+from kvdbg.render.util import simple_verdict  # noqa: F401  (re-exported for the commands)
 from kvdbg.verdict import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK  # noqa: F401  (the one definition)
 
 
@@ -44,8 +45,44 @@ def console(*, stderr: bool = False):
     # (layer names, paths, notes), printed as given: no markup ("[x]" would vanish) and no
     # emoji codes (":x:" would change), which also spares parsing every cell and loading
     # rich's emoji table.
-    width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "120"))
-    return Console(stderr=stderr, width=width, highlight=False, markup=False, emoji=False)
+    return Console(stderr=stderr, width=output_width(), highlight=False, markup=False, emoji=False)
+
+
+# Piped output (`| less`, a file, CI logs) has no terminal to measure: it is laid out for
+# the narrowest common screen, so it reads whole wherever it is shown. COLUMNS overrides.
+PIPED_WIDTH = 80
+MIN_WIDTH = 40
+
+
+def output_width() -> int | None:
+    """COLUMNS when set; else the terminal's own width (None: rich measures it); else 80 for a pipe."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return max(MIN_WIDTH, int(columns))
+    return None if sys.stdout.isatty() else PIPED_WIDTH
+
+
+class FiniteFloat(click.ParamType):
+    """A finite, non-negative number (a tolerance): inf, nan and 1e400 are refused, so JSON stays strict."""
+
+    name = "number"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            number = value
+        else:
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                self.fail(f"{value!r} is not a number", param, ctx)
+        if number != number or number in (float("inf"), float("-inf")):
+            self.fail(f"must be a finite number, got {value!r}", param, ctx)
+        if number < 0:
+            self.fail(f"must be a non-negative number, got {value!r}", param, ctx)
+        return number
+
+
+FINITE_FLOAT = FiniteFloat()
 
 
 def emit_json(obj: Any) -> None:
@@ -77,10 +114,41 @@ def _json_default(value: Any):
     return str(value)
 
 
+def print_verdict(out, verdict) -> None:
+    """The last line of every table command: the verdict and the exit code it gives."""
+    from kvdbg.render.util import verdict_line
+
+    out.print(verdict_line(verdict))
+
+
 def finish(findings: int) -> None:
     """Exit 1 when there are findings, else return normally (exit 0)."""
     if findings:
         sys.exit(EXIT_FINDING)
+
+
+# What users type for a backend: kvdbg's names, the engine's names the tables print beside them
+# (FLEX_ATTENTION, FLASHINFER_TS), and the library's own name. Matched case-insensitively, - or _.
+BACKEND_NAMES = ("reference", "flex", "flashinfer_ts", "vllm_flex")
+BACKEND_ALIASES = {"flex_attention": "flex", "flashinfer": "flashinfer_ts", "ref": "reference"}
+
+
+def backend_name(name: str, option: str = "--backend") -> str:
+    """The kvdbg backend ``name`` means; an unknown one lists the valid names and suggests the nearest."""
+    import difflib
+
+    key = name.strip().lower().replace("-", "_")
+    if key in BACKEND_NAMES:
+        return key
+    if key in BACKEND_ALIASES:
+        return BACKEND_ALIASES[key]
+    known = list(BACKEND_NAMES) + list(BACKEND_ALIASES)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {BACKEND_ALIASES.get(close[0], close[0])}?" if close else ""
+    from kvdbg.errors import OptionError
+
+    raise OptionError(f"{option}: unknown backend {name!r}{hint} (choose from: {', '.join(BACKEND_NAMES)}; "
+                      "engine names FLEX_ATTENTION and FLASHINFER_TS work too)")
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
-from kvdbg.cli.common import console, emit_json, guarded, json_option
+from kvdbg.cli.common import console, emit_json, guarded, json_option, print_verdict, simple_verdict
 
 
 @click.command()
 @click.argument("snapshot", type=click.Path(dir_okay=False))
 @click.option("--full", is_flag=True, help="List every request, not the first 32.")
 @click.option("--check", is_flag=True,
-              help="Also map the tensors and validate every page id, length and offset (loads torch).")
+              help="Also load the tensors, validate every page id, length and offset, and check each step's "
+                   "live pages as `kvdbg map` does (NaN/Inf, hidden page 0, ...); exit 1 on an error (loads torch).")
 @json_option
 @guarded
 def info(snapshot: str, full: bool, check: bool, as_json: bool) -> None:
@@ -26,15 +29,41 @@ def info(snapshot: str, full: bool, check: bool, as_json: bool) -> None:
       kvdbg info snapshot.safetensors --json
     """
     from kvdbg.summary import summarize
+    from kvdbg.verdict import EXIT_OK
 
     summary = summarize(snapshot)
+    checked = None
     if check:
+        from kvdbg.pagemap import page_map
+        from kvdbg.render.pagemap import map_verdict
         from kvdbg.snapshot import load_snapshot
 
-        load_snapshot(snapshot)
+        snap = load_snapshot(snapshot)
+        maps = [page_map(snap, step=s) for s in range(len(snap.steps))]
+        checked = [a for m in maps for a in m.anomalies if a.severity == "error"]
+        verdict = map_verdict(maps)
+        verdict = simple_verdict(verdict.status, verdict.exit_code, verdict.summary.replace(
+            "PASS:", "PASS: checked every page id, length and offset, and the live pages;", 1))
+    else:
+        verdict = simple_verdict("pass", EXIT_OK, "OK: header read; ids, lengths and page contents not checked "
+                                                  "(--check validates them)")
     if as_json:
-        emit_json(summary.to_json_dict())
+        record = summary.to_json_dict()
+        record["checked"] = check
+        if checked is not None:
+            record["check_errors"] = [{"code": a.code, "request": a.request, "message": a.message} for a in checked]
+        record["verdict"] = verdict.to_json_dict()
+        emit_json(record)
     else:
         from kvdbg.render.info import render_info  # rich's table machinery only when drawing
 
-        console().print(render_info(summary, full=full))
+        out = console()
+        out.print(render_info(summary, full=full))
+        if checked:
+            from rich.text import Text
+
+            for a in checked:
+                out.print(Text(f"error {a.code}: {a.message}", style="bold red"))
+        print_verdict(out, verdict)
+    if verdict.exit_code:
+        sys.exit(verdict.exit_code)

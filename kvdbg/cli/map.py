@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
-from kvdbg.cli.common import console, emit_json, finish, guarded, json_option
+from kvdbg.cli.common import console, emit_json, guarded, json_option, print_verdict
 
 
 @click.command(name="map")
@@ -34,11 +36,17 @@ def map_(snapshot: str, step: int, request: int | None, full: bool, as_json: boo
     from kvdbg.pagemap import page_map
     from kvdbg.snapshot import load_snapshot
 
+    from kvdbg.render.pagemap import map_verdict
+
     result = page_map(load_snapshot(snapshot), step=step, request=request)
+    verdict = map_verdict([result])
     if as_json:
-        emit_json(result.to_json_dict())
+        emit_json({**result.to_json_dict(), "verdict": verdict.to_json_dict()})
     else:
         from kvdbg.render.pagemap import render_page_map
 
-        console().print(render_page_map(result, full=full))
-    finish(result.errors)
+        out = console()
+        out.print(render_page_map(result, full=full))
+        print_verdict(out, verdict)
+    if verdict.exit_code:
+        sys.exit(verdict.exit_code)

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvdbg.cli.common import console, emit_json, guarded, json_option
+from kvdbg.cli.common import FINITE_FLOAT, backend_name, console, emit_json, guarded, json_option
 from kvdbg.errors import OptionError
 
 # No engine has this many heads or requests in one step; the bound keeps a typo
@@ -58,16 +58,22 @@ def default_snapshot() -> str:
 @click.command()
 @click.argument("snapshot", required=False, type=click.Path(dir_okay=False))
 @click.option("--backend", "backends", multiple=True,
-              help="Backend to replay (repeatable): reference, flex, flashinfer_ts, vllm_flex (the installed vLLM's own code). Default: all.")
+              help="Backend to replay (repeatable): reference, flex, flashinfer_ts, vllm_flex (the installed vLLM's "
+                   "own code); any case, or the engine's name (FLEX_ATTENTION, FLASHINFER_TS). Default: all.")
 @click.option("--step", type=int, default=None, help="Replay only this step (earlier steps' cache updates still apply).")
-@click.option("--request", "requests", default=None, help="Requests to compare, e.g. 0-3,7 (default: all).")
-@click.option("--heads", default=None, help="Query heads to compare, e.g. 0-3,7 (default: all).")
+@click.option("--request", "requests", default=None,
+              help="Requests to compare, e.g. 0-3,7 (default: all); findings about other requests are left out "
+                   "too, and the exit code follows what is shown.")
+@click.option("--heads", default=None,
+              help="Query heads to compare, e.g. 0-3,7 (default: all). Findings concern whole requests (every "
+                   "head of one), so --heads does not drop them.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
 @click.option("--exact", is_flag=True, help="Reference in float64 instead of float32.")
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="torch.compile flex_attention (default: eager on CPU, compiled on CUDA).")
-@click.option("--atol", type=float, default=None, help="Absolute tolerance (default by dtype, see the footer).")
-@click.option("--rtol", type=float, default=None, help="Relative tolerance (default by dtype).")
+@click.option("--atol", type=FINITE_FLOAT, default=None,
+              help="Absolute tolerance, finite and >= 0 (default by dtype, see the footer).")
+@click.option("--rtol", type=FINITE_FLOAT, default=None, help="Relative tolerance, finite and >= 0 (default by dtype).")
 @click.option("--explain", is_flag=True, help="Show each backend's per-request builder decisions.")
 @click.option("--full", is_flag=True, help="Show every head, not only failing ones and the worst passing.")
 @click.option("--save-outputs", type=click.Path(dir_okay=False), default=None,
@@ -103,9 +109,7 @@ def replay(snapshot, backends, step, requests, heads, device, exact, compile_, a
     from kvdbg.snapshot import load_snapshot
     from kvdbg.verdict import replay_verdict
 
-    for name, value in (("--atol", atol), ("--rtol", rtol)):
-        if value is not None and not value >= 0:
-            raise OptionError(f"{name} must be a non-negative number, got {value}")
+    backends = list(dict.fromkeys(backend_name(b) for b in backends))
     request_ids = parse_ranges(requests, "--request")
     head_ids = parse_ranges(heads, "--heads")
     path = snapshot or default_snapshot()
@@ -133,11 +137,14 @@ def replay(snapshot, backends, step, requests, heads, device, exact, compile_, a
                    for c in compare_step(s, snap.meta, atol=atol, rtol=rtol, requests=request_ids, heads=head_ids)]
     if save_outputs:
         write_outputs(result, save_outputs, overwrite=force)
-    verdict = replay_verdict(comparisons, result.findings)
+    # --request narrows findings as it narrows the diffs, and the exit code follows what is shown.
+    findings = [f for f in result.findings
+                if request_ids is None or f.request is None or f.request in request_ids]
+    verdict = replay_verdict(comparisons, findings)
     if as_json:
-        emit_json(replay_json(result, comparisons, verdict, explain=explain))
+        emit_json(replay_json(result, comparisons, verdict, explain=explain, findings=findings))
     else:
         console().print(render_replay(result, comparisons, verdict, explain=explain, full=full,
-                                      saved=save_outputs))
+                                      saved=save_outputs, findings=findings, requests=request_ids))
     if verdict.exit_code:
         sys.exit(verdict.exit_code)

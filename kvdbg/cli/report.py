@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from kvdbg.cli.common import console, guarded
+from kvdbg.cli.common import backend_name, console, guarded
 from kvdbg.errors import OptionError
 
 
@@ -19,7 +19,8 @@ from kvdbg.errors import OptionError
               help="Backend to replay (repeatable): reference, flex, flashinfer_ts, vllm_flex (the installed vLLM's own code). Default: all.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
 @click.option("--svg", "svg_dir", default=None, type=click.Path(file_okay=False),
-              help="Also write the info, map and replay tables as SVG images into this directory.")
+              help="Also write the info, map and replay tables as self-contained SVG images into this directory "
+                   "(and PNGs beside them where rsvg-convert is installed).")
 @click.option("--force", is_flag=True, help="Replace existing output files.")
 @guarded
 def report(snapshot, output, backends, device, svg_dir, force):
@@ -41,6 +42,7 @@ def report(snapshot, output, backends, device, svg_dir, force):
     from kvdbg.render.report import render_markdown, render_svgs
     from kvdbg.report import build_report, write_text_atomic
 
+    backends = tuple(dict.fromkeys(backend_name(b) for b in backends))
     svg_paths = []
     if svg_dir is not None:
         if os.path.exists(svg_dir) and not os.path.isdir(svg_dir):
@@ -64,6 +66,7 @@ def report(snapshot, output, backends, device, svg_dir, force):
         os.makedirs(svg_dir, exist_ok=True)
         for path, (stem, svg) in zip(svg_paths, render_svgs(result).items()):
             write_text_atomic(path, svg, overwrite=force)
+        _pngs(svg_paths, force)
     if output is None:
         click.echo(text, nl=False)
     else:
@@ -71,3 +74,18 @@ def report(snapshot, output, backends, device, svg_dir, force):
     verdict = result.verdict
     if verdict.exit_code:
         sys.exit(verdict.exit_code)
+
+
+def _pngs(svg_paths: list[str], force: bool) -> None:
+    """A PNG beside each SVG where rsvg-convert is installed; without it, the SVGs alone."""
+    import shutil
+    import subprocess
+
+    converter = shutil.which("rsvg-convert")
+    if converter is None:
+        return
+    for svg in svg_paths:
+        png = svg[:-len(".svg")] + ".png"
+        if os.path.exists(png) and not force:
+            continue
+        subprocess.run([converter, "-o", png, svg], check=False, capture_output=True, timeout=60)

@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from kvdbg.cli.common import console, emit_json, guarded, json_option
+from kvdbg.cli.common import backend_name, console, emit_json, guarded, json_option, print_verdict, simple_verdict
+from kvdbg.errors import OptionError
 
 
 @click.command()
@@ -39,8 +40,17 @@ def shrink(snapshot, output, backend, device, same_heads, force, as_json):
       kvdbg shrink big.safetensors -o small.safetensors
       kvdbg shrink big.safetensors -o small.safetensors --backend flex --json
     """
+    import os
+
     from kvdbg.shrink import shrink as run_shrink
     from kvdbg.snapshot import load_snapshot
+    from kvdbg.verdict import EXIT_OK
+
+    if os.path.exists(output) and os.path.exists(snapshot) and os.path.samefile(output, snapshot):
+        raise OptionError(f"-o {output} is the input snapshot itself; shrink never overwrites its input "
+                          "(--force or not): choose another output path")
+    if backend is not None:
+        backend = backend_name(backend)
 
     progress = None
     if sys.stderr.isatty():
@@ -52,9 +62,14 @@ def shrink(snapshot, output, backend, device, same_heads, force, as_json):
     result = run_shrink(load_snapshot(snapshot), backend, device=device, progress=progress, output_path=output,
                         same_heads=same_heads,
                         overwrite=force)
+    kept = len(result.failing_heads_after)
+    verdict = simple_verdict("pass", EXIT_OK, f"DONE: {result.backend} still fails on {kept} (request, head) "
+                                              f"pair(s) in {result.output_path or 'the output'}")
     if as_json:
-        emit_json(result.to_json_dict())
+        emit_json({**result.to_json_dict(), "verdict": verdict.to_json_dict()})
     else:
         from kvdbg.render.shrink import render_shrink
 
-        console().print(render_shrink(result))
+        out = console()
+        out.print(render_shrink(result))
+        print_verdict(out, verdict)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
-from kvdbg.cli.common import console, emit_json, finish, guarded, json_option
+from kvdbg.cli.common import console, emit_json, guarded, json_option, print_verdict, simple_verdict
 from kvdbg.errors import OptionError
 
 # The analysis holds one row per query token (and --full draws each); a decode
@@ -47,10 +49,25 @@ def window(seq_len, window, query_len, page_size, mask, max_model_len, max_decod
         seq_len, window, query_len=query_len, page_size=page_size, causal=(mask == "causal"),
         max_model_len=max_model_len, max_decode_query_len=max_decode_query_len,
     )
+    verdict = window_verdict(analysis)
     if as_json:
-        emit_json(analysis.to_json_dict())
+        emit_json({**analysis.to_json_dict(), "verdict": verdict.to_json_dict()})
     else:
         from kvdbg.render.window import render_window
 
-        console().print(render_window(analysis, full=full))
-    finish(len(analysis.findings))
+        out = console()
+        out.print(render_window(analysis, full=full))
+        print_verdict(out, verdict)
+    if verdict.exit_code:
+        sys.exit(verdict.exit_code)
+
+
+def window_verdict(analysis):
+    from kvdbg.verdict import EXIT_FINDING, EXIT_OK
+
+    if analysis.findings:
+        codes = ", ".join(sorted({f.code for f in analysis.findings}))
+        return simple_verdict("fail", EXIT_FINDING, f"FAIL: {len(analysis.findings)} finding(s) ({codes})")
+    extra = analysis.visibility.worst_extra
+    return simple_verdict("pass", EXIT_OK, "PASS: the kernel sees every key of every exact window"
+                          + (f" (and up to {extra} extra)" if extra else "") + "; every precondition holds")

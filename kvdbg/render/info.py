@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.table import Table
 
+from kvdbg.render.fit import Column, FitTable
 from kvdbg.render.util import human_bytes
 from kvdbg.summary import InfoSummary
 
@@ -53,10 +54,9 @@ def render_info(s: InfoSummary, *, full: bool = False) -> Group:
         overview.add_row("notes", s.notes)
     parts.append(overview)
 
-    tensors = Table(title="tensors", title_justify="left")
-    for col in ("name", "dtype", "shape"):
-        tensors.add_column(col)
-    tensors.add_column("bytes", justify="right")
+    tensors = FitTable([Column("name", priority=10, min_width=28), Column("dtype", priority=8),
+                        Column("shape", whole=True, priority=9), Column("bytes", whole=True, priority=7)],
+                       title="tensors")
     for t in s.tensors:
         tensors.add_row(t.name, t.dtype, "×".join(map(str, t.shape)) or "scalar", human_bytes(t.nbytes))
     parts.append(tensors)
@@ -67,9 +67,8 @@ def render_info(s: InfoSummary, *, full: bool = False) -> Group:
             f"{step.table_width}{', new K/V + slot_mapping' if step.has_update else ''}"
             f"{', engine output' if step.has_output else ''}"
         )
-        table = Table(title=title, title_justify="left")
-        for col in ("request", "seq_len", "query_len", "live pages"):
-            table.add_column(col, justify="right")
+        table = FitTable([Column(col, whole=True, priority=10 - n)
+                          for n, col in enumerate(("request", "seq_len", "query_len", "live pages"))], title=title)
         rows = step.requests if full else step.requests[:MAX_REQUEST_ROWS]
         for r in rows:
             table.add_row(str(r.index), str(r.seq_len), str(r.query_len), str(r.live_pages))

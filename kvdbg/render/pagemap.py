@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 
 from kvdbg.pagemap import PageMap, PhysicalEntry
+from kvdbg.render.fit import Column, FitTable
 from kvdbg.render.util import elide
 
 MAX_REQUEST_ROWS = 32
@@ -24,17 +24,14 @@ def _p2l(entry: PhysicalEntry) -> str:
 def render_page_map(m: PageMap, *, full: bool = False) -> Group:
     title = (f"{m.path or 'snapshot'} step {m.step} of {m.num_steps}: {m.num_reqs} request(s), "
              f"page_size {m.page_size}, {m.stored_pages} stored pages")
-    tables = Table(title=title, title_justify="left",
-                   caption="engine page ids; stale: entries past cdiv(seq_len, page_size), ignored by current vLLM",
-                   caption_justify="left")
-    for col, justify in (("req", "right"), ("seq_len", "right"), ("q", "right"), ("live/width", "right"),
-                         ("logical → physical (live)", "left"), ("stale tail", "left")):
-        tables.add_column(col, justify=justify, overflow="fold")
-    inverse = Table(title="physical → logical, as FLEX_ATTENTION derives it (page 0 is the null block)",
-                    title_justify="left", caption="a|b: one physical page backs several logical pages",
-                    caption_justify="left")
-    inverse.add_column("req", justify="right")
-    inverse.add_column("physical→logical", overflow="fold")
+    tables = FitTable([Column("req", whole=True, priority=10), Column("seq_len", whole=True, priority=9),
+                       Column("q", whole=True, priority=7), Column("live/width", whole=True, priority=8),
+                       Column("logical → physical (live)", priority=10), Column("stale tail", priority=6)],
+                      title=title,
+                      caption="engine page ids; stale: entries past cdiv(seq_len, page_size), ignored by current vLLM")
+    inverse = FitTable([Column("req", whole=True, priority=10), Column("physical→logical", priority=9)],
+                       title="physical → logical, as FLEX_ATTENTION derives it (page 0 is the null block)",
+                       caption="a|b: one physical page backs several logical pages")
     rows = m.requests if full else m.requests[:MAX_REQUEST_ROWS]
     for r in rows:
         tables.add_row(str(r.request), str(r.seq_len), str(r.query_len), f"{r.live_pages}/{r.table_width}",
@@ -47,14 +44,30 @@ def render_page_map(m: PageMap, *, full: bool = False) -> Group:
     return Group(tables, inverse, _anomalies(m))
 
 
+def map_verdict(maps: list[PageMap]):
+    """FAIL (exit 1) when an anomaly is harmful (an error), else PASS; notes and warnings never fail."""
+    from kvdbg.render.util import simple_verdict
+    from kvdbg.verdict import EXIT_FINDING, EXIT_OK
+
+    errors = [a for m in maps for a in m.anomalies if a.severity == "error"]
+    others = sum(len(m.anomalies) for m in maps) - len(errors)
+    where = ", ".join(f"step {m.step}" for m in maps) or "no step"
+    if errors:
+        codes = ", ".join(sorted({a.code for a in errors}))
+        return simple_verdict("fail", EXIT_FINDING,
+                              f"FAIL: {len(errors)} harmful paging anomal{'y' if len(errors) == 1 else 'ies'} "
+                              f"({codes}) in {where}")
+    tail = f"; {others} note(s) or warning(s)" if others else ""
+    return simple_verdict("pass", EXIT_OK, f"PASS: no harmful paging anomaly in {where}{tail}")
+
+
 def _anomalies(m: PageMap):
     if not m.anomalies:
         return Text("no anomalies", style="green")
-    t = Table(title=f"{len(m.anomalies)} anomal{'y' if len(m.anomalies) == 1 else 'ies'} "
-                    f"({m.errors} harmful)", title_justify="left")
-    t.add_column("severity")
-    t.add_column("code")
-    t.add_column("message", overflow="fold")
+    # The code is what a user searches for: it is kept whole, like a number.
+    t = FitTable([Column("severity", priority=10), Column("code", whole=True, justify="left", priority=9),
+                  Column("message", priority=10)],
+                 title=f"{len(m.anomalies)} anomal{'y' if len(m.anomalies) == 1 else 'ies'} ({m.errors} harmful)")
     for a in m.anomalies:
         t.add_row(Text(a.severity, style=SEVERITY_STYLES[a.severity]), a.code, a.message)
     return t

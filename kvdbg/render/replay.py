@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 
 from kvdbg.diff import Comparison, HeadDiff
+from kvdbg.render.fit import Column, FitTable
+from kvdbg.render.util import verdict_line
 from kvdbg.replay import ReplayResult
 from kvdbg.verdict import Verdict, replay_verdict
 
@@ -17,9 +18,12 @@ MAX_PASSING_ROWS = 8
 SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
 
-def _fmt(value: float, spec: str = ".3g") -> str:
+def _fmt(value: float, spec: str = ".2e") -> str:
+    """Three significant digits in a fixed width (``7.81e-03``), so a column of them lines up and reads whole."""
     if value != value:
         return "nan"
+    if value == 0:
+        return "0"
     return format(value, spec)
 
 
@@ -29,10 +33,12 @@ def _mode(info) -> str:
     return "compiled" if info.compiled else "eager"
 
 
-def render_backends(result: ReplayResult) -> Table:
-    table = Table(title="backends", title_justify="left")
-    for col in ("backend", "engine name", "status", "kernel", "device", "mode", "dtype", "emulated", "time"):
-        table.add_column(col, justify="right" if col == "time" else "left")
+def render_backends(result: ReplayResult) -> FitTable:
+    """What ran, one row per backend that could run; the ones that could not are in render_unavailable."""
+    table = FitTable([Column("backend", priority=10, style="bold"), Column("engine name", priority=2),
+                      Column("status", priority=9), Column("kernel", priority=8), Column("device", priority=5),
+                      Column("mode", priority=4), Column("dtype", priority=6), Column("emulated", priority=7),
+                      Column("time", whole=True, priority=3)], title="backends")
     times: dict[str, float] = {}
     for step in result.steps:
         for name, run in step.runs.items():
@@ -41,7 +47,7 @@ def render_backends(result: ReplayResult) -> Table:
     for st in result.backends:
         if not st.available:
             table.add_row(st.name, st.engine_name or "-", Text("unavailable", style="yellow"),
-                          Text(st.reason or "", style="yellow"), "", "", "", "", "")
+                          Text("see below", style="yellow"), "", "", "", "", "")
             continue
         info = st.info
         runs = [step.runs[st.name] for step in result.steps if st.name in step.runs]
@@ -59,38 +65,80 @@ def render_backends(result: ReplayResult) -> Table:
     return table
 
 
+def render_unavailable(result: ReplayResult) -> FitTable | None:
+    """Why a backend could not run, in its own section: a reason is a paragraph, not a table cell."""
+    rows = [(st.name, st.reason or "no reason given") for st in result.backends if not st.available]
+    if not rows:
+        return None
+    table = FitTable([Column("backend", priority=10, style="bold"), Column("why it did not run", priority=9)],
+                     title="unavailable backends", show_header=False)
+    for name, reason in rows:
+        table.add_row(name, Text(reason, style="yellow"))
+    return table
+
+
 def not_applicable_notes(result: ReplayResult) -> list[tuple[str, str]]:
     """(backend, "step N not applicable: why") for every step a backend's builder would not run."""
     return [(name, f"step {step.step} not applicable, not compared: {run.not_applicable}")
             for step in result.steps for name, run in step.runs.items() if run.not_applicable is not None]
 
 
-def render_notes(result: ReplayResult) -> Table | None:
+def render_notes(result: ReplayResult) -> FitTable | None:
     rows = [(st.name, note) for st in result.backends if st.info for note in st.info.notes]
     rows += not_applicable_notes(result)
     if not rows:
         return None
-    table = Table(title="what each backend did", title_justify="left", show_header=False)
-    table.add_column("backend", style="bold")
-    table.add_column("note")
+    table = FitTable([Column("backend", priority=10, style="bold"), Column("note", priority=9)],
+                     title="what each backend did", show_header=False)
     for name, note in rows:
         table.add_row(name, note)
     return table
 
 
-def render_findings(result: ReplayResult) -> Table | None:
-    findings = sorted(result.findings, key=lambda f: (("error", "warning", "info").index(f.severity)
-                                                      if f.severity in ("error", "warning", "info") else 3,
-                                                      f.step or 0, f.request if f.request is not None else -1))
-    if not findings:
-        return None
-    table = Table(title=f"findings ({len(findings)})", title_justify="left")
-    for col in ("severity", "backend", "step", "request", "code", "message"):
-        table.add_column(col)
+SEVERITY_ORDER = ("error", "warning", "info")
+
+
+def dedupe_findings(findings) -> list[tuple[Any, list[int], bool]]:
+    """Each distinct finding once, with the steps it appears in (a condition repeats every step it lasts).
+
+    Findings are the same when severity, backend, code and request are; the third item says
+    whether the steps' messages differ (in their numbers: the key range moves as the request grows).
+    """
+    merged: dict[tuple, list] = {}
     for f in findings:
+        key = (f.severity, f.backend, f.code, f.request)
+        entry = merged.setdefault(key, [f, [], False])
+        if f.step is not None and f.step not in entry[1]:
+            entry[1].append(f.step)
+        entry[2] = entry[2] or f.message != entry[0].message
+    return sorted((tuple(e) for e in merged.values()), key=lambda e: (
+        SEVERITY_ORDER.index(e[0].severity) if e[0].severity in SEVERITY_ORDER else 3,
+        min(e[1], default=0), e[0].request if e[0].request is not None else -1))
+
+
+def _steps_label(steps: list[int]) -> str:
+    return ", ".join(map(str, sorted(steps))) or "-"
+
+
+def render_findings(result: ReplayResult, findings=None) -> FitTable | None:
+    merged = dedupe_findings(result.findings if findings is None else findings)
+    if not merged:
+        return None
+    backends = sorted({f.backend for f, _, _ in merged})
+    title = f"findings ({len(merged)}" + (f", all {backends[0]})" if len(backends) == 1 else ")")
+    table = FitTable([Column("severity", priority=10), Column("backend", priority=8),
+                      Column("step", priority=5, min_width=4), Column("req", whole=True, priority=7),
+                      Column("code", whole=True, justify="left", priority=6),
+                      Column("message", priority=9)], title=title)
+    if len(backends) == 1:
+        table.columns[1].priority = 0  # the title names it; the column drops first
+    for f, steps, differ in merged:
         style = SEVERITY_STYLE.get(f.severity, "")
-        table.add_row(Text(f.severity, style=style), f.backend, "-" if f.step is None else str(f.step),
-                      "-" if f.request is None else str(f.request), f.code, Text(f.message, style=style))
+        message = f.message
+        if differ:
+            message += f" (as of step {f.step}; the other steps' numbers differ: --json lists each)"
+        table.add_row(Text(f.severity, style=style), f.backend, _steps_label(steps),
+                      "-" if f.request is None else str(f.request), f.code, Text(message, style=style))
     return table
 
 
@@ -119,7 +167,12 @@ def _not_compared(h: HeadDiff) -> str:
     return ", ".join(parts) or "0"
 
 
-def render_comparison(comp: Comparison, *, full: bool = False) -> Table:
+def render_comparison(comp: Comparison, *, full: bool = False, starts: dict[int, list[int]] | None = None) -> FitTable:
+    """One backend against one expectation, per request × head.
+
+    ``starts`` maps a step to its query_start_loc, so the worst token is given as the
+    request's own token index (0 .. q-1) rather than the batch-wide row.
+    """
     if not comp.heads:
         verdict = Text("nothing compared (no head selected)", style="yellow")
     elif comp.passed:
@@ -133,34 +186,82 @@ def render_comparison(comp: Comparison, *, full: bool = False) -> Table:
     title = Text.assemble(f"step {comp.step}: {comp.actual} vs {comp.expected} — ", verdict,
                           f"  (max abs {_fmt(comp.max_abs)}"
                           + "".join(f", {c}" for c in causes if c) + ")")
-    table = Table(title=title, title_justify="left")
-    for col in ("request", "head", "status", "max abs", "mean abs", "max rel", "cosine", "worst token (pos)",
-                "failing", "not compared"):
-        table.add_column(col, justify="left" if col == "status" else "right")
+    table = FitTable([Column("req", whole=True, priority=10), Column("head", whole=True, priority=10),
+                      Column("status", priority=10, min_width=4), Column("max abs", whole=True, priority=9),
+                      Column("mean abs", whole=True, priority=4), Column("max rel", whole=True, priority=5),
+                      Column("cosine", whole=True, priority=3),
+                      Column("worst token (pos)", whole=True, priority=2),
+                      Column("failing elements", whole=True, priority=7),
+                      Column("not compared", priority=8, min_width=8)], title=title)
+    first = (starts or {}).get(comp.step)
     rows, hidden = _head_rows(comp.heads, full)
+    if not any(h.not_compared for h in rows):
+        table.columns[-1].priority = 1  # a column of zeros drops first (the title counts what was skipped)
     for h in rows:
         status = Text("ok", style="green") if h.passed else Text("FAIL", style="bold red")
+        own = h.worst_token - first[h.request] if first is not None and h.request < len(first) else h.worst_token
         table.add_row(str(h.request), str(h.head), status, _fmt(h.max_abs), _fmt(h.mean_abs), _fmt(h.max_rel),
-                      _fmt(h.cosine, ".6f"), f"{h.worst_token} ({h.worst_position})", str(h.failing),
+                      _fmt(h.cosine, ".6f"), f"{own} ({h.worst_position})", str(h.failing),
                       Text(_not_compared(h), style="red" if h.not_compared else ""))
     if hidden:
         table.caption = f"… {hidden} more passing heads (--full)"
-        table.caption_justify = "left"
     return table
 
 
-def render_explain(result: ReplayResult) -> list[Table]:
+def query_starts(result: ReplayResult) -> dict[int, list[int]]:
+    """step -> query_start_loc, to turn a batch-wide token row into the request's own index."""
+    return {s.step: [int(x) for x in s.common.query_start_loc.tolist()] for s in result.steps}
+
+
+def _flatten(row: dict[str, Any]) -> dict[str, str]:
+    """One builder-decision record as key → text: nested records become dotted keys, lists comma lists.
+
+    A nested value that repeats a top-level one (the restriction's own seq_len) is shown once.
+    """
+    out: dict[str, str] = {}
+
+    def text(value: Any) -> str:
+        if isinstance(value, (list, tuple)):
+            return ", ".join(text(v) for v in value) or "-"
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if isinstance(value, float):
+            return f"{value:.6g}"
+        return "-" if value is None or value == "" else str(value)
+
+    for key, value in row.items():
+        if isinstance(value, dict):
+            for sub, inner in value.items():
+                if sub in row and text(row[sub]) == text(inner):
+                    continue
+                if isinstance(inner, dict):
+                    inner = ", ".join(f"{k} {text(v)}" for k, v in inner.items())
+                out[f"{key}.{sub}"] = text(inner)
+        else:
+            out[key] = text(value)
+    return out
+
+
+def render_explain(result: ReplayResult, requests: list[int] | None = None) -> list[FitTable]:
+    """Builder decisions per step and request: one key/value table, one value column per backend."""
     tables = []
     for step in result.steps:
+        per_request: dict[int, dict[str, dict[str, str]]] = {}
         for name, run in step.runs.items():
-            if not run.explain:
-                continue
-            table = Table(title=f"step {step.step}: {name} builder decisions", title_justify="left")
-            columns = list(dict.fromkeys(k for row in run.explain for k in row))
-            for col in columns:
-                table.add_column(col, justify="right")
-            for row in run.explain:
-                table.add_row(*(str(row.get(col, "")) for col in columns))
+            for index, row in enumerate(run.explain):
+                request = row.get("request", index)
+                if requests is not None and request not in requests:
+                    continue
+                flat = _flatten({k: v for k, v in row.items() if k != "request"})
+                per_request.setdefault(request, {})[name] = flat
+        for request, by_backend in sorted(per_request.items(), key=lambda kv: kv[0]):
+            names = list(by_backend)
+            keys = list(dict.fromkeys(k for flat in by_backend.values() for k in flat))
+            table = FitTable([Column("decision", priority=10, style="bold", min_width=30)]
+                             + [Column(name, priority=9 - i) for i, name in enumerate(names)],
+                             title=f"step {step.step}, request {request}: builder decisions")
+            for key in keys:
+                table.add_row(key, *(by_backend[name].get(key, "") for name in names))
             tables.append(table)
     return tables
 
@@ -168,25 +269,34 @@ def render_explain(result: ReplayResult) -> list[Table]:
 def render_footer(comparisons: list[Comparison]) -> Text:
     text = Text("pass rule: an element passes when |a - e| <= atol + rtol·|e| (e: expected); "
                 "NaN or inf on either side, or a token not written, always fails\n", style="dim")
-    seen = set()
+    # One line per tolerance, naming the comparisons it was used for (usually one line in all).
+    by_tolerance: dict[Any, list[str]] = {}
     for c in comparisons:
-        key = (c.actual, c.expected, c.tolerance)
-        if key in seen:
-            continue
-        seen.add(key)
-        text.append(f"  {c.actual} vs {c.expected}: atol {c.tolerance.atol:g}, rtol {c.tolerance.rtol:g} "
-                    f"({c.tolerance.source})\n", style="dim")
+        pairs = by_tolerance.setdefault(c.tolerance, [])
+        if f"{c.actual} vs {c.expected}" not in pairs:
+            pairs.append(f"{c.actual} vs {c.expected}")
+    for tol, pairs in by_tolerance.items():
+        text.append(f"  atol {tol.atol:g}, rtol {tol.rtol:g} ({tol.source}): {', '.join(pairs)}\n", style="dim")
+    if any(c.heads for c in comparisons):
+        text.append("failing elements: elements (query tokens × head_size) of the head outside tolerance or not "
+                    "compared; worst token: the request's own query token index (its position in the request)\n",
+                    style="dim")
     return text
 
 
 def render_verdict(verdict: Verdict) -> Text:
-    style = {"pass": "bold green", "fail": "bold red"}.get(verdict.status, "bold yellow")
-    return Text(f"{verdict.summary} (exit {verdict.exit_code})", style=style)
+    return verdict_line(verdict)
 
 
 def render_replay(result: ReplayResult, comparisons: list[Comparison], verdict: Verdict | None = None, *,
-                  explain: bool = False, full: bool = False, saved: str | None = None) -> Group:
-    verdict = verdict or replay_verdict(comparisons, result.findings)
+                  explain: bool = False, full: bool = False, saved: str | None = None,
+                  findings: list | None = None, requests: list[int] | None = None) -> Group:
+    """Everything `kvdbg replay` prints, ending on the verdict line.
+
+    ``findings`` (default: all) are the ones in scope of --request; the verdict is computed from them.
+    """
+    findings = result.findings if findings is None else findings
+    verdict = verdict or replay_verdict(comparisons, findings)
     layer = result.meta.layer
     mask = ("causal" if layer.causal else "dense") + (f", window {layer.sliding_window}" if layer.sliding_window else "")
     steps = ", ".join(str(s.step) for s in result.steps)
@@ -194,15 +304,13 @@ def render_replay(result: ReplayResult, comparisons: list[Comparison], verdict: 
                              f"head_size {layer.head_size}, {mask}, kv cache {layer.kv_cache_dtype}; step(s) {steps}",
                              style="bold")]
     parts.append(render_backends(result))
-    notes = render_notes(result)
-    if notes is not None:
-        parts.append(notes)
-    findings = render_findings(result)
-    if findings is not None:
-        parts.append(findings)
+    for section in (render_unavailable(result), render_notes(result), render_findings(result, findings)):
+        if section is not None:
+            parts.append(section)
     if explain:
-        parts.extend(render_explain(result))
-    parts.extend(render_comparison(c, full=full) for c in comparisons)
+        parts.extend(render_explain(result, requests))
+    starts = query_starts(result)
+    parts.extend(render_comparison(c, full=full, starts=starts) for c in comparisons)
     if not comparisons:
         ref = next((st for st in result.backends if st.name == "reference"), None)
         why = (f"the reference is unavailable ({ref.reason})" if ref is not None and not ref.available
@@ -223,8 +331,10 @@ def _info_json(info) -> dict | None:
 
 
 def replay_json(result: ReplayResult, comparisons: list[Comparison], verdict: Verdict | None = None, *,
-                explain: bool = False) -> dict:
-    verdict = verdict or replay_verdict(comparisons, result.findings)
+                explain: bool = False, findings: list | None = None) -> dict:
+    """The replay as JSON; "verdict" is the last key, as the verdict line is the last line of the tables."""
+    findings_in_scope = result.findings if findings is None else findings
+    verdict = verdict or replay_verdict(comparisons, findings_in_scope)
     steps = []
     for step in result.steps:
         record: dict[str, Any] = {
@@ -241,15 +351,24 @@ def replay_json(result: ReplayResult, comparisons: list[Comparison], verdict: Ve
         steps.append(record)
     findings = [{"backend": f.backend, "code": f.code, "severity": f.severity, "step": f.step, "request": f.request,
                  "message": f.message, "details": {k: v for k, v in f.details.items() if k != "traceback"}}
-                for f in result.findings]
+                for f in findings_in_scope]
+    starts = query_starts(result)
+    comparison_records = []
+    for c in comparisons:
+        record = c.to_json_dict()
+        first = starts.get(c.step)
+        for head in record["heads"]:
+            if first is not None and head["request"] < len(first):
+                head["worst_token_in_request"] = head["worst_token"] - first[head["request"]]
+        comparison_records.append(record)
     return {
         "snapshot": result.path,
         "passed": verdict.passed,
-        "verdict": verdict.to_json_dict(),
         "backends": [{"name": st.name, "engine_name": st.engine_name, "available": st.available,
                       "reason": st.reason, "run": _info_json(st.info)} for st in result.backends],
         "findings": findings,
         "steps": steps,
-        "comparisons": [c.to_json_dict() for c in comparisons],
+        "comparisons": comparison_records,
         "rule": "|a - e| <= atol + rtol*|e|",
+        "verdict": verdict.to_json_dict(),
     }

@@ -42,7 +42,10 @@ def md_table(headers: list[str], rows: list[list[str]], *, align: list[str] | No
 
 
 def _fmt(value: float) -> str:
-    return "nan" if value != value else f"{value:.3g}"
+    """Three significant digits, as the terminal tables print them (2.36e-01)."""
+    from kvdbg.render.replay import _fmt as fmt
+
+    return fmt(value)
 
 
 def _fence(text: str, info: str = "") -> str:
@@ -151,7 +154,8 @@ def _replay(r: BugReport) -> str:
         verdict = b.verdict if b.verdict not in ("FAIL", "pass") else (
             f"**FAIL** ({b.failed_heads} of {b.heads_compared} heads)" if b.verdict == "FAIL"
             else f"pass ({b.heads_compared} heads)")
-        ran = md_escape(b.kernel) + (" *(emulated)*" if b.emulated else "")
+        # An unavailable backend's reason is a paragraph: it gets its own list below the table.
+        ran = "-" if b.status == "unavailable" else md_escape(b.kernel) + (" *(emulated)*" if b.emulated else "")
         rows.append([md_code(b.name), md_escape(b.engine_name or "-"), md_escape(b.status), ran, verdict,
                      _fmt(b.max_abs) if b.verdict in ("FAIL", "pass") else "-", md_escape(worst), md_escape(findings)])
     v = r.verdict
@@ -159,6 +163,10 @@ def _replay(r: BugReport) -> str:
         f": {v.summary.split(': ', 1)[-1]} (`kvdbg replay` exits {v.exit_code})."
     parts = ["## Replay", verdict, md_table(
         ["backend", "engine name", "status", "what ran", "vs reference", "max abs", "worst heads", "findings"], rows)]
+    unavailable = [b for b in r.backends if b.status == "unavailable"]
+    if unavailable:
+        parts.append("### Backends that did not run\n\n" + "\n".join(
+            f"- {md_code(b.name)}: {md_escape(b.kernel or 'no reason given')}" for b in unavailable))
     findings = [f for f in r.findings if f.severity in ("error", "warning")]
     if findings:
         frows = [[md_escape(f.severity), md_code(f.backend), "-" if f.step is None else str(f.step),
@@ -182,6 +190,22 @@ def _replay(r: BugReport) -> str:
     return "\n\n".join(parts)
 
 
+def scrub_paths(text: str) -> str:
+    """Local prefixes out of a report meant for a public issue: the virtualenv, then the home directory."""
+    import os
+    import sys
+
+    prefixes = []
+    if sys.prefix != getattr(sys, "base_prefix", sys.prefix):
+        prefixes.append((sys.prefix, "<venv>"))
+    home = os.path.expanduser("~")
+    if home and home not in ("/", "~"):
+        prefixes.append((home, "~"))
+    for prefix, name in prefixes:
+        text = text.replace(prefix.rstrip("/") + "/", name + "/").replace(prefix.rstrip("/"), name)
+    return text
+
+
 def render_markdown(r: BugReport) -> str:
     name = r.path.rsplit("/", 1)[-1]
     head = (f"# kvdbg report: {md_escape(name)}\n\n"
@@ -189,14 +213,35 @@ def render_markdown(r: BugReport) -> str:
     check = f"echo {shlex.quote(r.sha256 + '  ' + name)} | sha256sum -c -"
     reproduce = (f"## Reproduce\n\nWith the snapshot attached to this issue saved as {md_code(name)}:\n\n"
                  + _fence(f"{check}\n{r.command}", "bash"))
-    return "\n\n".join([head, _environment(r), _snapshot(r), _paging(r), _replay(r), reproduce]) + "\n"
+    v = r.verdict
+    closing = f"**Verdict:** {md_escape(v.summary)} (`kvdbg replay` exits {v.exit_code})."
+    return scrub_paths("\n\n".join([head, _environment(r), _snapshot(r), _paging(r), _replay(r), reproduce,
+                                      closing]) + "\n")
 
 
 # --------------------------------------------------------------------------- SVG
 
 
+# rich's SVG export loads Fira Code from a CDN: offline the browser falls back to some other
+# font and the box borders misalign. The images name local monospace fonts only.
+_FONT_FACE = re.compile(r"@font-face\s*\{[^}]*\}\s*")
+SVG_FONTS = "DejaVu Sans Mono, Menlo, Consolas, Liberation Mono, monospace"
+
+
+def self_contained_svg(svg: str) -> str:
+    """The SVG with no web font (nothing fetched when it is opened) and no local path prefix."""
+    svg = _FONT_FACE.sub("", svg)
+    svg = svg.replace("font-family: Fira Code, monospace", f"font-family: {SVG_FONTS}")
+    return scrub_paths(svg)
+
+
+def ran_backends(r: BugReport) -> list[str]:
+    """The backends that really ran (not the ones asked for that could not)."""
+    return [st.name for st in r.replay.backends if st.available]
+
+
 def render_svgs(r: BugReport, *, width: int = 120) -> dict[str, str]:
-    """The info, map and replay tables as SVG documents (rich's own export), by file stem."""
+    """The info, map and replay tables as self-contained SVG documents (rich's own export), by file stem."""
     from rich.console import Console
 
     from kvdbg.render.info import render_info
@@ -207,10 +252,13 @@ def render_svgs(r: BugReport, *, width: int = 120) -> dict[str, str]:
         console = Console(record=True, width=width, file=io.StringIO(), color_system="truecolor")
         for renderable in renderables:
             console.print(renderable)
-        return console.export_svg(title=title)
+        return self_contained_svg(console.export_svg(title=title))
 
+    name = r.path.rsplit("/", 1)[-1]
+    steps = ", ".join(str(m.step) for m in r.page_maps)
     return {
-        "info": record(render_info(r.summary), title=f"kvdbg info {r.path}"),
-        "map": record(*(render_page_map(m) for m in r.page_maps), title=f"kvdbg map {r.path}"),
-        "replay": record(render_replay(r.replay, r.comparisons), title=r.command),
+        "info": record(render_info(r.summary), title=f"kvdbg info {name}"),
+        "map": record(*(render_page_map(m) for m in r.page_maps), title=f"kvdbg map {name}: step(s) {steps}"),
+        "replay": record(render_replay(r.replay, r.comparisons, r.verdict),
+                         title=f"kvdbg replay {name}: {', '.join(ran_backends(r))} ran on {r.device}"),
     }

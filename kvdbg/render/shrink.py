@@ -6,6 +6,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from kvdbg.render.fit import Column, FitTable
 from kvdbg.render.util import elide, human_bytes
 from kvdbg.shrink import ShrinkResult
 
@@ -15,9 +16,9 @@ def render_shrink(r: ShrinkResult) -> Group:
     head = Text(f"shrunk {r.input_path or '<memory>'} → {r.output_path or '<memory>'}: "
                 f"{human_bytes(r.input_bytes)} → {human_bytes(r.output_bytes)} ({ratio:.1f}× smaller) "
                 f"in {r.seconds:.1f} s, {r.replays} replays", style="bold")
-    passes = Table(title="passes", title_justify="left")
-    for col in ("pass", "candidates", "removed", "tensor bytes after"):
-        passes.add_column(col, justify="right" if col in ("candidates", "tensor bytes after") else "left")
+    passes = FitTable([Column("pass", priority=10), Column("candidates", whole=True, priority=7),
+                       Column("removed", priority=8), Column("tensor bytes after", whole=True, priority=9)],
+                      title="passes")
     for p in r.passes:
         passes.add_row(p.name, str(p.candidates), p.removed or "-", human_bytes(p.bytes_after))
     kept = Table(title="what remains", title_justify="left", show_header=False)

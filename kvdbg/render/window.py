@@ -7,6 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvdbg.paging import STRIP_LETTERS, WindowAnalysis
+from kvdbg.render.fit import Column, FitTable
 
 # Long query blocks show this many tokens at each end unless --full.
 TOKEN_ROWS_EACH_END = 4
@@ -67,35 +68,64 @@ def _summary(a: WindowAnalysis) -> Table:
     return t
 
 
-def _tokens(a: WindowAnalysis, *, full: bool) -> Table:
-    t = Table(title="per query token: exact window vs what the kernel sees", title_justify="left",
-              caption="kernel keys: the keys it reads through table columns the builder filled",
-              caption_justify="left")
-    for col in ("i", "position", "exact keys", "kernel keys", "extra", "missed"):
-        t.add_column(col, justify="right")
+def _tokens(a: WindowAnalysis, *, full: bool) -> FitTable:
+    t = FitTable([Column("i", whole=True, priority=10), Column("position", whole=True, priority=6),
+                  Column("exact keys", whole=True, priority=9), Column("kernel keys", whole=True, priority=9),
+                  Column("extra", whole=True, priority=7), Column("missed", whole=True, priority=8)],
+                 title="per query token: exact window vs what the kernel sees",
+                 caption="kernel keys: the keys it reads through table columns the builder filled")
     rows = a.visibility.tokens
     cut = not full and len(rows) > 2 * TOKEN_ROWS_EACH_END + 1
     shown = rows[:TOKEN_ROWS_EACH_END] + rows[-TOKEN_ROWS_EACH_END:] if cut else rows
     for n, tok in enumerate(shown):
         if cut and n == TOKEN_ROWS_EACH_END:
-            t.add_row("…", f"{len(rows) - 2 * TOKEN_ROWS_EACH_END} more (--full)", "", "", "", "")
+            t.add_row("…", "", f"{len(rows) - 2 * TOKEN_ROWS_EACH_END} more (--full)", "", "", "")
         missed = Text(str(tok.missed), style="bold red" if tok.missed else "")
         t.add_row(str(tok.index), str(tok.position), _range(tok.exact_lo, tok.exact_hi),
                   _range(tok.kernel_lo, tok.kernel_hi), str(tok.extra), missed)
     return t
 
 
+class _StripRows:
+    """The page strip laid out at the console's width: cells never cut, rows of cells wrap instead."""
+
+    def __init__(self, a: WindowAnalysis):
+        self.cells = [(str(c.page) if c.page is not None else _gap_label(c, a.page_size), c.kind) for c in a.strip]
+
+    def __rich_console__(self, console, options):
+        width = max(options.max_width, 8)
+        labels, letters, used = Text(), Text(), 0
+        for label, kind in self.cells:
+            cell = max(len(label), 3)
+            if used and used + cell + 1 > width:
+                yield labels
+                yield letters
+                labels, letters, used = Text(), Text(), 0
+            labels.append(label.center(cell) + " ", style="dim")
+            letters.append(f" {STRIP_LETTERS[kind]} ".center(cell), style=STRIP_STYLES[kind])
+            letters.append(" ")
+            used += cell + 1
+        if used:
+            yield labels
+            yield letters
+
+
 def _strip(a: WindowAnalysis) -> Group:
-    t = Table(title="pages around the window's old edge and the query block", title_justify="left",
-              show_header=False, box=None, padding=(0, 1))
-    for _ in a.strip:
-        t.add_column(justify="center")
-    t.add_row(*[Text(str(c.page) if c.page is not None else _gap_label(c, a.page_size), style="dim")
-                for c in a.strip])
-    t.add_row(*[Text(f" {STRIP_LETTERS[c.kind]} ", style=STRIP_STYLES[c.kind]) for c in a.strip])
+    # The title is its own line: as a table title it wrapped to the strip's width (one word a
+    # line when the strip is a single page wide).
+    title = Text("pages around the window's old edge and the query block", style="italic")
     kinds = [k for k in STRIP_MEANING if any(c.kind == k for c in a.strip)]
-    legend = Text("  ".join(f"{STRIP_LETTERS[k]} {STRIP_MEANING[k]}" for k in kinds), style="dim")
-    return Group(t, legend)
+    legend = Text("  ".join(f"{STRIP_LETTERS[k]} {_meaning(a, k)}" for k in kinds), style="dim")
+    return Group(title, _StripRows(a), legend)
+
+
+def _meaning(a: WindowAnalysis, kind: str) -> str:
+    """The legend for one kind of page; an edge page shows extra keys only when some token really gets them."""
+    if kind == "edge":
+        if a.visibility.worst_extra:
+            return f"partly inside the window (up to {a.visibility.worst_extra} extra keys visible to the kernel)"
+        return "partly inside the window (the kernel masks the rest: 0 extra keys)"
+    return STRIP_MEANING[kind]
 
 
 def _gap_label(cell, page_size: int) -> str:

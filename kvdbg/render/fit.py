@@ -1,0 +1,111 @@
+"""Tables that fit the terminal: numbers are never cut; text wraps first, then whole columns drop.
+
+rich squeezes every column of a table that is too wide, numbers included
+(``0.00…``). A ``FitTable`` is drawn at the width it is given: whole columns (numbers, codes)
+keep their full width, text columns wrap (and fold only a word longer than the
+column), and when even that does not fit, the least important columns are left
+out and the caption says which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+# Below this, a text column would wrap one short word per line; it drops instead.
+TEXT_MIN_WIDTH = 12
+
+
+@dataclass
+class Column:
+    header: str
+    whole: bool = False  # numbers (and codes): never wrapped nor cut; right-aligned unless told
+    priority: int = 0  # higher stays longer; the lowest drops first when the table does not fit
+    style: str | None = None
+    min_width: int = TEXT_MIN_WIDTH  # text columns only
+    justify: str | None = None
+
+
+@dataclass
+class FitTable:
+    """A rich renderable: the table is laid out when the console's width is known."""
+
+    columns: list[Column]
+    rows: list[list[Any]] = field(default_factory=list)
+    title: Any = None
+    caption: str | None = None
+    show_header: bool = True
+
+    def add_row(self, *cells: Any) -> None:
+        self.rows.append(list(cells))
+
+    def fit(self, width: int) -> tuple[list[int], list[str]]:
+        """Indices of the columns shown at ``width`` and the headers left out."""
+        keep = list(range(len(self.columns)))
+        while _needed(self, keep) > width and len(keep) > 1:
+            drop = min(keep, key=lambda i: (self.columns[i].priority, -i))  # the rightmost of the least important
+            keep.remove(drop)
+        dropped = [self.columns[i].header for i in range(len(self.columns)) if i not in keep]
+        return keep, dropped
+
+    def table(self, width: int) -> Table:
+        keep, dropped = self.fit(width)
+        caption = self.caption
+        if dropped:
+            note = f"hidden at {width} columns: {', '.join(dropped)} (wider terminal or --json)"
+            caption = f"{caption}\n{note}" if caption else note
+        table = Table(title=self.title, title_justify="left", caption=caption, caption_justify="left",
+                      show_header=self.show_header)
+        for i in keep:
+            col = self.columns[i]
+            if col.whole:
+                # A fixed width as wide as the widest cell: rich never squeezes it, and the header wraps.
+                table.add_column(col.header, justify=col.justify or "right", width=_cell_width(self, i),
+                                 overflow="fold", style=col.style)
+            else:
+                table.add_column(col.header, justify=col.justify or "left", overflow="fold", style=col.style,
+                                 min_width=_text_min(self, i))
+        for row in self.rows:
+            table.add_row(*(row[i] if i < len(row) else "" for i in keep))
+        return table
+
+    def __rich_console__(self, console, options):
+        yield self.table(options.max_width)
+
+
+def _plain(cell: Any) -> str:
+    if isinstance(cell, Text):
+        return cell.plain
+    return "" if cell is None else str(cell)
+
+
+def _cell_width(t: FitTable, i: int) -> int:
+    longest_word = _header_word(t, i)
+    cells = max((max((len(line) for line in _plain(r[i]).split("\n")), default=0) for r in t.rows if i < len(r)),
+                default=0)
+    return max(cells, longest_word, 1)
+
+
+def _header_word(t: FitTable, i: int) -> int:
+    return max((len(w) for w in t.columns[i].header.split()), default=0) if t.show_header else 0
+
+
+def _text_min(t: FitTable, i: int) -> int:
+    """A text column wraps down to this: its longest header word, or less when its cells are all shorter."""
+    return max(_header_word(t, i), min(_cell_width(t, i), t.columns[i].min_width))
+
+
+def _needed(t: FitTable, keep: list[int]) -> int:
+    """The narrowest the table can be drawn with these columns without cutting a number."""
+    total = 0
+    for i in keep:
+        col = t.columns[i]
+        total += _cell_width(t, i) if col.whole else _text_min(t, i)
+    # rich's default box: one border left, then padding 1 + cell + padding 1 + border per column.
+    return total + 1 + 3 * len(keep)
+
+
+__all__ = ["Column", "FitTable", "TEXT_MIN_WIDTH"]

@@ -1,0 +1,165 @@
+"""Every command's output at 60, 80 and 120 columns on every bundled fixture: no number is ever cut.
+
+A number cut by the layout ends in an ellipsis (``0.00…``, ``1476…``); a table
+that does not fit leaves whole columns out instead, and says which.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import re
+
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+from kvdbg.cli import cli
+
+from tests.helpers import FIXTURES as _FIXTURES
+
+FIXTURES = pathlib.Path(_FIXTURES)
+
+WIDTHS = (60, 80, 120)
+FIXTURE_FILES = sorted(p.name for p in FIXTURES.glob("*.safetensors"))
+# A digit or a decimal point right before an ellipsis: a number rich cut to fit.
+CUT_NUMBER = re.compile(r"[0-9.]…")
+
+
+def assert_uncut(text: str, width: int) -> None:
+    cut = [line for line in text.splitlines() if CUT_NUMBER.search(line)]
+    assert not cut, f"numbers cut at {width} columns:\n" + "\n".join(cut)
+    too_wide = [line for line in text.splitlines() if len(line.rstrip()) > width]
+    assert not too_wide, f"lines wider than {width} columns:\n" + "\n".join(too_wide)
+
+
+def render(renderable, width: int) -> str:
+    console = Console(record=True, width=width, file=io.StringIO(), color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def run_cli(width: int, *args: str):
+    return CliRunner().invoke(cli, list(args), env={"COLUMNS": str(width), "NO_COLOR": "1"}, catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def replays():
+    """Each fixture replayed once through every backend (the slow part), rendered at every width below."""
+    from kvdbg.attention import ReplayOptions
+    from kvdbg.diff import compare_step
+    from kvdbg.replay import replay
+    from kvdbg.snapshot import load_snapshot
+    from kvdbg.verdict import replay_verdict
+
+    out = {}
+    for name in FIXTURE_FILES:
+        snap = load_snapshot(FIXTURES / name)
+        result = replay(snap, None, ReplayOptions(device="cpu"))
+        comparisons = [c for s in result.steps for c in compare_step(s, snap.meta)]
+        out[name] = (result, comparisons, replay_verdict(comparisons, result.findings))
+    return out
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("name", FIXTURE_FILES)
+def test_replay_numbers_are_never_cut(replays, name, width):
+    from kvdbg.render.replay import render_replay
+
+    result, comparisons, verdict = replays[name]
+    text = render(render_replay(result, comparisons, verdict, explain=True), width)
+    assert_uncut(text, width)
+    # The numbers that answer "how far from the truth" are there in full: each comparison's
+    # worst error, and the worst head's row, in three significant digits.
+    for comp in comparisons:
+        if comp.max_abs == comp.max_abs and comp.max_abs > 0:
+            assert f"{comp.max_abs:.2e}" in text
+    # The verdict is the last thing printed (wrapped at 60 or 80 columns, as any long line).
+    assert " ".join(text.split()).endswith(" ".join(f"{verdict.summary} (exit {verdict.exit_code})".split()))
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("name", FIXTURE_FILES)
+def test_map_info_window_numbers_are_never_cut(name, width):
+    path = str(FIXTURES / name)
+    for args in (["map", path], ["info", path], ["info", "--check", path]):
+        res = run_cli(width, *args)
+        assert res.exit_code in (0, 1), res.output
+        assert_uncut(res.output, width)
+        assert re.search(r"\(exit [01]\)$", res.output.rstrip().splitlines()[-1]), args
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("args", [
+    ("--seq-len", "9000", "--window", "4096", "--query-len", "8"),
+    ("--seq-len", "9000", "--window", "4096", "--query-len", "8", "--mask", "causal", "--full"),
+    ("--seq-len", "2000000000", "--window", "4096", "--query-len", "8", "--max-model-len", "2000000000"),
+    ("--seq-len", "9000", "--window", "4096", "--page-size", "100000"),
+])
+def test_window_numbers_are_never_cut(args, width):
+    res = run_cli(width, "window", *args)
+    assert res.exit_code in (0, 1), res.output
+    assert_uncut(res.output, width)
+    assert "(exit " in res.output.rstrip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("name", FIXTURE_FILES)
+def test_report_svg_tables_are_never_cut(replays, name, width):
+    """`report` is Markdown (no width); its SVGs are the tables drawn at a width: the same rule holds."""
+    from kvdbg.render.info import render_info
+    from kvdbg.render.pagemap import render_page_map
+    from kvdbg.pagemap import page_map
+    from kvdbg.snapshot import load_snapshot
+    from kvdbg.summary import summarize
+
+    snap = load_snapshot(FIXTURES / name)
+    text = render(render_info(summarize(FIXTURES / name)), width)
+    text += "".join(render(render_page_map(page_map(snap, step=s)), width) for s in range(len(snap.steps)))
+    assert_uncut(text, width)
+
+
+@pytest.fixture(scope="module")
+def shrunk(tmp_path_factory):
+    """shrink on each failing fixture (prefix_page0, ts_causal_window), run once."""
+    from kvdbg.shrink import shrink
+    from kvdbg.snapshot import load_snapshot
+
+    out = {}
+    for name in ("prefix_page0.safetensors", "ts_causal_window.safetensors"):
+        target = tmp_path_factory.mktemp("shrink") / name
+        out[name] = shrink(load_snapshot(FIXTURES / name), None, output_path=str(target))
+    return out
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("name", ["prefix_page0.safetensors", "ts_causal_window.safetensors"])
+def test_shrink_numbers_are_never_cut(shrunk, name, width):
+    from kvdbg.render.shrink import render_shrink
+
+    assert_uncut(render(render_shrink(shrunk[name]), width), width)
+
+
+def test_piped_output_is_laid_out_for_80_columns(monkeypatch):
+    """With no terminal and no COLUMNS, output is 80 columns wide, so `| less` reads whole on any screen."""
+    from kvdbg.cli.common import PIPED_WIDTH, output_width
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert output_width() == PIPED_WIDTH == 80
+    res = CliRunner().invoke(cli, ["window", "--seq-len", "9000", "--window", "4096", "--query-len", "8"],
+                             env={"COLUMNS": None}, catch_exceptions=False)
+    widths = [len(line) for line in res.output.splitlines()]
+    assert max(widths) <= 80 and max(widths) >= 70  # laid out at 80, not 120
+
+
+def test_fit_table_drops_the_least_important_column_and_names_it():
+    from kvdbg.render.fit import Column, FitTable
+
+    table = FitTable([Column("name", priority=10), Column("max abs", whole=True, priority=9),
+                      Column("cosine", whole=True, priority=3), Column("note", priority=5)], title="t")
+    table.add_row("reference", "7.81e-03", "0.999998", "a long explanation that wraps over several lines")
+    wide, narrow = render(table, 120), render(table, 40)
+    assert "0.999998" in wide and "hidden at" not in wide
+    assert "7.81e-03" in narrow and "0.999998" not in narrow
+    assert "hidden at 40 columns: cosine" in " ".join(narrow.split())
+    assert_uncut(narrow, 40)
