@@ -7,10 +7,12 @@ rows are bottom-right aligned with ``window_left``; logits are scaled by
 ``bmm1_scale``, the normalised output by ``bmm2_scale``; rows that see no key are
 left as they were. Q·K runs on tensor cores in the inputs' own 16-bit dtype
 (FP8 is widened to bf16 exactly) with fp32 accumulation: every product is exact,
-as in the fp32 torch emulation (the backend sends FP8 to the torch emulation, which models the
-kernel's e4m3 rounding of P; called directly on FP8 this kernel keeps P unrounded, as
-``emulate_decode(..., fp8_p=False)``). The probabilities stay fp32 by splitting them
+as in the fp32 torch emulation. The probabilities stay fp32 by splitting them
 into two 16-bit halves (hi + lo, ~16 significant bits) for the P·V product. With
+FP8 inputs the kernel instead models prims_ts's FP8 path as the torch emulation
+does (``fp8_rounded_attention``): 128-key tiles dealt alternately to two streams,
+each with its own running max, P scaled by 448 and rounded to e4m3 for P·V
+(exact in bf16), the streams merged at the end. With
 an online softmax the results match the torch emulation to fp32-level rounding,
 not bit for bit. One program handles one (request, KV head) pair and all of
 that head's query rows (GQA group x query tokens), so each K/V byte is read once.
@@ -24,6 +26,37 @@ import triton.language as tl
 
 
 @triton.jit
+def _fp8_p_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, tok0, length, last, row_ok, dims,
+                stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_tb,
+                bmm1_scale, window_left, m, denom, acc,
+                PAGE: tl.constexpr, TILE: tl.constexpr, CAUSAL: tl.constexpr):
+    """One 128-key tile of one FP8 stream: online softmax with P rounded to e4m3 at 448x for P.V."""
+    toks = tok0 + tl.arange(0, TILE)
+    tok_ok = toks < length
+    page = tl.load(table_ptr + b * stride_tb + toks // PAGE, mask=tok_ok, other=0).to(tl.int64)
+    slot = toks % PAGE
+    k_off = page[:, None] * stride_kp + kvh * stride_kh + slot[:, None] * stride_kt + dims[None, :]
+    v_off = page[:, None] * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt + dims[None, :]
+    k = tl.load(k_ptr + k_off, mask=tok_ok[:, None], other=0.0).to(tl.bfloat16)
+    v = tl.load(v_ptr + v_off, mask=tok_ok[:, None], other=0.0).to(tl.bfloat16)
+    s = tl.dot(q, tl.trans(k)) * bmm1_scale
+    allowed = tok_ok[None, :] & row_ok[:, None]
+    if CAUSAL:
+        allowed = allowed & (toks[None, :] <= last[:, None])
+        if window_left >= 0:
+            allowed = allowed & (toks[None, :] >= last[:, None] - window_left)
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None]) * 448.0
+    alpha = tl.exp(m - m_safe)
+    denom = denom * alpha + tl.sum(p, axis=1)
+    p8 = p.to(tl.float8e4nv).to(tl.bfloat16)  # every e4m3 value is exact in bf16
+    acc = acc * alpha[:, None] + tl.dot(p8, v)
+    return m_new, denom, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, table_ptr, valid_ptr,
     stride_qb, stride_qs, stride_qh,
@@ -33,7 +66,7 @@ def _decode_kernel(
     stride_tb,
     bmm1_scale, bmm2_scale, window_left,
     SQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, FP8_P: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -56,39 +89,63 @@ def _decode_kernel(
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     start = length * 0
-    if CAUSAL:
-        # A causal window lets no row see keys before its first row's window: skip those blocks.
-        lo = tl.maximum(length - SQ - window_left, 0)
-        start = tl.where(window_left >= 0, (lo // BLOCK_N) * BLOCK_N, start)
-    for tok0 in range(start, length, BLOCK_N):
-        toks = tok0 + tl.arange(0, BLOCK_N)
-        tok_ok = toks < length
-        page = tl.load(table_ptr + b * stride_tb + toks // PAGE, mask=tok_ok, other=0).to(tl.int64)
-        slot = toks % PAGE
-        k_off = page[:, None] * stride_kp + kvh * stride_kh + slot[:, None] * stride_kt + dims[None, :]
-        v_off = page[:, None] * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt + dims[None, :]
-        k = tl.load(k_ptr + k_off, mask=tok_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + v_off, mask=tok_ok[:, None], other=0.0)
-        if k.dtype.is_fp8():
-            k = k.to(tl.bfloat16)
-            v = v.to(tl.bfloat16)
-        s = tl.dot(q, tl.trans(k)) * bmm1_scale
-        allowed = tok_ok[None, :] & row_ok[:, None]
+    if FP8_P:
+        # Two streams of BLOCK_N (= 128)-key tiles; skipping whole tile pairs keeps each tile's stream.
         if CAUSAL:
-            allowed = allowed & (toks[None, :] <= last[:, None])
-            if window_left >= 0:
-                allowed = allowed & (toks[None, :] >= last[:, None] - window_left)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        # Rows that have seen no key yet keep m = -inf; subtract 0 there to avoid inf - inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        denom = denom * alpha + tl.sum(p, axis=1)
-        p_hi = p.to(v.dtype)
-        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
-        m = m_new
+            lo = tl.maximum(length - SQ - window_left, 0)
+            start = tl.where(window_left >= 0, (lo // (2 * BLOCK_N)) * (2 * BLOCK_N), start)
+        m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        denom1 = tl.zeros([BLOCK_M], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, D], tl.float32)
+        for tok0 in range(start, length, 2 * BLOCK_N):
+            m, denom, acc = _fp8_p_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, tok0, length, last, row_ok, dims,
+                                        stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
+                                        stride_tb, bmm1_scale, window_left, m, denom, acc,
+                                        PAGE=PAGE, TILE=BLOCK_N, CAUSAL=CAUSAL)
+            m1, denom1, acc1 = _fp8_p_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, tok0 + BLOCK_N, length, last,
+                                           row_ok, dims, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh,
+                                           stride_vt, stride_tb, bmm1_scale, window_left, m1, denom1, acc1,
+                                           PAGE=PAGE, TILE=BLOCK_N, CAUSAL=CAUSAL)
+        top = tl.maximum(m, m1)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        w0 = tl.exp(m - top_safe)
+        w1 = tl.exp(m1 - top_safe)
+        denom = denom * w0 + denom1 * w1
+        acc = acc * w0[:, None] + acc1 * w1[:, None]
+    else:
+        if CAUSAL:
+            # A causal window lets no row see keys before its first row's window: skip those blocks.
+            lo = tl.maximum(length - SQ - window_left, 0)
+            start = tl.where(window_left >= 0, (lo // BLOCK_N) * BLOCK_N, start)
+        for tok0 in range(start, length, BLOCK_N):
+            toks = tok0 + tl.arange(0, BLOCK_N)
+            tok_ok = toks < length
+            page = tl.load(table_ptr + b * stride_tb + toks // PAGE, mask=tok_ok, other=0).to(tl.int64)
+            slot = toks % PAGE
+            k_off = page[:, None] * stride_kp + kvh * stride_kh + slot[:, None] * stride_kt + dims[None, :]
+            v_off = page[:, None] * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt + dims[None, :]
+            k = tl.load(k_ptr + k_off, mask=tok_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + v_off, mask=tok_ok[:, None], other=0.0)
+            if k.dtype.is_fp8():
+                k = k.to(tl.bfloat16)
+                v = v.to(tl.bfloat16)
+            s = tl.dot(q, tl.trans(k)) * bmm1_scale
+            allowed = tok_ok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                allowed = allowed & (toks[None, :] <= last[:, None])
+                if window_left >= 0:
+                    allowed = allowed & (toks[None, :] >= last[:, None] - window_left)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            # Rows that have seen no key yet keep m = -inf; subtract 0 there to avoid inf - inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            denom = denom * alpha + tl.sum(p, axis=1)
+            p_hi = p.to(v.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+            m = m_new
 
     seen = row_ok & (denom > 0)
     result = acc / tl.where(seen, denom, 1.0)[:, None] * bmm2_scale
@@ -105,10 +162,6 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
         return f"head_dim {d} is not a power of two >= 16"
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         return "head_dim is not contiguous"
-    if q.dtype == torch.float8_e4m3fn:
-        # The FP8 kernel rounds P to e4m3 per 128-key tile against two streams' running max; that model
-        # lives in the torch emulation only, so both emulations give one answer.
-        return "FP8 P rounding (448x e4m3 per 128-key tile) is modelled in the torch emulation only"
     kinds = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
     if q.dtype not in kinds or k_cache.dtype not in kinds or (q.dtype.itemsize == 2 and q.dtype != k_cache.dtype):
         return f"query {q.dtype} / cache {k_cache.dtype} are not one of the kernel's dtype pairs"
@@ -118,8 +171,11 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
 def triton_decode(q, k_cache, v_cache, seq_lens, block_tables, *, mask_type: str, window_left: int,
                   bmm1_scale: float, bmm2_scale: float, out: torch.Tensor, requests: list[int] | None = None,
                   valid: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
-                  num_stages: int = 2):
+                  num_stages: int = 2, fp8_p: bool | None = None):
     """Drop-in for ``emulate_decode`` on CUDA tensors (no ``key_mask``); the tile knobs are for bench/.
+
+    ``fp8_p`` (default: FP8 q and K) models the FP8 kernel's P rounding, with 128-key tiles, as
+    ``emulate_decode`` does.
 
     ``valid`` [batch] bool on the device selects requests without a host round trip;
     ``requests`` (host indices) does the same the way ``emulate_decode`` takes it.
@@ -137,7 +193,14 @@ def triton_decode(q, k_cache, v_cache, seq_lens, block_tables, *, mask_type: str
         return out
     block_m = max(16, triton.next_power_of_2(group * sq))
     # Keep the fp32 score and accumulator tiles within registers/shared memory.
-    if block_n is None:  # measured on an H200 (bench/ts_triton_tiles.py): larger key tiles while registers allow
+    if fp8_p is None:
+        fp8_p = q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
+    if fp8_p:
+        from kvdbg.backends.flashinfer_ts import FP8_P_STREAMS, FP8_P_TILE
+
+        assert FP8_P_STREAMS == 2, "the Triton kernel models two FP8 streams"
+        block_n = FP8_P_TILE  # the kernel's tile, not a tuning knob here
+    elif block_n is None:  # measured on an H200 (bench/ts_triton_tiles.py): larger key tiles while registers allow
         block_n = 128 if block_m * d <= 32 * 128 else 64 if block_m * d <= 64 * 128 else 32
     _decode_kernel[(batch, hkv)](
         q, k_cache, v_cache, out, seq_lens, block_tables, valid.to(torch.int8),
@@ -148,6 +211,6 @@ def triton_decode(q, k_cache, v_cache, seq_lens, block_tables, *, mask_type: str
         block_tables.stride(0),
         float(bmm1_scale), float(bmm2_scale), int(window_left),
         SQ=sq, GROUP=group, D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=mask_type == "causal", num_warps=num_warps, num_stages=num_stages,
+        CAUSAL=mask_type == "causal", FP8_P=bool(fp8_p), num_warps=num_warps, num_stages=num_stages,
     )
     return out
