@@ -15,6 +15,7 @@ off. docs/capture.md describes the API, the vLLM plugin and its variables.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import fnmatch
 import functools
@@ -23,8 +24,10 @@ import itertools
 import json
 import logging
 import os
+import queue
 import re
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -68,6 +71,7 @@ __all__ = [
     "ENV_RANKS",
     "ENV_MAX",
     "ENV_MAX_BYTES",
+    "ENV_QUEUE",
 ]
 
 ENV_DIR = "KVDBG_CAPTURE_DIR"
@@ -76,11 +80,14 @@ ENV_STEPS = "KVDBG_CAPTURE_STEPS"
 ENV_RANKS = "KVDBG_CAPTURE_RANKS"
 ENV_MAX = "KVDBG_CAPTURE_MAX"
 ENV_MAX_BYTES = "KVDBG_CAPTURE_MAX_BYTES"
+ENV_QUEUE = "KVDBG_CAPTURE_QUEUE"
 
 # A live engine left capturing by mistake must not fill a disk: these apply
 # unless the variables say otherwise (``unlimited`` lifts a cap explicitly).
 DEFAULT_MAX_SNAPSHOTS = 32
 DEFAULT_MAX_BYTES = 4 * 1024**3
+# Snapshots waiting for the background writer (from_env); when it is full, new ones are dropped and counted.
+DEFAULT_QUEUE = 8
 
 # Pages are gathered to CPU in slices of this size so that a long-context capture
 # does not need a second full copy of its pages in GPU memory.
@@ -174,15 +181,16 @@ class LayerFilter:
         return "all layers" if self.pattern is None else self.pattern
 
 
-def parse_count(text: str | None, what: str, default: int | None) -> int | None:
-    """A positive integer, ``unlimited`` (None) or, when unset, ``default``."""
+def parse_count(text: str | None, what: str, default: int | None, *, zero_ok: bool = False) -> int | None:
+    """A positive integer (or 0 with ``zero_ok``), ``unlimited`` (None) or, when unset, ``default``."""
     if text is None or not str(text).strip():
         return default
     text = str(text).strip()
-    if text.lower() == "unlimited":
+    if text.lower() == "unlimited" and not zero_ok:
         return None
-    if not text.isdigit() or int(text) <= 0:
-        raise OptionError(f"{what} must be a positive integer or 'unlimited', got {text!r}")
+    if not text.isdigit() or int(text) < (0 if zero_ok else 1):
+        kind = "a non-negative integer" if zero_ok else "a positive integer or 'unlimited'"
+        raise OptionError(f"{what} must be {kind}, got {text!r}")
     return int(text)
 
 
@@ -419,8 +427,15 @@ class Capturer:
         ranks: IntRanges | str | int | Iterable[int] | None = None,
         rank: int | None = None,
         engine: str | None = None,
+        queue_size: int = 0,
     ):
         self.directory = os.fspath(directory)
+        # 0: finish() writes in the caller's thread. N > 0: finish() only hands the copied step to a
+        # background writer (validation, the file, fsync) through a queue of N; a full queue drops.
+        self.queue_size = int(queue_size)
+        self._queue: queue.Queue | None = None
+        self._writer: threading.Thread | None = None
+        self._in_flight = 0  # handed to the writer, not yet written or failed
         self.max_snapshots = max_snapshots
         self.max_bytes = max_bytes
         self.layer_filter = layers if callable(layers) else LayerFilter(layers)
@@ -454,6 +469,7 @@ class Capturer:
             layers=env.get(ENV_LAYERS) or None,
             steps=IntRanges.parse(env[ENV_STEPS], ENV_STEPS) if env.get(ENV_STEPS, "").strip() else None,
             ranks=IntRanges.parse(env[ENV_RANKS], ENV_RANKS) if env.get(ENV_RANKS, "").strip() else None,
+            queue_size=parse_count(env.get(ENV_QUEUE), ENV_QUEUE, DEFAULT_QUEUE, zero_ok=True),
         )
         kwargs.update(overrides)
         return cls(directory, **kwargs)
@@ -466,7 +482,8 @@ class Capturer:
             f"directory={self.directory} layers={self.layer_filter} "
             f"steps={self.steps if self.steps is not None else 'all'} "
             f"ranks={self.ranks if self.ranks is not None else 'all'} "
-            f"max={cap(self.max_snapshots, '')} max_bytes={cap(self.max_bytes, ' bytes')}"
+            f"max={cap(self.max_snapshots, '')} max_bytes={cap(self.max_bytes, ' bytes')} "
+            f"writer={'background, queue ' + str(self.queue_size) if self.queue_size else 'in the caller'}"
         )
 
     # ---------------------------------------------------------------- state
@@ -501,8 +518,9 @@ class Capturer:
             return False
         if self.ranks is not None and self.rank(rank) not in self.ranks:
             return False
-        if self.max_snapshots is not None and len(self.written) >= self.max_snapshots:
-            self.disable(f"wrote {len(self.written)} snapshots, the limit ({ENV_MAX}={self.max_snapshots})")
+        if self.max_snapshots is not None and len(self.written) + self._in_flight >= self.max_snapshots:
+            if self._in_flight == 0:
+                self.disable(f"wrote {len(self.written)} snapshots, the limit ({ENV_MAX}={self.max_snapshots})")
             return False
         return True
 
@@ -851,14 +869,35 @@ class Capturer:
                 pending.step.output = _to_cpu(out[: pending.num_tokens])
             snapshot = Snapshot(meta=pending.meta, kv_cache=pending.kv_cache, page_ids=pending.page_ids,
                                 steps=[pending.step])
+        except Exception as exc:
+            self.report(exc, where)
+            return None
+        if self.queue_size:
+            self._hand_to_writer(snapshot, pending, where)
+            return None
+        return self._store(snapshot, pending, self.directory, where)
+
+    def _store(self, snapshot: Snapshot, pending: PendingCapture, directory: str, where: str) -> str | None:
+        """Validate, size-check and write one snapshot (in the caller's thread or the writer's)."""
+        layer = pending.meta.layer
+        try:
             size = snapshot_file_size(snapshot)
+            # The lock guards the budgets, never the write itself: the engine's thread may be
+            # waiting on it to hand over the next step.
             with self._lock:
-                if not self.wants(layer.name, pending.step_index, pending.rank):
+                if not self.active or (self.max_snapshots is not None and len(self.written) >= self.max_snapshots):
                     return None
                 if not self._fits(size, layer.name, pending.step_index, exact=True):
                     return None
-                path = self._write(snapshot, pending)
-                self.bytes_written += os.path.getsize(path)
+                self.bytes_written += size  # reserved now, so concurrent writes cannot overrun the budget
+            try:
+                path = self._write(snapshot, pending, directory)
+            except BaseException:
+                with self._lock:
+                    self.bytes_written -= size
+                raise
+            with self._lock:
+                self.bytes_written += os.path.getsize(path) - size
                 self.written.append(path)
             count = len(self.written)
             if count <= self.info_snapshot_lines:
@@ -873,6 +912,48 @@ class Capturer:
         except Exception as exc:
             self.report(exc, where)
             return None
+
+    # ---------------------------------------------------------------- the background writer
+
+    def _hand_to_writer(self, snapshot: Snapshot, pending: PendingCapture, where: str) -> None:
+        with self._lock:
+            if self._writer is None:
+                self._queue = queue.Queue(self.queue_size)
+                self._writer = threading.Thread(target=self._write_loop, name="kvdbg-capture-writer", daemon=True)
+                self._writer.start()
+                _WRITERS.append(self)
+            try:
+                # The directory is taken now: a later change of it applies to later steps only.
+                self._queue.put_nowait((snapshot, pending, self.directory, where))
+                self._in_flight += 1
+            except queue.Full:
+                self._note_once("dropped:queue_full",
+                                f"kvdbg capture dropped {where}: {self.queue_size} snapshots are already waiting "
+                                f"for the disk ({ENV_QUEUE}={self.queue_size}); the engine is not held up, "
+                                "dropped steps are counted in failures['dropped:queue_full']")
+
+    def _write_loop(self) -> None:
+        assert self._queue is not None
+        while True:
+            snapshot, pending, directory, where = self._queue.get()
+            try:
+                self._store(snapshot, pending, directory, where)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+                self._queue.task_done()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the background writer has written (or dropped) everything handed to it.
+
+        Returns False if ``timeout`` seconds passed first. Without a writer, returns True at once.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._in_flight:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def capture(self, *, output: torch.Tensor | None = None, **fields) -> str | None:
         """``begin`` and ``finish`` in one call, for a step whose output is already known (or absent)."""
@@ -897,16 +978,16 @@ class Capturer:
         )
         return False
 
-    def _write(self, snapshot: Snapshot, pending: PendingCapture) -> str:
+    def _write(self, snapshot: Snapshot, pending: PendingCapture, directory: str) -> str:
         try:
-            os.makedirs(self.directory, exist_ok=True)
+            os.makedirs(directory, exist_ok=True)
         except OSError as exc:
-            raise _WriteFailed(f"cannot create capture directory {self.directory}: {exc.strerror or exc}") from None
+            raise _WriteFailed(f"cannot create capture directory {directory}: {exc.strerror or exc}") from None
         stem = _SAFE_NAME.sub("_", pending.meta.layer.name) or "layer"
         step = "x" if pending.step_index is None else str(pending.step_index)
         for _ in range(1000):
             name = f"{stem}-step{step}-rank{pending.rank}-{next(self._names):04d}.safetensors"
-            path = os.path.join(self.directory, name)
+            path = os.path.join(directory, name)
             if os.path.exists(path):
                 continue
             try:
@@ -917,7 +998,20 @@ class Capturer:
                 if os.path.exists(path):  # another process took the name meanwhile
                     continue
                 raise _WriteFailed(str(exc)) from None
-        raise _WriteFailed(f"no free file name for {stem} in {self.directory} after 1000 tries")
+        raise _WriteFailed(f"no free file name for {stem} in {directory} after 1000 tries")
+
+
+# Capturers with a background writer: at interpreter exit, what they hold is written (bounded wait).
+_WRITERS: list[Capturer] = []
+EXIT_FLUSH_SECONDS = 30.0
+
+
+@atexit.register
+def _flush_writers_at_exit() -> None:
+    for capturer in list(_WRITERS):
+        if not capturer.flush(EXIT_FLUSH_SECONDS):
+            logger.warning("kvdbg capture: %d snapshot(s) still unwritten at exit after %.0f s",
+                           capturer._in_flight, EXIT_FLUSH_SECONDS)
 
 
 # --------------------------------------------------------------------------- one call

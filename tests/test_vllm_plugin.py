@@ -207,6 +207,9 @@ class StandinEngine:
 
 
 def snapshots(directory) -> list:
+    capturer = vllm_plugin.active_capturer()
+    if capturer is not None:
+        assert capturer.flush(10)  # the plugin writes in the background
     if not os.path.isdir(directory):
         return []
     return [load_snapshot(os.path.join(directory, f)) for f in sorted(os.listdir(directory))]

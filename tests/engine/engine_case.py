@@ -98,6 +98,9 @@ def main() -> int:
             results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             outputs.append([list(r.outputs[0].token_ids) for r in results])
             cached.append([getattr(r, "num_cached_tokens", None) for r in results])
+        if not capturer.flush(60):
+            print(f"engine_case: snapshots of {case} still unwritten after 60 s", file=sys.stderr)
+            return 1
         record["cases"][case] = {
             "snapshots": len(capturer.written) - before,
             "run_s": time.monotonic() - t0,
