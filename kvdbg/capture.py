@@ -768,16 +768,12 @@ class Capturer:
             capture=self._provenance(kv_cache, query, rank, step, layer_name, len(page_ids), pre_update, info),
             notes=notes,
         )
-        # The in-memory checks of save_snapshot cover tensors; the values of the
-        # metadata (finite positive scales, ...) are checked where a reader checks them.
-        parse_meta(meta.to_json())
-
         # Refuse before copying pages, the expensive part, when even a lower bound
-        # of the file (data without the output, metadata without the header around
-        # it) is over budget; finish() checks the exact size.
+        # of the file (data without the output and without any header) is over
+        # budget; the writer checks the exact size.
         page_bytes = kv_cache.element_size() * kv_cache.numel() // max(1, tensor_blocks)
         small = sum(t.numel() * t.element_size() for t in step_obj.tensors().values())
-        lower_bound = len(page_ids) * (page_bytes + 4) + small + len(meta.to_json())
+        lower_bound = len(page_ids) * (page_bytes + 4) + small
         if not self._fits(lower_bound, layer_name, step, exact=False):
             return None
 
@@ -881,6 +877,9 @@ class Capturer:
         """Validate, size-check and write one snapshot (in the caller's thread or the writer's)."""
         layer = pending.meta.layer
         try:
+            # The in-memory checks of save_snapshot cover tensors; the values of the metadata
+            # (finite positive scales, ...) are checked here as a reader checks them.
+            parse_meta(pending.meta.to_json())
             size = snapshot_file_size(snapshot)
             # The lock guards the budgets, never the write itself: the engine's thread may be
             # waiting on it to hand over the next step.
