@@ -88,6 +88,8 @@ DEFAULT_MAX_SNAPSHOTS = 32
 DEFAULT_MAX_BYTES = 4 * 1024**3
 # Snapshots waiting for the background writer (from_env); when it is full, new ones are dropped and counted.
 DEFAULT_QUEUE = 8
+# Scheduling priority of the background writer thread (Linux): lowest, so it only uses idle CPU.
+WRITER_NICENESS = 19
 
 # Pages are gathered to CPU in slices of this size so that a long-context capture
 # does not need a second full copy of its pages in GPU memory.
@@ -933,6 +935,10 @@ class Capturer:
 
     def _write_loop(self) -> None:
         assert self._queue is not None
+        try:  # Linux: the writer yields the CPU to the engine's threads (on other systems this is a no-op)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        except (AttributeError, OSError):
+            pass
         while True:
             snapshot, pending, directory, where = self._queue.get()
             try:

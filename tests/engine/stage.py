@@ -51,10 +51,10 @@ MIN_DECODE_COSINE = 0.9999
 
 RUNS = [
     # (backend, model, cases)
-    ("CPU_ATTN", "plain", "prefill,decode,mixed,prefix_hit"),
-    ("CPU_ATTN", "sliding", "sliding"),
+    ("CPU_ATTN", "plain", "prefill,decode,mixed,prefix_hit,disk_full"),
+    ("CPU_ATTN", "sliding", "sliding,sliding_prefix_hit"),
     ("FLEX_ATTENTION", "plain", "prefill,decode,mixed,prefix_hit"),
-    ("FLEX_ATTENTION", "sliding", "sliding"),
+    ("FLEX_ATTENTION", "sliding", "sliding,sliding_prefix_hit"),
 ]
 MODELS = {
     "plain": TinyModel("plain", dtype="float16"),  # float16: CPU_ATTN picks its 'vec' kernel (amx is bf16-only)
@@ -90,10 +90,13 @@ def run_engines(out: str, models: dict[str, str], log) -> dict[tuple[str, str], 
         run_dir = os.path.join(out, "snapshots", backend, model)
         log_path = os.path.join(out, "logs", f"{backend}-{model}.log")
         t0 = time.monotonic()
-        with open(log_path, "w") as f:
-            rc = subprocess.call([sys.executable, "-m", "tests.engine.engine_case", "--backend", backend,
-                                  "--model", models[model], "--out", run_dir, "--cases", cases],
-                                 cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        # Through a pipe, not a file: the disk_full case limits the size of files the engine writes.
+        proc = subprocess.run([sys.executable, "-m", "tests.engine.engine_case", "--backend", backend,
+                               "--model", models[model], "--out", run_dir, "--cases", cases],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        rc = proc.returncode
+        with open(log_path, "wb") as f:
+            f.write(proc.stdout)
         took = time.monotonic() - t0
         if rc != 0:
             raise SystemExit(f"engine run {backend}/{model} failed (exit {rc}); see {log_path}")
@@ -164,6 +167,25 @@ def plain_runs(out: str, model_dir: str, log) -> list[str]:
     return problems
 
 
+def overhead(out: str, model_dir: str, log) -> None:
+    """Decode-step time with capture off and on, measured in one run (reported, not asserted)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.engine.overhead", "--model", model_dir,
+                           "--out", os.path.join(out, "overhead")], cwd=ROOT, capture_output=True, text=True)
+    with open(os.path.join(out, "logs", "overhead.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    try:
+        data = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        log(f"overhead: no result (exit {proc.returncode}); see logs/overhead.log")
+        return
+    steps = data["decode_step_ms"]
+    log("decode step, CPU_ATTN, 1 request (best of %d rounds): %s" % (
+        data["repeats"], ", ".join(f"{k} {v:.2f} ms" for k, v in steps.items())))
+    log(f"    snapshot {data['snapshot_bytes']} bytes; copying that many bytes once takes "
+        f"{data['copy_snapshot_bytes_ms']:.3f} ms; background writer wrote {data['snapshots_written_background']}, "
+        f"dropped {data['dropped_background']}")
+
+
 # --------------------------------------------------------------------------- replays
 
 
@@ -232,10 +254,13 @@ def case_checks(backend: str, case: str, paths: list[str], record: dict) -> list
     """The case really produced the batches it is named after (else a pass would prove nothing)."""
     from kvdbg.snapshot import load_snapshot
 
+    problems = [f"{backend}/{case}: capture failure {kind} x{count}"
+                for kind, count in record.get("failures", {}).items() if case != "disk_full"]
+    if case == "disk_full":
+        return problems + disk_full_checks(backend, record)
     snaps = [load_snapshot(p) for p in paths]
-    problems = []
     if not snaps:
-        return [f"{backend}/{case}: no snapshots"]
+        return problems + [f"{backend}/{case}: no snapshots"]
     layers = {s.meta.layer.name for s in snaps}
     if len(layers) < 2:
         problems.append(f"{backend}/{case}: snapshots of {len(layers)} layer(s), expected both layers")
@@ -258,13 +283,13 @@ def case_checks(backend: str, case: str, paths: list[str], record: dict) -> list
         problems.append(f"{backend}/{case}: expected >= 3 decode steps, got kinds {sorted(kinds)}, steps {len(steps)}")
     if case == "mixed" and ("mixed" not in kinds or max(len(q) for _, q, _ in lens) < 3):
         problems.append(f"{backend}/{case}: no batch mixing prefill chunks and decodes of >= 3 requests")
-    if case == "prefix_hit":
+    if case in ("prefix_hit", "sliding_prefix_hit"):
         cached = record.get("num_cached_tokens", [])
         hit = any(q > 1 and L - q >= 96 for _, qs, ls in lens for q, L in zip(qs, ls))
         if not hit:
             problems.append(f"{backend}/{case}: no prefill step starting after a cached 96-token prefix "
                             f"(engine reported cached tokens {cached})")
-    if case == "sliding":
+    if case in ("sliding", "sliding_prefix_hit"):
         # Requests longer than window + page size: their first pages hold no key any query can see. vLLM
         # frees those blocks; the table entries then hold the null block 0 or a stale id (possibly reused
         # further on, which is the page-mapped-twice case).
@@ -286,6 +311,23 @@ def case_checks(backend: str, case: str, paths: list[str], record: dict) -> list
         record["before_window_entries"] = {"null": null_entries, "stale": stale_entries}
         if not outgrown:
             problems.append(f"{backend}/{case}: no request outgrew window + page size")
+        if case == "sliding_prefix_hit" and not null_entries:
+            problems.append(f"{backend}/{case}: no null block before the window after a prefix-cache hit")
+    return problems
+
+
+def disk_full_checks(backend: str, record: dict) -> list[str]:
+    """The disk filled up in the middle of the first snapshot: the engine served on, capture stopped cleanly."""
+    problems = []
+    failures = record.get("failures", {})
+    if list(failures) != ["write:_WriteFailed"] or failures["write:_WriteFailed"] != 1:
+        problems.append(f"{backend}/disk_full: expected one write failure, got {failures}")
+    if record.get("files"):
+        problems.append(f"{backend}/disk_full: files left in the directory: {record['files']}")
+    if record.get("capture_active_after"):
+        problems.append(f"{backend}/disk_full: capture still on after the disk filled up")
+    if not all(len(tokens) == 3 for batch in record.get("generated", []) for tokens in batch):
+        problems.append(f"{backend}/disk_full: the engine did not finish its requests: {record.get('generated')}")
     return problems
 
 
@@ -297,6 +339,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "out", "engine"))
     parser.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     parser.add_argument("--skip-plain", action="store_true", help="skip the two plain LLM() runs")
+    parser.add_argument("--skip-overhead", action="store_true", help="skip measuring capture's cost")
     args = parser.parse_args()
     started = time.monotonic()
     out = os.path.abspath(args.out)
@@ -322,6 +365,8 @@ def main() -> int:
     if not args.skip_plain:
         problems += plain_runs(out, models["plain_bf16"], log)
     plain_s = time.monotonic() - t0
+    if not args.skip_overhead:
+        overhead(out, models["plain"], log)
 
     jobs = []
     by_case: dict[tuple[str, str], list[str]] = defaultdict(list)
@@ -332,8 +377,15 @@ def main() -> int:
             by_case[backend, case] = paths
             problems += case_checks(backend, case, paths, record["cases"][case])
             jobs += [(backend, case, p) for p in paths]
-        for kind, count in record.get("failures", {}).items():
-            problems.append(f"{backend}/{model}: capture failures {kind} x{count}")
+        log_path = os.path.join(out, "logs", f"{backend}-{model}.log")
+        with open(log_path) as f:
+            errors = [line for line in f if "[kvdbg]" in line and line.startswith("ERROR")]
+        expected_errors = 1 if "disk_full" in record["cases"] else 0
+        if len(errors) != expected_errors:
+            problems.append(f"{backend}/{model}: {len(errors)} kvdbg error lines, expected {expected_errors}: "
+                            + " | ".join(e.strip()[:160] for e in errors))
+        elif errors:
+            log(f"{backend} disk_full: the one error line: {errors[0].strip()[:220]}")
     t0 = time.monotonic()
     with ThreadPoolExecutor(args.jobs) as pool:
         outcomes = list(pool.map(lambda j: replay_one(*j, out), jobs))
@@ -357,10 +409,10 @@ def main() -> int:
             f"{', '.join(f'{k} x{v}' for k, v in sorted(tol.items())) or '-'}")
     for (backend, model), record in records.items():
         for case, facts in record["cases"].items():
-            if case == "prefix_hit":
+            if case in ("prefix_hit", "sliding_prefix_hit"):
                 log(f"{backend} prefix_hit: tokens the engine served from its prefix cache, per request: "
                     f"{facts.get('num_cached_tokens')}")
-            if case == "sliding":
+            if case in ("sliding", "sliding_prefix_hit"):
                 log(f"{backend} sliding: {facts.get('outgrown_requests')} request-steps longer than window + page "
                     f"size; table entries wholly before the window: {facts.get('before_window_entries')}")
     for o in outcomes:
