@@ -178,9 +178,10 @@ def overhead(out: str, model_dir: str, log) -> None:
     except (ValueError, IndexError):
         log(f"overhead: no result (exit {proc.returncode}); see logs/overhead.log")
         return
-    steps = data["decode_step_ms"]
-    log("decode step, CPU_ATTN, 1 request (best of %d rounds): %s" % (
-        data["repeats"], ", ".join(f"{k} {v:.2f} ms" for k, v in steps.items())))
+    log(f"decode step, CPU_ATTN, 1 request, best of {data['repeats']} rounds of {data['tokens']} steps "
+        "(wall / engine-thread CPU / process CPU, ms):")
+    for name, wall in data["decode_step_ms"].items():
+        log(f"    {name:<40}{wall:8.2f}{data['engine_thread_cpu_ms'][name]:8.2f}{data['process_cpu_ms'][name]:8.2f}")
     log(f"    snapshot {data['snapshot_bytes']} bytes; copying that many bytes once takes "
         f"{data['copy_snapshot_bytes_ms']:.3f} ms; background writer wrote {data['snapshots_written_background']}, "
         f"dropped {data['dropped_background']}")
@@ -392,7 +393,7 @@ def main() -> int:
     replay_s = time.monotonic() - t0
 
     log("")
-    log(f"{'backend':<15}{'case':<12}{'snaps':>6}{'pass':>6}  kinds                 min cos(capt,ref)  tolerated findings")
+    log(f"{'backend':<15}{'case':<20}{'snaps':>6}{'pass':>6}  {'kinds':<30}{'min cos(capt,ref)':>17}  tolerated findings")
     for (backend, case), paths in by_case.items():
         mine = [o for o in outcomes if o.backend == backend and o.case == case]
         kinds = defaultdict(int)
@@ -403,17 +404,17 @@ def main() -> int:
         for o in mine:
             for t in set(o.tolerated):
                 tol[t] += 1
-        log(f"{backend:<15}{case:<12}{len(mine):>6}{sum(not o.problems for o in mine):>6}  "
-            f"{', '.join(f'{k}={v}' for k, v in sorted(kinds.items())):<22}"
+        log(f"{backend:<15}{case:<20}{len(mine):>6}{sum(not o.problems for o in mine):>6}  "
+            f"{', '.join(f'{k}={v}' for k, v in sorted(kinds.items())):<30}"
             f"{(f'{min(cos):.7f}' if cos else '-'):>17}  "
             f"{', '.join(f'{k} x{v}' for k, v in sorted(tol.items())) or '-'}")
     for (backend, model), record in records.items():
         for case, facts in record["cases"].items():
             if case in ("prefix_hit", "sliding_prefix_hit"):
-                log(f"{backend} prefix_hit: tokens the engine served from its prefix cache, per request: "
+                log(f"{backend} {case}: tokens the engine served from its prefix cache, per request: "
                     f"{facts.get('num_cached_tokens')}")
             if case in ("sliding", "sliding_prefix_hit"):
-                log(f"{backend} sliding: {facts.get('outgrown_requests')} request-steps longer than window + page "
+                log(f"{backend} {case}: {facts.get('outgrown_requests')} request-steps longer than window + page "
                     f"size; table entries wholly before the window: {facts.get('before_window_entries')}")
     for o in outcomes:
         for p in o.problems:
