@@ -498,3 +498,25 @@ def test_lines_reach_stderr_without_any_logging_setup(tmp_path):
     env["VLLM_CONFIGURE_LOGGING"] = "0"  # the user owns logging: nothing added
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=ROOT)
     assert "[kvdbg]" not in out.stderr
+
+
+def test_cpu_attn_layout_follows_the_kernel_variant_and_amx_is_refused_once(standins, tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from kvdbg.engine_layouts import CPU_ATTN_K_TRANSPOSED
+
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path)
+    state = vllm_plugin._state
+    info = vllm_plugin._ImplInfo("CPU_ATTN", False, "test")
+    impl = SimpleNamespace(kv_cache_dtype="auto")
+    assert state.engine_layout(impl, SimpleNamespace(isa="vec"), info) == CPU_ATTN_K_TRANSPOSED
+    assert state.engine_layout(impl, SimpleNamespace(isa="vec16"), info) == CPU_ATTN_K_TRANSPOSED
+    for _ in range(3):
+        assert state.engine_layout(impl, SimpleNamespace(isa="amx"), info) is None
+    assert state.engine_layout(SimpleNamespace(kv_cache_dtype="fp8"), SimpleNamespace(isa="vec"), info) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "CPU_ATTN's 'amx' kernel variant" in warnings[0] and "not verified" in warnings[0]
+    assert "kv_cache_dtype 'fp8'" in warnings[1]
+    assert state.capturer.failures["layout:CPU_ATTN:amx"] == 3
