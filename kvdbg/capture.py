@@ -506,6 +506,11 @@ class Capturer:
             return self._rank
         return current_rank()[0]
 
+    def select_layers(self, layers: str | Callable[[str], bool] | None) -> None:
+        """Change which layers are captured from now on (same forms as the constructor's ``layers``)."""
+        self.layer_filter = layers if callable(layers) else LayerFilter(layers)
+        self._layer_cache = {}
+
     def layer_selected(self, layer_name: str) -> bool:
         hit = self._layer_cache.get(layer_name)
         if hit is None:
