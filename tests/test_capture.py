@@ -362,3 +362,12 @@ def test_from_env(tmp_path):
 def test_infer_kv_layout():
     assert infer_kv_layout(torch.empty(9, 2, 16, 32), 2, 16) == LAYOUT_VLLM
     assert infer_kv_layout(torch.empty(2, 9, 16, 2, 16), 2, 16) == LAYOUT_SEED
+
+
+def test_select_layers_applies_from_now_on(tmp_path):
+    capturer = Capturer(tmp_path, layers="*.layers.0.*")
+    assert capturer.wants("model.layers.0.attn") and not capturer.wants("model.layers.1.attn")
+    capturer.select_layers("*.layers.1.*")
+    assert not capturer.wants("model.layers.0.attn") and capturer.wants("model.layers.1.attn")
+    capturer.select_layers(None)
+    assert capturer.wants("model.layers.0.attn")

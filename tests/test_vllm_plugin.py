@@ -207,6 +207,9 @@ class StandinEngine:
 
 
 def snapshots(directory) -> list:
+    capturer = vllm_plugin.active_capturer()
+    if capturer is not None:
+        assert capturer.flush(10)  # the plugin writes in the background
     if not os.path.isdir(directory):
         return []
     return [load_snapshot(os.path.join(directory, f)) for f in sorted(os.listdir(directory))]
@@ -442,3 +445,78 @@ def test_entry_point_is_declared():
         project = tomllib.load(fh)["project"]
     assert project["entry-points"]["vllm.general_plugins"] == {"kvdbg": "kvdbg.vllm_plugin:register"}
     assert callable(vllm_plugin.register)
+
+
+# --------------------------------------------------------------------------- telling the user
+
+
+def _layer_on(backend_name):
+    """An attention layer whose backend class reports ``backend_name`` (the impl is the flex stand-in's)."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
+
+    backend = type(backend_name, (FlexAttentionBackend,), {"get_name": staticmethod(lambda: backend_name)})
+    with default_dtype(torch.bfloat16):
+        return Attention(4, 16, 0.25, 2, prefix=f"layer.on.{backend_name}", attn_backend=backend)
+
+
+def test_the_backend_in_use_is_named_once_when_not_wrapped(standins, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path)
+    for _ in range(2):
+        _layer_on("CPU_ATTN")
+        _layer_on("TRITON_ATTN")
+        _layer_on("FLEX_ATTENTION")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "backend is CPU_ATTN, which is not wrapped" in warnings[0]
+    assert "Set KVDBG_CAPTURE_BACKENDS=CPU_ATTN" in warnings[0]
+    assert "TRITON_ATTN, whose KV-cache layout kvdbg does not know" in warnings[1]
+    vllm_plugin.unregister()
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    assert not hasattr(Attention.__init__, "_kvdbg_original")
+
+
+def test_a_backend_of_unknown_layout_is_not_wrapped(standins, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="FLEX_ATTENTION,TRITON_ATTN")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "TRITON_ATTN not wrapped: kvdbg does not know its KV-cache layout" in warnings[0]
+
+
+def test_lines_reach_stderr_without_any_logging_setup(tmp_path):
+    """vLLM configures only its own logger: the plugin's lines must still show in a plain run."""
+    code = ("from kvdbg import vllm_plugin; vllm_plugin.register(); "
+            "import logging; logging.getLogger('kvdbg.capture').debug('not shown at debug level')")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVDBG_", "VLLM_"))}
+    env.update(KVDBG_CAPTURE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(STANDINS), str(ROOT)]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=ROOT)
+    lines = [line for line in out.stderr.splitlines() if "[kvdbg]" in line]
+    assert len(lines) == 1 and "kvdbg capture active in pid" in lines[0], out.stderr
+    assert f"directory={tmp_path}" in lines[0] and "wrapping FLASHINFER_TS,FLEX_ATTENTION" in lines[0]
+    env["VLLM_CONFIGURE_LOGGING"] = "0"  # the user owns logging: nothing added
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=ROOT)
+    assert "[kvdbg]" not in out.stderr
+
+
+def test_cpu_attn_layout_follows_the_kernel_variant_and_amx_is_refused_once(standins, tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from kvdbg.engine_layouts import CPU_ATTN_K_TRANSPOSED
+
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path)
+    state = vllm_plugin._state
+    info = vllm_plugin._ImplInfo("CPU_ATTN", False, "test")
+    impl = SimpleNamespace(kv_cache_dtype="auto")
+    assert state.engine_layout(impl, SimpleNamespace(isa="vec"), info) == CPU_ATTN_K_TRANSPOSED
+    assert state.engine_layout(impl, SimpleNamespace(isa="vec16"), info) == CPU_ATTN_K_TRANSPOSED
+    for _ in range(3):
+        assert state.engine_layout(impl, SimpleNamespace(isa="amx"), info) is None
+    assert state.engine_layout(SimpleNamespace(kv_cache_dtype="fp8"), SimpleNamespace(isa="vec"), info) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "CPU_ATTN's 'amx' kernel variant" in warnings[0] and "not verified" in warnings[0]
+    assert "kv_cache_dtype 'fp8'" in warnings[1]
+    assert state.capturer.failures["layout:CPU_ATTN:amx"] == 3

