@@ -22,4 +22,6 @@ fi
 "$VENV/bin/python" -c "import torch, numpy, rich, click, safetensors" # kvdbg's dependencies, all vLLM's too
 echo "engine venv ready after $(( $(date +%s) - started )) s"
 "$VENV/bin/python" -m tests.engine.stage "$@"
+# kvdbg's flex (its re-implementation) against vLLM's own FLEX_ATTENTION code, on random batches.
+"$VENV/bin/python" -m tests.engine.vllm_flex_differential --count 200 --seed 0 --jobs 2
 echo "engine stage total (venv included): $(( $(date +%s) - started )) s"
