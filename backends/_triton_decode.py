@@ -26,26 +26,38 @@ import triton.language as tl
 
 
 @triton.jit
-def _fp8_p_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, tok0, length, last, row_ok, dims,
-                stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_tb,
-                bmm1_scale, window_left, m, denom, acc,
-                PAGE: tl.constexpr, TILE: tl.constexpr, CAUSAL: tl.constexpr):
-    """One 128-key tile of one FP8 stream: online softmax with P rounded to e4m3 at 448x for P.V."""
-    toks = tok0 + tl.arange(0, TILE)
+def _tile_scores(q, k_ptr, v_ptr, table_ptr, b, kvh, toks, length, last, row_ok, dims,
+                 stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_tb,
+                 bmm1_scale, window_left, PAGE: tl.constexpr, CAUSAL: tl.constexpr):
+    """Masked, scaled logits [rows, keys] of the keys ``toks`` and their values (FP8 widened to bf16, exactly)."""
     tok_ok = toks < length
     page = tl.load(table_ptr + b * stride_tb + toks // PAGE, mask=tok_ok, other=0).to(tl.int64)
     slot = toks % PAGE
     k_off = page[:, None] * stride_kp + kvh * stride_kh + slot[:, None] * stride_kt + dims[None, :]
     v_off = page[:, None] * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt + dims[None, :]
-    k = tl.load(k_ptr + k_off, mask=tok_ok[:, None], other=0.0).to(tl.bfloat16)
-    v = tl.load(v_ptr + v_off, mask=tok_ok[:, None], other=0.0).to(tl.bfloat16)
+    k = tl.load(k_ptr + k_off, mask=tok_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + v_off, mask=tok_ok[:, None], other=0.0)
+    if k.dtype.is_fp8():
+        k = k.to(tl.bfloat16)
+        v = v.to(tl.bfloat16)
     s = tl.dot(q, tl.trans(k)) * bmm1_scale
     allowed = tok_ok[None, :] & row_ok[:, None]
     if CAUSAL:
         allowed = allowed & (toks[None, :] <= last[:, None])
         if window_left >= 0:
             allowed = allowed & (toks[None, :] >= last[:, None] - window_left)
-    s = tl.where(allowed, s, float("-inf"))
+    return tl.where(allowed, s, float("-inf")), v
+
+
+@triton.jit
+def _fp8_p_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, tok0, length, last, row_ok, dims,
+                stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_tb,
+                bmm1_scale, window_left, m, denom, acc,
+                PAGE: tl.constexpr, TILE: tl.constexpr, CAUSAL: tl.constexpr):
+    """One 128-key tile of one FP8 stream: online softmax with P rounded to e4m3 at 448x for P.V."""
+    s, v = _tile_scores(q, k_ptr, v_ptr, table_ptr, b, kvh, tok0 + tl.arange(0, TILE), length, last, row_ok, dims,
+                        stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_tb,
+                        bmm1_scale, window_left, PAGE=PAGE, CAUSAL=CAUSAL)
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(s - m_safe[:, None]) * 448.0
@@ -118,24 +130,9 @@ def _decode_kernel(
             lo = tl.maximum(length - SQ - window_left, 0)
             start = tl.where(window_left >= 0, (lo // BLOCK_N) * BLOCK_N, start)
         for tok0 in range(start, length, BLOCK_N):
-            toks = tok0 + tl.arange(0, BLOCK_N)
-            tok_ok = toks < length
-            page = tl.load(table_ptr + b * stride_tb + toks // PAGE, mask=tok_ok, other=0).to(tl.int64)
-            slot = toks % PAGE
-            k_off = page[:, None] * stride_kp + kvh * stride_kh + slot[:, None] * stride_kt + dims[None, :]
-            v_off = page[:, None] * stride_vp + kvh * stride_vh + slot[:, None] * stride_vt + dims[None, :]
-            k = tl.load(k_ptr + k_off, mask=tok_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + v_off, mask=tok_ok[:, None], other=0.0)
-            if k.dtype.is_fp8():
-                k = k.to(tl.bfloat16)
-                v = v.to(tl.bfloat16)
-            s = tl.dot(q, tl.trans(k)) * bmm1_scale
-            allowed = tok_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                allowed = allowed & (toks[None, :] <= last[:, None])
-                if window_left >= 0:
-                    allowed = allowed & (toks[None, :] >= last[:, None] - window_left)
-            s = tl.where(allowed, s, float("-inf"))
+            s, v = _tile_scores(q, k_ptr, v_ptr, table_ptr, b, kvh, tok0 + tl.arange(0, BLOCK_N), length, last,
+                                row_ok, dims, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
+                                stride_tb, bmm1_scale, window_left, PAGE=PAGE, CAUSAL=CAUSAL)
             m_new = tl.maximum(m, tl.max(s, axis=1))
             # Rows that have seen no key yet keep m = -inf; subtract 0 there to avoid inf - inf.
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
