@@ -65,6 +65,16 @@ class ReplayResult:
     backends: list[BackendStatus]
     steps: list[StepReplay]
 
+    named: tuple[str, ...] = ()  # backends the user asked for by name (--backend): always judged
+
+    @property
+    def counted(self) -> frozenset[str]:
+        """The sources whose results set the exit code: kvdbg.verdict's rule."""
+        from kvdbg.verdict import counted_backends
+
+        return counted_backends(self.meta.backend.name, [(st.name, st.engine_name) for st in self.backends],
+                                self.named)
+
     @property
     def findings(self) -> list[Finding]:
         return [f for s in self.steps for f in s.findings] + \
@@ -327,7 +337,8 @@ def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
             last_run = results[-1].runs.get(st.name)
             if last_run is not None and last_run.info is not None:
                 st.info = last_run.info
-    return ReplayResult(path=snapshot.path, meta=snapshot.meta, options=options, backends=statuses, steps=results)
+    return ReplayResult(path=snapshot.path, meta=snapshot.meta, options=options, backends=statuses, steps=results,
+                        named=tuple(dict.fromkeys(required)))
 
 
 def save_outputs(result: ReplayResult, path: str, *, overwrite: bool = False) -> str:

@@ -111,7 +111,7 @@ class BugReport:
         """The same verdict and exit code as `kvdbg replay` on this snapshot."""
         from kvdbg.verdict import replay_verdict
 
-        return replay_verdict(self.comparisons, self.findings)
+        return replay_verdict(self.comparisons, self.findings, self.replay.counted)
 
     @property
     def failed(self) -> bool:

@@ -20,6 +20,17 @@ code  name                   when
 Warnings and notes never change the exit code: a condition vLLM produces by
 design (the null block before a sliding window, a page reused after it left the
 window, a prefill batch FLASHINFER_TS never runs) is a note, not a failure.
+
+**What counts.** A replay judges the engine the snapshot came from: the
+engine's captured output against the reference, the backends that implement
+the snapshot's own backend (``meta.backend.name``: flex and vllm_flex for
+FLEX_ATTENTION, flashinfer_ts for FLASHINFER_TS), every backend the user named
+with ``--backend``, and the findings about the inputs themselves. The other
+default columns are *what-if* columns -- how another backend would handle this
+batch (FLASHINFER_TS on a CPU_ATTN capture, say). They are shown in full, with
+their findings; their failures are named in the verdict line but do not set
+the exit code, since they say nothing about the engine's output. Name a backend
+with ``--backend`` to have it judged.
 """
 
 from __future__ import annotations
@@ -40,10 +51,11 @@ class Verdict:
 
     status: str
     exit_code: int
-    comparisons: int  # comparisons that held at least one head
+    comparisons: int  # comparisons that held at least one head and count toward the verdict
     failed_comparisons: int
     error_findings: int
     summary: str  # one line, for the end of the output
+    what_if_failures: tuple[str, ...] = ()  # what-if columns that fail or have error findings (not counted)
 
     @property
     def passed(self) -> bool:
@@ -52,14 +64,41 @@ class Verdict:
     def to_json_dict(self) -> dict:
         return {"status": self.status, "exit_code": self.exit_code, "comparisons": self.comparisons,
                 "failed_comparisons": self.failed_comparisons, "error_findings": self.error_findings,
-                "summary": self.summary}
+                "what_if_failures": list(self.what_if_failures), "summary": self.summary}
 
 
-def replay_verdict(comparisons: Iterable, findings: Iterable) -> Verdict:
-    """The verdict of a replay from its comparisons (kvdbg.diff.Comparison) and findings."""
-    compared = [c for c in comparisons if c.heads]
+# Sources that always count: the engine's own output, the reference, and findings about the inputs.
+ALWAYS_COUNTED = frozenset({"captured", "reference", "replay"})
+
+
+def counted_backends(engine_backend: str, backends: Iterable, named: Iterable[str] = ()) -> frozenset[str]:
+    """The backend columns whose results set the exit code (see the module doc).
+
+    ``backends`` are (name, engine_name) pairs of the columns that were set up; ``named`` the ones the
+    user asked for with --backend.
+    """
+    own = {name for name, engine_name in backends if engine_name and engine_name == engine_backend}
+    return frozenset(own) | frozenset(named) | ALWAYS_COUNTED
+
+
+def replay_verdict(comparisons: Iterable, findings: Iterable, counted: Iterable[str] | None = None) -> Verdict:
+    """The verdict of a replay from its comparisons (kvdbg.diff.Comparison) and findings.
+
+    ``counted`` (default: everything) are the sources that set the exit code; the failures of the
+    others are what-if results, named in the summary.
+    """
+    comparisons, findings = list(comparisons), list(findings)
+    counts = (lambda source: True) if counted is None else frozenset(counted).__contains__
+    compared = [c for c in comparisons if c.heads and counts(c.actual)]
     failed = [c for c in compared if not c.passed]
-    errors = [f for f in findings if f.severity == "error"]
+    errors = [f for f in findings if f.severity == "error" and counts(f.backend)]
+    what_if = tuple(sorted({c.actual for c in comparisons if c.heads and not counts(c.actual) and not c.passed}
+                           | {f.backend for f in findings if f.severity == "error" and not counts(f.backend)}))
+    others = sorted({c.actual for c in comparisons if c.heads and not counts(c.actual)} - set(what_if))
+    aside = (f"; what-if column(s) {', '.join(what_if)} fail, not counted (not this snapshot's backend; "
+             "name it with --backend to judge it)") if what_if else ""
+    if others:
+        aside += f"; what-if column(s) {', '.join(others)} pass too"
     if failed or errors:
         parts = []
         if failed:
@@ -68,14 +107,16 @@ def replay_verdict(comparisons: Iterable, findings: Iterable) -> Verdict:
         if errors:
             codes = sorted({f.code for f in errors})
             parts.append(f"{len(errors)} error finding(s) ({', '.join(codes)})")
-        return Verdict("fail", EXIT_FINDING, len(compared), len(failed), len(errors), "FAIL: " + "; ".join(parts))
+        return Verdict("fail", EXIT_FINDING, len(compared), len(failed), len(errors),
+                       "FAIL: " + "; ".join(parts) + aside, what_if)
     if not compared:
-        return Verdict("unverified", EXIT_NOTHING_VERIFIED, 0, 0, 0,
-                       "NOTHING VERIFIED: no backend output and no captured output could be compared "
-                       "with the reference")
+        what = ("no backend output and no captured output could be compared with the reference"
+                if not any(c.heads for c in comparisons) else
+                "no captured output, and no column of this snapshot's own backend or named with --backend")
+        return Verdict("unverified", EXIT_NOTHING_VERIFIED, 0, 0, 0, f"NOTHING VERIFIED: {what}{aside}", what_if)
     return Verdict("pass", EXIT_OK, len(compared), 0, 0,
-                   f"PASS: {len(compared)} comparison(s) agree within tolerance, no error finding")
+                   f"PASS: {len(compared)} comparison(s) agree within tolerance, no error finding{aside}", what_if)
 
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_FINDING", "EXIT_INTERRUPTED", "EXIT_NOTHING_VERIFIED", "EXIT_OK", "Verdict",
-           "replay_verdict"]
+__all__ = ["ALWAYS_COUNTED", "EXIT_BAD_INPUT", "EXIT_FINDING", "EXIT_INTERRUPTED", "EXIT_NOTHING_VERIFIED", "EXIT_OK",
+           "Verdict", "counted_backends", "replay_verdict"]

@@ -205,7 +205,11 @@ def test_head_dim_the_kernel_rejects_is_never_an_emulated_pass(tmp_path):
     status = {b["name"]: b for b in data["backends"]}["flashinfer_ts"]
     assert not status["available"] and "head_dim 7" in status["reason"]
     assert not any(c["actual"] == "flashinfer_ts" for c in data["comparisons"])
-    assert code == EXIT_OK  # flex vs reference still verified
+    # The snapshot's own backend is FLASHINFER_TS, which refuses the layer: flex (a what-if here) passes,
+    # but nothing about FLASHINFER_TS was verified -- never exit 0. Named, flex is judged.
+    assert code == EXIT_NOTHING_VERIFIED and "what-if column(s) flex pass too" in data["verdict"]["summary"]
+    code, data = replay(path, "--backend", "flex")
+    assert code == EXIT_OK
     res = CliRunner().invoke(cli, ["replay", path, "--backend", "flashinfer_ts"])
     assert res.exit_code == 2 and "head_dim 7" in res.output and "Traceback" not in res.output
 
@@ -239,10 +243,35 @@ def test_verdict_rule_in_one_place():
     qsl, lens = torch.tensor([0, 1]), torch.tensor([5])
     ok = compare(torch.ones(1, 1, 2), torch.ones(1, 1, 2), qsl, lens, default_tolerance("float32"))
     empty = compare(torch.ones(1, 1, 2), torch.ones(1, 1, 2), qsl, lens, default_tolerance("float32"), heads=[])
-    warn = type("F", (), {"severity": "warning", "code": "w"})()
-    error = type("F", (), {"severity": "error", "code": "e"})()
+    warn = type("F", (), {"severity": "warning", "code": "w", "backend": "replay"})()
+    error = type("F", (), {"severity": "error", "code": "e", "backend": "replay"})()
     assert replay_verdict([ok], [warn]).exit_code == EXIT_OK
     assert replay_verdict([ok], [error]).exit_code == EXIT_FINDING
     assert replay_verdict([], [warn]).exit_code == EXIT_NOTHING_VERIFIED
     assert replay_verdict([empty], []).exit_code == EXIT_NOTHING_VERIFIED
     assert replay_verdict([], [error]).exit_code == EXIT_FINDING
+    # What counts: a failing what-if column is named but does not set the exit code.
+    bad = compare(torch.zeros(1, 1, 2), torch.ones(1, 1, 2), qsl, lens, default_tolerance("float32"),
+                  actual_name="flashinfer_ts", expected_name="reference")
+    captured = compare(torch.ones(1, 1, 2), torch.ones(1, 1, 2), qsl, lens, default_tolerance("float32"),
+                       actual_name="captured", expected_name="reference")
+    ts_error = type("F", (), {"severity": "error", "code": "table_too_narrow", "backend": "flashinfer_ts"})()
+    verdict = replay_verdict([bad, captured], [ts_error], counted={"captured", "reference", "replay", "flex"})
+    assert verdict.exit_code == EXIT_OK and verdict.what_if_failures == ("flashinfer_ts",)
+    assert "what-if column(s) flashinfer_ts fail, not counted" in verdict.summary
+    assert replay_verdict([bad, captured], [ts_error], counted={"captured", "flashinfer_ts"}).exit_code == EXIT_FINDING
+
+
+def test_a_what_if_column_that_fails_is_named_but_does_not_set_the_exit_code(tmp_path):
+    """A FLEX_ATTENTION capture of a causal windowed layer past window + q + page: FLASHINFER_TS (which did
+    not run in this engine) would break its kernel's preconditions; the engine's output is right."""
+    spec = SynthSpec(seq_lens=(1000, 200, 70), query_len=4, num_heads=4, num_kv_heads=1, head_size=64,
+                     sliding_window=256, backend="FLEX_ATTENTION", engine_output="reference")
+    path = str(save_snapshot(synth_snapshot(spec), tmp_path / "flex_window.safetensors"))
+    code, data = replay(path)
+    assert code == EXIT_OK, data["verdict"]
+    assert data["verdict"]["what_if_failures"] == ["flashinfer_ts"]
+    assert comparisons(data)[("flashinfer_ts", "reference")]["passed"] is False  # shown in full
+    assert {"seq_len_over_max_kv_len", "table_too_narrow"} <= {f["code"] for f in data["findings"]}
+    code, data = replay(path, "--backend", "flashinfer_ts")  # named, it is judged
+    assert code == EXIT_FINDING

@@ -140,7 +140,7 @@ def replay(snapshot, backends, step, requests, heads, device, exact, compile_, a
     # --request narrows findings as it narrows the diffs, and the exit code follows what is shown.
     findings = [f for f in result.findings
                 if request_ids is None or f.request is None or f.request in request_ids]
-    verdict = replay_verdict(comparisons, findings)
+    verdict = replay_verdict(comparisons, findings, result.counted)
     if as_json:
         emit_json(replay_json(result, comparisons, verdict, explain=explain, findings=findings))
     else:

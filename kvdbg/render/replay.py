@@ -296,7 +296,7 @@ def render_replay(result: ReplayResult, comparisons: list[Comparison], verdict: 
     ``findings`` (default: all) are the ones in scope of --request; the verdict is computed from them.
     """
     findings = result.findings if findings is None else findings
-    verdict = verdict or replay_verdict(comparisons, findings)
+    verdict = verdict or replay_verdict(comparisons, findings, result.counted)
     layer = result.meta.layer
     mask = ("causal" if layer.causal else "dense") + (f", window {layer.sliding_window}" if layer.sliding_window else "")
     steps = ", ".join(str(s.step) for s in result.steps)
@@ -334,7 +334,7 @@ def replay_json(result: ReplayResult, comparisons: list[Comparison], verdict: Ve
                 explain: bool = False, findings: list | None = None) -> dict:
     """The replay as JSON; "verdict" is the last key, as the verdict line is the last line of the tables."""
     findings_in_scope = result.findings if findings is None else findings
-    verdict = verdict or replay_verdict(comparisons, findings_in_scope)
+    verdict = verdict or replay_verdict(comparisons, findings_in_scope, result.counted)
     steps = []
     for step in result.steps:
         record: dict[str, Any] = {
