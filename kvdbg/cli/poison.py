@@ -44,7 +44,7 @@ def poison(snapshot, backends, step, device, as_json):
     backends = list(dict.fromkeys(backend_name(b) for b in backends))
     snap = load_snapshot(snapshot or default_snapshot())
     progress = None
-    if not as_json:
+    if sys.stderr.isatty() and not as_json:
         err = console(stderr=True)
 
         def progress(message: str) -> None:
@@ -86,4 +86,7 @@ def poison_verdict(result):
     names = sorted({b.backend for b in ran})
     skipped = sorted({b.backend for b in records if not b.ran})
     tail = f"; not run: {', '.join(skipped)}" if skipped else ""
+    failed = sorted({f"{b.backend} with {r.region}" for b in ran for r in b.regions if r.status == "not run"})
+    if failed:
+        tail += f"; not verified (the backend failed): {', '.join(failed)}"
     return simple_verdict("pass", EXIT_OK, f"PASS: {', '.join(names)} read nothing poisoned{tail}")
