@@ -445,15 +445,22 @@ def _bisect(snapshot, step, region: Region, target: torch.Tensor, baseline: torc
             found.append(group)
             continue
         halves = _split(group)
+        narrowed = False
         for half in halves:
             if result.bisect_runs >= budget:
                 result.bisect_complete = False
                 found.append(half)
+                narrowed = True
                 continue
             result.bisect_runs += 1
             bad = run_with(half)
             if bad is not None and bool((bad & ~baseline & target).any()):
                 pending.append(half)
+                narrowed = True
+        if not narrowed:
+            # Neither half alone turns an output NaN (the backend fails on one, or reads only both together):
+            # the group is what can be named.
+            found.append(group)
     merged: list[SlotRun] = []
     for run in sorted((r for g in found for r in g), key=lambda r: (r.stored, r.lo)):
         if merged and merged[-1].stored == run.stored and merged[-1].hi == run.lo:

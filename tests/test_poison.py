@@ -243,3 +243,19 @@ def test_missing_file_exits_2(tmp_path):
 def test_backend_asked_by_name_that_cannot_run_exits_2():
     res = run(os.path.join(FIXTURES, "prefix_page0.safetensors"), "--backend", "flashinfer_ts")
     assert res.exit_code == 2 and res.output.startswith("Error: backend flashinfer_ts cannot run")
+
+
+def test_bisection_names_a_group_no_half_of_which_reads_alone():
+    """A read that needs two slots at once cannot be halved: the pair is named, not lost."""
+    from kvdbg.poison import Region, RegionResult, SlotRun, _bisect
+
+    snap = synth_snapshot(SynthSpec(seq_lens=(40,), query_len=1, causal=True))
+    runs = [SlotRun(page=5, stored=0, lo=0, hi=1), SlotRun(page=6, stored=1, lo=3, hi=4)]
+    target = torch.ones(1, 1, dtype=torch.bool)
+
+    def run_with(group, which="k"):
+        return torch.full((1, 1), sum(r.size for r in group) == 2)
+
+    result = RegionResult("stale_tail", 2, "reads poisoned", [(0, 0, 0)])
+    _bisect(snap, 0, Region("stale_tail", runs), target, ~target, run_with, result, budget=8)
+    assert [c.run for c in result.culprits] == runs and result.bisect_runs == 2 and result.bisect_complete
