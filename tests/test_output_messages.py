@@ -37,7 +37,7 @@ def one_line_error(res, *needles: str) -> str:
 @pytest.mark.parametrize("args, needle", [
     (("info", str(FIXTURES)), "is a directory"),
     (("replay", FIXTURES / "causal_gqa.safetensors", "--save-outputs", str(FIXTURES)), "--save-outputs"),
-    (("window",), "Missing option '--seq-len'"),
+    (("window",), "give SNAPSHOT, or --seq-len"),
     (("window", "--seq-len", "100", "--mask", "bogus"), "--mask"),
     (("synth", "/nonexistent/x.safetensors", "--mask", "diagonal"), "--mask"),
     (("--no-such-flag",), "--no-such-flag"),

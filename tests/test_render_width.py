@@ -82,7 +82,7 @@ def test_replay_numbers_are_never_cut(replays, name, width):
 @pytest.mark.parametrize("name", FIXTURE_FILES)
 def test_map_info_window_numbers_are_never_cut(name, width):
     path = str(FIXTURES / name)
-    for args in (["map", path], ["info", path], ["info", "--check", path]):
+    for args in (["map", path], ["info", path], ["info", "--check", path], ["window", path]):
         res = run_cli(width, *args)
         assert res.exit_code in (0, 1), res.output
         assert_uncut(res.output, width)
@@ -101,6 +101,30 @@ def test_window_numbers_are_never_cut(args, width):
     assert res.exit_code in (0, 1), res.output
     assert_uncut(res.output, width)
     assert "(exit " in res.output.rstrip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def poisoned():
+    """dflash poisoned through flex and flashinfer_ts (a finding with culprits), prefix_page0 (two steps)."""
+    from kvdbg.poison import poison
+    from kvdbg.snapshot import load_snapshot
+
+    return [poison(load_snapshot(FIXTURES / "dflash.safetensors"), ["flex", "flashinfer_ts"]),
+            poison(load_snapshot(FIXTURES / "prefix_page0.safetensors"), ["reference", "flashinfer_ts"])]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_poison_numbers_are_never_cut(poisoned, width):
+    from kvdbg.cli.poison import poison_verdict
+    from kvdbg.render.poison import render_poison
+    from kvdbg.render.util import verdict_line
+
+    for result in poisoned:
+        text = render(render_poison(result), width) + render(verdict_line(poison_verdict(result)), width)
+        assert_uncut(text, width)
+        assert "(exit " in text.rstrip().splitlines()[-1]
+    text = " ".join(render(render_poison(poisoned[0]), width).split())
+    assert "4897" in text and "request 0 key 4896" in text
 
 
 @pytest.mark.parametrize("width", WIDTHS)

@@ -105,3 +105,61 @@ def test_window_cli_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "306 dropped" in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "TORCH False"
+
+
+DFLASH = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "fixtures" / "dflash.safetensors")
+TS_CAUSAL = DFLASH.replace("dflash", "ts_causal_window")
+
+
+def test_window_from_a_snapshot_reads_the_longest_request():
+    res = run(DFLASH)
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    assert res.output.splitlines()[0].endswith("step 0 of 1, request 0 of 2 (the longest)")
+    # The same tables as typing the numbers by hand (dflash: L=9000, w=4096, q=8, dense, page 16).
+    assert "first kept │ page 306, token 4896" in out and "plan max_kv_len │ 4120" in out
+    by_hand = run("--seq-len", "9000", "--window", "4096", "--query-len", "8", "--max-decode-query-len", "8")
+    assert res.output.split("\n", 1)[1] == by_hand.output
+
+
+def test_window_from_a_snapshot_request_and_json_source():
+    res = run(DFLASH, "--request", "1", "--step", "0", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["seq_len"] == 1000 and data["query_len"] == 8 and data["window"] == 4096
+    assert data["source"]["request"] == 1 and data["source"]["longest"] is False
+    assert data["source"]["max_decode_query_len"] == 8 and data["source"]["causal"] is False
+
+
+def test_window_from_a_causal_snapshot_reads_its_mask():
+    res = run(TS_CAUSAL, "--json")
+    assert res.exit_code == 1
+    data = json.loads(res.output)
+    assert data["causal"] is True and data["seq_len"] == 1000 and data["window"] == 256
+    assert "seq_len 1000 exceeds the plan's max_kv_len" in res.output
+
+
+@pytest.mark.parametrize("args, message", [
+    ([DFLASH, "--window", "3"], "Error: --window cannot be combined with SNAPSHOT, which gives it (give one or the other)"),
+    ([DFLASH, "--request", "2"], "Error: --request 2 is out of range: step 0 has 2 request(s)"),
+    ([DFLASH, "--step", "1"], "Error: --step 1 is out of range: the snapshot has 1 step(s)"),
+    (["--request", "1"], "Error: --request needs SNAPSHOT (it picks a request of a snapshot)"),
+    ([], "Error: give SNAPSHOT, or --seq-len (with --window, --query-len, ...)"),
+])
+def test_window_snapshot_bad_input_exits_2(args, message):
+    res = CliRunner().invoke(cli, ["window", *args])
+    assert res.exit_code == 2
+    assert res.output.strip() == message
+
+
+def test_window_snapshot_does_not_import_torch():
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['kvdbg', 'window', {DFLASH!r}, '--request', '1']\n"
+            "try:\n"
+            "    runpy.run_module('kvdbg', run_name='__main__')\n"
+            "except SystemExit as exc:\n"
+            "    assert not exc.code, exc.code\n"
+            "print('HEAVY', [m for m in ('torch', 'numpy', 'safetensors') if m in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "request 1 of 2" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "HEAVY []"

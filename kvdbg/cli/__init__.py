@@ -12,6 +12,7 @@ from kvdbg._version import __version__
 COMMANDS = {
     "info": "kvdbg.cli.info:info",
     "map": "kvdbg.cli.map:map_",
+    "poison": "kvdbg.cli.poison:poison",
     "replay": "kvdbg.cli.replay:replay",
     "report": "kvdbg.cli.report:report",
     "shrink": "kvdbg.cli.shrink:shrink",

@@ -14,21 +14,35 @@ from kvdbg.errors import OptionError
 MAX_QUERY_LEN = 4096
 
 
+# Options that describe the request by hand; a snapshot gives all of them.
+HAND_OPTIONS = ("--seq-len", "--window", "--query-len", "--page-size", "--mask", "--max-model-len",
+                "--max-decode-query-len")
+
+
 @click.command()
-@click.option("--seq-len", type=int, required=True, help="Request length L, query block included.")
+@click.argument("snapshot", required=False, type=click.Path(dir_okay=False))
+@click.option("--request", type=int, default=None,
+              help="With SNAPSHOT: the request to analyse [default: the longest].")
+@click.option("--step", type=int, default=None, help="With SNAPSHOT: the step [default: 0].")
+@click.option("--seq-len", type=int, default=None, help="Request length L, query block included (without SNAPSHOT).")
 @click.option("--window", type=int, default=None, help="Sliding window w (omit for a full-attention layer).")
-@click.option("--query-len", type=int, default=1, show_default=True, help="Query tokens per request (draft block).")
-@click.option("--page-size", type=int, default=16, show_default=True, help="Tokens per KV page.")
-@click.option("--mask", type=click.Choice(["dense", "causal"]), default="dense", show_default=True,
-              help="dense: non-causal draft block; causal: ordinary decode.")
+@click.option("--query-len", type=int, default=None, help="Query tokens per request (draft block) [default: 1].")
+@click.option("--page-size", type=int, default=None, help="Tokens per KV page [default: 16].")
+@click.option("--mask", type=click.Choice(["dense", "causal"]), default=None,
+              help="dense: non-causal draft block; causal: ordinary decode [default: dense].")
 @click.option("--max-model-len", type=int, default=None, help="Engine max_model_len [default: max(32768, L)].")
 @click.option("--max-decode-query-len", type=int, default=None,
               help="Longest query block the backend is built for [default: --query-len].")
 @click.option("--full", is_flag=True, help="List every query token, not just both ends.")
 @json_option
 @guarded
-def window(seq_len, window, query_len, page_size, mask, max_model_len, max_decode_query_len, full, as_json):
+def window(snapshot, request, step, seq_len, window, query_len, page_size, mask, max_model_len,
+           max_decode_query_len, full, as_json):
     """Show what FLASHINFER_TS's window restriction hands the prims_ts kernel.
+
+    Give either SNAPSHOT (L, window, q, page size, mask, max_model_len and
+    max_decode_query_len are read from its header and the step's lengths; no
+    KV page is loaded) or --seq-len and the other numbers by hand.
 
     Compares, for each query token, the exact sliding window with the keys the
     kernel really sees after the builder's page-aligned restriction, draws the
@@ -40,26 +54,63 @@ def window(seq_len, window, query_len, page_size, mask, max_model_len, max_decod
     Examples:
       kvdbg window --seq-len 9000 --window 4096 --query-len 8
       kvdbg window --seq-len 9000 --window 4096 --query-len 8 --mask causal --json
+      kvdbg window snapshot.safetensors --request 1 --step 0
     """
     from kvdbg.paging import analyze_window
 
+    source = None
+    hand = [name for name, value in zip(HAND_OPTIONS, (seq_len, window, query_len, page_size, mask, max_model_len,
+                                                       max_decode_query_len)) if value is not None]
+    if snapshot is not None:
+        if hand:
+            raise OptionError(f"{hand[0]} cannot be combined with SNAPSHOT, which gives it (give one or the other)")
+        from kvdbg.window_source import window_source
+
+        source = window_source(snapshot, step=step, request=request)
+        seq_len, window, query_len, page_size = source.seq_len, source.window, source.query_len, source.page_size
+        mask = "causal" if source.causal else "dense"
+        max_model_len, max_decode_query_len = source.max_model_len, source.max_decode_query_len
+    else:
+        for name, value in (("--request", request), ("--step", step)):
+            if value is not None:
+                raise OptionError(f"{name} needs SNAPSHOT (it picks a request of a snapshot)")
+        if seq_len is None:
+            raise OptionError("give SNAPSHOT, or --seq-len (with --window, --query-len, ...)")
+        query_len = 1 if query_len is None else query_len
+        page_size = 16 if page_size is None else page_size
+        mask = mask or "dense"
     if query_len > MAX_QUERY_LEN:
         raise OptionError(f"--query-len {query_len} is over {MAX_QUERY_LEN}, longer than any decode query block")
-    analysis = analyze_window(
-        seq_len, window, query_len=query_len, page_size=page_size, causal=(mask == "causal"),
-        max_model_len=max_model_len, max_decode_query_len=max_decode_query_len,
-    )
+    try:
+        analysis = analyze_window(
+            seq_len, window, query_len=query_len, page_size=page_size, causal=(mask == "causal"),
+            max_model_len=max_model_len, max_decode_query_len=max_decode_query_len,
+        )
+    except OptionError as exc:
+        if source is None:
+            raise
+        raise OptionError(f"{source_label(source)}: {exc}".replace("--", "")) from None
     verdict = window_verdict(analysis)
     if as_json:
-        emit_json({**analysis.to_json_dict(), "verdict": verdict.to_json_dict()})
+        record = analysis.to_json_dict()
+        if source is not None:
+            record["source"] = source.to_json_dict()
+        emit_json({**record, "verdict": verdict.to_json_dict()})
     else:
         from kvdbg.render.window import render_window
 
         out = console()
+        if source is not None:
+            out.print(source_label(source))
         out.print(render_window(analysis, full=full))
         print_verdict(out, verdict)
     if verdict.exit_code:
         sys.exit(verdict.exit_code)
+
+
+def source_label(source) -> str:
+    which = f"request {source.request} of {source.num_reqs}" + (" (the longest)" if source.longest else "")
+    return f"{source.path}: step {source.step} of {source.num_steps}, {which}"
 
 
 def window_verdict(analysis):

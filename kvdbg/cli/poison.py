@@ -1,0 +1,92 @@
+"""`kvdbg poison SNAP`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvdbg.cli.common import backend_name, console, emit_json, guarded, json_option, print_verdict, simple_verdict
+
+
+@click.command()
+@click.argument("snapshot", required=False, type=click.Path(dir_okay=False))
+@click.option("--backend", "backends", multiple=True,
+              help="Backend to poison (repeatable), as for replay. Default: all.")
+@click.option("--step", type=int, default=None, help="Only this step (earlier steps' cache updates still apply).")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@json_option
+@guarded
+def poison(snapshot, backends, step, device, as_json):
+    """Write NaN into every slot a correct backend must not read, region by region, and see who reads it.
+
+    Regions: stored pages no table entry references, stale table tails, tokens
+    past seq_len in the last live page, keys before the first any query token
+    of the request sees (the window), and the null block (engine page 0). A
+    slot some request must see is never poisoned. Each region is replayed on
+    its own (on a private copy of the cache, never the file) with NaN keys and
+    then NaN values; an output that turns NaN with NaN keys was weighted by a
+    slot it must not read, and the region is bisected to name those slots.
+
+    Exit 0 when no backend reads a poisoned slot; 1 when one does; 2 on bad
+    input; 3 when nothing was poisoned or no backend ran.
+
+    \b
+    Examples:
+      kvdbg poison                              # the bundled dflash fixture
+      kvdbg poison snapshot.safetensors --backend flex --step 1 --json
+    """
+    from kvdbg.attention import ReplayOptions
+    from kvdbg.cli.replay import default_snapshot
+    from kvdbg.poison import poison as run_poison
+    from kvdbg.snapshot import load_snapshot
+
+    backends = list(dict.fromkeys(backend_name(b) for b in backends))
+    snap = load_snapshot(snapshot or default_snapshot())
+    progress = None
+    if sys.stderr.isatty() and not as_json:
+        err = console(stderr=True)
+
+        def progress(message: str) -> None:
+            err.print(f"poisoning {message}…", style="dim")
+
+    result = run_poison(snap, backends or None, ReplayOptions(device=device),
+                        steps=None if step is None else [step], required=backends, progress=progress)
+    verdict = poison_verdict(result)
+    if as_json:
+        emit_json({**result.to_json_dict(), "verdict": verdict.to_json_dict()})
+    else:
+        from kvdbg.render.poison import render_poison
+
+        out = console()
+        out.print(render_poison(result))
+        print_verdict(out, verdict)
+    if verdict.exit_code:
+        sys.exit(verdict.exit_code)
+
+
+def poison_verdict(result):
+    """Fail when a backend weights a poisoned slot; unverified when nothing was poisoned or nothing ran."""
+    from kvdbg.verdict import EXIT_FINDING, EXIT_NOTHING_VERIFIED, EXIT_OK
+
+    records = [b for s in result.steps for b in s.backends]
+    ran = [b for b in records if b.ran]
+    readers = sorted({b.backend for b in ran if b.reads_poisoned})
+    if readers:
+        regions = sorted({r.region for b in ran if b.backend in readers for r in b.regions
+                          if r.status == "reads poisoned"})
+        return simple_verdict("fail", EXIT_FINDING, f"FAIL: {', '.join(readers)} read(s) slots it must not "
+                                                    f"({', '.join(regions)})")
+    poisoned = any(r.slots for s in result.steps for r in s.regions)
+    if not poisoned:
+        return simple_verdict("unverified", EXIT_NOTHING_VERIFIED,
+                              "NOTHING VERIFIED: no slot to poison (every stored slot is one a backend must read)")
+    if not ran:
+        return simple_verdict("unverified", EXIT_NOTHING_VERIFIED, "NOTHING VERIFIED: no backend ran")
+    names = sorted({b.backend for b in ran})
+    skipped = sorted({b.backend for b in records if not b.ran})
+    tail = f"; not run: {', '.join(skipped)}" if skipped else ""
+    failed = sorted({f"{b.backend} with {r.region}" for b in ran for r in b.regions if r.status == "not run"})
+    if failed:
+        tail += f"; not verified (the backend failed): {', '.join(failed)}"
+    return simple_verdict("pass", EXIT_OK, f"PASS: {', '.join(names)} read nothing poisoned{tail}")
