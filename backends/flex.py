@@ -312,13 +312,37 @@ class FlexImpl:
         mask = BlockMask.from_kv_blocks(counts.to(torch.int32)[None, None], run_indices.to(torch.int32)[None, None],
                                         BLOCK_SIZE=(qb, ps), mask_mod=mask_mod,
                                         seq_lengths=(stop - start, width * ps), compute_q_blocks=False)
-        with warnings.catch_warnings():
-            # torch warns that eager flex is unfused; RunInfo already says it ran eager.
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            out = flex_attention(q[:, :, start:stop], keys, values, block_mask=mask, **self._kwargs())
+        out = _flex_untraced(flex_attention, q[:, :, start:stop], keys, values, block_mask=mask, **self._kwargs())
         output[start:stop].copy_(out[0].permute(1, 0, 2))
         self.calls += 1
         return True
+
+
+def _flex_untraced(flex_attention: Callable, *args, **kwargs):
+    """Eager flex_attention without the Dynamo trace torch wraps around it.
+
+    Called outside ``torch.compile``, flex_attention traces its higher-order op
+    with Dynamo's eager backend on every new shape (~0.5-1.5 s a shape on CPU)
+    and then runs the op's unfused implementation. Torch's own switch
+    ``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`` calls that implementation directly:
+    same op, same arithmetic, no trace. Its caveats concern autograd and
+    Python-side effects in score/mask functions, neither of which a replay has
+    (forward only, pure index arithmetic). Output stays within a few ulps of the
+    traced call (tests/test_flex.py checks it).
+    """
+    import torch.nn.attention.flex_attention as flex_module
+
+    before = getattr(flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", None)
+    with warnings.catch_warnings():
+        # torch warns that eager flex is unfused; RunInfo already says it ran eager.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        if before is None:  # a torch without the switch: the traced eager call
+            return flex_attention(*args, **kwargs)
+        flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+        try:
+            return flex_attention(*args, **kwargs)
+        finally:
+            flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = before
 
 
 def _all_finite(*tensors) -> bool:
@@ -351,8 +375,9 @@ class FlexInstance:
         notes = [f"BlockMask built directly from the page table (BlockMask.from_kv_blocks), "
                  f"blocks {Q_BLOCK_SIZE} query tokens x {self.meta.backend.page_size} (one page)"]
         if not self.compiled:
-            notes.append("eager flex_attention, each call over a compact cache of only the pages its query "
-                         "blocks' BlockMask rows list (the pages the compiled kernel reads)")
+            notes.append("eager flex_attention (torch's unfused implementation, called without a Dynamo trace), "
+                         "each call over a compact cache of only the pages its query blocks' BlockMask rows "
+                         "list (the pages the compiled kernel reads)")
             if self.impl.calls > 1:
                 notes.append(f"query blocks split into {self.impl.calls} eager calls to bound memory")
         if layer.is_fp8:

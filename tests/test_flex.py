@@ -188,3 +188,21 @@ def test_compact_eager_runs_equal_one_call_over_the_whole_cache(spec, budget, mo
     _, step, _ = _run(snap)
     md = flex_module.FlexBuilder(snap.meta).build(common_metadata(snap, 0))
     assert_close_ulps(step.runs["flex"].output, _whole_cache_eager(snap, md))
+
+
+@pytest.mark.parametrize("name", ["causal_window", "ragged_fp16", "shared_prefix", "fp8"])
+def test_untraced_eager_call_equals_torchs_traced_eager_call(name, monkeypatch):
+    """The eager path skips Dynamo's trace around flex_attention; the op and its output are the same."""
+    snap = synth_snapshot(SynthSpec(**SPECS[name]))
+    untraced = _run(snap)[1].runs["flex"].output
+    monkeypatch.setattr(flex_module, "_flex_untraced", lambda flex, *args, **kwargs: flex(*args, **kwargs))
+    traced = _run(snap)[1].runs["flex"].output
+    assert_close_ulps(untraced, traced)
+
+
+def test_untraced_eager_call_restores_torchs_switch():
+    import torch.nn.attention.flex_attention as torch_flex
+
+    before = torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    _run(synth_snapshot(SynthSpec(query_len=2)))
+    assert torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG == before
