@@ -26,7 +26,14 @@ Q_BLOCK_SIZE = 16
 # Eager flex_attention materialises [Hq, tokens, cache tokens] scores: each eager call covers a run of
 # query blocks over only the pages they list, with the run sized to keep those scores within this.
 EAGER_SCORE_BUDGET_BYTES = 512 * 1024 * 1024
+# Requests are merged into one eager call while the call scores at most this many elements: fewer
+# calls for many tiny requests; beyond it a call costs more than the per-call overhead it saves.
+EAGER_MERGE_SCORES = 1 << 22
 VLLM_KERNEL_BLOCK_MULTIPLE = 16
+# Unless --compile/--no-compile says otherwise, a CUDA replay compiles flex only when the eager
+# path would score more than this many (query, key, head) elements: compiling costs seconds to
+# tens of seconds per process, eager scores ~1e9 elements a second on an H200 (docs/benchmarks.md).
+COMPILE_ABOVE_SCORES = 1 << 33
 
 _compiled_flex: dict[str, Callable] = {}
 
@@ -67,10 +74,14 @@ class FlexMetadata:
 
 
 def make_mask_mod(physical_to_logical, doc_ids, query_start_loc, decode_offset, seq_lens, page_size: int,
-                  causal: bool, sliding_window: int | None, q_offset: int = 0) -> Callable:
+                  causal: bool, sliding_window: int | None, q_offset: int = 0, listed_by=None) -> Callable:
     """The paged mask: physical KV index → logical position, then the logical causal/window mask.
 
     ``q_offset`` shifts query indices for a call that covers only part of the tokens.
+    ``listed_by`` = (table, q_block_size, first_block): for eager calls, which ignore
+    the BlockMask's page lists, also keep only keys whose page
+    ``table[(q_idx + q_offset) // q_block_size - first_block]`` lists -- what the
+    compiled kernel reads.
     """
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -79,6 +90,9 @@ def make_mask_mod(physical_to_logical, doc_ids, query_start_loc, decode_offset, 
         logical_block = physical_to_logical[req, kv_idx // page_size]
         logical_k = logical_block * page_size + kv_idx % page_size
         valid = (logical_block >= 0) & (logical_k < seq_lens[req])
+        if listed_by is not None:
+            table, q_block_size, first_block = listed_by
+            valid = valid & table[q_idx // q_block_size - first_block, kv_idx // page_size]
         logical_q = q_idx - query_start_loc[req] + decode_offset[req]
         keep = (logical_q >= logical_k) if causal else (logical_q >= 0)
         if sliding_window is not None:
@@ -178,11 +192,18 @@ class FlexBuilder:
 
 
 class FlexImpl:
-    def __init__(self, meta: "SnapshotMeta", options: ReplayOptions, compiled: bool):
+    def __init__(self, meta: "SnapshotMeta", options: ReplayOptions, compiled: bool | None):
         self.meta = meta
         self.options = options
-        self.compiled = compiled
+        self.requested = compiled  # True/False as asked; None: chosen per step by size (CUDA only)
+        self.compiled = bool(compiled)  # what the last forward ran
+        self.scores = 0  # (query, key, head) elements the eager path scores for the last step
         self.calls = 0  # flex_attention calls the last forward made (eager splits big batches)
+
+    def eager_scores(self, md: FlexMetadata) -> int:
+        """Score elements eager flex materialises for this step: listed pages x their tokens x heads."""
+        listed = int(md.kv_num_blocks.sum())
+        return listed * md.q_block_size * md.kv_block_size * self.meta.layer.num_heads
 
     def forward(self, query, kv_cache, md: FlexMetadata, output):
         import torch
@@ -203,6 +224,9 @@ class FlexImpl:
         self.calls = 0
         if tokens == 0:
             return output
+        self.scores = self.eager_scores(md)
+        self.compiled = self.requested if self.requested is not None else \
+            (q.is_cuda and self.scores > COMPILE_ABOVE_SCORES)
         if self.compiled:
             return self._forward_compiled(q, k_pages, v_pages, md, output)
         return self._forward_eager(q, k_pages, v_pages, md, output)
@@ -239,83 +263,138 @@ class FlexImpl:
         return output
 
     def _forward_eager(self, q, k_pages, v_pages, md: FlexMetadata, output):
-        """Runs of query blocks, each over a compact cache of only the pages its BlockMask rows list.
+        """Request chunks, each over a compact cache of only the pages its tokens can read.
 
-        Eager flex evaluates every (query, cache token) pair, so over the whole
-        cache it costs tokens x cache and reads pages the compiled kernel never
-        loads. Giving each run only the pages vLLM's direct build lists for its
-        query blocks (relabelled; the map's null-block and aliasing rules are
-        already in ``physical_to_logical``) is what the compiled kernel reads: the
-        same keys, in a cache sized by the run. A run whose pages hold NaN/inf is
-        split into single query blocks, so a poisoned page reaches only the rows
-        of blocks that list it -- as in the kernel, where 0 x NaN poisons a tile.
+        Eager flex scores every (query, key) pair it is given and applies the
+        mask_mod; it ignores the BlockMask's page lists. The compiled kernel reads,
+        for a token of query block b, the pages b lists, and masks within them. So
+        each eager call gets the pages its tokens' blocks list that their own
+        requests map (a page no request of the call maps is masked for all of its
+        tokens anyway), and the mask_mod also checks that the key's page is listed
+        by the token's block: the same keys the kernel admits, in a cache sized by
+        the chunk rather than the batch, whatever the chunking. One difference
+        stays: a NaN/inf in a listed page poisons the kernel's whole tile
+        (0 x NaN), also for tokens that mask it. A chunk whose blocks list such a
+        page therefore runs one query block a call over exactly the pages that
+        block lists, as the kernel reads them.
         """
-        import torch
+        qb = md.q_block_size
+        page_finite = self._finite_pages(k_pages, v_pages)
+        finite: dict[int, bool] = {}  # query block -> every page it lists is finite
 
-        qb, ps = md.q_block_size, md.kv_block_size
-        num_blocks = -(-md.num_actual_tokens // qb)
-        counts = md.kv_num_blocks[:num_blocks].tolist()
-        # A query block joins the run before it when it adds few pages to the run's (a request's tokens
-        # spread over several blocks read the same pages): the run's scores grow with its tokens times
-        # its pages, so blocks of other requests are cheaper apart. Score bytes: Hq x tokens x keys x 12.
-        per_element = self.meta.layer.num_heads * 4 * 3
-        in_run = torch.zeros(md.physical_to_logical.shape[1] + 1, dtype=torch.bool, device=md.kv_indices.device)
-        runs, first, pages = [], 0, 0
-        for block in range(num_blocks):
-            listed = md.kv_indices[block, :counts[block]].to(torch.int64)
-            new = int((~in_run[listed]).sum()) if block > first else counts[block]
-            fits = (block + 1 - first) * qb * (pages + new) * ps * per_element <= EAGER_SCORE_BUDGET_BYTES
-            if block > first and (new > pages // 4 or not fits):
-                runs.append((first, block))
-                first, pages = block, counts[block]
-                in_run.zero_()
-            else:
-                pages += new
-            in_run[listed] = True
-        if num_blocks:
-            runs.append((first, num_blocks))
-        for first, last in runs:
-            if not self._eager_run(q, k_pages, v_pages, md, output, first, last, check_finite=True):
-                for block in range(first, last):  # poisoned pages: one query block a call
-                    self._eager_run(q, k_pages, v_pages, md, output, block, block + 1, check_finite=False)
+        def blocks_finite(start: int, stop: int) -> bool:
+            for block in range(start // qb, -(-stop // qb)):
+                if block not in finite:
+                    listed = md.kv_indices[block, :int(md.kv_num_blocks[block])].long()
+                    finite[block] = bool(page_finite[listed.to(page_finite.device)].all())
+                if not finite[block]:
+                    return False
+            return True
+
+        for start, stop in self._eager_chunks(md):
+            if blocks_finite(start, stop):
+                self._eager_call(q, k_pages, v_pages, md, output, start, stop, restrict=True)
+                continue
+            for block in range(start // qb, -(-stop // qb)):  # poisoned pages: the kernel's tiles
+                lo, hi = max(start, block * qb), min(stop, (block + 1) * qb)
+                self._eager_call(q, k_pages, v_pages, md, output, lo, hi, restrict=False)
         return output
 
-    def _eager_run(self, q, k_pages, v_pages, md: FlexMetadata, output, first: int, last: int, *,
-                   check_finite: bool) -> bool:
-        """Query blocks [first, last) over the pages they list; False (nothing written) when ``check_finite``
-        finds NaN/inf in those pages and the run spans several blocks."""
+    def _finite_pages(self, k_pages, v_pages):
+        """[pages] bool: every K and V element of the page is finite (fp32 page sums, read once, no gather)."""
+        import torch
+
+        num_pages = k_pages.shape[0]
+        flags = torch.ones(num_pages, dtype=torch.bool, device=k_pages.device)
+        page_bytes = max(1, k_pages[:1].numel() * k_pages.element_size())
+        step = max(1, (64 << 20) // page_bytes)
+        for first in range(0, num_pages, step):
+            for pages in (k_pages[first:first + step], v_pages[first:first + step]):
+                sums = pages.reshape(pages.shape[0], -1).sum(dim=1, dtype=torch.float32) \
+                    if pages.dtype.is_floating_point and pages.element_size() > 1 else \
+                    pages.float().reshape(pages.shape[0], -1).sum(dim=1)
+                flags[first:first + step] &= torch.isfinite(sums)
+        suspect = (~flags).nonzero().flatten()
+        if suspect.numel():  # a sum can overflow where every element is finite: look element-wise
+            flags[suspect] = torch.stack([torch.isfinite(pages.float()).reshape(suspect.numel(), -1).all(dim=1)
+                                          for pages in (k_pages[suspect], v_pages[suspect])]).all(dim=0)
+        return flags
+
+    def _eager_chunks(self, md: FlexMetadata) -> list[tuple[int, int]]:
+        """Token ranges: small requests merged, a request too big for the score budget split."""
+        heads, ps = self.meta.layer.num_heads, md.kv_block_size
+        qsl = md.query_start_loc.tolist()
+        mapped = (md.physical_to_logical >= 0).sum(dim=1).tolist()
+        budget = max(1, EAGER_SCORE_BUDGET_BYTES // (4 * 3))  # scores, masked scores, probabilities (fp32)
+        chunks: list[tuple[int, int]] = []
+        start = keys = 0
+        for req in range(len(qsl) - 1):
+            lo, hi = qsl[req], qsl[req + 1]
+            if hi <= lo:
+                continue
+            req_keys = max(1, mapped[req]) * ps
+            if chunks and start < lo and (hi - start) * (keys + req_keys) * heads <= EAGER_MERGE_SCORES:
+                chunks[-1], keys = (start, hi), keys + req_keys  # merge into the chunk before
+                continue
+            step = max(1, budget // (req_keys * heads))
+            for piece in range(lo, hi, step):
+                chunks.append((piece, min(hi, piece + step)))
+            start, keys = (lo, req_keys) if step >= hi - lo else (hi, 0)
+        return chunks
+
+    def _eager_call(self, q, k_pages, v_pages, md: FlexMetadata, output, start: int, stop: int, *,
+                    restrict: bool) -> None:
+        """Tokens [start, stop) over the pages their query blocks list (``restrict``: and their requests map)."""
         import torch
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
         qb, ps = md.q_block_size, md.kv_block_size
-        start, stop = first * qb, min(md.num_actual_tokens, last * qb)
+        first, last = start // qb, -(-stop // qb)
         counts = md.kv_num_blocks[first:last].to(torch.int64)
         indices = md.kv_indices[first:last].to(torch.int64)
         listed = torch.arange(indices.shape[1], device=indices.device).unsqueeze(0) < counts.unsqueeze(1)
         pages = torch.unique(indices[listed])
+        if restrict and pages.numel():
+            reqs = md.doc_ids[start:stop]
+            rows = md.physical_to_logical[int(reqs.min()):int(reqs.max()) + 1]
+            pages = pages[(rows[:, pages] >= 0).any(dim=0)]
         keys, values = self._pages(k_pages, v_pages, pages)
-        if check_finite and last - first > 1 and not _all_finite(keys, values):
-            return False
         p2l = md.physical_to_logical[:, pages]
         if pages.numel() == 0:  # rows that list no page still need one key column: a page nothing maps
             keys = keys.new_zeros(1, keys.shape[1], ps, keys.shape[-1])
             values = values.new_zeros(1, values.shape[1], ps, values.shape[-1])
             p2l = md.physical_to_logical.new_full((md.physical_to_logical.shape[0], 1), -1)
         width = p2l.shape[1]
-        compact = torch.zeros(md.physical_to_logical.shape[1], dtype=torch.int64, device=pages.device)
+        # listed_by[b, c]: compact page c is in the list of query block first + b.
+        compact = torch.full((md.physical_to_logical.shape[1],), width, dtype=torch.int64, device=pages.device)
         compact[pages] = torch.arange(pages.numel(), device=pages.device)
-        run_indices = torch.where(listed, compact[indices], torch.zeros_like(indices))[:, :width]
-        if run_indices.shape[1] < width:  # the CPU kernel wants kv_indices as wide as the cache
-            run_indices = torch.nn.functional.pad(run_indices, (0, width - run_indices.shape[1]))
-        mask_mod = make_mask_mod(p2l, md.doc_ids, md.query_start_loc, md.decode_offset, md.seq_lens, ps,
-                                 md.causal, md.sliding_window, q_offset=start)
-        mask = BlockMask.from_kv_blocks(counts.to(torch.int32)[None, None], run_indices.to(torch.int32)[None, None],
-                                        BLOCK_SIZE=(qb, ps), mask_mod=mask_mod,
-                                        seq_lengths=(stop - start, width * ps), compute_q_blocks=False)
-        out = _flex_untraced(flex_attention, q[:, :, start:stop], keys, values, block_mask=mask, **self._kwargs())
-        output[start:stop].copy_(out[0].permute(1, 0, 2))
+        listed_by = torch.zeros(last - first, width + 1, dtype=torch.bool, device=pages.device)
+        listed_by.scatter_(1, torch.where(listed, compact[indices], width), True)
+        listed_by = listed_by[:, :width].contiguous()
+        paged = make_mask_mod(p2l, md.doc_ids, md.query_start_loc, md.decode_offset, md.seq_lens, ps,
+                              md.causal, md.sliding_window, q_offset=start, listed_by=(listed_by, qb, first))
+        # GQA: the G query heads of one KV head are laid along the query axis (row g * T + t), so
+        # eager flex upcasts K/V once per KV head instead of repeating them G times; the mask
+        # does not depend on the head, each score is the same dot product.
+        tokens = stop - start
+        _, hq, _, d = q.shape
+        hkv = keys.shape[1]
+        group = hq // hkv
+        folded = q[:, :, start:stop].reshape(1, hkv, group * tokens, d)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return paged(b, h, q_idx % tokens, kv_idx)
+
+        q_blocks = -(-(group * tokens) // qb)
+        mask = BlockMask.from_kv_blocks(
+            torch.full((1, 1, q_blocks), width, dtype=torch.int32, device=pages.device),
+            torch.arange(width, dtype=torch.int32, device=pages.device).expand(1, 1, q_blocks, width).contiguous(),
+            BLOCK_SIZE=(qb, ps), mask_mod=mask_mod, seq_lengths=(group * tokens, width * ps),
+            compute_q_blocks=False)
+        kwargs = dict(self._kwargs(), enable_gqa=False)
+        out = _flex_untraced(flex_attention, folded, keys, values, block_mask=mask, **kwargs)
+        output[start:stop].copy_(out.reshape(hq, tokens, d).permute(1, 0, 2))
         self.calls += 1
-        return True
 
 
 def _flex_untraced(flex_attention: Callable, *args, **kwargs):
@@ -345,17 +424,12 @@ def _flex_untraced(flex_attention: Callable, *args, **kwargs):
             flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = before
 
 
-def _all_finite(*tensors) -> bool:
-    """Every element finite: an fp32 sum first (cheap, finite for any real cache), element-wise only if not."""
-    import torch
-
-    return all(bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def _resolve_compile(options: ReplayOptions) -> bool:
+def _resolve_compile(options: ReplayOptions) -> bool | None:
+    """True/False when asked; on CPU eager (compiled CPU flex costs more than it saves on one step);
+    on CUDA None: each step picks by size (FlexImpl.forward)."""
     if options.compile is not None:
         return bool(options.compile)
-    return options.device.startswith("cuda")
+    return None if options.device.startswith("cuda") else False
 
 
 class FlexInstance:
@@ -364,22 +438,29 @@ class FlexInstance:
 
         self.meta = meta
         self.options = options
-        self.compiled = _resolve_compile(options)
         self.output_dtype = getattr(torch, meta.layer.dtype)
         self.builder = FlexBuilder(meta)
-        self.impl = FlexImpl(meta, options, self.compiled)
+        self.impl = FlexImpl(meta, options, _resolve_compile(options))
+
+    @property
+    def compiled(self) -> bool:
+        return self.impl.compiled
 
     def describe(self) -> RunInfo:
         layer = self.meta.layer
         mode = "compiled" if self.compiled else "eager"
         notes = [f"BlockMask built directly from the page table (BlockMask.from_kv_blocks), "
                  f"blocks {Q_BLOCK_SIZE} query tokens x {self.meta.backend.page_size} (one page)"]
+        if self.impl.requested is None:
+            size = f"{self.impl.scores:,} eager score elements" if self.impl.scores else "the step's size"
+            notes.append(f"{mode} chosen by size ({size}; compiled above {COMPILE_ABOVE_SCORES:,}); "
+                         f"--compile or --no-compile decides instead")
         if not self.compiled:
             notes.append("eager flex_attention (torch's unfused implementation, called without a Dynamo trace), "
                          "each call over a compact cache of only the pages its query blocks' BlockMask rows "
                          "list (the pages the compiled kernel reads)")
             if self.impl.calls > 1:
-                notes.append(f"query blocks split into {self.impl.calls} eager calls to bound memory")
+                notes.append(f"{self.impl.calls} eager calls (request chunks) to bound memory")
         if layer.is_fp8:
             notes.append(f"FP8 KV cache: vLLM's FLEX_ATTENTION rejects quantized caches; kvdbg dequantises "
                          f"query/K/V with the q/k/v scales to {layer.dtype} and runs flex on that")

@@ -64,7 +64,7 @@ class ReplayOptions:
 
     device: str = "cpu"
     exact: bool = False  # reference in fp64 instead of fp32
-    compile: bool | None = None  # flex: None = backend default (eager on CPU, compiled on CUDA)
+    compile: bool | None = None  # flex: None = eager on CPU; on CUDA compiled only for big steps
     force_emulation: bool = False  # flashinfer_ts: emulate even where the real kernel could run
 
 

@@ -70,7 +70,7 @@ def default_snapshot() -> str:
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
 @click.option("--exact", is_flag=True, help="Reference in float64 instead of float32.")
 @click.option("--compile/--no-compile", "compile_", default=None,
-              help="torch.compile flex_attention (default: eager on CPU, compiled on CUDA).")
+              help="torch.compile flex_attention (default: eager on CPU; on CUDA compiled only for steps too big for eager to be quicker).")
 @click.option("--atol", type=FINITE_FLOAT, default=None,
               help="Absolute tolerance, finite and >= 0 (default by dtype, see the footer).")
 @click.option("--rtol", type=FINITE_FLOAT, default=None, help="Relative tolerance, finite and >= 0 (default by dtype).")
