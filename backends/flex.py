@@ -31,9 +31,10 @@ EAGER_SCORE_BUDGET_BYTES = 512 * 1024 * 1024
 EAGER_MERGE_SCORES = 1 << 22
 VLLM_KERNEL_BLOCK_MULTIPLE = 16
 # Unless --compile/--no-compile says otherwise, a CUDA replay compiles flex only when the eager
-# path would score more than this many (query, key, head) elements: compiling costs seconds to
-# tens of seconds per process, eager scores ~1e9 elements a second on an H200 (docs/benchmarks.md).
-COMPILE_ABOVE_SCORES = 1 << 33
+# path would score more than this many (query, key, head) elements: compiling costs ~10 s a
+# process, eager scores ~0.25e9 elements a second on an H200 (docs/benchmarks.md), so eager wins
+# below ~2e9 elements.
+COMPILE_ABOVE_SCORES = 1 << 31
 
 _compiled_flex: dict[str, Callable] = {}
 

@@ -50,16 +50,23 @@ def child(argv: list[str], env: dict[str, str]) -> tuple[float, float, int, str]
     return wall, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status), out
 
 
+SYNTH = """
+import sys
+from kvdbg.snapshot import save_snapshot
+from kvdbg.synth import SynthSpec, synth_snapshot
+mib, query_len = int(sys.argv[2]), int(sys.argv[3])
+spec = SynthSpec(seq_lens=(mib * 4,) * 64, query_len=query_len, num_heads=32, num_kv_heads=8,
+                 head_size=128, dtype="bfloat16")
+save_snapshot(synth_snapshot(spec), sys.argv[1])
+"""
+
+
 def make(path: str, mib: int, query_len: int) -> None:
+    """Synthesise in a child: a big parent would inflate every later child's ru_maxrss (fork copies it)."""
     if os.path.exists(path):
         return
-    from kvdbg.snapshot import save_snapshot
-    from kvdbg.synth import SynthSpec, synth_snapshot
-
     print(f"synthesising {path} ({mib} MiB)...", file=sys.stderr, flush=True)
-    spec = SynthSpec(seq_lens=(mib * 4,) * 64, query_len=query_len, num_heads=32, num_kv_heads=8,
-                     head_size=128, dtype="bfloat16")
-    save_snapshot(synth_snapshot(spec), path)
+    subprocess.run([sys.executable, "-c", SYNTH, path, str(mib), str(query_len)], check=True, cwd=REPO)
 
 
 def measure(args) -> None:
