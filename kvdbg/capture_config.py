@@ -165,6 +165,8 @@ class CaptureConfig:
         object.__setattr__(self, "directory", os.fspath(self.directory))
         if isinstance(self.layers, str) or self.layers is None:
             object.__setattr__(self, "layers", LayerFilter(self.layers, "layers"))
+        elif not callable(self.layers):
+            raise OptionError(f"layers must be a pattern, a callable or None, got {type(self.layers).__name__}")
         object.__setattr__(self, "steps", IntRanges.of(self.steps, "steps"))
         object.__setattr__(self, "ranks", IntRanges.of(self.ranks, "ranks"))
         for name in ("max_snapshots", "max_bytes"):
