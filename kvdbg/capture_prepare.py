@@ -226,11 +226,13 @@ def infer_kv_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -
     ``pages,heads,tokens,2*dim`` from CPU_ATTN's cache of the same shape, so the
     vLLM plugin always declares the layout (``kvdbg.engine_layouts``).
     """
+    for name in (LAYOUT_VLLM, LAYOUT_SEED):
+        try:
+            engine_layout(name).check(kv_cache, num_kv_heads, head_size)  # the layouts' own shape rule
+            return name
+        except LayoutError:
+            continue
     shape = tuple(kv_cache.shape)
-    if len(shape) == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_size:
-        return LAYOUT_VLLM
-    if len(shape) == 5 and shape[0] == 2 and shape[3] == num_kv_heads and shape[4] == head_size:
-        return LAYOUT_SEED
     raise CaptureInputError(
         f"kv_cache has shape {list(shape)}, which is neither [pages, {num_kv_heads}, page_size, {2 * head_size}] "
         f"({LAYOUT_VLLM}) nor [2, pages, page_size, {num_kv_heads}, {head_size}] ({LAYOUT_SEED})"

@@ -128,3 +128,14 @@ def test_pre_update_restores_only_the_pages_the_update_wrote():
     with pytest.raises(CaptureInputError, match="slot_mapping holds slot"):
         save_pre_update(engine.layer, key=t.key, value=t.value, slot_mapping=t.slot_mapping + 10**6,
                         kv_cache=engine.cache)
+
+
+@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_SEED])
+def test_an_undeclared_layout_is_inferred_from_the_shape_and_said_so(layout):
+    engine = Engine(layout=layout)
+    layer = dataclasses.replace(engine.layer, kv_layout=None)
+    pending = prepare_capture(layer, engine.backend, engine.tensors)
+    assert pending.meta.kv_layout == layout
+    assert pending.meta.capture["kv_layout_source"] == "inferred from the cache shape"
+    with pytest.raises(CaptureInputError, match=r"kv_cache has shape \[7, 16\], which is neither"):
+        prepare_capture(layer, engine.backend, dataclasses.replace(engine.tensors, kv_cache=torch.zeros(7, 16)))
