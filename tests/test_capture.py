@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 
 import pytest
 import torch
 
 from kvdbg.capture import (
+    CaptureBackend,
+    CaptureInputError,
+    CaptureLayer,
     Capturer,
-    IntRanges,
-    LayerFilter,
+    StepTensors,
     capture_step,
     infer_kv_layout,
     snapshot_file_size,
 )
-from kvdbg.errors import OptionError
 from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM
 from kvdbg.snapshot import load_snapshot, referenced_pages
 from kvdbg.synth import SynthSpec, synth_snapshot
@@ -64,36 +67,47 @@ class Engine:
             extra = torch.full((PAD_ROWS,) + tuple(t.shape[1:]), fill, dtype=t.dtype)
             return torch.cat([t, extra])
 
-        self.fields = dict(
-            layer_name=meta.layer.name,
+        # Built once per layer, as an engine integration does.
+        self.layer = CaptureLayer(
+            name=meta.layer.name,
+            num_heads=hq,
+            num_kv_heads=meta.layer.num_kv_heads,
+            head_size=d,
+            scale=meta.layer.scale,
+            dtype=model_dtype,
+            kv_cache_dtype="fp8" if meta.layer.is_fp8 else "auto",
+            kv_layout=meta.kv_layout,
+            sliding_window=meta.layer.sliding_window,
+            q_scale=meta.layer.q_scale,
+            k_scale=meta.layer.k_scale,
+            v_scale=meta.layer.v_scale,
+        )
+        self.backend = CaptureBackend(
+            name=meta.backend.name,
+            max_model_len=meta.backend.max_model_len,
+            max_decode_query_len=meta.backend.max_decode_query_len,
+            page_size=meta.backend.page_size,
+            num_gpu_blocks=meta.backend.num_gpu_blocks,
+        )
+        # The step's tensors, with CUDA-graph padding rows.
+        self.tensors = StepTensors(
             query=pad(step.query),
             key=pad(step.key),
             value=pad(step.value),
             slot_mapping=pad(step.slot_mapping, -1),
             kv_cache=self.cache,
-            kv_layout=meta.kv_layout,
             block_table=step.block_table,
             seq_lens=step.seq_lens,
             query_start_loc=step.query_start_loc,
             causal=meta.layer.causal,
-            num_heads=hq,
-            num_kv_heads=meta.layer.num_kv_heads,
-            head_size=d,
-            scale=meta.layer.scale,
-            sliding_window=meta.layer.sliding_window,
-            kv_cache_dtype="fp8" if meta.layer.is_fp8 else "auto",
-            model_dtype=model_dtype,
-            q_scale=meta.layer.q_scale,
-            k_scale=meta.layer.k_scale,
-            v_scale=meta.layer.v_scale,
-            page_size=meta.backend.page_size,
-            max_model_len=meta.backend.max_model_len,
-            num_gpu_blocks=meta.backend.num_gpu_blocks,
-            max_decode_query_len=meta.backend.max_decode_query_len,
-            backend_name=meta.backend.name,
-            step=7,
-            rank=0,
         )
+
+    def args(self, **tensors) -> tuple:
+        """(layer, backend, tensors) for begin/capture, with some of the step's tensors replaced."""
+        return self.layer, self.backend, dataclasses.replace(self.tensors, **tensors)
+
+
+STEP = dict(step=7, rank=0)
 
 
 CASES = {
@@ -106,7 +120,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_capture_reproduces_every_tensor(tmp_path, case):
     engine = Engine(**CASES[case])
-    path = capture_step(tmp_path, output=engine.output, **engine.fields)
+    path = capture_step(tmp_path, *engine.args(), output=engine.output, **STEP)
     assert path is not None and os.path.dirname(path) == str(tmp_path)
     got = load_snapshot(path)
     want, step = engine.snap, engine.snap.steps[0]
@@ -143,7 +157,7 @@ def test_capture_reproduces_every_tensor(tmp_path, case):
 def test_file_size_prediction_is_exact(tmp_path):
     engine = Engine()
     capturer = Capturer(tmp_path)
-    pending = capturer.begin(**engine.fields)
+    pending = capturer.begin(*engine.args(), **STEP)
     path = capturer.finish(pending, engine.output)
     assert os.path.getsize(path) == capturer.bytes_written
     assert snapshot_file_size(load_snapshot(path)) == os.path.getsize(path)
@@ -155,10 +169,10 @@ def test_begin_copies_what_the_forward_may_overwrite(tmp_path):
     kept = {n: t.clone() for n, t in step.tensors().items()}
     kept_pages = engine.snap.kv_cache.clone()
     capturer = Capturer(tmp_path)
-    pending = capturer.begin(**engine.fields)
+    pending = capturer.begin(*engine.args(), **STEP)
     # An in-place kernel (or the next step) scribbles over every engine buffer.
     for name in ("query", "key", "value", "kv_cache", "block_table", "seq_lens", "query_start_loc", "slot_mapping"):
-        engine.fields[name].zero_()
+        getattr(engine.tensors, name).zero_()
     path = capturer.finish(pending, engine.output)
     got = load_snapshot(path)
     assert same_bytes(got.kv_cache, kept_pages)
@@ -169,21 +183,18 @@ def test_begin_copies_what_the_forward_may_overwrite(tmp_path):
 @pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_SEED])
 def test_pre_update_restores_pages_the_cache_update_overwrote(tmp_path, layout):
     engine = Engine(layout=layout)
-    fields = engine.fields
+    tensors = engine.tensors
     before = engine.cache.clone()
     capturer = Capturer(tmp_path)
-    pre = capturer.save_pre_update(
-        layer_name=fields["layer_name"], step=7, key=fields["key"], value=fields["value"],
-        slot_mapping=fields["slot_mapping"], kv_cache=engine.cache, num_kv_heads=fields["num_kv_heads"],
-        head_size=fields["head_size"],
-    )
+    pre = capturer.save_pre_update(engine.layer, key=tensors.key, value=tensors.value,
+                                   slot_mapping=tensors.slot_mapping, kv_cache=engine.cache, step=7)
     assert pre is not None and len(pre.page_ids) > 0
     # The engine's cache update: every slot's page now holds the new K.
     dim = page_dim(layout)
     engine.cache.index_fill_(dim, pre.page_ids, 3.0)
     assert not torch.equal(engine.cache, before)
-    path = capturer.capture(output=engine.output, pre_update=pre,
-                            **{k: v for k, v in fields.items() if k not in ("key", "value", "slot_mapping")})
+    path = capturer.capture(*engine.args(key=None, value=None, slot_mapping=None, pre_update=pre),
+                            output=engine.output, **STEP)
     got = load_snapshot(path)
     assert same_bytes(got.kv_cache, before.index_select(dim, got.page_ids.long()))
     assert torch.equal(got.steps[0].slot_mapping, engine.snap.steps[0].slot_mapping)
@@ -193,8 +204,7 @@ def test_pre_update_restores_pages_the_cache_update_overwrote(tmp_path, layout):
 
 def test_capture_without_new_kv(tmp_path):
     engine = Engine()
-    fields = {k: v for k, v in engine.fields.items() if k not in ("key", "value", "slot_mapping")}
-    got = load_snapshot(capture_step(tmp_path, key=None, value=None, slot_mapping=None, **fields))
+    got = load_snapshot(capture_step(tmp_path, *engine.args(key=None, value=None, slot_mapping=None), **STEP))
     assert not got.steps[0].has_update and got.steps[0].output is None
 
 
@@ -209,8 +219,8 @@ def test_byte_cap_too_small_writes_nothing(tmp_path, caplog):
     engine = Engine()
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
     capturer = Capturer(tmp_path / "snaps", max_bytes=1000)
-    assert capturer.capture(output=engine.output, **engine.fields) is None
-    assert capturer.capture(output=engine.output, **engine.fields) is None
+    assert capturer.capture(*engine.args(), output=engine.output, **STEP) is None
+    assert capturer.capture(*engine.args(), output=engine.output, **STEP) is None
     assert not (tmp_path / "snaps").exists()
     logged = records(caplog)
     assert len(logged) == 1 and "1000" in logged[0].getMessage()
@@ -219,17 +229,17 @@ def test_byte_cap_too_small_writes_nothing(tmp_path, caplog):
 
 def test_byte_cap_admits_exactly_what_fits(tmp_path):
     engine = Engine()
-    size = os.path.getsize(capture_step(tmp_path / "probe", output=engine.output, **engine.fields))
+    size = os.path.getsize(capture_step(tmp_path / "probe", *engine.args(), output=engine.output, **STEP))
     capturer = Capturer(tmp_path / "snaps", max_bytes=size, rank=0)  # same provenance, same size
-    assert capturer.capture(output=engine.output, **engine.fields) is not None
-    assert capturer.capture(output=engine.output, **engine.fields) is None
+    assert capturer.capture(*engine.args(), output=engine.output, **STEP) is not None
+    assert capturer.capture(*engine.args(), output=engine.output, **STEP) is None
     assert capturer.bytes_written == size and len(os.listdir(tmp_path / "snaps")) == 1
 
 
 def test_count_cap_turns_capture_off(tmp_path):
     engine = Engine()
     capturer = Capturer(tmp_path, max_snapshots=2)
-    paths = [capturer.capture(output=engine.output, **engine.fields) for _ in range(3)]
+    paths = [capturer.capture(*engine.args(), output=engine.output, **STEP) for _ in range(3)]
     assert paths[2] is None and len(set(paths[:2])) == 2
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in paths[:2])
     assert not capturer.active
@@ -242,7 +252,7 @@ def test_unwritable_directory_logs_once_and_never_raises(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
     capturer = Capturer(blocker / "snaps")
     for _ in range(3):
-        assert capturer.capture(output=engine.output, **engine.fields) is None
+        assert capturer.capture(*engine.args(), output=engine.output, **STEP) is None
     logged = records(caplog)
     assert len(logged) == 1 and logged[0].levelno == logging.ERROR
     assert "cannot create capture directory" in logged[0].getMessage()
@@ -254,109 +264,87 @@ def test_unwritable_directory_logs_once_and_never_raises(tmp_path, caplog):
     (dict(block_table=torch.zeros(3, dtype=torch.int32)), "block_table"),
     (dict(seq_lens=torch.tensor([20, 45], dtype=torch.int32)), "seq_lens"),
     (dict(kv_cache=torch.zeros(4, 2, 16, 16, dtype=torch.bfloat16)), "kv_cache"),
-    (dict(k_scale=float("nan")), "layer.k_scale"),
-    (dict(model_dtype=torch.int8), "model_dtype"),
-    (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype"),
+    (dict(causal=torch.tensor([True, False, True])), "causal"),
+    (dict(key=None), "key, value and slot_mapping come together"),
 ])
-def test_malformed_input_is_skipped_not_raised(tmp_path, caplog, change, field_named):
+def test_malformed_step_is_skipped_not_raised(tmp_path, caplog, change, field_named):
     engine = Engine()
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
     capturer = Capturer(tmp_path / "snaps")
-    assert capturer.capture(output=engine.output, **{**engine.fields, **change}) is None
+    assert capturer.capture(*engine.args(**change), output=engine.output, **STEP) is None
     logged = records(caplog)
     assert len(logged) == 1 and field_named in logged[0].getMessage()
     assert capturer.active and not (tmp_path / "snaps").exists()
     # The next, well-formed step is still captured.
-    assert capturer.capture(output=engine.output, **engine.fields) is not None
+    assert capturer.capture(*engine.args(), output=engine.output, **STEP) is not None
+
+
+@pytest.mark.parametrize("change, field_named", [
+    (dict(k_scale=float("nan")), "layer.k_scale"),
+    (dict(scale=0.0), "layer.scale"),
+    (dict(num_kv_heads=3), "multiple of layer.num_kv_heads"),
+    (dict(dtype=torch.int8), "model_dtype"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype"),
+    (dict(kv_layout="pages,tokens"), "kv_layout 'pages,tokens' is not a layout kvdbg knows"),
+    (dict(sliding_window="wide"), "sliding_window"),
+])
+def test_a_malformed_layer_is_refused_when_built(change, field_named):
+    engine = Engine()
+    with pytest.raises(CaptureInputError, match=re.escape(field_named)):
+        dataclasses.replace(engine.layer, **change)
+
+
+def test_wrong_argument_types_are_reported_not_raised(tmp_path, caplog):
+    engine = Engine()
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    capturer = Capturer(tmp_path)
+    as_dict = dataclasses.asdict(engine.tensors)
+    assert capturer.capture(engine.layer, engine.backend, as_dict, output=engine.output, **STEP) is None
+    errors = [r for r in records(caplog) if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "tensors must be a StepTensors, got dict" in errors[0].getMessage()
+    assert not capturer.active  # a caller's bug repeats on every step
 
 
 def test_block_table_outside_the_cache_is_skipped(tmp_path):
     engine = Engine()
-    table = engine.fields["block_table"].clone()
+    table = engine.tensors.block_table.clone()
     table[0, 0] = engine.snap.meta.backend.num_gpu_blocks + 5
-    assert capture_step(tmp_path, **{**engine.fields, "block_table": table}) is None
+    assert capture_step(tmp_path, *engine.args(block_table=table), **STEP) is None
     assert os.listdir(tmp_path) == []
 
 
 def test_wrong_output_shape_is_skipped(tmp_path):
     engine = Engine()
     capturer = Capturer(tmp_path)
-    assert capturer.capture(output=engine.output[:, :2], **engine.fields) is None
+    assert capturer.capture(*engine.args(), output=engine.output[:, :2], **STEP) is None
     assert capturer.failures and os.listdir(tmp_path) == []
-
-
-def test_misspelt_keyword_does_not_raise(tmp_path, caplog):
-    engine = Engine()
-    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
-    assert Capturer(tmp_path).capture(querry=1, **engine.fields) is None
-    assert len(records(caplog)) == 1
 
 
 def test_disabled_or_filtered_capturer_writes_nothing(tmp_path):
     engine = Engine()
     off = Capturer(tmp_path / "off")
     off.disable("test")
-    assert off.capture(output=engine.output, **engine.fields) is None
+    assert off.capture(*engine.args(), output=engine.output, **STEP) is None
     other_layer = Capturer(tmp_path / "layer", layers="*.layers.9.*")
-    assert other_layer.capture(output=engine.output, **engine.fields) is None
+    assert other_layer.capture(*engine.args(), output=engine.output, **STEP) is None
     other_step = Capturer(tmp_path / "step", steps="0-6,8-")
-    assert other_step.capture(output=engine.output, **engine.fields) is None
+    assert other_step.capture(*engine.args(), output=engine.output, **STEP) is None
     other_rank = Capturer(tmp_path / "rank", ranks="1-3")
-    assert other_rank.capture(output=engine.output, **engine.fields) is None
+    assert other_rank.capture(*engine.args(), output=engine.output, **STEP) is None
     assert not any((tmp_path / d).exists() for d in ("off", "layer", "step", "rank"))
-    assert Capturer(tmp_path / "on", layers="re:layers\\.0\\.", steps="7", ranks="0").capture(**engine.fields)
+    assert Capturer(tmp_path / "on", layers="re:layers\\.0\\.", steps="7", ranks="0").capture(*engine.args(), **STEP)
 
 
 def test_names_are_unique_across_capturers(tmp_path):
     engine = Engine()
-    first = capture_step(tmp_path, **engine.fields)
-    second = capture_step(tmp_path, **engine.fields)
+    first = capture_step(tmp_path, *engine.args(), **STEP)
+    second = capture_step(tmp_path, *engine.args(), **STEP)
     assert first and second and first != second
     assert os.path.basename(first).startswith("model.layers.0.self_attn.attn-step7-rank0-")
     assert len(os.listdir(tmp_path)) == 2
 
 
 # --------------------------------------------------------------------------- configuration
-
-
-def test_int_ranges():
-    ranges = IntRanges.parse("0, 4,10-20,100-")
-    assert [v for v in (0, 1, 4, 9, 10, 20, 21, 99, 100, 10**6) if v in ranges] == [0, 4, 10, 20, 100, 10**6]
-    assert str(ranges) == "0,4,10-20,100-"
-    for bad in ("", "ten", "5-3", "1,,2", "-4"):
-        with pytest.raises(OptionError):
-            IntRanges.parse(bad, "KVDBG_CAPTURE_STEPS")
-
-
-def test_layer_filter_globs_and_regex():
-    glob = LayerFilter("*.layers.1.*,model.layers.3.self_attn.attn")
-    assert glob("model.layers.1.self_attn.attn") and glob("model.layers.3.self_attn.attn")
-    assert not glob("model.layers.11.self_attn.attn") and not glob("model.layers.3.self_attn.attn.x")
-    regex = LayerFilter(r"re:layers\.(2|5)\.")
-    assert regex("model.layers.5.self_attn.attn") and not regex("model.layers.25.self_attn.attn")
-    with pytest.raises(OptionError):
-        LayerFilter("re:(")
-
-
-def test_from_env(tmp_path):
-    capturer = Capturer.from_env({
-        "KVDBG_CAPTURE_DIR": str(tmp_path), "KVDBG_CAPTURE_MAX": "5", "KVDBG_CAPTURE_MAX_BYTES": "512M",
-        "KVDBG_CAPTURE_LAYERS": "*.layers.2.*", "KVDBG_CAPTURE_STEPS": "10-20", "KVDBG_CAPTURE_RANKS": "0,2",
-    })
-    assert (capturer.max_snapshots, capturer.max_bytes) == (5, 512 * 1024**2)
-    assert capturer.wants("m.layers.2.attn", 15, rank=2)
-    assert not capturer.wants("m.layers.2.attn", 21, rank=2)
-    assert not capturer.wants("m.layers.3.attn", 15, rank=2)
-    assert not capturer.wants("m.layers.2.attn", 15, rank=1)
-    defaults = Capturer.from_env({"KVDBG_CAPTURE_DIR": str(tmp_path)})
-    assert defaults.max_snapshots == 32 and defaults.max_bytes == 4 * 1024**3
-    unlimited = Capturer.from_env({"KVDBG_CAPTURE_DIR": str(tmp_path), "KVDBG_CAPTURE_MAX": "unlimited"})
-    assert unlimited.max_snapshots is None
-    for bad in ({"KVDBG_CAPTURE_MAX": "0"}, {"KVDBG_CAPTURE_MAX_BYTES": "lots"}, {"KVDBG_CAPTURE_STEPS": "x"}):
-        with pytest.raises(OptionError):
-            Capturer.from_env({"KVDBG_CAPTURE_DIR": str(tmp_path), **bad})
-    with pytest.raises(OptionError, match="KVDBG_CAPTURE_DIR"):
-        Capturer.from_env({})
 
 
 def test_infer_kv_layout():

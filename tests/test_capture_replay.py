@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvdbg.capture import Capturer
+from kvdbg.capture import CaptureBackend, CaptureLayer, Capturer, StepTensors
 from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM
 from kvdbg.replay import replay
 from kvdbg.snapshot import Snapshot, load_snapshot
@@ -36,14 +36,17 @@ def layer_forward(engine: Snapshot, backend: str, capturer: Capturer, tmp_path) 
     meta, step = engine.meta, engine.steps[0]
     layer, be = meta.layer, meta.backend
     pending = capturer.begin(
-        layer_name=layer.name, query=step.query, key=step.key, value=step.value, slot_mapping=step.slot_mapping,
-        kv_cache=engine.kv_cache, kv_layout=meta.kv_layout, block_table=step.block_table,
-        seq_lens=step.seq_lens, query_start_loc=step.query_start_loc, causal=layer.causal,
-        num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
-        scale=layer.scale, sliding_window=layer.sliding_window, kv_cache_dtype=layer.kv_cache_dtype,
-        model_dtype=layer.dtype, q_scale=layer.q_scale, k_scale=layer.k_scale, v_scale=layer.v_scale,
-        page_size=be.page_size, max_model_len=be.max_model_len, num_gpu_blocks=be.num_gpu_blocks,
-        max_decode_query_len=be.max_decode_query_len, backend_name=be.name, step=0, rank=0,
+        CaptureLayer(name=layer.name, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+                     head_size=layer.head_size, scale=layer.scale, dtype=layer.dtype,
+                     kv_cache_dtype=layer.kv_cache_dtype, kv_layout=meta.kv_layout,
+                     sliding_window=layer.sliding_window, q_scale=layer.q_scale, k_scale=layer.k_scale,
+                     v_scale=layer.v_scale),
+        CaptureBackend(name=be.name, max_model_len=be.max_model_len, max_decode_query_len=be.max_decode_query_len,
+                       page_size=be.page_size, num_gpu_blocks=be.num_gpu_blocks),
+        StepTensors(query=step.query, key=step.key, value=step.value, slot_mapping=step.slot_mapping,
+                    kv_cache=engine.kv_cache, block_table=step.block_table, seq_lens=step.seq_lens,
+                    query_start_loc=step.query_start_loc, causal=layer.causal),
+        step=0, rank=0,
     )
     assert pending is not None
     # The engine runs the backend on its whole cache (cache update first, then attention).

@@ -23,7 +23,7 @@ def files(directory) -> list[str]:
 
 
 def capture_steps(capturer: Capturer, engine: Engine, steps) -> list:
-    return [capturer.capture(output=engine.output, **dict(engine.fields, step=step)) for step in steps]
+    return [capturer.capture(*engine.args(), output=engine.output, step=step, rank=0) for step in steps]
 
 
 def test_background_writer_keeps_the_engine_thread_free_and_drops_when_full(tmp_path, monkeypatch, caplog):
@@ -97,7 +97,7 @@ def _capture_in_process(directory: str, count: int) -> int:
     engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
     capturer = Capturer(directory, rank=0)
     # Every process uses the same layer, step and rank: the file names collide unless capture moves on.
-    paths = [capturer.capture(output=engine.output, **dict(engine.fields, step=1)) for _ in range(count)]
+    paths = [capturer.capture(*engine.args(), output=engine.output, step=1) for _ in range(count)]
     return sum(p is not None for p in paths)
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 
 import pytest
 import torch
 
-from kvdbg import capture as capture_module
+from kvdbg import capture_prepare as capture_module
 from kvdbg.capture import Capturer, PreUpdate
 from kvdbg.engine_layouts import (
     CPU_ATTN_K_TRANSPOSED,
@@ -53,20 +54,20 @@ def test_conversion_matches_a_hand_built_cpu_attn_cache():
 def test_capture_of_a_cpu_attn_cache_stores_kvdbg_pages(tmp_path):
     engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16", seq_lens=(20, 45, 70), head_size=16)
     want = engine.snap
-    fields = dict(engine.fields)
     # The engine holds the same pages in CPU_ATTN's layout; the capture must store kvdbg's.
     cpu_cache = engine.cache.clone()
     cpu_cache[want.page_ids.long()] = hand_built_cpu_attn_cache(
         want.kv_cache[..., :16].float(), want.kv_cache[..., 16:].float()).to(torch.bfloat16)
-    fields.update(kv_cache=cpu_cache, kv_layout=CPU_ATTN_K_TRANSPOSED, backend_name="CPU_ATTN")
+    layer = dataclasses.replace(engine.layer, kv_layout=CPU_ATTN_K_TRANSPOSED)
+    backend = dataclasses.replace(engine.backend, name="CPU_ATTN")
     capturer = Capturer(tmp_path)
     # Through the cache-update path too: the pages the update overwrites are converted before being restored.
-    pre = capturer.save_pre_update(layer_name=fields["layer_name"], key=fields.pop("key"),
-                                   value=fields.pop("value"), slot_mapping=fields.pop("slot_mapping"),
-                                   kv_cache=cpu_cache, num_kv_heads=2, head_size=16,
-                                   kv_layout=CPU_ATTN_K_TRANSPOSED, step=7, rank=0)
+    new_kv = engine.tensors
+    pre = capturer.save_pre_update(layer, key=new_kv.key, value=new_kv.value, slot_mapping=new_kv.slot_mapping,
+                                   kv_cache=cpu_cache, step=7, rank=0)
     assert isinstance(pre, PreUpdate) and len(pre.page_ids)
-    path = capturer.capture(output=engine.output, pre_update=pre, **fields)
+    tensors = dataclasses.replace(new_kv, kv_cache=cpu_cache, key=None, value=None, slot_mapping=None, pre_update=pre)
+    path = capturer.capture(layer, backend, tensors, output=engine.output, step=7, rank=0)
     assert path is not None, capturer.failures
     got = load_snapshot(path)
     assert got.meta.kv_layout == LAYOUT_VLLM
@@ -79,9 +80,10 @@ def test_capture_of_a_cpu_attn_cache_stores_kvdbg_pages(tmp_path):
 def test_cpu_attn_layout_needs_contiguous_slots(tmp_path, caplog):
     engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
     strided = engine.cache.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, token-major memory
-    fields = dict(engine.fields, kv_cache=strided, kv_layout=CPU_ATTN_K_TRANSPOSED)
+    layer = dataclasses.replace(engine.layer, kv_layout=CPU_ATTN_K_TRANSPOSED)
     capturer = Capturer(tmp_path)
-    assert capturer.capture(output=engine.output, **fields) is None
+    assert capturer.capture(layer, engine.backend, dataclasses.replace(engine.tensors, kv_cache=strided),
+                            output=engine.output, step=7, rank=0) is None
     assert capturer.failures and "contiguous" in caplog.text
 
 

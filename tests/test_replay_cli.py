@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 
 import kvdbg.backends as backends_pkg
 from kvdbg.cli import cli
-from kvdbg.cli.replay import parse_ranges
 
 from tests.helpers import run_python
 
@@ -65,7 +64,10 @@ def test_cuda_unavailable_is_bad_input(make_snapshot):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--heads", "3-1"], "--heads must look like 0-3,7 (non-negative indices and ranges), got '3-1'"),
+    (["--heads", "3-1"], "Invalid value for '--heads': range '3-1' ends before it starts"),
+    (["--heads", "0,,2"], "Invalid value for '--heads': '0,,2' has an empty item between commas"),
+    (["--request", "4-"], "--request 4 is out of range: the snapshot has 4 requests"),
+    (["--step", "0-1"], "--step 1 is out of range: the snapshot has 1 step(s)"),
     (["--heads", "8"], "--heads 8 is out of range: the layer has 8 heads"),
     (["--request", "9"], "--request 9 is out of range: the snapshot has 4 requests"),
     (["--step", "1"], "--step 1 is out of range: the snapshot has 1 step(s)"),
@@ -127,9 +129,16 @@ def test_default_fixture_when_no_argument():
     assert json.loads(res.output)["snapshot"].endswith("dflash.safetensors")
 
 
-def test_parse_ranges():
-    assert parse_ranges("0-3,7", "--heads") == [0, 1, 2, 3, 7]
-    assert parse_ranges(None, "--heads") is None
+def test_step_request_and_heads_take_ranges(make_snapshot):
+    path, _ = make_snapshot(seq_lens=(20, 40, 60), num_heads=4, num_kv_heads=2, head_size=16, steps=3)
+    data = json.loads(invoke(path, "--backend", "flex", "--step", "1-", "--request", "1-", "--heads", "0,2-3",
+                             "--json").output)
+    assert [s["step"] for s in data["steps"]] == [1, 2]
+    assert sorted({c["step"] for c in data["comparisons"]}) == [1, 2]
+    heads = {(h["request"], h["head"]) for c in data["comparisons"] for h in c["heads"]}
+    assert heads == {(r, h) for r in (1, 2) for h in (0, 2, 3)}
+    one = json.loads(invoke(path, "--backend", "flex", "--step", " 2 ", "--json").output)
+    assert [s["step"] for s in one["steps"]] == [2]
 
 
 def test_help_does_not_import_torch():

@@ -8,37 +8,16 @@ import click
 
 from kvdbg.cli.common import FINITE_FLOAT, backend_name, console, emit_json, guarded, json_option
 from kvdbg.errors import OptionError
+from kvdbg.ranges import IntRanges, IntRangesParam
 
-# No engine has this many heads or requests in one step; the bound keeps a typo
-# like 0-100000000000 from expanding into a list that exhausts memory.
-MAX_RANGE_INDEX = 2**20 - 1
-
-
-def parse_ranges(value: str | None, option: str) -> list[int] | None:
-    """``"0-3,7"`` → ``[0, 1, 2, 3, 7]``; None stays None (everything)."""
-    if value is None:
+def within(ranges: IntRanges | None, count: int, option: str, has: str) -> list[int] | None:
+    """The members of an option's ranges below ``count`` (None: all); an OptionError naming one past it."""
+    if ranges is None:
         return None
-    out: list[int] = []
-    for part in value.replace(" ", "").split(","):
-        if not part:
-            continue
-        try:
-            if "-" in part[1:]:
-                lo, hi = part.split("-", 1) if not part.startswith("-") else (part, "")
-                lo_i, hi_i = int(lo), int(hi)
-                if hi_i < lo_i:
-                    raise ValueError
-                if hi_i > MAX_RANGE_INDEX:
-                    raise OptionError(f"{option} {hi_i} is out of range (indices stop at {MAX_RANGE_INDEX})")
-                out.extend(range(lo_i, hi_i + 1))
-            else:
-                out.append(int(part))
-        except ValueError:
-            raise OptionError(f"{option} must look like 0-3,7 (non-negative indices and ranges), got {value!r}") \
-                from None
-    if not out or min(out) < 0:
-        raise OptionError(f"{option} must list non-negative indices, got {value!r}")
-    return sorted(set(out))
+    beyond = ranges.out_of(count)
+    if beyond is not None:
+        raise OptionError(f"{option} {beyond} is out of range: {has}")
+    return ranges.below(count)
 
 
 def default_snapshot() -> str:
@@ -60,11 +39,12 @@ def default_snapshot() -> str:
 @click.option("--backend", "backends", multiple=True,
               help="Backend to replay (repeatable): reference, flex, flashinfer_ts, vllm_flex (the installed vLLM's "
                    "own code); any case, or the engine's name (FLEX_ATTENTION, FLASHINFER_TS). Default: all.")
-@click.option("--step", type=int, default=None, help="Replay only this step (earlier steps' cache updates still apply).")
-@click.option("--request", "requests", default=None,
-              help="Requests to compare, e.g. 0-3,7 (default: all); findings about other requests are left out "
-                   "too, and the exit code follows what is shown.")
-@click.option("--heads", default=None,
+@click.option("--step", "steps", type=IntRangesParam(), default=None,
+              help="Steps to replay, e.g. 1, 0-2 or 1- (default: all); earlier steps' cache updates still apply.")
+@click.option("--request", "requests", type=IntRangesParam(), default=None,
+              help="Requests to compare, e.g. 0-3,7 or 2- (default: all); findings about other requests are left "
+                   "out too, and the exit code follows what is shown.")
+@click.option("--heads", type=IntRangesParam(), default=None,
               help="Query heads to compare, e.g. 0-3,7 (default: all). Findings concern whole requests (every "
                    "head of one), so --heads does not drop them.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
@@ -81,7 +61,7 @@ def default_snapshot() -> str:
 @click.option("--force", is_flag=True, help="Let --save-outputs replace an existing file.")
 @json_option
 @guarded
-def replay(snapshot, backends, step, requests, heads, device, exact, compile_, atol, rtol, explain, full,
+def replay(snapshot, backends, steps, requests, heads, device, exact, compile_, atol, rtol, explain, full,
            save_outputs, force, as_json):
     """Replay a snapshot through the exact reference and the backends, and diff them per head.
 
@@ -110,16 +90,13 @@ def replay(snapshot, backends, step, requests, heads, device, exact, compile_, a
     from kvdbg.verdict import replay_verdict
 
     backends = list(dict.fromkeys(backend_name(b) for b in backends))
-    request_ids = parse_ranges(requests, "--request")
-    head_ids = parse_ranges(heads, "--heads")
     path = snapshot or default_snapshot()
     snap = load_snapshot(path)
-    if head_ids is not None and max(head_ids) >= snap.meta.layer.num_heads:
-        raise OptionError(f"--heads {max(head_ids)} is out of range: the layer has {snap.meta.layer.num_heads} heads")
-    if request_ids is not None:
-        most = max(s.num_reqs for s in snap.steps)
-        if max(request_ids) >= most:
-            raise OptionError(f"--request {max(request_ids)} is out of range: the snapshot has {most} requests")
+    num_heads, num_steps = snap.meta.layer.num_heads, len(snap.steps)
+    head_ids = within(heads, num_heads, "--heads", f"the layer has {num_heads} heads")
+    most = max(s.num_reqs for s in snap.steps)
+    request_ids = within(requests, most, "--request", f"the snapshot has {most} requests")
+    step_ids = within(steps, num_steps, "--step", f"the snapshot has {num_steps} step(s)")
     names = list(backends) if backends else None
     if names is not None and "reference" not in names:
         names.insert(0, "reference")  # every comparison needs the exact answer
@@ -131,7 +108,7 @@ def replay(snapshot, backends, step, requests, heads, device, exact, compile_, a
             err.print(f"replaying {message}…", style="dim")
 
     options = ReplayOptions(device=device, exact=exact, compile=compile_)
-    result = run_replay(snap, names, options, steps=None if step is None else [step],
+    result = run_replay(snap, names, options, steps=step_ids,
                         required=list(backends), progress=progress)
     comparisons = [c for s in result.steps
                    for c in compare_step(s, snap.meta, atol=atol, rtol=rtol, requests=request_ids, heads=head_ids)]

@@ -5,29 +5,18 @@ from __future__ import annotations
 import click
 
 from kvdbg.cli.common import console, emit_json, guarded, json_option
-from kvdbg.errors import OptionError
+from kvdbg.ranges import IntListParam
 
 LAYOUT_CHOICES = {"vllm": "pages,heads,tokens,2*dim", "seed": "2,pages,tokens,heads,dim"}
 
 
-def _int_list(value: str | None, name: str) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    try:
-        items = tuple(int(v) for v in value.replace(" ", "").split(",") if v != "")
-    except ValueError:
-        raise OptionError(f"{name} must be a comma-separated list of integers, got {value!r}") from None
-    if not items:
-        raise OptionError(f"{name} must list at least one integer")
-    return items
-
-
 @click.command()
 @click.argument("out", type=click.Path(dir_okay=False))
-@click.option("--seq-lens", default="9,77,200,333", show_default=True,
+@click.option("--seq-lens", type=IntListParam(), default="9,77,200,333", show_default=True,
               help="Comma-separated sequence length of each request at the first step (query included).")
 @click.option("--query-len", type=int, default=1, show_default=True, help="Query tokens per request (uniform block).")
-@click.option("--query-lens", default=None, help="Comma-separated ragged query lengths (overrides --query-len).")
+@click.option("--query-lens", type=IntListParam(), default=None,
+              help="Comma-separated ragged query lengths (overrides --query-len).")
 @click.option("--num-heads", type=int, default=8, show_default=True, help="Query heads (Hq).")
 @click.option("--num-kv-heads", type=int, default=2, show_default=True, help="KV heads (Hkv).")
 @click.option("--head-dim", type=int, default=64, show_default=True)
@@ -80,9 +69,9 @@ def synth(out, seq_lens, query_len, query_lens, num_heads, num_kv_heads, head_di
     from kvdbg.synth import SynthSpec, synth_snapshot
 
     spec = SynthSpec(
-        seq_lens=_int_list(seq_lens, "--seq-lens"),
+        seq_lens=seq_lens,
         query_len=query_len,
-        query_lens=_int_list(query_lens, "--query-lens"),
+        query_lens=query_lens,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_size=head_dim,

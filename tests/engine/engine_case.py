@@ -115,7 +115,7 @@ def main() -> int:
     record = {"backend": args.backend, "model": args.model, "startup_s": startup_s, "cases": {}}
     for case in args.cases.split(","):
         case_dir = os.path.join(args.out, case)
-        capturer.directory = case_dir
+        capturer.reconfigure(directory=case_dir)
         capturer.select_layers(None if case in BOTH_LAYERS else "*.layers.1.*")
         before = len(capturer.written)
         failures_before = dict(capturer.failures)

@@ -33,7 +33,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     from kvdbg import vllm_plugin
-    from kvdbg.capture import IntRanges
+    from kvdbg.ranges import IntRanges
 
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, block_size=32, max_model_len=512,
               num_gpu_blocks_override=48, seed=0, gpu_memory_utilization=0.25, enable_prefix_caching=False)
@@ -65,9 +65,9 @@ def main() -> int:
             if name != "unwrapped":
                 vllm_plugin.register()
                 capturer = vllm_plugin.active_capturer()
-                capturer.steps = IntRanges(()) if name == "wrapped, nothing captured" else None
+                capturer.reconfigure(steps=IntRanges(()) if name == "wrapped, nothing captured" else None)
                 if name == "one layer, write in the engine thread":
-                    capturer.queue_size = 0
+                    capturer.reconfigure(queue_size=0)
             long, short = run(args.tokens + 1), run(1)
             for m, a, b in zip(metrics, long, short):
                 best[m][name] = min(best[m][name], (a - b) / args.tokens * 1e3)

@@ -1,0 +1,112 @@
+"""kvdbg.capture_config: the KVDBG_CAPTURE_* variables, parsed once into a frozen configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvdbg import vllm_plugin
+from kvdbg.capture import Capturer
+from kvdbg.capture_config import ENV_DIR, CaptureConfig, LayerFilter
+from kvdbg.errors import OptionError
+from tests.helpers import run_python
+
+
+def test_from_env_reads_every_variable(tmp_path):
+    config = CaptureConfig.from_env({
+        "KVDBG_CAPTURE_DIR": f" {tmp_path} ", "KVDBG_CAPTURE_MAX": "5", "KVDBG_CAPTURE_MAX_BYTES": "512M",
+        "KVDBG_CAPTURE_LAYERS": "*.layers.2.*", "KVDBG_CAPTURE_STEPS": "10 - 20", "KVDBG_CAPTURE_RANKS": "0,2",
+        "KVDBG_CAPTURE_QUEUE": "0", "KVDBG_CAPTURE_BACKENDS": "cpu_attn, FLEX_ATTENTION,cpu_attn",
+    })
+    assert config.directory == str(tmp_path)
+    assert (config.max_snapshots, config.max_bytes, config.queue_size) == (5, 512 * 1024**2, 0)
+    assert config.backends == ("CPU_ATTN", "FLEX_ATTENTION") and config.backends_given
+    capturer = Capturer(config)
+    assert capturer.wants("m.layers.2.attn", 15, rank=2)
+    assert not capturer.wants("m.layers.2.attn", 21, rank=2)
+    assert not capturer.wants("m.layers.3.attn", 15, rank=2)
+    assert not capturer.wants("m.layers.2.attn", 15, rank=1)
+
+
+def test_unset_variables_take_the_safe_defaults(tmp_path):
+    config = CaptureConfig.from_env({"KVDBG_CAPTURE_DIR": str(tmp_path), "KVDBG_CAPTURE_STEPS": "  "})
+    assert (config.max_snapshots, config.max_bytes, config.queue_size) == (32, 4 * 1024**3, 8)
+    assert config.steps is None and config.ranks is None and config.layers("any.layer")
+    assert config.backends == ("FLASHINFER_TS", "FLEX_ATTENTION") and not config.backends_given
+    unlimited = CaptureConfig.from_env({"KVDBG_CAPTURE_DIR": str(tmp_path), "KVDBG_CAPTURE_MAX": "unlimited",
+                                        "KVDBG_CAPTURE_MAX_BYTES": "UNLIMITED"})
+    assert unlimited.max_snapshots is None and unlimited.max_bytes is None
+    # The Python API's own defaults: no caps, writes in the caller's thread.
+    api = CaptureConfig(tmp_path)
+    assert (api.max_snapshots, api.max_bytes, api.queue_size) == (None, None, 0)
+
+
+@pytest.mark.parametrize("variable, value, says", [
+    ("KVDBG_CAPTURE_MAX", "0", "KVDBG_CAPTURE_MAX must be a positive integer or 'unlimited', got '0'"),
+    ("KVDBG_CAPTURE_MAX", "٣", "KVDBG_CAPTURE_MAX must be a positive integer"),
+    ("KVDBG_CAPTURE_MAX", "9" * 5000, "KVDBG_CAPTURE_MAX must be a positive integer"),
+    ("KVDBG_CAPTURE_MAX_BYTES", "lots", "KVDBG_CAPTURE_MAX_BYTES must be bytes like 500000, 512M or 4GiB"),
+    ("KVDBG_CAPTURE_MAX_BYTES", "9" * 5000 + "G", "KVDBG_CAPTURE_MAX_BYTES must be bytes like"),
+    ("KVDBG_CAPTURE_QUEUE", "-1", "KVDBG_CAPTURE_QUEUE must be a non-negative integer, got '-1'"),
+    ("KVDBG_CAPTURE_STEPS", "ten-twenty", "KVDBG_CAPTURE_STEPS: 'ten-twenty' is not a number or a range"),
+    ("KVDBG_CAPTURE_STEPS", "5-3", "KVDBG_CAPTURE_STEPS: range '5-3' ends before it starts"),
+    ("KVDBG_CAPTURE_RANKS", "0,,1", "KVDBG_CAPTURE_RANKS: '0,,1' has an empty item between commas"),
+    ("KVDBG_CAPTURE_LAYERS", "re:(", "KVDBG_CAPTURE_LAYERS 're:(' is not a valid regular expression"),
+    ("KVDBG_CAPTURE_LAYERS", " , ", "KVDBG_CAPTURE_LAYERS is empty"),
+    ("KVDBG_CAPTURE_BACKENDS", ",", "KVDBG_CAPTURE_BACKENDS names no backend"),
+])
+def test_a_bad_variable_is_one_line_naming_it(tmp_path, variable, value, says):
+    with pytest.raises(OptionError) as info:
+        CaptureConfig.from_env({"KVDBG_CAPTURE_DIR": str(tmp_path), variable: value})
+    message = str(info.value)
+    assert says in message and "\n" not in message and len(message) < 200, message
+
+
+def test_the_directory_is_required():
+    with pytest.raises(OptionError, match="KVDBG_CAPTURE_DIR is not set"):
+        CaptureConfig.from_env({})
+    with pytest.raises(OptionError, match="KVDBG_CAPTURE_DIR is not set"):
+        CaptureConfig.from_env({"KVDBG_CAPTURE_DIR": "   "})
+
+
+def test_the_configuration_is_frozen_and_replaced_whole(tmp_path):
+    config = CaptureConfig.from_env({"KVDBG_CAPTURE_DIR": str(tmp_path), "KVDBG_CAPTURE_STEPS": "3"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_snapshots = 1
+    capturer = Capturer(config)
+    assert capturer.wants("layer", 3) and not capturer.wants("layer", 4)
+    capturer.reconfigure(steps="4-")
+    assert not capturer.wants("layer", 3) and capturer.wants("layer", 10**12)
+    assert config.steps is not None and 3 in config.steps  # the original is untouched
+    with pytest.raises(OptionError, match="max_snapshots must be a positive integer"):
+        capturer.reconfigure(max_snapshots=0)
+
+
+def test_layer_filter_globs_and_regex():
+    glob = LayerFilter("*.layers.1.*,model.layers.3.self_attn.attn")
+    assert glob("model.layers.1.self_attn.attn") and glob("model.layers.3.self_attn.attn")
+    assert not glob("model.layers.11.self_attn.attn") and not glob("model.layers.3.self_attn.attn.x")
+    regex = LayerFilter(r"re:layers\.(2|5)\.")
+    assert regex("model.layers.5.self_attn.attn") and not regex("model.layers.25.self_attn.attn")
+    assert LayerFilter(None)("anything")
+    with pytest.raises(OptionError):
+        LayerFilter("re:(")
+
+
+def test_describe_names_filters_and_budgets(tmp_path):
+    config = CaptureConfig.from_env({"KVDBG_CAPTURE_DIR": str(tmp_path), "KVDBG_CAPTURE_STEPS": "2,0-1,9-",
+                                     "KVDBG_CAPTURE_MAX": "unlimited"})
+    assert config.describe() == (f"directory={tmp_path} layers=all layers steps=0-2,9- ranks=all max=unlimited "
+                                 f"max_bytes={4 * 1024**3} bytes writer=background, queue 8")
+
+
+def test_reading_the_configuration_needs_no_torch():
+    out = run_python("import sys, kvdbg.capture_config as c; "
+                     "c.CaptureConfig.from_env({'KVDBG_CAPTURE_DIR': 'x', 'KVDBG_CAPTURE_STEPS': '1-'}); "
+                     "print('torch' in sys.modules)")
+    assert out.strip() == "False"
+
+
+def test_the_plugin_reads_the_same_variable():
+    assert vllm_plugin.ENV_DIR == ENV_DIR

@@ -1,0 +1,141 @@
+"""kvdbg.capture_prepare: one step -> what a snapshot holds, as pure functions that raise typed errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from kvdbg.capture_prepare import (
+    CaptureInputError,
+    CapturePlan,
+    PendingCapture,
+    complete_capture,
+    plan_capture,
+    prepare_capture,
+    save_pre_update,
+    snapshot_file_size,
+)
+from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM, parse_meta
+from kvdbg.snapshot import save_snapshot
+from tests.test_capture import PAD_ROWS, Engine, page_dim, same_bytes
+
+
+@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_SEED])
+def test_prepare_returns_the_step_and_touches_nothing(tmp_path, layout, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    engine = Engine(layout=layout)
+    pending = prepare_capture(*engine.args(), step=7, rank=3, rank_source="test", engine="engine 1.0",
+                              info={"where": "unit test"}, notes="n")
+    assert isinstance(pending, PendingCapture) and os.listdir(tmp_path) == []
+    want = engine.snap
+    assert torch.equal(pending.page_ids.long(), want.page_ids.long())
+    assert same_bytes(pending.kv_cache, want.kv_cache)
+    assert pending.num_tokens == want.steps[0].num_tokens
+    assert same_bytes(pending.step.query, want.steps[0].query)  # padding rows dropped
+    meta = pending.meta
+    assert meta.layer == want.meta.layer and meta.backend == want.meta.backend and meta.notes == "n"
+    assert (meta.capture["rank"], meta.capture["rank_source"], meta.capture["engine"]) == (3, "test", "engine 1.0")
+    assert meta.capture["where"] == "unit test" and meta.capture["query_rows_given"] == pending.num_tokens + PAD_ROWS
+    assert parse_meta(meta.to_json()) == meta
+
+
+def test_the_plan_bounds_the_file_before_any_page_is_copied(tmp_path):
+    engine = Engine()
+    plan = plan_capture(*engine.args(), step=7)
+    assert isinstance(plan, CapturePlan)
+    # Pages are read only by gather(): what the cache holds then is what is stored.
+    dim = page_dim(engine.snap.meta.kv_layout)
+    engine.cache.index_fill_(dim, plan.page_ids, 2.0)
+    pending = plan.gather()
+    assert bool((pending.kv_cache == 2.0).all())
+    snapshot = complete_capture(pending, engine.output)
+    size = snapshot_file_size(snapshot)
+    assert plan.lower_bound_bytes <= size == os.path.getsize(save_snapshot(snapshot, tmp_path / "s.safetensors"))
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(query=torch.zeros(2, 4, 16, dtype=torch.bfloat16)), "query has shape [2, 4, 16], expected [>= "),
+    (dict(seq_lens=torch.zeros(2, dtype=torch.int32)), "seq_lens has shape [2], expected [3] like block_table"),
+    (dict(query_start_loc=torch.zeros(3, dtype=torch.int32)), "query_start_loc has shape [3], expected [4]"),
+    (dict(causal=1), "causal must be a bool, got int"),
+    (dict(slot_mapping=None), "key, value and slot_mapping come together; only key, value given"),
+    (dict(key=torch.zeros(40, 3, 16, dtype=torch.bfloat16)), "key has shape [40, 3, 16], expected"),
+    (dict(kv_cache=torch.zeros(4, 3, 16, 32, dtype=torch.bfloat16)), "kv_cache has shape [4, 3, 16, 32]"),
+])
+def test_malformed_steps_raise_an_error_naming_the_field(change, says):
+    engine = Engine()
+    with pytest.raises(CaptureInputError) as info:
+        prepare_capture(*engine.args(**change))
+    assert says in str(info.value)
+
+
+def test_the_backend_must_agree_with_the_cache():
+    engine = Engine()
+    layer, backend, tensors = engine.args()
+    with pytest.raises(CaptureInputError, match="page_size is 32 but kv_cache holds pages of 16 tokens"):
+        prepare_capture(layer, dataclasses.replace(backend, page_size=32), tensors)
+    with pytest.raises(CaptureInputError, match="num_gpu_blocks is 3 but kv_cache holds"):
+        prepare_capture(layer, dataclasses.replace(backend, num_gpu_blocks=3), tensors)
+
+
+def test_a_page_outside_the_cache_is_named():
+    engine = Engine()
+    table = engine.tensors.block_table.clone()
+    table[1, 0] = engine.snap.meta.backend.num_gpu_blocks
+    with pytest.raises(CaptureInputError, match=f"refers to page {int(table[1, 0])}, outside the cache"):
+        prepare_capture(*engine.args(block_table=table))
+
+
+def test_wrong_types_are_a_callers_error():
+    engine = Engine()
+    layer, backend, tensors = engine.args()
+    with pytest.raises(TypeError, match="layer must be a CaptureLayer, got dict"):
+        prepare_capture(dataclasses.asdict(layer), backend, tensors)
+    with pytest.raises(TypeError, match="backend must be a CaptureBackend, got str"):
+        prepare_capture(layer, "FLASHINFER_TS", tensors)
+
+
+def test_complete_adds_the_output_or_names_what_is_wrong():
+    engine = Engine()
+    pending = prepare_capture(*engine.args())
+    with pytest.raises(CaptureInputError, match="output has dtype float32, expected the model dtype bfloat16"):
+        complete_capture(pending, engine.output.float())
+    with pytest.raises(CaptureInputError, match=r"output has shape \[2, 4, 16\], expected \[>= 3"):
+        complete_capture(pending, engine.output[:2])
+    flat = engine.output.reshape(engine.output.shape[0], -1)  # [tokens, Hq*D], as vLLM's buffer is
+    snapshot = complete_capture(pending, flat)
+    assert same_bytes(snapshot.steps[0].output, engine.output[: pending.num_tokens])
+
+
+def test_pre_update_restores_only_the_pages_the_update_wrote():
+    engine = Engine()
+    t = engine.tensors
+    before = engine.cache.clone()
+    pre = save_pre_update(engine.layer, key=t.key, value=t.value, slot_mapping=t.slot_mapping, kv_cache=engine.cache,
+                          step=7)
+    slots = t.slot_mapping[t.slot_mapping >= 0].long()
+    assert torch.equal(pre.page_ids, torch.unique(slots // engine.snap.meta.backend.page_size))
+    engine.cache.index_fill_(0, pre.page_ids, 5.0)  # the engine's cache update
+    pending = prepare_capture(*engine.args(key=None, value=None, slot_mapping=None, pre_update=pre), step=7)
+    assert same_bytes(pending.kv_cache, before.index_select(0, pending.page_ids.long()))
+    assert pending.meta.capture["pre_update_pages_restored"] == len(pre.page_ids)
+    other = dataclasses.replace(pre, page_size=32)
+    with pytest.raises(CaptureInputError, match="pre_update was saved from a cache of another layout or page size"):
+        prepare_capture(*engine.args(key=None, value=None, slot_mapping=None, pre_update=other))
+    with pytest.raises(CaptureInputError, match="slot_mapping holds slot"):
+        save_pre_update(engine.layer, key=t.key, value=t.value, slot_mapping=t.slot_mapping + 10**6,
+                        kv_cache=engine.cache)
+
+
+@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_SEED])
+def test_an_undeclared_layout_is_inferred_from_the_shape_and_said_so(layout):
+    engine = Engine(layout=layout)
+    layer = dataclasses.replace(engine.layer, kv_layout=None)
+    pending = prepare_capture(layer, engine.backend, engine.tensors)
+    assert pending.meta.kv_layout == layout
+    assert pending.meta.capture["kv_layout_source"] == "inferred from the cache shape"
+    with pytest.raises(CaptureInputError, match=r"kv_cache has shape \[7, 16\], which is neither"):
+        prepare_capture(layer, engine.backend, dataclasses.replace(engine.tensors, kv_cache=torch.zeros(7, 16)))
