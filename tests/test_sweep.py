@@ -268,3 +268,13 @@ def test_sweep_never_writes_the_snapshot():
     before = snap.kv_cache.clone()
     sweep(snap, ["placement", "kv-dtype"], ["reference", "flex"])
     assert torch.equal(before, snap.kv_cache)
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+def test_matrix_reads_whole_at_common_widths(width):
+    res = CliRunner().invoke(cli, ["sweep", PREFIX_PAGE0, "--vary", "placement"],
+                             env={"NO_COLOR": "1", "COLUMNS": str(width)})
+    assert res.exit_code == 1
+    assert all(len(line) <= width for line in res.output.splitlines())
+    assert "hidden at" not in res.output  # variant, reference and flex always fit
+    assert "▶pass 2.6e-03" in res.output
