@@ -440,7 +440,7 @@ class FlexInstance:
         self.meta = meta
         self.options = options
         self.output_dtype = getattr(torch, meta.layer.dtype)
-        self.builder = FlexBuilder(meta)
+        self.builder = FlexBuilder(meta, options.flex_q_block or Q_BLOCK_SIZE)
         self.impl = FlexImpl(meta, options, _resolve_compile(options))
 
     @property
@@ -451,7 +451,7 @@ class FlexInstance:
         layer = self.meta.layer
         mode = "compiled" if self.compiled else "eager"
         notes = [f"BlockMask built directly from the page table (BlockMask.from_kv_blocks), "
-                 f"blocks {Q_BLOCK_SIZE} query tokens x {self.meta.backend.page_size} (one page)"]
+                 f"blocks {self.builder.q_block_size} query tokens x {self.meta.backend.page_size} (one page)"]
         if self.impl.requested is None:
             size = f"{self.impl.scores:,} eager score elements" if self.impl.scores else "the step's size"
             notes.append(f"{mode} chosen by size ({size}; compiled above {COMPILE_ABOVE_SCORES:,}); "

@@ -66,6 +66,7 @@ class ReplayOptions:
     exact: bool = False  # reference in fp64 instead of fp32
     compile: bool | None = None  # flex: None = eager on CPU; on CUDA compiled only for big steps
     force_emulation: bool = False  # flashinfer_ts: emulate even where the real kernel could run
+    flex_q_block: int | None = None  # flex: the BlockMask's query block (None = vLLM's 16 tokens)
 
 
 @dataclass

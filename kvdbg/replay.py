@@ -360,7 +360,13 @@ def save_outputs(result: ReplayResult, path: str, *, overwrite: bool = False) ->
         if step.captured_output is not None:
             tensors[f"step.{step.step}.captured"] = step.captured_output.detach().cpu().contiguous()
     kernels = {st.name: (st.info.kernel if st.info else f"unavailable: {st.reason}") for st in result.backends}
-    metadata = {"kvdbg.replay": json.dumps({"snapshot": result.path, "kernels": kernels})}
+    # Each step's request boundaries and the layer's dtypes, so `kvdbg diff` can compare two such files
+    # per request x head with replay's tolerance.
+    steps = {str(step.step): {"query_start_loc": step.common.query_start_loc.tolist(),
+                              "seq_lens": step.common.seq_lens.tolist()} for step in result.steps}
+    layer = {"dtype": result.meta.layer.dtype, "kv_cache_dtype": result.meta.layer.kv_cache_dtype}
+    metadata = {"kvdbg.replay": json.dumps({"snapshot": result.path, "kernels": kernels, "steps": steps,
+                                            "layer": layer})}
     payload = save(tensors, metadata=metadata)
     return atomic_write(path, lambda fh: fh.write(payload), overwrite=overwrite, what="--save-outputs")
 

@@ -13,7 +13,7 @@ import platform
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kvdbg._version import __version__
 from kvdbg.errors import OptionError, SnapshotError
@@ -101,6 +101,7 @@ class BugReport:
     backends: list[BackendSummary]
     command: str
     device: str
+    sweep: Any = None  # (kvdbg.sweep.SweepResult, its Verdict) when asked for (report --sweep)
 
     @property
     def findings(self) -> list["Finding"]:

@@ -10,12 +10,14 @@ from kvdbg._version import __version__
 
 # name -> module:attribute; modules are imported only when a command is looked up.
 COMMANDS = {
+    "diff": "kvdbg.cli.diff:diff",
     "info": "kvdbg.cli.info:info",
     "map": "kvdbg.cli.map:map_",
     "poison": "kvdbg.cli.poison:poison",
     "replay": "kvdbg.cli.replay:replay",
     "report": "kvdbg.cli.report:report",
     "shrink": "kvdbg.cli.shrink:shrink",
+    "sweep": "kvdbg.cli.sweep:sweep",
     "synth": "kvdbg.cli.synth:synth",
     "window": "kvdbg.cli.window:window",
 }

@@ -22,8 +22,10 @@ from kvdbg.errors import OptionError
               help="Also write the info, map and replay tables as self-contained SVG images into this directory "
                    "(and PNGs beside them where rsvg-convert is installed).")
 @click.option("--force", is_flag=True, help="Replace existing output files.")
+@click.option("--sweep", "sweep_knobs", default=None, metavar="KNOB[,KNOB]",
+              help="Also sweep these knobs (as `kvdbg sweep --vary`) and include the matrix.")
 @guarded
-def report(snapshot, output, backends, device, svg_dir, force):
+def report(snapshot, output, backends, device, svg_dir, force, sweep_knobs):
     """Write a Markdown bug report for a snapshot, ready to paste into a GitHub issue.
 
     Sections: the environment (OS, Python, torch and its CUDA build, GPUs,
@@ -38,11 +40,17 @@ def report(snapshot, output, backends, device, svg_dir, force):
     Examples:
       kvdbg report snapshot.safetensors > report.md
       kvdbg report snapshot.safetensors -o report.md --svg figures/ --backend flex
+      kvdbg report snapshot.safetensors --sweep placement,window > report.md
     """
     from kvdbg.render.report import render_markdown, render_svgs
     from kvdbg.report import build_report, write_text_atomic
 
     backends = tuple(dict.fromkeys(backend_name(b) for b in backends))
+    knobs = None
+    if sweep_knobs is not None:
+        from kvdbg.sweep import parse_knobs
+
+        knobs = parse_knobs(sweep_knobs)
     svg_paths = []
     if svg_dir is not None:
         if os.path.exists(svg_dir) and not os.path.isdir(svg_dir):
@@ -61,6 +69,14 @@ def report(snapshot, output, backends, device, svg_dir, force):
             err.print(f"{message}…", style="dim")
 
     result = build_report(snapshot, list(backends) or None, device=device, progress=progress)
+    if knobs is not None:
+        from kvdbg.attention import ReplayOptions
+        from kvdbg.snapshot import load_snapshot
+        from kvdbg.sweep import sweep, sweep_verdict
+
+        swept = sweep(load_snapshot(snapshot), knobs, list(backends) or None, ReplayOptions(device=device),
+                      required=list(backends), progress=progress)
+        result.sweep = (swept, sweep_verdict(swept))
     text = render_markdown(result)
     if svg_dir is not None:
         os.makedirs(svg_dir, exist_ok=True)

@@ -215,8 +215,14 @@ def render_markdown(r: BugReport) -> str:
                  + _fence(f"{check}\n{r.command}", "bash"))
     v = r.verdict
     closing = f"**Verdict:** {md_escape(v.summary)} (`kvdbg replay` exits {v.exit_code})."
-    return scrub_paths("\n\n".join([head, _environment(r), _snapshot(r), _paging(r), _replay(r), reproduce,
-                                      closing]) + "\n")
+    sections = [head, _environment(r), _snapshot(r), _paging(r), _replay(r)]
+    if r.sweep is not None:
+        from kvdbg.render.sweep import sweep_markdown
+
+        sweep_result, sweep_verdict = r.sweep
+        sections.append(f"## Sweep: {md_escape(', '.join(sweep_result.knobs))}\n\n"
+                        + sweep_markdown(sweep_result, sweep_verdict))
+    return scrub_paths("\n\n".join(sections + [reproduce, closing]) + "\n")
 
 
 # --------------------------------------------------------------------------- SVG

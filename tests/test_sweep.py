@@ -1,0 +1,280 @@
+"""`kvdbg sweep`: the prefix_page0 acceptance, variants known by construction, flips, exit codes, JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvdbg.cli import cli
+from kvdbg.snapshot import load_snapshot
+from kvdbg.sweep import (free_page_id, parse_knobs, relabel_pages, retype_snapshot, shorten_queries, sweep,
+                         sweep_verdict)
+from kvdbg.synth import SynthSpec, synth_snapshot
+
+from tests.helpers import FIXTURES, assert_close_ulps
+
+PREFIX_PAGE0 = os.path.join(FIXTURES, "prefix_page0.safetensors")
+
+
+def run(*args):
+    return CliRunner().invoke(cli, ["sweep", *args], env={"NO_COLOR": "1", "COLUMNS": "100"})
+
+
+def strict(text: str):
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+
+
+@pytest.fixture(scope="module")
+def prefix_page0_json():
+    res = run(PREFIX_PAGE0, "--vary", "placement", "--json")
+    return res.exit_code, strict(res.output)
+
+
+def test_prefix_page0_flex_depends_on_page_0_and_nothing_else_does(prefix_page0_json):
+    code, data = prefix_page0_json
+    assert code == 1
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert list(rows)[0] == "baseline"
+    assert [c["name"] for c in data["columns"]] == ["reference", "flex"]
+    assert rows["baseline"]["cells"]["flex"]["status"] == "fail"
+    kept = [name for name in rows if "page 0 kept" in name]
+    moved = [name for name in rows if "page 0 moved" in name]
+    assert len(kept) == 2 and len(moved) == 1
+    for name in kept:  # pages permuted, page 0 still at 0: flex still masks request 1's keys there
+        assert rows[name]["cells"]["flex"]["status"] == "fail" and not rows[name]["flipped"]
+    assert rows[moved[0]]["cells"]["flex"]["status"] == "pass"
+    assert rows[moved[0]]["flipped"] == ["flex"]
+    for name in rows:  # the reference reproduces itself under every placement
+        if name != "baseline":
+            ref = rows[name]["cells"]["reference"]
+            assert ref["status"] == "pass" and ref["max_abs"] == 0.0 and not ref["flipped"]
+    summary = data["verdict"]["summary"]
+    assert summary.startswith("FAIL: baseline fails (flex); verdict flips: flex under placement: page 0 moved to")
+    assert summary.endswith("never flips: reference")
+
+
+def test_prefix_page0_table_marks_the_flip():
+    res = run(PREFIX_PAGE0, "--vary", "placement")
+    assert res.exit_code == 1, res.output
+    row = [line for line in res.output.splitlines() if "page 0 moved" in line][0]
+    assert "▶pass" in row and "FAIL" not in row
+    assert sum("▶" in line for line in res.output.splitlines() if "│" in line) == 1
+    assert "flashinfer_ts:" in res.output  # no column: it cannot run this layout, and the notes say why
+    assert res.output.rstrip().splitlines()[-1].endswith("(exit 1)")
+
+
+# --------------------------------------------------------------------------- variants by construction
+
+
+def test_relabel_moves_data_and_ids_together():
+    snap = synth_snapshot(SynthSpec(seq_lens=(40, 20), query_len=2, causal=True))
+    ids = sorted(int(p) for p in snap.page_ids.tolist())
+    mapping = dict(zip(ids, ids[::-1]))
+    moved = relabel_pages(snap, mapping)
+    assert sorted(moved.page_ids.tolist()) == ids
+    assert moved.page_ids.tolist() == sorted(moved.page_ids.tolist())  # stored in id order
+    for old in ids:  # the page renamed old -> new holds old's bytes
+        i_old = snap.page_ids.tolist().index(old)
+        i_new = moved.page_ids.tolist().index(mapping[old])
+        assert torch.equal(snap.kv_cache[i_old], moved.kv_cache[i_new])
+    table = snap.steps[0].block_table
+    assert moved.steps[0].block_table.tolist() == [[mapping.get(p, p) for p in row] for row in table.tolist()]
+    slots = snap.steps[0].slot_mapping.tolist()
+    ps = snap.page_size
+    assert moved.steps[0].slot_mapping.tolist() == [mapping[s // ps] * ps + s % ps for s in slots]
+
+
+def test_free_page_id_skips_every_used_id():
+    snap = synth_snapshot(SynthSpec(seq_lens=(40,), query_len=1, stale_tail=2, use_page_zero=True))
+    used = set(snap.page_ids.tolist()) | set(snap.steps[0].block_table.flatten().tolist())
+    free = free_page_id(snap)
+    assert free not in used and free >= 1 and all(p in used for p in range(1, free))
+
+
+def test_retyped_cache_holds_the_dequantised_values():
+    snap = synth_snapshot(SynthSpec(seq_lens=(40, 24), query_len=2, fp8=True, q_scale=0.05, k_scale=0.03,
+                                    v_scale=0.04, causal=False))
+    as_fp16 = retype_snapshot(snap, "float16", False)
+    k8, v8 = snap.kv_views()
+    k16, v16 = as_fp16.kv_views()
+    assert k16.dtype == torch.float16 and as_fp16.meta.layer.kv_cache_dtype == "auto"
+    assert_close_ulps(k16.float(), (k8.float() * 0.03).half().float())
+    assert_close_ulps(v16.float(), (v8.float() * 0.04).half().float())
+    assert as_fp16.steps[0].output is None and as_fp16.steps[0].query.dtype == torch.float16
+    back = retype_snapshot(as_fp16, "bfloat16", True, (0.05, 0.03, 0.04))
+    assert back.kv_cache.dtype == torch.uint8 and back.meta.layer.k_scale == 0.03
+    # e4m3 -> x0.03 -> fp16 -> /0.03 -> e4m3 returns the same bytes wherever fp16 held the value exactly.
+    same = (back.kv_cache == snap.kv_cache).float().mean()
+    assert same > 0.99
+
+
+def test_shorter_queries_keep_the_last_tokens_and_their_reference_rows():
+    snap = synth_snapshot(SynthSpec(seq_lens=(40, 30), query_lens=(4, 2), causal=True, engine_output="reference"))
+    short, kept = shorten_queries(snap, 1)
+    assert kept[0].tolist() == [3, 5]
+    assert short.steps[0].query_start_loc.tolist() == [0, 1, 2]
+    assert torch.equal(short.steps[0].output, snap.steps[0].output[[3, 5]])
+    result = sweep(snap, ["query-len"], ["reference"])
+    rows = {r.variant.name: r for r in result.rows}
+    # The exact output of a token depends on its own position only: dropping the others changes nothing.
+    for name in ("query-len: last 1", "query-len: last 2"):
+        assert rows[name].cells["reference"].status == "pass", rows[name].cells
+        assert rows[name].cells["captured"].status == "pass"
+
+
+class _ContiguousInstance:
+    """A broken consumer that assumes a request's pages sit at consecutive physical indices after its first."""
+
+    def __init__(self, meta, options):
+        from kvdbg.backends.reference import ReferenceInstance
+
+        self.inner = ReferenceInstance(meta, options)
+        self.impl = self.inner.impl
+        self.output_dtype = getattr(self.inner, "output_dtype", None)  # as exact as the reference it wraps
+        outer = self
+
+        class Builder:
+            def build(self, common):
+                first = common.block_table[:, :1].clamp_min(0)
+                cols = torch.arange(common.block_table.shape[1], device=first.device)
+                table = (first + cols).clamp_max(common.num_pages - 1)
+                return outer.inner.builder.build(dataclasses.replace(common, block_table=table))
+
+        self.builder = Builder()
+
+    def describe(self):
+        return self.inner.describe()
+
+
+@pytest.fixture
+def contiguous_backend(monkeypatch):
+    from kvdbg import backends
+    from kvdbg.attention import BackendSpec
+
+    module = types.ModuleType("kvdbg_test_contiguous")
+    module.BACKEND = BackendSpec(name="contiguous", engine_name="CONTIGUOUS", summary="assumes contiguous pages",
+                                 unsupported_reason=lambda meta: None, create=_ContiguousInstance)
+    monkeypatch.setitem(sys.modules, "kvdbg_test_contiguous", module)
+    monkeypatch.setitem(backends.BACKEND_MODULES, "contiguous", "kvdbg_test_contiguous")
+
+
+def test_a_placement_dependent_backend_flips_and_the_reference_never_does(contiguous_backend):
+    # Unshuffled pages: each request's pages are consecutive, so the broken backend is right as captured.
+    snap = synth_snapshot(SynthSpec(seq_lens=(70, 40), query_len=1, shuffle=False))
+    result = sweep(snap, ["placement"], ["reference", "contiguous"], required=["contiguous"])
+    base, *variants = result.rows
+    assert base.cells["contiguous"].status == "pass"
+    ran = [r for r in variants if r.variant.skipped is None]
+    assert ran and all(r.cells["contiguous"].status == "fail" and r.cells["contiguous"].flipped for r in ran)
+    assert all(r.cells["reference"].status == "pass" and not r.cells["reference"].flipped for r in ran)
+    verdict = sweep_verdict(result)
+    assert verdict.exit_code == 1 and "contiguous under placement: reversed" in verdict.summary
+    assert "never flips: reference" in verdict.summary
+
+
+def test_a_correct_snapshot_passes_every_exact_answer_knob():
+    snap = synth_snapshot(SynthSpec(seq_lens=(50, 33), query_len=2, causal=True, sliding_window=24,
+                                    engine_output="reference", backend="FLEX_ATTENTION"))
+    result = sweep(snap, ["placement", "query-len", "flex-block"], ["reference", "flex"])
+    assert [c.counted for c in result.columns] == [True, True, True]  # flex is this snapshot's own backend
+    verdict = sweep_verdict(result)
+    assert verdict.exit_code == 0, (verdict.summary, [(r.variant.name, r.cells) for r in result.rows])
+    assert not any(r.flipped for r in result.rows)
+    assert all(c.status == "pass" for r in result.rows[1:] if r.variant.skipped is None for c in r.cells.values())
+
+
+def test_knobs_that_move_the_answer_compare_with_the_variant_reference_only():
+    snap = synth_snapshot(SynthSpec(seq_lens=(60, 30), query_len=2, causal=False, sliding_window=20,
+                                    engine_output="reference"))
+    result = sweep(snap, ["window", "kv-dtype"], ["reference", "flex"])
+    rows = {r.variant.name: r for r in result.rows}
+    assert set(rows) >= {"window: none", "window: 19", "window: 21", "kv-dtype: fp16"}
+    for name, row in rows.items():
+        if name == "baseline":
+            continue
+        assert row.cells["captured"].status == "n/a"
+        assert row.cells["reference"].status == "moves"
+        # A window or an fp8 cache moves the exact answer; bf16 values re-stored as fp16 are exact (no move).
+        assert (row.cells["reference"].max_abs > 0) == (name != "kv-dtype: fp16"), name
+        assert row.cells["flex"].status == "pass"
+    assert sweep_verdict(result).exit_code == 0
+
+
+def test_rows_that_cannot_apply_say_why_and_do_not_fail():
+    snap = synth_snapshot(SynthSpec(seq_lens=(20,), query_len=1, causal=True, engine_output="reference"))
+    result = sweep(snap, ["scales", "window", "query-len", "device"], ["reference"])
+    reasons = {r.variant.knob: r.variant.skipped for r in result.rows[1:]}
+    assert "scales apply only to an FP8 cache" in reasons["scales"]
+    assert reasons["window"] == "the layer has no sliding window"
+    assert "nothing shorter" in reasons["query-len"]
+    if not torch.cuda.is_available():
+        assert reasons["device"] and next(r for r in result.rows if r.variant.knob == "device").variant.unavailable_here
+    verdict = sweep_verdict(result)
+    assert verdict.exit_code == 0 and verdict.summary.startswith("PASS")
+
+
+def test_only_the_reference_and_no_engine_output_verifies_nothing():
+    res = run(os.path.join(FIXTURES, "prefix_page0.safetensors"), "--vary", "placement", "--backend", "reference")
+    assert res.exit_code == 3, res.output
+    assert res.output.rstrip().splitlines()[-1].startswith("NOTHING VERIFIED")
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_parse_knobs_orders_and_expands():
+    assert parse_knobs("window,placement") == ["placement", "window"]
+    assert parse_knobs(None) == parse_knobs("all") and len(parse_knobs(None)) == 8
+    assert parse_knobs(["kv_dtype", "compile"]) == ["kv-dtype", "compile"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--vary", "placment"], "Error: --vary: unknown knob 'placment'; did you mean placement? (choose from: "
+                             "placement, kv-dtype, scales, window, query-len, flex-block, compile, device, all)"),
+    (["--vary", ","], "Error: --vary: give at least one knob (placement, kv-dtype, scales, window, query-len, "
+                      "flex-block, compile, device, all)"),
+    (["--vary", "window", "--step", "5"], "Error: --step 5 is out of range: the snapshot has 2 step(s)"),
+])
+def test_bad_input_is_one_line_exit_2(args, message):
+    res = run(PREFIX_PAGE0, *args)
+    assert res.exit_code == 2
+    assert res.output.strip() == message
+
+
+def test_report_includes_the_matrix_when_asked():
+    res = CliRunner().invoke(cli, ["report", PREFIX_PAGE0, "--sweep", "placement"], env={"NO_COLOR": "1"})
+    assert res.exit_code == 1, res.output
+    assert "## Sweep: placement" in res.output
+    assert "| variant | reference | flex |" in res.output
+    assert "**▶pass" in res.output and "**Sweep verdict:** FAIL" in res.output
+    bad = CliRunner().invoke(cli, ["report", PREFIX_PAGE0, "--sweep", "windw"])
+    assert bad.exit_code == 2 and "did you mean window?" in bad.output
+
+
+def test_progress_stays_off_a_pipe(tmp_path):
+    res = CliRunner().invoke(cli, ["sweep", PREFIX_PAGE0, "--vary", "placement", "--backend", "flex", "--json"])
+    strict(res.output)  # nothing but the JSON on stdout
+
+
+def test_sweep_never_writes_the_snapshot():
+    snap = load_snapshot(PREFIX_PAGE0)
+    before = snap.kv_cache.clone()
+    sweep(snap, ["placement", "kv-dtype"], ["reference", "flex"])
+    assert torch.equal(before, snap.kv_cache)
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+def test_matrix_reads_whole_at_common_widths(width):
+    res = CliRunner().invoke(cli, ["sweep", PREFIX_PAGE0, "--vary", "placement"],
+                             env={"NO_COLOR": "1", "COLUMNS": str(width)})
+    assert res.exit_code == 1
+    assert all(len(line) <= width for line in res.output.splitlines())
+    assert "hidden at" not in res.output  # variant, reference and flex always fit
+    assert "▶pass 2.6e-03" in res.output
