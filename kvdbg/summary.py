@@ -70,7 +70,7 @@ class InfoSummary:
     def overhead_bytes(self) -> int:
         return self.file_size - self.referenced_page_bytes
 
-    def to_json_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["overhead_bytes"] = self.overhead_bytes
         return out

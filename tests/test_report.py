@@ -94,12 +94,15 @@ def test_failing_snapshot_report_tables_digest_and_exit_1(make_snapshot, tmp_pat
     assert flex["engine name"] == "FLEX_ATTENTION" and flex["status"] == "ran"
     assert flex["vs reference"] == "FAIL (16 of 48 heads)"  # request 1's 8 heads on both steps
     assert flex["worst heads"].count("req 1 head") == 3
-    assert flex["findings"] == "null_page_masked ×2"
+    assert flex["findings"] == "live_page_zero ×2"
     assert "flex_attention (eager)" in flex["what ran"]
 
-    findings = table_with(doc, ["severity", "backend", "step", "request", "code", "message"])
-    assert [r[:5] for r in findings["rows"]] == [["error", "flex", "0", "1", "null_page_masked"],
-                                                 ["error", "flex", "1", "1", "null_page_masked"]]
+    # flex's two findings are the map's two anomalies (one code per condition): listed once, under the map.
+    assert not [t for t in doc["tables"] if t["headers"] == ["severity", "backend", "step", "request", "code",
+                                                                "message"]]
+    assert "2 finding(s) of the replay (flex: live\\_page\\_zero) are the map anomalies listed above" \
+        in out.read_text()
+    assert "What it means and what to do: `kvdbg explain live_page_zero`." in out.read_text()
     (fence,) = doc["fences"]
     name = os.path.basename(path)
     assert fence.splitlines() == [f"echo '{digest}  {name}' | sha256sum -c -", f"kvdbg replay {name} --backend flex"]
@@ -155,7 +158,7 @@ def test_svg_images_are_valid_and_output_refuses_overwrite(make_snapshot, tmp_pa
         root = ET.parse(svg / f"{stem}.svg").getroot()
         assert root.tag == "{http://www.w3.org/2000/svg}svg"
         assert len(list(root.iter("{http://www.w3.org/2000/svg}text"))) > 10
-    assert "null_page_masked" in (svg / "replay.svg").read_text().replace("&#160;", " ")
+    assert "live_page_zero" in (svg / "replay.svg").read_text().replace("&#160;", " ")
     before = out.read_text()
     res = invoke(path, "--backend", "flex", "-o", str(out))
     assert res.exit_code == 2
