@@ -63,6 +63,7 @@ class Code:
     contexts: tuple[Context, ...] = ()
     rule: str = ""  # prims_ts preconditions: the rule the wrapper checks ...
     source: str = ""  # ... and where (flashinfer-python's BatchDecodePagedTSWrapper validation)
+    formerly: tuple[str, ...] = ()  # names earlier kvdbg releases gave this condition (explain still knows them)
 
     def severity_in(self, context: str | None) -> str:
         """The severity of this code in ``context`` (None for a code with one severity)."""
@@ -101,6 +102,8 @@ class Code:
                                "reported_by": self.reported_by}
         if self.rule:
             out["rule"], out["source"] = self.rule, self.source
+        if self.formerly:
+            out["formerly"] = list(self.formerly)
         return out
 
 
@@ -117,11 +120,13 @@ class UnknownCode(KeyError):
         return f"unknown finding code {self.name!r}{hint} (kvdbg explain lists them all)"
 
 
-def lookup(name: str) -> Code:
-    try:
+def lookup(name: str, *, former: bool = False) -> Code:
+    """The registered code ``name``; with ``former``, also a name an earlier release used for it."""
+    if name in CODES:
         return CODES[name]
-    except KeyError:
-        raise UnknownCode(name) from None
+    if former and name in FORMER_NAMES:
+        return CODES[FORMER_NAMES[name]]
+    raise UnknownCode(name)
 
 
 def explain_command(codes) -> str:
@@ -210,7 +215,8 @@ _ALL = [
          action=("For an error, find who wrote the entry: `kvdbg map SNAP --step S --request R` shows the table; "
                  "suspect the block allocator, a prefix-cache hit that returned a freed block, or a capture taken "
                  "before the table was filled. A note needs nothing."),
-         reported_by="map, info --check, replay (flex), report", contexts=_HIDES),
+         reported_by="map, info --check, replay (flex), report", contexts=_HIDES,
+         formerly=("null_page_masked", "null_block_outside_window")),
     Code("page_mapped_twice", "paging", "one physical page sits at several logical blocks of one request",
          means=("One engine page is listed at two or more live logical blocks of the same request. "
                 "FLEX_ATTENTION's physical->logical map keeps one logical block per physical page (the last), so "
@@ -220,7 +226,8 @@ _ALL = [
                 "handed out again, which vLLM's block pool does by design."),
          action=("For an error, the block table aliases one page: look for a double free or a block handed out "
                  "twice (`kvdbg map SNAP --request R` shows both positions). A note needs nothing."),
-         reported_by="map, info --check, replay (flex), report", contexts=_HIDES),
+         reported_by="map, info --check, replay (flex), report", contexts=_HIDES,
+         formerly=("page_reused_outside_window",)),
     Code("stale_tail_aliases_live", "paging", "stale block-table entries repeat a live page of the request",
          means=("Entries past the request's live pages (past cdiv(seq_len, page_size)) are not zero and repeat "
                 "one of its live pages. Current vLLM ignores entries past the live ones; a consumer that maps the "
@@ -430,7 +437,9 @@ _ALL = [
 ]
 
 CODES: dict[str, Code] = {c.name: c for c in _ALL}
+FORMER_NAMES: dict[str, str] = {old: c.name for c in _ALL for old in c.formerly}
 assert len(CODES) == len(_ALL), "a finding code is registered twice"
+assert not set(FORMER_NAMES) & set(CODES), "a former name is a code again"
 TOPICS = ("paging", "inputs", "replay", "flex", "flashinfer_ts", "prims_ts")
 
 
@@ -457,6 +466,8 @@ def markdown() -> str:
                   f"Reported by: {c.reported_by}.", ""]
         if c.rule:
             lines += [f"Kernel rule: {c.rule} (flashinfer-python, {c.source}).", ""]
+        if c.formerly:
+            lines += [f"Formerly reported as {', '.join(f'`{n}`' for n in c.formerly)}.", ""]
         lines += [f"- **What it means.** {c.means}", f"- **When it fires.** {c.fires}",
                   f"- **What to do.** {c.action}"]
     return "\n".join(lines) + "\n"

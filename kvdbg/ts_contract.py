@@ -199,14 +199,14 @@ def check_heads(num_qo_heads: int, num_kv_heads: int) -> list[Finding]:
     """GQA geometry (``_validate_head_geometry``): Hq a multiple of Hkv, and ``1 <= Hq/Hkv <= 128``."""
     if num_kv_heads <= 0 or num_qo_heads <= 0 or num_qo_heads % num_kv_heads:
         return [_broken("heads_not_divisible",
-                          f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}",
-                          details={"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads})]
+                        f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}",
+                        details={"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads})]
     ratio = num_qo_heads // num_kv_heads
     if ratio > MAX_HEAD_RATIO:
         return [_broken("head_ratio_unsupported",
-                          f"Hq/Hkv = {num_qo_heads}/{num_kv_heads} = {ratio} exceeds prims_ts's limit of "
-                          f"{MAX_HEAD_RATIO} query heads per KV head",
-                          details={"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "ratio": ratio})]
+                        f"Hq/Hkv = {num_qo_heads}/{num_kv_heads} = {ratio} exceeds prims_ts's limit of "
+                        f"{MAX_HEAD_RATIO} query heads per KV head",
+                        details={"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "ratio": ratio})]
     return []
 
 
@@ -230,28 +230,28 @@ def check_kv_view(
     """
     if len(shape) != 4 or len(strides) != 4:
         return [_broken("kv_view_shape", f"{name} view has shape {list(shape)}, expected rank 4 "
-                          "[pages, Hkv, page_size, head_dim]", details={"shape": list(shape)})]
+                        "[pages, Hkv, page_size, head_dim]", details={"shape": list(shape)})]
     out = []
     page_stride, head_stride, token_stride, dim_stride = strides
     if dim_stride != 1:
         out.append(_broken("kv_head_dim_not_contiguous",
-                             f"{name} view has head_dim stride {dim_stride}; the kernel needs stride 1",
-                             details={"strides": list(strides)}))
+                           f"{name} view has head_dim stride {dim_stride}; the kernel needs stride 1",
+                           details={"strides": list(strides)}))
     named = (("page", page_stride), ("head", head_stride), ("token", token_stride))
     bad = [n for n, st in named if st <= 0]
     if bad:
         out.append(_broken("kv_stride_not_positive",
-                             f"{name} view has non-positive {'/'.join(bad)} stride(s) {list(strides)}",
-                             details={"strides": list(strides)}))
+                           f"{name} view has non-positive {'/'.join(bad)} stride(s) {list(strides)}",
+                           details={"strides": list(strides)}))
     misaligned = [f"{n} {st * element_size} bytes" for n, st in named if st > 0 and st * element_size % 16]
     if misaligned:
         out.append(_broken("kv_stride_misaligned",
-                             f"{name} view strides are not 16-byte multiples for TMA: {', '.join(misaligned)}",
-                             details={"strides": list(strides), "element_size": element_size}))
+                           f"{name} view strides are not 16-byte multiples for TMA: {', '.join(misaligned)}",
+                           details={"strides": list(strides), "element_size": element_size}))
     if data_ptr is not None and data_ptr % 16:
         out.append(_broken("kv_base_misaligned",
-                             f"{name} view starts at an address {data_ptr % 16} bytes past a 16-byte boundary",
-                             details={"offset_mod_16": data_ptr % 16}))
+                           f"{name} view starts at an address {data_ptr % 16} bytes past a 16-byte boundary",
+                           details={"offset_mod_16": data_ptr % 16}))
     pages, heads, tokens, dims = shape
     span = 1
     for stride, extent, dim in sorted(((1, dims, "head_dim"), (token_stride, tokens, "token"),
@@ -260,9 +260,9 @@ def check_kv_view(
             continue
         if stride < span:
             out.append(_broken("kv_dims_overlap",
-                                 f"{name} view's {dim} dimension (stride {stride}) overlaps the {span} elements "
-                                 "its smaller dimensions span", details={"strides": list(strides),
-                                                                         "shape": list(shape)}))
+                               f"{name} view's {dim} dimension (stride {stride}) overlaps the {span} elements "
+                               "its smaller dimensions span", details={"strides": list(strides),
+                                                                       "shape": list(shape)}))
             break
         span += (extent - 1) * stride
     return out
@@ -273,11 +273,11 @@ def check_kv_views(k: dict[str, Any], v: dict[str, Any], head_dim: int) -> list[
     out = []
     if tuple(k["shape"]) != tuple(v["shape"]):
         out.append(_broken("kv_view_shape", f"K view shape {list(k['shape'])} differs from V view shape "
-                             f"{list(v['shape'])}", details={"k": list(k["shape"]), "v": list(v["shape"])}))
+                           f"{list(v['shape'])}", details={"k": list(k["shape"]), "v": list(v["shape"])}))
     for name, view in (("K", k), ("V", v)):
         if len(view["shape"]) == 4 and view["shape"][-1] != head_dim:
             out.append(_broken("kv_view_shape", f"{name} view has head_dim {view['shape'][-1]}, the plan "
-                                 f"{head_dim}", details={"shape": list(view["shape"])}))
+                               f"{head_dim}", details={"shape": list(view["shape"])}))
         out += check_kv_view(name, tuple(view["shape"]), tuple(view["strides"]), view["element_size"],
                              view.get("data_ptr"))
     return out
@@ -299,14 +299,14 @@ def check_plan(
     out = []
     if head_dim is not None and head_dim not in api.head_dims:
         out.append(_broken("head_dim_unsupported",
-                             f"head_dim {head_dim} is not supported by prims_ts (the {api.label} needs one of "
-                             f"{', '.join(map(str, api.head_dims))})", details={"head_dim": head_dim}))
+                           f"head_dim {head_dim} is not supported by prims_ts (the {api.label} needs one of "
+                           f"{', '.join(map(str, api.head_dims))})", details={"head_dim": head_dim}))
     if num_qo_heads is not None and num_kv_heads is not None:
         out += check_heads(num_qo_heads, num_kv_heads)
     if page_size not in PAGE_SIZES:
         out.append(_broken("page_size_unsupported",
-                             f"page_size {page_size} is not supported by prims_ts (needs one of "
-                             f"{', '.join(map(str, PAGE_SIZES))})", details={"page_size": page_size}))
+                           f"page_size {page_size} is not supported by prims_ts (needs one of "
+                           f"{', '.join(map(str, PAGE_SIZES))})", details={"page_size": page_size}))
     known = {}
     for role, name in (("q", q_dtype), ("kv", kv_dtype)):
         if name is None:
@@ -314,23 +314,23 @@ def check_plan(
         canon = canonical_dtype(name)
         if canon is None:
             out.append(_broken("q_dtype_unsupported" if role == "q" else "kv_dtype_unsupported",
-                                 f"{role} dtype {name} is not supported by prims_ts (needs float16, bfloat16 "
-                                 "or float8_e4m3fn)", details={f"{role}_dtype": name}))
+                               f"{role} dtype {name} is not supported by prims_ts (needs float16, bfloat16 "
+                               "or float8_e4m3fn)", details={f"{role}_dtype": name}))
         else:
             known[role] = canon
     if len(known) == 2 and known["q"] != known["kv"]:
         out.append(_broken("dtype_mismatch",
-                             f"q dtype {known['q']} differs from kv dtype {known['kv']}; prims_ts needs them equal",
-                             details={"q_dtype": known["q"], "kv_dtype": known["kv"]}))
+                           f"q dtype {known['q']} differs from kv dtype {known['kv']}; prims_ts needs them equal",
+                           details={"q_dtype": known["q"], "kv_dtype": known["kv"]}))
     if mask_type not in MASK_TYPES:
         out.append(_broken("mask_type_unknown",
-                             f"mask_type {mask_type!r} is not one of {', '.join(MASK_TYPES)}",
-                             details={"mask_type": mask_type}))
+                           f"mask_type {mask_type!r} is not one of {', '.join(MASK_TYPES)}",
+                           details={"mask_type": mask_type}))
     if window_left < -1:
         out.append(_broken("window_left_invalid", f"window_left {window_left} must be -1 (no window) or >= 0",
-                             details={"window_left": window_left}))
+                           details={"window_left": window_left}))
     elif window_left >= 0 and mask_type != "causal":
         out.append(_broken("window_needs_causal",
-                             f"window_left {window_left} needs mask_type causal, got {mask_type}",
-                             details={"window_left": window_left, "mask_type": mask_type}))
+                           f"window_left {window_left} needs mask_type causal, got {mask_type}",
+                           details={"window_left": window_left, "mask_type": mask_type}))
     return out

@@ -35,7 +35,7 @@ def explain(code: str | None, as_json: bool) -> None:
         console().print(render_codes())
         return
     try:
-        entry = lookup(code.strip())
+        entry = lookup(code.strip(), former=True)
     except UnknownCode as exc:
         raise OptionError(str(exc)) from None
     if as_json:
@@ -43,4 +43,4 @@ def explain(code: str | None, as_json: bool) -> None:
         return
     from kvdbg.render.explain import render_code
 
-    console().print(render_code(entry))
+    console().print(render_code(entry, asked=code.strip()))

@@ -18,9 +18,13 @@ def _severity(code: Code) -> Text:
     return text
 
 
-def render_code(code: Code) -> Group:
-    """One code: its title, severity rule, who reports it, and what it means, when it fires, what to do."""
-    parts = [Text.assemble((code.name, "bold"), f": {code.title}"),
+def render_code(code: Code, asked: str | None = None) -> Group:
+    """One code: its title, severity rule, who reports it, and what it means, when it fires, what to do.
+
+    ``asked``: the name the user gave, when it is a former name of ``code``.
+    """
+    parts = [Text(f"{asked} is now reported as {code.name}", style="yellow")] if asked and asked != code.name else []
+    parts += [Text.assemble((code.name, "bold"), f": {code.title}"),
              Text.assemble(("severity: ", "dim"), *_rule(code)),
              Text.assemble(("reported by: ", "dim"), code.reported_by)]
     if code.rule:
