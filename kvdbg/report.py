@@ -265,14 +265,14 @@ def build_report(snapshot: "str | os.PathLike | Snapshot", backends: Sequence[st
     from kvdbg.pagemap import page_map
     from kvdbg.replay import replay
     from kvdbg.snapshot import Snapshot, load_snapshot
-    from kvdbg.summary import summarize_header
+    from kvdbg.summary import summarize_snapshot
 
     snap = snapshot if isinstance(snapshot, Snapshot) else load_snapshot(snapshot)
     if snap.path is None or snap.header is None or snap.header.meta is not snap.meta:
         raise OptionError("report: the snapshot must be one load_snapshot read from a file (its header, digest "
                           "and contents are reported); save it first (kvdbg.snapshot.save_snapshot)")
     path = snap.path
-    summary = summarize_header(snap.header)
+    summary = summarize_snapshot(snap)
     names = list(dict.fromkeys(backends)) if backends else list(DEFAULT_ORDER)
     if "reference" not in names:
         names.insert(0, "reference")
