@@ -12,7 +12,7 @@ that breaks one is undefined, and that is usually the bug being chased.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
@@ -32,7 +32,6 @@ from kvdbg.ts_contract import (
     STRICTEST,
     SUPPORTED_CAPABILITIES,
     ApiGeneration,
-    Violation,
     api_for_version,
     check_kv_views,
     check_plan,
@@ -242,7 +241,7 @@ def unsupported_reason(meta: "SnapshotMeta", api: ApiGeneration | None = None) -
     return None
 
 
-def _plan_violations(meta: "SnapshotMeta", api: ApiGeneration) -> list[Violation]:
+def _plan_violations(meta: "SnapshotMeta", api: ApiGeneration) -> list[Finding]:
     layer = meta.layer
     kv_dtype = "float8_e4m3fn" if layer.is_fp8 else layer.dtype
     return check_plan(head_dim=layer.head_size, num_qo_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
@@ -592,7 +591,7 @@ def _view_record(t: "torch.Tensor", base: "torch.Tensor | None") -> dict[str, An
 
 
 def view_violations(k: "torch.Tensor", v: "torch.Tensor", head_size: int,
-                    base: "torch.Tensor | None" = None) -> list[Violation]:
+                    base: "torch.Tensor | None" = None) -> list[Finding]:
     """What ``_validate_native_hnd_tma_strides`` checks of the K/V views (see ``ts_contract.check_kv_view``).
 
     ``base``: the page tensor the views were cut from; addresses are then taken relative to it.
@@ -798,13 +797,13 @@ class FlashInferTSInstance:
 
     # ------------------------------------------------------------------ findings
 
-    def _finding(self, common: CommonMetadata, code: str, message: str, severity: str = "error",
-                 request: int | None = None, details: dict | None = None) -> Finding:
-        return Finding(backend=NAME, code=code, message=message, severity=severity, step=common.step,
-                       request=request, details=details or {})
+    def _finding(self, common: CommonMetadata, code: str, message: str, request: int | None = None,
+                 details: dict | None = None) -> Finding:
+        return Finding(backend=NAME, code=code, message=message, step=common.step, request=request,
+                       details=details or {})
 
-    def _from_violations(self, common: CommonMetadata, violations: list[Violation]) -> list[Finding]:
-        return [self._finding(common, v.code, v.message, "error", v.request, dict(v.details)) for v in violations]
+    def _from_violations(self, common: CommonMetadata, violations: list[Finding]) -> list[Finding]:
+        return [replace(v, step=common.step) for v in violations]
 
     def not_applicable(self, common: CommonMetadata, md: FlashInferTSMetadata) -> str | None:
         """Why this step is not a batch FLASHINFER_TS runs, or None.
@@ -872,7 +871,7 @@ class FlashInferTSInstance:
             return found
         found += self._query_block_findings(common, md)
         if md.query_len == 1:
-            found.append(self._finding(common, "q_rank_sq1_unverified", SQ1_RANK_NOTE, severity="info",
+            found.append(self._finding(common, "q_rank_sq1_unverified", SQ1_RANK_NOTE,
                                        details={"q_shape": [md.num_reqs, 1, self.meta.layer.num_heads,
                                                             self.meta.layer.head_size]}))
         found += self._request_findings(common, md)
@@ -934,7 +933,7 @@ class FlashInferTSInstance:
                     common, "inactive_request",
                     f"request {r}: seq_len {length} <= 0 marks an inactive request in the {api.label}: the "
                     "kernel leaves its output untouched, so none of its tokens is computed",
-                    severity="warning", request=r, details={"seq_len": length}))
+                    request=r, details={"seq_len": length}))
                 continue
             live = table[r, : min(cdiv(length, ps), width)]
             bad = ((live < 0) | (live >= common.num_pages)).nonzero().flatten().tolist()
@@ -961,7 +960,7 @@ class FlashInferTSInstance:
                         f"of {len(vis.tokens)} query tokens see keys outside their exact window |p - k| < "
                         f"{self.builder.sliding_window}; worst token {worst.index} (position {worst.position}) sees "
                         f"keys {worst.kernel_lo}..{worst.kernel_hi - 1} instead of {worst.exact_lo}.."
-                        f"{worst.exact_hi - 1} ({worst.extra} extra)", severity="warning", request=r,
+                        f"{worst.exact_hi - 1} ({worst.extra} extra)", request=r,
                         details={"first_kept_token": start_pages[r] * ps, "worst_extra": vis.worst_extra,
                                  "drift": vis.drift, "extra_per_token": [t.extra for t in vis.tokens]}))
         return found

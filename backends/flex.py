@@ -471,7 +471,7 @@ class FlexInstance:
     def findings(self, common: CommonMetadata, md: FlexMetadata) -> list[Finding]:
         import torch
 
-        from kvdbg.pagemap import hazard_message, paging_hazards
+        from kvdbg.pagemap import hazard_finding, paging_hazards
         from kvdbg.snapshot import live_mask
 
         out: list[Finding] = []
@@ -481,24 +481,18 @@ class FlexInstance:
         engine_cpu, live_cpu = engine.cpu(), live.cpu()
         seq_lens = common.seq_lens.cpu().tolist()
         query_lens = common.query_lens.cpu().tolist()
-        codes = {("null_block", True): "null_page_masked", ("null_block", False): "null_block_outside_window",
-                 ("aliased", True): "page_mapped_twice", ("aliased", False): "page_reused_outside_window"}
         for r in range(common.num_reqs):
             live_ids = engine_cpu[r][live_cpu[r]].tolist()
             for h in paging_hazards(live_ids, seq_lens[r], query_lens[r], ps, common.sliding_window):
-                out.append(Finding(
-                    backend="flex", code=codes[(h.kind, h.hidden_keys > 0)], severity=h.severity,
-                    step=common.step, request=r, message=hazard_message(r, h, ps, seq_lens[r]),
-                    details={"page": h.page, "logical_blocks": list(h.blocks), "masked_blocks": list(h.dropped),
-                             "kept": h.kept, "hidden_keys": h.hidden_keys, "first_visible_key": h.first_visible}))
+                out.append(hazard_finding(r, h, ps, seq_lens[r], backend="flex", step=common.step))
         if common.page_size % VLLM_KERNEL_BLOCK_MULTIPLE:
             out.append(Finding(
-                backend="flex", code="page_size_unsupported", severity="warning", step=common.step,
+                backend="flex", code="page_size_unsupported", context="flex", step=common.step,
                 message=(f"page_size {common.page_size} is not a multiple of {VLLM_KERNEL_BLOCK_MULTIPLE}, "
                          f"which vLLM's FLEX_ATTENTION requires; torch flex runs it here anyway")))
         if self.meta.layer.is_fp8:
             out.append(Finding(
-                backend="flex", code="fp8_dequantised", severity="warning", step=common.step,
+                backend="flex", code="fp8_dequantised", step=common.step,
                 message="FP8 KV cache: vLLM's FLEX_ATTENTION refuses quantized caches; replayed on dequantised "
                         "values, so this column shows what flex would compute, not what vLLM runs"))
         return out

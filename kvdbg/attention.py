@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from kvdbg.findings import Finding  # what a backend's findings() returns (codes from kvdbg.findings.CODES)
+
 if TYPE_CHECKING:  # torch stays out of module import time
     import torch
 
@@ -70,19 +72,6 @@ class ReplayOptions:
 
 
 @dataclass
-class Finding:
-    """Something a user must know: a kernel precondition violated, a silently masked page, ..."""
-
-    backend: str
-    code: str  # short stable identifier, e.g. "seq_len_exceeds_max_kv_len"
-    message: str  # one line with the numbers
-    severity: str = "error"  # "error" fails replay (exit 1); "warning" and "info" do not
-    step: int | None = None
-    request: int | None = None
-    details: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
 class RunInfo:
     """What really ran, shown in every table and JSON record. Never pretend."""
 
@@ -93,6 +82,10 @@ class RunInfo:
     emulated: bool = False
     compiled: bool = False
     notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kernel": self.kernel, "device": self.device, "dtype": self.dtype, "emulated": self.emulated,
+                "compiled": self.compiled, "notes": list(self.notes)}
 
 
 class BackendInstance(Protocol):

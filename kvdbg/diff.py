@@ -95,7 +95,7 @@ class HeadDiff:
     failing: int  # elements outside the tolerance, plus every non-finite or unwritten one
     passed: bool
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {k: (None if isinstance(v, float) and v != v else v) for k, v in asdict(self).items()}
 
 
@@ -135,7 +135,7 @@ class Comparison:
                 "unwritten": sum(h.unwritten for h in self.heads),
                 "expected_nonfinite": sum(h.expected_nonfinite for h in self.heads)}
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         max_abs = self.max_abs
         return {
             "actual": self.actual, "expected": self.expected, "step": self.step,
@@ -143,7 +143,7 @@ class Comparison:
                           "rule": self.tolerance.rule},
             "passed": self.passed, "failed_heads": len(self.failed), "heads_compared": len(self.heads),
             "max_abs": None if max_abs != max_abs else max_abs, "nonfinite": self.nonfinite, **self.counts(),
-            "heads": [h.to_json_dict() for h in self.heads],
+            "heads": [h.to_json() for h in self.heads],
         }
 
 

@@ -1,4 +1,4 @@
-"""Block tables of a snapshot step, the physical->logical map FLEX_ATTENTION derives, and page anomalies.
+"""Block tables of a snapshot step, the physical->logical map FLEX_ATTENTION derives, and paging findings.
 
 The physical->logical map follows current vLLM (v0.33): block-table entries
 at or beyond ``cdiv(seq_len, page_size)`` are ignored, physical page 0 is
@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvdbg.errors import OptionError
+from kvdbg.findings import Finding, by_severity
 from kvdbg.paging import cdiv, first_visible_key
 
 if TYPE_CHECKING:
@@ -24,28 +25,12 @@ if TYPE_CHECKING:
 
     from kvdbg.snapshot import Snapshot
 
-__all__ = ["Anomaly", "PhysicalEntry", "RequestMap", "PageMap", "LivePageValues", "PagingHazard", "find_anomalies",
-           "live_page_values", "value_anomalies", "page_map", "paging_hazards", "SEVERITIES"]
+__all__ = ["PhysicalEntry", "RequestMap", "PageMap", "LivePageValues", "PagingHazard", "find_anomalies",
+           "hazard_finding", "live_page_values", "value_anomalies", "page_map", "paging_hazards"]
 
-SEVERITIES = ("error", "warning", "info")
 NULL_PAGE = 0
 # Float32 bytes of K+V one chunk of pages may expand to while being scanned.
 SCAN_BUDGET_BYTES = 32 * 1024 * 1024
-
-
-@dataclass
-class Anomaly:
-    """Something odd in a step's paging. ``error`` means a backend computes the wrong thing."""
-
-    code: str
-    severity: str  # "error" | "warning" | "info"
-    request: int | None  # None when it concerns several requests
-    message: str
-    pages: list[int] = field(default_factory=list)  # engine page ids involved
-    requests: list[int] = field(default_factory=list)  # every request involved
-
-    def to_json_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -76,14 +61,15 @@ class PageMap:
     stored_pages: int
     num_reqs: int
     requests: list[RequestMap]
-    anomalies: list[Anomaly]
+    anomalies: list[Finding]  # paging findings of the step, errors first
 
     @property
     def errors(self) -> int:
         return sum(a.severity == "error" for a in self.anomalies)
 
-    def to_json_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "anomalies"}
+        out["anomalies"] = [a.to_json() for a in self.anomalies]
         out["errors"] = self.errors
         return out
 
@@ -129,8 +115,13 @@ class PagingHazard:
     first_visible: int  # earliest key any query token of the request sees
 
     @property
-    def severity(self) -> str:
-        return "error" if self.hidden_keys else "info"
+    def code(self) -> str:
+        return "live_page_zero" if self.kind == "null_block" else "page_mapped_twice"
+
+    @property
+    def context(self) -> str:
+        """The case of the code's severity rule: error when it hides keys, a note before the window."""
+        return "hides_keys" if self.hidden_keys else "before_window"
 
 
 def paging_hazards(live: list[int], seq_len: int, query_len: int, page_size: int,
@@ -180,27 +171,30 @@ def hazard_message(r: int, h: PagingHazard, page_size: int, seq_len: int) -> str
             "window, was freed and handed out again (vLLM's block pool reuses freed blocks); nothing is hidden")
 
 
-HAZARD_CODES = {  # (kind, hides keys) -> map's code
-    ("null_block", True): "live_page_zero",
-    ("null_block", False): "null_block_outside_window",
-    ("aliased", True): "page_mapped_twice",
-    ("aliased", False): "page_reused_outside_window",
-}
+def hazard_finding(r: int, h: PagingHazard, page_size: int, seq_len: int, *, backend: str,
+                   step: int | None) -> Finding:
+    """The finding for one paging hazard, as `kvdbg map` and the flex backend both report it."""
+    return Finding(code=h.code, context=h.context, message=hazard_message(r, h, page_size, seq_len),
+                   backend=backend, step=step, request=r, pages=[h.page],
+                   details={"page": h.page, "logical_blocks": list(h.blocks), "masked_blocks": list(h.dropped),
+                            "kept": h.kept, "hidden_keys": h.hidden_keys, "first_visible_key": h.first_visible})
 
 
-def find_anomalies(snapshot: "Snapshot", step: int = 0) -> list[Anomaly]:
-    """Every paging anomaly of one step, errors first."""
+MAP = "map"  # the findings' source
+
+
+def find_anomalies(snapshot: "Snapshot", step: int = 0) -> list[Finding]:
+    """Every paging finding of one step, errors first."""
     table, seq_lens, query_lens = _rows(snapshot, step)
     ps = snapshot.page_size
     window = snapshot.meta.layer.sliding_window
-    out: list[Anomaly] = []
+    out: list[Finding] = []
     users: dict[int, list[int]] = defaultdict(list)  # physical -> requests reading it
     for r, (row, length) in enumerate(zip(table, seq_lens)):
         live_count = cdiv(length, ps)
         live, stale = row[:live_count], row[live_count:]
         for h in paging_hazards(live, length, query_lens[r], ps, window):
-            out.append(Anomaly(HAZARD_CODES[(h.kind, h.hidden_keys > 0)], h.severity, r,
-                               hazard_message(r, h, ps, length), pages=[h.page], requests=[r]))
+            out.append(hazard_finding(r, h, ps, length, backend=MAP, step=step))
         positions = set(live)
         for physical in positions:
             users[physical].append(r)
@@ -210,18 +204,18 @@ def find_anomalies(snapshot: "Snapshot", step: int = 0) -> list[Anomaly]:
             if aliasing:
                 # The seed-era map scattered every column, so a stale copy of a
                 # live page overwrote that page's logical index.
-                out.append(Anomaly(
-                    "stale_tail_aliases_live", "warning", r,
-                    f"request {r}: {len(stale_nonzero)} stale non-zero entries past its {live_count} live pages, "
-                    f"repeating live page(s) {', '.join(map(str, aliasing))}; a consumer that reads the whole "
-                    "row (seed-era FLEX_ATTENTION) remaps them",
-                    pages=aliasing, requests=[r]))
+                out.append(Finding(
+                    code="stale_tail_aliases_live", backend=MAP, step=step, request=r,
+                    message=f"request {r}: {len(stale_nonzero)} stale non-zero entries past its {live_count} live "
+                            f"pages, repeating live page(s) {', '.join(map(str, aliasing))}; a consumer that reads "
+                            "the whole row (seed-era FLEX_ATTENTION) remaps them",
+                    pages=aliasing))
             else:
-                out.append(Anomaly(
-                    "stale_tail", "info", r,
-                    f"request {r}: {len(stale_nonzero)} stale non-zero entries past its {live_count} live pages "
-                    "(ignored by current vLLM)",
-                    pages=sorted(set(stale_nonzero)), requests=[r]))
+                out.append(Finding(
+                    code="stale_tail", backend=MAP, step=step, request=r,
+                    message=f"request {r}: {len(stale_nonzero)} stale non-zero entries past its {live_count} live "
+                            "pages (ignored by current vLLM)",
+                    pages=sorted(set(stale_nonzero))))
 
     by_group: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for physical, reqs in users.items():
@@ -229,24 +223,22 @@ def find_anomalies(snapshot: "Snapshot", step: int = 0) -> list[Anomaly]:
             by_group[tuple(reqs)].append(physical)
     for reqs, pages in sorted(by_group.items()):
         pages.sort()
-        out.append(Anomaly(
-            "shared_pages", "info", None,
-            f"{len(pages)} page(s) ({_short(pages)}) shared by requests {', '.join(map(str, reqs))} "
-            "(prefix sharing)",
+        out.append(Finding(
+            code="shared_pages", backend=MAP, step=step,
+            message=f"{len(pages)} page(s) ({_short(pages)}) shared by requests {', '.join(map(str, reqs))} "
+                    "(prefix sharing)",
             pages=pages, requests=list(reqs)))
 
-    out.extend(value_anomalies(live_page_values(snapshot, step, _cache_at(snapshot, step))))
+    out.extend(value_anomalies(live_page_values(snapshot, step, _cache_at(snapshot, step)), backend=MAP, step=step))
 
     referenced = set(users)
     unreferenced = sorted(int(p) for p in snapshot.page_ids.tolist() if int(p) not in referenced)
     if unreferenced:
-        out.append(Anomaly(
-            "unreferenced_pages", "info", None,
-            f"{len(unreferenced)} stored page(s) ({_short(unreferenced)}) are not live in step {step}",
-            pages=unreferenced, requests=[]))
-    rank = {s: i for i, s in enumerate(SEVERITIES)}
-    out.sort(key=lambda a: rank[a.severity])
-    return out
+        out.append(Finding(
+            code="unreferenced_pages", backend=MAP, step=step,
+            message=f"{len(unreferenced)} stored page(s) ({_short(unreferenced)}) are not live in step {step}",
+            pages=unreferenced))
+    return by_severity(out)
 
 
 @dataclass
@@ -329,18 +321,19 @@ def live_page_values(snapshot: "Snapshot", step: int, cache: "torch.Tensor | Non
     return out
 
 
-def value_anomalies(values: LivePageValues) -> list[Anomaly]:
+def value_anomalies(values: LivePageValues, *, backend: str, step: int | None) -> list[Finding]:
+    """NaN/Inf and all-zero live pages as findings (``backend``: who looked, "map" or "replay")."""
     out = []
     for r, pages in sorted(values.nonfinite.items()):
-        out.append(Anomaly(
-            "nonfinite_kv", "error", r,
-            f"request {r}: live page(s) {_short(pages)} hold NaN or Inf in K or V; attention over them "
-            "yields NaN", pages=pages, requests=[r]))
+        out.append(Finding(
+            code="nonfinite_kv", backend=backend, step=step, request=r, pages=pages, details={"pages": pages},
+            message=f"request {r}: live page(s) {_short(pages)} hold NaN or Inf in K or V; attention over them "
+                    "yields NaN"))
     for r, pages in sorted(values.zero.items()):
-        out.append(Anomaly(
-            "zero_page", "warning", r,
-            f"request {r}: live page(s) {_short(pages)} are all zeros over the request's tokens "
-            "(never written, or wiped)", pages=pages, requests=[r]))
+        out.append(Finding(
+            code="zero_page", backend=backend, step=step, request=r, pages=pages, details={"pages": pages},
+            message=f"request {r}: live page(s) {_short(pages)} are all zeros over the request's tokens "
+                    "(never written, or wiped)"))
     return out
 
 
@@ -362,7 +355,7 @@ def _short(values: list[int], limit: int = 8) -> str:
 
 
 def page_map(snapshot: "Snapshot", step: int = 0, request: int | None = None) -> PageMap:
-    """Block tables, physical->logical maps and anomalies of one step (optionally one request)."""
+    """Block tables, physical->logical maps and paging findings of one step (optionally one request)."""
     table, seq_lens, query_lens = _rows(snapshot, step)
     if request is not None and not 0 <= request < len(table):
         raise OptionError(f"--request {request} is out of range: step {step} has {len(table)} request(s)")

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvdbg.errors import OptionError
-from kvdbg.ts_contract import Violation, check_plan, check_request
+from kvdbg.findings import Finding
+from kvdbg.ts_contract import BACKEND as TS_BACKEND, check_plan, check_request
 
 __all__ = [
     "cdiv",
@@ -77,7 +78,7 @@ class WindowRestriction:
     applies: bool  # True when pages are really dropped
     reason: str  # why nothing is dropped, when applies is False
 
-    def to_json_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -225,7 +226,7 @@ class VisibilityTable:
     total_missed: int
     covered_hi: int  # absolute end of the keys the builder's table covers
 
-    def to_json_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -328,10 +329,12 @@ class WindowAnalysis:
     builder: BuilderOutput
     visibility: VisibilityTable
     strip: list[StripCell]
-    findings: list[Violation] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
 
-    def to_json_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(replace(self, findings=[]))
+        out["findings"] = [f.to_json() for f in self.findings]
+        return out
 
 
 def _builder_output(seq_len, window, query_len, page_size, causal, max_model_len, max_decode_query_len,
@@ -441,12 +444,12 @@ def analyze_window(
     union_lo = exact_visible_range(seq_len, query_len, 0, window, causal)[0]
     strip = _strip(seq_len, query_len, page_size, union_lo, min(seq_len, covered_hi))
 
-    findings: list[Violation] = []
+    findings: list[Finding] = []
     if builder.noop:
-        findings.append(Violation(
-            "noop_batch",
-            f"query_len {query_len} exceeds max_decode_query_len {max_decode_query_len}: the builder plans "
-            "a no-op batch and these query tokens are never computed",
+        findings.append(Finding(
+            code="noop_batch", backend=TS_BACKEND,
+            message=f"query_len {query_len} exceeds max_decode_query_len {max_decode_query_len}: the builder "
+                    "plans a no-op batch and these query tokens are never computed",
             details={"query_len": query_len, "max_decode_query_len": max_decode_query_len},
         ))
     else:
@@ -457,10 +460,10 @@ def analyze_window(
                                   page_size=page_size, mask_type=builder.mask_type)
     if visibility.total_missed and not builder.noop:
         worst = max(visibility.tokens, key=lambda t: t.missed)
-        findings.append(Violation(
-            "tokens_missed",
-            f"the kernel misses {visibility.total_missed} keys of the exact windows (worst: query token "
-            f"{worst.index} at position {worst.position} misses {worst.missed})",
+        findings.append(Finding(
+            code="tokens_missed", backend=TS_BACKEND,
+            message=f"the kernel misses {visibility.total_missed} keys of the exact windows (worst: query token "
+                    f"{worst.index} at position {worst.position} misses {worst.missed})",
             details={"total_missed": visibility.total_missed, "worst_token": worst.index},
         ))
     return WindowAnalysis(seq_len, window, query_len, page_size, causal, max_model_len, max_decode_query_len,

@@ -73,7 +73,7 @@ class SlotRun:
     def size(self) -> int:
         return self.hi - self.lo
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"page": self.page, "tokens": [self.lo, self.hi]}
 
 
@@ -103,8 +103,8 @@ class Culprit:
                                        for r, a, b in self.keys)
         return where
 
-    def to_json_dict(self) -> dict:
-        return {**self.run.to_json_dict(), "keys": [{"request": r, "first": a, "last": b - 1} for r, a, b in self.keys]}
+    def to_json(self) -> dict:
+        return {**self.run.to_json(), "keys": [{"request": r, "first": a, "last": b - 1} for r, a, b in self.keys]}
 
 
 @dataclass
@@ -135,7 +135,7 @@ class RegionResult:
     def tokens(self) -> int:
         return len({(r, t) for r, _, t in self.outputs})
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         def listed(outputs):
             return [{"request": r, "head": h, "token": t} for r, h, t in outputs[:MAX_OUTPUTS_LISTED]]
 
@@ -147,7 +147,7 @@ class RegionResult:
                 "masked_heads": len({(r, h) for r, h, _ in self.masked_outputs}),
                 "masked_tokens": len({(r, t) for r, _, t in self.masked_outputs}),
                 "masked_outputs_listed_all": len(self.masked_outputs) <= MAX_OUTPUTS_LISTED,
-                "culprits": [c.to_json_dict() for c in self.culprits], "bisect_runs": self.bisect_runs,
+                "culprits": [c.to_json() for c in self.culprits], "bisect_runs": self.bisect_runs,
                 "bisect_complete": self.bisect_complete, "note": self.note}
 
 
@@ -170,11 +170,11 @@ class BackendPoison:
     def loads_masked(self) -> bool:
         return any(r.masked_outputs for r in self.regions)
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"backend": self.backend, "step": self.step, "ran": self.ran, "reason": self.reason,
                 "baseline_nonfinite": self.baseline_nonfinite, "reads_poisoned": self.reads_poisoned,
                 "loads_masked": self.loads_masked,
-                "regions": [r.to_json_dict() for r in self.regions]}
+                "regions": [r.to_json() for r in self.regions]}
 
 
 @dataclass
@@ -190,13 +190,13 @@ class PoisonResult:
     backends: list["BackendStatus"]
     steps: list[PoisonStep]
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"snapshot": self.path,
                 "backends": [{"name": b.name, "available": b.available, "reason": b.reason} for b in self.backends],
                 "steps": [{"step": s.step,
                            "regions": [{"region": r.name, "slots": r.slots,
                                         "pages": len({x.page for x in r.runs})} for r in s.regions],
-                           "results": [b.to_json_dict() for b in s.backends]} for s in self.steps]}
+                           "results": [b.to_json() for b in s.backends]} for s in self.steps]}
 
 
 # --------------------------------------------------------------------------- regions

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import traceback
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
@@ -13,8 +14,10 @@ from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions,
 from kvdbg.errors import BackendUnavailable, OptionError
 
 if TYPE_CHECKING:
+    from kvdbg.diff import Comparison
     from kvdbg.format import SnapshotMeta
     from kvdbg.snapshot import Snapshot
+    from kvdbg.verdict import Verdict
 
 FP8_MAX = 448.0  # float8_e4m3fn saturates here, as vLLM's cache write does
 
@@ -56,6 +59,10 @@ class BackendStatus:
     reason: str | None = None
     info: RunInfo | None = None
 
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "engine_name": self.engine_name, "available": self.available,
+                "reason": self.reason, "run": self.info.to_json() if self.info else None}
+
 
 @dataclass
 class ReplayResult:
@@ -79,6 +86,89 @@ class ReplayResult:
     def findings(self) -> list[Finding]:
         return [f for s in self.steps for f in s.findings] + \
             [f for s in self.steps for run in s.runs.values() for f in run.findings]
+
+    def judge(self, *, atol: float | None = None, rtol: float | None = None, requests: list[int] | None = None,
+              heads: list[int] | None = None) -> "ReplayReport":
+        """Compare every output with its expectation and keep the findings in scope: the judged replay.
+
+        ``requests`` narrows the findings as it narrows the comparisons (a finding about no one request
+        stays); ``heads`` narrows the comparisons only, since findings concern whole requests.
+        """
+        from kvdbg.diff import compare_step
+
+        comparisons = [c for s in self.steps
+                       for c in compare_step(s, self.meta, atol=atol, rtol=rtol, requests=requests, heads=heads)]
+        findings = [f for f in self.findings if requests is None or f.request is None or f.request in requests]
+        return ReplayReport(self, comparisons, findings, requests)
+
+    def query_starts(self) -> dict[int, list[int]]:
+        """step -> query_start_loc, to turn a batch-wide token row into the request's own index."""
+        return {s.step: [int(x) for x in s.common.query_start_loc.tolist()] for s in self.steps}
+
+    def to_json(self, *, explain: bool = False) -> dict[str, Any]:
+        """What ran: the snapshot, each backend's status and run, each step's runs (and decisions)."""
+        steps = []
+        for step in self.steps:
+            record: dict[str, Any] = {
+                "step": step.step,
+                "num_reqs": step.common.num_reqs,
+                "num_tokens": step.common.num_actual_tokens,
+                "has_captured_output": step.captured_output is not None,
+                "runs": {name: {"build_s": run.build_s, "forward_s": run.forward_s, "error": run.error,
+                                "not_applicable": run.not_applicable}
+                         for name, run in step.runs.items()},
+            }
+            if explain:
+                record["explain"] = {name: run.explain for name, run in step.runs.items() if run.explain}
+            steps.append(record)
+        return {"snapshot": self.path, "backends": [st.to_json() for st in self.backends], "steps": steps}
+
+
+@dataclass
+class ReplayReport:
+    """A replay judged: what ran, the comparisons and the findings in scope, and the one verdict.
+
+    `kvdbg replay` (its tables and --json) and `kvdbg report` all read :attr:`verdict`.
+    """
+
+    result: ReplayResult
+    comparisons: list["Comparison"]
+    findings: list[Finding]  # in scope: --request narrows them as it narrows the comparisons
+    requests: list[int] | None = None  # the requests compared (None: all)
+
+    @cached_property
+    def verdict(self) -> "Verdict":
+        """Pass, fail or unverified, and the exit code: kvdbg.verdict's rule over what counts."""
+        from kvdbg.verdict import replay_verdict
+
+        return replay_verdict(self.comparisons, self.findings, self.result.counted)
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict.passed
+
+    def to_json(self, *, explain: bool = False) -> dict[str, Any]:
+        """The replay as JSON; "verdict" is the last key, as the verdict line is the last line of the tables."""
+        ran = self.result.to_json(explain=explain)
+        starts = self.result.query_starts()
+        comparisons = []
+        for c in self.comparisons:
+            record = c.to_json()
+            first = starts.get(c.step)
+            for head in record["heads"]:
+                if first is not None and head["request"] < len(first):
+                    head["worst_token_in_request"] = head["worst_token"] - first[head["request"]]
+            comparisons.append(record)
+        return {
+            "snapshot": ran["snapshot"],
+            "passed": self.passed,
+            "backends": ran["backends"],
+            "findings": [f.to_json() for f in self.findings],
+            "steps": ran["steps"],
+            "comparisons": comparisons,
+            "rule": "|a - e| <= atol + rtol*|e|",
+            "verdict": self.verdict.to_json(),
+        }
 
 
 # --------------------------------------------------------------------------- cache helpers
@@ -180,10 +270,7 @@ def input_findings(snapshot: "Snapshot", step: int, cache: torch.Tensor) -> list
     """NaN/Inf and all-zero live pages of the cache the step's backends are about to read."""
     from kvdbg.pagemap import live_page_values, value_anomalies
 
-    values = live_page_values(snapshot, step, cache)
-    return [Finding(backend="replay", code=a.code, message=a.message, severity=a.severity, step=step,
-                    request=a.request, details={"pages": a.pages})
-            for a in value_anomalies(values)]
+    return value_anomalies(live_page_values(snapshot, step, cache), backend="replay", step=step)
 
 
 # --------------------------------------------------------------------------- backends
@@ -257,7 +344,7 @@ def run_backend(name: str, spec: BackendSpec, inst: Any, common: CommonMetadata,
         if propagate:
             raise
         run.error = f"{type(exc).__name__}: {_first_line(exc)}"
-        run.findings.append(Finding(backend=name, code="backend_raised", severity="error", step=common.step,
+        run.findings.append(Finding(backend=name, code="backend_raised", step=common.step,
                                     message=f"{name} raised while replaying step {common.step}: {run.error}",
                                     details={"traceback": traceback.format_exc(limit=6)}))
         return run
@@ -373,7 +460,7 @@ def save_outputs(result: ReplayResult, path: str, *, overwrite: bool = False) ->
 
 __all__ = [
     "save_outputs",
-    "BackendRun", "BackendStatus", "ReplayResult", "StepReplay", "apply_step_update", "common_metadata",
+    "BackendRun", "BackendStatus", "ReplayReport", "ReplayResult", "StepReplay", "apply_step_update", "common_metadata",
     "input_findings",
     "kv_views", "load_backends", "replay", "resolve_device", "run_backend", "working_cache",
 ]

@@ -19,15 +19,16 @@ from kvdbg._version import __version__
 from kvdbg.errors import OptionError, SnapshotError
 
 if TYPE_CHECKING:
-    from kvdbg.verdict import Verdict
-    from kvdbg.attention import Finding
     from kvdbg.diff import Comparison
+    from kvdbg.findings import Finding
     from kvdbg.pagemap import PageMap
-    from kvdbg.replay import ReplayResult
+    from kvdbg.replay import ReplayReport
+    from kvdbg.snapshot import Snapshot
     from kvdbg.summary import InfoSummary
+    from kvdbg.verdict import Verdict
 
 __all__ = ["Environment", "WindowRow", "BackendSummary", "BugReport", "collect_environment", "file_sha256",
-           "build_report", "reproduce_command", "write_text_atomic", "MAX_WORST_HEADS"]
+           "build_report", "reproduce_command", "snapshot_sha256", "write_text_atomic", "MAX_WORST_HEADS"]
 
 MAX_WORST_HEADS = 3
 # Distribution names to look up; the first one installed wins (flashinfer was renamed on its index).
@@ -96,12 +97,15 @@ class BugReport:
     page_maps: list["PageMap"]  # one per step, with its anomalies
     window: list[WindowRow]  # empty unless the layer has a window and FLASHINFER_TS is involved
     window_reason: str  # why there is no window section, when there is none
-    replay: "ReplayResult"
-    comparisons: list["Comparison"]
+    replay: "ReplayReport"
     backends: list[BackendSummary]
     command: str
     device: str
     sweep: Any = None  # (kvdbg.sweep.SweepResult, its Verdict) when asked for (report --sweep)
+
+    @property
+    def comparisons(self) -> list["Comparison"]:
+        return self.replay.comparisons
 
     @property
     def findings(self) -> list["Finding"]:
@@ -109,10 +113,8 @@ class BugReport:
 
     @property
     def verdict(self) -> "Verdict":
-        """The same verdict and exit code as `kvdbg replay` on this snapshot."""
-        from kvdbg.verdict import replay_verdict
-
-        return replay_verdict(self.comparisons, self.findings, self.replay.counted)
+        """The same verdict and exit code as `kvdbg replay` on this snapshot: the replay's own."""
+        return self.replay.verdict
 
     @property
     def failed(self) -> bool:
@@ -205,7 +207,8 @@ def window_rows(snapshot, backends: Sequence[str]) -> tuple[list[WindowRow], str
     return rows, ""
 
 
-def backend_summaries(result: "ReplayResult", comparisons: list["Comparison"]) -> list[BackendSummary]:
+def backend_summaries(report: "ReplayReport") -> list[BackendSummary]:
+    result, comparisons = report.result, report.comparisons
     out = []
     raised = {name for step in result.steps for name, run in step.runs.items() if run.error}
     for st in result.backends:
@@ -255,41 +258,57 @@ def reproduce_command(path: str, backends: Sequence[str], device: str = "cpu") -
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def build_report(path: str, backends: Sequence[str] | None = None, *, device: str = "cpu",
-                 progress: Callable[[str], None] | None = None) -> BugReport:
-    """Load, summarise, map and replay ``path``; everything the Markdown report shows."""
+def build_report(snapshot: "str | os.PathLike | Snapshot", backends: Sequence[str] | None = None, *,
+                 device: str = "cpu", progress: Callable[[str], None] | None = None) -> BugReport:
+    """Summarise, map and replay one loaded snapshot (a path is loaded once); everything the report shows."""
     from kvdbg.attention import ReplayOptions
     from kvdbg.backends import DEFAULT_ORDER
-    from kvdbg.diff import compare_step
     from kvdbg.pagemap import page_map
     from kvdbg.replay import replay
-    from kvdbg.snapshot import load_snapshot
-    from kvdbg.summary import summarize
+    from kvdbg.snapshot import Snapshot, load_snapshot
+    from kvdbg.summary import summarize_snapshot
 
-    path = os.fspath(path)
-    summary = summarize(path)
-    snapshot = load_snapshot(path)
+    snap = snapshot if isinstance(snapshot, Snapshot) else load_snapshot(snapshot)
+    if snap.path is None or snap.header is None or snap.header.meta is not snap.meta:
+        raise OptionError("report: the snapshot must be one load_snapshot read from a file (its header, digest "
+                          "and contents are reported); save it first (kvdbg.snapshot.save_snapshot)")
+    path = snap.path
+    summary = summarize_snapshot(snap)
     names = list(dict.fromkeys(backends)) if backends else list(DEFAULT_ORDER)
     if "reference" not in names:
         names.insert(0, "reference")
     if progress:
         progress("hashing the file")
-    sha = file_sha256(path)
-    page_maps = [page_map(snapshot, step=s) for s in range(len(snapshot.steps))]
-    window, window_reason = window_rows(snapshot, names)
+    sha = snapshot_sha256(snap)
+    page_maps = [page_map(snap, step=s) for s in range(len(snap.steps))]
+    window, window_reason = window_rows(snap, names)
     options = ReplayOptions(device=device)
-    result = replay(snapshot, names, options, required=[n for n in (backends or ()) if n != "reference"],
+    result = replay(snap, names, options, required=[n for n in (backends or ()) if n != "reference"],
                     progress=progress)
-    comparisons = [c for s in result.steps for c in compare_step(s, snapshot.meta)]
+    judged = result.judge()
     return BugReport(
         path=path, sha256=sha, environment=collect_environment(), summary=summary, page_maps=page_maps,
-        window=window, window_reason=window_reason, replay=result, comparisons=comparisons,
-        backends=backend_summaries(result, comparisons),
+        window=window, window_reason=window_reason, replay=judged, backends=backend_summaries(judged),
         command=reproduce_command(os.path.basename(path), _replayed(result, explicit=bool(backends)), options.device),
         device=options.device)
 
 
-def _replayed(result: "ReplayResult", *, explicit: bool) -> list[str]:
+def snapshot_sha256(snapshot: "Snapshot") -> str:
+    """SHA-256 of the file ``snapshot`` was loaded from; refuses a file that changed since it was loaded."""
+    from kvdbg.snapshot import _file_identity as file_identity
+
+    sha = file_sha256(snapshot.path)
+    loaded = snapshot.kv_source[0] if snapshot.kv_source else None
+    try:
+        now = file_identity(snapshot.path)
+    except OSError as exc:
+        raise SnapshotError(f"cannot read {snapshot.path}: {exc.strerror or exc}") from None
+    if loaded is not None and now != loaded:
+        raise SnapshotError(f"{snapshot.path} changed while the report was made; run kvdbg report again")
+    return sha
+
+
+def _replayed(result, *, explicit: bool) -> list[str]:
     """Backends the reproducing command names: all asked for, or the defaults that could run here."""
     return [st.name for st in result.backends if st.name != "reference" and (explicit or st.available)]
 

@@ -57,7 +57,7 @@ class Signature:
         finds = frozenset(f for f in self.error_findings if f[1] is None or f[1] in kept_r)
         return pairs, finds
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"backend": self.backend, "step": self.step,
                 "failing_heads": [list(p) for p in sorted(self.failing_heads)],
                 "error_findings": [{"code": c, "request": r}
@@ -107,9 +107,9 @@ class ShrinkResult:
     seconds: float
     snapshot: "Snapshot | None" = field(default=None, repr=False)
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k not in ("snapshot", "signature")}
-        out["signature"] = self.signature.to_json_dict()
+        out["signature"] = self.signature.to_json()
         out["failing_heads_after"] = [list(p) for p in self.failing_heads_after]
         return out
 

@@ -51,7 +51,7 @@ class FieldDiff:
     a: Any
     b: Any
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"field": self.name, "a": self.a, "b": self.b}
 
 
@@ -67,7 +67,7 @@ class PageDiff:
     max_abs: float
     shared_by: int = 1  # (request, logical page) entries that read this same pair of pages
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return asdict(self)
 
 
@@ -85,7 +85,7 @@ class TensorDiff:
     def same(self) -> bool:
         return not self.differ and self.missing is None
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"name": self.name, "tokens": self.tokens, "tokens_differ": len(self.differ),
                 "first_tokens": self.differ[:MAX_LISTED], "max_abs": self.max_abs, "missing": self.missing}
 
@@ -123,7 +123,7 @@ class StepDiff:
             out.append("slot_mapping")
         return out
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"step": self.step, "requests": self.requests,
                 "seq_lens": [{"request": r, "a": a, "b": b} for r, a, b in self.seq_lens],
                 "query_lens": [{"request": r, "a": a, "b": b} for r, a, b in self.query_lens],
@@ -131,8 +131,8 @@ class StepDiff:
                 "moved_entries": self.moved_entries, "stale_entries_differ": self.stale_differ,
                 "logical_pages": self.logical_pages, "page_pairs": self.page_pairs,
                 "pages_differ": self.pages_differ, "slots_differ": self.slots_differ,
-                "pages_max_abs": self.pages_max_abs, "pages": [p.to_json_dict() for p in self.pages[:MAX_LISTED]],
-                "tensors": [t.to_json_dict() for t in self.tensors],
+                "pages_max_abs": self.pages_max_abs, "pages": [p.to_json() for p in self.pages[:MAX_LISTED]],
+                "tensors": [t.to_json() for t in self.tensors],
                 "slot_mapping_differ": len(self.slots_moved), "slot_mapping_first": self.slots_moved[:MAX_LISTED],
                 "inputs_differ": self.inputs_differ}
 
@@ -155,13 +155,13 @@ class SnapDiff:
             names.extend(n for n in s.inputs_differ if n not in names)
         return names
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"kind": self.kind, "a": self.path_a, "b": self.path_b,
-                "meta": [f.to_json_dict() for f in self.meta],
-                "provenance": [f.to_json_dict() for f in self.provenance],
-                "steps": [s.to_json_dict() for s in self.steps],
+                "meta": [f.to_json() for f in self.meta],
+                "provenance": [f.to_json() for f in self.provenance],
+                "steps": [s.to_json() for s in self.steps],
                 "inputs_differ": self.inputs_differ,
-                "outputs": [c.to_json_dict() for c in self.outputs], "notes": self.notes}
+                "outputs": [c.to_json() for c in self.outputs], "notes": self.notes}
 
 
 # --------------------------------------------------------------------------- kinds and comparability
@@ -557,7 +557,7 @@ def diff_files(path_a: str, path_b: str, *, atol: float | None = None, rtol: flo
 def diff_verdict(result: SnapDiff):
     """Fail (exit 1) when an output differs beyond tolerance; pass when every compared output agrees; exit 3
     when no output could be compared. Input differences are reported, never counted."""
-    from kvdbg.render.util import simple_verdict
+    from kvdbg.verdict import simple_verdict
     from kvdbg.verdict import EXIT_FINDING, EXIT_NOTHING_VERIFIED, EXIT_OK
 
     inputs = result.inputs_differ

@@ -96,6 +96,8 @@ class Snapshot:
     # Set by load_snapshot: the file's identity and kv_cache's pointer and version counter
     # as loaded, so that remap_kv_cache can tell the tensor is still exactly the file's.
     kv_source: tuple | None = field(default=None, compare=False, repr=False)
+    # Set by load_snapshot: the parsed file header, so a caller never parses the file again.
+    header: Header | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_pages(self) -> int:
@@ -383,7 +385,7 @@ def load_snapshot(path: str | os.PathLike, *, validate_values: bool = True) -> S
             "block_table", "seq_lens", "query_start_loc", "query", "key", "value", "slot_mapping", "output")}))
     kv = tensors["kv_cache"]
     snap = Snapshot(meta=meta, kv_cache=kv, page_ids=tensors["page_ids"], steps=steps, path=header.path,
-                    kv_source=(file_id, kv.data_ptr(), kv._version))
+                    kv_source=(file_id, kv.data_ptr(), kv._version), header=header)
     if validate_values:
         try:
             check_values(meta, snap.page_ids, steps)

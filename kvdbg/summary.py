@@ -70,7 +70,7 @@ class InfoSummary:
     def overhead_bytes(self) -> int:
         return self.file_size - self.referenced_page_bytes
 
-    def to_json_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["overhead_bytes"] = self.overhead_bytes
         return out
@@ -81,7 +81,17 @@ def summarize(path: str | os.PathLike) -> InfoSummary:
     return summarize_header(header)
 
 
-def summarize_header(header: Header) -> InfoSummary:
+def summarize_snapshot(snapshot) -> InfoSummary:
+    """The summary of a snapshot load_snapshot read: its parsed header and its loaded lengths, no file access."""
+    if snapshot.header is None or snapshot.header.meta is not snapshot.meta:
+        raise ValueError("summarize_snapshot needs a snapshot as load_snapshot returned it")
+    lengths = [(step.seq_lens.tolist(), step.query_start_loc.tolist()) for step in snapshot.steps]
+    return summarize_header(snapshot.header, lengths)
+
+
+def summarize_header(header: Header, lengths: list[tuple[list[int], list[int]]] | None = None) -> InfoSummary:
+    """The summary from the header; ``lengths`` (seq_lens, query_start_loc per step), when already loaded,
+    spare reading them from the file."""
     meta = header.meta
     kv = header.tensors["kv_cache"]
     stored_pages = header.tensors["page_ids"].shape[0]
@@ -101,8 +111,8 @@ def summarize_header(header: Header) -> InfoSummary:
         )
         if bt.shape[0] <= MAX_REQUESTS_READ:
             prefix = meta.step_prefix(i)
-            lens = read_index_tensor(header, prefix + "seq_lens")
-            qsl = read_index_tensor(header, prefix + "query_start_loc")
+            lens, qsl = lengths[i] if lengths is not None else (
+                read_index_tensor(header, prefix + "seq_lens"), read_index_tensor(header, prefix + "query_start_loc"))
             for r, length in enumerate(lens):
                 summary.requests.append(
                     RequestRow(r, length, qsl[r + 1] - qsl[r], -(-length // ps) if length > 0 else 0)
@@ -130,4 +140,4 @@ def summarize_header(header: Header) -> InfoSummary:
     )
 
 
-__all__ = ["InfoSummary", "summarize", "summarize_header"]
+__all__ = ["InfoSummary", "summarize", "summarize_header", "summarize_snapshot"]

@@ -118,7 +118,7 @@ class Variant:
     def name(self) -> str:
         return "baseline" if self.knob == "baseline" else f"{self.knob}: {self.label}"
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"knob": self.knob, "label": self.label, "description": self.description,
                 "captured_applies": self.captured_applies, "same_answer": self.same_answer,
                 "skipped": self.skipped, "unavailable_here": self.unavailable_here}
@@ -480,7 +480,7 @@ class Cell:
     def judged(self) -> bool:
         return self.status in ("pass", "fail")
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"column": self.column, "status": self.status, "max_abs": self.max_abs, "reason": self.reason,
                 "counted": self.counted, "flipped": self.flipped}
 
@@ -496,10 +496,10 @@ class SweepRow:
     def flipped(self) -> list[str]:
         return [c.column for c in self.cells.values() if c.flipped]
 
-    def to_json_dict(self) -> dict:
-        return {**self.variant.to_json_dict(), "variant": self.variant.name, "error": self.error,
+    def to_json(self) -> dict:
+        return {**self.variant.to_json(), "variant": self.variant.name, "error": self.error,
                 "input_errors": self.input_errors, "flipped": self.flipped,
-                "cells": {name: cell.to_json_dict() for name, cell in self.cells.items()}}
+                "cells": {name: cell.to_json() for name, cell in self.cells.items()}}
 
 
 @dataclass
@@ -521,12 +521,12 @@ class SweepResult:
     def baseline(self) -> SweepRow:
         return self.rows[0]
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"snapshot": self.path, "knobs": self.knobs,
                 "columns": [{"name": c.name, "engine_name": c.engine_name, "counted": c.counted}
                             for c in self.columns],
                 "unavailable": [{"backend": n, "reason": r} for n, r in self.unavailable],
-                "rows": [r.to_json_dict() for r in self.rows]}
+                "rows": [r.to_json() for r in self.rows]}
 
 
 # --------------------------------------------------------------------------- running
@@ -702,7 +702,7 @@ def _mark_flips(rows: list[SweepRow]) -> None:
 def sweep_verdict(result: SweepResult) -> "Verdict":
     """Fail when a counted cell fails (the baseline's or a variant's); unverified when no counted backend or
     captured cell compared anything; pass otherwise -- every variant then agrees with a passing baseline."""
-    from kvdbg.render.util import simple_verdict
+    from kvdbg.verdict import simple_verdict
     from kvdbg.verdict import EXIT_FINDING, EXIT_NOTHING_VERIFIED, EXIT_OK
 
     base = result.baseline

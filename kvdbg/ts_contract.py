@@ -2,8 +2,9 @@
 
 FLASHINFER_TS runs the kernel with ``validate=False`` (its CUDA-graph path), so
 nothing checks these at run time: a batch that breaks one gives undefined
-output. Each check returns :class:`Violation` records instead of raising, so a
-caller can report every broken precondition of a batch at once. Every rule
+output. Each check returns findings (:class:`kvdbg.findings.Finding`, codes
+from the registry) instead of raising, so a caller can report every broken
+precondition of a batch at once. Every rule
 names its ``source``: the wrapper validation in flashinfer-python that would
 refuse the input with ``validate=True`` (read from the 0.7.1, 0.7.2 and 0.7.4
 releases' ``flashinfer/attention/prims_ts/decode.py``).
@@ -15,8 +16,10 @@ come per API generation (:data:`API_0_7_1`, :data:`API_0_7_4`); see
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from kvdbg.findings import CODES, Finding
 
 __all__ = [
     "API_0_7_1",
@@ -36,12 +39,10 @@ __all__ = [
     "SUPPORTED_CAPABILITIES",
     "KERNEL_DTYPES",
     "MASK_TYPES",
-    "Violation",
     "canonical_dtype",
     "check_request",
     "check_plan",
     "request_inactive",
-    "check_capability",
 ]
 
 HEAD_DIMS = (64, 128, 256)  # 0.7.1-0.7.2; 0.7.4 adds 192 and 512 (ApiGeneration.head_dims)
@@ -61,33 +62,9 @@ _DTYPE_ALIASES = {
 }
 
 # Where each rule lives in flashinfer-python: the wrapper validation that refuses the input when
-# validate=True. FLASHINFER_TS runs with validate=False, so none of them runs there.
-PRECONDITIONS: dict[str, tuple[str, str]] = {
-    # code: (the rule, its source)
-    "head_dim_unsupported": ("head_dim is a supported size", "plan: _validate_head_dim"),
-    "page_size_unsupported": ("page_size in 4..128 (powers of two)", "plan: _validate_page_size"),
-    "heads_not_divisible": ("Hq is a multiple of Hkv", "plan: _validate_head_geometry"),
-    "head_ratio_unsupported": (f"1 <= Hq/Hkv <= {MAX_HEAD_RATIO}", "plan: _validate_head_geometry"),
-    "q_dtype_unsupported": ("q dtype fp16, bf16 or fp8 e4m3", "plan: _validate_dtype_pair"),
-    "kv_dtype_unsupported": ("kv dtype fp16, bf16 or fp8 e4m3", "plan: _validate_dtype_pair"),
-    "dtype_mismatch": ("q and kv dtypes form a supported pair", "plan: _validate_dtype_pair"),
-    "mask_type_unknown": ("mask_type dense or causal", "plan: _validate_mask"),
-    "window_left_invalid": ("window_left -1 or >= 0", "plan: _validate_window_left"),
-    "window_needs_causal": ("window_left >= 0 only with mask_type causal", "plan: _validate_window_left"),
-    "seq_len_not_positive": ("seq_len >= 1", "run: _validate_decode_run_metadata_values"),
-    "seq_len_over_max_kv_len": ("seq_len <= the plan's max_kv_len", "run: _validate_decode_run_metadata_values"),
-    "seq_len_below_query_len": ("causal: query_len <= seq_len", "run: _validate_decode_run_metadata_values"),
-    "table_too_narrow": ("block table has cdiv(seq_len, page_size) columns",
-                         "run: _validate_decode_run_metadata_values"),
-    "page_outside_cache": ("live page ids index the cache", "run: _validate_decode_run_metadata_values"),
-    "kv_view_shape": ("K and V are rank-4 HND views of one logical shape", "run: _normalize_paged_kv_cache_views"),
-    "kv_head_dim_not_contiguous": ("K/V head-dimension stride 1", "run: _validate_native_hnd_tma_strides"),
-    "kv_stride_not_positive": ("K/V page, head and token strides positive", "run: _validate_native_hnd_tma_strides"),
-    "kv_stride_misaligned": ("K/V page, head and token strides 16-byte aligned",
-                             "run: _validate_native_hnd_tma_strides"),
-    "kv_base_misaligned": ("K/V base address 16-byte aligned", "run: _validate_native_hnd_tma_strides"),
-    "kv_dims_overlap": ("K/V dimensions do not overlap", "run: _validate_native_hnd_tma_strides"),
-}
+# validate=True. FLASHINFER_TS runs with validate=False, so none of them runs there. Read from the
+# finding registry, which holds each rule once: code -> (the rule, its source).
+PRECONDITIONS: dict[str, tuple[str, str]] = {c.name: (c.rule, c.source) for c in CODES.values() if c.rule}
 
 
 @dataclass(frozen=True)
@@ -147,17 +124,13 @@ def api_for_version(version: tuple[int, int, int]) -> tuple[ApiGeneration | None
                        f"kvdbg knows: called with the {newest} keywords, not verified against this release")
 
 
-@dataclass
-class Violation:
-    """One broken precondition, with a one-line message that carries the numbers."""
+BACKEND = "flashinfer_ts"  # the backend whose kernel these rules belong to
 
-    code: str
-    message: str
-    request: int | None = None
-    details: dict[str, Any] = field(default_factory=dict)
 
-    def to_json_dict(self) -> dict[str, Any]:
-        return asdict(self)
+def _broken(code: str, message: str, request: int | None = None, details: dict[str, Any] | None = None) -> Finding:
+    """One broken precondition of prims_ts, as a finding of the flashinfer_ts backend."""
+    return Finding(code=code, message=message, backend=BACKEND, request=request, details=details or {},
+                   context=BACKEND if code == "page_size_unsupported" else None)
 
 
 def canonical_dtype(name: str) -> str | None:
@@ -172,7 +145,7 @@ def _who(request: int | None) -> str:
 def check_request(
     *, request: int | None, seq_len: int, query_len: int, max_kv_len: int, table_width: int, page_size: int,
     mask_type: str, api: ApiGeneration = STRICTEST,
-) -> list[Violation]:
+) -> list[Finding]:
     """Per-request preconditions of ``run`` (``_validate_decode_run_metadata_values``).
 
     ``1 <= seq_len <= max_kv_len`` and a table with ``cdiv(seq_len, page_size)``
@@ -188,27 +161,27 @@ def check_request(
     if seq_len <= 0:
         if api.nonpositive_is_inactive:
             return out
-        out.append(Violation(
+        out.append(_broken(
             "seq_len_not_positive",
             f"{who}seq_len {seq_len} is not positive; the {api.label} needs every seq_len in [1, max_kv_len]",
             request, {"seq_len": seq_len},
         ))
         return out
     if mask_type == "causal" and seq_len < query_len:
-        out.append(Violation(
+        out.append(_broken(
             "seq_len_below_query_len",
             f"{who}seq_len {seq_len} is shorter than its {query_len} query tokens, which a causal mask needs",
             request, {"seq_len": seq_len, "query_len": query_len},
         ))
     if seq_len > max_kv_len:
-        out.append(Violation(
+        out.append(_broken(
             "seq_len_over_max_kv_len",
             f"{who}seq_len {seq_len} exceeds the plan's max_kv_len {max_kv_len}",
             request, {"seq_len": seq_len, "max_kv_len": max_kv_len},
         ))
     pages = -(-seq_len // page_size) if page_size > 0 else 0
     if pages > table_width:
-        out.append(Violation(
+        out.append(_broken(
             "table_too_narrow",
             f"{who}seq_len {seq_len} needs {pages} pages of {page_size} but the block table has "
             f"{table_width} columns",
@@ -222,24 +195,24 @@ def request_inactive(seq_len: int, api: ApiGeneration) -> bool:
     return api.nonpositive_is_inactive and seq_len <= 0
 
 
-def check_heads(num_qo_heads: int, num_kv_heads: int) -> list[Violation]:
+def check_heads(num_qo_heads: int, num_kv_heads: int) -> list[Finding]:
     """GQA geometry (``_validate_head_geometry``): Hq a multiple of Hkv, and ``1 <= Hq/Hkv <= 128``."""
     if num_kv_heads <= 0 or num_qo_heads <= 0 or num_qo_heads % num_kv_heads:
-        return [Violation("heads_not_divisible",
-                          f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}",
-                          details={"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads})]
+        return [_broken("heads_not_divisible",
+                        f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}",
+                        details={"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads})]
     ratio = num_qo_heads // num_kv_heads
     if ratio > MAX_HEAD_RATIO:
-        return [Violation("head_ratio_unsupported",
-                          f"Hq/Hkv = {num_qo_heads}/{num_kv_heads} = {ratio} exceeds prims_ts's limit of "
-                          f"{MAX_HEAD_RATIO} query heads per KV head",
-                          details={"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "ratio": ratio})]
+        return [_broken("head_ratio_unsupported",
+                        f"Hq/Hkv = {num_qo_heads}/{num_kv_heads} = {ratio} exceeds prims_ts's limit of "
+                        f"{MAX_HEAD_RATIO} query heads per KV head",
+                        details={"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "ratio": ratio})]
     return []
 
 
 def check_kv_view(
     name: str, shape: tuple[int, ...], strides: tuple[int, ...], element_size: int, data_ptr: int | None,
-) -> list[Violation]:
+) -> list[Finding]:
     """What ``_validate_native_hnd_tma_strides`` requires of one K or V view ``[pages, Hkv, page_size, D]``.
 
     The kernel builds TMA descriptors from the view's own strides, so any
@@ -256,29 +229,29 @@ def check_kv_view(
     K and V are checked apart: nothing requires their strides to be equal.
     """
     if len(shape) != 4 or len(strides) != 4:
-        return [Violation("kv_view_shape", f"{name} view has shape {list(shape)}, expected rank 4 "
-                          "[pages, Hkv, page_size, head_dim]", details={"shape": list(shape)})]
+        return [_broken("kv_view_shape", f"{name} view has shape {list(shape)}, expected rank 4 "
+                        "[pages, Hkv, page_size, head_dim]", details={"shape": list(shape)})]
     out = []
     page_stride, head_stride, token_stride, dim_stride = strides
     if dim_stride != 1:
-        out.append(Violation("kv_head_dim_not_contiguous",
-                             f"{name} view has head_dim stride {dim_stride}; the kernel needs stride 1",
-                             details={"strides": list(strides)}))
+        out.append(_broken("kv_head_dim_not_contiguous",
+                           f"{name} view has head_dim stride {dim_stride}; the kernel needs stride 1",
+                           details={"strides": list(strides)}))
     named = (("page", page_stride), ("head", head_stride), ("token", token_stride))
     bad = [n for n, st in named if st <= 0]
     if bad:
-        out.append(Violation("kv_stride_not_positive",
-                             f"{name} view has non-positive {'/'.join(bad)} stride(s) {list(strides)}",
-                             details={"strides": list(strides)}))
+        out.append(_broken("kv_stride_not_positive",
+                           f"{name} view has non-positive {'/'.join(bad)} stride(s) {list(strides)}",
+                           details={"strides": list(strides)}))
     misaligned = [f"{n} {st * element_size} bytes" for n, st in named if st > 0 and st * element_size % 16]
     if misaligned:
-        out.append(Violation("kv_stride_misaligned",
-                             f"{name} view strides are not 16-byte multiples for TMA: {', '.join(misaligned)}",
-                             details={"strides": list(strides), "element_size": element_size}))
+        out.append(_broken("kv_stride_misaligned",
+                           f"{name} view strides are not 16-byte multiples for TMA: {', '.join(misaligned)}",
+                           details={"strides": list(strides), "element_size": element_size}))
     if data_ptr is not None and data_ptr % 16:
-        out.append(Violation("kv_base_misaligned",
-                             f"{name} view starts at an address {data_ptr % 16} bytes past a 16-byte boundary",
-                             details={"offset_mod_16": data_ptr % 16}))
+        out.append(_broken("kv_base_misaligned",
+                           f"{name} view starts at an address {data_ptr % 16} bytes past a 16-byte boundary",
+                           details={"offset_mod_16": data_ptr % 16}))
     pages, heads, tokens, dims = shape
     span = 1
     for stride, extent, dim in sorted(((1, dims, "head_dim"), (token_stride, tokens, "token"),
@@ -286,25 +259,25 @@ def check_kv_view(
         if extent <= 1:
             continue
         if stride < span:
-            out.append(Violation("kv_dims_overlap",
-                                 f"{name} view's {dim} dimension (stride {stride}) overlaps the {span} elements "
-                                 "its smaller dimensions span", details={"strides": list(strides),
-                                                                         "shape": list(shape)}))
+            out.append(_broken("kv_dims_overlap",
+                               f"{name} view's {dim} dimension (stride {stride}) overlaps the {span} elements "
+                               "its smaller dimensions span", details={"strides": list(strides),
+                                                                       "shape": list(shape)}))
             break
         span += (extent - 1) * stride
     return out
 
 
-def check_kv_views(k: dict[str, Any], v: dict[str, Any], head_dim: int) -> list[Violation]:
+def check_kv_views(k: dict[str, Any], v: dict[str, Any], head_dim: int) -> list[Finding]:
     """Both views (each a dict of shape, strides, element_size, data_ptr): one logical shape, each valid."""
     out = []
     if tuple(k["shape"]) != tuple(v["shape"]):
-        out.append(Violation("kv_view_shape", f"K view shape {list(k['shape'])} differs from V view shape "
-                             f"{list(v['shape'])}", details={"k": list(k["shape"]), "v": list(v["shape"])}))
+        out.append(_broken("kv_view_shape", f"K view shape {list(k['shape'])} differs from V view shape "
+                           f"{list(v['shape'])}", details={"k": list(k["shape"]), "v": list(v["shape"])}))
     for name, view in (("K", k), ("V", v)):
         if len(view["shape"]) == 4 and view["shape"][-1] != head_dim:
-            out.append(Violation("kv_view_shape", f"{name} view has head_dim {view['shape'][-1]}, the plan "
-                                 f"{head_dim}", details={"shape": list(view["shape"])}))
+            out.append(_broken("kv_view_shape", f"{name} view has head_dim {view['shape'][-1]}, the plan "
+                               f"{head_dim}", details={"shape": list(view["shape"])}))
         out += check_kv_view(name, tuple(view["shape"]), tuple(view["strides"]), view["element_size"],
                              view.get("data_ptr"))
     return out
@@ -321,53 +294,43 @@ def check_plan(
     kv_dtype: str | None,
     mask_type: str,
     window_left: int,
-) -> list[Violation]:
+) -> list[Finding]:
     """Plan-level preconditions. ``None`` for a value means "not known here" and skips that check."""
     out = []
     if head_dim is not None and head_dim not in api.head_dims:
-        out.append(Violation("head_dim_unsupported",
-                             f"head_dim {head_dim} is not supported by prims_ts (the {api.label} needs one of "
-                             f"{', '.join(map(str, api.head_dims))})", details={"head_dim": head_dim}))
+        out.append(_broken("head_dim_unsupported",
+                           f"head_dim {head_dim} is not supported by prims_ts (the {api.label} needs one of "
+                           f"{', '.join(map(str, api.head_dims))})", details={"head_dim": head_dim}))
     if num_qo_heads is not None and num_kv_heads is not None:
         out += check_heads(num_qo_heads, num_kv_heads)
     if page_size not in PAGE_SIZES:
-        out.append(Violation("page_size_unsupported",
-                             f"page_size {page_size} is not supported by prims_ts (needs one of "
-                             f"{', '.join(map(str, PAGE_SIZES))})", details={"page_size": page_size}))
+        out.append(_broken("page_size_unsupported",
+                           f"page_size {page_size} is not supported by prims_ts (needs one of "
+                           f"{', '.join(map(str, PAGE_SIZES))})", details={"page_size": page_size}))
     known = {}
     for role, name in (("q", q_dtype), ("kv", kv_dtype)):
         if name is None:
             continue
         canon = canonical_dtype(name)
         if canon is None:
-            out.append(Violation(f"{role}_dtype_unsupported",
-                                 f"{role} dtype {name} is not supported by prims_ts (needs float16, bfloat16 "
-                                 "or float8_e4m3fn)", details={f"{role}_dtype": name}))
+            out.append(_broken("q_dtype_unsupported" if role == "q" else "kv_dtype_unsupported",
+                               f"{role} dtype {name} is not supported by prims_ts (needs float16, bfloat16 "
+                               "or float8_e4m3fn)", details={f"{role}_dtype": name}))
         else:
             known[role] = canon
     if len(known) == 2 and known["q"] != known["kv"]:
-        out.append(Violation("dtype_mismatch",
-                             f"q dtype {known['q']} differs from kv dtype {known['kv']}; prims_ts needs them equal",
-                             details={"q_dtype": known["q"], "kv_dtype": known["kv"]}))
+        out.append(_broken("dtype_mismatch",
+                           f"q dtype {known['q']} differs from kv dtype {known['kv']}; prims_ts needs them equal",
+                           details={"q_dtype": known["q"], "kv_dtype": known["kv"]}))
     if mask_type not in MASK_TYPES:
-        out.append(Violation("mask_type_unknown",
-                             f"mask_type {mask_type!r} is not one of {', '.join(MASK_TYPES)}",
-                             details={"mask_type": mask_type}))
+        out.append(_broken("mask_type_unknown",
+                           f"mask_type {mask_type!r} is not one of {', '.join(MASK_TYPES)}",
+                           details={"mask_type": mask_type}))
     if window_left < -1:
-        out.append(Violation("window_left_invalid", f"window_left {window_left} must be -1 (no window) or >= 0",
-                             details={"window_left": window_left}))
+        out.append(_broken("window_left_invalid", f"window_left {window_left} must be -1 (no window) or >= 0",
+                           details={"window_left": window_left}))
     elif window_left >= 0 and mask_type != "causal":
-        out.append(Violation("window_needs_causal",
-                             f"window_left {window_left} needs mask_type causal, got {mask_type}",
-                             details={"window_left": window_left, "mask_type": mask_type}))
+        out.append(_broken("window_needs_causal",
+                           f"window_left {window_left} needs mask_type causal, got {mask_type}",
+                           details={"window_left": window_left, "mask_type": mask_type}))
     return out
-
-
-def check_capability(capability: tuple[int, int] | None) -> list[Violation]:
-    """Whether a GPU of this compute capability can run prims_ts (None: no GPU)."""
-    if capability is not None and tuple(capability) in SUPPORTED_CAPABILITIES:
-        return []
-    shown = "no CUDA device" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
-    wanted = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_CAPABILITIES)
-    return [Violation("capability_unsupported", f"prims_ts runs only on compute capability {wanted}; found {shown}",
-                      details={"capability": list(capability) if capability else None})]

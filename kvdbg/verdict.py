@@ -17,6 +17,11 @@ code  name                   when
 130   EXIT_INTERRUPTED       Ctrl-C
 ====  =====================  ==========================================================
 
+Every command's verdict is built here: :func:`replay_verdict` for a replay
+(read through ``ReplayReport.verdict`` by `replay`, its --json and `report`),
+:func:`map_verdict` for `map` and `info --check`, :func:`simple_verdict`
+for the others.
+
 Warnings and notes never change the exit code: a condition vLLM produces by
 design (the null block before a sliding window, a page reused after it left the
 window, a prefill batch FLASHINFER_TS never runs) is a note, not a failure.
@@ -61,7 +66,7 @@ class Verdict:
     def passed(self) -> bool:
         return self.status == "pass"
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return {"status": self.status, "exit_code": self.exit_code, "comparisons": self.comparisons,
                 "failed_comparisons": self.failed_comparisons, "error_findings": self.error_findings,
                 "what_if_failures": list(self.what_if_failures), "summary": self.summary}
@@ -118,5 +123,28 @@ def replay_verdict(comparisons: Iterable, findings: Iterable, counted: Iterable[
                    f"PASS: {len(compared)} comparison(s) agree within tolerance, no error finding{aside}", what_if)
 
 
+def simple_verdict(status: str, exit_code: int, summary: str) -> Verdict:
+    """A command's closing verdict when it is not a replay: status pass/fail/unverified and one line."""
+    return Verdict(status, exit_code, 0, 0, int(status == "fail"), summary)
+
+
+def map_verdict(maps: Iterable) -> Verdict:
+    """`kvdbg map` / `info --check`: FAIL (exit 1) when a paging finding is an error; notes and warnings never fail.
+
+    ``maps`` are kvdbg.pagemap.PageMap records, one per step.
+    """
+    maps = list(maps)
+    errors = [a for m in maps for a in m.anomalies if a.severity == "error"]
+    others = sum(len(m.anomalies) for m in maps) - len(errors)
+    where = ", ".join(f"step {m.step}" for m in maps) or "no step"
+    if errors:
+        codes = ", ".join(sorted({a.code for a in errors}))
+        return simple_verdict("fail", EXIT_FINDING,
+                              f"FAIL: {len(errors)} harmful paging anomal{'y' if len(errors) == 1 else 'ies'} "
+                              f"({codes}) in {where}")
+    tail = f"; {others} note(s) or warning(s)" if others else ""
+    return simple_verdict("pass", EXIT_OK, f"PASS: no harmful paging anomaly in {where}{tail}")
+
+
 __all__ = ["ALWAYS_COUNTED", "EXIT_BAD_INPUT", "EXIT_FINDING", "EXIT_INTERRUPTED", "EXIT_NOTHING_VERIFIED", "EXIT_OK",
-           "Verdict", "counted_backends", "replay_verdict"]
+           "Verdict", "counted_backends", "map_verdict", "replay_verdict", "simple_verdict"]

@@ -27,7 +27,7 @@ class WindowSource:
     max_model_len: int
     max_decode_query_len: int
 
-    def to_json_dict(self) -> dict:
+    def to_json(self) -> dict:
         return asdict(self)
 
 

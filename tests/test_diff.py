@@ -80,7 +80,7 @@ def test_non_finite_expected_side_never_passes():
     for h in comp.heads:
         assert h.compared == 0 and h.expected_nonfinite == h.num_tokens * 8 and h.actual_nonfinite == h.expected_nonfinite
         assert h.max_abs != h.max_abs and h.cosine != h.cosine  # NaN (null in JSON), never 0 / 1.0
-    record = comp.to_json_dict()
+    record = comp.to_json()
     assert record["passed"] is False and record["max_abs"] is None and record["expected_nonfinite"] == 6 * 4 * 8
     assert record["heads"][0]["cosine"] is None
 

@@ -60,7 +60,7 @@ def test_null_page_silently_masked_only_for_that_request(request_with_zero):
     _, step, comparison = _run(snap)
     failing = {(h.request, h.head) for h in comparison.failed}
     assert failing == {(request_with_zero, h) for h in range(snap.meta.layer.num_heads)}
-    (finding,) = [f for f in step.runs["flex"].findings if f.code == "null_page_masked"]
+    (finding,) = [f for f in step.runs["flex"].findings if f.code == "live_page_zero"]
     assert finding.severity == "error" and finding.request == request_with_zero
     (col,) = finding.details["logical_blocks"]
     length = int(snap.steps[0].seq_lens[request_with_zero])

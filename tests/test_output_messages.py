@@ -132,9 +132,9 @@ def test_worst_token_is_the_requests_own_index(page_zero):
 def test_findings_are_listed_once_with_their_steps(page_zero):
     path, _ = page_zero
     data = json.loads(invoke("replay", path, "--backend", "flex", "--json").output)
-    assert sorted(f["step"] for f in data["findings"] if f["code"] == "null_page_masked") == [0, 1]
+    assert sorted(f["step"] for f in data["findings"] if f["code"] == "live_page_zero") == [0, 1]
     table = invoke("replay", path, "--backend", "flex").output
-    rows = [line for line in table.splitlines() if "│ null_page_masked" in line]
+    rows = [line for line in table.splitlines() if "│ live_page_zero" in line]
     assert len(rows) == 1 and re.search(r"│ 0, 1\s+│", rows[0]), rows
     assert "findings (1, all flex)" in table
     assert "the other steps' numbers differ" in " ".join(table.replace("│", " ").split())

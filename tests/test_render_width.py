@@ -47,18 +47,11 @@ def run_cli(width: int, *args: str):
 def replays():
     """Each fixture replayed once through every backend (the slow part), rendered at every width below."""
     from kvdbg.attention import ReplayOptions
-    from kvdbg.diff import compare_step
     from kvdbg.replay import replay
     from kvdbg.snapshot import load_snapshot
-    from kvdbg.verdict import replay_verdict
 
-    out = {}
-    for name in FIXTURE_FILES:
-        snap = load_snapshot(FIXTURES / name)
-        result = replay(snap, None, ReplayOptions(device="cpu"))
-        comparisons = [c for s in result.steps for c in compare_step(s, snap.meta)]
-        out[name] = (result, comparisons, replay_verdict(comparisons, result.findings))
-    return out
+    return {name: replay(load_snapshot(FIXTURES / name), None, ReplayOptions(device="cpu")).judge()
+            for name in FIXTURE_FILES}
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -66,8 +59,9 @@ def replays():
 def test_replay_numbers_are_never_cut(replays, name, width):
     from kvdbg.render.replay import render_replay
 
-    result, comparisons, verdict = replays[name]
-    text = render(render_replay(result, comparisons, verdict, explain=True), width)
+    report = replays[name]
+    comparisons, verdict = report.comparisons, report.verdict
+    text = render(render_replay(report, explain=True), width)
     assert_uncut(text, width)
     # The numbers that answer "how far from the truth" are there in full: each comparison's
     # worst error, and the worst head's row, in three significant digits.

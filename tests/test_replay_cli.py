@@ -35,7 +35,7 @@ def test_null_page_exits_1_with_finding_and_failing_heads_first(make_snapshot):
     assert res.exit_code == 1
     data = json.loads(res.output)
     assert not data["passed"]
-    assert [f["code"] for f in data["findings"]] == ["null_page_masked"]
+    assert [f["code"] for f in data["findings"]] == ["live_page_zero"]
     (comp,) = data["comparisons"]
     assert comp["failed_heads"] == snap.meta.layer.num_heads
     assert {h["request"] for h in comp["heads"] if not h["passed"]} == {2}

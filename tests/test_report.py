@@ -6,6 +6,8 @@ import hashlib
 import os
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from click.testing import CliRunner
 from markdown_it import MarkdownIt
 
@@ -94,12 +96,15 @@ def test_failing_snapshot_report_tables_digest_and_exit_1(make_snapshot, tmp_pat
     assert flex["engine name"] == "FLEX_ATTENTION" and flex["status"] == "ran"
     assert flex["vs reference"] == "FAIL (16 of 48 heads)"  # request 1's 8 heads on both steps
     assert flex["worst heads"].count("req 1 head") == 3
-    assert flex["findings"] == "null_page_masked ×2"
+    assert flex["findings"] == "live_page_zero ×2"
     assert "flex_attention (eager)" in flex["what ran"]
 
-    findings = table_with(doc, ["severity", "backend", "step", "request", "code", "message"])
-    assert [r[:5] for r in findings["rows"]] == [["error", "flex", "0", "1", "null_page_masked"],
-                                                 ["error", "flex", "1", "1", "null_page_masked"]]
+    # flex's two findings are the map's two anomalies (one code per condition): listed once, under the map.
+    assert not [t for t in doc["tables"] if t["headers"] == ["severity", "backend", "step", "request", "code",
+                                                                "message"]]
+    assert "2 finding(s) of the replay (flex: live\\_page\\_zero) are the map anomalies listed above" \
+        in out.read_text()
+    assert "What it means and what to do: `kvdbg explain live_page_zero`." in out.read_text()
     (fence,) = doc["fences"]
     name = os.path.basename(path)
     assert fence.splitlines() == [f"echo '{digest}  {name}' | sha256sum -c -", f"kvdbg replay {name} --backend flex"]
@@ -155,7 +160,7 @@ def test_svg_images_are_valid_and_output_refuses_overwrite(make_snapshot, tmp_pa
         root = ET.parse(svg / f"{stem}.svg").getroot()
         assert root.tag == "{http://www.w3.org/2000/svg}svg"
         assert len(list(root.iter("{http://www.w3.org/2000/svg}text"))) > 10
-    assert "null_page_masked" in (svg / "replay.svg").read_text().replace("&#160;", " ")
+    assert "live_page_zero" in (svg / "replay.svg").read_text().replace("&#160;", " ")
     before = out.read_text()
     res = invoke(path, "--backend", "flex", "-o", str(out))
     assert res.exit_code == 2
@@ -189,3 +194,32 @@ def test_environment_reads_versions_without_importing_engines():
         "print(e.torch == torch.__version__, 'vllm' in sys.modules, 'flashinfer' in sys.modules,"
         " sorted(e.packages)[:2], e.cuda_available == torch.cuda.is_available())\n")
     assert out.strip() == "True False False ['click', 'flashinfer'] True"
+
+
+def test_report_parses_the_snapshot_once_and_digests_what_it_loaded(make_snapshot, monkeypatch):
+    import kvdbg.format as fmt
+    import kvdbg.summary as summary
+    from kvdbg.errors import SnapshotError
+    from kvdbg.report import build_report
+    from kvdbg.snapshot import load_snapshot
+
+    path, _ = make_snapshot(seq_lens=(30, 50), use_page_zero=True, page_zero_request=1)
+    parsed, index_reads = [], []
+    real_header, real_index = fmt.read_raw_header, summary.read_index_tensor
+    monkeypatch.setattr(fmt, "read_raw_header", lambda p: parsed.append(p) or real_header(p))
+    monkeypatch.setattr(summary, "read_index_tensor", lambda h, n: index_reads.append(n) or real_index(h, n))
+    report = build_report(path, ["flex"])
+    assert len(parsed) == 1 and index_reads == []  # load_snapshot's header serves the summary too
+    assert [q.seq_len for q in report.summary.steps[0].requests] == [30, 50]
+    with open(path, "rb") as fh:
+        assert report.sha256 == hashlib.sha256(fh.read()).hexdigest()
+    assert report.verdict is report.replay.verdict and report.verdict.exit_code == 1
+
+    snap = load_snapshot(path)
+    parsed.clear()
+    again = build_report(snap, ["flex"])  # a loaded snapshot is used as it is
+    assert parsed == [] and again.sha256 == report.sha256 and again.verdict == report.verdict
+    stat = os.stat(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the file changed after loading
+    with pytest.raises(SnapshotError, match="changed while the report was made"):
+        build_report(snap, ["flex"])

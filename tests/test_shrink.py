@@ -37,7 +37,7 @@ def test_shrink_keeps_flex_failure_on_the_same_renumbered_heads(make_snapshot, t
     assert data["backend"] == "flex"
     sig = {tuple(p) for p in data["signature"]["failing_heads"]}
     assert sig == {(3, h) for h in range(8)}  # page 0 hides 16 of request 3's keys from every head
-    assert data["signature"]["error_findings"] == [{"code": "null_page_masked", "request": 3}]
+    assert data["signature"]["error_findings"] == [{"code": "live_page_zero", "request": 3}]
     assert data["kept_requests"] == [3]
     assert data["kept_heads"] == list(range(8))  # --same-heads (default): every failing head stays
     assert data["output_bytes"] < data["input_bytes"] / 10
@@ -52,7 +52,7 @@ def test_shrink_keeps_flex_failure_on_the_same_renumbered_heads(make_snapshot, t
     mapped = {(data["kept_requests"][r], data["kept_heads"][h]) for r, h in obs.failing_heads}
     assert mapped and mapped == {p for p in sig if p[1] in data["kept_heads"]}
     assert {tuple(p) for p in data["failing_heads_after"]} == set(obs.failing_heads)
-    assert obs.error_findings == {("null_page_masked", 0)}
+    assert obs.error_findings == {("live_page_zero", 0)}
     res = CliRunner().invoke(cli, ["replay", str(out), "--backend", "flex"])
     assert res.exit_code == 1
 
@@ -100,7 +100,7 @@ def test_ddmin_finds_the_minimal_subset():
 
 def test_same_failure_rule():
     want = frozenset({(1, 0), (1, 2)})
-    finds = frozenset({("null_page_masked", 1)})
+    finds = frozenset({("live_page_zero", 1)})
     assert same_failure(want, finds, want, finds)
     assert same_failure(want | {(1, 3)}, finds, want, finds)  # the same request's other heads may join
     assert not same_failure(want | {(0, 0)}, finds, want, finds)  # a passing request must not start failing

@@ -121,7 +121,7 @@ def test_null_block_before_the_window_is_a_note_and_exit_0(tmp_path):
     code, data = replay(path, "--backend", "reference", "--backend", "flex")
     assert code == EXIT_OK, data["verdict"]
     (finding,) = data["findings"]
-    assert (finding["code"], finding["severity"]) == ("null_block_outside_window", "info")
+    assert (finding["code"], finding["severity"]) == ("live_page_zero", "info")
     assert "remove_skipped_blocks" in finding["message"] and finding["details"]["hidden_keys"] == 0
     res = CliRunner().invoke(cli, ["map", path, "--json"], catch_exceptions=False)
     assert res.exit_code == 0
@@ -136,7 +136,7 @@ def test_null_block_that_hides_a_visible_key_is_an_error_and_exit_1(tmp_path):
     code, data = replay(path, "--backend", "flex")
     assert code == EXIT_FINDING
     (finding,) = data["findings"]
-    assert (finding["code"], finding["severity"], finding["details"]["hidden_keys"]) == ("null_page_masked", "error", 8)
+    assert (finding["code"], finding["severity"], finding["details"]["hidden_keys"]) == ("live_page_zero", "error", 8)
     assert comparisons(data)[("flex", "reference")]["passed"] is False
     res = CliRunner().invoke(cli, ["map", path], catch_exceptions=False)
     assert res.exit_code == EXIT_FINDING
@@ -152,7 +152,7 @@ def test_page_reused_after_it_left_the_window_is_a_note(tmp_path):
     code, data = replay(path, "--backend", "flex")
     assert code == EXIT_OK, data["verdict"]
     codes = {(f["code"], f["severity"]) for f in data["findings"]}
-    assert codes == {("page_reused_outside_window", "info")}
+    assert codes == {("page_mapped_twice", "info")}
     table[0, 16] = table[0, 17]  # block 16 (tokens 256..271) holds visible keys 268..271: now one is hidden
     path = str(save_snapshot(snap, tmp_path / "aliased.safetensors"))
     code, data = replay(path, "--backend", "flex")

@@ -11,6 +11,7 @@ from kvdbg._version import __version__
 # name -> module:attribute; modules are imported only when a command is looked up.
 COMMANDS = {
     "diff": "kvdbg.cli.diff:diff",
+    "explain": "kvdbg.cli.explain:explain",
     "info": "kvdbg.cli.info:info",
     "map": "kvdbg.cli.map:map_",
     "poison": "kvdbg.cli.poison:poison",

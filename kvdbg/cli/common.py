@@ -10,7 +10,7 @@ from typing import Any, Callable
 import click
 
 from kvdbg.errors import KvdbgError
-from kvdbg.render.util import simple_verdict  # noqa: F401  (re-exported for the commands)
+from kvdbg.verdict import simple_verdict  # noqa: F401  (re-exported for the commands)
 from kvdbg.verdict import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK  # noqa: F401  (the one definition)
 
 
@@ -99,14 +99,14 @@ def _finite(value: Any) -> Any:
         return {k: _finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
-    if hasattr(value, "to_json_dict"):
-        return _finite(value.to_json_dict())
+    if hasattr(value, "to_json"):
+        return _finite(value.to_json())
     return value
 
 
 def _json_default(value: Any):
-    if hasattr(value, "to_json_dict"):
-        return value.to_json_dict()
+    if hasattr(value, "to_json"):
+        return value.to_json()
     if isinstance(value, (set, frozenset, tuple)):
         return list(value)
     if isinstance(value, float):

@@ -53,7 +53,7 @@ def diff(a, b, atol, rtol, full, as_json):
     result = diff_files(a, b, atol=atol, rtol=rtol, progress=progress)
     verdict = diff_verdict(result)
     if as_json:
-        emit_json({**result.to_json_dict(), "verdict": verdict.to_json_dict()})
+        emit_json({**result.to_json(), "verdict": verdict.to_json()})
     else:
         from kvdbg.render.snapdiff import render_diff
 

@@ -35,7 +35,7 @@ def info(snapshot: str, full: bool, check: bool, as_json: bool) -> None:
     checked = None
     if check:
         from kvdbg.pagemap import page_map
-        from kvdbg.render.pagemap import map_verdict
+        from kvdbg.verdict import map_verdict
         from kvdbg.snapshot import load_snapshot
 
         snap = load_snapshot(snapshot)
@@ -48,11 +48,11 @@ def info(snapshot: str, full: bool, check: bool, as_json: bool) -> None:
         verdict = simple_verdict("pass", EXIT_OK, "OK: header read; ids, lengths and page contents not checked "
                                                   "(--check validates them)")
     if as_json:
-        record = summary.to_json_dict()
+        record = summary.to_json()
         record["checked"] = check
         if checked is not None:
             record["check_errors"] = [{"code": a.code, "request": a.request, "message": a.message} for a in checked]
-        record["verdict"] = verdict.to_json_dict()
+        record["verdict"] = verdict.to_json()
         emit_json(record)
     else:
         from kvdbg.render.info import render_info  # rich's table machinery only when drawing

@@ -36,12 +36,12 @@ def map_(snapshot: str, step: int, request: int | None, full: bool, as_json: boo
     from kvdbg.pagemap import page_map
     from kvdbg.snapshot import load_snapshot
 
-    from kvdbg.render.pagemap import map_verdict
+    from kvdbg.verdict import map_verdict
 
     result = page_map(load_snapshot(snapshot), step=step, request=request)
     verdict = map_verdict([result])
     if as_json:
-        emit_json({**result.to_json_dict(), "verdict": verdict.to_json_dict()})
+        emit_json({**result.to_json(), "verdict": verdict.to_json()})
     else:
         from kvdbg.render.pagemap import render_page_map
 

@@ -54,7 +54,7 @@ def poison(snapshot, backends, step, device, as_json):
                         steps=None if step is None else [step], required=backends, progress=progress)
     verdict = poison_verdict(result)
     if as_json:
-        emit_json({**result.to_json_dict(), "verdict": verdict.to_json_dict()})
+        emit_json({**result.to_json(), "verdict": verdict.to_json()})
     else:
         from kvdbg.render.poison import render_poison
 

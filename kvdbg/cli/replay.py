@@ -82,12 +82,10 @@ def replay(snapshot, backends, steps, requests, heads, device, exact, compile_, 
       kvdbg replay --explain --save-outputs outputs.safetensors
     """
     from kvdbg.attention import ReplayOptions
-    from kvdbg.diff import compare_step
-    from kvdbg.render.replay import render_replay, replay_json
+    from kvdbg.render.replay import render_replay
     from kvdbg.replay import replay as run_replay
     from kvdbg.replay import save_outputs as write_outputs
     from kvdbg.snapshot import load_snapshot
-    from kvdbg.verdict import replay_verdict
 
     backends = list(dict.fromkeys(backend_name(b) for b in backends))
     path = snapshot or default_snapshot()
@@ -110,18 +108,13 @@ def replay(snapshot, backends, steps, requests, heads, device, exact, compile_, 
     options = ReplayOptions(device=device, exact=exact, compile=compile_)
     result = run_replay(snap, names, options, steps=step_ids,
                         required=list(backends), progress=progress)
-    comparisons = [c for s in result.steps
-                   for c in compare_step(s, snap.meta, atol=atol, rtol=rtol, requests=request_ids, heads=head_ids)]
+    # --request narrows findings as it narrows the diffs, and the exit code follows what is shown.
+    report = result.judge(atol=atol, rtol=rtol, requests=request_ids, heads=head_ids)
     if save_outputs:
         write_outputs(result, save_outputs, overwrite=force)
-    # --request narrows findings as it narrows the diffs, and the exit code follows what is shown.
-    findings = [f for f in result.findings
-                if request_ids is None or f.request is None or f.request in request_ids]
-    verdict = replay_verdict(comparisons, findings, result.counted)
     if as_json:
-        emit_json(replay_json(result, comparisons, verdict, explain=explain, findings=findings))
+        emit_json(report.to_json(explain=explain))
     else:
-        console().print(render_replay(result, comparisons, verdict, explain=explain, full=full,
-                                      saved=save_outputs, findings=findings, requests=request_ids))
-    if verdict.exit_code:
-        sys.exit(verdict.exit_code)
+        console().print(render_replay(report, explain=explain, full=full, saved=save_outputs))
+    if report.verdict.exit_code:
+        sys.exit(report.verdict.exit_code)

@@ -66,7 +66,7 @@ def shrink(snapshot, output, backend, device, same_heads, force, as_json):
     verdict = simple_verdict("pass", EXIT_OK, f"DONE: {result.backend} still fails on {kept} (request, head) "
                                               f"pair(s) in {result.output_path or 'the output'}")
     if as_json:
-        emit_json({**result.to_json_dict(), "verdict": verdict.to_json_dict()})
+        emit_json({**result.to_json(), "verdict": verdict.to_json()})
     else:
         from kvdbg.render.shrink import render_shrink
 

@@ -68,7 +68,7 @@ def sweep(snapshot, vary, backends, step, device, atol, rtol, as_json):
                        progress=progress)
     verdict = sweep_verdict(result)
     if as_json:
-        emit_json({**result.to_json_dict(), "verdict": verdict.to_json_dict()})
+        emit_json({**result.to_json(), "verdict": verdict.to_json()})
     else:
         from kvdbg.render.sweep import render_sweep
 

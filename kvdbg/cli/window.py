@@ -92,10 +92,10 @@ def window(snapshot, request, step, seq_len, window, query_len, page_size, mask,
         raise OptionError(f"{source_label(source)}: {exc}".replace("--", "")) from None
     verdict = window_verdict(analysis)
     if as_json:
-        record = analysis.to_json_dict()
+        record = analysis.to_json()
         if source is not None:
-            record["source"] = source.to_json_dict()
-        emit_json({**record, "verdict": verdict.to_json_dict()})
+            record["source"] = source.to_json()
+        emit_json({**record, "verdict": verdict.to_json()})
     else:
         from kvdbg.render.window import render_window
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
+from kvdbg.findings import SEVERITY_STYLES, explain_hint
 from kvdbg.pagemap import PageMap, PhysicalEntry
 from kvdbg.render.fit import Column, FitTable
 from kvdbg.render.util import elide
 
 MAX_REQUEST_ROWS = 32
-SEVERITY_STYLES = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
 
 def _p2l(entry: PhysicalEntry) -> str:
@@ -44,30 +44,14 @@ def render_page_map(m: PageMap, *, full: bool = False) -> Group:
     return Group(tables, inverse, _anomalies(m))
 
 
-def map_verdict(maps: list[PageMap]):
-    """FAIL (exit 1) when an anomaly is harmful (an error), else PASS; notes and warnings never fail."""
-    from kvdbg.render.util import simple_verdict
-    from kvdbg.verdict import EXIT_FINDING, EXIT_OK
-
-    errors = [a for m in maps for a in m.anomalies if a.severity == "error"]
-    others = sum(len(m.anomalies) for m in maps) - len(errors)
-    where = ", ".join(f"step {m.step}" for m in maps) or "no step"
-    if errors:
-        codes = ", ".join(sorted({a.code for a in errors}))
-        return simple_verdict("fail", EXIT_FINDING,
-                              f"FAIL: {len(errors)} harmful paging anomal{'y' if len(errors) == 1 else 'ies'} "
-                              f"({codes}) in {where}")
-    tail = f"; {others} note(s) or warning(s)" if others else ""
-    return simple_verdict("pass", EXIT_OK, f"PASS: no harmful paging anomaly in {where}{tail}")
-
-
 def _anomalies(m: PageMap):
     if not m.anomalies:
         return Text("no anomalies", style="green")
     # The code is what a user searches for: it is kept whole, like a number.
     t = FitTable([Column("severity", priority=10), Column("code", whole=True, justify="left", priority=9),
                   Column("message", priority=10)],
-                 title=f"{len(m.anomalies)} anomal{'y' if len(m.anomalies) == 1 else 'ies'} ({m.errors} harmful)")
+                 title=f"{len(m.anomalies)} anomal{'y' if len(m.anomalies) == 1 else 'ies'} ({m.errors} harmful)",
+                 caption=explain_hint(a.code for a in m.anomalies))
     for a in m.anomalies:
         t.add_row(Text(a.severity, style=SEVERITY_STYLES[a.severity]), a.code, a.message)
     return t

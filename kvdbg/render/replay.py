@@ -8,14 +8,14 @@ from rich.console import Group
 from rich.text import Text
 
 from kvdbg.diff import Comparison, HeadDiff
+from kvdbg.findings import SEVERITY_STYLES, explain_hint, severity_rank
 from kvdbg.render.fit import Column, FitTable
 from kvdbg.render.util import verdict_line
-from kvdbg.replay import ReplayResult
-from kvdbg.verdict import Verdict, replay_verdict
+from kvdbg.replay import ReplayReport, ReplayResult
+from kvdbg.verdict import Verdict
 
 MAX_FAILING_ROWS = 32
 MAX_PASSING_ROWS = 8
-SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
 
 def _fmt(value: float, spec: str = ".2e") -> str:
@@ -95,9 +95,6 @@ def render_notes(result: ReplayResult) -> FitTable | None:
     return table
 
 
-SEVERITY_ORDER = ("error", "warning", "info")
-
-
 def dedupe_findings(findings) -> list[tuple[Any, list[int], bool]]:
     """Each distinct finding once, with the steps it appears in (a condition repeats every step it lasts).
 
@@ -112,16 +109,15 @@ def dedupe_findings(findings) -> list[tuple[Any, list[int], bool]]:
             entry[1].append(f.step)
         entry[2] = entry[2] or f.message != entry[0].message
     return sorted((tuple(e) for e in merged.values()), key=lambda e: (
-        SEVERITY_ORDER.index(e[0].severity) if e[0].severity in SEVERITY_ORDER else 3,
-        min(e[1], default=0), e[0].request if e[0].request is not None else -1))
+        severity_rank(e[0].severity), min(e[1], default=0), e[0].request if e[0].request is not None else -1))
 
 
 def _steps_label(steps: list[int]) -> str:
     return ", ".join(map(str, sorted(steps))) or "-"
 
 
-def render_findings(result: ReplayResult, findings=None) -> FitTable | None:
-    merged = dedupe_findings(result.findings if findings is None else findings)
+def render_findings(findings) -> FitTable | None:
+    merged = dedupe_findings(findings)
     if not merged:
         return None
     backends = sorted({f.backend for f, _, _ in merged})
@@ -129,11 +125,12 @@ def render_findings(result: ReplayResult, findings=None) -> FitTable | None:
     table = FitTable([Column("severity", priority=10), Column("backend", priority=8),
                       Column("step", priority=5, min_width=4), Column("req", whole=True, priority=7),
                       Column("code", whole=True, justify="left", priority=6),
-                      Column("message", priority=9)], title=title)
+                      Column("message", priority=9)], title=title,
+                     caption=explain_hint(f.code for f, _, _ in merged))
     if len(backends) == 1:
         table.columns[1].priority = 0  # the title names it; the column drops first
     for f, steps, differ in merged:
-        style = SEVERITY_STYLE.get(f.severity, "")
+        style = SEVERITY_STYLES.get(f.severity, "")
         message = f.message
         if differ:
             message += f" (as of step {f.step}; the other steps' numbers differ: --json lists each)"
@@ -206,11 +203,6 @@ def render_comparison(comp: Comparison, *, full: bool = False, starts: dict[int,
     if hidden:
         table.caption = f"… {hidden} more passing heads (--full)"
     return table
-
-
-def query_starts(result: ReplayResult) -> dict[int, list[int]]:
-    """step -> query_start_loc, to turn a batch-wide token row into the request's own index."""
-    return {s.step: [int(x) for x in s.common.query_start_loc.tolist()] for s in result.steps}
 
 
 def _flatten(row: dict[str, Any]) -> dict[str, str]:
@@ -288,15 +280,10 @@ def render_verdict(verdict: Verdict) -> Text:
     return verdict_line(verdict)
 
 
-def render_replay(result: ReplayResult, comparisons: list[Comparison], verdict: Verdict | None = None, *,
-                  explain: bool = False, full: bool = False, saved: str | None = None,
-                  findings: list | None = None, requests: list[int] | None = None) -> Group:
-    """Everything `kvdbg replay` prints, ending on the verdict line.
-
-    ``findings`` (default: all) are the ones in scope of --request; the verdict is computed from them.
-    """
-    findings = result.findings if findings is None else findings
-    verdict = verdict or replay_verdict(comparisons, findings, result.counted)
+def render_replay(report: ReplayReport, *, explain: bool = False, full: bool = False,
+                  saved: str | None = None) -> Group:
+    """Everything `kvdbg replay` prints, ending on the verdict line (``report.verdict``)."""
+    result, comparisons = report.result, report.comparisons
     layer = result.meta.layer
     mask = ("causal" if layer.causal else "dense") + (f", window {layer.sliding_window}" if layer.sliding_window else "")
     steps = ", ".join(str(s.step) for s in result.steps)
@@ -304,12 +291,12 @@ def render_replay(result: ReplayResult, comparisons: list[Comparison], verdict: 
                              f"head_size {layer.head_size}, {mask}, kv cache {layer.kv_cache_dtype}; step(s) {steps}",
                              style="bold")]
     parts.append(render_backends(result))
-    for section in (render_unavailable(result), render_notes(result), render_findings(result, findings)):
+    for section in (render_unavailable(result), render_notes(result), render_findings(report.findings)):
         if section is not None:
             parts.append(section)
     if explain:
-        parts.extend(render_explain(result, requests))
-    starts = query_starts(result)
+        parts.extend(render_explain(result, report.requests))
+    starts = result.query_starts()
     parts.extend(render_comparison(c, full=full, starts=starts) for c in comparisons)
     if not comparisons:
         ref = next((st for st in result.backends if st.name == "reference"), None)
@@ -319,56 +306,5 @@ def render_replay(result: ReplayResult, comparisons: list[Comparison], verdict: 
     parts.append(render_footer(comparisons))
     if saved:
         parts.append(Text(f"outputs written to {saved}", style="dim"))
-    parts.append(render_verdict(verdict))
+    parts.append(render_verdict(report.verdict))
     return Group(*parts)
-
-
-def _info_json(info) -> dict | None:
-    if info is None:
-        return None
-    return {"kernel": info.kernel, "device": info.device, "dtype": info.dtype, "emulated": info.emulated,
-            "compiled": info.compiled, "notes": list(info.notes)}
-
-
-def replay_json(result: ReplayResult, comparisons: list[Comparison], verdict: Verdict | None = None, *,
-                explain: bool = False, findings: list | None = None) -> dict:
-    """The replay as JSON; "verdict" is the last key, as the verdict line is the last line of the tables."""
-    findings_in_scope = result.findings if findings is None else findings
-    verdict = verdict or replay_verdict(comparisons, findings_in_scope, result.counted)
-    steps = []
-    for step in result.steps:
-        record: dict[str, Any] = {
-            "step": step.step,
-            "num_reqs": step.common.num_reqs,
-            "num_tokens": step.common.num_actual_tokens,
-            "has_captured_output": step.captured_output is not None,
-            "runs": {name: {"build_s": run.build_s, "forward_s": run.forward_s, "error": run.error,
-                            "not_applicable": run.not_applicable}
-                     for name, run in step.runs.items()},
-        }
-        if explain:
-            record["explain"] = {name: run.explain for name, run in step.runs.items() if run.explain}
-        steps.append(record)
-    findings = [{"backend": f.backend, "code": f.code, "severity": f.severity, "step": f.step, "request": f.request,
-                 "message": f.message, "details": {k: v for k, v in f.details.items() if k != "traceback"}}
-                for f in findings_in_scope]
-    starts = query_starts(result)
-    comparison_records = []
-    for c in comparisons:
-        record = c.to_json_dict()
-        first = starts.get(c.step)
-        for head in record["heads"]:
-            if first is not None and head["request"] < len(first):
-                head["worst_token_in_request"] = head["worst_token"] - first[head["request"]]
-        comparison_records.append(record)
-    return {
-        "snapshot": result.path,
-        "passed": verdict.passed,
-        "backends": [{"name": st.name, "engine_name": st.engine_name, "available": st.available,
-                      "reason": st.reason, "run": _info_json(st.info)} for st in result.backends],
-        "findings": findings,
-        "steps": steps,
-        "comparisons": comparison_records,
-        "rule": "|a - e| <= atol + rtol*|e|",
-        "verdict": verdict.to_json_dict(),
-    }

@@ -6,6 +6,7 @@ import io
 import re
 import shlex
 
+from kvdbg.findings import explain_command
 from kvdbg.render.util import human_bytes
 from kvdbg.report import BugReport
 
@@ -46,6 +47,12 @@ def _fmt(value: float) -> str:
     from kvdbg.render.replay import _fmt as fmt
 
     return fmt(value)
+
+
+def _explain_line(codes) -> str:
+    """The pointer to `kvdbg explain`, as a Markdown line."""
+    command = explain_command(codes)
+    return f"What {'a code' if command.endswith('CODE') else 'it'} means and what to do: {md_code(command)}."
 
 
 def _fence(text: str, info: str = "") -> str:
@@ -129,7 +136,8 @@ def _paging(r: BugReport) -> str:
     if rows:
         parts.append("### Map anomalies\n\n" + md_table(["step", "severity", "code", "request", "message"],
                                                          rows[:MAX_TABLE_ROWS]) + _elided(rows[:MAX_TABLE_ROWS],
-                                                                                          total, "anomalies"))
+                                                                                          total, "anomalies")
+                     + "\n\n" + _explain_line(a.code for m in r.page_maps for a in m.anomalies))
     else:
         parts.append("### Map anomalies\n\nNone: no live page 0, no page mapped twice, no stale tails.")
     if r.window:
@@ -168,13 +176,25 @@ def _replay(r: BugReport) -> str:
         parts.append("### Backends that did not run\n\n" + "\n".join(
             f"- {md_code(b.name)}: {md_escape(b.kernel or 'no reason given')}" for b in unavailable))
     findings = [f for f in r.findings if f.severity in ("error", "warning")]
+    # A condition `map` already lists (same step, code and request) is not listed twice.
+    mapped = {(a.step, a.code, a.request) for m in r.page_maps for a in m.anomalies}
+    listed = [f for f in findings if (f.step, f.code, f.request) not in mapped]
+    also = sorted({f"{f.backend}: {f.code}" for f in findings if (f.step, f.code, f.request) in mapped})
     if findings:
-        frows = [[md_escape(f.severity), md_code(f.backend), "-" if f.step is None else str(f.step),
-                  "-" if f.request is None else str(f.request), md_code(f.code), md_escape(f.message)]
-                 for f in findings]
-        shown = frows[:MAX_TABLE_ROWS]
-        parts.append("### Findings\n\n" + md_table(["severity", "backend", "step", "request", "code", "message"],
-                                                   shown) + _elided(shown, len(frows), "findings"))
+        section = "### Findings"
+        if listed:
+            frows = [[md_escape(f.severity), md_code(f.backend), "-" if f.step is None else str(f.step),
+                      "-" if f.request is None else str(f.request), md_code(f.code), md_escape(f.message)]
+                     for f in listed]
+            shown = frows[:MAX_TABLE_ROWS]
+            section += "\n\n" + md_table(["severity", "backend", "step", "request", "code", "message"], shown) \
+                + _elided(shown, len(frows), "findings")
+        if also:
+            count = len(findings) - len(listed)
+            section += (f"\n\n{count} finding(s) of the replay ({md_escape(', '.join(also))}) are the map anomalies "
+                        "listed above, for the same steps and requests.")
+        section += "\n\n" + _explain_line(f.code for f in findings)
+        parts.append(section)
     captured = [c for c in r.comparisons if c.expected == "captured" or c.actual == "captured"]
     if captured:
         crows = [[str(c.step), md_code(c.actual), md_code(c.expected),
@@ -243,7 +263,7 @@ def self_contained_svg(svg: str) -> str:
 
 def ran_backends(r: BugReport) -> list[str]:
     """The backends that really ran (not the ones asked for that could not)."""
-    return [st.name for st in r.replay.backends if st.available]
+    return [st.name for st in r.replay.result.backends if st.available]
 
 
 def render_svgs(r: BugReport, *, width: int = 120) -> dict[str, str]:
@@ -265,6 +285,6 @@ def render_svgs(r: BugReport, *, width: int = 120) -> dict[str, str]:
     return {
         "info": record(render_info(r.summary), title=f"kvdbg info {name}"),
         "map": record(*(render_page_map(m) for m in r.page_maps), title=f"kvdbg map {name}: step(s) {steps}"),
-        "replay": record(render_replay(r.replay, r.comparisons, r.verdict),
+        "replay": record(render_replay(r.replay),
                          title=f"kvdbg replay {name}: {', '.join(ran_backends(r))} ran on {r.device}"),
     }

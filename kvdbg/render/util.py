@@ -20,13 +20,6 @@ def elide(values: list, keep_head: int = 6, keep_tail: int = 2, full: bool = Fal
     return " ".join(items[:keep_head] + ["…"] + items[-keep_tail:])
 
 
-def simple_verdict(status: str, exit_code: int, summary: str):
-    """A command's closing verdict (kvdbg.verdict.Verdict) when it is not a replay: status pass/fail."""
-    from kvdbg.verdict import Verdict
-
-    return Verdict(status, exit_code, 0, 0, int(status == "fail"), summary)
-
-
 def verdict_line(verdict):
     """The verdict as the last line of a command's output, with the exit code it gives."""
     from rich.text import Text

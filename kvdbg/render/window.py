@@ -6,6 +6,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from kvdbg.findings import SEVERITY_STYLES, explain_hint
 from kvdbg.paging import STRIP_LETTERS, WindowAnalysis
 from kvdbg.render.fit import Column, FitTable
 
@@ -136,9 +137,10 @@ def _gap_label(cell, page_size: int) -> str:
 def _findings(a: WindowAnalysis):
     if not a.findings:
         return Text("no findings: the kernel sees every key of every exact window", style="green")
-    t = Table(title=f"{len(a.findings)} finding(s)", title_justify="left", title_style="bold red")
-    t.add_column("code", style="red")
+    t = Table(title=f"{len(a.findings)} finding(s)", title_justify="left", title_style="bold red",
+              caption=explain_hint(f.code for f in a.findings), caption_justify="left")
+    t.add_column("code")
     t.add_column("message")
     for f in a.findings:
-        t.add_row(f.code, f.message)
+        t.add_row(Text(f.code, style=SEVERITY_STYLES[f.severity]), f.message)
     return t
