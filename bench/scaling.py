@@ -138,8 +138,9 @@ def plot(args) -> None:
             if not rows:
                 continue
             sizes = [r["file_mib"] for r in rows]
-            ax_t.plot(sizes, [r["wall_s"] for r in rows], style, marker="o", label=f"{backend} ({device})")
-            ax_m.plot(sizes, [r["rss_mib"] for r in rows], style, marker="o", label=f"{backend} ({device})")
+            color = f"C{(('floor',) + BACKENDS).index(backend)}"
+            for ax, key in ((ax_t, "wall_s"), (ax_m, "rss_mib")):
+                ax.plot(sizes, [r[key] for r in rows], style, marker="o", color=color, label=f"{backend} ({device})")
             for r in rows:
                 print(f"| {device} | {r['size_mib']} MiB | {backend} | {r['wall_s']:.2f} | {r['rss_mib']:.0f} "
                       f"| {r['rss_mib'] / r['file_mib']:.2f}x |")
