@@ -21,8 +21,29 @@ BACKEND_MODULES = {
 DEFAULT_ORDER = ("reference", "flex", "flashinfer_ts", "vllm_flex")
 
 
+# What users type for a backend: kvdbg's names, the engine's names the tables print beside them
+# (FLEX_ATTENTION, FLASHINFER_TS), and the library's own name. Matched case-insensitively, - or _.
+BACKEND_ALIASES = {"flex_attention": "flex", "flashinfer": "flashinfer_ts", "ref": "reference"}
+
+
 def backend_names() -> list[str]:
     return list(BACKEND_MODULES)
+
+
+def resolve_backend(name: str, option: str = "--backend") -> str:
+    """The kvdbg backend ``name`` means; an unknown one lists the valid names and suggests the nearest."""
+    import difflib
+
+    names = tuple(BACKEND_MODULES)
+    key = name.strip().lower().replace("-", "_")
+    if key in names:
+        return key
+    if key in BACKEND_ALIASES:
+        return BACKEND_ALIASES[key]
+    close = difflib.get_close_matches(key, list(names) + list(BACKEND_ALIASES), n=1, cutoff=0.6)
+    hint = f"; did you mean {BACKEND_ALIASES.get(close[0], close[0])}?" if close else ""
+    raise OptionError(f"{option}: unknown backend {name!r}{hint} (choose from: {', '.join(names)}; "
+                      "engine names FLEX_ATTENTION and FLASHINFER_TS work too)")
 
 
 def get_backend(name: str):

@@ -16,6 +16,17 @@ _LAZY = {
     "synth_snapshot": "kvdbg.synth",
     "SnapshotError": "kvdbg.errors",
     "KvdbgError": "kvdbg.errors",
+    # the main job and the debugging moves (kvdbg.api: torch is imported by each call, not here)
+    "replay": "kvdbg.api",
+    "page_map": "kvdbg.api",
+    "window": "kvdbg.api",
+    "shrink": "kvdbg.api",
+    "poison": "kvdbg.api",
+    "sweep": "kvdbg.api",
+    "diff": "kvdbg.api",
+    "Capturer": "kvdbg.capture",
+    "Finding": "kvdbg.findings",
+    "CODES": "kvdbg.findings",
 }
 
 __all__ = ["__version__", *_LAZY]
