@@ -9,7 +9,7 @@ import torch
 
 from kvdbg._version import __version__
 from kvdbg.errors import OptionError
-from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM, LAYOUTS, MODEL_DTYPES, BackendMeta, LayerMeta, SnapshotMeta
+from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM, LAYOUTS, MODEL_DTYPES, BackendMeta, LayerMeta, SnapshotMeta
 from kvdbg.snapshot import Snapshot, Step, torch_dtype, validate
 
 FP8_MAX = 448.0
@@ -248,4 +248,4 @@ def _cumsum(values):
         yield total
 
 
-__all__ = ["SynthSpec", "synth_snapshot", "LAYOUT_SEED", "LAYOUT_VLLM"]
+__all__ = ["SynthSpec", "synth_snapshot", "LAYOUT_KV_PLANES", "LAYOUT_VLLM"]
