@@ -324,10 +324,21 @@ class Device(click.ParamType):
         return text
 
 
-def device_option():
+def device_option(extra: str = ""):
     """--device: where to replay."""
     return click.option("--device", type=Device(), default="cpu", metavar="DEVICE",
-                        help="cpu, cuda, cuda:N, or auto (cuda when one is visible) [default: cpu].")
+                        help=f"cpu, cuda, cuda:N, or auto (cuda when one is visible) [default: cpu]. {extra}".strip())
+
+
+def tolerance_options(of: str = ""):
+    """--atol and --rtol: replay's pass rule |a - e| <= atol + rtol·|e|; finite and >= 0, default by dtype."""
+    def decorate(fn):
+        fn = click.option("--rtol", type=FINITE_FLOAT, default=None,
+                          help=f"Relative tolerance{of}, finite and >= 0 [default: by dtype].")(fn)
+        return click.option("--atol", type=FINITE_FLOAT, default=None,
+                            help=f"Absolute tolerance{of}, finite and >= 0 [default: by dtype].")(fn)
+
+    return decorate
 
 
 # ----------------------------------------------------------------------------- files and output

@@ -6,9 +6,9 @@ import sys
 
 import click
 
-from kvdbg.cli.common import (FINITE_FLOAT, backend_option, console, default_snapshot, device_option, emit_json,
-                              force_option, full_option, guarded, head_option, json_option, output_option,
-                              progress_printer, request_option, step_option, within)
+from kvdbg.cli.common import (backend_option, console, default_snapshot, device_option, emit_json, force_option,
+                              full_option, guarded, head_option, json_option, output_option, progress_printer,
+                              request_option, step_option, tolerance_options, within)
 
 
 @click.command()
@@ -22,9 +22,7 @@ from kvdbg.cli.common import (FINITE_FLOAT, backend_option, console, default_sna
 @click.option("--exact", is_flag=True, help="Reference in float64 instead of float32.")
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="torch.compile flex_attention (default: eager on CPU; on CUDA compiled only for steps too big for eager to be quicker).")
-@click.option("--atol", type=FINITE_FLOAT, default=None,
-              help="Absolute tolerance, finite and >= 0 (default by dtype, see the footer).")
-@click.option("--rtol", type=FINITE_FLOAT, default=None, help="Relative tolerance, finite and >= 0 (default by dtype).")
+@tolerance_options()
 @click.option("--explain", is_flag=True, help="Show each backend's per-request builder decisions.")
 @full_option("Show every head, not only failing ones and the worst passing.")
 @output_option("Also write every backend's output tensors to this safetensors file.",
