@@ -1,6 +1,6 @@
 """vLLM's FLASHINFER_TS: prims_ts paged decode, on the real kernel where it can run, else its contract in torch.
 
-The builder reproduces vLLM's (seed 000) decisions exactly -- uniform query
+The builder reproduces the specified FLASHINFER_TS builder's decisions exactly -- uniform query
 blocks, the no-op batch, persistent int32 buffers, the page-aligned window
 restriction for dense windowed layers, plans keyed by (num_reqs, query_len,
 causal) with one constant max_kv_len. The kernel runs with ``validate=False``,
@@ -280,7 +280,7 @@ def _dtype_name(dtype) -> str:
 class TSPlan:
     """The keyword arguments FLASHINFER_TS passes to ``BatchDecodePagedTSWrapper.plan`` for one plan key.
 
-    Named as the seed (flashinfer 0.7.1-0.7.2) names them; ``ApiGeneration.plan_kwargs`` renames them for
+    Named as FLASHINFER_TS writes them (flashinfer 0.7.1-0.7.2 names); ``ApiGeneration.plan_kwargs`` renames them for
     the installed release.
     """
 
@@ -365,7 +365,7 @@ class FlashInferTSBuilder:
         self.plan_calls = 0
         self.build_count = 0
         rows = _buffer_rows(meta, self.query_len)
-        # Without the scheduler limits the seed's sizing is unknown: grow to the largest batch seen, and say so.
+        # Without the scheduler limits the builder's sizing is unknown: grow to the largest batch seen, and say so.
         self.rows_known = rows is not None
         self.buffer_width = ts_table_width(self.sliding_window, self.query_len, self.page_size, backend.max_model_len)
         self._buf_seq_lens = torch.zeros(rows or 0, dtype=torch.int32, device=self.device)

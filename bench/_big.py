@@ -10,13 +10,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # 64 requests x 8192 tokens, Hq 32 / Hkv 8, D 128, bf16, page 16: 32768 pages, 2 GiB of KV (~30 s on 2 cores).
 BIG_ARGS = ["--seq-lens", ",".join(["8192"] * 64), "--num-heads", "32", "--num-kv-heads", "8",
-            "--head-dim", "128", "--dtype", "bfloat16"]
+            "--head-size", "128", "--dtype", "bfloat16"]
 
 
 def make_2gb(path: str) -> str:
     """Write the 2 GiB snapshot to ``path`` unless a file is already there; return the path."""
     if not os.path.exists(path):
         print(f"synthesising the 2 GiB snapshot at {path} (kvdbg synth, ~30 s)...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "kvdbg", "synth", path, *BIG_ARGS], check=True,
+        subprocess.run([sys.executable, "-m", "kvdbg", "synth", "-o", path, *BIG_ARGS], check=True,
                        stdout=subprocess.DEVNULL, cwd=REPO)
     return path

@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 from kvdbg.format import read_header  # noqa: E402  (header only: no torch)
 
 STEP_DATA = ("query", "key", "value", "output")
-HEADS = ["--num-heads", "32", "--num-kv-heads", "8", "--head-dim", "128", "--dtype", "bfloat16"]
+HEADS = ["--num-heads", "32", "--num-kv-heads", "8", "--head-size", "128", "--dtype", "bfloat16"]
 
 # name -> (seq_lens, extra synth options)
 CASES = {
@@ -45,7 +45,7 @@ CASES = {
 
 
 def synth(path: str, seq_lens: list[int], extra: list[str]) -> None:
-    argv = [sys.executable, "-m", "kvdbg", "synth", path, "--seq-lens", ",".join(map(str, seq_lens)),
+    argv = [sys.executable, "-m", "kvdbg", "synth", "-o", path, "--seq-lens", ",".join(map(str, seq_lens)),
             *HEADS, *extra, "--force"]
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=HERE)
 

@@ -15,7 +15,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
 
     The file appears whole or not at all. An existing file is replaced only with
     ``overwrite``; without it, a file that appears meanwhile is not clobbered
-    either (``link`` refuses). ``what`` prefixes error messages (e.g. "--save-outputs").
+    either (``link`` refuses). ``what`` prefixes error messages (e.g. "--output").
     """
     path = os.fspath(path)
     label = f"{what} {path}" if what else path

@@ -37,7 +37,7 @@ from kvdbg.errors import KvdbgError, SnapshotError
 from kvdbg.format import (
     FORMAT_KEY,
     FORMAT_VERSION,
-    LAYOUT_SEED,
+    LAYOUT_KV_PLANES,
     LAYOUT_VLLM,
     META_KEY,
     MODEL_DTYPES,
@@ -226,7 +226,7 @@ def infer_kv_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -
     ``pages,heads,tokens,2*dim`` from CPU_ATTN's cache of the same shape, so the
     vLLM plugin always declares the layout (``kvdbg.engine_layouts``).
     """
-    for name in (LAYOUT_VLLM, LAYOUT_SEED):
+    for name in (LAYOUT_VLLM, LAYOUT_KV_PLANES):
         try:
             engine_layout(name).check(kv_cache, num_kv_heads, head_size)  # the layouts' own shape rule
             return name
@@ -235,7 +235,7 @@ def infer_kv_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -
     shape = tuple(kv_cache.shape)
     raise CaptureInputError(
         f"kv_cache has shape {list(shape)}, which is neither [pages, {num_kv_heads}, page_size, {2 * head_size}] "
-        f"({LAYOUT_VLLM}) nor [2, pages, page_size, {num_kv_heads}, {head_size}] ({LAYOUT_SEED})"
+        f"({LAYOUT_VLLM}) nor [2, pages, page_size, {num_kv_heads}, {head_size}] ({LAYOUT_KV_PLANES})"
     )
 
 
@@ -313,7 +313,7 @@ def _snapshot_page_dim(snapshot_layout: str) -> int:
 def _gather_pages(kv_cache: torch.Tensor, layout: EngineLayout, page_ids: torch.Tensor) -> torch.Tensor:
     """Copy ``page_ids`` of an engine cache to CPU, a slice at a time, converted to the snapshot layout."""
     dim = layout.page_dim
-    index_layout = LAYOUT_VLLM if dim == 0 else LAYOUT_SEED  # compact_cache only needs the page dimension
+    index_layout = LAYOUT_VLLM if dim == 0 else LAYOUT_KV_PLANES  # compact_cache only needs the page dimension
     num_pages = int(page_ids.numel())
     page_bytes = max(1, kv_cache.element_size() * kv_cache.numel() // max(1, kv_cache.shape[dim]))
     per_chunk = max(1, GATHER_CHUNK_BYTES // page_bytes)

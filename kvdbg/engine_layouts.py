@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from kvdbg.errors import KvdbgError
-from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM
+from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
 
 CPU_ATTN_K_TRANSPOSED = "cpu_attn:pages,heads,[dim,tokens]k+[tokens,dim]v"
 
@@ -108,7 +108,7 @@ def vllm_to_cpu_attn(pages: torch.Tensor) -> torch.Tensor:
 
 ENGINE_LAYOUTS: dict[str, EngineLayout] = {
     LAYOUT_VLLM: EngineLayout(LAYOUT_VLLM, LAYOUT_VLLM, 0, 2, None, "token rows of [K | V] per (page, head)"),
-    LAYOUT_SEED: EngineLayout(LAYOUT_SEED, LAYOUT_SEED, 1, 2, None, "K and V planes of [page, token, head, dim]"),
+    LAYOUT_KV_PLANES: EngineLayout(LAYOUT_KV_PLANES, LAYOUT_KV_PLANES, 1, 2, None, "K and V planes of [page, token, head, dim]"),
     CPU_ATTN_K_TRANSPOSED: EngineLayout(
         CPU_ATTN_K_TRANSPOSED, LAYOUT_VLLM, 0, 2, _cpu_attn_to_vllm,
         "vLLM CPU_ATTN (vec, vec16): per (page, head), K transposed [D, page_size] then V [page_size, D]; "

@@ -26,9 +26,16 @@ FORMAT_VERSION = "1"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_META_BYTES = 1024 * 1024
 
+# The KV page layouts a snapshot may store, named in the file as these strings (``kv_layout``).
+# vLLM's packed cache: per (page, KV head) a [page_size, 2*D] slot of token rows [K | V], the
+# shape ``(num_blocks, num_kv_heads, block_size, 2 * head_size)`` of vLLM's FLEX_ATTENTION (and
+# FLASHINFER_TS, and CPU_ATTN once converted at capture).
 LAYOUT_VLLM = "pages,heads,tokens,2*dim"
-LAYOUT_SEED = "2,pages,tokens,heads,dim"
-LAYOUTS = (LAYOUT_VLLM, LAYOUT_SEED)
+# K and V as two planes: ``(2, num_blocks, block_size, num_kv_heads, head_size)``, the
+# ``get_kv_cache_shape`` of vLLM's FlashAttention-style backends (FLASH_ATTN in its NHD order;
+# FLEX_ATTENTION too, before it packed K and V into one tensor). K is plane 0, V plane 1.
+LAYOUT_KV_PLANES = "2,pages,tokens,heads,dim"
+LAYOUTS = (LAYOUT_VLLM, LAYOUT_KV_PLANES)
 
 MODEL_DTYPES = ("float16", "bfloat16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")

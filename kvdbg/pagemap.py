@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from kvdbg.errors import OptionError
 from kvdbg.findings import Finding, by_severity
@@ -202,13 +202,13 @@ def find_anomalies(snapshot: "Snapshot", step: int = 0) -> list[Finding]:
         if stale_nonzero:
             aliasing = sorted({p for p in stale_nonzero if p in positions})
             if aliasing:
-                # The seed-era map scattered every column, so a stale copy of a
-                # live page overwrote that page's logical index.
+                # A map that scatters every column of the row (not only the live ones) lets a
+                # stale copy of a live page overwrite that page's logical index.
                 out.append(Finding(
                     code="stale_tail_aliases_live", backend=MAP, step=step, request=r,
                     message=f"request {r}: {len(stale_nonzero)} stale non-zero entries past its {live_count} live "
                             f"pages, repeating live page(s) {', '.join(map(str, aliasing))}; a consumer that reads "
-                            "the whole row (seed-era FLEX_ATTENTION) remaps them",
+                            "the whole row, not only its live pages, remaps them",
                     pages=aliasing))
             else:
                 out.append(Finding(
@@ -354,13 +354,14 @@ def _short(values: list[int], limit: int = 8) -> str:
     return shown + (f", … {len(values) - limit} more" if len(values) > limit else "")
 
 
-def page_map(snapshot: "Snapshot", step: int = 0, request: int | None = None) -> PageMap:
-    """Block tables, physical->logical maps and paging findings of one step (optionally one request)."""
+def page_map(snapshot: "Snapshot", step: int = 0, request: int | Iterable[int] | None = None) -> PageMap:
+    """Block tables, physical->logical maps and paging findings of one step (optionally some requests only)."""
     table, seq_lens, query_lens = _rows(snapshot, step)
-    if request is not None and not 0 <= request < len(table):
-        raise OptionError(f"--request {request} is out of range: step {step} has {len(table)} request(s)")
+    chosen = range(len(table)) if request is None else sorted({request} if isinstance(request, int) else set(request))
+    for r in chosen:
+        if not 0 <= r < len(table):
+            raise OptionError(f"--request {r} is out of range: step {step} has {len(table)} request(s)")
     ps = snapshot.page_size
-    chosen = range(len(table)) if request is None else [request]
     requests = []
     for r in chosen:
         live_count = cdiv(seq_lens[r], ps)
@@ -371,6 +372,6 @@ def page_map(snapshot: "Snapshot", step: int = 0, request: int | None = None) ->
             physical_to_logical=_physical_to_logical(live)))
     anomalies = find_anomalies(snapshot, step)
     if request is not None:
-        anomalies = [a for a in anomalies if request in a.requests]
+        anomalies = [a for a in anomalies if set(chosen) & set(a.requests)]
     return PageMap(path=snapshot.path, step=step, num_steps=len(snapshot.steps), page_size=ps,
                    stored_pages=snapshot.num_pages, num_reqs=len(table), requests=requests, anomalies=anomalies)

@@ -1,6 +1,6 @@
 """Sets and lists of non-negative integers written as text: one grammar for CLI options and capture variables.
 
-The grammar, for ``--request``, ``--heads``, ``--step``, ``KVDBG_CAPTURE_STEPS``,
+The grammar, for ``--request``, ``--head``, ``--step``, ``KVDBG_CAPTURE_STEPS``,
 ``KVDBG_CAPTURE_RANKS`` and the integer lists of ``kvdbg synth``::
 
     text  := item ("," item)*          whitespace around items and around "-" is ignored

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -182,13 +183,20 @@ def kv_views(meta: "SnapshotMeta", cache: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def resolve_device(device: str) -> str:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` → a device torch can use here; a one-line reason otherwise."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        built = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
-        raise BackendUnavailable(f"--device cuda: {built} (torch {torch.__version__})")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise OptionError(f"--device must be cpu, cuda or auto, got {device!r}")
+    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise OptionError(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            built = ("this torch build has no CUDA support" if torch.version.cuda is None
+                     else "no CUDA device is visible")
+            raise BackendUnavailable(f"--device {device}: {built} (torch {torch.__version__})")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise OptionError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible "
+                              f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     return device
 
 
@@ -455,7 +463,7 @@ def save_outputs(result: ReplayResult, path: str, *, overwrite: bool = False) ->
     metadata = {"kvdbg.replay": json.dumps({"snapshot": result.path, "kernels": kernels, "steps": steps,
                                             "layer": layer})}
     payload = save(tensors, metadata=metadata)
-    return atomic_write(path, lambda fh: fh.write(payload), overwrite=overwrite, what="--save-outputs")
+    return atomic_write(path, lambda fh: fh.write(payload), overwrite=overwrite, what="--output")
 
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Two snapshots of the same step (good vs bad build), or two `replay --save-outputs` files, compared.
+"""Two snapshots of the same step (good vs bad build), or two `replay -o` files, compared.
 
 Inputs are compared as the backends read them: metadata field by field; the
 KV cache *by logical position* -- request r's logical page j in A against its
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 KIND_SNAPSHOT = "snapshot"
 KIND_OUTPUTS = "outputs"
-OUTPUTS_KEY = "kvdbg.replay"  # the metadata key `replay --save-outputs` writes
+OUTPUTS_KEY = "kvdbg.replay"  # the metadata key `replay -o` writes
 FIRST_LISTED = 5  # differing items named in the text; --json lists up to MAX_LISTED
 MAX_LISTED = 256
 PAGE_CHUNK = 256  # page pairs read at once
@@ -176,7 +176,7 @@ def file_kind(path: str) -> tuple[str, dict[str, str], dict]:
         return KIND_SNAPSHOT, metadata, tensors
     if OUTPUTS_KEY in metadata:
         return KIND_OUTPUTS, metadata, tensors
-    raise SnapshotError(f"{path}: neither a kvdbg snapshot nor a `kvdbg replay --save-outputs` file "
+    raise SnapshotError(f"{path}: neither a kvdbg snapshot nor a `kvdbg replay -o` file "
                         f"(its metadata has no {FORMAT_KEY!r} or {OUTPUTS_KEY!r})")
 
 
@@ -540,13 +540,13 @@ def diff_outputs(path_a: str, path_b: str, metadata_a, metadata_b, tensors_a, te
 
 def diff_files(path_a: str, path_b: str, *, atol: float | None = None, rtol: float | None = None,
                progress=None) -> SnapDiff:
-    """Compare two snapshots, or two `replay --save-outputs` files; NotComparable when they are not alike."""
+    """Compare two snapshots, or two `replay -o` files; NotComparable when they are not alike."""
     import os
 
     kind_a, metadata_a, tensors_a = file_kind(os.fspath(path_a))
     kind_b, metadata_b, tensors_b = file_kind(os.fspath(path_b))
     if kind_a != kind_b:
-        words = {KIND_SNAPSHOT: "a snapshot", KIND_OUTPUTS: "a --save-outputs file"}
+        words = {KIND_SNAPSHOT: "a snapshot", KIND_OUTPUTS: "a replay -o file"}
         raise NotComparable(f"not comparable: A is {words[kind_a]} but B is {words[kind_b]}")
     if kind_a == KIND_SNAPSHOT:
         return diff_snapshots(path_a, path_b, atol=atol, rtol=rtol, progress=progress)

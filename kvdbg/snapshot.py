@@ -111,7 +111,7 @@ class Snapshot:
         """K and V as views ``[pages, Hkv, page_size, D]`` of ``cache`` (default: the stored one).
 
         No data is copied: for vLLM's layout they are the two halves of the last
-        dimension (token stride ``2*D``); for the seed-era layout, permuted planes.
+        dimension (token stride ``2*D``); for the K/V-planes layout, permuted planes.
         FP8 caches stored as uint8 are viewed as float8_e4m3fn.
         """
         kv = self.kv_cache if cache is None else cache

@@ -9,7 +9,7 @@ import torch
 
 from kvdbg._version import __version__
 from kvdbg.errors import OptionError
-from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM, LAYOUTS, MODEL_DTYPES, BackendMeta, LayerMeta, SnapshotMeta
+from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM, LAYOUTS, MODEL_DTYPES, BackendMeta, LayerMeta, SnapshotMeta
 from kvdbg.snapshot import Snapshot, Step, torch_dtype, validate
 
 FP8_MAX = 448.0
@@ -74,7 +74,7 @@ def _check(spec: SynthSpec) -> None:
             raise bad(f"--seq-lens[{i}] = {length} must be positive and hold the request's {q} query tokens")
     for name in ("num_heads", "num_kv_heads", "head_size", "page_size", "steps"):
         if getattr(spec, name) <= 0:
-            option = "--head-dim" if name == "head_size" else f"--{name.replace('_', '-')}"  # the CLI's name
+            option = f"--{name.replace('_', '-')}"  # the CLI's name
             raise bad(f"{option} must be positive, got {getattr(spec, name)}")
     if spec.num_heads % spec.num_kv_heads:
         raise bad(f"--num-heads {spec.num_heads} must be a multiple of --num-kv-heads {spec.num_kv_heads}")
@@ -248,4 +248,4 @@ def _cumsum(values):
         yield total
 
 
-__all__ = ["SynthSpec", "synth_snapshot", "LAYOUT_SEED", "LAYOUT_VLLM"]
+__all__ = ["SynthSpec", "synth_snapshot", "LAYOUT_KV_PLANES", "LAYOUT_VLLM"]

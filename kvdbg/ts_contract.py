@@ -71,8 +71,8 @@ PRECONDITIONS: dict[str, tuple[str, str]] = {c.name: (c.rule, c.source) for c in
 class ApiGeneration:
     """One generation of BatchDecodePagedTSWrapper's API: its keyword names and the rules that differ.
 
-    ``plan_names`` / ``run_names`` map FLASHINFER_TS's (0.7.1-era, the seed's)
-    keyword to this generation's keyword; a name not listed is unchanged.
+    ``plan_names`` / ``run_names`` map the keyword FLASHINFER_TS writes (flashinfer 0.7.1-0.7.2
+    names) to this generation's keyword; a name not listed is unchanged.
     """
 
     label: str
@@ -84,11 +84,11 @@ class ApiGeneration:
     # 0.7.1-0.7.2 require every length in [1, max_kv_len].
     nonpositive_is_inactive: bool
 
-    def plan_kwargs(self, seed_kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {self.plan_names.get(k, k): v for k, v in seed_kwargs.items()}
+    def plan_kwargs(self, ts_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {self.plan_names.get(k, k): v for k, v in ts_kwargs.items()}
 
-    def run_kwargs(self, seed_kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {self.run_names.get(k, k): v for k, v in seed_kwargs.items()}
+    def run_kwargs(self, ts_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {self.run_names.get(k, k): v for k, v in ts_kwargs.items()}
 
 
 API_0_7_1 = ApiGeneration(

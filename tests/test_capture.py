@@ -20,7 +20,7 @@ from kvdbg.capture import (
     infer_kv_layout,
     snapshot_file_size,
 )
-from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM
+from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
 from kvdbg.snapshot import load_snapshot, referenced_pages
 from kvdbg.synth import SynthSpec, synth_snapshot
 
@@ -112,7 +112,7 @@ STEP = dict(step=7, rank=0)
 
 CASES = {
     "vllm-bf16": dict(layout=LAYOUT_VLLM, dtype="bfloat16"),
-    "seed-fp16-window": dict(layout=LAYOUT_SEED, dtype="float16", sliding_window=24, causal=False, query_len=2),
+    "kv-planes-fp16-window": dict(layout=LAYOUT_KV_PLANES, dtype="float16", sliding_window=24, causal=False, query_len=2),
     "vllm-fp8-uint8": dict(layout=LAYOUT_VLLM, fp8=True, fp8_storage="uint8", k_scale=0.5, v_scale=0.25, q_scale=2.0),
 }
 
@@ -180,7 +180,7 @@ def test_begin_copies_what_the_forward_may_overwrite(tmp_path):
         assert same_bytes(getattr(got.steps[0], name), kept[name]), name
 
 
-@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_SEED])
+@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_KV_PLANES])
 def test_pre_update_restores_pages_the_cache_update_overwrote(tmp_path, layout):
     engine = Engine(layout=layout)
     tensors = engine.tensors
@@ -349,7 +349,7 @@ def test_names_are_unique_across_capturers(tmp_path):
 
 def test_infer_kv_layout():
     assert infer_kv_layout(torch.empty(9, 2, 16, 32), 2, 16) == LAYOUT_VLLM
-    assert infer_kv_layout(torch.empty(2, 9, 16, 2, 16), 2, 16) == LAYOUT_SEED
+    assert infer_kv_layout(torch.empty(2, 9, 16, 2, 16), 2, 16) == LAYOUT_KV_PLANES
 
 
 def test_select_layers_applies_from_now_on(tmp_path):

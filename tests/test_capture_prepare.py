@@ -18,12 +18,12 @@ from kvdbg.capture_prepare import (
     save_pre_update,
     snapshot_file_size,
 )
-from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM, parse_meta
+from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM, parse_meta
 from kvdbg.snapshot import save_snapshot
 from tests.test_capture import PAD_ROWS, Engine, page_dim, same_bytes
 
 
-@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_SEED])
+@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_KV_PLANES])
 def test_prepare_returns_the_step_and_touches_nothing(tmp_path, layout, monkeypatch):
     monkeypatch.chdir(tmp_path)
     engine = Engine(layout=layout)
@@ -130,7 +130,7 @@ def test_pre_update_restores_only_the_pages_the_update_wrote():
                         kv_cache=engine.cache)
 
 
-@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_SEED])
+@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_KV_PLANES])
 def test_an_undeclared_layout_is_inferred_from_the_shape_and_said_so(layout):
     engine = Engine(layout=layout)
     layer = dataclasses.replace(engine.layer, kv_layout=None)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvdbg.capture import CaptureBackend, CaptureLayer, Capturer, StepTensors
-from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM
+from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
 from kvdbg.replay import replay
 from kvdbg.snapshot import Snapshot, load_snapshot
 from kvdbg.synth import SynthSpec, synth_snapshot
@@ -64,7 +64,7 @@ def layer_forward(engine: Snapshot, backend: str, capturer: Capturer, tmp_path) 
                                     num_heads=8, num_kv_heads=2, head_size=64, seed=11)),
         ("flashinfer_ts", SynthSpec(seq_lens=(70, 33), query_len=2, causal=True, fp8=True, k_scale=0.03,
                                     v_scale=0.04, q_scale=0.05, num_heads=4, num_kv_heads=1, head_size=64, seed=12)),
-        ("reference", SynthSpec(seq_lens=(50, 90), query_len=3, layout=LAYOUT_SEED, use_page_zero=True,
+        ("reference", SynthSpec(seq_lens=(50, 90), query_len=3, layout=LAYOUT_KV_PLANES, use_page_zero=True,
                                 num_heads=4, num_kv_heads=2, head_size=32, seed=13)),
         ("flex", SynthSpec(seq_lens=(50, 90), query_len=1, causal=True, num_heads=4, num_kv_heads=2,
                            head_size=32, seed=14)),

@@ -15,7 +15,7 @@ from kvdbg.attention import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
 from kvdbg.errors import BackendUnavailable
 from kvdbg.replay import common_metadata, replay, working_cache
-from kvdbg.synth import LAYOUT_SEED, SynthSpec, synth_snapshot
+from kvdbg.synth import LAYOUT_KV_PLANES, SynthSpec, synth_snapshot
 from kvdbg.ts_contract import api_for_version
 
 from tests.helpers import ROOT
@@ -280,8 +280,8 @@ def test_rejections_show_as_unavailable_with_the_reason(extra, words):
         ts.create(snap.meta, ReplayOptions())
 
 
-def test_seed_layout_cannot_be_handed_to_the_kernel():
-    snap = synth_snapshot(SynthSpec(seq_lens=(40,), head_size=64, layout=LAYOUT_SEED))
+def test_kv_planes_layout_cannot_be_handed_to_the_kernel():
+    snap = synth_snapshot(SynthSpec(seq_lens=(40,), head_size=64, layout=LAYOUT_KV_PLANES))
     reason = ts.BACKEND.unsupported_reason(snap.meta)
     assert "cannot be given to prims_ts as it is" in reason and "token stride 2*D" in reason
     clean = synth_snapshot(SynthSpec(seq_lens=(40,), head_size=64))

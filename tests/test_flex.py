@@ -8,7 +8,7 @@ import torch
 import kvdbg.backends.flex as flex_module
 from kvdbg.attention import ReplayOptions
 from kvdbg.diff import compare_step
-from kvdbg.format import LAYOUT_SEED
+from kvdbg.format import LAYOUT_KV_PLANES
 from kvdbg.replay import common_metadata, replay
 from kvdbg.synth import SynthSpec, synth_snapshot
 from tests.helpers import assert_close_ulps
@@ -18,7 +18,7 @@ SPECS = {
     "causal_window": dict(sliding_window=40, query_len=5),
     "dense": dict(causal=False, query_len=3),
     "dense_window": dict(causal=False, sliding_window=50, query_len=4),
-    "seed_layout": dict(layout=LAYOUT_SEED, query_len=2, sliding_window=33),
+    "kv_planes_layout": dict(layout=LAYOUT_KV_PLANES, query_len=2, sliding_window=33),
     "ragged_fp16": dict(dtype="float16", query_lens=(1, 7, 3, 20)),
     "fp32_window": dict(dtype="float32", sliding_window=17, query_len=3),
     "shared_prefix": dict(shared_prefix_pages=1, query_len=2, seq_lens=(40, 77, 200, 333)),

@@ -29,8 +29,8 @@ def assert_one_line_error(result, *fragments):
 
 def test_replay_huge_head_range_is_an_option_error():
     path = os.path.join(FIXTURES, "fp8_dense.safetensors")
-    assert_one_line_error(invoke("replay", path, "--backend", "reference", "--heads", "0-100000000000"),
-                          "--heads 100000000000 is out of range")
+    assert_one_line_error(invoke("replay", path, "--backend", "reference", "--head", "0-100000000000"),
+                          "--head 100000000000 is out of range")
     assert_one_line_error(invoke("replay", path, "--backend", "reference", "--request", "0-100000000000"),
                           "--request 100000000000 is out of range")
 

@@ -36,7 +36,8 @@ def one_line_error(res, *needles: str) -> str:
 
 @pytest.mark.parametrize("args, needle", [
     (("info", str(FIXTURES)), "is a directory"),
-    (("replay", FIXTURES / "causal_gqa.safetensors", "--save-outputs", str(FIXTURES)), "--save-outputs"),
+    (("replay", FIXTURES / "causal_gqa.safetensors", "-o", str(FIXTURES)), "'-o' / '--output'"),
+    (("replay", FIXTURES / "causal_gqa.safetensors", "--save-outputs", str(FIXTURES)), "'-o' / '--output'"),
     (("window",), "give SNAPSHOT, or --seq-len"),
     (("window", "--seq-len", "100", "--mask", "bogus"), "--mask"),
     (("synth", "/nonexistent/x.safetensors", "--mask", "diagonal"), "--mask"),
@@ -75,9 +76,9 @@ def test_json_is_strict_even_where_statistics_are_nan(make_snapshot):
     assert any(h["cosine"] is None for h in heads)  # a NaN statistic became null
 
 
-def test_synth_head_dim_message_names_the_option():
-    one_line_error(invoke("synth", "/tmp/never-written.safetensors", "--head-dim", "0"),
-                   "--head-dim must be positive, got 0")
+def test_synth_head_size_message_names_the_option():
+    one_line_error(invoke("synth", "-o", "/tmp/never-written.safetensors", "--head-size", "0"),
+                   "--head-size must be positive, got 0")
 
 
 def test_window_seq_len_beyond_int32_is_refused():

@@ -122,7 +122,7 @@ def _with_stale_tail(snap: Snapshot) -> Snapshot:
 
 
 class _WholeRowInstance:
-    """A broken consumer (as the seed-era map was): reads every table column, stale tail and past seq_len."""
+    """A broken consumer that reads every table column, the stale tail and past seq_len."""
 
     def __init__(self, meta, options):
         from kvdbg.backends.reference import ReferenceInstance

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kvdbg.backends.reference as reference_module
 from kvdbg.attention import ReplayOptions
-from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM
+from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
 from kvdbg.replay import apply_step_update, replay
 from kvdbg.snapshot import Snapshot, load_snapshot, save_snapshot
 from kvdbg.synth import SynthSpec, synth_snapshot
@@ -98,10 +98,10 @@ CASES = {
     "dense_window_narrower_than_block": dict(causal=False, sliding_window=3, query_len=8),
     "soft_cap": dict(query_len=3, extra_layer={"logits_soft_cap": 2.5}),
     "soft_cap_dense_window": dict(causal=False, sliding_window=40, query_len=4, extra_layer={"logits_soft_cap": 1.5}),
-    "seed_layout_window": dict(layout=LAYOUT_SEED, sliding_window=20, query_len=2),
+    "kv_planes_window": dict(layout=LAYOUT_KV_PLANES, sliding_window=20, query_len=2),
     "ragged": dict(query_lens=(1, 6, 2, 9)),
     "fp8_dense": dict(fp8=True, causal=False, query_len=2, q_scale=0.05, k_scale=0.03, v_scale=0.04),
-    "fp8_seed_layout": dict(fp8=True, layout=LAYOUT_SEED, fp8_storage="float8_e4m3fn", k_scale=0.5, v_scale=0.25),
+    "fp8_kv_planes": dict(fp8=True, layout=LAYOUT_KV_PLANES, fp8_storage="float8_e4m3fn", k_scale=0.5, v_scale=0.25),
 }
 
 
@@ -133,7 +133,7 @@ def test_reference_random_small_cases(data):
         seq_lens=seq_lens, query_len=query_len, page_size=page_size, num_kv_heads=kv_heads,
         num_heads=kv_heads * data.draw(st.integers(1, 3)), head_size=data.draw(st.sampled_from([8, 16])),
         causal=data.draw(st.booleans()), sliding_window=data.draw(st.one_of(st.none(), st.integers(1, 24))),
-        layout=data.draw(st.sampled_from([LAYOUT_VLLM, LAYOUT_SEED])), dtype="float32",
+        layout=data.draw(st.sampled_from([LAYOUT_VLLM, LAYOUT_KV_PLANES])), dtype="float32",
         shuffle=data.draw(st.booleans()), seed=data.draw(st.integers(0, 1000)),
     )
     snap = synth_snapshot(spec)
@@ -165,7 +165,7 @@ KV_BLOCK_CASES = {
     # Early KV blocks lie wholly outside the window: rows start with no visible key.
     "causal_window": dict(seq_lens=(333, 90, 200), sliding_window=37, query_len=4),
     "dense_window": dict(seq_lens=(300, 250), causal=False, sliding_window=50, query_len=5),
-    "ragged_seed_layout": dict(seq_lens=(300, 41, 129), query_lens=(1, 6, 3), layout=LAYOUT_SEED),
+    "ragged_kv_planes": dict(seq_lens=(300, 41, 129), query_lens=(1, 6, 3), layout=LAYOUT_KV_PLANES),
     "fp8_dense": dict(seq_lens=(280, 33), fp8=True, causal=False, query_len=2, k_scale=0.03, v_scale=0.04),
 }
 
@@ -222,7 +222,7 @@ def _advance(snap: Snapshot, step: int) -> Snapshot:
 
 @pytest.mark.parametrize("spec", [
     dict(steps=3, query_len=2, sliding_window=20),
-    dict(steps=3, query_lens=(1, 4, 2, 3), causal=False, layout=LAYOUT_SEED),
+    dict(steps=3, query_lens=(1, 4, 2, 3), causal=False, layout=LAYOUT_KV_PLANES),
     dict(steps=2, fp8=True, query_len=2, k_scale=0.05, v_scale=0.07),
 ], ids=["causal_window", "dense_seed_ragged", "fp8"])
 def test_multistep_replay_equals_replaying_each_captured_step(spec, tmp_path):

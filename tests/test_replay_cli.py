@@ -1,4 +1,4 @@
-"""`kvdbg replay`: exit codes, messages, JSON, unavailable backends, --save-outputs."""
+"""`kvdbg replay`: exit codes, messages, JSON, unavailable backends, -o (the outputs file)."""
 
 from __future__ import annotations
 
@@ -64,11 +64,14 @@ def test_cuda_unavailable_is_bad_input(make_snapshot):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--heads", "3-1"], "Invalid value for '--heads': range '3-1' ends before it starts"),
-    (["--heads", "0,,2"], "Invalid value for '--heads': '0,,2' has an empty item between commas"),
+    (["--head", "3-1"], "Invalid value for '--head': range '3-1' ends before it starts"),
+    (["--head", "0,,2"], "Invalid value for '--head': '0,,2' has an empty item between commas"),
     (["--request", "4-"], "--request 4 is out of range: the snapshot has 4 requests"),
     (["--step", "0-1"], "--step 1 is out of range: the snapshot has 1 step(s)"),
-    (["--heads", "8"], "--heads 8 is out of range: the layer has 8 heads"),
+    (["--head", "8"], "--head 8 is out of range: the layer has 8 heads"),
+    (["--heads", "8"], "--head 8 is out of range: the layer has 8 heads"),  # the old spelling still parses
+    (["--heads", "3-1"], "Invalid value for '--head': range '3-1' ends before it starts"),
+    (["--device", "gpu"], "--device must be cpu, cuda, cuda:N or auto, got 'gpu'"),
     (["--request", "9"], "--request 9 is out of range: the snapshot has 4 requests"),
     (["--step", "1"], "--step 1 is out of range: the snapshot has 1 step(s)"),
     (["--atol", "-1"], "Invalid value for '--atol': must be a non-negative number, got '-1'"),
@@ -103,16 +106,24 @@ def test_broken_optional_backend_is_an_unavailable_column(make_snapshot, monkeyp
         in res.output
 
 
-def test_save_outputs_writes_once_and_refuses_to_overwrite(make_snapshot, tmp_path):
+def test_output_writes_once_and_refuses_to_overwrite(make_snapshot, tmp_path):
     path, snap = make_snapshot(query_len=2)
     out = tmp_path / "outputs.safetensors"
-    assert invoke(path, "--backend", "flex", "--save-outputs", str(out)).exit_code == 0
+    assert invoke(path, "--backend", "flex", "-o", str(out)).exit_code == 0
     tensors = load_file(str(out))
     assert set(tensors) == {"step.0.reference", "step.0.flex"}
     assert tensors["step.0.flex"].shape == snap.steps[0].query.shape
-    res = invoke(path, "--backend", "flex", "--save-outputs", str(out))
+    res = invoke(path, "--backend", "flex", "--output", str(out))
     assert res.exit_code == 2 and "already exists; pass --force" in res.output
+    # --save-outputs, the old spelling, still works
     assert invoke(path, "--backend", "flex", "--save-outputs", str(out), "--force").exit_code == 0
+
+
+def test_steps_and_backends_take_lists(make_snapshot):
+    path, _ = make_snapshot(query_len=2, steps=3)
+    data = json.loads(invoke(path, "--backend", "reference,FLEX_ATTENTION", "--step", "0,2", "--json").output)
+    assert [b["name"] for b in data["backends"]] == ["reference", "flex"]
+    assert sorted({c["step"] for c in data["comparisons"]}) == [0, 2]
 
 
 def test_explain_and_full(make_snapshot):
@@ -144,4 +155,5 @@ def test_step_request_and_heads_take_ranges(make_snapshot):
 def test_help_does_not_import_torch():
     out = run_python("import sys\nfrom kvdbg.cli import main\ntry:\n    main(['replay', '--help'])\n"
                      "except SystemExit:\n    pass\nprint('TORCH', 'torch' in sys.modules)\n")
-    assert "TORCH False" in out and "--save-outputs" in out
+    assert "TORCH False" in out and "--output" in out
+    assert "--save-outputs" not in out  # old spellings parse but are not shown

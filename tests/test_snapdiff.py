@@ -154,11 +154,11 @@ def test_files_that_are_not_comparable_exit_2_naming_the_field(tmp_path, change,
 def test_a_snapshot_and_an_outputs_file_are_not_comparable(tmp_path):
     pa = save_snapshot(base(), tmp_path / "a.safetensors")
     out = tmp_path / "out.safetensors"
-    assert CliRunner().invoke(cli, ["replay", pa, "--backend", "reference", "--save-outputs", str(out)]).exit_code \
+    assert CliRunner().invoke(cli, ["replay", pa, "--backend", "reference", "-o", str(out)]).exit_code \
         in (0, 3)
     res = run(pa, out)
     assert res.exit_code == 2
-    assert res.output.strip() == "Error: not comparable: A is a snapshot but B is a --save-outputs file"
+    assert res.output.strip() == "Error: not comparable: A is a snapshot but B is a replay -o file"
     missing = run(pa, tmp_path / "nope.safetensors")
     assert missing.exit_code == 2 and len(missing.output.strip().splitlines()) == 1
 
@@ -172,7 +172,7 @@ def test_saved_outputs_are_compared_per_request_and_head(tmp_path):
     outputs = []
     for name, path in (("oa", pa), ("ob", pb)):
         out = tmp_path / f"{name}.safetensors"
-        CliRunner().invoke(cli, ["replay", path, "--backend", "reference", "--save-outputs", str(out)])
+        CliRunner().invoke(cli, ["replay", path, "--backend", "reference", "-o", str(out)])
         outputs.append(out)
     res = run(*outputs, "--json")
     assert res.exit_code == 1, res.output

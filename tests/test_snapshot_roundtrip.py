@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvdbg.errors import OptionError
-from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM
+from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
 from kvdbg.snapshot import load_snapshot, referenced_pages, save_snapshot
 from kvdbg.synth import SynthSpec, synth_snapshot
 
@@ -23,7 +23,7 @@ def _assert_same(a, b):
         assert torch.equal(ta[name].view(torch.uint8), tb[name].view(torch.uint8)), name
 
 
-@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_SEED])
+@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_KV_PLANES])
 @pytest.mark.parametrize(
     "dtype,fp8,storage",
     [("bfloat16", False, "uint8"), ("float16", False, "uint8"), ("float32", False, "uint8"),
@@ -64,7 +64,7 @@ def test_compaction_keeps_exactly_the_referenced_pages():
 
 def test_kv_views_match_the_true_values_in_both_layouts():
     a = synth_snapshot(SynthSpec(layout=LAYOUT_VLLM, seed=5, num_heads=2, num_kv_heads=1, head_size=8))
-    b = synth_snapshot(SynthSpec(layout=LAYOUT_SEED, seed=5, num_heads=2, num_kv_heads=1, head_size=8))
+    b = synth_snapshot(SynthSpec(layout=LAYOUT_KV_PLANES, seed=5, num_heads=2, num_kv_heads=1, head_size=8))
     for x, y in zip(a.kv_views(), b.kv_views()):
         assert torch.equal(x, y)
 

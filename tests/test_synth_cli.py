@@ -19,8 +19,8 @@ from tests.helpers import FIXTURES, ROOT, assert_close_ulps
 
 def test_synth_writes_and_refuses_to_clobber(tmp_path):
     out = tmp_path / "s.safetensors"
-    args = ["synth", str(out), "--seq-lens", "30,70", "--query-len", "4", "--mask", "dense", "--window", "32",
-            "--num-heads", "4", "--num-kv-heads", "1", "--head-dim", "32", "--steps", "2", "--json"]
+    args = ["synth", "-o", str(out), "--seq-lens", "30,70", "--query-len", "4", "--mask", "dense", "--window", "32",
+            "--num-heads", "4", "--num-kv-heads", "1", "--head-size", "32", "--steps", "2", "--json"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     snap = load_snapshot(out)
@@ -46,10 +46,35 @@ def test_synth_writes_and_refuses_to_clobber(tmp_path):
     ],
 )
 def test_synth_bad_options(tmp_path, args, message):
-    result = CliRunner().invoke(cli, ["synth", str(tmp_path / "x.safetensors"), *args])
+    result = CliRunner().invoke(cli, ["synth", "-o", str(tmp_path / "x.safetensors"), *args])
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_synth_old_spellings_make_the_same_bytes(tmp_path):
+    """OUT as an argument, --head-dim and --layout seed (the spellings before -o, --head-size and
+    --layout kv-planes) still work, hidden from --help, and make the same file."""
+    new, old = tmp_path / "new.safetensors", tmp_path / "old.safetensors"
+    common = ["--seq-lens", "20,40", "--num-heads", "2", "--num-kv-heads", "1"]
+    assert CliRunner().invoke(cli, ["synth", "-o", str(new), *common, "--head-size", "16",
+                                    "--layout", "kv-planes"]).exit_code == 0
+    res = CliRunner().invoke(cli, ["synth", str(old), *common, "--head-dim", "16", "--layout", "seed"])
+    assert res.exit_code == 0, res.output
+    assert new.read_bytes() == old.read_bytes()
+    assert load_snapshot(new).meta.kv_layout == "2,pages,tokens,heads,dim"
+    shown = CliRunner().invoke(cli, ["synth", "--help"]).output
+    assert "--head-dim" not in shown and "seed:" not in shown and "[OUT]" not in shown
+    assert "--head-size" in shown and "kv-planes" in shown
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "-o/--output: give the file to write"),
+    (["a.safetensors", "-o", "b.safetensors"], "two output files (a.safetensors and -o b.safetensors)"),
+])
+def test_synth_needs_one_output(tmp_path, args, message):
+    result = CliRunner().invoke(cli, ["synth", *args])
+    assert result.exit_code == 2 and message in result.output, result.output
 
 
 def test_fixtures_are_small_and_valid():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvdbg.attention import ReplayOptions
-from kvdbg.format import LAYOUT_SEED, LAYOUT_VLLM
+from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
 from kvdbg.replay import replay, working_cache
 from kvdbg.snapshot import load_snapshot, save_snapshot
 from kvdbg.synth import SynthSpec, synth_snapshot
@@ -25,7 +25,7 @@ def _outputs(result):
     return [{name: run.output for name, run in step.runs.items()} for step in result.steps]
 
 
-@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_SEED])
+@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_KV_PLANES])
 def test_multistep_replay_from_the_mapping_leaves_file_and_snapshot_unchanged(layout, tmp_path):
     spec = SynthSpec(seq_lens=(40, 77, 19), query_len=2, steps=3, layout=layout, dtype="float32")
     path = tmp_path / "snap.safetensors"

@@ -64,7 +64,7 @@ class LazyGroup(click.Group):
         return getattr(importlib.import_module(module), attr)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 80})
 @click.version_option(__version__, prog_name="kvdbg")
 def cli():
     """Inspect, replay and debug paged KV-cache snapshots of LLM serving engines.
@@ -77,6 +77,10 @@ def cli():
     Exit codes: 0 clean; 1 a mismatch or an error finding (warnings and notes
     do not count); 2 bad input; 3 nothing could be compared; 130 interrupted.
 
+    An option means the same in every command that takes it; indices are
+    written as ranges (--request 0-3,7), and a command that takes one value
+    says so.
+
     Every table command ends on its verdict line (also the "verdict" key of
     --json). Tables fit the terminal; piped output is laid out for 80 columns
     (COLUMNS=N overrides). Numbers are never cut: a table too wide leaves
@@ -85,7 +89,9 @@ def cli():
     \b
     Examples:
       kvdbg info snapshot.safetensors
-      kvdbg synth out.safetensors --seq-lens 9000,1200 --query-len 8 --window 4096 --mask dense
+      kvdbg replay snapshot.safetensors --backend flex --request 0-3
+      kvdbg synth -o out.safetensors --seq-lens 9000,1200 --query-len 8 \\
+        --window 4096 --mask dense
     """
 
 

@@ -1,15 +1,18 @@
-"""Shared CLI plumbing: one console, one error path (exit 2), JSON output, finding exits."""
+"""Shared CLI plumbing: one console, one error path (exit 2), JSON output, finding exits, and the
+option vocabulary every subcommand draws from (README.md, "Options", is its table)."""
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from typing import Any, Callable
 
 import click
 
-from kvdbg.errors import KvdbgError
+from kvdbg.errors import KvdbgError, OptionError
+from kvdbg.ranges import IntRanges, IntRangesParam
 from kvdbg.verdict import simple_verdict  # noqa: F401  (re-exported for the commands)
 from kvdbg.verdict import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK  # noqa: F401  (the one definition)
 
@@ -147,10 +150,245 @@ def backend_name(name: str, option: str = "--backend") -> str:
     known = list(names) + list(BACKEND_ALIASES)
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     hint = f"; did you mean {BACKEND_ALIASES.get(close[0], close[0])}?" if close else ""
-    from kvdbg.errors import OptionError
-
     raise OptionError(f"{option}: unknown backend {name!r}{hint} (choose from: {', '.join(names)}; "
                       "engine names FLEX_ATTENTION and FLASHINFER_TS work too)")
 
 
+
+
+# ============================================================================ the option vocabulary
+#
+# One factory per option that more than one command takes, so that an option means the same
+# thing wherever it appears; README.md's "Options" table lists them with their commands. Rules:
+#
+# - Selectors are singular and take index ranges in kvdbg.ranges' grammar: --step, --request,
+#   --head ("0-3,7", "2-"); `within` turns them into the indices below a count.
+#   A command that acts on one value only (map --step, window --request) says so in its help and
+#   refuses a range with a one-line error (exit 2).
+# - --backend is repeatable (or comma-separated) everywhere; shrink keeps one backend's failure,
+#   so it takes one.
+# - The file a command writes is -o/--output; --force lets it replace an existing file.
+# - --device is cpu, cuda, cuda:N or auto everywhere.
+# - Old spellings users may have in scripts keep working, hidden from --help (AliasedOption).
+#
+# A new command takes these factories instead of declaring its own @click.option for them.
+
+
+class AliasedOption(click.Option):
+    """An option with spellings kept for old scripts: they parse, but --help and errors show the others."""
+
+    def __init__(self, *args, hidden_aliases: tuple[str, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hidden_aliases = frozenset(hidden_aliases)
+
+    def _shown(self) -> list[str]:
+        return [o for o in self.opts if o not in self.hidden_aliases]
+
+    def get_help_record(self, ctx):
+        opts = self.opts
+        self.opts = self._shown()
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = opts
+
+    def get_error_hint(self, ctx) -> str:
+        return " / ".join(f"'{o}'" for o in self._shown())
+
+
+class HiddenArgument(click.Argument):
+    """A positional argument kept for old scripts and left out of the usage line."""
+
+    def get_usage_pieces(self, ctx) -> list[str]:
+        return []
+
+
+# ----------------------------------------------------------------------------- index ranges
+
+class Indices(IntRangesParam):
+    """Indices in kvdbg.ranges' grammar (``0-3,7``, ``2-``) → an IntRanges; with ``one``, one index → an int.
+
+    ``one`` names what the command takes one of, for the error when given more
+    (``"map shows one step"``). The parsing itself is kvdbg.ranges', the one range grammar.
+    """
+
+    def __init__(self, one: str | None = None):
+        super().__init__(open_ended=one is None)
+        self.one = one
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int):
+            return value
+        ranges = super().convert(value, param, ctx)
+        if self.one is None:
+            return ranges
+        if ranges.first is None or ranges.first != ranges.last:
+            raise BadInput(f"{param.opts[0] if param else 'value'} {value}: {self.one} "
+                           "(give one index, not a range)")
+        return ranges.first
+
+
+def within(ranges: IntRanges | None, count: int, option: str, has: str) -> list[int] | None:
+    """The members of an option's ranges below ``count`` (None: all); an OptionError naming one past it."""
+    if ranges is None:
+        return None
+    beyond = ranges.out_of(count)
+    if beyond is not None:
+        raise OptionError(f"{option} {beyond} is out of range: {has}")
+    return ranges.below(count)
+
+
+def _selector_help(noun: str, example: str, one: str | None, default_help: str, extra: str) -> str:
+    if one is None:
+        text = f"{noun.capitalize()}s, e.g. {example} [default: {default_help}]."
+    else:
+        text = f"The {noun}; {one} [default: {default_help}]."
+    return f"{text} {extra}".strip()
+
+
+def step_option(*, one: str | None = None, default_help: str = "all", extra: str = ""):
+    """--step: decode steps of the snapshot, by index.
+
+    ``one`` (what the command takes one of, e.g. ``"map shows one step"``) makes it a single
+    index; a range is then refused.
+    """
+    return click.option("--step", "step", type=Indices(one), default=None, metavar="N" if one else "RANGES",
+                        help=_selector_help("step", "0 or 1-3", one, default_help, extra))
+
+
+def request_option(*, one: str | None = None, default_help: str = "all", extra: str = ""):
+    """--request: requests of a step, by their index in the batch (``one`` as for --step)."""
+    return click.option("--request", "request", type=Indices(one), default=None, metavar="N" if one else "RANGES",
+                        help=_selector_help("request", "0-3,7", one, default_help, extra))
+
+
+def head_option(*, extra: str = ""):
+    """--head: query heads, by index (the hidden --heads is the old spelling)."""
+    return click.option("--head", "--heads", "head", cls=AliasedOption, hidden_aliases=("--heads",),
+                        type=Indices(), default=None, metavar="RANGES",
+                        help=f"Query heads, e.g. 0-3,7 [default: all]. {extra}".strip())
+
+
+# ----------------------------------------------------------------------------- backends, device
+
+BACKEND_HELP = ("reference, flex, flashinfer_ts, vllm_flex (the installed vLLM's own code); any case, or the "
+                "engine's name (FLEX_ATTENTION, FLASHINFER_TS)")
+
+
+def _backend_list(ctx, param, values) -> tuple[str, ...]:
+    names: list[str] = []
+    for value in values or ():
+        for part in str(value).split(","):
+            if part.strip():
+                try:
+                    names.append(backend_name(part, "--backend"))
+                except KvdbgError as exc:
+                    raise BadInput(str(exc)) from None
+    return tuple(dict.fromkeys(names))
+
+
+def backend_option(*, one: str | None = None, default_help: str = "all"):
+    """--backend: backends by kvdbg's or the engine's name; repeatable, or comma-separated.
+
+    With ``one`` (what the command keeps one of), the value is one name or None, and a
+    second backend is refused.
+    """
+    if one is None:
+        def callback(ctx, param, values):
+            return _backend_list(ctx, param, values)
+
+        text = f"Backends (repeatable, or comma-separated): {BACKEND_HELP} [default: {default_help}]."
+    else:
+        def callback(ctx, param, values):
+            names = _backend_list(ctx, param, values)
+            if len(names) > 1:
+                raise BadInput(f"--backend {','.join(names)}: {one} (give one backend)")
+            return names[0] if names else None
+
+        text = f"The backend ({one}): {BACKEND_HELP} [default: {default_help}]."
+    return click.option("--backend", "backend", multiple=True, callback=callback, metavar="NAME", help=text)
+
+
+_DEVICE = re.compile(r"cpu|cuda|cuda:\d+|auto")
+
+
+class Device(click.ParamType):
+    """cpu, cuda, cuda:N or auto (cuda when one is visible, else cpu); checked against torch at replay."""
+
+    name = "device"
+
+    def convert(self, value, param, ctx):
+        text = str(value).strip().lower()
+        if not _DEVICE.fullmatch(text):
+            raise BadInput(f"--device must be cpu, cuda, cuda:N or auto, got {value!r}")
+        return text
+
+
+def device_option(extra: str = ""):
+    """--device: where to replay."""
+    return click.option("--device", type=Device(), default="cpu", metavar="DEVICE",
+                        help=f"cpu, cuda, cuda:N, or auto (cuda when one is visible) [default: cpu]. {extra}".strip())
+
+
+def tolerance_options(of: str = ""):
+    """--atol and --rtol: replay's pass rule |a - e| <= atol + rtol·|e|; finite and >= 0, default by dtype."""
+    def decorate(fn):
+        fn = click.option("--rtol", type=FINITE_FLOAT, default=None,
+                          help=f"Relative tolerance{of}, finite and >= 0 [default: by dtype].")(fn)
+        return click.option("--atol", type=FINITE_FLOAT, default=None,
+                            help=f"Absolute tolerance{of}, finite and >= 0 [default: by dtype].")(fn)
+
+    return decorate
+
+
+# ----------------------------------------------------------------------------- files and output
+
+def output_option(help: str, *, required: bool = False, hidden_aliases: tuple[str, ...] = ()):
+    """-o/--output: the file the command writes (written atomically; see --force)."""
+    return click.option("-o", "--output", *hidden_aliases, "output", cls=AliasedOption,
+                        hidden_aliases=hidden_aliases, required=required, default=None,
+                        type=click.Path(dir_okay=False), metavar="FILE", help=help)
+
+
+def force_option():
+    """--force: let the command replace files it writes that already exist."""
+    return click.option("--force", is_flag=True, help="Replace output files that already exist.")
+
+
+def full_option(help: str = "Show everything: no elided rows or lists."):
+    return click.option("--full", is_flag=True, help=help)
+
+
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
+
+
+def default_snapshot() -> str:
+    """The bundled dflash fixture, the snapshot of `replay` and `poison` when none is given."""
+    try:
+        from kvdbg.fixtures_path import default_fixture
+    except ImportError:
+        from importlib import resources
+
+        path = os.fspath(resources.files("kvdbg.fixtures") / "dflash.safetensors")
+        if not os.path.isfile(path):
+            raise OptionError("no SNAPSHOT given and the bundled fixture dflash.safetensors is missing") from None
+        return path
+    return default_fixture()
+
+
+def progress_printer(verb: str = "", *, ongoing: bool = True) -> Callable[[str], None] | None:
+    """What long commands report while they work: dim lines on stderr, only when stderr is a terminal.
+
+    Each message is prefixed with ``verb``; ``ongoing`` messages (work starting) end in "…",
+    the others (work done, as shrink reports) do not. None when there is no terminal to show them.
+    """
+    if not sys.stderr.isatty():
+        return None
+    err = console(stderr=True)
+    prefix = f"{verb} " if verb else ""
+    suffix = "…" if ongoing else ""
+
+    def progress(message: str) -> None:
+        err.print(f"{prefix}{message}{suffix}", style="dim")
+
+    return progress

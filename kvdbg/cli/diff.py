@@ -6,20 +6,19 @@ import sys
 
 import click
 
-from kvdbg.cli.common import FINITE_FLOAT, console, emit_json, guarded, json_option, print_verdict
+from kvdbg.cli.common import (console, emit_json, full_option, guarded, json_option, print_verdict, progress_printer,
+                              tolerance_options)
 
 
 @click.command()
 @click.argument("a", type=click.Path(dir_okay=False))
 @click.argument("b", type=click.Path(dir_okay=False))
-@click.option("--atol", type=FINITE_FLOAT, default=None, help="Absolute tolerance for outputs (default by dtype, "
-                                                              "as replay).")
-@click.option("--rtol", type=FINITE_FLOAT, default=None, help="Relative tolerance for outputs (default by dtype).")
-@click.option("--full", is_flag=True, help="Show every head of every output, not only failing ones.")
+@tolerance_options(" for outputs")
+@full_option("Show every head of every output, not only failing ones.")
 @json_option
 @guarded
 def diff(a, b, atol, rtol, full, as_json):
-    """Compare two snapshots of the same step (good vs bad build), or two `replay --save-outputs` files.
+    """Compare two snapshots of the same step (good vs bad build), or two `replay -o` files.
 
     Inputs: metadata (layer, backend, scales, layout), lengths, the block
     table, the KV pages, the query and the step's new K/V. Pages are compared
@@ -38,19 +37,12 @@ def diff(a, b, atol, rtol, full, as_json):
     \b
     Examples:
       kvdbg diff good.safetensors bad.safetensors
-      kvdbg replay snap.safetensors --save-outputs a.safetensors   # on one machine / build
+      kvdbg replay snap.safetensors -o a.safetensors   # on one machine / build
       kvdbg diff a.safetensors b.safetensors --json
     """
     from kvdbg.snapdiff import diff_files, diff_verdict
 
-    progress = None
-    if sys.stderr.isatty() and not as_json:
-        err = console(stderr=True)
-
-        def progress(message: str) -> None:
-            err.print(f"comparing {message}…", style="dim")
-
-    result = diff_files(a, b, atol=atol, rtol=rtol, progress=progress)
+    result = diff_files(a, b, atol=atol, rtol=rtol, progress=progress_printer("comparing"))
     verdict = diff_verdict(result)
     if as_json:
         emit_json({**result.to_json(), "verdict": verdict.to_json()})

@@ -6,12 +6,12 @@ import sys
 
 import click
 
-from kvdbg.cli.common import console, emit_json, guarded, json_option, print_verdict, simple_verdict
+from kvdbg.cli.common import console, emit_json, full_option, guarded, json_option, print_verdict, simple_verdict
 
 
 @click.command()
 @click.argument("snapshot", type=click.Path(dir_okay=False))
-@click.option("--full", is_flag=True, help="List every request, not the first 32.")
+@full_option("List every request, not the first 32.")
 @click.option("--check", is_flag=True,
               help="Also load the tensors, validate every page id, length and offset, and check each step's "
                    "live pages as `kvdbg map` does (NaN/Inf, hidden page 0, ...); exit 1 on an error (loads torch).")

@@ -6,17 +6,19 @@ import sys
 
 import click
 
-from kvdbg.cli.common import console, emit_json, guarded, json_option, print_verdict
+from kvdbg.cli.common import (console, emit_json, full_option, guarded, json_option, print_verdict, request_option,
+                              step_option, within)
+from kvdbg.errors import OptionError
 
 
 @click.command(name="map")
 @click.argument("snapshot", type=click.Path(dir_okay=False))
-@click.option("--step", type=int, default=0, show_default=True, help="Decode step to show.")
-@click.option("--request", type=int, default=None, help="Show one request (and the anomalies it is part of).")
-@click.option("--full", is_flag=True, help="Do not elide long rows or long request lists.")
+@step_option(one="map shows one step", default_help="0")
+@request_option(extra="Anomalies are those the shown requests are part of.")
+@full_option("Do not elide long rows or long request lists.")
 @json_option
 @guarded
-def map_(snapshot: str, step: int, request: int | None, full: bool, as_json: bool) -> None:
+def map_(snapshot: str, step: int | None, request, full: bool, as_json: bool) -> None:
     """Show block tables, the physical→logical page map and paging anomalies.
 
     For each request: the live block-table entries (engine page ids) and the
@@ -31,14 +33,20 @@ def map_(snapshot: str, step: int, request: int | None, full: bool, as_json: boo
     \b
     Examples:
       kvdbg map snapshot.safetensors
-      kvdbg map snapshot.safetensors --step 1 --request 3 --full --json
+      kvdbg map snapshot.safetensors --step 1 --request 0-3 --full --json
     """
     from kvdbg.pagemap import page_map
     from kvdbg.snapshot import load_snapshot
 
     from kvdbg.verdict import map_verdict
 
-    result = page_map(load_snapshot(snapshot), step=step, request=request)
+    snap = load_snapshot(snapshot)
+    step = step or 0
+    if not 0 <= step < len(snap.steps):
+        raise OptionError(f"--step {step} is out of range: the snapshot has {len(snap.steps)} step(s)")
+    num_reqs = snap.steps[step].num_reqs
+    result = page_map(snap, step=step, request=within(request, num_reqs, "--request",
+                                                      f"step {step} has {num_reqs} request(s)"))
     verdict = map_verdict([result])
     if as_json:
         emit_json({**result.to_json(), "verdict": verdict.to_json()})

@@ -6,18 +6,18 @@ import sys
 
 import click
 
-from kvdbg.cli.common import backend_name, console, emit_json, guarded, json_option, print_verdict, simple_verdict
+from kvdbg.cli.common import (backend_option, console, default_snapshot, device_option, emit_json, guarded,
+                              json_option, print_verdict, progress_printer, simple_verdict, step_option, within)
 
 
 @click.command()
 @click.argument("snapshot", required=False, type=click.Path(dir_okay=False))
-@click.option("--backend", "backends", multiple=True,
-              help="Backend to poison (repeatable), as for replay. Default: all.")
-@click.option("--step", type=int, default=None, help="Only this step (earlier steps' cache updates still apply).")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@backend_option()
+@step_option(extra="Earlier steps' cache updates still apply.")
+@device_option()
 @json_option
 @guarded
-def poison(snapshot, backends, step, device, as_json):
+def poison(snapshot, backend, step, device, as_json):
     """Write NaN into every slot a correct backend must not read, region by region, and see who reads it.
 
     Regions: stored pages no table entry references, stale table tails, tokens
@@ -37,21 +37,14 @@ def poison(snapshot, backends, step, device, as_json):
       kvdbg poison snapshot.safetensors --backend flex --step 1 --json
     """
     from kvdbg.attention import ReplayOptions
-    from kvdbg.cli.replay import default_snapshot
     from kvdbg.poison import poison as run_poison
     from kvdbg.snapshot import load_snapshot
 
-    backends = list(dict.fromkeys(backend_name(b) for b in backends))
+    backends = list(backend)
     snap = load_snapshot(snapshot or default_snapshot())
-    progress = None
-    if sys.stderr.isatty() and not as_json:
-        err = console(stderr=True)
-
-        def progress(message: str) -> None:
-            err.print(f"poisoning {message}…", style="dim")
-
-    result = run_poison(snap, backends or None, ReplayOptions(device=device),
-                        steps=None if step is None else [step], required=backends, progress=progress)
+    steps = within(step, len(snap.steps), "--step", f"the snapshot has {len(snap.steps)} step(s)")
+    result = run_poison(snap, backends or None, ReplayOptions(device=device), steps=steps, required=backends,
+                        progress=progress_printer("poisoning"))
     verdict = poison_verdict(result)
     if as_json:
         emit_json({**result.to_json(), "verdict": verdict.to_json()})

@@ -6,63 +6,32 @@ import sys
 
 import click
 
-from kvdbg.cli.common import FINITE_FLOAT, backend_name, console, emit_json, guarded, json_option
-from kvdbg.errors import OptionError
-from kvdbg.ranges import IntRanges, IntRangesParam
-
-def within(ranges: IntRanges | None, count: int, option: str, has: str) -> list[int] | None:
-    """The members of an option's ranges below ``count`` (None: all); an OptionError naming one past it."""
-    if ranges is None:
-        return None
-    beyond = ranges.out_of(count)
-    if beyond is not None:
-        raise OptionError(f"{option} {beyond} is out of range: {has}")
-    return ranges.below(count)
-
-
-def default_snapshot() -> str:
-    try:
-        from kvdbg.fixtures_path import default_fixture
-    except ImportError:
-        import os
-        from importlib import resources
-
-        path = os.fspath(resources.files("kvdbg.fixtures") / "dflash.safetensors")
-        if not os.path.isfile(path):
-            raise OptionError("no SNAPSHOT given and the bundled fixture dflash.safetensors is missing") from None
-        return path
-    return default_fixture()
+from kvdbg.cli.common import (backend_option, console, default_snapshot, device_option, emit_json, force_option,
+                              full_option, guarded, head_option, json_option, output_option, progress_printer,
+                              request_option, step_option, tolerance_options, within)
 
 
 @click.command()
 @click.argument("snapshot", required=False, type=click.Path(dir_okay=False))
-@click.option("--backend", "backends", multiple=True,
-              help="Backend to replay (repeatable): reference, flex, flashinfer_ts, vllm_flex (the installed vLLM's "
-                   "own code); any case, or the engine's name (FLEX_ATTENTION, FLASHINFER_TS). Default: all.")
-@click.option("--step", "steps", type=IntRangesParam(), default=None,
-              help="Steps to replay, e.g. 1, 0-2 or 1- (default: all); earlier steps' cache updates still apply.")
-@click.option("--request", "requests", type=IntRangesParam(), default=None,
-              help="Requests to compare, e.g. 0-3,7 or 2- (default: all); findings about other requests are left "
-                   "out too, and the exit code follows what is shown.")
-@click.option("--heads", type=IntRangesParam(), default=None,
-              help="Query heads to compare, e.g. 0-3,7 (default: all). Findings concern whole requests (every "
-                   "head of one), so --heads does not drop them.")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@backend_option()
+@step_option(extra="Earlier steps' cache updates still apply.")
+@request_option(extra="Findings about other requests are left out too; the exit code follows "
+                      "what is shown.")
+@head_option(extra="Findings concern whole requests, so --head does not drop them.")
+@device_option()
 @click.option("--exact", is_flag=True, help="Reference in float64 instead of float32.")
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="torch.compile flex_attention (default: eager on CPU; on CUDA compiled only for steps too big for eager to be quicker).")
-@click.option("--atol", type=FINITE_FLOAT, default=None,
-              help="Absolute tolerance, finite and >= 0 (default by dtype, see the footer).")
-@click.option("--rtol", type=FINITE_FLOAT, default=None, help="Relative tolerance, finite and >= 0 (default by dtype).")
+@tolerance_options()
 @click.option("--explain", is_flag=True, help="Show each backend's per-request builder decisions.")
-@click.option("--full", is_flag=True, help="Show every head, not only failing ones and the worst passing.")
-@click.option("--save-outputs", type=click.Path(dir_okay=False), default=None,
-              help="Write every backend's output tensors to this safetensors file.")
-@click.option("--force", is_flag=True, help="Let --save-outputs replace an existing file.")
+@full_option("Show every head, not only failing ones and the worst passing.")
+@output_option("Also write every backend's output tensors to this safetensors file.",
+               hidden_aliases=("--save-outputs",))
+@force_option()
 @json_option
 @guarded
-def replay(snapshot, backends, steps, requests, heads, device, exact, compile_, atol, rtol, explain, full,
-           save_outputs, force, as_json):
+def replay(snapshot, backend, step, request, head, device, exact, compile_, atol, rtol, explain, full,
+           output, force, as_json):
     """Replay a snapshot through the exact reference and the backends, and diff them per head.
 
     Without SNAPSHOT, replays the bundled dflash fixture. Each backend reports
@@ -78,8 +47,8 @@ def replay(snapshot, backends, steps, requests, heads, device, exact, compile_, 
     \b
     Examples:
       kvdbg replay snapshot.safetensors
-      kvdbg replay snapshot.safetensors --backend flex --heads 0-3 --json
-      kvdbg replay --explain --save-outputs outputs.safetensors
+      kvdbg replay snapshot.safetensors --backend flex --head 0-3 --json
+      kvdbg replay --explain -o outputs.safetensors
     """
     from kvdbg.attention import ReplayOptions
     from kvdbg.render.replay import render_replay
@@ -87,34 +56,27 @@ def replay(snapshot, backends, steps, requests, heads, device, exact, compile_, 
     from kvdbg.replay import save_outputs as write_outputs
     from kvdbg.snapshot import load_snapshot
 
-    backends = list(dict.fromkeys(backend_name(b) for b in backends))
+    backends = list(backend)
     path = snapshot or default_snapshot()
     snap = load_snapshot(path)
     num_heads, num_steps = snap.meta.layer.num_heads, len(snap.steps)
-    head_ids = within(heads, num_heads, "--heads", f"the layer has {num_heads} heads")
+    head_ids = within(head, num_heads, "--head", f"the layer has {num_heads} heads")
     most = max(s.num_reqs for s in snap.steps)
-    request_ids = within(requests, most, "--request", f"the snapshot has {most} requests")
-    step_ids = within(steps, num_steps, "--step", f"the snapshot has {num_steps} step(s)")
+    request_ids = within(request, most, "--request", f"the snapshot has {most} requests")
+    step_ids = within(step, num_steps, "--step", f"the snapshot has {num_steps} step(s)")
     names = list(backends) if backends else None
     if names is not None and "reference" not in names:
         names.insert(0, "reference")  # every comparison needs the exact answer
-    progress = None
-    if sys.stderr.isatty() and not as_json:
-        err = console(stderr=True)
-
-        def progress(message: str) -> None:
-            err.print(f"replaying {message}…", style="dim")
-
     options = ReplayOptions(device=device, exact=exact, compile=compile_)
-    result = run_replay(snap, names, options, steps=step_ids,
-                        required=list(backends), progress=progress)
+    result = run_replay(snap, names, options, steps=step_ids, required=backends,
+                        progress=progress_printer("replaying"))
     # --request narrows findings as it narrows the diffs, and the exit code follows what is shown.
     report = result.judge(atol=atol, rtol=rtol, requests=request_ids, heads=head_ids)
-    if save_outputs:
-        write_outputs(result, save_outputs, overwrite=force)
+    if output:
+        write_outputs(result, output, overwrite=force)
     if as_json:
         emit_json(report.to_json(explain=explain))
     else:
-        console().print(render_replay(report, explain=explain, full=full, saved=save_outputs))
+        console().print(render_replay(report, explain=explain, full=full, saved=output))
     if report.verdict.exit_code:
         sys.exit(report.verdict.exit_code)

@@ -7,25 +7,23 @@ import sys
 
 import click
 
-from kvdbg.cli.common import backend_name, console, guarded
+from kvdbg.cli.common import backend_option, device_option, force_option, guarded, output_option, progress_printer
 from kvdbg.errors import OptionError
 
 
 @click.command()
 @click.argument("snapshot", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
-              help="Write the Markdown here (atomically) instead of to stdout.")
-@click.option("--backend", "backends", multiple=True,
-              help="Backend to replay (repeatable): reference, flex, flashinfer_ts, vllm_flex (the installed vLLM's own code). Default: all.")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@output_option("Write the Markdown here instead of to stdout.")
+@backend_option()
+@device_option()
 @click.option("--svg", "svg_dir", default=None, type=click.Path(file_okay=False),
               help="Also write the info, map and replay tables as self-contained SVG images into this directory "
                    "(and PNGs beside them where rsvg-convert is installed).")
-@click.option("--force", is_flag=True, help="Replace existing output files.")
+@force_option()
 @click.option("--sweep", "sweep_knobs", default=None, metavar="KNOB[,KNOB]",
               help="Also sweep these knobs (as `kvdbg sweep --vary`) and include the matrix.")
 @guarded
-def report(snapshot, output, backends, device, svg_dir, force, sweep_knobs):
+def report(snapshot, output, backend, device, svg_dir, force, sweep_knobs):
     """Write a Markdown bug report for a snapshot, ready to paste into a GitHub issue.
 
     Sections: the environment (OS, Python, torch and its CUDA build, GPUs,
@@ -45,7 +43,7 @@ def report(snapshot, output, backends, device, svg_dir, force, sweep_knobs):
     from kvdbg.render.report import render_markdown, render_svgs
     from kvdbg.report import build_report, write_text_atomic
 
-    backends = tuple(dict.fromkeys(backend_name(b) for b in backends))
+    backends = backend
     knobs = None
     if sweep_knobs is not None:
         from kvdbg.sweep import parse_knobs
@@ -61,13 +59,7 @@ def report(snapshot, output, backends, device, svg_dir, force, sweep_knobs):
             raise OptionError(f"{taken[0]} already exists; pass --force to replace it")
     if output is not None and os.path.exists(output) and not force:
         raise OptionError(f"{output} already exists; pass --force to replace it")
-    progress = None
-    if sys.stderr.isatty():
-        err = console(stderr=True)
-
-        def progress(message: str) -> None:
-            err.print(f"{message}…", style="dim")
-
+    progress = progress_printer()
     result = build_report(snapshot, list(backends) or None, device=device, progress=progress)
     if knobs is not None:
         from kvdbg.attention import ReplayOptions

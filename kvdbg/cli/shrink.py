@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-from kvdbg.cli.common import backend_name, console, emit_json, guarded, json_option, print_verdict, simple_verdict
+from kvdbg.cli.common import (backend_option, console, device_option, emit_json, force_option, guarded, json_option,
+                              output_option, print_verdict, progress_printer, simple_verdict)
 from kvdbg.errors import OptionError
 
 
 @click.command()
 @click.argument("snapshot", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
-              help="Where to write the reduced snapshot (atomically).")
-@click.option("--backend", default=None,
-              help="Backend whose failure to keep (flex, flashinfer_ts). Default: the first one that fails.")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@output_option("Where to write the reduced snapshot.", required=True)
+@backend_option(one="shrink keeps one backend's failure", default_help="the first that fails")
+@device_option()
 @click.option("--same-heads/--any-heads", default=True, show_default=True,
               help="Keep every failing head of the kept requests (default), or let the head pass drop "
                    "failing heads too for a smaller file.")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@force_option()
 @json_option
 @guarded
 def shrink(snapshot, output, backend, device, same_heads, force, as_json):
@@ -49,19 +46,8 @@ def shrink(snapshot, output, backend, device, same_heads, force, as_json):
     if os.path.exists(output) and os.path.exists(snapshot) and os.path.samefile(output, snapshot):
         raise OptionError(f"-o {output} is the input snapshot itself; shrink never overwrites its input "
                           "(--force or not): choose another output path")
-    if backend is not None:
-        backend = backend_name(backend)
-
-    progress = None
-    if sys.stderr.isatty():
-        err = console(stderr=True)
-
-        def progress(message: str) -> None:
-            err.print(message, style="dim")
-
-    result = run_shrink(load_snapshot(snapshot), backend, device=device, progress=progress, output_path=output,
-                        same_heads=same_heads,
-                        overwrite=force)
+    result = run_shrink(load_snapshot(snapshot), backend, device=device, progress=progress_printer(ongoing=False),
+                        output_path=output, same_heads=same_heads, overwrite=force)
     kept = len(result.failing_heads_after)
     verdict = simple_verdict("pass", EXIT_OK, f"DONE: {result.backend} still fails on {kept} (request, head) "
                                               f"pair(s) in {result.output_path or 'the output'}")

@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from kvdbg.cli.common import (FINITE_FLOAT, backend_name, console, emit_json, guarded, json_option,
-                              print_verdict)
+from kvdbg.cli.common import (backend_option, console, default_snapshot, device_option, emit_json, guarded,
+                              json_option, print_verdict, progress_printer, step_option, tolerance_options, within)
 
 
 @click.command()
@@ -15,16 +15,13 @@ from kvdbg.cli.common import (FINITE_FLOAT, backend_name, console, emit_json, gu
 @click.option("--vary", "vary", multiple=True, metavar="KNOB[,KNOB]",
               help="Knobs to vary, one at a time (repeatable, comma-separated): placement, kv-dtype, scales, "
                    "window, query-len, flex-block, compile, device, or all. Default: all.")
-@click.option("--backend", "backends", multiple=True,
-              help="Backend column (repeatable), as for replay; the reference is always replayed. Default: all.")
-@click.option("--step", type=int, default=None, help="Only this step (earlier steps' cache updates still apply).")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
-              help="The baseline's device (the device knob tries the other one).")
-@click.option("--atol", type=FINITE_FLOAT, default=None, help="Absolute tolerance (default by dtype, as replay).")
-@click.option("--rtol", type=FINITE_FLOAT, default=None, help="Relative tolerance (default by dtype, as replay).")
+@backend_option()
+@step_option(extra="Earlier steps' cache updates still apply.")
+@device_option("The baseline's device; the device knob tries the other one.")
+@tolerance_options()
 @json_option
 @guarded
-def sweep(snapshot, vary, backends, step, device, atol, rtol, as_json):
+def sweep(snapshot, vary, backend, step, device, atol, rtol, as_json):
     """Replay a snapshot with one knob changed at a time: which knob flips which backend's verdict.
 
     Rows are variants (the snapshot as captured first), columns the backends
@@ -46,26 +43,19 @@ def sweep(snapshot, vary, backends, step, device, atol, rtol, as_json):
     \b
     Examples:
       kvdbg sweep fixtures/prefix_page0.safetensors --vary placement
-      kvdbg sweep snapshot.safetensors --vary kv-dtype,window --backend flashinfer_ts --json
+      kvdbg sweep snapshot.safetensors --vary kv-dtype,window \\
+        --backend flashinfer_ts --json
     """
     from kvdbg.attention import ReplayOptions
-    from kvdbg.cli.replay import default_snapshot
     from kvdbg.snapshot import load_snapshot
     from kvdbg.sweep import parse_knobs, sweep as run_sweep, sweep_verdict
 
     knobs = parse_knobs(list(vary) if vary else None)
-    backends = list(dict.fromkeys(backend_name(b) for b in backends))
+    backends = list(backend)
     snap = load_snapshot(snapshot or default_snapshot())
-    progress = None
-    if sys.stderr.isatty() and not as_json:
-        err = console(stderr=True)
-
-        def progress(message: str) -> None:
-            err.print(f"sweeping {message}…", style="dim")
-
-    result = run_sweep(snap, knobs, backends or None, ReplayOptions(device=device),
-                       steps=None if step is None else [step], required=backends, atol=atol, rtol=rtol,
-                       progress=progress)
+    steps = within(step, len(snap.steps), "--step", f"the snapshot has {len(snap.steps)} step(s)")
+    result = run_sweep(snap, knobs, backends or None, ReplayOptions(device=device), steps=steps, required=backends,
+                       atol=atol, rtol=rtol, progress=progress_printer("sweeping"))
     verdict = sweep_verdict(result)
     if as_json:
         emit_json({**result.to_json(), "verdict": verdict.to_json()})

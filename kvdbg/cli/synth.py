@@ -1,17 +1,38 @@
-"""`kvdbg synth OUT`: write a deterministic synthetic snapshot."""
+"""`kvdbg synth -o OUT`: write a deterministic synthetic snapshot."""
 
 from __future__ import annotations
 
 import click
 
-from kvdbg.cli.common import console, emit_json, guarded, json_option
+from kvdbg.cli.common import (AliasedOption, BadInput, HiddenArgument, backend_name, console, emit_json, force_option,
+                              guarded, json_option, output_option)
+from kvdbg.errors import KvdbgError, OptionError
+from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
 from kvdbg.ranges import IntListParam
 
-LAYOUT_CHOICES = {"vllm": "pages,heads,tokens,2*dim", "seed": "2,pages,tokens,heads,dim"}
+# --layout names -> the format's kv_layout strings (docs/snapshot-format.md).
+LAYOUT_CHOICES = {"vllm": LAYOUT_VLLM, "kv-planes": LAYOUT_KV_PLANES}
+# Names --layout accepted before the layouts were named after what they are; kept, not shown.
+OLD_LAYOUT_NAMES = {"seed": "kv-planes"}
+
+
+class LayoutChoice(click.Choice):
+    def convert(self, value, param, ctx):
+        return super().convert(OLD_LAYOUT_NAMES.get(value, value), param, ctx)
+
+
+def _kvdbg_backend(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return backend_name(value, "--engine-output")
+    except KvdbgError as exc:
+        raise BadInput(str(exc)) from None
 
 
 @click.command()
-@click.argument("out", type=click.Path(dir_okay=False))
+@click.argument("out", cls=HiddenArgument, required=False, type=click.Path(dir_okay=False))
+@output_option("Where to write the snapshot (required).")
 @click.option("--seq-lens", type=IntListParam(), default="9,77,200,333", show_default=True,
               help="Comma-separated sequence length of each request at the first step (query included).")
 @click.option("--query-len", type=int, default=1, show_default=True, help="Query tokens per request (uniform block).")
@@ -19,7 +40,8 @@ LAYOUT_CHOICES = {"vllm": "pages,heads,tokens,2*dim", "seed": "2,pages,tokens,he
               help="Comma-separated ragged query lengths (overrides --query-len).")
 @click.option("--num-heads", type=int, default=8, show_default=True, help="Query heads (Hq).")
 @click.option("--num-kv-heads", type=int, default=2, show_default=True, help="KV heads (Hkv).")
-@click.option("--head-dim", type=int, default=64, show_default=True)
+@click.option("--head-size", "--head-dim", "head_size", cls=AliasedOption, hidden_aliases=("--head-dim",), type=int,
+              default=64, show_default=True, help="Head size (D), as head_size in the metadata.")
 @click.option("--page-size", type=int, default=16, show_default=True)
 @click.option("--window", type=int, default=None, help="Sliding window in tokens (default: none).")
 @click.option("--mask", type=click.Choice(["causal", "dense"]), default="causal", show_default=True)
@@ -29,8 +51,10 @@ LAYOUT_CHOICES = {"vllm": "pages,heads,tokens,2*dim", "seed": "2,pages,tokens,he
 @click.option("--q-scale", type=float, default=None, help="Query scale (default 1, or 0.05 with --fp8).")
 @click.option("--k-scale", type=float, default=None, help="Key scale (default 1, or 0.03 with --fp8).")
 @click.option("--v-scale", type=float, default=None, help="Value scale (default 1, or 0.04 with --fp8).")
-@click.option("--layout", type=click.Choice(sorted(LAYOUT_CHOICES)), default="vllm", show_default=True,
-              help="vllm: [pages, Hkv, page_size, 2*D]; seed: [2, pages, page_size, Hkv, D].")
+@click.option("--layout", type=LayoutChoice(sorted(LAYOUT_CHOICES)), default="vllm", show_default=True,
+              help="vllm: [pages, Hkv, page_size, 2*D], K|V rows per page and head (vLLM's packed "
+                   "cache); kv-planes: [2, pages, page_size, Hkv, D], K and V planes (vLLM's "
+                   "FlashAttention-style shape).")
 @click.option("--shuffle/--no-shuffle", default=True, show_default=True, help="Scatter physical page ids.")
 @click.option("--shared-prefix-pages", type=int, default=0, show_default=True,
               help="Leading pages shared by every request (prefix caching).")
@@ -41,32 +65,40 @@ LAYOUT_CHOICES = {"vllm": "pages,heads,tokens,2*dim", "seed": "2,pages,tokens,he
 @click.option("--steps", type=int, default=1, show_default=True, help="Decode steps (each appends the query block).")
 @click.option("--new-kv/--no-new-kv", default=True, show_default=True,
               help="Store each step's new K/V + slot_mapping (written into the cache before attention).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random number generator.")
 @click.option("--num-gpu-blocks", type=int, default=None, help="Pages in the engine's cache (default: auto).")
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--max-decode-query-len", type=int, default=None)
 @click.option("--backend-name", default=None, help="Engine backend recorded in the metadata.")
 @click.option("--notes", default="", help="Free text stored in the snapshot.")
-@click.option("--engine-output", default=None, metavar="BACKEND",
+@click.option("--engine-output", default=None, metavar="BACKEND", callback=_kvdbg_backend,
               help="Store each step's output computed by this kvdbg backend (reference, flex, flashinfer_ts) "
                    "as the engine's captured output.")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@force_option()
 @json_option
 @guarded
-def synth(out, seq_lens, query_len, query_lens, num_heads, num_kv_heads, head_dim, page_size, window, mask, dtype,
+def synth(out, output, seq_lens, query_len, query_lens, num_heads, num_kv_heads, head_size, page_size, window, mask, dtype,
           fp8, fp8_storage, q_scale, k_scale, v_scale, layout, shuffle, shared_prefix_pages, use_page_zero,
           page_zero_request, stale_tail, steps, new_kv, seed, num_gpu_blocks, max_model_len,
           max_decode_query_len, backend_name, notes, engine_output, force, as_json):
-    """Write a deterministic synthetic snapshot to OUT (same options and seed: same bytes).
+    """Write a deterministic synthetic snapshot: the same options give the same bytes.
 
     \b
     Examples:
-      kvdbg synth causal.safetensors --seq-lens 9,77,200,333 --num-heads 32 --num-kv-heads 8 --head-dim 128
-      kvdbg synth dflash.safetensors --seq-lens 9000,1000 --query-len 8 --mask dense --window 4096
-      kvdbg synth fp8.safetensors --fp8 --mask dense --query-len 4
+      kvdbg synth -o causal.safetensors --seq-lens 9,77,200,333 \\
+        --num-heads 32 --num-kv-heads 8 --head-size 128
+      kvdbg synth -o dflash.safetensors --seq-lens 9000,1000 --query-len 8 \\
+        --mask dense --window 4096
+      kvdbg synth -o fp8.safetensors --fp8 --mask dense --query-len 4
     """
     from kvdbg.snapshot import save_snapshot
     from kvdbg.synth import SynthSpec, synth_snapshot
+
+    if out is not None and output is not None and out != output:
+        raise OptionError(f"two output files ({out} and -o {output}): give one, with -o")
+    out = output or out
+    if out is None:
+        raise OptionError("-o/--output: give the file to write, e.g. -o snapshot.safetensors")
 
     spec = SynthSpec(
         seq_lens=seq_lens,
@@ -74,7 +106,7 @@ def synth(out, seq_lens, query_len, query_lens, num_heads, num_kv_heads, head_di
         query_lens=query_lens,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_size=head_dim,
+        head_size=head_size,
         page_size=page_size,
         sliding_window=window,
         causal=mask == "causal",

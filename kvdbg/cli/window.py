@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from kvdbg.cli.common import console, emit_json, guarded, json_option, print_verdict, simple_verdict
+from kvdbg.cli.common import (console, emit_json, full_option, guarded, json_option, print_verdict, request_option,
+                              simple_verdict, step_option)
 from kvdbg.errors import OptionError
 
 # The analysis holds one row per query token (and --full draws each); a decode
@@ -21,9 +22,8 @@ HAND_OPTIONS = ("--seq-len", "--window", "--query-len", "--page-size", "--mask",
 
 @click.command()
 @click.argument("snapshot", required=False, type=click.Path(dir_okay=False))
-@click.option("--request", type=int, default=None,
-              help="With SNAPSHOT: the request to analyse [default: the longest].")
-@click.option("--step", type=int, default=None, help="With SNAPSHOT: the step [default: 0].")
+@request_option(one="window analyses one request of SNAPSHOT", default_help="the longest")
+@step_option(one="window reads one step of SNAPSHOT", default_help="0")
 @click.option("--seq-len", type=int, default=None, help="Request length L, query block included (without SNAPSHOT).")
 @click.option("--window", type=int, default=None, help="Sliding window w (omit for a full-attention layer).")
 @click.option("--query-len", type=int, default=None, help="Query tokens per request (draft block) [default: 1].")
@@ -33,7 +33,7 @@ HAND_OPTIONS = ("--seq-len", "--window", "--query-len", "--page-size", "--mask",
 @click.option("--max-model-len", type=int, default=None, help="Engine max_model_len [default: max(32768, L)].")
 @click.option("--max-decode-query-len", type=int, default=None,
               help="Longest query block the backend is built for [default: --query-len].")
-@click.option("--full", is_flag=True, help="List every query token, not just both ends.")
+@full_option("List every query token, not just both ends.")
 @json_option
 @guarded
 def window(snapshot, request, step, seq_len, window, query_len, page_size, mask, max_model_len,

@@ -566,7 +566,7 @@ def commands_for(rng: random.Random, path: str, *, default_backends: float) -> l
     if rng.random() < 0.2:
         map_args += ["--step", str(rng.choice([0, 1, 2, -1, 2**40]))]
     if rng.random() < 0.2:
-        map_args += ["--request", str(rng.choice([0, 1, 3, -1, 2**40]))]
+        map_args += ["--request", str(rng.choice([0, 1, 3, -1, 2**40, "0-1", "1,9"]))]
     if rng.random() < 0.1:
         map_args.append("--full")
     cmds.append(maybe_json(map_args))
@@ -576,7 +576,7 @@ def commands_for(rng: random.Random, path: str, *, default_backends: float) -> l
     if rng.random() < 0.1:
         replay_args += ["--step", str(rng.choice([0, 1, -1, 2**40]))]
     if rng.random() < 0.1:
-        replay_args += ["--heads", rng.choice(["0", "0-3", "5-1", "x", "-3", "0-100000000000", "99"])]
+        replay_args += ["--head", rng.choice(["0", "0-3", "5-1", "x", "-3", "0-100000000000", "99"])]
     if rng.random() < 0.1:
         replay_args += ["--request", rng.choice(["0", "1-2", "0-100000000000", "7"])]
     if rng.random() < 0.05:

@@ -1,4 +1,4 @@
-"""Stand-in for vllm.v1.attention.backends.flashinfer_ts (FLASHINFER_TS), after the behaviour in seed 000.
+"""Stand-in for vllm.v1.attention.backends.flashinfer_ts (FLASHINFER_TS), after the behaviour of its specification.
 
 The real module's backend descriptor class was not in the sources read for
 kvdbg, so none is defined here; the impl and builder carry the real names. The

@@ -1,0 +1,148 @@
+"""One option vocabulary across subcommands (kvdbg/cli/common.py), and help that reads whole in 80 columns."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+
+from kvdbg.cli import COMMANDS, cli
+from kvdbg.cli.common import Indices, progress_printer, within
+from kvdbg.errors import OptionError
+from kvdbg.ranges import parse_ranges
+
+from tests.helpers import FIXTURES, ROOT
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], env={"COLUMNS": "120", "NO_COLOR": "1"})
+
+
+def one_line_error(res, needle: str) -> str:
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), res.output
+    assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def help_text(*command: str) -> str:
+    # A wide terminal: help must still be laid out for 80 columns.
+    res = CliRunner().invoke(cli, [*command, "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+@pytest.mark.parametrize("command", [(), *[(name,) for name in sorted(COMMANDS)]])
+def test_every_help_fits_80_columns(command):
+    text = help_text(*command)
+    wide = [line for line in text.splitlines() if len(line) > 80]
+    assert not wide, wide
+
+
+HIDDEN = {"replay": ["--heads", "--save-outputs"], "synth": ["--head-dim", "[OUT]"]}
+
+
+@pytest.mark.parametrize("command", sorted(HIDDEN))
+def test_old_spellings_are_not_shown(command):
+    text = help_text(command)
+    for old in HIDDEN[command]:
+        assert old not in text
+
+
+def test_the_same_option_reads_the_same_everywhere():
+    """Each shared option is declared by one factory: its metavar is the same in every command's help."""
+    metavars = {"--backend": "NAME", "--device": "DEVICE", "--output": "FILE"}
+    for name in sorted(COMMANDS):
+        text = help_text(name).split("\nOptions:\n", 1)[1]  # the option list, not the examples
+        for option, metavar in metavars.items():
+            for line in text.splitlines():
+                match = re.search(rf"{option} (\S+)", line)
+                if match and line.lstrip().startswith(("-", option)):
+                    assert match.group(1) == metavar, (name, line)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("map", FIXTURES + "/prefix_page0.safetensors", "--step", "0-1"),
+     "--step 0-1: map shows one step (give one index, not a range)"),
+    (("window", FIXTURES + "/dflash.safetensors", "--request", "0,1"),
+     "--request 0,1: window analyses one request of SNAPSHOT (give one index, not a range)"),
+    (("shrink", FIXTURES + "/prefix_page0.safetensors", "-o", "/tmp/never.safetensors", "--backend", "flex",
+      "--backend", "flashinfer_ts"), "--backend flex,flashinfer_ts: shrink keeps one backend's failure"),
+    (("poison", FIXTURES + "/dflash.safetensors", "--device", "tpu"), "--device must be cpu, cuda, cuda:N or auto"),
+    (("map", FIXTURES + "/prefix_page0.safetensors", "--request", "x"),
+     "Invalid value for '--request': 'x' is not a number or a range"),
+    (("replay", FIXTURES + "/causal_gqa.safetensors", "--heads", "x"),
+     "Invalid value for '--head': 'x' is not a number"),
+])
+def test_one_value_options_refuse_more(args, needle):
+    one_line_error(invoke(*args), needle)
+
+
+def test_cuda_n_is_an_accepted_spelling():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: cuda:N would run")
+    res = invoke("replay", FIXTURES + "/causal_gqa.safetensors", "--backend", "reference", "--device", "cuda:1")
+    # Parsed as a device (not refused as a spelling); refused because this machine has no CUDA.
+    one_line_error(res, "--device cuda:1: ")
+
+
+def test_map_request_takes_a_range():
+    data = json.loads(invoke("map", FIXTURES + "/prefix_page0.safetensors", "--request", "0-1", "--json").output)
+    assert [r["request"] for r in data["requests"]] == [0, 1]
+    # the anomalies shown are those of the requests shown
+    assert all({0, 1} & set(a["requests"]) for a in data["anomalies"])
+    one = json.loads(invoke("map", FIXTURES + "/prefix_page0.safetensors", "--request", "2", "--json").output)
+    assert [r["request"] for r in one["requests"]] == [2]
+
+
+def test_selectors_parse_with_the_one_range_grammar():
+    import click
+
+    @click.command()
+    @click.option("--step", type=Indices())
+    @click.option("--one", type=Indices(one="takes one"))
+    def command(step, one):
+        click.echo(f"{step}|{one}")
+
+    res = CliRunner().invoke(command, ["--step", " 5, 1-2 ,5", "--one", "3"])
+    assert res.output.strip() == "1-2,5|3"
+    assert within(parse_ranges("1-2,5", "--step"), 6, "--step", "six") == [1, 2, 5]
+    assert within(parse_ranges("4-", "--step"), 6, "--step", "six") == [4, 5]
+    assert within(None, 6, "--step", "six") is None
+    with pytest.raises(OptionError, match="--step 9 is out of range: six"):
+        within(parse_ranges("0,9", "--step"), 6, "--step", "six")
+    res = CliRunner().invoke(command, ["--one", "2-4"])
+    assert res.exit_code == 2 and "--one 2-4: takes one (give one index, not a range)" in res.output
+
+
+def test_progress_is_silent_without_a_terminal():
+    # pytest captures stderr: not a terminal, so no progress printer at all.
+    assert progress_printer("replaying") is None
+
+
+# The names of the project's own history say nothing to a user: none in product code, docs or help.
+HISTORY = re.compile(r"seed[- ]?(era|000|004)|LAYOUT_SEED|layout seed", re.IGNORECASE)
+
+
+def test_no_history_names_in_product_code_docs_or_help():
+    paths = ["kvdbg", "backends", "docs", "README.md", os.path.join("fixtures", "README.md"),
+             os.path.join("fixtures", "regenerate.sh")]
+    files = subprocess.run(["git", "ls-files", *paths], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert files
+    hits = []
+    for name in files:
+        if name.endswith((".py", ".md", ".sh", ".txt", ".toml")):
+            with open(os.path.join(ROOT, name), encoding="utf-8") as handle:
+                hits += [f"{name}: {line.strip()}" for line in handle if HISTORY.search(line)]
+    for command in [(), *[(name,) for name in sorted(COMMANDS)]]:
+        hits += [f"{' '.join(command)} --help: {line}" for line in help_text(*command).splitlines()
+                 if HISTORY.search(line)]
+    assert not hits, hits
