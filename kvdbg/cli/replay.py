@@ -35,7 +35,7 @@ def default_snapshot() -> str:
 
 
 @click.command()
-@click.argument("snapshot", required=False, type=click.Path(dir_okay=False))
+@click.argument("snapshot", nargs=-1, type=click.Path())
 @click.option("--backend", "backends", multiple=True,
               help="Backend to replay (repeatable): reference, flex, flashinfer_ts, vllm_flex (the installed vLLM's "
                    "own code); any case, or the engine's name (FLEX_ATTENTION, FLASHINFER_TS). Default: all.")
@@ -59,13 +59,22 @@ def default_snapshot() -> str:
 @click.option("--save-outputs", type=click.Path(dir_okay=False), default=None,
               help="Write every backend's output tensors to this safetensors file.")
 @click.option("--force", is_flag=True, help="Let --save-outputs replace an existing file.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Several snapshots: replay this many at once, each in its own process.")
+@click.option("--recursive", "-r", is_flag=True, help="Several snapshots: search directories below their top level.")
 @json_option
 @guarded
 def replay(snapshot, backends, steps, requests, heads, device, exact, compile_, atol, rtol, explain, full,
-           save_outputs, force, as_json):
+           save_outputs, force, jobs, recursive, as_json):
     """Replay a snapshot through the exact reference and the backends, and diff them per head.
 
-    Without SNAPSHOT, replays the bundled dflash fixture. Each backend reports
+    Without SNAPSHOT, replays the bundled dflash fixture. Given a directory
+    (its *.safetensors, sorted; --recursive goes below) or several files,
+    replays each as above and prints one summary row per file (file, layer,
+    step, verdict, worst backend and its error); a file that is bad input gets
+    a row saying why and the others still run. Over several files the exit code
+    is 2 if any is bad input, else 1 if any fails, else 3 if none verified
+    anything, else 0. Each backend reports
     what really ran (kernel, device, eager/compiled, dtype, emulated or not);
     findings list what the engine's backend would silently get wrong; the
     per-head table shows failing heads first.
@@ -80,7 +89,17 @@ def replay(snapshot, backends, steps, requests, heads, device, exact, compile_, 
       kvdbg replay snapshot.safetensors
       kvdbg replay snapshot.safetensors --backend flex --heads 0-3 --json
       kvdbg replay --explain --save-outputs outputs.safetensors
+      kvdbg replay captures/ --jobs 4
     """
+    import os
+
+    paths = list(snapshot)
+    if len(paths) > 1 or (paths and os.path.isdir(paths[0])):
+        return replay_several(paths, backends=backends, steps=steps, device=device, exact=exact, compile_=compile_,
+                              atol=atol, rtol=rtol, jobs=jobs, recursive=recursive, as_json=as_json,
+                              single_only={"--request": requests, "--heads": heads, "--explain": explain,
+                                           "--full": full, "--save-outputs": save_outputs, "--force": force})
+    snapshot = paths[0] if paths else None
     from kvdbg.attention import ReplayOptions
     from kvdbg.render.replay import render_replay
     from kvdbg.replay import replay as run_replay
@@ -118,3 +137,40 @@ def replay(snapshot, backends, steps, requests, heads, device, exact, compile_, 
         console().print(render_replay(report, explain=explain, full=full, saved=save_outputs))
     if report.verdict.exit_code:
         sys.exit(report.verdict.exit_code)
+
+
+def replay_several(paths, *, backends, steps, device, exact, compile_, atol, rtol, jobs, recursive, as_json,
+                   single_only) -> None:
+    """`kvdbg replay DIR|FILES...`: one summary row per snapshot (kvdbg.batch), one exit code over all."""
+    from kvdbg.batch import BatchOptions, find_snapshots, replay_many
+
+    given = [name for name, value in single_only.items() if value]
+    if given:
+        raise OptionError(f"{given[0]} applies to one snapshot; with several (or a directory) replay that file "
+                          "on its own")
+    files = find_snapshots(paths, recursive=recursive)
+    names = tuple(dict.fromkeys(backend_name(b) for b in backends))
+    options = BatchOptions(backends=names, steps=steps, device=device, exact=exact, compile=compile_, atol=atol,
+                           rtol=rtol)
+    progress = None
+    if sys.stderr.isatty() and not as_json:
+        err = console(stderr=True)
+
+        def progress(done: int, total: int, result) -> None:
+            err.print(f"[{done}/{total}] {result.path}: {result.status}", style="dim")
+
+    result = replay_many(files, options, jobs=jobs, progress=progress)
+    if as_json:
+        from kvdbg.render.batch import batch_json
+
+        emit_json(batch_json(result))
+    else:
+        from kvdbg.render.batch import render_batch
+        from kvdbg.render.util import simple_verdict, verdict_line
+
+        status = {0: "pass", 1: "fail"}.get(result.exit_code, "unverified")
+        out = console()
+        out.print(render_batch(result))
+        out.print(verdict_line(simple_verdict(status, result.exit_code, result.summary)))
+    if result.exit_code:
+        sys.exit(result.exit_code)
