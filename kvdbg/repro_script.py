@@ -91,7 +91,8 @@ def check_targets(script: str, *, data: str = "auto", overwrite: bool = False, a
                                   "snapshot or the input; choose another script name")
         if os.path.isdir(target):
             raise OptionError(f"--emit-script: {target} is a directory")
-        if os.path.exists(target) and not overwrite and (target == script or data == "file"):
+        # In auto mode the data may go to a file: an existing one is refused before the work, not after.
+        if os.path.exists(target) and not overwrite:
             raise OptionError(f"--emit-script: {target} already exists; pass --force to replace it")
 
 
