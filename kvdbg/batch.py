@@ -80,7 +80,7 @@ class FileResult:
     comparisons: list[dict[str, Any]] = field(default_factory=list)  # one summary per comparison
     seconds: float = 0.0
 
-    def to_json_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
