@@ -91,6 +91,14 @@ class BatchResult:
     summary: str
 
     @property
+    def verdict(self):
+        """The closing verdict (kvdbg.verdict.Verdict): pass (0), fail (1 or 2: bad input), unverified (3)."""
+        from kvdbg.verdict import simple_verdict
+
+        status = {0: "pass", 3: "unverified"}.get(self.exit_code, "fail")
+        return simple_verdict(status, self.exit_code, self.summary)
+
+    @property
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for f in self.files:

@@ -46,11 +46,11 @@ def test_directory_gives_one_sorted_row_per_snapshot_and_exit_1(capture_dir):
     failing = data["files"][0]
     assert failing["worst"]["actual"] == "flex" and not failing["worst"]["passed"]
     assert failing["worst"]["failed_heads"] > 0
-    assert failing["error_findings"] == ["null_page_masked"]
+    assert failing["error_findings"] == ["live_page_zero"]
     assert data["verdict"]["exit_code"] == 1 and list(data)[-1] == "verdict"
     table = invoke(str(capture_dir), "--backend", "flex").output
     assert f"3 snapshot(s) in {capture_dir}" in table
-    assert "null_page_masked" in table
+    assert "live_page_zero" in table
     assert table.rstrip().splitlines()[-1].startswith("FAIL: 3 snapshot(s): 1 fail (a_null_page.safetensors); 2 pass")
 
 

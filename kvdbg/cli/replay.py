@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvdbg.cli.common import FINITE_FLOAT, backend_name, console, emit_json, guarded, json_option
+from kvdbg.cli.common import FINITE_FLOAT, backend_name, console, emit_json, guarded, json_option, print_verdict
 from kvdbg.errors import OptionError
 from kvdbg.ranges import IntRanges, IntRangesParam
 
@@ -166,11 +166,9 @@ def replay_several(paths, *, backends, steps, device, exact, compile_, atol, rto
         emit_json(batch_json(result))
     else:
         from kvdbg.render.batch import render_batch
-        from kvdbg.render.util import simple_verdict, verdict_line
 
-        status = {0: "pass", 1: "fail"}.get(result.exit_code, "unverified")
         out = console()
         out.print(render_batch(result))
-        out.print(verdict_line(simple_verdict(status, result.exit_code, result.summary)))
+        print_verdict(out, result.verdict)
     if result.exit_code:
         sys.exit(result.exit_code)

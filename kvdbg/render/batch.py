@@ -101,9 +101,8 @@ def render_batch(result: BatchResult) -> Group:
 
 def batch_json(result: BatchResult) -> dict[str, Any]:
     """One object per file, in the order replayed, then the overall verdict (the last key)."""
-    status = {0: "pass", 1: "fail", 2: "bad input", 3: "unverified"}[result.exit_code]
     return {"files": [f.to_json() for f in result.files], "counts": result.counts, "rule": EXIT_RULE,
-            "verdict": {"status": status, "exit_code": result.exit_code, "summary": result.summary}}
+            "verdict": result.verdict.to_json()}
 
 
 __all__ = ["EXIT_RULE", "batch_json", "display_names", "render_batch"]
