@@ -59,4 +59,20 @@ def window_source(path: str | os.PathLike, step: int | None = None, request: int
         max_model_len=meta.backend.max_model_len, max_decode_query_len=meta.backend.max_decode_query_len)
 
 
-__all__ = ["WindowSource", "window_source"]
+def step_tables(path: str | os.PathLike, step: int):
+    """The step's block table (engine ids), lengths and stored page ids, for the flex picture (no torch)."""
+    from kvdbg.picture import StepTables
+
+    header = read_header(path)
+    prefix = header.meta.step_prefix(step)
+    entry = header.tensors[prefix + "block_table"]
+    flat = read_index_tensor(header, prefix + "block_table")
+    width = entry.shape[1] if len(entry.shape) == 2 else 0
+    rows = [flat[r * width:(r + 1) * width] for r in range(entry.shape[0])] if width else [[] for _ in range(
+        entry.shape[0] if entry.shape else 0)]
+    return StepTables(block_table=rows, seq_lens=read_index_tensor(header, prefix + "seq_lens"),
+                      query_start_loc=read_index_tensor(header, prefix + "query_start_loc"),
+                      page_ids=read_index_tensor(header, "page_ids"))
+
+
+__all__ = ["WindowSource", "step_tables", "window_source"]

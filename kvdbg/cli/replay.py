@@ -7,12 +7,13 @@ import sys
 import click
 
 from kvdbg.cli.common import (backend_option, console, default_snapshot, device_option, emit_json, force_option,
-                              full_option, guarded, head_option, json_option, output_option, progress_printer,
-                              request_option, step_option, tolerance_options, within)
+                              full_option, guarded, head_option, json_option, output_option, print_verdict,
+                              progress_printer, request_option, step_option, tolerance_options, within)
+from kvdbg.errors import OptionError
 
 
 @click.command()
-@click.argument("snapshot", required=False, type=click.Path(dir_okay=False))
+@click.argument("snapshot", nargs=-1, type=click.Path())
 @backend_option()
 @step_option(extra="Earlier steps' cache updates still apply.")
 @request_option(extra="Findings about other requests are left out too; the exit code follows "
@@ -28,13 +29,22 @@ from kvdbg.cli.common import (backend_option, console, default_snapshot, device_
 @output_option("Also write every backend's output tensors to this safetensors file.",
                hidden_aliases=("--save-outputs",))
 @force_option()
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Several snapshots: replay this many at once, each in its own process.")
+@click.option("--recursive", "-r", is_flag=True, help="Several snapshots: search directories below their top level.")
 @json_option
 @guarded
 def replay(snapshot, backend, step, request, head, device, exact, compile_, atol, rtol, explain, full,
-           output, force, as_json):
+           output, force, jobs, recursive, as_json):
     """Replay a snapshot through the exact reference and the backends, and diff them per head.
 
-    Without SNAPSHOT, replays the bundled dflash fixture. Each backend reports
+    Without SNAPSHOT, replays the bundled dflash fixture. Given a directory
+    (its *.safetensors, sorted; --recursive goes below) or several files,
+    replays each as above and prints one summary row per file (file, layer,
+    step, verdict, worst backend and its error); a file that is bad input gets
+    a row saying why and the others still run. Over several files the exit code
+    is 2 if any is bad input, else 1 if any fails, else 3 if none verified
+    anything, else 0. Each backend reports
     what really ran (kernel, device, eager/compiled, dtype, emulated or not);
     findings list what the engine's backend would silently get wrong; the
     per-head table shows failing heads first.
@@ -49,7 +59,17 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
       kvdbg replay snapshot.safetensors
       kvdbg replay snapshot.safetensors --backend flex --head 0-3 --json
       kvdbg replay --explain -o outputs.safetensors
+      kvdbg replay captures/ --jobs 4
     """
+    import os
+
+    paths = list(snapshot)
+    if len(paths) > 1 or (paths and os.path.isdir(paths[0])):
+        return replay_several(paths, backends=backend, steps=step, device=device, exact=exact, compile_=compile_,
+                              atol=atol, rtol=rtol, jobs=jobs, recursive=recursive, as_json=as_json,
+                              single_only={"--request": request, "--head": head, "--explain": explain,
+                                           "--full": full, "--output": output, "--force": force})
+    snapshot = paths[0] if paths else None
     from kvdbg.attention import ReplayOptions
     from kvdbg.render.replay import render_replay
     from kvdbg.replay import replay as run_replay
@@ -80,3 +100,35 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
         console().print(render_replay(report, explain=explain, full=full, saved=output))
     if report.verdict.exit_code:
         sys.exit(report.verdict.exit_code)
+
+
+def replay_several(paths, *, backends, steps, device, exact, compile_, atol, rtol, jobs, recursive, as_json,
+                   single_only) -> None:
+    """`kvdbg replay DIR|FILES...`: one summary row per snapshot (kvdbg.batch), one exit code over all."""
+    from kvdbg.batch import BatchOptions, find_snapshots, replay_many
+
+    given = [name for name, value in single_only.items() if value]
+    if given:
+        raise OptionError(f"{given[0]} applies to one snapshot; with several (or a directory) replay that file "
+                          "on its own")
+    files = find_snapshots(paths, recursive=recursive)
+    names = tuple(dict.fromkeys(backends))
+    options = BatchOptions(backends=names, steps=steps, device=device, exact=exact, compile=compile_, atol=atol,
+                           rtol=rtol)
+    printer = progress_printer()
+    progress = None if printer is None else \
+        (lambda done, total, result: printer(f"[{done}/{total}] {result.path}: {result.status}"))
+
+    result = replay_many(files, options, jobs=jobs, progress=progress)
+    if as_json:
+        from kvdbg.render.batch import batch_json
+
+        emit_json(batch_json(result))
+    else:
+        from kvdbg.render.batch import render_batch
+
+        out = console()
+        out.print(render_batch(result))
+        print_verdict(out, result.verdict)
+    if result.exit_code:
+        sys.exit(result.exit_code)

@@ -18,9 +18,18 @@ from kvdbg.errors import OptionError
               help="Keep every failing head of the kept requests (default), or let the head pass drop "
                    "failing heads too for a smaller file.")
 @force_option()
+@click.option("--emit-script", "emit_script", default=None, type=click.Path(dir_okay=False),
+              help="Also write a standalone repro script (torch + safetensors only, no kvdbg) that runs the failing "
+                   "backend's computation and an exact reference on the shrunk tensors; it exits 1 when the "
+                   "mismatch reproduces, 0 when not.")
+@click.option("--script-data", type=click.Choice(["auto", "embed", "file"]), default="auto", show_default=True,
+              help="With --emit-script: embed the tensors in the script (base64), write them beside it as "
+                   "SCRIPT.safetensors, or embed up to 96 KiB (auto).")
+@click.option("--verify/--no-verify", default=True, show_default=True,
+              help="With --emit-script: run the script here (isolated interpreter) and report whether it reproduces.")
 @json_option
 @guarded
-def shrink(snapshot, output, backend, device, same_heads, force, as_json):
+def shrink(snapshot, output, backend, device, same_heads, force, emit_script, script_data, verify, as_json):
     """Reduce a failing snapshot while the same backend keeps failing on the same heads.
 
     The failure kept is the chosen backend's failing (request, head) pairs
@@ -36,6 +45,7 @@ def shrink(snapshot, output, backend, device, same_heads, force, as_json):
     Examples:
       kvdbg shrink big.safetensors -o small.safetensors
       kvdbg shrink big.safetensors -o small.safetensors --backend flex --json
+      kvdbg shrink big.safetensors -o small.safetensors --emit-script repro.py
     """
     import os
 
@@ -46,16 +56,44 @@ def shrink(snapshot, output, backend, device, same_heads, force, as_json):
     if os.path.exists(output) and os.path.exists(snapshot) and os.path.samefile(output, snapshot):
         raise OptionError(f"-o {output} is the input snapshot itself; shrink never overwrites its input "
                           "(--force or not): choose another output path")
-    result = run_shrink(load_snapshot(snapshot), backend, device=device, progress=progress_printer(ongoing=False),
+    if emit_script is not None:
+        from kvdbg.repro_script import SUPPORTED, check_targets
+
+        if backend is not None and backend not in SUPPORTED:
+            raise OptionError(f"--emit-script writes out {' and '.join(SUPPORTED)} only, not {backend}")
+        check_targets(emit_script, data=script_data, overwrite=force, avoid=(output, snapshot))
+
+    progress = progress_printer(ongoing=False)
+    result = run_shrink(load_snapshot(snapshot), backend, device=device, progress=progress,
                         output_path=output, same_heads=same_heads, overwrite=force)
     kept = len(result.failing_heads_after)
-    verdict = simple_verdict("pass", EXIT_OK, f"DONE: {result.backend} still fails on {kept} (request, head) "
-                                              f"pair(s) in {result.output_path or 'the output'}")
+    summary = f"DONE: {result.backend} still fails on {kept} (request, head) pair(s) in {result.output_path or 'the output'}"
+    script = None
+    if emit_script is not None:
+        from kvdbg.repro_script import emit_repro_script, run_script
+
+        if progress:
+            progress(f"writing {emit_script}")
+        script = emit_repro_script(result.snapshot, result.backend, emit_script, data=script_data, overwrite=force,
+                                   device=device, source=os.path.basename(snapshot))
+        if verify:
+            if progress:
+                progress(f"running {emit_script} in an isolated interpreter")
+            script.verified_exit, script.verified_output = run_script(emit_script)
+        summary += f"; {emit_script} " + ("written (not run here)" if script.reproduces is None else
+                                          "reproduces it (exits 1)" if script.reproduces else
+                                          f"does NOT reproduce it (exits {script.verified_exit})")
+    verdict = simple_verdict("pass", EXIT_OK, summary)
     if as_json:
-        emit_json({**result.to_json(), "verdict": verdict.to_json()})
+        record = result.to_json()
+        if script is not None:
+            record["script"] = script.to_json()
+        emit_json({**record, "verdict": verdict.to_json()})
     else:
-        from kvdbg.render.shrink import render_shrink
+        from kvdbg.render.shrink import render_script, render_shrink
 
         out = console()
         out.print(render_shrink(result))
+        if script is not None:
+            out.print(render_script(script))
         print_verdict(out, verdict)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
 
-from kvdbg.cli.common import (console, emit_json, full_option, guarded, json_option, print_verdict, request_option,
-                              simple_verdict, step_option)
+from kvdbg.cli.common import (console, emit_json, force_option, full_option, guarded, json_option, print_verdict,
+                              request_option, simple_verdict, step_option)
 from kvdbg.errors import OptionError
 
 # The analysis holds one row per query token (and --full draws each); a decode
@@ -34,10 +35,18 @@ HAND_OPTIONS = ("--seq-len", "--window", "--query-len", "--page-size", "--mask",
 @click.option("--max-decode-query-len", type=int, default=None,
               help="Longest query block the backend is built for [default: --query-len].")
 @full_option("List every query token, not just both ends.")
+@click.option("--picture", is_flag=True,
+              help="Also draw the query x key grid of the request: the exact mask, what FLASHINFER_TS's kernel "
+                   "attends to, and (with SNAPSHOT) what flex's BlockMask and mask_mod let through.")
+@click.option("--svg", "svg_path", default=None, type=click.Path(dir_okay=False),
+              help="Write that picture as SVG to this file (atomically).")
+@click.option("--png", "png_path", default=None, type=click.Path(dir_okay=False),
+              help="Write that picture as PNG to this file (atomically).")
+@force_option()
 @json_option
 @guarded
 def window(snapshot, request, step, seq_len, window, query_len, page_size, mask, max_model_len,
-           max_decode_query_len, full, as_json):
+           max_decode_query_len, full, picture, svg_path, png_path, force, as_json):
     """Show what FLASHINFER_TS's window restriction hands the prims_ts kernel.
 
     Give either SNAPSHOT (L, window, q, page size, mask, max_model_len and
@@ -55,6 +64,7 @@ def window(snapshot, request, step, seq_len, window, query_len, page_size, mask,
       kvdbg window --seq-len 9000 --window 4096 --query-len 8
       kvdbg window --seq-len 9000 --window 4096 --query-len 8 --mask causal --json
       kvdbg window snapshot.safetensors --request 1 --step 0
+      kvdbg window snapshot.safetensors --picture --svg window.svg
     """
     from kvdbg.paging import analyze_window
 
@@ -91,10 +101,15 @@ def window(snapshot, request, step, seq_len, window, query_len, page_size, mask,
             raise
         raise OptionError(f"{source_label(source)}: {exc}".replace("--", "")) from None
     verdict = window_verdict(analysis)
+    drawn = None
+    if picture or svg_path or png_path:
+        drawn = draw_picture(analysis, source, snapshot, svg_path=svg_path, png_path=png_path, force=force)
     if as_json:
         record = analysis.to_json()
         if source is not None:
             record["source"] = source.to_json()
+        if drawn is not None:
+            record["picture"] = drawn.to_json()
         emit_json({**record, "verdict": verdict.to_json()})
     else:
         from kvdbg.render.window import render_window
@@ -103,9 +118,42 @@ def window(snapshot, request, step, seq_len, window, query_len, page_size, mask,
         if source is not None:
             out.print(source_label(source))
         out.print(render_window(analysis, full=full))
+        if picture:
+            from kvdbg.render.picture import PictureText
+
+            out.print(PictureText(drawn))
+        for path in (svg_path, png_path):
+            if path:
+                out.print(f"picture written to {path}", style="dim")
         print_verdict(out, verdict)
     if verdict.exit_code:
         sys.exit(verdict.exit_code)
+
+
+def draw_picture(analysis, source, snapshot, *, svg_path, png_path, force):
+    """The grids of the analysed request (flex's only with a snapshot: it needs the block table); files written."""
+    from kvdbg.atomic import atomic_write, write_text_atomic
+    from kvdbg.picture import picture
+
+    for option, path in (("--svg", svg_path), ("--png", png_path)):
+        if path and os.path.exists(path) and not force:
+            raise OptionError(f"{option} {path} already exists; pass --force to replace it")
+    tables = None
+    if source is not None:
+        from kvdbg.window_source import step_tables
+
+        tables = step_tables(snapshot, source.step)
+    drawn = picture(analysis, tables, None if source is None else source.request)
+    if svg_path:
+        from kvdbg.render.drawing import svg_text
+
+        write_text_atomic(svg_path, svg_text(drawn), overwrite=force, what="--svg")
+    if png_path:
+        from kvdbg.render.png import png_bytes
+
+        data = png_bytes(drawn)
+        atomic_write(png_path, lambda fh: fh.write(data), overwrite=force, what="--png")
+    return drawn
 
 
 def source_label(source) -> str:

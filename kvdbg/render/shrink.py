@@ -37,3 +37,18 @@ def render_shrink(r: ShrinkResult) -> Group:
     kept.add_row("failure kept", Text(f"{r.backend} fails on (request, head) {fail or 'none'}"
                                       + (f"; error findings {', '.join(codes)}" if codes else ""), style="red"))
     return Group(head, passes, kept)
+
+
+def render_script(script) -> Group:
+    """Where the repro script and its tensors went, and what running it here showed."""
+    where = "embedded in the script" if script.embedded else f"in {script.data_file} (keep it beside the script)"
+    lines = [Text(f"repro script {script.script}: {script.backend} vs an exact reference, torch + safetensors only; "
+                  f"tensors ({human_bytes(script.tensor_bytes)}) {where}", style="bold")]
+    if script.verified_exit is not None:
+        ok = bool(script.reproduces)
+        lines.append(Text(f"ran it here: exit {script.verified_exit} — "
+                          + ("the mismatch reproduces" if ok else "it does NOT reproduce the mismatch"),
+                          style="green" if ok else "bold red"))
+        tail = (script.verified_output or "").rstrip().splitlines()
+        lines.extend(Text("  " + line, style="dim") for line in tail[:12])
+    return Group(*lines)

@@ -1,0 +1,321 @@
+"""`kvdbg replay DIR|FILES...`: replay many snapshots, one summary row each, one exit code over all.
+
+Each file is replayed exactly as ``kvdbg replay FILE`` would (same backends,
+same comparisons, same verdict rule, kvdbg.verdict); a file that is bad input
+becomes a row saying why, and the others still run.
+
+The exit code over all files (:func:`batch_exit_code`):
+
+====  ==========================================================================
+code  when
+====  ==========================================================================
+2     any file is bad input (unreadable, not a snapshot, a backend named with
+      --backend cannot run on it, --step out of its range)
+1     otherwise, any file fails (its own exit code is 1), or kvdbg raised on it
+      (a bug: the row names the exception; replay that file alone for the trace)
+3     otherwise, no file verified anything (every file's own exit code is 3)
+0     otherwise (at least one file passed, none failed; files that verified
+      nothing are listed as such)
+====  ==========================================================================
+
+Nothing here imports torch at module level: the parent of a ``--jobs N`` run
+only schedules; each worker process imports torch once and replays its files.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+from kvdbg.errors import KvdbgError, OptionError
+
+SNAPSHOT_GLOB = "*.safetensors"
+
+# Row statuses; "bad input" and "crashed" carry a one-line message instead of a verdict.
+STATUS_PASS, STATUS_FAIL, STATUS_UNVERIFIED = "pass", "fail", "unverified"
+STATUS_BAD_INPUT, STATUS_CRASHED = "bad input", "crashed"
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """What `kvdbg replay` passes on to every file (the single-file replay's options)."""
+
+    backends: tuple[str, ...] = ()  # named with --backend (judged, and required); empty: the default set
+    steps: Any = None  # kvdbg.ranges.IntRanges of --step (None: every step), checked against each file
+    device: str = "cpu"
+    exact: bool = False
+    compile: bool | None = None
+    atol: float | None = None
+    rtol: float | None = None
+
+
+@dataclass
+class Worst:
+    """The comparison that decides a file's row: the worst counted one (failing first, then largest error)."""
+
+    actual: str
+    expected: str
+    step: int
+    passed: bool
+    max_abs: float | None  # None: no element could be compared (every one non-finite or unwritten)
+    failed_heads: int
+    heads: int
+    counted: bool  # False: a what-if column (shown because nothing counted was compared)
+
+
+@dataclass
+class FileResult:
+    """One snapshot's row (plain data: it crosses process boundaries)."""
+
+    path: str
+    status: str  # pass | fail | unverified | bad input | crashed
+    exit_code: int
+    layer: str | None = None
+    steps: list[int] = field(default_factory=list)
+    worst: Worst | None = None
+    error_findings: list[str] = field(default_factory=list)  # distinct codes of counted error findings
+    summary: str = ""  # the file's verdict line, or the one-line reason it was not replayed
+    comparisons: list[dict[str, Any]] = field(default_factory=list)  # one summary per comparison
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class BatchResult:
+    files: list[FileResult]
+    exit_code: int
+    summary: str
+
+    @property
+    def verdict(self):
+        """The closing verdict (kvdbg.verdict.Verdict): pass (0), fail (1 or 2: bad input), unverified (3)."""
+        from kvdbg.verdict import simple_verdict
+
+        status = {0: "pass", 3: "unverified"}.get(self.exit_code, "fail")
+        return simple_verdict(status, self.exit_code, self.summary)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for f in self.files:
+            out[f.status] = out.get(f.status, 0) + 1
+        return out
+
+
+# --------------------------------------------------------------------------- which files
+
+
+def find_snapshots(paths: Iterable[str], *, recursive: bool = False) -> list[str]:
+    """Every snapshot the arguments name: files as given, directories' ``*.safetensors`` sorted.
+
+    A directory is not searched below its top level unless ``recursive``. A file
+    named twice is replayed once. A path that does not exist, or a directory
+    holding no snapshot, is an OptionError (the whole command is then bad input:
+    nothing to replay is never a pass).
+    """
+    out: list[str] = []
+    for path in paths:
+        if os.path.isdir(path):
+            pattern = os.path.join(glob.escape(path), "**", SNAPSHOT_GLOB) if recursive else \
+                os.path.join(glob.escape(path), SNAPSHOT_GLOB)
+            found = sorted(p for p in glob.glob(pattern, recursive=recursive) if os.path.isfile(p))
+            if not found:
+                where = "in or below" if recursive else "in"
+                hint = "" if recursive else " (--recursive searches subdirectories)"
+                raise OptionError(f"no {SNAPSHOT_GLOB} file {where} directory {path}{hint}")
+            out.extend(found)
+        elif os.path.exists(path):
+            out.append(path)
+        else:
+            raise OptionError(f"{path}: no such file or directory")
+    seen: set[str] = set()
+    unique = []
+    for p in out:
+        key = os.path.realpath(p)
+        if key not in seen:
+            seen.add(key)
+            unique.append(p)
+    return unique
+
+
+# --------------------------------------------------------------------------- one file
+
+
+def replay_file(path: str, options: BatchOptions) -> FileResult:
+    """Replay one snapshot as ``kvdbg replay FILE`` does and reduce it to its row; never raises for bad input."""
+    import time
+
+    started = time.perf_counter()
+    try:
+        result = _replay_file(path, options)
+    except KvdbgError as exc:
+        result = FileResult(path, STATUS_BAD_INPUT, exc.exit_code, summary=_one_line(str(exc)))
+    except MemoryError:
+        result = FileResult(path, STATUS_BAD_INPUT, 2,
+                            summary="out of memory while reading the input; is the snapshot consistent?")
+    except OSError as exc:
+        result = FileResult(path, STATUS_BAD_INPUT, 2, summary=_one_line(f"cannot read {path}: {exc.strerror or exc}"))
+    except Exception as exc:  # a bug in kvdbg: keep the other files going, and say so plainly
+        from kvdbg.verdict import EXIT_FINDING
+
+        result = FileResult(path, STATUS_CRASHED, EXIT_FINDING,
+                            summary=_one_line(f"kvdbg raised {type(exc).__name__}: {exc} (a bug; run "
+                                              f"`kvdbg replay {path}` alone for the traceback)"))
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _replay_file(path: str, options: BatchOptions) -> FileResult:
+    from kvdbg.attention import ReplayOptions
+    from kvdbg.replay import replay as run_replay
+    from kvdbg.snapshot import load_snapshot
+
+    snap = load_snapshot(path)
+    names = list(options.backends) or None
+    if names is not None and "reference" not in names:
+        names.insert(0, "reference")  # every comparison needs the exact answer
+    replay_options = ReplayOptions(device=options.device, exact=options.exact, compile=options.compile)
+    steps = None
+    if options.steps is not None:
+        beyond = options.steps.out_of(len(snap.steps))
+        if beyond is not None:
+            raise OptionError(f"--step {beyond} is out of range: the snapshot has {len(snap.steps)} step(s)")
+        steps = options.steps.below(len(snap.steps))
+    result = run_replay(snap, names, replay_options, steps=steps, required=list(options.backends))
+    report = result.judge(atol=options.atol, rtol=options.rtol)  # the single-file replay's own verdict
+    comparisons, findings, verdict = report.comparisons, report.findings, report.verdict
+    counted = result.counted
+    return FileResult(
+        path=path, status=verdict.status, exit_code=verdict.exit_code, layer=snap.meta.layer.name,
+        steps=[s.step for s in result.steps], worst=worst_comparison(comparisons, counted),
+        error_findings=sorted({f.code for f in findings if f.severity == "error" and f.backend in counted}),
+        summary=verdict.summary,
+        comparisons=[_comparison_record(c, c.actual in counted) for c in comparisons if c.heads])
+
+
+def worst_comparison(comparisons, counted) -> Worst | None:
+    """The counted comparison that fails worst (or, all passing, errs most); a what-if one if none counted."""
+    compared = [c for c in comparisons if c.heads]
+    pool = [c for c in compared if c.actual in counted] or compared
+    if not pool:
+        return None
+
+    def badness(c):
+        error = c.max_abs
+        # Failing first; among those a comparison that could not be measured (NaN) first, then by error.
+        return (not c.passed, error != error, -1.0 if error != error else error)
+
+    c = max(pool, key=badness)
+    error = c.max_abs
+    return Worst(c.actual, c.expected, c.step, c.passed, None if error != error else error, len(c.failed),
+                 len(c.heads), c.actual in counted)
+
+
+def _comparison_record(c, counted: bool) -> dict[str, Any]:
+    error = c.max_abs
+    return {"actual": c.actual, "expected": c.expected, "step": c.step, "passed": c.passed, "counted": counted,
+            "max_abs": None if error != error else error, "failed_heads": len(c.failed), "heads": len(c.heads),
+            "not_compared": c.nonfinite}
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(text.split())
+    return text[:400] + ("…" if len(text) > 400 else "")
+
+
+# --------------------------------------------------------------------------- many files
+
+
+def _worker_init() -> None:
+    # Ctrl-C reaches every process of the terminal's group: workers leave it to the parent, which
+    # stops them, so one message is printed instead of a traceback per worker.
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _worker(args: tuple[int, str, BatchOptions]) -> tuple[int, FileResult]:
+    index, path, options = args
+    return index, replay_file(path, options)
+
+
+def iter_results(paths: list[str], options: BatchOptions, *, jobs: int = 1) -> Iterator[tuple[int, FileResult]]:
+    """(index into ``paths``, result) as each file finishes; with ``jobs`` > 1, in worker processes.
+
+    Workers are started fresh (spawn): a fork of a process that may already hold
+    torch's thread pools can deadlock. On KeyboardInterrupt the workers are
+    terminated before it propagates.
+    """
+    if jobs <= 1 or len(paths) <= 1:
+        for index, path in enumerate(paths):
+            yield index, replay_file(path, options)
+        return
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    pool = context.Pool(processes=min(jobs, len(paths)), initializer=_worker_init)
+    try:
+        for item in pool.imap_unordered(_worker, [(i, p, options) for i, p in enumerate(paths)]):
+            yield item
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+
+
+def replay_many(paths: list[str], options: BatchOptions, *, jobs: int = 1,
+                progress: Callable[[int, int, FileResult], None] | None = None) -> BatchResult:
+    """Replay every file (in parallel with ``jobs``); rows in the order of ``paths`` whatever finishes first."""
+    results: list[FileResult | None] = [None] * len(paths)
+    done = 0
+    for index, result in iter_results(paths, options, jobs=jobs):
+        results[index] = result
+        done += 1
+        if progress is not None:
+            progress(done, len(paths), result)
+    files = [r for r in results if r is not None]
+    code, summary = batch_verdict(files)
+    return BatchResult(files, code, summary)
+
+
+def batch_exit_code(files: list[FileResult]) -> int:
+    """The rule of the module doc: 2 bad input > 1 fail or crash > 3 nothing verified anywhere > 0."""
+    from kvdbg.verdict import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_NOTHING_VERIFIED, EXIT_OK
+
+    statuses = {f.status for f in files}
+    if STATUS_BAD_INPUT in statuses:
+        return EXIT_BAD_INPUT
+    if statuses & {STATUS_FAIL, STATUS_CRASHED}:
+        return EXIT_FINDING
+    if not files or statuses == {STATUS_UNVERIFIED}:
+        return EXIT_NOTHING_VERIFIED
+    return EXIT_OK
+
+
+def batch_verdict(files: list[FileResult]) -> tuple[int, str]:
+    """(exit code, one summary line) over all files."""
+    code = batch_exit_code(files)
+    by_status: dict[str, list[str]] = {}
+    for f in files:
+        by_status.setdefault(f.status, []).append(os.path.basename(f.path))
+
+    def names(status: str) -> str:
+        shown = by_status[status][:4]
+        more = len(by_status[status]) - len(shown)
+        return ", ".join(shown) + (f", … {more} more" if more else "")
+
+    parts = [f"{len(by_status[s])} {label}" + (f" ({names(s)})" if s not in (STATUS_PASS,) else "")
+             for s, label in ((STATUS_FAIL, "fail"), (STATUS_CRASHED, "crashed"), (STATUS_BAD_INPUT, "bad input"),
+                              (STATUS_UNVERIFIED, "verified nothing"), (STATUS_PASS, "pass")) if s in by_status]
+    head = {0: "PASS", 1: "FAIL", 2: "BAD INPUT", 3: "NOTHING VERIFIED"}[code]
+    return code, f"{head}: {len(files)} snapshot(s): " + "; ".join(parts)
+
+
+__all__ = ["BatchOptions", "BatchResult", "FileResult", "Worst", "batch_exit_code", "batch_verdict",
+           "find_snapshots", "iter_results", "replay_file", "replay_many", "worst_comparison"]

@@ -1,0 +1,175 @@
+"""`kvdbg replay DIR|FILES...`: one row per snapshot, the exit code over all, --jobs, --json, bad files."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from kvdbg.batch import (STATUS_BAD_INPUT, STATUS_CRASHED, STATUS_FAIL, STATUS_PASS, STATUS_UNVERIFIED, BatchOptions,
+                         FileResult, batch_exit_code, find_snapshots, replay_many)
+from kvdbg.cli import cli
+
+from tests.helpers import FIXTURES, assert_close_ulps
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, ["replay", *args], catch_exceptions=False)
+
+
+@pytest.fixture
+def capture_dir(tmp_path, make_snapshot):
+    """A directory of three snapshots with known verdicts: pass, fail (flex on the null page), pass."""
+    directory = tmp_path / "captures"
+    directory.mkdir()
+    good, _ = make_snapshot(seq_lens=(40, 70), query_len=2, engine_output="reference")
+    bad, _ = make_snapshot(seq_lens=(40, 70), query_len=2, use_page_zero=True, page_zero_request=1,
+                           engine_output="reference", backend="FLEX_ATTENTION")
+    shutil.copy(good, directory / "b_good.safetensors")
+    shutil.copy(bad, directory / "a_null_page.safetensors")
+    shutil.copy(good, directory / "c_good.safetensors")
+    (directory / "notes.txt").write_text("not a snapshot, not listed\n")
+    return directory
+
+
+def test_directory_gives_one_sorted_row_per_snapshot_and_exit_1(capture_dir):
+    res = invoke(str(capture_dir), "--backend", "flex", "--json")
+    assert res.exit_code == 1, res.output
+    data = json.loads(res.output)
+    assert [os.path.basename(f["path"]) for f in data["files"]] == [
+        "a_null_page.safetensors", "b_good.safetensors", "c_good.safetensors"]
+    assert [f["status"] for f in data["files"]] == ["fail", "pass", "pass"]
+    failing = data["files"][0]
+    assert failing["worst"]["actual"] == "flex" and not failing["worst"]["passed"]
+    assert failing["worst"]["failed_heads"] > 0
+    assert failing["error_findings"] == ["live_page_zero"]
+    assert data["verdict"]["exit_code"] == 1 and list(data)[-1] == "verdict"
+    table = invoke(str(capture_dir), "--backend", "flex").output
+    assert f"3 snapshot(s) in {capture_dir}" in table
+    assert "live_page_zero" in table
+    assert table.rstrip().splitlines()[-1].startswith("FAIL: 3 snapshot(s): 1 fail (a_null_page.safetensors); 2 pass")
+
+
+def test_each_row_matches_the_single_file_replay(capture_dir):
+    """A row's verdict is exactly `kvdbg replay FILE`'s, and the single-file output is today's full output."""
+    batch = json.loads(invoke(str(capture_dir), "--backend", "flex", "--json").output)
+    for record in batch["files"]:
+        single = invoke(record["path"], "--backend", "flex", "--json")
+        data = json.loads(single.output)
+        assert single.exit_code == record["exit_code"]
+        assert data["verdict"]["summary"] == record["summary"]
+        assert "files" not in data and "comparisons" in data
+    text = invoke(batch["files"][0]["path"], "--backend", "flex").output
+    assert "step 0: flex vs reference — FAIL" in text and "snapshot(s)" not in text
+
+
+def test_bad_file_gets_a_one_line_row_and_the_others_still_run(capture_dir):
+    (capture_dir / "broken.safetensors").write_bytes(b"junk")
+    res = invoke(str(capture_dir), "--backend", "flex", "--json")
+    assert res.exit_code == 2
+    data = json.loads(res.output)
+    rows = {os.path.basename(f["path"]): f for f in data["files"]}
+    assert rows["broken.safetensors"]["status"] == "bad input"
+    assert "not a safetensors file" in rows["broken.safetensors"]["summary"]
+    assert "\n" not in rows["broken.safetensors"]["summary"]
+    assert rows["b_good.safetensors"]["status"] == "pass" and rows["a_null_page.safetensors"]["status"] == "fail"
+    table = invoke(str(capture_dir), "--backend", "flex").output
+    assert "BAD INPUT" in table and "Traceback" not in table
+
+
+def test_step_out_of_range_for_one_file_is_that_file_s_bad_input(tmp_path, make_snapshot):
+    one, _ = make_snapshot(seq_lens=(30,), engine_output="reference")
+    two, _ = make_snapshot(seq_lens=(30,), steps=2, engine_output="reference")
+    data = json.loads(invoke(one, two, "--step", "1", "--backend", "flex", "--json").output)
+    assert [f["status"] for f in data["files"]] == ["bad input", "pass"]
+    assert "--step 1 is out of range" in data["files"][0]["summary"]
+    assert data["verdict"]["exit_code"] == 2
+
+
+def test_nothing_verified_anywhere_exits_3_and_one_verified_file_makes_it_0(make_snapshot):
+    bare, _ = make_snapshot(seq_lens=(30,))  # no engine output: the reference alone verifies nothing
+    bare2, _ = make_snapshot(seq_lens=(50,))
+    res = invoke(bare, bare2, "--backend", "reference", "--json")
+    assert res.exit_code == 3
+    assert [f["status"] for f in json.loads(res.output)["files"]] == ["unverified", "unverified"]
+    captured, _ = make_snapshot(seq_lens=(30,), engine_output="reference")
+    res = invoke(bare, captured, "--backend", "reference", "--json")
+    assert res.exit_code == 0
+    assert [f["status"] for f in json.loads(res.output)["files"]] == ["unverified", "pass"]
+
+
+@pytest.mark.parametrize("statuses, code", [
+    ([STATUS_PASS, STATUS_PASS], 0),
+    ([STATUS_PASS, STATUS_UNVERIFIED], 0),
+    ([STATUS_UNVERIFIED, STATUS_UNVERIFIED], 3),
+    ([], 3),
+    ([STATUS_PASS, STATUS_FAIL, STATUS_UNVERIFIED], 1),
+    ([STATUS_PASS, STATUS_CRASHED], 1),
+    ([STATUS_FAIL, STATUS_BAD_INPUT], 2),
+    ([STATUS_UNVERIFIED, STATUS_BAD_INPUT], 2),
+])
+def test_exit_rule(statuses, code):
+    files = [FileResult(f"f{i}", s, 0) for i, s in enumerate(statuses)]
+    assert batch_exit_code(files) == code
+
+
+def test_jobs_keep_the_order_and_the_results(capture_dir):
+    one = json.loads(invoke(str(capture_dir), "--backend", "flex", "--json").output)
+    four = json.loads(invoke(str(capture_dir), "--backend", "flex", "--json", "--jobs", "3").output)
+    assert [f["path"] for f in one["files"]] == [f["path"] for f in four["files"]]
+    for a, b in zip(one["files"], four["files"]):
+        assert (a["status"], a["exit_code"], a["error_findings"]) == (b["status"], b["exit_code"], b["error_findings"])
+        import torch
+
+        assert_close_ulps(torch.tensor(b["worst"]["max_abs"]), torch.tensor(a["worst"]["max_abs"]))
+    assert one["verdict"] == four["verdict"]
+
+
+def test_interrupt_stops_the_workers(capture_dir):
+    files = find_snapshots([str(capture_dir)])
+
+    def interrupt(done, total, result):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        replay_many(files, BatchOptions(backends=("flex",)), jobs=2, progress=interrupt)
+    assert multiprocessing.active_children() == []
+
+
+def test_recursive_and_empty_directories(tmp_path, make_snapshot):
+    path, _ = make_snapshot(seq_lens=(30,))
+    top = tmp_path / "top"
+    (top / "sub").mkdir(parents=True)
+    shutil.copy(path, top / "sub" / "x.safetensors")
+    res = invoke(str(top))
+    assert res.exit_code == 2
+    assert res.output.strip() == (f"Error: no *.safetensors file in directory {top} "
+                                  "(--recursive searches subdirectories)")
+    assert find_snapshots([str(top)], recursive=True) == [str(top / "sub" / "x.safetensors")]
+    # A file named twice (directly and through its directory) is replayed once.
+    assert find_snapshots([str(top / "sub"), str(top / "sub" / "x.safetensors")]) == [
+        str(top / "sub" / "x.safetensors")]
+
+
+def test_single_file_options_are_refused_with_several(capture_dir):
+    res = invoke(str(capture_dir), "--head", "0")
+    assert res.exit_code == 2
+    assert res.output.strip() == ("Error: --head applies to one snapshot; with several (or a directory) replay "
+                                  "that file on its own")
+
+
+def test_fixtures_directory_at_80_columns(monkeypatch, tmp_path):
+    """The bundled fixtures: the two that must fail fail, and the table reads whole in 80 columns."""
+    for name in ("prefix_page0.safetensors", "ts_causal_window.safetensors", "fp8_dense.safetensors"):
+        shutil.copy(os.path.join(FIXTURES, name), tmp_path / name)
+    monkeypatch.setenv("COLUMNS", "80")
+    res = invoke(str(tmp_path))
+    assert res.exit_code == 1
+    lines = res.output.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    rows = [line for line in lines if line.startswith("│ ") and ("PASS" in line or "FAIL" in line)]
+    assert [("FAIL" in r, "PASS" in r) for r in rows] == [(False, True), (True, False), (True, False)]
