@@ -130,28 +130,11 @@ def finish(findings: int) -> None:
         sys.exit(EXIT_FINDING)
 
 
-# What users type for a backend: kvdbg's names, the engine's names the tables print beside them
-# (FLEX_ATTENTION, FLASHINFER_TS), and the library's own name. Matched case-insensitively, - or _.
-BACKEND_ALIASES = {"flex_attention": "flex", "flashinfer": "flashinfer_ts", "ref": "reference"}
-
-
 def backend_name(name: str, option: str = "--backend") -> str:
-    """The kvdbg backend ``name`` means; an unknown one lists the valid names and suggests the nearest."""
-    import difflib
+    """The kvdbg backend ``name`` means (kvdbg.backends.resolve_backend: names, engine names, aliases)."""
+    from kvdbg.backends import resolve_backend  # the one list of backends (no heavy import)
 
-    from kvdbg.backends import backend_names  # the one list of backends (no heavy import)
-
-    names = tuple(backend_names())
-    key = name.strip().lower().replace("-", "_")
-    if key in names:
-        return key
-    if key in BACKEND_ALIASES:
-        return BACKEND_ALIASES[key]
-    known = list(names) + list(BACKEND_ALIASES)
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f"; did you mean {BACKEND_ALIASES.get(close[0], close[0])}?" if close else ""
-    raise OptionError(f"{option}: unknown backend {name!r}{hint} (choose from: {', '.join(names)}; "
-                      "engine names FLEX_ATTENTION and FLASHINFER_TS work too)")
+    return resolve_backend(name, option)
 
 
 
