@@ -111,6 +111,7 @@ class FlexBuilder:
     def build(self, common: CommonMetadata) -> FlexMetadata:
         import torch
 
+        from kvdbg.pagemap import physical_to_logical
         from kvdbg.snapshot import live_mask
 
         ps, num_pages, device = common.page_size, common.num_pages, common.seq_lens.device
@@ -120,15 +121,8 @@ class FlexBuilder:
         qlens = qsl[1:] - qsl[:-1]
         num_reqs, width = table.shape
         live = live_mask(table, seq_lens, ps) & (table >= 0)
-
-        # Inverse map; non-live entries go to a scratch column that is dropped, like vLLM's
-        # masking of entries past cdiv(L, page_size). amax: a page listed twice keeps its last block.
+        p2l = physical_to_logical(table, seq_lens, ps, num_pages, common.null_page)
         cols = torch.arange(width, device=device).expand(num_reqs, width)
-        p2l = torch.full((num_reqs, num_pages + 1), -1, dtype=torch.int64, device=device)
-        p2l.scatter_reduce_(1, torch.where(live, table, num_pages), torch.where(live, cols, -1), reduce="amax")
-        p2l = p2l[:, :num_pages].contiguous()
-        if common.null_page is not None:
-            p2l[:, common.null_page] = -1
         mapped_back = p2l.gather(1, table.clamp(0, max(num_pages - 1, 0))) if num_pages else table
         lost = live & (mapped_back != cols)
 

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from kvdbg.snapshot import Snapshot
 
 __all__ = ["PhysicalEntry", "RequestMap", "PageMap", "LivePageValues", "PagingHazard", "find_anomalies",
-           "hazard_finding", "live_page_values", "value_anomalies", "page_map", "paging_hazards"]
+           "hazard_finding", "live_page_values", "value_anomalies", "page_map", "paging_hazards",
+           "physical_to_logical"]
 
 NULL_PAGE = 0
 # Float32 bytes of K+V one chunk of pages may expand to while being scanned.
@@ -81,18 +82,50 @@ def _rows(snapshot: "Snapshot", step: int) -> tuple[list[list[int]], list[int], 
     return s.block_table.tolist(), [int(x) for x in s.seq_lens.tolist()], s.query_lens
 
 
-def _physical_to_logical(live: list[int]) -> list[PhysicalEntry]:
+def physical_to_logical(block_table: "torch.Tensor", seq_lens: "torch.Tensor", page_size: int, num_pages: int,
+                        null_page: int | None) -> "torch.Tensor":
+    """FLEX_ATTENTION's physical->logical page map: ``[num_reqs, num_pages]`` int64, the logical block of each
+    stored page in each request's table, -1 where the request does not map it.
+
+    ``block_table`` holds stored-page indices (-1: not stored); ``null_page`` is
+    the stored index of engine page 0, if stored. As vLLM (v0.33) derives it::
+
+        block_table[r] = [ 7  3  0  3 | 9 ]     seq_len reaches 4 pages; column 4 is a stale tail
+        null_page = 0
+
+        map[r, 7] = 0                           the block that lists it
+        map[r, 3] = 3                           listed twice: the last block wins, block 1 is lost
+        map[r, 0] = -1                          the null block is masked wherever it is listed
+        map[r, 9] = -1                          stale entries are ignored
+
+    Both ``kvdbg map`` (through ``.tolist()``) and the flex backend use this one computation.
+    """
+    import torch
+
+    from kvdbg.snapshot import live_mask
+
+    table = block_table.to(torch.int64)
+    num_reqs, width = table.shape
+    live = live_mask(table, seq_lens, page_size) & (table >= 0)
+    # Non-live entries go to a scratch column that is dropped; amax keeps a page's last logical block.
+    cols = torch.arange(width, device=table.device).expand(num_reqs, width)
+    p2l = torch.full((num_reqs, num_pages + 1), -1, dtype=torch.int64, device=table.device)
+    p2l.scatter_reduce_(1, torch.where(live, table, num_pages), torch.where(live, cols, -1), reduce="amax")
+    p2l = p2l[:, :num_pages].contiguous()
+    if null_page is not None:
+        p2l[:, null_page] = -1
+    return p2l
+
+
+def _physical_entries(live: list[int], stored: list[int], mapped: list[int]) -> list[PhysicalEntry]:
+    """One request's map by engine page: ``live`` engine ids, their ``stored`` indices, the request's map row."""
     seen: dict[int, list[int]] = defaultdict(list)
-    for logical, physical in enumerate(live):
+    index: dict[int, int] = {}
+    for logical, (physical, position) in enumerate(zip(live, stored)):
         seen[physical].append(logical)
-    out = []
-    for physical in sorted(seen):
-        candidates = seen[physical]
-        # scatter_ keeps one writer per physical slot; on CPU in practice the
-        # last, but vLLM gives no guarantee, so callers must treat it as ambiguous.
-        logical = -1 if physical == NULL_PAGE else candidates[-1]
-        out.append(PhysicalEntry(physical, logical, candidates))
-    return out
+        index[physical] = position
+    return [PhysicalEntry(physical, mapped[index[physical]] if index[physical] >= 0 else -1, seen[physical])
+            for physical in sorted(seen)]
 
 
 @dataclass(frozen=True)
@@ -362,6 +395,10 @@ def page_map(snapshot: "Snapshot", step: int = 0, request: int | Iterable[int] |
         if not 0 <= r < len(table):
             raise OptionError(f"--request {r} is out of range: step {step} has {len(table)} request(s)")
     ps = snapshot.page_size
+    stored = snapshot.stored_block_table(step)
+    mapped = physical_to_logical(stored, snapshot.steps[step].seq_lens, ps, snapshot.num_pages,
+                                 snapshot.null_page_index()).tolist()
+    stored = stored.tolist()
     requests = []
     for r in chosen:
         live_count = cdiv(seq_lens[r], ps)
@@ -369,7 +406,7 @@ def page_map(snapshot: "Snapshot", step: int = 0, request: int | Iterable[int] |
         requests.append(RequestMap(
             request=r, seq_len=seq_lens[r], query_len=query_lens[r], live_pages=live_count,
             table_width=len(table[r]), live=live, stale=table[r][live_count:],
-            physical_to_logical=_physical_to_logical(live)))
+            physical_to_logical=_physical_entries(live, stored[r][:live_count], mapped[r])))
     anomalies = find_anomalies(snapshot, step)
     if request is not None:
         anomalies = [a for a in anomalies if set(chosen) & set(a.requests)]

@@ -151,25 +151,15 @@ def test_cli_missing_file_exits_2(tmp_path):
     assert res.exit_code == 2 and res.output.startswith("Error: ") and len(res.output.strip().splitlines()) == 1
 
 
-def test_map_and_flex_backend_derive_the_same_physical_to_logical_map():
-    """`kvdbg map` (pure Python, engine ids) and the flex backend (tensors, stored indices) implement
-    the same vLLM rule; they must agree entry for entry, quirks included."""
-    from kvdbg.attention import ReplayOptions
-    from kvdbg.backends import get_backend
-    from kvdbg.pagemap import page_map
-    from kvdbg.replay import common_metadata
-    from kvdbg.synth import SynthSpec, synth_snapshot
+def test_physical_to_logical_follows_vllms_rule():
+    """The one map both `kvdbg map` and the flex backend use: the docstring's example, entry for entry."""
+    import torch
 
-    snap = synth_snapshot(SynthSpec(seq_lens=(60, 90, 40), use_page_zero=True, page_zero_request=1,
-                                    shared_prefix_pages=1, stale_tail=2, num_heads=2, num_kv_heads=1, head_size=16))
-    table = snap.steps[0].block_table
-    table[2, 2] = table[2, 1]  # a page mapped twice within request 2
-    common = common_metadata(snap, 0, "cpu")
-    flex = get_backend("flex").create(snap.meta, ReplayOptions()).builder.build(common)
-    engine_ids = snap.page_ids.tolist()
-    for req in page_map(snap, 0).requests:
-        from_map = {e.physical: e.logical for e in req.physical_to_logical}
-        from_flex = {engine_ids[i]: int(flex.physical_to_logical[req.request, i])
-                     for i in range(snap.num_pages) if engine_ids[i] in from_map}
-        assert from_map == from_flex, req.request
-    assert {e.physical: e.logical for e in page_map(snap, 0).requests[1].physical_to_logical}[0] == -1
+    from kvdbg.pagemap import physical_to_logical
+
+    table = torch.tensor([[7, 3, 0, 3, 9], [1, 2, -1, 0, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([64, 20])  # 4 live pages, then 2 of 16 tokens
+    p2l = physical_to_logical(table, seq_lens, 16, 10, null_page=0).tolist()
+    assert p2l[0] == [-1, -1, -1, 3, -1, -1, -1, 0, -1, -1]  # 3: last block wins; 0: null; 9: stale
+    assert p2l[1] == [-1, 0, 1, -1, -1, -1, -1, -1, -1, -1]
+    assert physical_to_logical(table, seq_lens, 16, 10, null_page=None).tolist()[0][0] == 2
