@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvdbg.ts_contract import FP8_P_STREAMS, FP8_P_TILE
+
 
 @triton.jit
 def _tile_scores(q, k_ptr, v_ptr, table_ptr, b, kvh, toks, length, last, row_ok, dims,
@@ -193,8 +195,6 @@ def triton_decode(q, k_cache, v_cache, seq_lens, block_tables, *, mask_type: str
     if fp8_p is None:
         fp8_p = q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
     if fp8_p:
-        from kvdbg.backends.flashinfer_ts import FP8_P_STREAMS, FP8_P_TILE
-
         assert FP8_P_STREAMS == 2, "the Triton kernel models two FP8 streams"
         block_n = FP8_P_TILE  # the kernel's tile, not a tuning knob here
     elif block_n is None:  # measured on an H200 (bench/ts_triton_tiles.py): larger key tiles while registers allow

@@ -15,7 +15,10 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
+
 from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.cache import FP8_MAX, as_fp8, quantize_fp8, split_kv
 from kvdbg.errors import BackendUnavailable
 from kvdbg.format import LAYOUT_VLLM
 from kvdbg.paging import (
@@ -27,7 +30,10 @@ from kvdbg.paging import (
     ts_window_left,
     visibility_table,
 )
+from kvdbg.paging_torch import restrict_to_window_tensors
 from kvdbg.ts_contract import (
+    FP8_P_STREAMS,
+    FP8_P_TILE,
     PRECONDITIONS,
     STRICTEST,
     SUPPORTED_CAPABILITIES,
@@ -40,8 +46,6 @@ from kvdbg.ts_contract import (
 )
 
 if TYPE_CHECKING:
-    import torch
-
     from kvdbg.format import SnapshotMeta
 
 NAME = "flashinfer_ts"
@@ -49,13 +53,11 @@ ENGINE_NAME = "FLASHINFER_TS"
 MIN_FLASHINFER = (0, 7, 1)
 EMULATED_KERNEL = "prims_ts contract, emulated in torch"
 EMULATED_KERNEL_TRITON = "prims_ts contract, emulated in Triton"
-FP8_MAX = 448.0
 # The FP8 kernel scales unnormalised probabilities by 448 (e4m3's largest finite value) and rounds them to
-# e4m3 before the P.V product (fmha_decode helpers_softmax). It streams keys in tiles of 128, dealt in turn
-# to two instances with their own running max, merged at the end: kvdbg models that at split count 1.
-FP8_P_SCALE = 448.0
-FP8_P_TILE = 128
-FP8_P_STREAMS = 2
+# e4m3 before the P.V product (fmha_decode helpers_softmax). It streams keys in tiles of FP8_P_TILE, dealt
+# in turn to FP8_P_STREAMS instances with their own running max, merged at the end: kvdbg models that at
+# split count 1.
+FP8_P_SCALE = FP8_MAX
 FP8_P_CAVEAT = ("P rounded to e4m3 at 448x per 128-key tile against each of 2 streams' running max, modelled "
                 "at split count 1; the real planner may split the keys further (its choice depends on batch "
                 "and GPU), which moves where P is rounded: each P stays within half an e4m3 step (1/16 "
@@ -126,8 +128,6 @@ def _import_prims_ts() -> tuple[Any, str]:
 
 def _probe_device(device: str) -> tuple[tuple[int, int] | None, str | None]:
     """(compute capability, None) for a usable CUDA replay device, else (None, why not)."""
-    import torch
-
     if not torch.cuda.is_available():
         built = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
         return None, f"no CUDA: {built} (torch {torch.__version__}); prims_ts needs a CUDA device"
@@ -255,15 +255,11 @@ def _plan_violations(meta: "SnapshotMeta", api: ApiGeneration) -> list[Finding]:
 
 def kv_kernel_dtype(layer) -> "torch.dtype":
     """An FP8 cache is stored as uint8 and viewed as e4m3; otherwise the model dtype."""
-    import torch
-
     return torch.float8_e4m3fn if layer.is_fp8 else getattr(torch, layer.dtype)
 
 
 def ts_output_dtype(q_dtype: "torch.dtype", model_dtype: "torch.dtype") -> "torch.dtype":
     """The dtype the kernel writes: an FP8 query only yields fp16 (or fp8), so a non-fp16 model stages via fp16."""
-    import torch
-
     if q_dtype == torch.float8_e4m3fn and model_dtype != torch.float16:
         return torch.float16
     return model_dtype
@@ -345,8 +341,6 @@ class FlashInferTSBuilder:
     """vLLM's FlashInferTSMetadataBuilder, step for step; planning goes to the real wrapper when it runs."""
 
     def __init__(self, meta: "SnapshotMeta", device: str, gate: KernelGate):
-        import torch
-
         layer, backend = meta.layer, meta.backend
         self.meta = meta
         self.gate = gate
@@ -393,10 +387,6 @@ class FlashInferTSBuilder:
         return plan, wrapper
 
     def build(self, common: CommonMetadata) -> FlashInferTSMetadata:
-        import torch
-
-        from kvdbg.paging_torch import restrict_to_window_tensors
-
         causal = common.causal
         if isinstance(causal, torch.Tensor):
             raise BackendUnavailable("FLASHINFER_TS plans one mask per batch; a per-request causal tensor "
@@ -495,8 +485,6 @@ def emulate_decode(
     ``fp8_p`` (default: when q and K are FP8) models the FP8 kernel's P
     rounding, see :func:`fp8_rounded_attention`; otherwise P stays fp32.
     """
-    import torch
-
     if fp8_p is None:
         fp8_p = q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
 
@@ -549,8 +537,6 @@ def fp8_rounded_attention(scores: "torch.Tensor", values: "torch.Tensor") -> "to
 
     Rows that see no key come back NaN.
     """
-    import torch
-
     length = scores.shape[-1]
     tiles = -(-length // FP8_P_TILE)
     padded = torch.nn.functional.pad(scores, (0, tiles * FP8_P_TILE - length), value=float("-inf"))
@@ -568,15 +554,6 @@ def fp8_rounded_attention(scores: "torch.Tensor", values: "torch.Tensor") -> "to
     denom = (probs.sum(-1) * weight).sum(-1, keepdim=True)  # [..., SQ, 1]
     weighted = (rounded * weight.unsqueeze(-1)).flatten(-2)[..., :length]
     return torch.matmul(weighted, values) / denom
-
-
-def kv_views(kv_cache: "torch.Tensor", head_size: int, fp8: bool) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """K and V as the two halves of vLLM's [pages, Hkv, page_size, 2*D] page: views, token stride 2*D."""
-    import torch
-
-    if fp8 and kv_cache.dtype == torch.uint8:
-        kv_cache = kv_cache.view(torch.float8_e4m3fn)
-    return kv_cache[..., :head_size], kv_cache[..., head_size:]
 
 
 def _view_record(t: "torch.Tensor", base: "torch.Tensor | None") -> dict[str, Any]:
@@ -618,15 +595,10 @@ class FlashInferTSImpl:
     def kernel_query(self, query: "torch.Tensor") -> "torch.Tensor":
         """The query in the plan's dtype: FP8 bytes viewed as e4m3; a model-dtype query on an FP8 cache is
         quantised with q_scale, as vLLM's attention layer does before calling this backend."""
-        import torch
-
         if not self.fp8:
             return query
-        if query.dtype == torch.uint8:
-            return query.view(torch.float8_e4m3fn)
-        if query.dtype == torch.float8_e4m3fn:
-            return query
-        return (query.float() / self.q_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        query = as_fp8(query)
+        return query if query.dtype == torch.float8_e4m3fn else quantize_fp8(query, self.q_scale)
 
     def _emulator(self, q: "torch.Tensor", k_cache: "torch.Tensor") -> Callable:
         """The Triton kernel of the same contract on CUDA (fast on large batches), else the torch loop.
@@ -651,15 +623,13 @@ class FlashInferTSImpl:
         return _triton_decode.triton_decode
 
     def forward(self, query, kv_cache, md: FlashInferTSMetadata, output):
-        import torch
-
         if md.overflow is not None or md.num_actual_tokens == 0:
             return output
         if md.build_id != self.builder.build_count:
             raise RuntimeError(f"FLASHINFER_TS metadata of build {md.build_id} was overwritten by build "
                                f"{self.builder.build_count}: its buffers are persistent, run each build before the next")
         n, b, sq = md.num_actual_tokens, md.num_reqs, md.query_len
-        k_cache, v_cache = kv_views(kv_cache, self.head_size, self.fp8)
+        k_cache, v_cache = split_kv(kv_cache, LAYOUT_VLLM, self.head_size, fp8=self.fp8)
         self.last_views = (k_cache, v_cache, kv_cache)
         # The flat view assigns token t to request t // sq whatever query_start_loc says (see findings).
         q = self.kernel_query(query[:n]).reshape(b, sq, self.num_heads, self.head_size)
@@ -714,8 +684,6 @@ def undefined_codes(md: FlashInferTSMetadata, num_pages: int, page_size: int,
     ``inactive_request`` (0.7.4+, ``seq_len <= 0``) is defined -- its output is
     left untouched -- but nothing is computed for it either.
     """
-    import torch
-
     lens = md.seq_lens.to(torch.int64)
     table = md.block_table
     width = table.shape[1]
@@ -751,8 +719,6 @@ def undefined_requests(md: FlashInferTSMetadata, num_pages: int, page_size: int,
 
 class FlashInferTSInstance:
     def __init__(self, meta: "SnapshotMeta", options: ReplayOptions, gate: KernelGate | None = None):
-        import torch
-
         self.meta = meta
         self.options = options
         gate = gate or kernel_gate(options.device, force_emulation=options.force_emulation)
@@ -838,8 +804,6 @@ class FlashInferTSInstance:
         buffer overflow, K/V views it cannot describe) are not written: the real
         kernel's output there is undefined, so nothing there is compared as a pass.
         """
-        import torch
-
         written = torch.zeros(common.num_actual_tokens, dtype=torch.bool)
         if md.overflow is not None or md.query_len == 0:
             return written
@@ -881,13 +845,11 @@ class FlashInferTSInstance:
 
     def _static_views(self):
         """K/V views of an empty cache in the snapshot's layout, on the meta device (strides only)."""
-        import torch
-
         layer = self.meta.layer
         shape = (1, layer.num_kv_heads, self.meta.backend.page_size, 2 * layer.head_size)
         dtype = torch.uint8 if layer.is_fp8 else getattr(torch, layer.dtype)
         pages = torch.empty(shape, dtype=dtype, device="meta")
-        return (*kv_views(pages, layer.head_size, layer.is_fp8), pages)
+        return (*split_kv(pages, LAYOUT_VLLM, layer.head_size, fp8=layer.is_fp8), pages)
 
     def _query_block_findings(self, common: CommonMetadata, md: FlashInferTSMetadata) -> list[Finding]:
         found = []

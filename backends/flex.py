@@ -14,11 +14,14 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
+
 from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.cache import as_fp8, dequantize_fp8, kv_views
+from kvdbg.pagemap import hazard_finding, paging_hazards, physical_to_logical
+from kvdbg.snapshot import live_mask, live_page_counts
 
 if TYPE_CHECKING:
-    import torch
-
     from kvdbg.format import SnapshotMeta
 
 # vLLM's direct build uses 16-token query blocks on torch >= 2.9 and KV blocks of one page.
@@ -41,7 +44,6 @@ _compiled_flex: dict[str, Callable] = {}
 
 def _flex_compiled(device_type: str) -> Callable:
     if device_type not in _compiled_flex:
-        import torch
         from torch.nn.attention.flex_attention import flex_attention
 
         # On CPU, inductor's dynamic-shape flex kernel fails to build once a second shape
@@ -109,11 +111,6 @@ class FlexBuilder:
         self.q_block_size = q_block_size
 
     def build(self, common: CommonMetadata) -> FlexMetadata:
-        import torch
-
-        from kvdbg.pagemap import physical_to_logical
-        from kvdbg.snapshot import live_mask
-
         ps, num_pages, device = common.page_size, common.num_pages, common.seq_lens.device
         table = common.block_table.to(torch.int64)
         seq_lens = common.seq_lens.to(torch.int64)
@@ -150,8 +147,6 @@ class FlexBuilder:
         (over-fetching for short requests; mask_mod masks the excess), the window drops blocks wholly
         before it, and the null page is never listed.
         """
-        import torch
-
         ps, num_pages, qb = common.page_size, common.num_pages, self.q_block_size
         device = table.device
         tokens = doc_ids.numel()
@@ -201,19 +196,12 @@ class FlexImpl:
         return listed * md.q_block_size * md.kv_block_size * self.meta.layer.num_heads
 
     def forward(self, query, kv_cache, md: FlexMetadata, output):
-        import torch
-
-        from kvdbg.replay import kv_views
-
         layer = self.meta.layer
         model_dtype = getattr(torch, layer.dtype)
         k_pages, v_pages = kv_views(self.meta, kv_cache)
-        if layer.is_fp8:
-            # vLLM's flex has no FP8 path; dequantising is kvdbg's choice, stated in RunInfo.notes.
-            q = query.view(torch.float8_e4m3fn) if query.dtype == torch.uint8 else query
-            q = (q.float() * layer.q_scale).to(model_dtype) if q.dtype == torch.float8_e4m3fn else q.to(model_dtype)
-        else:
-            q = query.to(model_dtype)
+        # vLLM's flex has no FP8 path; dequantising is kvdbg's choice, stated in RunInfo.notes.
+        q = as_fp8(query) if layer.is_fp8 else query
+        q = dequantize_fp8(q, layer.q_scale, model_dtype) if q.dtype == torch.float8_e4m3fn else q.to(model_dtype)
         tokens = md.num_actual_tokens
         q = q[:tokens].permute(1, 0, 2).unsqueeze(0)  # [1, Hq, T, D]
         self.calls = 0
@@ -228,14 +216,12 @@ class FlexImpl:
 
     def _pages(self, k_pages, v_pages, pages=None):
         """K/V of ``pages`` (all when None) as [1, Hkv, pages*ps, D] in the model dtype (FP8 dequantised)."""
-        import torch
-
         layer = self.meta.layer
         keys, values = (k_pages, v_pages) if pages is None else (k_pages[pages], v_pages[pages])
         if layer.is_fp8:
             model_dtype = getattr(torch, layer.dtype)
-            keys = (keys.float() * layer.k_scale).to(model_dtype)
-            values = (values.float() * layer.v_scale).to(model_dtype)
+            keys = dequantize_fp8(keys, layer.k_scale, model_dtype)
+            values = dequantize_fp8(values, layer.v_scale, model_dtype)
         n, hkv, ps, d = keys.shape
         # [pages, Hkv, ps, D] -> [1, Hkv, pages*ps, D]: token index = page * ps + offset.
         return (keys.permute(1, 0, 2, 3).reshape(1, hkv, n * ps, d),
@@ -297,8 +283,6 @@ class FlexImpl:
 
     def _finite_pages(self, k_pages, v_pages):
         """[pages] bool: every K and V element of the page is finite (fp32 page sums, read once, no gather)."""
-        import torch
-
         num_pages = k_pages.shape[0]
         flags = torch.ones(num_pages, dtype=torch.bool, device=k_pages.device)
         page_bytes = max(1, k_pages[:1].numel() * k_pages.element_size())
@@ -340,7 +324,6 @@ class FlexImpl:
     def _eager_call(self, q, k_pages, v_pages, md: FlexMetadata, output, start: int, stop: int, *,
                     restrict: bool) -> None:
         """Tokens [start, stop) over the pages their query blocks list (``restrict``: and their requests map)."""
-        import torch
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
         qb, ps = md.q_block_size, md.kv_block_size
@@ -429,8 +412,6 @@ def _resolve_compile(options: ReplayOptions) -> bool | None:
 
 class FlexInstance:
     def __init__(self, meta: "SnapshotMeta", options: ReplayOptions):
-        import torch
-
         self.meta = meta
         self.options = options
         self.output_dtype = getattr(torch, meta.layer.dtype)
@@ -463,11 +444,6 @@ class FlexInstance:
                        dtype=layer.dtype, emulated=False, compiled=self.compiled, notes=notes)
 
     def findings(self, common: CommonMetadata, md: FlexMetadata) -> list[Finding]:
-        import torch
-
-        from kvdbg.pagemap import hazard_finding, paging_hazards
-        from kvdbg.snapshot import live_mask
-
         out: list[Finding] = []
         ps = common.page_size
         engine = common.block_table_engine.to(torch.int64)
@@ -492,10 +468,6 @@ class FlexInstance:
         return out
 
     def explain(self, common: CommonMetadata, md: FlexMetadata) -> list[dict[str, Any]]:
-        import torch
-
-        from kvdbg.snapshot import live_page_counts
-
         ps = common.page_size
         mapped = (md.physical_to_logical >= 0).sum(1).tolist()
         live_pages = live_page_counts(common.seq_lens, ps).tolist()
@@ -517,7 +489,6 @@ class FlexInstance:
                 "lost_blocks": lost[r],
                 "kv_blocks_visited": visited,
             })
-        del torch
         return rows
 
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.cache import as_fp8, dequantize_fp8, kv_views
 
 if TYPE_CHECKING:
-    import torch
-
     from kvdbg.format import SnapshotMeta
 
 # Bytes of gathered K/V + scores one chunk may hold. Requests are grouped up to it,
@@ -43,20 +44,12 @@ class ReferenceMetadata:
     page_size: int
 
 
-def _as_fp8(t: "torch.Tensor") -> "torch.Tensor":
-    import torch
-
-    return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
-
-
 class ReferenceBuilder:
     def __init__(self, meta: "SnapshotMeta", compute_dtype: "torch.dtype"):
         self.meta = meta
         self.compute_dtype = compute_dtype
 
     def build(self, common: CommonMetadata) -> ReferenceMetadata:
-        import torch
-
         layer, ps = self.meta.layer, common.page_size
         seq_lens = common.seq_lens.to(torch.int64)
         query_lens = common.query_lens.to(torch.int64)
@@ -112,20 +105,15 @@ class ReferenceImpl:
         self.compute_dtype = compute_dtype
 
     def forward(self, query, kv_cache, md: ReferenceMetadata, output):
-        import torch
-
-        from kvdbg.replay import kv_views
-
         layer = self.meta.layer
         dt = self.compute_dtype
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_size
         group = hq // hkv
         ps = md.page_size
         k_pages, v_pages = kv_views(self.meta, kv_cache)
-        k_scale = layer.k_scale if layer.is_fp8 else 1.0
-        v_scale = layer.v_scale if layer.is_fp8 else 1.0
-        q_scale = layer.q_scale if layer.is_fp8 and query.dtype in (torch.uint8, torch.float8_e4m3fn) else 1.0
-        query = _as_fp8(query) if layer.is_fp8 else query
+        fp8 = layer.is_fp8
+        query = as_fp8(query) if fp8 else query
+        fp8_query = query.dtype == torch.float8_e4m3fn
         device = query.device
         soft_cap = float(layer.logits_soft_cap or 0.0)
 
@@ -143,7 +131,8 @@ class ReferenceImpl:
             token = md.query_start_loc[reqs].unsqueeze(1) + offsets.unsqueeze(0)  # [n, qmax]
             real = offsets.unsqueeze(0) < qlens.unsqueeze(1)
             token = torch.where(real, token, torch.zeros_like(token))
-            q = query[token].to(dt) * q_scale  # [n, qmax, Hq, D]
+            q = query[token]  # [n, qmax, Hq, D]
+            q = dequantize_fp8(q, layer.q_scale, dt) if fp8_query else q.to(dt)
             q = q.reshape(n, qmax, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, group * qmax, d)
             pos = (seq_lens - qlens).unsqueeze(1) + offsets.unsqueeze(0)  # p = L - q + i, [n, qmax]
 
@@ -152,12 +141,11 @@ class ReferenceImpl:
                 kv_len = (last_page - first_page) * ps
                 # Entries past a request's live pages may be -1 (not stored) or stale; they are masked by k < L.
                 table = md.block_table[reqs, first_page:last_page].clamp_min(0)
-                keys = k_pages[table].to(dt)  # [n, pages, Hkv, ps, D]
-                values = v_pages[table].to(dt)
-                if k_scale != 1.0:  # in place: a scaled copy would be one more K-sized buffer
-                    keys.mul_(k_scale)
-                if v_scale != 1.0:
-                    values.mul_(v_scale)
+                if fp8:  # [n, pages, Hkv, ps, D]
+                    keys = dequantize_fp8(k_pages[table], layer.k_scale, dt)
+                    values = dequantize_fp8(v_pages[table], layer.v_scale, dt)
+                else:
+                    keys, values = k_pages[table].to(dt), v_pages[table].to(dt)
                 keys = keys.permute(0, 2, 1, 3, 4).reshape(n, hkv, kv_len, d)
                 values = values.permute(0, 2, 1, 3, 4).reshape(n, hkv, kv_len, d)
                 scores = torch.matmul(q, keys.transpose(-1, -2)) * layer.scale  # [n, Hkv, G*qmax, kv_len]
@@ -195,8 +183,6 @@ class ReferenceImpl:
         output ``acc``; a new block rescales them by ``exp(m_old - m_new)``. Rows
         that see no key at all end as 0/0 = NaN, as one softmax over -inf gives.
         """
-        import torch
-
         m = l = acc = poisoned = None
         for first in range(0, num_pages, step_pages):
             scores, (values, block_poisoned) = block_scores(first, min(first + step_pages, num_pages))
@@ -231,8 +217,6 @@ def _masked_values(values, allowed, group: int):
     NaN in that channel. The check is one reduction; only a poisoned cache pays
     for the extra product.
     """
-    import torch
-
     # One fp32 sum is finite for every finite cache (its values are far below fp32's range); only a
     # poisoned block pays for the element-wise check.
     if bool(torch.isfinite(values.sum(dtype=torch.float32))):
@@ -250,8 +234,6 @@ def _masked_values(values, allowed, group: int):
 
 class ReferenceInstance:
     def __init__(self, meta: "SnapshotMeta", options: ReplayOptions):
-        import torch
-
         self.meta = meta
         self.options = options
         self.compute_dtype = torch.float64 if options.exact else torch.float32

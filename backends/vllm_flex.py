@@ -36,12 +36,13 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.cache import kv_views
 from kvdbg.errors import BackendUnavailable
 
 if TYPE_CHECKING:
-    import torch
-
     from kvdbg.format import SnapshotMeta
 
 NAME = "vllm_flex"
@@ -107,7 +108,6 @@ class _Engine:
     """vLLM's config, builder and impl for one layer, made once per batch-size bound."""
 
     def __init__(self, flex, meta: "SnapshotMeta", device: str, num_blocks: int, max_seqs: int, max_tokens: int):
-        import torch
         from vllm.config import (CacheConfig, CompilationConfig, DeviceConfig, LoadConfig, ModelConfig,
                                  ParallelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config)
         from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
@@ -166,7 +166,6 @@ class VllmFlexBuilder:
         self.owner = owner
 
     def build(self, common: CommonMetadata) -> VllmFlexMetadata:
-        import torch
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
         device = common.seq_lens.device
@@ -191,8 +190,6 @@ class VllmFlexBuilder:
 
 def _renumber(num_pages: int, null_page: int | None, device) -> tuple["torch.Tensor", int, bool]:
     """vLLM block index of each stored page: the null block at 0, the others after it in stored order."""
-    import torch
-
     stored = torch.arange(num_pages, device=device)
     if null_page is None:
         return stored + 1, num_pages + 1, True
@@ -208,10 +205,6 @@ class VllmFlexImpl:
         self.owner = owner
 
     def forward(self, query, kv_cache, md: VllmFlexMetadata, output):
-        import torch
-
-        from kvdbg.replay import kv_views
-
         meta = self.owner.meta
         k_pages, v_pages = kv_views(meta, kv_cache)  # [pages, Hkv, page_size, D]
         pages, hkv, page_size, d = k_pages.shape
@@ -229,8 +222,6 @@ class VllmFlexImpl:
 
 class VllmFlexInstance:
     def __init__(self, meta: "SnapshotMeta", options: ReplayOptions):
-        import torch
-
         self.meta = meta
         self.options = options
         self.flex = _import_flex()
@@ -255,8 +246,6 @@ class VllmFlexInstance:
     @contextlib.contextmanager
     def cpu_eager_flex(self, device):
         """On CPU, vLLM's compiled flex_attention is swapped for the eager one for the call (see the module doc)."""
-        import torch
-
         if torch.device(device).type != "cpu" or self.options.compile:
             yield
             return

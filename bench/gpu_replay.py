@@ -18,7 +18,8 @@ import time
 import torch
 
 from kvdbg.attention import ReplayOptions
-from kvdbg.replay import common_metadata, load_backends, run_backend, working_cache
+from kvdbg.cache import working_cache
+from kvdbg.replay import common_metadata, load_backends, run_backend
 from kvdbg.synth import SynthSpec, synth_snapshot
 
 

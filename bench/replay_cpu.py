@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from kvdbg.attention import ReplayOptions
-from kvdbg.replay import common_metadata, kv_views, load_backends, run_backend, working_cache
+from kvdbg.cache import kv_views, working_cache
+from kvdbg.replay import common_metadata, load_backends, run_backend
 from kvdbg.synth import SynthSpec, synth_snapshot
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -30,10 +30,9 @@ from typing import Callable
 
 import torch
 
+from kvdbg.cache import CPU_ATTN_K_TRANSPOSED, join_kv, split_kv
 from kvdbg.errors import KvdbgError
 from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
-
-CPU_ATTN_K_TRANSPOSED = "cpu_attn:pages,heads,[dim,tokens]k+[tokens,dim]v"
 
 # CPU_ATTN kernel variants ("isa", set by vLLM's CPU_ATTN builder on every layer)
 # whose page layout kvdbg has verified against the engine's own cache writer.
@@ -89,21 +88,14 @@ class EngineLayout:
 
 
 def _cpu_attn_to_vllm(pages: torch.Tensor) -> torch.Tensor:
-    num_pages, num_heads, page_size, width = pages.shape
-    head_size = width // 2
-    slots = pages.contiguous().reshape(num_pages, num_heads, 2, page_size * head_size)
-    keys = slots[:, :, 0].reshape(num_pages, num_heads, head_size, page_size).transpose(-1, -2)
-    values = slots[:, :, 1].reshape(num_pages, num_heads, page_size, head_size)
-    return torch.cat([keys, values], dim=-1).contiguous()
+    keys, values = split_kv(pages.contiguous(), CPU_ATTN_K_TRANSPOSED, pages.shape[-1] // 2)
+    return join_kv(keys, values, LAYOUT_VLLM)
 
 
 def vllm_to_cpu_attn(pages: torch.Tensor) -> torch.Tensor:
     """The inverse of the CPU_ATTN conversion: ``pages,heads,tokens,2*dim`` pages as CPU_ATTN's kernel stores them."""
-    num_pages, num_heads, page_size, width = pages.shape
-    head_size = width // 2
-    keys = pages[..., :head_size].transpose(-1, -2).reshape(num_pages, num_heads, page_size * head_size)
-    values = pages[..., head_size:].reshape(num_pages, num_heads, page_size * head_size)
-    return torch.stack([keys, values], dim=2).reshape(num_pages, num_heads, page_size, width).contiguous()
+    keys, values = split_kv(pages, LAYOUT_VLLM, pages.shape[-1] // 2)
+    return join_kv(keys, values, CPU_ATTN_K_TRANSPOSED)
 
 
 ENGINE_LAYOUTS: dict[str, EngineLayout] = {

@@ -374,7 +374,7 @@ def _cache_at(snapshot: "Snapshot", step: int) -> "torch.Tensor | None":
     """The pages as step ``step`` reads them: earlier and own cache updates applied (None: no update)."""
     if not any(s.has_update for s in snapshot.steps[:step + 1]):
         return None
-    from kvdbg.replay import apply_step_update, working_cache
+    from kvdbg.cache import apply_step_update, working_cache
 
     cache = working_cache(snapshot)
     for s in range(step + 1):

@@ -293,7 +293,7 @@ class PoisonedCache:
     """Writes NaN into a set of slots of a private cache and restores what was there on exit."""
 
     def __init__(self, meta, cache: torch.Tensor, runs: Iterable[SlotRun], which: str = "k"):
-        from kvdbg.replay import kv_views
+        from kvdbg.cache import kv_views
 
         keys, values = kv_views(meta, cache)
         self.views = {"k": (keys,), "v": (values,), "kv": (keys, values)}[which]
@@ -346,8 +346,8 @@ def poison(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
     """
     from kvdbg.attention import ReplayOptions
     from kvdbg.backends import DEFAULT_ORDER
-    from kvdbg.replay import apply_step_update, common_metadata, load_backends, resolve_device, run_backend
-    from kvdbg.replay import working_cache
+    from kvdbg.cache import apply_step_update, working_cache
+    from kvdbg.replay import common_metadata, load_backends, resolve_device, run_backend
 
     options = options or ReplayOptions()
     device = resolve_device(options.device)

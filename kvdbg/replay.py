@@ -12,15 +12,17 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import torch
 
 from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.backends import DEFAULT_ORDER, backend_names, get_backend
+from kvdbg.cache import apply_step_update, working_cache
 from kvdbg.errors import BackendUnavailable, OptionError
+from kvdbg.pagemap import live_page_values, value_anomalies
+from kvdbg.verdict import counted_backends
 
 if TYPE_CHECKING:
     from kvdbg.diff import Comparison
     from kvdbg.format import SnapshotMeta
     from kvdbg.snapshot import Snapshot
     from kvdbg.verdict import Verdict
-
-FP8_MAX = 448.0  # float8_e4m3fn saturates here, as vLLM's cache write does
 
 
 @dataclass
@@ -78,8 +80,6 @@ class ReplayResult:
     @property
     def counted(self) -> frozenset[str]:
         """The sources whose results set the exit code: kvdbg.verdict's rule."""
-        from kvdbg.verdict import counted_backends
-
         return counted_backends(self.meta.backend.name, [(st.name, st.engine_name) for st in self.backends],
                                 self.named)
 
@@ -172,16 +172,6 @@ class ReplayReport:
         }
 
 
-# --------------------------------------------------------------------------- cache helpers
-
-
-def kv_views(meta: "SnapshotMeta", cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views ``[pages, Hkv, page_size, D]`` of a cache in ``meta``'s layout (no copy)."""
-    from kvdbg.snapshot import Snapshot
-
-    return Snapshot(meta=meta, kv_cache=cache, page_ids=cache.new_empty(0, dtype=torch.int32), steps=[]).kv_views(cache)
-
-
 def resolve_device(device: str) -> str:
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` → a device torch can use here; a one-line reason otherwise."""
     if device == "auto":
@@ -227,57 +217,8 @@ def common_metadata(snapshot: "Snapshot", step: int, device: str = "cpu") -> Com
     )
 
 
-def working_cache(snapshot: "Snapshot", device: str = "cpu") -> torch.Tensor:
-    """A private cache of the stored pages that step updates may write into; ``snapshot`` is never written.
-
-    On CPU, a snapshot loaded from a file gets a second private mapping of the
-    file rather than a copy: a copy would double the memory of a multi-GB
-    replay, while the mapping costs only the pages a step writes.
-    """
-    if torch.device(device).type == "cpu":
-        mapped = snapshot.remap_kv_cache()
-        if mapped is not None:
-            return mapped
-    return snapshot.kv_cache.to(device, copy=True).contiguous()
-
-
-def apply_step_update(snapshot: "Snapshot", cache: torch.Tensor, step: int) -> int:
-    """Write step ``step``'s new key/value into ``cache`` at its slots, as the engine's cache update does.
-
-    FP8 caches store ``x / scale`` saturated to e4m3. Returns the number of tokens written.
-    """
-    s = snapshot.steps[step]
-    if s.slot_mapping is None or s.key is None or s.value is None:
-        return 0
-    ps = snapshot.page_size
-    device = cache.device
-    slots = s.slot_mapping.to(torch.int64).to(device)
-    keep = slots >= 0
-    slots = slots[keep]
-    if slots.numel() == 0:
-        return 0
-    stored = snapshot.to_stored_index(slots.cpu() // ps).to(device)
-    if (stored < 0).any():
-        bad = int(slots[stored < 0][0])
-        raise OptionError(f"step {step}: slot_mapping writes slot {bad}, whose page is not stored")
-    offset = slots % ps
-    k_view, v_view = kv_views(snapshot.meta, cache)
-    layer = snapshot.meta.layer
-    for view, new, scale in ((k_view, s.key, layer.k_scale), (v_view, s.value, layer.v_scale)):
-        new = new.to(device)[keep.to(device)]
-        if layer.is_fp8:
-            quant = (new.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            # Write bytes: index_put_ is not implemented for float8 on every device.
-            view.view(torch.uint8)[stored, :, offset] = quant.view(torch.uint8)
-        else:
-            view[stored, :, offset] = new.to(view.dtype)
-    return int(slots.numel())
-
-
 def input_findings(snapshot: "Snapshot", step: int, cache: torch.Tensor) -> list[Finding]:
     """NaN/Inf and all-zero live pages of the cache the step's backends are about to read."""
-    from kvdbg.pagemap import live_page_values, value_anomalies
-
     return value_anomalies(live_page_values(snapshot, step, cache), backend="replay", step=step)
 
 
@@ -291,8 +232,6 @@ def load_backends(names: Iterable[str], meta: "SnapshotMeta", options: ReplayOpt
     Unknown names raise OptionError. A backend in ``required`` (asked for by name) that is unavailable
     raises BackendUnavailable instead: the user asked for it, so nothing is shown without it.
     """
-    from kvdbg.backends import backend_names, get_backend
-
     names = list(dict.fromkeys(names))
     valid = backend_names()
     for name in names:
@@ -390,8 +329,6 @@ def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
     fails (nothing can be compared without it); another backend's failure becomes a
     ``backend_raised`` error finding on its column.
     """
-    from kvdbg.backends import DEFAULT_ORDER
-
     options = options or ReplayOptions()
     device = resolve_device(options.device)
     options.device = device
@@ -468,7 +405,6 @@ def save_outputs(result: ReplayResult, path: str, *, overwrite: bool = False) ->
 
 __all__ = [
     "save_outputs",
-    "BackendRun", "BackendStatus", "ReplayReport", "ReplayResult", "StepReplay", "apply_step_update", "common_metadata",
-    "input_findings",
-    "kv_views", "load_backends", "replay", "resolve_device", "run_backend", "working_cache",
+    "BackendRun", "BackendStatus", "ReplayReport", "ReplayResult", "StepReplay", "common_metadata",
+    "input_findings", "load_backends", "replay", "resolve_device", "run_backend",
 ]

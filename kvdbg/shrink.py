@@ -30,11 +30,17 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
+import torch
+
+from kvdbg.attention import ReplayOptions
+from kvdbg.backends import DEFAULT_ORDER
+from kvdbg.cache import apply_step_update, kv_head_dim, working_cache
+from kvdbg.diff import compare_step
 from kvdbg.errors import KvdbgError, OptionError
+from kvdbg.replay import replay
+from kvdbg.snapshot import compact_cache, referenced_pages, save_snapshot, validate
 
 if TYPE_CHECKING:
-    import torch
-
     from kvdbg.snapshot import Snapshot
 
 __all__ = ["Signature", "Observation", "PassRecord", "ShrinkResult", "ddmin", "failure_signature", "shrink",
@@ -158,16 +164,11 @@ def _split(items: list, n: int) -> list[list]:
 
 def observe(snapshot: "Snapshot", backend: str, step: int, *, device: str = "cpu") -> Observation:
     """Replay one step through the reference and ``backend``; what fails there."""
-    from kvdbg.attention import ReplayOptions
-    from kvdbg.replay import replay
-
     result = replay(snapshot, ["reference", backend], ReplayOptions(device=device), steps=[step])
     return _observation(result, backend)
 
 
 def _observation(result, backend: str, step_index: int = -1) -> Observation:
-    from kvdbg.diff import compare_step
-
     status = next(st for st in result.backends if st.name == backend)
     if not status.available or not result.steps:
         return Observation(False, frozenset(), frozenset())
@@ -187,10 +188,6 @@ def failure_signature(snapshot: "Snapshot", backend: str | None = None, *, devic
 
     Without ``backend``, the first backend (in replay's default order) that fails is chosen.
     """
-    from kvdbg.attention import ReplayOptions
-    from kvdbg.backends import DEFAULT_ORDER
-    from kvdbg.replay import replay
-
     candidates = [backend] if backend else [b for b in DEFAULT_ORDER if b != "reference"]
     if backend == "reference":
         raise OptionError("--backend reference: the reference defines correctness; choose a backend to shrink for")
@@ -222,8 +219,6 @@ def tensor_bytes(snapshot: "Snapshot") -> int:
 
 def _compact(snapshot: "Snapshot") -> "Snapshot":
     """Keep only the stored pages the steps still read or write."""
-    from kvdbg.snapshot import compact_cache, referenced_pages
-
     ids = referenced_pages(snapshot.steps, snapshot.page_size)
     stored = snapshot.to_stored_index(ids)
     kv = compact_cache(snapshot.kv_cache, snapshot.meta.kv_layout, stored)
@@ -232,8 +227,6 @@ def _compact(snapshot: "Snapshot") -> "Snapshot":
 
 def bake_step(snapshot: "Snapshot", step: int) -> "Snapshot":
     """A one-step snapshot of ``step`` whose cache already holds every earlier step's update."""
-    from kvdbg.replay import apply_step_update, working_cache
-
     cache = working_cache(snapshot)
     for earlier in range(step):
         apply_step_update(snapshot, cache, earlier)
@@ -244,8 +237,6 @@ def bake_step(snapshot: "Snapshot", step: int) -> "Snapshot":
 
 def select_requests(snapshot: "Snapshot", keep: Sequence[int]) -> "Snapshot":
     """Keep the requests ``keep`` (in this order) of a one-step snapshot, renumbering rows and tokens."""
-    import torch
-
     step = snapshot.steps[0]
     qsl = step.query_start_loc.to(torch.int64).tolist()
     rows = torch.tensor(list(keep), dtype=torch.int64)
@@ -264,16 +255,11 @@ def select_requests(snapshot: "Snapshot", keep: Sequence[int]) -> "Snapshot":
 
 def select_kv_heads(snapshot: "Snapshot", keep: Sequence[int]) -> "Snapshot":
     """Keep KV heads ``keep`` and their query-head groups; the layer's head counts shrink accordingly."""
-    import torch
-
-    from kvdbg.format import LAYOUT_VLLM
-
     layer = snapshot.meta.layer
     group = layer.group_size
     kv_idx = torch.tensor(list(keep), dtype=torch.int64)
     q_idx = torch.tensor([k * group + g for k in keep for g in range(group)], dtype=torch.int64)
-    head_dim = 1 if snapshot.meta.kv_layout == LAYOUT_VLLM else 3
-    kv = snapshot.kv_cache.index_select(head_dim, kv_idx).contiguous()
+    kv = snapshot.kv_cache.index_select(kv_head_dim(snapshot.meta.kv_layout), kv_idx).contiguous()
     step = snapshot.steps[0]
 
     def pick(t, idx):
@@ -287,8 +273,6 @@ def select_kv_heads(snapshot: "Snapshot", keep: Sequence[int]) -> "Snapshot":
 
 def drop_pages(snapshot: "Snapshot", request: int, logical_pages: Iterable[int]) -> "Snapshot":
     """Remove whole logical pages (before the query block) from one request: its row and seq_len shrink."""
-    import torch
-
     drop = set(logical_pages)
     if not drop:
         return snapshot
@@ -358,8 +342,6 @@ class _Shrinker:
 
     def reproduces(self, candidate: "Snapshot", requests: Sequence[int], heads: Sequence[int]) -> bool:
         """Does ``candidate`` (keeping input requests/heads ``requests``/``heads``) fail the same way?"""
-        from kvdbg.snapshot import validate
-
         try:
             validate(candidate)
         except KvdbgError:
@@ -389,8 +371,6 @@ def shrink(snapshot: "Snapshot", backend: str | None = None, *, device: str = "c
     With ``same_heads`` every failing head of the requests kept stays in the output (and still
     fails); without it the head pass may drop failing heads too, keeping at least one.
     """
-    from kvdbg.snapshot import save_snapshot
-
     import os
 
     started = time.perf_counter()

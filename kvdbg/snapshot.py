@@ -15,12 +15,12 @@ from typing import Iterable
 import torch
 
 from kvdbg.atomic import atomic_write
+from kvdbg.cache import kv_views, page_dim, stored_index
 from kvdbg.errors import OptionError, SnapshotError
 from kvdbg.format import (
     DTYPE_TO_ST,
     FORMAT_KEY,
     FORMAT_VERSION,
-    LAYOUT_VLLM,
     META_KEY,
     Header,
     SnapshotMeta,
@@ -108,19 +108,8 @@ class Snapshot:
         return self.meta.backend.page_size
 
     def kv_views(self, cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V as views ``[pages, Hkv, page_size, D]`` of ``cache`` (default: the stored one).
-
-        No data is copied: for vLLM's layout they are the two halves of the last
-        dimension (token stride ``2*D``); for the K/V-planes layout, permuted planes.
-        FP8 caches stored as uint8 are viewed as float8_e4m3fn.
-        """
-        kv = self.kv_cache if cache is None else cache
-        if self.meta.layer.is_fp8 and kv.dtype == torch.uint8:
-            kv = kv.view(torch.float8_e4m3fn)
-        d = self.meta.layer.head_size
-        if self.meta.kv_layout == LAYOUT_VLLM:
-            return kv[..., :d], kv[..., d:]
-        return kv[0].permute(0, 2, 1, 3), kv[1].permute(0, 2, 1, 3)
+        """K and V as views ``[pages, Hkv, page_size, D]`` of ``cache`` (default: the stored one); see kvdbg.cache."""
+        return kv_views(self.meta, self.kv_cache if cache is None else cache)
 
     def remap_kv_cache(self) -> torch.Tensor | None:
         """A fresh private (copy-on-write) mapping of the file's ``kv_cache``, or None.
@@ -151,16 +140,7 @@ class Snapshot:
 
     def to_stored_index(self, engine_ids: torch.Tensor) -> torch.Tensor:
         """Map engine page ids to indices into the stored pages; -1 where a page is not stored."""
-        ids = self.page_ids.to(torch.int64)
-        order = torch.argsort(ids)
-        sorted_ids = ids[order]
-        flat = engine_ids.to(torch.int64).reshape(-1)
-        pos = torch.searchsorted(sorted_ids, flat).clamp_max(max(len(ids) - 1, 0))
-        if len(ids) == 0:
-            return torch.full_like(engine_ids, -1, dtype=torch.int64)
-        found = sorted_ids[pos] == flat
-        out = torch.where(found, order[pos], torch.full_like(flat, -1))
-        return out.reshape(engine_ids.shape)
+        return stored_index(self.page_ids, engine_ids)
 
     def stored_block_table(self, step: int) -> torch.Tensor:
         """The step's block table with engine ids replaced by stored-page indices (-1: not stored)."""
@@ -209,8 +189,7 @@ def referenced_pages(steps: Iterable[Step], page_size: int) -> torch.Tensor:
 def compact_cache(engine_cache: torch.Tensor, kv_layout: str, page_ids: torch.Tensor) -> torch.Tensor:
     """Copy only ``page_ids`` out of a full engine cache tensor (in its own layout)."""
     idx = page_ids.to(torch.int64).to(engine_cache.device)
-    page_dim = 0 if kv_layout == LAYOUT_VLLM else 1
-    return engine_cache.index_select(page_dim, idx).contiguous()
+    return engine_cache.index_select(page_dim(kv_layout), idx).contiguous()
 
 
 # --------------------------------------------------------------------------- validation
@@ -245,7 +224,6 @@ def check_values(meta: SnapshotMeta, page_ids: torch.Tensor, steps: list[Step]) 
             sorted_ids, _ = torch.sort(ids)
             dup = int(sorted_ids[1:][sorted_ids[1:] == sorted_ids[:-1]][0])
             raise SnapshotError(f"page_ids lists page {dup} more than once")
-    stored = torch.sort(ids).values
     for step_no, step in enumerate(steps):
         prefix = meta.step_prefix(step_no)
         bt = step.block_table.to(torch.int64)
@@ -297,13 +275,11 @@ def check_values(meta: SnapshotMeta, page_ids: torch.Tensor, steps: list[Step]) 
                     f"{total} pages (backend.num_gpu_blocks)"
                 )
             live = live_mask(bt, sl, ps)
-            pos = torch.searchsorted(stored, bt.clamp_min(0)).clamp_max(max(len(stored) - 1, 0))
-            is_stored = (stored[pos] == bt) if len(stored) else torch.zeros_like(bt, dtype=torch.bool)
-            missing = live & ~is_stored
+            missing = live & (stored_index(ids, bt) < 0)
             if missing.any():
                 r, c = _first_index(missing)
                 raise SnapshotError(
-                    f"{prefix}block_table[{r}, {c}] = {int(bt[r, c])} is not among the {len(stored)} "
+                    f"{prefix}block_table[{r}, {c}] = {int(bt[r, c])} is not among the {len(ids)} "
                     "stored pages (page_ids)"
                 )
         if step.slot_mapping is not None:
@@ -316,9 +292,7 @@ def check_values(meta: SnapshotMeta, page_ids: torch.Tensor, steps: list[Step]) 
                     f"{total * ps} slots"
                 )
             pages = slots // ps
-            pos = torch.searchsorted(stored, pages.clamp_min(0)).clamp_max(max(len(stored) - 1, 0))
-            is_stored = (stored[pos] == pages) if len(stored) else torch.zeros_like(pages, dtype=torch.bool)
-            missing = (slots >= 0) & ~is_stored
+            missing = (slots >= 0) & (stored_index(ids, pages) < 0)
             if missing.any():
                 (t,) = _first_index(missing)
                 raise SnapshotError(

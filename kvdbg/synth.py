@@ -8,12 +8,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvdbg._version import __version__
+from kvdbg.cache import join_kv, quantize_fp8
 from kvdbg.errors import OptionError
 from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM, LAYOUTS, MODEL_DTYPES, BackendMeta, LayerMeta, SnapshotMeta
 from kvdbg.snapshot import Snapshot, Step, torch_dtype, validate
-
-FP8_MAX = 448.0
-
 
 @dataclass(frozen=True)
 class SynthSpec:
@@ -145,14 +143,11 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
 
     model_dtype = torch_dtype(spec.dtype)
     if spec.fp8:
-        k_store = _quantize(k_true, spec.k_scale)
-        v_store = _quantize(v_true, spec.v_scale)
+        k_store = quantize_fp8(k_true, spec.k_scale)
+        v_store = quantize_fp8(v_true, spec.v_scale)
     else:
         k_store, v_store = k_true.to(model_dtype), v_true.to(model_dtype)
-    if spec.layout == LAYOUT_VLLM:
-        kv_cache = torch.cat([k_store, v_store], dim=-1).contiguous()
-    else:
-        kv_cache = torch.stack([k_store.permute(0, 2, 1, 3), v_store.permute(0, 2, 1, 3)]).contiguous()
+    kv_cache = join_kv(k_store, v_store, spec.layout)
     if spec.fp8 and spec.fp8_storage == "uint8":
         kv_cache = kv_cache.view(torch.uint8)
 
@@ -170,7 +165,7 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
         qsl = torch.tensor([0] + list(_cumsum(qlens)), dtype=torch.int32)
         num_tokens = sum(qlens)
         query = torch.randn(num_tokens, spec.num_heads, d, generator=gen)
-        query = _quantize(query, spec.q_scale) if spec.fp8 else query.to(model_dtype)
+        query = quantize_fp8(query, spec.q_scale) if spec.fp8 else query.to(model_dtype)
         if spec.fp8 and spec.fp8_storage == "uint8":
             query = query.view(torch.uint8)
         step = Step(block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32), query_start_loc=qsl,
@@ -235,10 +230,6 @@ def _attach_engine_output(snap: Snapshot, backend: str) -> None:
         if run.output is None:
             raise OptionError(f"--engine-output {backend}: the backend produced no output ({run.error})")
         step.output = run.output.to(torch_dtype(snap.meta.layer.dtype))
-
-
-def _quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def _cumsum(values):

@@ -29,6 +29,8 @@ __all__ = [
     "NEWEST_KNOWN",
     "STRICTEST",
     "MAX_HEAD_RATIO",
+    "FP8_P_TILE",
+    "FP8_P_STREAMS",
     "PRECONDITIONS",
     "api_for_version",
     "check_heads",
@@ -52,6 +54,10 @@ SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 KERNEL_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 MASK_TYPES = ("causal", "dense")
 MAX_HEAD_RATIO = 128  # Hq / Hkv, _validate_head_geometry
+# The FP8 kernel streams keys in tiles of 128, dealt in turn to two instances with their own running max
+# (fmha_decode helpers_softmax); the torch and Triton emulations of its P rounding both follow these.
+FP8_P_TILE = 128
+FP8_P_STREAMS = 2
 
 # Spellings callers use for the same dtype: torch names, vLLM's kv_cache_dtype, short forms.
 _DTYPE_ALIASES = {

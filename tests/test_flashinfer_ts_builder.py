@@ -10,8 +10,10 @@ import torch
 
 from kvdbg.attention import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
+from kvdbg.cache import split_kv, working_cache
+from kvdbg.format import LAYOUT_VLLM
 from kvdbg.paging import restrict_to_window
-from kvdbg.replay import common_metadata, replay, working_cache
+from kvdbg.replay import common_metadata, replay
 from kvdbg.snapshot import with_meta
 from kvdbg.synth import SynthSpec, synth_snapshot
 
@@ -245,7 +247,7 @@ def test_a_layer_plan_rejects_is_unavailable_never_an_emulated_pass(kw, code, wo
 
 def test_view_strides_are_checked():
     page = torch.zeros(3, 2, 16, 128, dtype=torch.bfloat16)
-    k, v = ts.kv_views(page, 64, fp8=False)
+    k, v = split_kv(page, LAYOUT_VLLM, 64, fp8=False)
     assert ts.view_violations(k, v, 64) == []
     odd = torch.zeros(3, 2, 64, 16, dtype=torch.bfloat16).transpose(-1, -2)
     codes = [x.code for x in ts.view_violations(odd, odd, 64)]

@@ -7,8 +7,10 @@ import torch
 
 from kvdbg.attention import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
+from kvdbg.cache import split_kv, working_cache
+from kvdbg.format import LAYOUT_VLLM
 from kvdbg.paging import exact_visible_range, visibility_table
-from kvdbg.replay import common_metadata, working_cache
+from kvdbg.replay import common_metadata
 from kvdbg.synth import SynthSpec, synth_snapshot
 
 
@@ -94,7 +96,7 @@ def test_dense_window_differs_from_exact_only_by_the_predicted_extra_keys():
     inst, md, cache, out = emulated_output(snap)
     assert md.restricted and int(md.start_page[0]) > 0
     exact = exact_attention(snap, cache)
-    k_cache, v_cache = ts.kv_views(cache, 64, fp8=False)
+    k_cache, v_cache = split_kv(cache, LAYOUT_VLLM, 64, fp8=False)
     query = snap.steps[0].query.reshape(2, q, 2, 64)
     plan = md.plan
 

@@ -10,9 +10,11 @@ import torch
 from kvdbg import ts_contract as contract
 from kvdbg.attention import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
+from kvdbg.cache import split_kv, working_cache
 from kvdbg.diff import default_tolerance
 from kvdbg.errors import BackendUnavailable
-from kvdbg.replay import common_metadata, replay, working_cache
+from kvdbg.format import LAYOUT_VLLM
+from kvdbg.replay import common_metadata, replay
 from kvdbg.synth import SynthSpec, synth_snapshot
 
 from tests.helpers import assert_close_ulps
@@ -49,7 +51,7 @@ def test_dense_request_shorter_than_its_block_is_computed_over_all_its_keys():
     assert not torch.isnan(out.float()).any()
 
     # What the kernel computes for block 0 (flat tokens 0..3, as it views the query): every row over keys 0 and 1.
-    k, v = ts.kv_views(cache, 64, fp8=False)
+    k, v = split_kv(cache, LAYOUT_VLLM, 64, fp8=False)
     pages = md.block_table[0, :1].long()
     keys = k[pages].float().permute(1, 0, 2, 3).reshape(2, -1, 64)[:, :2]
     values = v[pages].float().permute(1, 0, 2, 3).reshape(2, -1, 64)[:, :2]
@@ -144,7 +146,7 @@ def _fp8_case(seed, lens, sq, hq, hkv, d=64, ps=16):
         need = -(-n // ps)
         table[b, :need] = perm[used:used + need].to(torch.int32)
         used += need
-    k, v = ts.kv_views(cache, d, fp8=True)
+    k, v = split_kv(cache, LAYOUT_VLLM, d, fp8=True)
     return q, k, v, torch.tensor(lens, dtype=torch.int32), table
 
 
@@ -180,7 +182,7 @@ def test_fp8_fixture_emulation_is_the_p_rounding_model():
     snap = load_snapshot(fixture_path("fp8_dense"))
     inst = ts.create(snap.meta, ReplayOptions(force_emulation=True))
     md = inst.builder.build(common_metadata(snap, 0))
-    k, v = ts.kv_views(working_cache(snap), snap.meta.layer.head_size, fp8=True)
+    k, v = split_kv(working_cache(snap), LAYOUT_VLLM, snap.meta.layer.head_size, fp8=True)
     hq, d = snap.meta.layer.num_heads, snap.meta.layer.head_size
     q = inst.impl.kernel_query(snap.steps[0].query[: md.num_actual_tokens]).reshape(md.num_reqs, md.query_len, hq, d)
     args = dict(mask_type=md.plan.mask_type, window_left=md.plan.window_left, bmm1_scale=inst.impl.bmm1_scale,
@@ -220,7 +222,7 @@ def test_head_ratio_above_128_and_indivisible_heads_are_plan_rejections():
 
 def test_k_and_v_may_have_different_strides():
     k = torch.zeros(3, 2, 16, 64, dtype=torch.bfloat16)  # compact
-    v = ts.kv_views(torch.zeros(3, 2, 16, 128, dtype=torch.bfloat16), 64, fp8=False)[1]  # token stride 2*D
+    v = split_kv(torch.zeros(3, 2, 16, 128, dtype=torch.bfloat16), LAYOUT_VLLM, 64, fp8=False)[1]  # token stride 2*D
     assert k.stride() != v.stride()
     assert ts.view_violations(k, v, 64) == []
 
@@ -248,7 +250,7 @@ def test_base_address_is_checked_relative_to_the_page_tensor():
     codes = [x.code for x in ts.view_violations(page[..., :64], page[..., 64:128], 64, base=full)]
     assert codes == ["kv_base_misaligned", "kv_base_misaligned"]
     vllm_page = torch.zeros(3, 2, 16, 128, dtype=torch.bfloat16)
-    assert ts.view_violations(*ts.kv_views(vllm_page, 64, fp8=False), 64, base=vllm_page) == []
+    assert ts.view_violations(*split_kv(vllm_page, LAYOUT_VLLM, 64, fp8=False), 64, base=vllm_page) == []
 
 
 # --------------------------------------------------------------------------- 5. q/out rank for query length 1

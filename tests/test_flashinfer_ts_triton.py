@@ -13,6 +13,8 @@ if not torch.cuda.is_available():
 
 from kvdbg.backends import flashinfer_ts as ts  # noqa: E402
 from kvdbg.backends._triton_decode import triton_decode  # noqa: E402
+from kvdbg.cache import split_kv  # noqa: E402
+from kvdbg.format import LAYOUT_VLLM  # noqa: E402
 
 
 def _case(batch, sq, hq, hkv, d, ps, lens, fp8, seed):
@@ -126,7 +128,7 @@ def test_fp8_replay_on_cuda_rounds_p_like_the_torch_emulation(monkeypatch):
     assert slow.info.kernel == ts.EMULATED_KERNEL
     cpu = replay(snap, ["flashinfer_ts"], ReplayOptions()).steps[0].runs["flashinfer_ts"]
     torch.testing.assert_close(slow.output.float().cpu(), cpu.output.float(), atol=8e-3, rtol=8e-3)
-    k, v = ts.kv_views(snap.kv_cache, snap.meta.layer.head_size, fp8=True)
+    k, v = split_kv(snap.kv_cache, LAYOUT_VLLM, snap.meta.layer.head_size, fp8=True)
     _assert_fp8_close(fast.output.float(), slow.output.float(), v.float() * snap.meta.layer.v_scale,
                       bmm2_scale=1.0)
 

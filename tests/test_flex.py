@@ -179,7 +179,7 @@ def _whole_cache_eager(snap, md):
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    from kvdbg.replay import kv_views, working_cache
+    from kvdbg.cache import kv_views, working_cache
 
     layer = snap.meta.layer
     k, v = kv_views(snap.meta, working_cache(snap))

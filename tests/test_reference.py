@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 import kvdbg.backends.reference as reference_module
 from kvdbg.attention import ReplayOptions
+from kvdbg.cache import apply_step_update
 from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
-from kvdbg.replay import apply_step_update, replay
+from kvdbg.replay import replay
 from kvdbg.snapshot import Snapshot, load_snapshot, save_snapshot
 from kvdbg.synth import SynthSpec, synth_snapshot
 from tests.helpers import assert_close_ulps

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvdbg.attention import ReplayOptions
+from kvdbg.cache import working_cache
 from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
-from kvdbg.replay import replay, working_cache
+from kvdbg.replay import replay
 from kvdbg.snapshot import load_snapshot, save_snapshot
 from kvdbg.synth import SynthSpec, synth_snapshot
 
