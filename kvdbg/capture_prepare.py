@@ -32,6 +32,7 @@ from typing import Any, Mapping
 import torch
 
 from kvdbg._version import __version__
+from kvdbg.cache import page_dim, stored_index
 from kvdbg.engine_layouts import EngineLayout, LayoutError, engine_layout
 from kvdbg.errors import KvdbgError, SnapshotError
 from kvdbg.format import (
@@ -306,10 +307,6 @@ def _to_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True).contiguous()
 
 
-def _snapshot_page_dim(snapshot_layout: str) -> int:
-    return 0 if snapshot_layout == LAYOUT_VLLM else 1
-
-
 def _gather_pages(kv_cache: torch.Tensor, layout: EngineLayout, page_ids: torch.Tensor) -> torch.Tensor:
     """Copy ``page_ids`` of an engine cache to CPU, a slice at a time, converted to the snapshot layout."""
     dim = layout.page_dim
@@ -321,7 +318,7 @@ def _gather_pages(kv_cache: torch.Tensor, layout: EngineLayout, page_ids: torch.
         layout.convert(_to_cpu(compact_cache(kv_cache, index_layout, page_ids[start:start + per_chunk])))
         for start in range(0, max(num_pages, 1), per_chunk)
     ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=_snapshot_page_dim(layout.snapshot_layout))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=page_dim(layout.snapshot_layout))
 
 
 class _CountingSink:
@@ -553,11 +550,10 @@ def _causal_flag(causal: bool | torch.Tensor, provenance: dict[str, Any]) -> boo
 
 
 def _restore_pre_update(pages: torch.Tensor, page_ids: torch.Tensor, pre: PreUpdate, snapshot_layout: str) -> None:
-    dim = _snapshot_page_dim(snapshot_layout)
-    pos = torch.searchsorted(page_ids, pre.page_ids).clamp_max(max(len(page_ids) - 1, 0))
-    found = page_ids[pos] == pre.page_ids
-    if found.any():
-        keep = found.nonzero().reshape(-1)
+    dim = page_dim(snapshot_layout)
+    pos = stored_index(page_ids, pre.page_ids)
+    keep = (pos >= 0).nonzero().reshape(-1)
+    if keep.numel():
         pages.index_copy_(dim, pos[keep], pre.pages.index_select(dim, keep))
 
 
