@@ -234,7 +234,7 @@ def test_eager_reads_only_the_pages_each_query_block_lists_as_the_compiled_kerne
     """Drop one page from one query block's list: eager must lose exactly the keys compiled loses."""
     from dataclasses import replace
 
-    from kvdbg.replay import working_cache
+    from kvdbg.cache import working_cache
 
     snap = synth_snapshot(SynthSpec(query_lens=(3, 20, 2), seq_lens=(40, 77, 90), new_kv=False))
     md = flex_module.FlexBuilder(snap.meta).build(common_metadata(snap, 0))
