@@ -244,12 +244,12 @@ def _bits(t: "torch.Tensor") -> "torch.Tensor":
 
 
 def _values(t: "torch.Tensor", scale: float) -> "torch.Tensor":
+    """Values in fp32, times ``scale``; uint8 holds an FP8 query or cache's bytes."""
     import torch
 
-    if t.dtype == torch.uint8:  # an FP8 query or cache stored as bytes
-        t = t.view(torch.float8_e4m3fn)
-    out = t.float()
-    return out * scale if scale != 1.0 else out
+    from kvdbg.cache import dequantize_fp8
+
+    return dequantize_fp8(t, scale, torch.float32)
 
 
 def _token_rows(ta: "torch.Tensor", tb: "torch.Tensor", scale_a: float, scale_b: float):
@@ -440,7 +440,7 @@ def snapshot_outputs(snap_a, snap_b, result: SnapDiff, atol, rtol) -> None:
 
 def diff_snapshots(path_a: str, path_b: str, *, atol: float | None = None, rtol: float | None = None,
                    progress=None) -> SnapDiff:
-    from kvdbg.replay import apply_step_update, working_cache
+    from kvdbg.cache import apply_step_update, working_cache
     from kvdbg.snapshot import load_snapshot, open_snapshot
 
     header_a, header_b = open_snapshot(path_a), open_snapshot(path_b)

@@ -169,7 +169,7 @@ def relabel_pages(snapshot: "Snapshot", mapping: dict[int, int]) -> "Snapshot":
     """
     import torch
 
-    from kvdbg.format import LAYOUT_VLLM
+    from kvdbg.cache import page_dim
     from kvdbg.snapshot import Snapshot
 
     ps = snapshot.page_size
@@ -178,8 +178,7 @@ def relabel_pages(snapshot: "Snapshot", mapping: dict[int, int]) -> "Snapshot":
         lookup[old] = new
     new_ids = lookup[snapshot.page_ids.to(torch.int64)]
     order = torch.argsort(new_ids)
-    page_dim = 0 if snapshot.meta.kv_layout == LAYOUT_VLLM else 1
-    kv = snapshot.kv_cache.index_select(page_dim, order)
+    kv = snapshot.kv_cache.index_select(page_dim(snapshot.meta.kv_layout), order)
     steps = []
     for s in snapshot.steps:
         table = lookup[s.block_table.to(torch.int64)].to(s.block_table.dtype)
@@ -235,7 +234,7 @@ def retype_snapshot(snapshot: "Snapshot", model_dtype: str, fp8: bool,
     """
     import torch
 
-    from kvdbg.replay import FP8_MAX
+    from kvdbg.cache import dequantize_fp8, quantize_fp8
     from kvdbg.snapshot import Snapshot
 
     layer = snapshot.meta.layer
@@ -250,11 +249,9 @@ def retype_snapshot(snapshot: "Snapshot", model_dtype: str, fp8: bool,
             zip(snapshot.kv_views(), (layer.k_scale, layer.v_scale) if layer.is_fp8 else (1.0, 1.0)),
             zip(new.kv_views(), (k_scale, v_scale))):
         for lo in range(0, src.shape[0], RETYPE_CHUNK_PAGES):
-            values = src[lo:lo + RETYPE_CHUNK_PAGES].float()
-            if old_scale != 1.0:
-                values.mul_(old_scale)
+            values = dequantize_fp8(src[lo:lo + RETYPE_CHUNK_PAGES], old_scale, torch.float32)
             if fp8:
-                quant = (values / new_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+                quant = quantize_fp8(values, new_scale)
                 dst.view(torch.uint8)[lo:lo + RETYPE_CHUNK_PAGES] = quant.view(torch.uint8)
             else:
                 dst[lo:lo + RETYPE_CHUNK_PAGES] = values.to(target)
@@ -262,7 +259,7 @@ def retype_snapshot(snapshot: "Snapshot", model_dtype: str, fp8: bool,
     for s in snapshot.steps:
         query = s.query
         if layer.is_fp8 and query.dtype in (torch.uint8, torch.float8_e4m3fn):
-            query = query.view(torch.float8_e4m3fn).float() * layer.q_scale
+            query = dequantize_fp8(query, layer.q_scale, torch.float32)
         steps.append(replace(s, query=query.to(target),
                              key=None if s.key is None else s.key.to(target),
                              value=None if s.value is None else s.value.to(target), output=None))

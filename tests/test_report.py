@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from markdown_it import MarkdownIt
 
 from kvdbg.cli import cli
-from kvdbg.render.report import md_code, md_escape, md_table
+from kvdbg.render.markdown import md_code, md_escape, md_table
 from kvdbg.report import file_sha256
 
 from tests.helpers import run_python

@@ -96,7 +96,7 @@ def _row_notes(row: SweepRow, baseline: SweepRow) -> list[tuple[str, str]]:
 
 def sweep_markdown(result: SweepResult, verdict) -> str:
     """The matrix as a Markdown section body (for `kvdbg report --sweep`)."""
-    from kvdbg.render.report import md_escape, md_table
+    from kvdbg.render.markdown import md_escape, md_table
 
     headers = ["variant"] + [column_header(c.name, c.counted) for c in result.columns]
     rows = []
