@@ -13,7 +13,7 @@ query token's mask shows (:func:`paging_hazards`); otherwise it is a note.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from kvdbg.errors import OptionError
@@ -315,9 +315,7 @@ def live_page_values(snapshot: "Snapshot", step: int, cache: "torch.Tensor | Non
     pages, used = table[live], live_tokens[live]
     unique, inverse = torch.unique(pages, return_inverse=True)
     tokens = torch.zeros(len(unique), dtype=torch.int64).scatter_reduce(0, inverse, used, "amax")
-    k_view, v_view = snapshot.kv_views(cache)
-    if k_view.dtype == torch.uint8:
-        k_view, v_view = k_view.view(torch.float8_e4m3fn), v_view.view(torch.float8_e4m3fn)
+    k_view, v_view = snapshot.kv_views(cache)  # an FP8 cache's bytes come viewed as e4m3
     per_page = 2 * 4 * k_view[0].numel() if len(k_view) else 1  # fp32 bytes: the float8 path widens
     chunk = max(1, SCAN_BUDGET_BYTES // max(1, per_page))
     bad_pages, zero_pages = [], []
