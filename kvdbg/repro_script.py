@@ -104,8 +104,9 @@ def emit_repro_script(snapshot: "Snapshot", backend: str, script: str, *, step: 
 
     from kvdbg.atomic import atomic_write, write_text_atomic
     from kvdbg.attention import ReplayOptions
+    from kvdbg.cache import apply_step_update, working_cache
     from kvdbg.diff import compare_step, default_tolerance
-    from kvdbg.replay import apply_step_update, replay, working_cache
+    from kvdbg.replay import replay
 
     if backend not in SUPPORTED:
         raise OptionError(f"--emit-script writes out {' and '.join(SUPPORTED)} only; {backend} runs code the "
