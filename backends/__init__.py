@@ -10,7 +10,7 @@ import importlib
 
 from kvdbg.errors import OptionError
 
-# --backend name -> module defining BACKEND (a kvdbg.attention.BackendSpec)
+# --backend name -> module defining BACKEND (a kvdbg.backend_api.BackendSpec)
 BACKEND_MODULES = {
     "reference": "kvdbg.backends.reference",
     "flex": "kvdbg.backends.flex",

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.backend_api import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
 from kvdbg.cache import FP8_MAX, as_fp8, quantize_fp8, split_kv
 from kvdbg.errors import BackendUnavailable
 from kvdbg.format import LAYOUT_VLLM
-from kvdbg.paging import (
+from kvdbg.ts_window import (
     cdiv,
     restrict_to_window,
     ts_mask_type,
@@ -30,7 +30,7 @@ from kvdbg.paging import (
     ts_window_left,
     visibility_table,
 )
-from kvdbg.paging_torch import restrict_to_window_tensors
+from kvdbg.ts_window_torch import restrict_to_window_tensors
 from kvdbg.ts_contract import (
     FP8_P_STREAMS,
     FP8_P_TILE,

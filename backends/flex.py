@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.backend_api import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
 from kvdbg.cache import as_fp8, dequantize_fp8, kv_views
 from kvdbg.pagemap import hazard_finding, paging_hazards, physical_to_logical
 from kvdbg.snapshot import live_mask, live_page_counts

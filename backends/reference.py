@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.backend_api import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
 from kvdbg.cache import as_fp8, dequantize_fp8, kv_views
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.backend_api import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
 from kvdbg.cache import kv_views
 from kvdbg.errors import BackendUnavailable
 

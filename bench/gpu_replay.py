@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from kvdbg.attention import ReplayOptions
+from kvdbg.backend_api import ReplayOptions
 from kvdbg.cache import working_cache
-from kvdbg.replay import common_metadata, load_backends, run_backend
+from kvdbg.runner import common_metadata, load_backends, run_backend
 from kvdbg.synth import SynthSpec, synth_snapshot
 
 

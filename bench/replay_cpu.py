@@ -32,9 +32,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvdbg.attention import ReplayOptions
+from kvdbg.backend_api import ReplayOptions
 from kvdbg.cache import kv_views, working_cache
-from kvdbg.replay import common_metadata, load_backends, run_backend
+from kvdbg.runner import common_metadata, load_backends, run_backend
 from kvdbg.synth import SynthSpec, synth_snapshot
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

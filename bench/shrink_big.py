@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from kvdbg.shrink import failure_signature, observe, same_failure, shrink
+from kvdbg.shrinker import failure_signature, observe, same_failure, shrink
 from kvdbg.snapshot import load_snapshot, save_snapshot
 from kvdbg.synth import SynthSpec, synth_snapshot
 

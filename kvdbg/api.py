@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvdbg.pagemap import PageMap
-    from kvdbg.replay import ReplayReport
+    from kvdbg.runner import ReplayReport
     from kvdbg.snapshot import Snapshot
 
 
@@ -34,7 +34,7 @@ def load(snapshot: "str | Snapshot") -> "Snapshot":
 
 
 def _options(device: str, compile: bool | None, exact: bool):
-    from kvdbg.attention import ReplayOptions
+    from kvdbg.backend_api import ReplayOptions
 
     return ReplayOptions(device=device, exact=exact, compile=compile)
 
@@ -69,7 +69,7 @@ def replay(snapshot: "str | Snapshot", backends: Iterable[str] | None = None, *,
     findings). ``atol``/``rtol`` None: the default tolerance of the dtype.
     """
     from kvdbg.backends import resolve_backend
-    from kvdbg.replay import replay as run_replay
+    from kvdbg.runner import replay as run_replay
 
     snap = load(snapshot)
     named = list(dict.fromkeys(resolve_backend(b) for b in backends)) if backends is not None else []
@@ -91,7 +91,7 @@ def page_map(snapshot: "str | Snapshot", *, step: int = 0, request: int | None =
 
 def window(seq_len: int, window: int | None, **kwargs: Any):
     """The FLASHINFER_TS window restriction and per-token visibility: `kvdbg window` (no torch)."""
-    from kvdbg.paging import analyze_window
+    from kvdbg.ts_window import analyze_window
 
     return analyze_window(seq_len, window, **kwargs)
 
@@ -99,7 +99,7 @@ def window(seq_len: int, window: int | None, **kwargs: Any):
 def shrink(snapshot: "str | Snapshot", backend: str | None = None, **kwargs: Any):
     """The smallest snapshot that still fails the same way: `kvdbg shrink`."""
     from kvdbg.backends import resolve_backend
-    from kvdbg.shrink import shrink as run
+    from kvdbg.shrinker import shrink as run
 
     return run(load(snapshot), None if backend is None else resolve_backend(backend), **kwargs)
 
@@ -108,7 +108,7 @@ def poison(snapshot: "str | Snapshot", backends: Iterable[str] | None = None, *,
            compile: bool | None = None, **kwargs: Any):
     """Replay with NaN in every slot a correct backend must not read: `kvdbg poison`."""
     from kvdbg.backends import resolve_backend
-    from kvdbg.poison import poison as run
+    from kvdbg.poisoner import poison as run
 
     names = None if backends is None else [resolve_backend(b) for b in backends]
     return run(load(snapshot), names, _options(device, compile, False), required=names or (), **kwargs)
@@ -118,8 +118,8 @@ def sweep(snapshot: "str | Snapshot", knobs: "str | Iterable[str]", backends: It
           device: str = "cpu", compile: bool | None = None, **kwargs: Any):
     """The snapshot replayed with one knob changed at a time (placement, kv-dtype, ...): `kvdbg sweep`."""
     from kvdbg.backends import resolve_backend
-    from kvdbg.sweep import parse_knobs
-    from kvdbg.sweep import sweep as run
+    from kvdbg.sweeper import parse_knobs
+    from kvdbg.sweeper import sweep as run
 
     names = None if backends is None else [resolve_backend(b) for b in backends]
     return run(load(snapshot), parse_knobs(knobs), names, _options(device, compile, False),

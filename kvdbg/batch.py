@@ -170,8 +170,8 @@ def replay_file(path: str, options: BatchOptions) -> FileResult:
 
 
 def _replay_file(path: str, options: BatchOptions) -> FileResult:
-    from kvdbg.attention import ReplayOptions
-    from kvdbg.replay import replay as run_replay
+    from kvdbg.backend_api import ReplayOptions
+    from kvdbg.runner import replay as run_replay
     from kvdbg.snapshot import load_snapshot
 
     snap = load_snapshot(path)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from kvdbg.errors import OptionError
 from kvdbg.findings import Finding, by_severity
-from kvdbg.paging import cdiv, first_visible_key
+from kvdbg.ts_window import cdiv, first_visible_key
 
 if TYPE_CHECKING:
     import torch

@@ -10,7 +10,7 @@ Every grid covers one request's query tokens (rows) and keys ``0 .. L-1``
   kernel, a tile of flex's BlockMask) and masks the key, rightly;
 - ``none``: not read, not needed.
 
-FLASHINFER_TS comes from :func:`kvdbg.paging.analyze_window` (the builder's
+FLASHINFER_TS comes from :func:`kvdbg.ts_window.analyze_window` (the builder's
 page-aligned restriction of dense windowed layers, the columns it copies). flex
 comes from the step's block table, by the arithmetic of kvdbg's flex backend
 (vLLM's direct BlockMask build): query blocks of ``FLEX_Q_BLOCK`` batch tokens
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvdbg.paging import WindowAnalysis, cdiv, exact_visible_range
+from kvdbg.ts_window import WindowAnalysis, cdiv, exact_visible_range
 
 # kvdbg's flex backend (backends/flex.py Q_BLOCK_SIZE): vLLM's direct build uses 16-token query blocks.
 FLEX_Q_BLOCK = 16

@@ -19,12 +19,12 @@ from kvdbg._version import __version__
 from kvdbg.errors import OptionError, SnapshotError
 
 if TYPE_CHECKING:
-    from kvdbg.diff import Comparison
+    from kvdbg.compare import Comparison
     from kvdbg.findings import Finding
     from kvdbg.pagemap import PageMap
-    from kvdbg.replay import ReplayReport
+    from kvdbg.runner import ReplayReport
     from kvdbg.snapshot import Snapshot
-    from kvdbg.summary import InfoSummary
+    from kvdbg.info import InfoSummary
     from kvdbg.verdict import Verdict
 
 __all__ = ["Environment", "WindowRow", "BackendSummary", "BugReport", "collect_environment", "file_sha256",
@@ -56,7 +56,7 @@ class Environment:
 
 @dataclass
 class WindowRow:
-    """FLASHINFER_TS's dense-window page restriction for one request (kvdbg.paging.analyze_window)."""
+    """FLASHINFER_TS's dense-window page restriction for one request (kvdbg.ts_window.analyze_window)."""
 
     step: int
     request: int
@@ -101,7 +101,7 @@ class BugReport:
     backends: list[BackendSummary]
     command: str
     device: str
-    sweep: Any = None  # (kvdbg.sweep.SweepResult, its Verdict) when asked for (report --sweep)
+    sweep: Any = None  # (kvdbg.sweeper.SweepResult, its Verdict) when asked for (report --sweep)
 
     @property
     def comparisons(self) -> list["Comparison"]:
@@ -179,7 +179,7 @@ def file_sha256(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
 
 def window_rows(snapshot, backends: Sequence[str]) -> tuple[list[WindowRow], str]:
     """The restriction per request of every step, when FLASHINFER_TS would restrict this layer's pages."""
-    from kvdbg.paging import analyze_window
+    from kvdbg.ts_window import analyze_window
 
     layer, backend = snapshot.meta.layer, snapshot.meta.backend
     if layer.sliding_window is None:
@@ -261,12 +261,12 @@ def reproduce_command(path: str, backends: Sequence[str], device: str = "cpu") -
 def build_report(snapshot: "str | os.PathLike | Snapshot", backends: Sequence[str] | None = None, *,
                  device: str = "cpu", progress: Callable[[str], None] | None = None) -> BugReport:
     """Summarise, map and replay one loaded snapshot (a path is loaded once); everything the report shows."""
-    from kvdbg.attention import ReplayOptions
+    from kvdbg.backend_api import ReplayOptions
     from kvdbg.backends import DEFAULT_ORDER
     from kvdbg.pagemap import page_map
-    from kvdbg.replay import replay
+    from kvdbg.runner import replay
     from kvdbg.snapshot import Snapshot, load_snapshot
-    from kvdbg.summary import summarize_snapshot
+    from kvdbg.info import summarize_snapshot
 
     snap = snapshot if isinstance(snapshot, Snapshot) else load_snapshot(snapshot)
     if snap.path is None or snap.header is None or snap.header.meta is not snap.meta:

@@ -103,10 +103,10 @@ def emit_repro_script(snapshot: "Snapshot", backend: str, script: str, *, step: 
     from safetensors.torch import save
 
     from kvdbg.atomic import atomic_write, write_text_atomic
-    from kvdbg.attention import ReplayOptions
+    from kvdbg.backend_api import ReplayOptions
     from kvdbg.cache import apply_step_update, working_cache
-    from kvdbg.diff import compare_step, default_tolerance
-    from kvdbg.replay import replay
+    from kvdbg.compare import compare_step, default_tolerance
+    from kvdbg.runner import replay
 
     if backend not in SUPPORTED:
         raise OptionError(f"--emit-script writes out {' and '.join(SUPPORTED)} only; {backend} runs code the "
@@ -187,7 +187,7 @@ def emit_repro_script(snapshot: "Snapshot", backend: str, script: str, *, step: 
 
 
 def _ts_instance(snapshot: "Snapshot", device: str):
-    from kvdbg.attention import ReplayOptions
+    from kvdbg.backend_api import ReplayOptions
     from kvdbg.backends import get_backend
 
     return get_backend("flashinfer_ts").create(snapshot.meta, ReplayOptions(device=device))

@@ -11,7 +11,7 @@ page pairs at a time from the memory-mapped files, and a page pair shared by
 many requests is compared once.
 
 Outputs (the engine's captured output of each step, or each backend's saved
-output) are compared per request × head with kvdbg.diff's rule, A as the
+output) are compared per request × head with kvdbg.compare's rule, A as the
 expected side: exit 1 when they differ beyond tolerance, 0 when not.
 """
 
@@ -26,12 +26,12 @@ from kvdbg.errors import OptionError, SnapshotError
 if TYPE_CHECKING:
     import torch
 
-    from kvdbg.diff import Comparison
+    from kvdbg.compare import Comparison
     from kvdbg.snapshot import Snapshot
 
 KIND_SNAPSHOT = "snapshot"
 KIND_OUTPUTS = "outputs"
-OUTPUTS_KEY = "kvdbg.replay"  # the metadata key `replay -o` writes
+OUTPUTS_KEY = "kvdbg.runner"  # the metadata key `replay -o` writes
 FIRST_LISTED = 5  # differing items named in the text; --json lists up to MAX_LISTED
 MAX_LISTED = 256
 PAGE_CHUNK = 256  # page pairs read at once
@@ -329,7 +329,7 @@ def step_inputs(snap_a: "Snapshot", snap_b: "Snapshot", cache_a, cache_b, step: 
     """One step's input differences; the caches hold the state the step's backends read."""
     import torch
 
-    from kvdbg.paging import cdiv
+    from kvdbg.ts_window import cdiv
 
     ps = snap_a.page_size
     sa, sb = snap_a.steps[step], snap_b.steps[step]
@@ -393,10 +393,10 @@ def step_inputs(snap_a: "Snapshot", snap_b: "Snapshot", cache_a, cache_b, step: 
 
 def compare_chunked(actual: "torch.Tensor", expected: "torch.Tensor", query_start_loc, seq_lens, tolerance, *,
                     actual_name: str, expected_name: str, step: int) -> "Comparison":
-    """kvdbg.diff.compare over groups of whole requests, so no float64 copy of a large output is made at once."""
+    """kvdbg.compare.compare over groups of whole requests, so no float64 copy of a large output is made at once."""
     import torch
 
-    from kvdbg.diff import Comparison, compare
+    from kvdbg.compare import Comparison, compare
 
     qsl = [int(x) for x in query_start_loc.tolist()]
     lens = seq_lens.to(torch.int64)
@@ -417,7 +417,7 @@ def compare_chunked(actual: "torch.Tensor", expected: "torch.Tensor", query_star
 
 
 def _output_tolerance(dtype, fp8: bool, atol, rtol):
-    from kvdbg.diff import default_tolerance
+    from kvdbg.compare import default_tolerance
 
     return default_tolerance(str(dtype).removeprefix("torch."), fp8=fp8, atol=atol, rtol=rtol)
 

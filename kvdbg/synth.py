@@ -222,7 +222,7 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
 
 def _attach_engine_output(snap: Snapshot, backend: str) -> None:
     """Replay every step through ``backend`` on CPU and store its output as the engine's."""
-    from kvdbg.replay import replay
+    from kvdbg.runner import replay
 
     result = replay(snap, [backend], required=[backend])
     for step, replayed in zip(snap.steps, result.steps):

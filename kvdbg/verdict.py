@@ -87,7 +87,7 @@ def counted_backends(engine_backend: str, backends: Iterable, named: Iterable[st
 
 
 def replay_verdict(comparisons: Iterable, findings: Iterable, counted: Iterable[str] | None = None) -> Verdict:
-    """The verdict of a replay from its comparisons (kvdbg.diff.Comparison) and findings.
+    """The verdict of a replay from its comparisons (kvdbg.compare.Comparison) and findings.
 
     ``counted`` (default: everything) are the sources that set the exit code; the failures of the
     others are what-if results, named in the summary.

@@ -23,7 +23,7 @@ def _cli_json(*args: str) -> tuple[int, dict]:
 
 
 def test_import_kvdbg_does_not_import_torch():
-    code = "import sys, kvdbg, kvdbg.api; kvdbg.replay; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, kvdbg, kvdbg.api; kvdbg.replay, kvdbg.diff, kvdbg.sweep; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from kvdbg.capture import CaptureBackend, CaptureLayer, Capturer, StepTensors
 from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
-from kvdbg.replay import replay
+from kvdbg.runner import replay
 from kvdbg.snapshot import Snapshot, load_snapshot
 from kvdbg.synth import SynthSpec, synth_snapshot
 from tests.helpers import assert_close_ulps

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvdbg.attention import ReplayOptions
-from kvdbg.diff import DEFAULT_TOLERANCES, compare, compare_step, default_tolerance
-from kvdbg.replay import replay
+from kvdbg.backend_api import ReplayOptions
+from kvdbg.compare import DEFAULT_TOLERANCES, compare, compare_step, default_tolerance
+from kvdbg.runner import replay
 from kvdbg.synth import SynthSpec, synth_snapshot
 
 QSL = torch.tensor([0, 2, 5, 6])  # three requests with 2, 3 and 1 query tokens

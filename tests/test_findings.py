@@ -101,9 +101,9 @@ def test_prims_ts_rules_live_in_the_registry():
 
 def test_map_and_flex_name_a_hidden_null_block_alike():
     """One condition, one code: `kvdbg map` and the flex backend report page 0 under the same code."""
-    from kvdbg.attention import ReplayOptions
+    from kvdbg.backend_api import ReplayOptions
     from kvdbg.pagemap import find_anomalies
-    from kvdbg.replay import replay
+    from kvdbg.runner import replay
     from kvdbg.synth import SynthSpec, synth_snapshot
 
     snap = synth_snapshot(SynthSpec(seq_lens=(40, 70), use_page_zero=True, page_zero_request=1, num_heads=2,

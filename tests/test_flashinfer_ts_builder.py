@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvdbg.attention import ReplayOptions
+from kvdbg.backend_api import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
 from kvdbg.cache import split_kv, working_cache
 from kvdbg.format import LAYOUT_VLLM
-from kvdbg.paging import restrict_to_window
-from kvdbg.replay import common_metadata, replay
+from kvdbg.ts_window import restrict_to_window
+from kvdbg.runner import common_metadata, replay
 from kvdbg.snapshot import with_meta
 from kvdbg.synth import SynthSpec, synth_snapshot
 

@@ -11,11 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvdbg.attention import ReplayOptions
+from kvdbg.backend_api import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
 from kvdbg.cache import working_cache
 from kvdbg.errors import BackendUnavailable
-from kvdbg.replay import common_metadata, replay
+from kvdbg.runner import common_metadata, replay
 from kvdbg.synth import LAYOUT_KV_PLANES, SynthSpec, synth_snapshot
 from kvdbg.ts_contract import api_for_version
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdbg.attention import ReplayOptions
+from kvdbg.backend_api import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
 from kvdbg.cache import split_kv, working_cache
 from kvdbg.format import LAYOUT_VLLM
-from kvdbg.paging import exact_visible_range, visibility_table
-from kvdbg.replay import common_metadata
+from kvdbg.ts_window import exact_visible_range, visibility_table
+from kvdbg.runner import common_metadata
 from kvdbg.synth import SynthSpec, synth_snapshot
 
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from kvdbg import ts_contract as contract
-from kvdbg.attention import ReplayOptions
+from kvdbg.backend_api import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
 from kvdbg.cache import split_kv, working_cache
-from kvdbg.diff import default_tolerance
+from kvdbg.compare import default_tolerance
 from kvdbg.errors import BackendUnavailable
 from kvdbg.format import LAYOUT_VLLM
-from kvdbg.replay import common_metadata, replay
+from kvdbg.runner import common_metadata, replay
 from kvdbg.synth import SynthSpec, synth_snapshot
 
 from tests.helpers import assert_close_ulps

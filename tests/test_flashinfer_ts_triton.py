@@ -77,8 +77,8 @@ def _assert_fp8_close(actual, expected, v, *, bmm2_scale):
 
 def test_replay_on_cuda_says_triton_and_matches_torch(monkeypatch):
     from kvdbg.fixtures_path import fixture_path
-    from kvdbg.attention import ReplayOptions
-    from kvdbg.replay import replay
+    from kvdbg.backend_api import ReplayOptions
+    from kvdbg.runner import replay
     from kvdbg.snapshot import load_snapshot
 
     snap = load_snapshot(fixture_path("dflash"))
@@ -115,9 +115,9 @@ def test_dense_request_shorter_than_its_block_is_written_like_the_torch_emulatio
 
 
 def test_fp8_replay_on_cuda_rounds_p_like_the_torch_emulation(monkeypatch):
-    from kvdbg.attention import ReplayOptions
+    from kvdbg.backend_api import ReplayOptions
     from kvdbg.fixtures_path import fixture_path
-    from kvdbg.replay import replay
+    from kvdbg.runner import replay
     from kvdbg.snapshot import load_snapshot
 
     snap = load_snapshot(fixture_path("fp8_dense"))

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import kvdbg.backends.flex as flex_module
-from kvdbg.attention import ReplayOptions
-from kvdbg.diff import compare_step
+from kvdbg.backend_api import ReplayOptions
+from kvdbg.compare import compare_step
 from kvdbg.format import LAYOUT_KV_PLANES
-from kvdbg.replay import common_metadata, replay
+from kvdbg.runner import common_metadata, replay
 from kvdbg.synth import SynthSpec, synth_snapshot
 from tests.helpers import assert_close_ulps
 

@@ -166,7 +166,7 @@ def test_terabyte_tensor_is_rejected_before_any_allocation(tmp_path, small_parts
 
     # What merely loading torch and the replay code costs on this machine (a CUDA build maps far more
     # than a CPU one): the file may add only a little on top of it.
-    _, torch_mb, _ = probe([sys.executable, "-c", "import torch, kvdbg.replay, kvdbg.pagemap"])
+    _, torch_mb, _ = probe([sys.executable, "-c", "import torch, kvdbg.runner, kvdbg.pagemap"])
     for args in (["info", path], ["info", "--check", path], ["replay", path, "--backend", "reference"],
                  ["map", path]):
         code, peak_mb, stderr = probe([*kvdbg, *args])

@@ -144,7 +144,7 @@ def test_the_graph_sees_project_modules_and_function_level_imports():
     graph = import_graph()
     assert "kvdbg.backends.flex" in graph and "kvdbg.cli.replay" in graph
     # A function-level import (the replay command loads the replay core only when run).
-    assert "kvdbg.replay" in graph["kvdbg.cli.replay"]
+    assert "kvdbg.runner" in graph["kvdbg.cli.replay"]
     # The backend registry loads its modules by name through importlib.
     assert "kvdbg.backends.flashinfer_ts" in graph["kvdbg.backends"]
 

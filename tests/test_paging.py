@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdbg.errors import OptionError
-from kvdbg.paging import (
+from kvdbg.ts_window import (
     analyze_window,
     cdiv,
     exact_visible_range,
@@ -134,7 +134,7 @@ def test_restriction_properties(seq_len, window, query_len, page_size):
 def test_torch_twin_matches_scalar_rule():
     import torch
 
-    from kvdbg.paging_torch import restrict_to_window_tensors
+    from kvdbg.ts_window_torch import restrict_to_window_tensors
 
     gen = torch.Generator().manual_seed(0)
     cases = 0
@@ -214,7 +214,7 @@ def test_strip_marks_the_old_edge():
 
 
 def test_pure_modules_never_import_torch():
-    code = ("import sys, kvdbg.paging, kvdbg.ts_contract, kvdbg.render.window, kvdbg.cli.window; "
+    code = ("import sys, kvdbg.ts_window, kvdbg.ts_contract, kvdbg.render.window, kvdbg.cli.window; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from kvdbg.cli import cli
-from kvdbg.poison import REGIONS, poison, poison_regions
+from kvdbg.poisoner import REGIONS, poison, poison_regions
 from kvdbg.snapshot import Snapshot, Step, load_snapshot
 from kvdbg.synth import SynthSpec, synth_snapshot
 
@@ -149,7 +149,7 @@ def _register_whole_row(monkeypatch):
     import types
 
     from kvdbg import backends
-    from kvdbg.attention import BackendSpec
+    from kvdbg.backend_api import BackendSpec
 
     module = types.ModuleType("kvdbg_test_whole_row")
     module.BACKEND = BackendSpec(name="whole_row", engine_name="WHOLE_ROW", summary="reads the whole table row",
@@ -247,7 +247,7 @@ def test_backend_asked_by_name_that_cannot_run_exits_2():
 
 def test_bisection_names_a_group_no_half_of_which_reads_alone():
     """A read that needs two slots at once cannot be halved: the pair is named, not lost."""
-    from kvdbg.poison import Region, RegionResult, SlotRun, _bisect
+    from kvdbg.poisoner import Region, RegionResult, SlotRun, _bisect
 
     snap = synth_snapshot(SynthSpec(seq_lens=(40,), query_len=1, causal=True))
     runs = [SlotRun(page=5, stored=0, lo=0, hi=1), SlotRun(page=6, stored=1, lo=3, hi=4)]

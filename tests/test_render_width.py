@@ -46,8 +46,8 @@ def run_cli(width: int, *args: str):
 @pytest.fixture(scope="module")
 def replays():
     """Each fixture replayed once through every backend (the slow part), rendered at every width below."""
-    from kvdbg.attention import ReplayOptions
-    from kvdbg.replay import replay
+    from kvdbg.backend_api import ReplayOptions
+    from kvdbg.runner import replay
     from kvdbg.snapshot import load_snapshot
 
     return {name: replay(load_snapshot(FIXTURES / name), None, ReplayOptions(device="cpu")).judge()
@@ -100,7 +100,7 @@ def test_window_numbers_are_never_cut(args, width):
 @pytest.fixture(scope="module")
 def poisoned():
     """dflash poisoned through flex and flashinfer_ts (a finding with culprits), prefix_page0 (two steps)."""
-    from kvdbg.poison import poison
+    from kvdbg.poisoner import poison
     from kvdbg.snapshot import load_snapshot
 
     return [poison(load_snapshot(FIXTURES / "dflash.safetensors"), ["flex", "flashinfer_ts"]),
@@ -129,7 +129,7 @@ def test_report_svg_tables_are_never_cut(replays, name, width):
     from kvdbg.render.pagemap import render_page_map
     from kvdbg.pagemap import page_map
     from kvdbg.snapshot import load_snapshot
-    from kvdbg.summary import summarize
+    from kvdbg.info import summarize
 
     snap = load_snapshot(FIXTURES / name)
     text = render(render_info(summarize(FIXTURES / name)), width)
@@ -140,7 +140,7 @@ def test_report_svg_tables_are_never_cut(replays, name, width):
 @pytest.fixture(scope="module")
 def shrunk(tmp_path_factory):
     """shrink on each failing fixture (prefix_page0, ts_causal_window), run once."""
-    from kvdbg.shrink import shrink
+    from kvdbg.shrinker import shrink
     from kvdbg.snapshot import load_snapshot
 
     out = {}

@@ -198,7 +198,7 @@ def test_environment_reads_versions_without_importing_engines():
 
 def test_report_parses_the_snapshot_once_and_digests_what_it_loaded(make_snapshot, monkeypatch):
     import kvdbg.format as fmt
-    import kvdbg.summary as summary
+    import kvdbg.info as summary
     from kvdbg.errors import SnapshotError
     from kvdbg.report import build_report
     from kvdbg.snapshot import load_snapshot

@@ -12,10 +12,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvdbg.attention import ReplayOptions
+from kvdbg.backend_api import ReplayOptions
 from kvdbg.backends import get_backend
 from kvdbg.cli import cli
-from kvdbg.replay import common_metadata
+from kvdbg.runner import common_metadata
 from kvdbg.repro_script import emit_repro_script, script_text
 from kvdbg.snapshot import load_snapshot
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvdbg.attention import ReplayOptions
+from kvdbg.backend_api import ReplayOptions
 from kvdbg.cli import cli
-from kvdbg.replay import replay
-from kvdbg.shrink import (bake_step, ddmin, drop_pages, droppable_pages, observe, same_failure, select_kv_heads,
+from kvdbg.runner import replay
+from kvdbg.shrinker import (bake_step, ddmin, drop_pages, droppable_pages, observe, same_failure, select_kv_heads,
                           select_requests)
 from kvdbg.snapshot import load_snapshot, validate
 from kvdbg.synth import SynthSpec, synth_snapshot

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from kvdbg.cli import cli
 from kvdbg.snapshot import Snapshot, save_snapshot
-from kvdbg.sweep import relabel_pages
+from kvdbg.sweeper import relabel_pages
 from kvdbg.synth import SynthSpec, synth_snapshot
 
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from kvdbg.cli import cli
 from kvdbg.snapshot import load_snapshot
-from kvdbg.sweep import (free_page_id, parse_knobs, relabel_pages, retype_snapshot, shorten_queries, sweep,
+from kvdbg.sweeper import (free_page_id, parse_knobs, relabel_pages, retype_snapshot, shorten_queries, sweep,
                          sweep_verdict)
 from kvdbg.synth import SynthSpec, synth_snapshot
 
@@ -156,7 +156,7 @@ class _ContiguousInstance:
 @pytest.fixture
 def contiguous_backend(monkeypatch):
     from kvdbg import backends
-    from kvdbg.attention import BackendSpec
+    from kvdbg.backend_api import BackendSpec
 
     module = types.ModuleType("kvdbg_test_contiguous")
     module.BACKEND = BackendSpec(name="contiguous", engine_name="CONTIGUOUS", summary="assumes contiguous pages",

@@ -215,12 +215,12 @@ def test_head_dim_the_kernel_rejects_is_never_an_emulated_pass(tmp_path):
 
 
 def test_ctrl_c_exits_130(monkeypatch, capsys):
-    import kvdbg.summary
+    import kvdbg.info
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(kvdbg.summary, "summarize", interrupted)
+    monkeypatch.setattr(kvdbg.info, "summarize", interrupted)
     with pytest.raises(SystemExit) as exc:
         main(["info", fixture_path("causal_gqa.safetensors")])
     assert exc.value.code == EXIT_INTERRUPTED
@@ -237,7 +237,7 @@ def test_main_keeps_exit_codes_of_commands(capsys):
 
 
 def test_verdict_rule_in_one_place():
-    from kvdbg.diff import compare, default_tolerance
+    from kvdbg.compare import compare, default_tolerance
     from kvdbg.verdict import replay_verdict
 
     qsl, lens = torch.tensor([0, 1]), torch.tensor([5])

@@ -14,15 +14,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvdbg.attention import ReplayOptions
+from kvdbg.backend_api import ReplayOptions
 from kvdbg.backends import get_backend
 from kvdbg.cli import cli
-from kvdbg.paging import analyze_window
+from kvdbg.ts_window import analyze_window
 from kvdbg.picture import EXTRA, LOADED, MISSED, SEEN, cell_kind, picture
 from kvdbg.render.drawing import COLORS, layout, svg_text
 from kvdbg.render.picture import picture_lines
 from kvdbg.render.png import png_bytes
-from kvdbg.replay import common_metadata
+from kvdbg.runner import common_metadata
 from kvdbg.window_source import step_tables, window_source
 
 from tests.helpers import FIXTURES, ROOT

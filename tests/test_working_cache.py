@@ -8,10 +8,10 @@ import hashlib
 import pytest
 import torch
 
-from kvdbg.attention import ReplayOptions
+from kvdbg.backend_api import ReplayOptions
 from kvdbg.cache import working_cache
 from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
-from kvdbg.replay import replay
+from kvdbg.runner import replay
 from kvdbg.snapshot import load_snapshot, save_snapshot
 from kvdbg.synth import SynthSpec, synth_snapshot
 

@@ -28,7 +28,7 @@ def info(snapshot: str, full: bool, check: bool, as_json: bool) -> None:
     Example:
       kvdbg info snapshot.safetensors --json
     """
-    from kvdbg.summary import summarize
+    from kvdbg.info import summarize
     from kvdbg.verdict import EXIT_OK
 
     summary = summarize(snapshot)

@@ -36,8 +36,8 @@ def poison(snapshot, backend, step, device, as_json):
       kvdbg poison                              # the bundled dflash fixture
       kvdbg poison snapshot.safetensors --backend flex --step 1 --json
     """
-    from kvdbg.attention import ReplayOptions
-    from kvdbg.poison import poison as run_poison
+    from kvdbg.backend_api import ReplayOptions
+    from kvdbg.poisoner import poison as run_poison
     from kvdbg.snapshot import load_snapshot
 
     backends = list(backend)

@@ -70,10 +70,10 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
                               single_only={"--request": request, "--head": head, "--explain": explain,
                                            "--full": full, "--output": output, "--force": force})
     snapshot = paths[0] if paths else None
-    from kvdbg.attention import ReplayOptions
+    from kvdbg.backend_api import ReplayOptions
     from kvdbg.render.replay import render_replay
-    from kvdbg.replay import replay as run_replay
-    from kvdbg.replay import save_outputs as write_outputs
+    from kvdbg.runner import replay as run_replay
+    from kvdbg.runner import save_outputs as write_outputs
     from kvdbg.snapshot import load_snapshot
 
     backends = list(backend)

@@ -46,7 +46,7 @@ def report(snapshot, output, backend, device, svg_dir, force, sweep_knobs):
     backends = backend
     knobs = None
     if sweep_knobs is not None:
-        from kvdbg.sweep import parse_knobs
+        from kvdbg.sweeper import parse_knobs
 
         knobs = parse_knobs(sweep_knobs)
     svg_paths = []
@@ -62,9 +62,9 @@ def report(snapshot, output, backend, device, svg_dir, force, sweep_knobs):
     progress = progress_printer()
     result = build_report(snapshot, list(backends) or None, device=device, progress=progress)
     if knobs is not None:
-        from kvdbg.attention import ReplayOptions
+        from kvdbg.backend_api import ReplayOptions
         from kvdbg.snapshot import load_snapshot
-        from kvdbg.sweep import sweep, sweep_verdict
+        from kvdbg.sweeper import sweep, sweep_verdict
 
         swept = sweep(load_snapshot(snapshot), knobs, list(backends) or None, ReplayOptions(device=device),
                       required=list(backends), progress=progress)

@@ -49,7 +49,7 @@ def shrink(snapshot, output, backend, device, same_heads, force, emit_script, sc
     """
     import os
 
-    from kvdbg.shrink import shrink as run_shrink
+    from kvdbg.shrinker import shrink as run_shrink
     from kvdbg.snapshot import load_snapshot
     from kvdbg.verdict import EXIT_OK
 

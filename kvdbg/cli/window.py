@@ -66,7 +66,7 @@ def window(snapshot, request, step, seq_len, window, query_len, page_size, mask,
       kvdbg window snapshot.safetensors --request 1 --step 0
       kvdbg window snapshot.safetensors --picture --svg window.svg
     """
-    from kvdbg.paging import analyze_window
+    from kvdbg.ts_window import analyze_window
 
     source = None
     hand = [name for name, value in zip(HAND_OPTIONS, (seq_len, window, query_len, page_size, mask, max_model_len,

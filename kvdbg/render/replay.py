@@ -7,11 +7,11 @@ from typing import Any
 from rich.console import Group
 from rich.text import Text
 
-from kvdbg.diff import Comparison, HeadDiff
+from kvdbg.compare import Comparison, HeadDiff
 from kvdbg.findings import SEVERITY_STYLES, explain_hint, severity_rank
 from kvdbg.render.fit import Column, FitTable
 from kvdbg.render.util import verdict_line
-from kvdbg.replay import ReplayReport, ReplayResult
+from kvdbg.runner import ReplayReport, ReplayResult
 from kvdbg.verdict import Verdict
 
 MAX_FAILING_ROWS = 32

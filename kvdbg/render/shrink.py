@@ -8,7 +8,7 @@ from rich.text import Text
 
 from kvdbg.render.fit import Column, FitTable
 from kvdbg.render.util import elide, human_bytes
-from kvdbg.shrink import ShrinkResult
+from kvdbg.shrinker import ShrinkResult
 
 
 def render_shrink(r: ShrinkResult) -> Group:

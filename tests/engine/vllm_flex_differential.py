@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from kvdbg.attention import ReplayOptions
-from kvdbg.diff import compare, default_tolerance
-from kvdbg.replay import replay
+from kvdbg.backend_api import ReplayOptions
+from kvdbg.compare import compare, default_tolerance
+from kvdbg.runner import replay
 from kvdbg.synth import SynthSpec, synth_snapshot
 
 

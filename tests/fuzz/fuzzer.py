@@ -720,7 +720,7 @@ def run(count: int, seed: int, out_dir: str, *, jobs: int = 2, timeout: float = 
     import kvdbg.cli.map  # noqa: F401
     import kvdbg.cli.replay  # noqa: F401
     import kvdbg.cli.window  # noqa: F401
-    import kvdbg.replay  # noqa: F401
+    import kvdbg.runner  # noqa: F401
     import kvdbg.render.info  # noqa: F401
     import kvdbg.render.pagemap  # noqa: F401
     import kvdbg.render.replay  # noqa: F401

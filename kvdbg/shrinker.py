@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 
-from kvdbg.attention import ReplayOptions
+from kvdbg.backend_api import ReplayOptions
 from kvdbg.backends import DEFAULT_ORDER
 from kvdbg.cache import apply_step_update, kv_head_dim, working_cache
-from kvdbg.diff import compare_step
+from kvdbg.compare import compare_step
 from kvdbg.errors import KvdbgError, OptionError
-from kvdbg.replay import replay
+from kvdbg.runner import replay
 from kvdbg.snapshot import compact_cache, referenced_pages, save_snapshot, validate
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Sweeps: the same snapshot replayed with one knob changed at a time, as a variant × backend matrix.
 
-Every variant is a full replay (kvdbg.replay) of a modified copy of the
-snapshot, compared with kvdbg.diff's rule. What a variant changes decides what
+Every variant is a full replay (kvdbg.runner) of a modified copy of the
+snapshot, compared with kvdbg.compare's rule. What a variant changes decides what
 its results are held against:
 
 ===========  ===============================================  ========  =========
@@ -50,9 +50,9 @@ from kvdbg.errors import KvdbgError, OptionError
 if TYPE_CHECKING:
     import torch
 
-    from kvdbg.attention import ReplayOptions
-    from kvdbg.diff import Comparison
-    from kvdbg.replay import ReplayResult
+    from kvdbg.backend_api import ReplayOptions
+    from kvdbg.compare import Comparison
+    from kvdbg.runner import ReplayResult
     from kvdbg.snapshot import Snapshot
     from kvdbg.verdict import Verdict
 
@@ -445,7 +445,7 @@ def _compile_variants(snapshot, options, backends) -> list[Variant]:
 
 
 def _device_variants(snapshot, options, backends) -> list[Variant]:
-    from kvdbg.replay import resolve_device
+    from kvdbg.runner import resolve_device
 
     other = "cpu" if options.device.startswith("cuda") else "cuda"
     variant = Variant("device", other, f"replayed on {other} instead of {options.device}")
@@ -534,9 +534,9 @@ def sweep(snapshot: "Snapshot", knobs: Iterable[str], backends: Iterable[str] | 
           required: Iterable[str] = (), atol: float | None = None, rtol: float | None = None,
           progress: Callable[[str], None] | None = None) -> SweepResult:
     """Replay the baseline, then every variant of every knob; see the module docstring."""
-    from kvdbg.attention import ReplayOptions
+    from kvdbg.backend_api import ReplayOptions
     from kvdbg.backends import DEFAULT_ORDER
-    from kvdbg.replay import resolve_device
+    from kvdbg.runner import resolve_device
     from kvdbg.verdict import counted_backends
 
     knobs = parse_knobs(list(knobs))
@@ -591,8 +591,8 @@ def sweep(snapshot: "Snapshot", knobs: Iterable[str], backends: Iterable[str] | 
 
 
 def _replay_variant(snapshot, options, names, steps, required, kept, atol, rtol, progress=None):
-    from kvdbg.diff import compare_step
-    from kvdbg.replay import replay
+    from kvdbg.compare import compare_step
+    from kvdbg.runner import replay
 
     result = replay(snapshot, names, replace(options), steps=steps, required=required, progress=progress)
     comparisons = [c for s in result.steps for c in compare_step(s, snapshot.meta, atol=atol, rtol=rtol)]
@@ -601,7 +601,7 @@ def _replay_variant(snapshot, options, names, steps, required, kept, atol, rtol,
 
 def _row(variant: Variant, result: "ReplayResult", comparisons: list["Comparison"], kept, columns, reference_0,
          atol, rtol) -> SweepRow:
-    from kvdbg.diff import compare, default_tolerance
+    from kvdbg.compare import compare, default_tolerance
 
     row = SweepRow(variant)
     findings = result.findings

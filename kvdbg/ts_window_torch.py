@@ -1,4 +1,4 @@
-"""Vectorised twin of :func:`kvdbg.paging.restrict_to_window` for the FLASHINFER_TS backend (imports torch)."""
+"""Vectorised twin of :func:`kvdbg.ts_window.restrict_to_window` for the FLASHINFER_TS backend (imports torch)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
-from kvdbg.attention import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.backend_api import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
 from kvdbg.backends import DEFAULT_ORDER, backend_names, get_backend
 from kvdbg.cache import apply_step_update, working_cache
 from kvdbg.errors import BackendUnavailable, OptionError
@@ -19,7 +19,7 @@ from kvdbg.pagemap import live_page_values, value_anomalies
 from kvdbg.verdict import counted_backends
 
 if TYPE_CHECKING:
-    from kvdbg.diff import Comparison
+    from kvdbg.compare import Comparison
     from kvdbg.format import SnapshotMeta
     from kvdbg.snapshot import Snapshot
     from kvdbg.verdict import Verdict
@@ -95,7 +95,7 @@ class ReplayResult:
         ``requests`` narrows the findings as it narrows the comparisons (a finding about no one request
         stays); ``heads`` narrows the comparisons only, since findings concern whole requests.
         """
-        from kvdbg.diff import compare_step
+        from kvdbg.compare import compare_step
 
         comparisons = [c for s in self.steps
                        for c in compare_step(s, self.meta, atol=atol, rtol=rtol, requests=requests, heads=heads)]
@@ -397,7 +397,7 @@ def save_outputs(result: ReplayResult, path: str, *, overwrite: bool = False) ->
     steps = {str(step.step): {"query_start_loc": step.common.query_start_loc.tolist(),
                               "seq_lens": step.common.seq_lens.tolist()} for step in result.steps}
     layer = {"dtype": result.meta.layer.dtype, "kv_cache_dtype": result.meta.layer.kv_cache_dtype}
-    metadata = {"kvdbg.replay": json.dumps({"snapshot": result.path, "kernels": kernels, "steps": steps,
+    metadata = {"kvdbg.runner": json.dumps({"snapshot": result.path, "kernels": kernels, "steps": steps,
                                             "layer": layer})}
     payload = save(tensors, metadata=metadata)
     return atomic_write(path, lambda fh: fh.write(payload), overwrite=overwrite, what="--output")

@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from kvdbg.errors import OptionError
-from kvdbg.paging import cdiv, first_visible_key
+from kvdbg.ts_window import cdiv, first_visible_key
 
 if TYPE_CHECKING:
-    from kvdbg.attention import ReplayOptions
-    from kvdbg.replay import BackendStatus
+    from kvdbg.backend_api import ReplayOptions
+    from kvdbg.runner import BackendStatus
     from kvdbg.snapshot import Snapshot
 
 NULL_PAGE = 0
@@ -344,10 +344,10 @@ def poison(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
     written); each region is written as NaN before a backend runs and restored
     after, so every run sees exactly one region (or one part of it) poisoned.
     """
-    from kvdbg.attention import ReplayOptions
+    from kvdbg.backend_api import ReplayOptions
     from kvdbg.backends import DEFAULT_ORDER
     from kvdbg.cache import apply_step_update, working_cache
-    from kvdbg.replay import common_metadata, load_backends, resolve_device, run_backend
+    from kvdbg.runner import common_metadata, load_backends, resolve_device, run_backend
 
     options = options or ReplayOptions()
     device = resolve_device(options.device)
