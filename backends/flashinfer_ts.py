@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from kvdbg.backend_api import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.backend_api import BackendSpec, Capabilities, unsupported_by, CommonMetadata, Finding, ReplayOptions, RunInfo
 from kvdbg.cache import FP8_MAX, as_fp8, quantize_fp8, split_kv
 from kvdbg.errors import BackendUnavailable
 from kvdbg.format import LAYOUT_VLLM
@@ -210,28 +210,23 @@ def installed_api() -> ApiGeneration:
     return api or STRICTEST
 
 
+# vLLM's FLASHINFER_TS refuses these layers outright; the kernel reads only the packed HND page.
+CAPABILITIES = Capabilities(
+    who="FLASHINFER_TS", soft_cap=False, kv_layouts=(LAYOUT_VLLM,), then="vLLM would not pick it for this layer",
+    layout_reason=(f"this kv_layout keeps K and V in separate planes with token stride Hkv*D; FLASHINFER_TS "
+                   f"hands the kernel the two halves of a {LAYOUT_VLLM!r} page (HND, token stride 2*D), so this "
+                   "cache cannot be given to prims_ts as it is (capture it from a vLLM with that layout)"))
+
+
 def unsupported_reason(meta: "SnapshotMeta", api: ApiGeneration | None = None) -> str | None:
-    """Why FLASHINFER_TS cannot replay this snapshot (vLLM's own rejections, and layout), else None.
+    """Why FLASHINFER_TS cannot replay this snapshot (its capabilities, then plan()'s rules), else None.
 
     ``api``: the FlashInfer generation whose plan() rules apply (default: the installed one).
     """
-    layer = meta.layer
-    if layer.has_sinks:
-        return "FLASHINFER_TS rejects attention sinks (layer.has_sinks); vLLM would not pick it for this layer"
-    if layer.has_alibi:
-        return "FLASHINFER_TS rejects ALiBi slopes (layer.has_alibi); vLLM would not pick it for this layer"
-    if layer.logits_soft_cap:
-        return (f"FLASHINFER_TS rejects logits soft-capping (layer.logits_soft_cap = {layer.logits_soft_cap}); "
-                "vLLM would not pick it for this layer")
-    if layer.kv_sharing_target is not None:
-        return (f"FLASHINFER_TS rejects KV sharing (layer.kv_sharing_target = {layer.kv_sharing_target!r}); "
-                "vLLM would not pick it for this layer")
-    if layer.attn_type != "decoder":
-        return f"FLASHINFER_TS supports decoder attention only, not attn_type {layer.attn_type!r}"
-    if meta.kv_layout != LAYOUT_VLLM:
-        return (f"kv_layout {meta.kv_layout!r} keeps K and V in separate planes with token stride Hkv*D; "
-                f"FLASHINFER_TS hands the kernel the two halves of a {LAYOUT_VLLM!r} page (HND, token stride 2*D), "
-                "so this cache cannot be given to prims_ts as it is (capture it from a vLLM with that layout)")
+    return unsupported_by(CAPABILITIES, meta) or _plan_reason(meta, api)
+
+
+def _plan_reason(meta: "SnapshotMeta", api: ApiGeneration | None = None) -> str | None:
     api = api or installed_api()
     refused = _plan_violations(meta, api)
     if refused:
@@ -1027,6 +1022,7 @@ BACKEND = BackendSpec(
     name=NAME,
     engine_name=ENGINE_NAME,
     summary="FlashInfer prims_ts paged decode (uniform query blocks, dense or causal, page-restricted windows)",
-    unsupported_reason=unsupported_reason,
+    capabilities=CAPABILITIES,
+    environment_reason=_plan_reason,
     create=create,
 )

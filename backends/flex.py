@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from kvdbg.backend_api import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.backend_api import BackendSpec, Capabilities, CommonMetadata, Finding, ReplayOptions, RunInfo
 from kvdbg.cache import as_fp8, dequantize_fp8, kv_views
 from kvdbg.pagemap import hazard_finding, paging_hazards, physical_to_logical
 from kvdbg.snapshot import live_mask, live_page_counts
@@ -496,18 +496,7 @@ def _cols(values: list[int]) -> str:
     return ", ".join(str(v) for v in values)
 
 
-def _unsupported(meta: "SnapshotMeta") -> str | None:
-    layer = meta.layer
-    if layer.has_sinks:
-        return "vLLM's FLEX_ATTENTION does not support attention sinks"
-    if layer.has_alibi:
-        return "vLLM's FLEX_ATTENTION does not support ALiBi slopes"
-    if layer.logits_soft_cap:
-        return "vLLM's FLEX_ATTENTION does not support logits soft-capping"
-    if layer.kv_sharing_target:
-        return "vLLM's FLEX_ATTENTION does not support KV sharing between layers"
-    if layer.attn_type != "decoder":
-        return f"kvdbg replays FLEX_ATTENTION's paged decoder path only, not attn_type {layer.attn_type!r}"
+def _environment(meta: "SnapshotMeta") -> str | None:
     try:
         from torch.nn.attention.flex_attention import BlockMask
     except ImportError:
@@ -521,6 +510,8 @@ BACKEND = BackendSpec(
     name="flex",
     engine_name="FLEX_ATTENTION",
     summary="torch flex_attention over the physical cache with vLLM's paged mask_mod",
-    unsupported_reason=_unsupported,
+    # vLLM's FLEX_ATTENTION refuses sinks, ALiBi, soft cap and KV sharing; FP8 is dequantised by kvdbg.
+    capabilities=Capabilities(who="vLLM's FLEX_ATTENTION", soft_cap=False),
+    environment_reason=_environment,
     create=lambda meta, options: FlexInstance(meta, options),
 )

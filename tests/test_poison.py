@@ -149,11 +149,11 @@ def _register_whole_row(monkeypatch):
     import types
 
     from kvdbg import backends
-    from kvdbg.backend_api import BackendSpec
+    from kvdbg.backend_api import BackendSpec, Capabilities
 
     module = types.ModuleType("kvdbg_test_whole_row")
     module.BACKEND = BackendSpec(name="whole_row", engine_name="WHOLE_ROW", summary="reads the whole table row",
-                                 unsupported_reason=lambda meta: None, create=_WholeRowInstance)
+                                 capabilities=Capabilities(who="whole_row"), create=_WholeRowInstance)
     monkeypatch.setitem(sys.modules, "kvdbg_test_whole_row", module)
     monkeypatch.setitem(backends.BACKEND_MODULES, "whole_row", "kvdbg_test_whole_row")
 

@@ -156,11 +156,11 @@ class _ContiguousInstance:
 @pytest.fixture
 def contiguous_backend(monkeypatch):
     from kvdbg import backends
-    from kvdbg.backend_api import BackendSpec
+    from kvdbg.backend_api import BackendSpec, Capabilities
 
     module = types.ModuleType("kvdbg_test_contiguous")
     module.BACKEND = BackendSpec(name="contiguous", engine_name="CONTIGUOUS", summary="assumes contiguous pages",
-                                 unsupported_reason=lambda meta: None, create=_ContiguousInstance)
+                                 capabilities=Capabilities(who="contiguous"), create=_ContiguousInstance)
     monkeypatch.setitem(sys.modules, "kvdbg_test_contiguous", module)
     monkeypatch.setitem(backends.BACKEND_MODULES, "contiguous", "kvdbg_test_contiguous")
 
