@@ -70,28 +70,21 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
                               single_only={"--request": request, "--head": head, "--explain": explain,
                                            "--full": full, "--output": output, "--force": force})
     snapshot = paths[0] if paths else None
-    from kvdbg.backend_api import ReplayOptions
+    from kvdbg import api
     from kvdbg.render.replay import render_replay
-    from kvdbg.runner import replay as run_replay
     from kvdbg.runner import save_outputs as write_outputs
-    from kvdbg.snapshot import load_snapshot
 
-    backends = list(backend)
-    path = snapshot or default_snapshot()
-    snap = load_snapshot(path)
+    snap = api.load(snapshot or default_snapshot())
     num_heads, num_steps = snap.meta.layer.num_heads, len(snap.steps)
     head_ids = within(head, num_heads, "--head", f"the layer has {num_heads} heads")
     most = max(s.num_reqs for s in snap.steps)
     request_ids = within(request, most, "--request", f"the snapshot has {most} requests")
     step_ids = within(step, num_steps, "--step", f"the snapshot has {num_steps} step(s)")
-    names = list(backends) if backends else None
-    if names is not None and "reference" not in names:
-        names.insert(0, "reference")  # every comparison needs the exact answer
-    options = ReplayOptions(device=device, exact=exact, compile=compile_)
-    result = run_replay(snap, names, options, steps=step_ids, required=backends,
-                        progress=progress_printer("replaying"))
     # --request narrows findings as it narrows the diffs, and the exit code follows what is shown.
-    report = result.judge(atol=atol, rtol=rtol, requests=request_ids, heads=head_ids)
+    report = api.replay(snap, list(backend) or None, device=device, steps=step_ids, requests=request_ids,
+                        heads=head_ids, atol=atol, rtol=rtol, exact=exact, compile=compile_,
+                        progress=progress_printer("replaying"))
+    result = report.result
     if output:
         write_outputs(result, output, overwrite=force)
     if as_json:
