@@ -53,18 +53,18 @@ def test_synth_bad_options(tmp_path, args, message):
 
 
 def test_synth_old_spellings_make_the_same_bytes(tmp_path):
-    """OUT as an argument, --head-dim and --layout seed (the spellings before -o, --head-size and
-    --layout kv-planes) still work, hidden from --help, and make the same file."""
+    """OUT as an argument and --head-dim (the spellings before -o and --head-size) still work,
+    hidden from --help, and make the same file."""
     new, old = tmp_path / "new.safetensors", tmp_path / "old.safetensors"
     common = ["--seq-lens", "20,40", "--num-heads", "2", "--num-kv-heads", "1"]
     assert CliRunner().invoke(cli, ["synth", "-o", str(new), *common, "--head-size", "16",
                                     "--layout", "kv-planes"]).exit_code == 0
-    res = CliRunner().invoke(cli, ["synth", str(old), *common, "--head-dim", "16", "--layout", "seed"])
+    res = CliRunner().invoke(cli, ["synth", str(old), *common, "--head-dim", "16", "--layout", "kv-planes"])
     assert res.exit_code == 0, res.output
     assert new.read_bytes() == old.read_bytes()
     assert load_snapshot(new).meta.kv_layout == "2,pages,tokens,heads,dim"
     shown = CliRunner().invoke(cli, ["synth", "--help"]).output
-    assert "--head-dim" not in shown and "seed:" not in shown and "[OUT]" not in shown
+    assert "--head-dim" not in shown and "[OUT]" not in shown
     assert "--head-size" in shown and "kv-planes" in shown
 
 

@@ -12,13 +12,6 @@ from kvdbg.ranges import IntListParam
 
 # --layout names -> the format's kv_layout strings (docs/snapshot-format.md).
 LAYOUT_CHOICES = {"vllm": LAYOUT_VLLM, "kv-planes": LAYOUT_KV_PLANES}
-# Names --layout accepted before the layouts were named after what they are; kept, not shown.
-OLD_LAYOUT_NAMES = {"seed": "kv-planes"}
-
-
-class LayoutChoice(click.Choice):
-    def convert(self, value, param, ctx):
-        return super().convert(OLD_LAYOUT_NAMES.get(value, value), param, ctx)
 
 
 def _kvdbg_backend(ctx, param, value):
@@ -51,7 +44,7 @@ def _kvdbg_backend(ctx, param, value):
 @click.option("--q-scale", type=float, default=None, help="Query scale (default 1, or 0.05 with --fp8).")
 @click.option("--k-scale", type=float, default=None, help="Key scale (default 1, or 0.03 with --fp8).")
 @click.option("--v-scale", type=float, default=None, help="Value scale (default 1, or 0.04 with --fp8).")
-@click.option("--layout", type=LayoutChoice(sorted(LAYOUT_CHOICES)), default="vllm", show_default=True,
+@click.option("--layout", type=click.Choice(sorted(LAYOUT_CHOICES)), default="vllm", show_default=True,
               help="vllm: [pages, Hkv, page_size, 2*D], K|V rows per page and head (vLLM's packed "
                    "cache); kv-planes: [2, pages, page_size, Hkv, D], K and V planes (vLLM's "
                    "FlashAttention-style shape).")
