@@ -213,7 +213,7 @@ def installed_api() -> ApiGeneration:
 # vLLM's FLASHINFER_TS refuses these layers outright; the kernel reads only the packed HND page.
 CAPABILITIES = Capabilities(
     who="FLASHINFER_TS", soft_cap=False, kv_layouts=(LAYOUT_VLLM,), then="vLLM would not pick it for this layer",
-    layout_reason=(f"this kv_layout keeps K and V in separate planes with token stride Hkv*D; FLASHINFER_TS "
+    layout_reason=(f"kv_layout {{layout!r}} keeps K and V in separate planes with token stride Hkv*D; FLASHINFER_TS "
                    f"hands the kernel the two halves of a {LAYOUT_VLLM!r} page (HND, token stride 2*D), so this "
                    "cache cannot be given to prims_ts as it is (capture it from a vLLM with that layout)"))
 

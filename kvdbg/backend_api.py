@@ -114,7 +114,7 @@ class Capabilities:
     model_dtypes: tuple[str, ...] | None = None
     fp8_kv_cache: bool = True
     kv_layouts: tuple[str, ...] | None = None
-    layout_reason: str = ""  # why another layout cannot be handed to the kernel
+    layout_reason: str = ""  # why another layout cannot be handed to the kernel; {layout} is the snapshot's
     head_sizes: tuple[int, ...] | None = None
     soft_cap: bool = True
     sinks: bool = False
@@ -150,7 +150,8 @@ def unsupported_by(caps: Capabilities, meta: "SnapshotMeta", device: str | None 
         if refused:
             return f"{caps.who} does not support {what}{then}"
     if caps.kv_layouts is not None and meta.kv_layout not in caps.kv_layouts:
-        return caps.layout_reason or f"{caps.who} does not read kv_layout {meta.kv_layout!r}"
+        return caps.layout_reason.format(layout=meta.kv_layout) if caps.layout_reason else \
+            f"{caps.who} does not read kv_layout {meta.kv_layout!r}"
     return None
 
 
