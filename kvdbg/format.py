@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from kvdbg.errors import SnapshotError
 
 FORMAT_KEY = "kvdbg.format"
+OUTPUTS_KEY = "kvdbg.replay"  # the metadata key of a `kvdbg replay -o` outputs file (a file-format name)
 META_KEY = "kvdbg.meta"
 FORMAT_VERSION = "1"
 

@@ -344,25 +344,13 @@ def poison(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
     written); each region is written as NaN before a backend runs and restored
     after, so every run sees exactly one region (or one part of it) poisoned.
     """
-    from kvdbg.backend_api import ReplayOptions
-    from kvdbg.backends import DEFAULT_ORDER
-    from kvdbg.cache import apply_step_update, working_cache
-    from kvdbg.runner import common_metadata, load_backends, resolve_device, run_backend
+    from kvdbg.cache import apply_step_update
+    from kvdbg.runner import common_metadata, prepare_replay, run_backend
 
-    options = options or ReplayOptions()
-    device = resolve_device(options.device)
-    options.device = device
-    names = list(dict.fromkeys(backends if backends is not None else DEFAULT_ORDER))
-    if not names:
-        raise OptionError("--backend: give at least one backend")
-    num_steps = len(snapshot.steps)
-    wanted = sorted(set(range(num_steps) if steps is None else steps))
-    for s in wanted:
-        if not 0 <= s < num_steps:
-            raise OptionError(f"--step {s} is out of range: the snapshot has {num_steps} step(s)")
-    statuses, instances, specs = load_backends(names, snapshot.meta, options, required=required)
-    model_dtype = getattr(torch, snapshot.meta.layer.dtype)
-    cache = working_cache(snapshot, device)
+    setup = prepare_replay(snapshot, backends, options, steps=steps, required=required)
+    options, device, wanted = setup.options, setup.options.device, setup.steps
+    statuses, instances, specs = setup.statuses, setup.instances, setup.specs
+    model_dtype, cache = setup.model_dtype, setup.cache
     out_steps = []
     for step in range(wanted[-1] + 1 if wanted else 0):
         apply_step_update(snapshot, cache, step)

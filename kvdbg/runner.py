@@ -15,6 +15,7 @@ from kvdbg.backend_api import BackendSpec, CommonMetadata, Finding, ReplayOption
 from kvdbg.backends import DEFAULT_ORDER, backend_names, get_backend
 from kvdbg.cache import apply_step_update, working_cache
 from kvdbg.errors import BackendUnavailable, OptionError
+from kvdbg.format import OUTPUTS_KEY
 from kvdbg.pagemap import live_page_values, value_anomalies
 from kvdbg.verdict import counted_backends
 
@@ -318,6 +319,40 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class ReplaySetup:
+    """What every replay of a snapshot starts from (replay, poison): checked options, the backends
+    loaded, the steps wanted, and a private working cache at step 0."""
+
+    options: ReplayOptions  # device resolved
+    names: list[str]
+    steps: list[int]  # sorted, each checked against the snapshot
+    statuses: list[BackendStatus]
+    instances: dict[str, Any]
+    specs: dict[str, BackendSpec]
+    model_dtype: torch.dtype
+    cache: torch.Tensor
+
+
+def prepare_replay(snapshot: "Snapshot", backends: Iterable[str] | None = None,
+                   options: ReplayOptions | None = None, *, steps: Iterable[int] | None = None,
+                   required: Iterable[str] = ()) -> ReplaySetup:
+    """Resolve the device, check the backends and steps, load the backends, open the working cache."""
+    options = options or ReplayOptions()
+    options.device = resolve_device(options.device)
+    names = list(dict.fromkeys(backends if backends is not None else DEFAULT_ORDER))
+    if not names:
+        raise OptionError("--backend: give at least one backend")
+    num_steps = len(snapshot.steps)
+    wanted = sorted(set(range(num_steps) if steps is None else steps))
+    for s in wanted:
+        if not 0 <= s < num_steps:
+            raise OptionError(f"--step {s} is out of range: the snapshot has {num_steps} step(s)")
+    statuses, instances, specs = load_backends(names, snapshot.meta, options, required=required)
+    return ReplaySetup(options, names, wanted, statuses, instances, specs, getattr(torch, snapshot.meta.layer.dtype),
+                       working_cache(snapshot, options.device))
+
+
 def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options: ReplayOptions | None = None, *,
            steps: Iterable[int] | None = None, required: Iterable[str] = (),
            progress: Callable[[str], None] | None = None) -> ReplayResult:
@@ -329,20 +364,10 @@ def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
     fails (nothing can be compared without it); another backend's failure becomes a
     ``backend_raised`` error finding on its column.
     """
-    options = options or ReplayOptions()
-    device = resolve_device(options.device)
-    options.device = device
-    names = list(backends) if backends is not None else list(DEFAULT_ORDER)
-    if not names:
-        raise OptionError("--backend: give at least one backend")
-    num_steps = len(snapshot.steps)
-    wanted = sorted(set(range(num_steps) if steps is None else steps))
-    for s in wanted:
-        if not 0 <= s < num_steps:
-            raise OptionError(f"--step {s} is out of range: the snapshot has {num_steps} step(s)")
-    statuses, instances, specs = load_backends(names, snapshot.meta, options, required=required)
-    model_dtype = getattr(torch, snapshot.meta.layer.dtype)
-    cache = working_cache(snapshot, device)
+    setup = prepare_replay(snapshot, backends, options, steps=steps, required=required)
+    options, device, names, wanted = setup.options, setup.options.device, setup.names, setup.steps
+    statuses, instances, specs = setup.statuses, setup.instances, setup.specs
+    model_dtype, cache = setup.model_dtype, setup.cache
     results = []
     last = wanted[-1] if wanted else -1
     for step in range(last + 1):
@@ -397,7 +422,7 @@ def save_outputs(result: ReplayResult, path: str, *, overwrite: bool = False) ->
     steps = {str(step.step): {"query_start_loc": step.common.query_start_loc.tolist(),
                               "seq_lens": step.common.seq_lens.tolist()} for step in result.steps}
     layer = {"dtype": result.meta.layer.dtype, "kv_cache_dtype": result.meta.layer.kv_cache_dtype}
-    metadata = {"kvdbg.runner": json.dumps({"snapshot": result.path, "kernels": kernels, "steps": steps,
+    metadata = {OUTPUTS_KEY: json.dumps({"snapshot": result.path, "kernels": kernels, "steps": steps,
                                             "layer": layer})}
     payload = save(tensors, metadata=metadata)
     return atomic_write(path, lambda fh: fh.write(payload), overwrite=overwrite, what="--output")

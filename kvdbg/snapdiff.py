@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvdbg.errors import OptionError, SnapshotError
+from kvdbg.format import OUTPUTS_KEY
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 
 KIND_SNAPSHOT = "snapshot"
 KIND_OUTPUTS = "outputs"
-OUTPUTS_KEY = "kvdbg.runner"  # the metadata key `replay -o` writes
 FIRST_LISTED = 5  # differing items named in the text; --json lists up to MAX_LISTED
 MAX_LISTED = 256
 PAGE_CHUNK = 256  # page pairs read at once

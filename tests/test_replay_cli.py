@@ -157,3 +157,19 @@ def test_help_does_not_import_torch():
                      "except SystemExit:\n    pass\nprint('TORCH', 'torch' in sys.modules)\n")
     assert "TORCH False" in out and "--output" in out
     assert "--save-outputs" not in out  # old spellings parse but are not shown
+
+
+def test_outputs_file_keeps_its_metadata_key(tmp_path):
+    """`replay -o` files name their metadata "kvdbg.replay" (a file-format name, not a module path)."""
+    import json
+
+    from safetensors import safe_open
+
+    out = tmp_path / "out.safetensors"
+    from tests.helpers import FIXTURES
+
+    fixture = f"{FIXTURES}/causal_gqa.safetensors"
+    assert invoke(fixture, "--backend", "flex", "-o", str(out)).exit_code in (0, 1)
+    with safe_open(str(out), framework="pt") as f:
+        meta = json.loads(f.metadata()["kvdbg.replay"])
+    assert "kernels" in meta and "steps" in meta
