@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from kvdbg.backend_api import BackendSpec, Capabilities, CommonMetadata, Finding, ReplayOptions, RunInfo
-from kvdbg.cache import as_fp8, dequantize_fp8, kv_views
+from kvdbg.cache import as_fp8, dequantize_fp8, finite_pages, kv_views
 from kvdbg.pagemap import hazard_finding, paging_hazards, physical_to_logical
 from kvdbg.snapshot import live_mask, live_page_counts
 
@@ -189,6 +189,7 @@ class FlexImpl:
         self.compiled = bool(compiled)  # what the last forward ran
         self.scores = 0  # (query, key, head) elements the eager path scores for the last step
         self.calls = 0  # flex_attention calls the last forward made (eager splits big batches)
+        self.compile_cache: tuple[int, int] | None = None  # graphs loaded from / compiled into torch's cache
 
     def eager_scores(self, md: FlexMetadata) -> int:
         """Score elements eager flex materialises for this step: listed pages x their tokens x heads."""
@@ -238,7 +239,11 @@ class FlexImpl:
         if q.is_cuda:
             kwargs["kernel_options"] = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": md.q_block_size,
                                         "BLOCK_N": md.kv_block_size}
+        before = _compile_cache_counts()
         out = _flex_compiled(q.device.type)(q, keys, values, block_mask=md.block_mask, **kwargs)
+        loaded, compiled = (after - first for after, first in zip(_compile_cache_counts(), before))
+        if loaded or compiled:
+            self.compile_cache = (loaded, compiled)
         self.calls = 1
         output[:md.num_actual_tokens].copy_(out[0].permute(1, 0, 2))
         return output
@@ -260,7 +265,7 @@ class FlexImpl:
         block lists, as the kernel reads them.
         """
         qb = md.q_block_size
-        page_finite = self._finite_pages(k_pages, v_pages)
+        page_finite = finite_pages(k_pages, v_pages)
         finite: dict[int, bool] = {}  # query block -> every page it lists is finite
 
         def blocks_finite(start: int, stop: int) -> bool:
@@ -280,24 +285,6 @@ class FlexImpl:
                 lo, hi = max(start, block * qb), min(stop, (block + 1) * qb)
                 self._eager_call(q, k_pages, v_pages, md, output, lo, hi, restrict=False)
         return output
-
-    def _finite_pages(self, k_pages, v_pages):
-        """[pages] bool: every K and V element of the page is finite (fp32 page sums, read once, no gather)."""
-        num_pages = k_pages.shape[0]
-        flags = torch.ones(num_pages, dtype=torch.bool, device=k_pages.device)
-        page_bytes = max(1, k_pages[:1].numel() * k_pages.element_size())
-        step = max(1, (64 << 20) // page_bytes)
-        for first in range(0, num_pages, step):
-            for pages in (k_pages[first:first + step], v_pages[first:first + step]):
-                sums = pages.reshape(pages.shape[0], -1).sum(dim=1, dtype=torch.float32) \
-                    if pages.dtype.is_floating_point and pages.element_size() > 1 else \
-                    pages.float().reshape(pages.shape[0], -1).sum(dim=1)
-                flags[first:first + step] &= torch.isfinite(sums)
-        suspect = (~flags).nonzero().flatten()
-        if suspect.numel():  # a sum can overflow where every element is finite: look element-wise
-            flags[suspect] = torch.stack([torch.isfinite(pages.float()).reshape(suspect.numel(), -1).all(dim=1)
-                                          for pages in (k_pages[suspect], v_pages[suspect])]).all(dim=0)
-        return flags
 
     def _eager_chunks(self, md: FlexMetadata) -> list[tuple[int, int]]:
         """Token ranges: small requests merged, a request too big for the score budget split."""
@@ -375,6 +362,25 @@ class FlexImpl:
         self.calls += 1
 
 
+def _compile_cache_counts() -> tuple[int, int]:
+    """Graphs torch's on-disk compile caches (AOTAutograd's and Inductor's FX graph cache) have so far
+    loaded, and compiled afresh, in this process."""
+    from torch._dynamo.utils import counters
+
+    aot, inductor = counters["aot_autograd"], counters["inductor"]
+    return (aot["autograd_cache_hit"] + inductor["fxgraph_cache_hit"],
+            aot["autograd_cache_miss"] + inductor["fxgraph_cache_miss"])
+
+
+def _compile_cache_note(loaded: int, compiled: int) -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    where = f"torch's on-disk compile cache ({cache_dir()}; TORCHINDUCTOR_CACHE_DIR moves it)"
+    if compiled == 0:
+        return f"compiled graph loaded from {where}: no Inductor compile in this run"
+    return f"{compiled} graph(s) compiled and stored in {where} for later runs; {loaded} loaded from it"
+
+
 def _flex_untraced(flex_attention: Callable, *args, **kwargs):
     """Eager flex_attention without the Dynamo trace torch wraps around it.
 
@@ -431,6 +437,8 @@ class FlexInstance:
             size = f"{self.impl.scores:,} eager score elements" if self.impl.scores else "the step's size"
             notes.append(f"{mode} chosen by size ({size}; compiled above {COMPILE_ABOVE_SCORES:,}); "
                          f"--compile or --no-compile decides instead")
+        if self.compiled and self.impl.compile_cache is not None:
+            notes.append(_compile_cache_note(*self.impl.compile_cache))
         if not self.compiled:
             notes.append("eager flex_attention (torch's unfused implementation, called without a Dynamo trace), "
                          "each call over a compact cache of only the pages its query blocks' BlockMask rows "

@@ -266,11 +266,29 @@ def test_eager_reads_only_the_pages_each_query_block_lists_as_the_compiled_kerne
 
 
 def test_finite_page_flags_see_nan_and_inf_but_not_an_overflowing_sum():
-    snap = synth_snapshot(SynthSpec(query_len=2, dtype="float32"))
-    impl = flex_module.FlexImpl(snap.meta, ReplayOptions(), False)
+    from kvdbg.cache import finite_pages
+
     k = torch.ones(6, 2, 16, 8)
     v = torch.ones(6, 2, 16, 8)
     k[1, 0, 3, 2] = float("nan")
     v[4, 1, 0, 0] = float("-inf")
     k[2] = 3e38  # finite elements whose fp32 sum overflows
-    assert impl._finite_pages(k, v).tolist() == [True, False, True, True, False, True]
+    assert finite_pages(k, v).tolist() == [True, False, True, True, False, True]
+    assert finite_pages(v).tolist() == [True, True, True, True, False, True]
+    fp8 = torch.zeros(3, 4, dtype=torch.uint8)
+    fp8[1, 2] = 0x7F  # e4m3fn NaN, held as bytes
+    assert finite_pages(fp8).tolist() == [True, False, True]
+
+
+def test_compiled_flex_says_whether_torchs_on_disk_compile_cache_was_used(tmp_path, monkeypatch):
+    """A second process finds the graph in torch's on-disk cache; the column says which happened."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    snap = synth_snapshot(SynthSpec(query_len=2, seq_lens=(40, 70)))
+    notes = []
+    for _ in range(2):
+        torch._dynamo.reset()  # forget the in-process compile, as a new process would
+        _, step, comparison = _run(snap, compile=True)
+        assert comparison.passed
+        notes.append([n for n in step.runs["flex"].info.notes if "on-disk compile cache" in n])
+    assert len(notes[0]) == 1 and "compiled and stored in" in notes[0][0] and str(tmp_path) in notes[0][0]
+    assert len(notes[1]) == 1 and notes[1][0].startswith("compiled graph loaded from"), notes
