@@ -71,21 +71,54 @@ def _fp8_p_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, tok0, length, last, row_ok, 
 
 
 @triton.jit
+def _request_defined(seq_lens_ptr, table_ptr, b, stride_tb, table_width, num_pages, max_kv_len,
+                     SQ: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, SCAN: tl.constexpr):
+    """Is request ``b`` computed? ``flashinfer_ts.undefined_codes`` == 0, evaluated in the kernel.
+
+    A positive length within max_kv_len (a causal row: at least SQ), no more live
+    pages than the table's width, every live entry a page of the cache. Reading
+    it here keeps the launch free of the ~30 small torch ops the same scan costs
+    from the host.
+    """
+    length = tl.load(seq_lens_ptr + b).to(tl.int64)
+    pages = (tl.maximum(length, 0) + PAGE - 1) // PAGE
+    ok = (length > 0) & (length <= max_kv_len) & (pages <= table_width)
+    if CAUSAL:
+        ok = ok & (length >= SQ)
+    live = tl.minimum(pages, table_width)
+    bad = length * 0
+    for first in range(0, live, SCAN):
+        cols = first + tl.arange(0, SCAN)
+        entry = tl.load(table_ptr + b * stride_tb + cols, mask=cols < live, other=0)
+        bad += tl.sum(((cols < live) & ((entry < 0) | (entry >= num_pages))).to(tl.int64), axis=0)
+    return ok & (bad == 0)
+
+
+@triton.jit(do_not_specialize=["window_left", "num_pages", "max_kv_len"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, table_ptr, valid_ptr,
-    stride_qb, stride_qs, stride_qh,
-    stride_kp, stride_kh, stride_kt,
-    stride_vp, stride_vh, stride_vt,
-    stride_ob, stride_os, stride_oh,
-    stride_tb,
-    bmm1_scale, bmm2_scale, window_left,
+    bmm1_scale, bmm2_scale, window_left, num_pages, max_kv_len,
+    # Strides and the table's width are fixed for a snapshot: as constants they fold into the
+    # address arithmetic and leave Triton's launcher 14 fewer arguments to bind on every call.
+    stride_qb: tl.constexpr, stride_qs: tl.constexpr, stride_qh: tl.constexpr,
+    stride_kp: tl.constexpr, stride_kh: tl.constexpr, stride_kt: tl.constexpr,
+    stride_vp: tl.constexpr, stride_vh: tl.constexpr, stride_vt: tl.constexpr,
+    stride_ob: tl.constexpr, stride_os: tl.constexpr, stride_oh: tl.constexpr,
+    stride_tb: tl.constexpr, table_width: tl.constexpr,
     SQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, FP8_P: tl.constexpr,
+    HAS_VALID: tl.constexpr, CHECK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    # A request left out (valid == 0) sees no key, so nothing of it is stored.
-    length = tl.where(tl.load(valid_ptr + b) != 0, tl.load(seq_lens_ptr + b).to(tl.int64), 0)
+    length = tl.load(seq_lens_ptr + b).to(tl.int64)
+    # A request left out (valid == 0, or a broken precondition) sees no key, so nothing of it is stored.
+    if HAS_VALID:
+        length = tl.where(tl.load(valid_ptr + b) != 0, length, 0)
+    if CHECK:
+        defined = _request_defined(seq_lens_ptr, table_ptr, b, stride_tb, table_width, num_pages, max_kv_len,
+                                   SQ=SQ, PAGE=PAGE, CAUSAL=CAUSAL, SCAN=128)
+        length = tl.where(defined, length, 0)
 
     rows = tl.arange(0, BLOCK_M)  # row = g * SQ + i
     g = rows // SQ
@@ -169,25 +202,28 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
 
 def triton_decode(q, k_cache, v_cache, seq_lens, block_tables, *, mask_type: str, window_left: int,
                   bmm1_scale: float, bmm2_scale: float, out: torch.Tensor, requests: list[int] | None = None,
-                  valid: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
-                  num_stages: int = 2, fp8_p: bool | None = None):
+                  valid: torch.Tensor | None = None, max_kv_len: int | None = None, block_n: int | None = None,
+                  num_warps: int = 4, num_stages: int = 2, fp8_p: bool | None = None):
     """Drop-in for ``emulate_decode`` on CUDA tensors (no ``key_mask``); the tile knobs are for bench/.
 
     ``fp8_p`` (default: FP8 q and K) models the FP8 kernel's P rounding, with 128-key tiles, as
     ``emulate_decode`` does.
 
-    ``valid`` [batch] bool on the device selects requests without a host round trip;
+    ``max_kv_len``: the kernel itself leaves out every request the real kernel
+    does not compute (``flashinfer_ts.undefined_codes``: a length outside
+    [1, max_kv_len] or below the query length of a causal row, a table too
+    narrow, a live entry outside the cache), with no host round trip and no
+    extra launch. ``valid`` [batch] bool on the device selects requests too;
     ``requests`` (host indices) does the same the way ``emulate_decode`` takes it.
     """
     batch, sq, hq, d = q.shape
     hkv, page_size = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    if valid is None:
-        valid = torch.ones(batch, dtype=torch.bool, device=q.device)
     if requests is not None:
         chosen = torch.zeros(batch, dtype=torch.bool)
         chosen[list(requests)] = True
-        valid = valid & chosen.to(q.device)
+        chosen = chosen.to(q.device)
+        valid = chosen if valid is None else valid & chosen
     if batch == 0 or sq == 0:
         return out
     block_m = max(16, triton.next_power_of_2(group * sq))
@@ -200,14 +236,12 @@ def triton_decode(q, k_cache, v_cache, seq_lens, block_tables, *, mask_type: str
     elif block_n is None:  # measured on an H200 (bench/ts_triton_tiles.py): larger key tiles while registers allow
         block_n = 128 if block_m * d <= 32 * 128 else 64 if block_m * d <= 64 * 128 else 32
     _decode_kernel[(batch, hkv)](
-        q, k_cache, v_cache, out, seq_lens, block_tables, valid.to(torch.int8),
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        block_tables.stride(0),
-        float(bmm1_scale), float(bmm2_scale), int(window_left),
+        q, k_cache, v_cache, out, seq_lens, block_tables, seq_lens if valid is None else valid.to(torch.int8),
+        float(bmm1_scale), float(bmm2_scale), int(window_left), k_cache.shape[0], max_kv_len or 0,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3],
+        block_tables.stride(0), block_tables.shape[1],
         SQ=sq, GROUP=group, D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=mask_type == "causal", FP8_P=bool(fp8_p), num_warps=num_warps, num_stages=num_stages,
+        CAUSAL=mask_type == "causal", FP8_P=bool(fp8_p), HAS_VALID=valid is not None,
+        CHECK=max_kv_len is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out

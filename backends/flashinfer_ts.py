@@ -53,6 +53,10 @@ ENGINE_NAME = "FLASHINFER_TS"
 MIN_FLASHINFER = (0, 7, 1)
 EMULATED_KERNEL = "prims_ts contract, emulated in torch"
 EMULATED_KERNEL_TRITON = "prims_ts contract, emulated in Triton"
+# On CUDA the Triton emulation runs a step that may read more K/V than this, or has more requests than
+# TRITON_ABOVE_REQUESTS; a smaller one runs the torch loop (FlashInferTSImpl._emulator says why).
+TRITON_ABOVE_BYTES = 64 << 20
+TRITON_ABOVE_REQUESTS = 256
 # The FP8 kernel scales unnormalised probabilities by 448 (e4m3's largest finite value) and rounds them to
 # e4m3 before the P.V product (fmha_decode helpers_softmax). It streams keys in tiles of FP8_P_TILE, dealt
 # in turn to FP8_P_STREAMS instances with their own running max, merged at the end: kvdbg models that at
@@ -595,15 +599,27 @@ class FlashInferTSImpl:
         query = as_fp8(query)
         return query if query.dtype == torch.float8_e4m3fn else quantize_fp8(query, self.q_scale)
 
-    def _emulator(self, q: "torch.Tensor", k_cache: "torch.Tensor") -> Callable:
-        """The Triton kernel of the same contract on CUDA (fast on large batches), else the torch loop.
+    def _emulator(self, q: "torch.Tensor", k_cache: "torch.Tensor", md: FlashInferTSMetadata) -> Callable:
+        """The Triton kernel of the same contract on CUDA for a large step, else the torch loop.
 
-        ``KVDBG_EMULATION=torch`` forces the torch definition everywhere.
+        Triton's first launch in a process costs ~0.5-1 s (import, cache lookup
+        or compile); the torch loop costs ~0.1 ms a request. A step that may read
+        more than TRITON_ABOVE_BYTES of K/V, or holds more than
+        TRITON_ABOVE_REQUESTS requests, goes to Triton. ``KVDBG_EMULATION=torch``
+        or ``=triton`` decides instead.
         """
         import os
 
         self.emulator, self.emulator_note = "torch", None
-        if not q.is_cuda or os.environ.get("KVDBG_EMULATION", "").lower() == "torch":
+        forced = os.environ.get("KVDBG_EMULATION", "").lower()
+        if not q.is_cuda or forced == "torch":
+            return emulate_decode
+        readable = md.num_reqs * md.block_table.shape[1] * self.builder.page_size
+        kv_bytes = 2 * readable * k_cache.shape[1] * self.head_size * k_cache.element_size()
+        if forced != "triton" and kv_bytes <= TRITON_ABOVE_BYTES and md.num_reqs <= TRITON_ABOVE_REQUESTS:
+            self.emulator_note = (f"torch loop chosen by size (at most {kv_bytes / 2**20:.1f} MiB of K/V, "
+                                  f"{md.num_reqs} requests; Triton above {TRITON_ABOVE_BYTES >> 20} MiB or "
+                                  f"{TRITON_ABOVE_REQUESTS} requests); KVDBG_EMULATION=triton decides instead")
             return emulate_decode
         try:
             from kvdbg.backends import _triton_decode
@@ -648,17 +664,18 @@ class FlashInferTSImpl:
             else:
                 kernel_out = torch.full((b, sq, self.num_heads, self.head_size), float("nan"),
                                         dtype=plan.o_data_type, device=query.device)
-            codes = undefined_codes(md, int(k_cache.shape[0]), self.builder.page_size, self.builder.gate.contract)
-            emulate = self._emulator(q, k_cache)
+            emulate = self._emulator(q, k_cache, md)
             if emulate is emulate_decode:
+                codes = undefined_codes(md, int(k_cache.shape[0]), self.builder.page_size,
+                                        self.builder.gate.contract)
                 defined = [r for r, code in enumerate(codes.tolist()) if not code]
                 emulate_decode(q, k_cache, v_cache, md.seq_lens, md.block_table, mask_type=plan.mask_type,
                                window_left=plan.window_left, bmm1_scale=self.bmm1_scale,
                                bmm2_scale=self.bmm2_scale, out=kernel_out, requests=defined)
-            else:  # the device mask keeps the CUDA path free of host round trips
+            else:  # the kernel checks the same preconditions itself: no host round trip, no extra launch
                 emulate(q, k_cache, v_cache, md.seq_lens, md.block_table, mask_type=plan.mask_type,
                         window_left=plan.window_left, bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale,
-                        out=kernel_out, valid=codes == 0)
+                        out=kernel_out, max_kv_len=md.max_kv_len)
         # The engine converts the kernel's dtype (fp16 for an FP8 query) to the model dtype.
         if kernel_out.data_ptr() != output.data_ptr():
             output[:n] = kernel_out.reshape(n, self.num_heads, self.head_size).to(model_dtype).to(output.dtype)

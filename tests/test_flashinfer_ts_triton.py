@@ -82,6 +82,10 @@ def test_replay_on_cuda_says_triton_and_matches_torch(monkeypatch):
     from kvdbg.snapshot import load_snapshot
 
     snap = load_snapshot(fixture_path("dflash"))
+    by_size = replay(snap, ["flashinfer_ts"], ReplayOptions(device="cuda")).steps[0].runs["flashinfer_ts"]
+    assert by_size.info.kernel == ts.EMULATED_KERNEL  # a few MB: the torch loop, and the column says why
+    assert any("chosen by size" in note for note in by_size.info.notes)
+    monkeypatch.setenv("KVDBG_EMULATION", "triton")
     fast = replay(snap, ["flashinfer_ts"], ReplayOptions(device="cuda")).steps[0].runs["flashinfer_ts"]
     assert fast.info.kernel == ts.EMULATED_KERNEL_TRITON and fast.info.emulated
     monkeypatch.setenv("KVDBG_EMULATION", "torch")
@@ -121,6 +125,7 @@ def test_fp8_replay_on_cuda_rounds_p_like_the_torch_emulation(monkeypatch):
     from kvdbg.snapshot import load_snapshot
 
     snap = load_snapshot(fixture_path("fp8_dense"))
+    monkeypatch.setenv("KVDBG_EMULATION", "triton")
     fast = replay(snap, ["flashinfer_ts"], ReplayOptions(device="cuda")).steps[0].runs["flashinfer_ts"]
     assert fast.info.kernel == ts.EMULATED_KERNEL_TRITON
     monkeypatch.setenv("KVDBG_EMULATION", "torch")
@@ -145,3 +150,32 @@ def test_triton_fp8_matches_the_fp8_model_at_flashinfer_tolerance(lens, sq, mask
     triton_decode(q, k, v, seq_lens, table, out=b, **kwargs)
     assert not a.isnan().any()
     _assert_fp8_close(b, a, v, bmm2_scale=0.7)
+
+
+@pytest.mark.parametrize("mask_type", ["dense", "causal"])
+def test_kernel_leaves_out_exactly_the_requests_undefined_codes_names(mask_type):
+    """The in-kernel precondition check against the host rule, one request per way to break it."""
+    from types import SimpleNamespace
+
+    batch, sq, ps, max_kv_len = 8, 4, 16, 600
+    lens = [37, 300, 129, 90, 64, 200, 3, 150]
+    q, k, v, seq_lens, table = _case(batch, sq, 8, 2, 64, ps, lens, False, seed=11)
+    num_pages, width = k.shape[0], table.shape[1]
+    seq_lens[1] = 0  # not positive
+    seq_lens[2] = -5  # negative
+    seq_lens[3] = max_kv_len + 1  # over max_kv_len (and past the table's width)
+    table[4, 1] = num_pages  # a live entry past the cache
+    table[5, 0] = -1  # a negative live entry
+    table[7, (150 + ps - 1) // ps] = num_pages + 7  # past the live pages: stale, allowed
+    # request 6: seq_len 3 < query_len 4 -- undefined only for a causal mask
+    md = SimpleNamespace(seq_lens=seq_lens, block_table=table, query_len=sq, max_kv_len=max_kv_len,
+                         plan=SimpleNamespace(mask_type=mask_type), causal=mask_type == "causal")
+    codes = ts.undefined_codes(md, num_pages, ps)
+    expected_written = (codes == 0).cpu()
+    assert not expected_written[1:6].any() and expected_written[[0, 7]].all()
+    assert bool(expected_written[6]) == (mask_type == "dense")
+    out = torch.full((batch, sq, 8, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+    triton_decode(q, k, v, seq_lens, table, mask_type=mask_type, window_left=-1, bmm1_scale=0.1, bmm2_scale=1.0,
+                  out=out, max_kv_len=max_kv_len)
+    written = ~out.isnan().flatten(1).all(dim=1).cpu()
+    assert torch.equal(written, expected_written), (width, codes.tolist())
