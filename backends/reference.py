@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvdbg.backend_api import BackendSpec, Capabilities, CommonMetadata, Finding, ReplayOptions, RunInfo
-from kvdbg.cache import as_fp8, dequantize_fp8, kv_views
+from kvdbg.cache import as_fp8, dequantize_fp8, finite_pages, kv_head_dim, kv_views, page_dim, split_kv
 
 if TYPE_CHECKING:
     from kvdbg.format import SnapshotMeta
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 # by an exact log-sum-exp (online softmax), so neither a long batch nor a hostile
 # table repeating one page thousands of times can make the reference allocate more.
 CHUNK_BUDGET_BYTES = 256 * 1024 * 1024
+# On a GPU fewer, larger chunks save launches and syncs (64 x 8192 on an H200, bench/gpu_breakdown.py:
+# 22 chunks 30 ms, 6 chunks 17-19 ms, 2 chunks 14-16 ms); the budget is also held to a quarter of the
+# free device memory.
+CUDA_CHUNK_BUDGET_BYTES = 4 * 1024 * 1024 * 1024
 
 
 @dataclass
@@ -55,7 +59,7 @@ class ReferenceBuilder:
         query_lens = common.query_lens.to(torch.int64)
         pages = (seq_lens + ps - 1) // ps
         bytes_per = torch.finfo(self.compute_dtype).bits // 8
-        budget = CHUNK_BUDGET_BYTES // bytes_per  # elements
+        budget = _budget_bytes(common.seq_lens.device) // bytes_per  # elements
         # Sorting by length makes each chunk pad to a length close to its members'.
         order = torch.argsort(pages, stable=True).cpu()
         pages_cpu = pages.cpu().tolist()
@@ -99,6 +103,13 @@ class ReferenceBuilder:
         )
 
 
+def _budget_bytes(device: "torch.device") -> int:
+    if device.type != "cuda":
+        return CHUNK_BUDGET_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(CHUNK_BUDGET_BYTES, min(CUDA_CHUNK_BUDGET_BYTES, free // 4))
+
+
 class ReferenceImpl:
     def __init__(self, meta: "SnapshotMeta", compute_dtype: "torch.dtype"):
         self.meta = meta
@@ -110,12 +121,15 @@ class ReferenceImpl:
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_size
         group = hq // hkv
         ps = md.page_size
-        k_pages, v_pages = kv_views(self.meta, kv_cache)
+        _, v_pages = kv_views(self.meta, kv_cache)
         fp8 = layer.is_fp8
         query = as_fp8(query) if fp8 else query
         fp8_query = query.dtype == torch.float8_e4m3fn
         device = query.device
         soft_cap = float(layer.logits_soft_cap or 0.0)
+        # One check of the whole V cache (one host sync) spares each chunk its own; a cache with a
+        # non-finite value anywhere has each chunk checked for the keys its tokens cannot see.
+        values_finite = bool(finite_pages(v_pages).all())
 
         for reqs, num_pages, step_pages in zip(md.chunks, md.page_counts, md.block_pages):
             n = reqs.numel()
@@ -133,22 +147,17 @@ class ReferenceImpl:
             token = torch.where(real, token, torch.zeros_like(token))
             q = query[token]  # [n, qmax, Hq, D]
             q = dequantize_fp8(q, layer.q_scale, dt) if fp8_query else q.to(dt)
-            q = q.reshape(n, qmax, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, group * qmax, d)
+            # Head-major [Hkv, n, G*qmax, D] (row g * qmax + i), as _gather lays out K and V.
+            q = q.reshape(n, qmax, hkv, group, d).permute(2, 0, 3, 1, 4).reshape(hkv, n, group * qmax, d)
             pos = (seq_lens - qlens).unsqueeze(1) + offsets.unsqueeze(0)  # p = L - q + i, [n, qmax]
 
             def block_scores(first_page: int, last_page: int):
-                """Masked scores [n, Hkv, G*qmax, keys] and values of pages [first_page, last_page)."""
+                """Masked scores [Hkv, n, G*qmax, keys] and values of pages [first_page, last_page)."""
                 kv_len = (last_page - first_page) * ps
                 # Entries past a request's live pages may be -1 (not stored) or stale; they are masked by k < L.
                 table = md.block_table[reqs, first_page:last_page].clamp_min(0)
-                if fp8:  # [n, pages, Hkv, ps, D]
-                    keys = dequantize_fp8(k_pages[table], layer.k_scale, dt)
-                    values = dequantize_fp8(v_pages[table], layer.v_scale, dt)
-                else:
-                    keys, values = k_pages[table].to(dt), v_pages[table].to(dt)
-                keys = keys.permute(0, 2, 1, 3, 4).reshape(n, hkv, kv_len, d)
-                values = values.permute(0, 2, 1, 3, 4).reshape(n, hkv, kv_len, d)
-                scores = torch.matmul(q, keys.transpose(-1, -2)) * layer.scale  # [n, Hkv, G*qmax, kv_len]
+                keys, values = _gather(self.meta, kv_cache, table, dt)
+                scores = torch.matmul(q, keys.transpose(-1, -2)) * layer.scale  # [Hkv, n, G*qmax, kv_len]
                 del keys
                 if soft_cap:
                     scores = torch.tanh(scores / soft_cap) * soft_cap
@@ -158,9 +167,11 @@ class ReferenceImpl:
                 if md.sliding_window is not None:
                     allowed = allowed & ((p - k).abs() < md.sliding_window)
                 allowed = allowed & real.unsqueeze(2)
-                scores = scores.view(n, hkv, group, qmax, kv_len)
-                scores = scores.masked_fill(~allowed.view(n, 1, 1, qmax, kv_len), float("-inf"))
-                return scores.view(n, hkv, group * qmax, kv_len), _masked_values(values, allowed, group)
+                scores = scores.view(hkv, n, group, qmax, kv_len)
+                scores = scores.masked_fill(~allowed.view(1, n, 1, qmax, kv_len), float("-inf"))
+                if values_finite:
+                    return scores.view(hkv, n, group * qmax, kv_len), (values, None)
+                return scores.view(hkv, n, group * qmax, kv_len), _masked_values(values, allowed, group)
 
             if step_pages >= num_pages:
                 scores, (values, poisoned) = block_scores(0, num_pages)
@@ -171,7 +182,7 @@ class ReferenceImpl:
                     out = out.masked_fill(poisoned, float("nan"))
             else:
                 out = self._online_softmax(block_scores, num_pages, step_pages)
-            out = out.view(n, hkv, group, qmax, d).permute(0, 3, 1, 2, 4).reshape(n, qmax, hq, d)
+            out = out.view(hkv, n, group, qmax, d).permute(1, 3, 0, 2, 4).reshape(n, qmax, hq, d)
             output[token[real]] = out[real].to(output.dtype)
         return output
 
@@ -208,27 +219,56 @@ class ReferenceImpl:
         return out if poisoned is None else out.masked_fill(poisoned, float("nan"))
 
 
+def _gather(meta: "SnapshotMeta", kv_cache, table, dtype):
+    """K and V of pages ``table`` [n, P], each as [Hkv, n, P*ps, D] in ``dtype`` (FP8 dequantised).
+
+    Whole pages are gathered at once (K and V together), then widened in one
+    copy that also puts heads before pages: each (head, page) slot stays one
+    contiguous run, and the K and V views of the result need no further copy
+    for the products (a 64 x 8192 batch on an H200: 12.6 ms, against 16-30 ms
+    for gathering K and V apart and reordering them after widening).
+    """
+    n, num = table.shape
+    layout, layer = meta.kv_layout, meta.layer
+    pages_at, heads_at = page_dim(layout), kv_head_dim(layout)
+    picked = kv_cache.index_select(pages_at, table.reshape(-1))
+    if layer.is_fp8:
+        picked = as_fp8(picked)
+    order = [i for i in range(picked.dim()) if i != heads_at]
+    order.insert(pages_at, heads_at)  # the head dimension moved just before the page dimension
+    wide = torch.empty([picked.shape[i] for i in order], dtype=dtype, device=picked.device)
+    wide.copy_(picked.permute(order))
+    keys, values = split_kv(wide.permute([order.index(i) for i in range(len(order))]), layout, layer.head_size)
+    if layer.is_fp8:
+        for view, scale in ((keys, layer.k_scale), (values, layer.v_scale)):
+            if scale != 1.0:
+                view.mul_(scale)
+    hkv, ps, d = keys.shape[1:]
+    return (keys.transpose(0, 1).reshape(hkv, n, num * ps, d),
+            values.transpose(0, 1).reshape(hkv, n, num * ps, d))
+
+
 def _masked_values(values, allowed, group: int):
-    """(values with non-finite entries zeroed, [n, Hkv, G*q, D] mask of outputs they make NaN) or (values, None).
+    """(values with non-finite entries zeroed, [Hkv, n, G*q, D] mask of outputs they make NaN) or (values, None).
 
     ``probs @ values`` would turn a NaN value under a zero probability (a key
     outside the token's window) into NaN: 0 x NaN = NaN. The exact answer is that
     such a key contributes nothing, while a NaN a token does see makes its output
-    NaN in that channel. The check is one reduction; only a poisoned cache pays
-    for the extra product.
+    NaN in that channel. ``values`` [Hkv, n, keys, D], ``allowed`` [n, q, keys].
+    The check is one reduction; only a poisoned block pays for the extra product.
     """
-    # One fp32 sum is finite for every finite cache (its values are far below fp32's range); only a
+    # One fp32 sum is finite for every finite block (its values are far below fp32's range); only a
     # poisoned block pays for the element-wise check.
     if bool(torch.isfinite(values.sum(dtype=torch.float32))):
         return values, None
     bad = ~torch.isfinite(values)
     if not bool(bad.any()):
         return values, None
-    n, hkv, kv_len, d = values.shape
+    hkv, n, kv_len, d = values.shape
     qmax = allowed.shape[1]
-    seen = allowed.to(values.dtype).view(n, 1, qmax, kv_len)
-    hits = torch.matmul(seen, bad.to(values.dtype)) > 0  # [n, Hkv, qmax, D]
-    poisoned = hits.unsqueeze(2).expand(n, hkv, group, qmax, d).reshape(n, hkv, group * qmax, d)
+    seen = allowed.to(values.dtype).view(1, n, qmax, kv_len)
+    hits = torch.matmul(seen, bad.to(values.dtype)) > 0  # [Hkv, n, qmax, D]
+    poisoned = hits.unsqueeze(2).expand(hkv, n, group, qmax, d).reshape(hkv, n, group * qmax, d)
     return torch.where(bad, torch.zeros_like(values), values), poisoned
 
 
