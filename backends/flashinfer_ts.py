@@ -589,7 +589,13 @@ class FlashInferTSImpl:
         self.bmm1_scale = float(layer.scale) * float(layer.q_scale) * float(layer.k_scale)
         self.bmm2_scale = float(layer.v_scale)
         self.q_scale = float(layer.q_scale)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the last forward: its cache views (findings must never judge another cache's views, and
+        holding them would keep that cache alive) and the emulator it chose (describe() reports it)."""
         self.last_views: tuple[Any, Any, Any] | None = None  # K view, V view, the page tensor
+        self.emulator, self.emulator_note = "torch", None
 
     def kernel_query(self, query: "torch.Tensor") -> "torch.Tensor":
         """The query in the plan's dtype: FP8 bytes viewed as e4m3; a model-dtype query on an FP8 cache is
@@ -739,6 +745,13 @@ class FlashInferTSInstance:
         self.output_dtype = getattr(torch, layer.dtype)
         self.builder = FlashInferTSBuilder(meta, options.device, gate)
         self.impl = FlashInferTSImpl(meta, self.builder)
+
+    def reset(self) -> None:
+        """Before a replay of another snapshot of the same layer, as vLLM's next step: the builder keeps its
+        plans (a plan depends only on its key and the layer) and its persistent buffers (each build rewrites
+        the rows it hands over; build ids keep counting, pairing each build with its forward); the impl forgets.
+        """
+        self.impl.reset()
 
     # ------------------------------------------------------------------ what ran
 

@@ -186,7 +186,11 @@ class FlexImpl:
         self.meta = meta
         self.options = options
         self.requested = compiled  # True/False as asked; None: chosen per step by size (CUDA only)
-        self.compiled = bool(compiled)  # what the last forward ran
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what the last forward ran (describe() reports it), as a new impl knows nothing yet."""
+        self.compiled = bool(self.requested)  # what the last forward ran
         self.scores = 0  # (query, key, head) elements the eager path scores for the last step
         self.calls = 0  # flex_attention calls the last forward made (eager splits big batches)
         self.compile_cache: tuple[int, int] | None = None  # graphs loaded from / compiled into torch's cache
@@ -427,6 +431,10 @@ class FlexInstance:
     @property
     def compiled(self) -> bool:
         return self.impl.compiled
+
+    def reset(self) -> None:
+        """Before a replay of another snapshot: the builder keeps nothing between builds, the impl forgets."""
+        self.impl.reset()
 
     def describe(self) -> RunInfo:
         layer = self.meta.layer

@@ -29,6 +29,7 @@ def main() -> int:
     parser.add_argument("--keep", default=None, help="write the input and output here instead of a temp dir")
     args = parser.parse_args()
     work = args.keep or tempfile.mkdtemp(prefix="kvdbg-shrink-")
+    os.makedirs(work, exist_ok=True)
     src, dst = os.path.join(work, "big.safetensors"), os.path.join(work, "small.safetensors")
 
     t0 = time.perf_counter()
@@ -36,10 +37,18 @@ def main() -> int:
     t_gen = time.perf_counter() - t0
     in_bytes = os.path.getsize(src)
 
+    said: list[tuple[float, str]] = []
+
+    def progress(message: str) -> None:
+        said.append((time.perf_counter(), message))
+        print("  " + message, file=sys.stderr)
+
     t0 = time.perf_counter()
-    result = shrink(load_snapshot(src), progress=lambda m: print("  " + m, file=sys.stderr), output_path=dst,
-                    overwrite=True)
+    result = shrink(load_snapshot(src), progress=progress, output_path=dst, overwrite=True)
     t_shrink = time.perf_counter() - t0
+    # The input's own replay (every backend, every step) ends where shrink announces the failure it keeps.
+    t_input = next(t for t, message in said if message.startswith("failure:")) - t0
+    candidates = result.replays - 1
     out_bytes = os.path.getsize(dst)
 
     # Independent check: replay the written file and map its failing heads back to the input's numbering.
@@ -59,6 +68,8 @@ def main() -> int:
     print(f"output  {out_bytes / 1e6:8.4f} MB  ({out_bytes} bytes; {len(result.kept_requests)} request(s), "
           f"{len(result.kept_heads)} query head(s), {result.pages_after} page(s), {result.tokens_after} keys)")
     print(f"ratio   {in_bytes / out_bytes:8.0f}x smaller; shrink took {t_shrink:.1f} s over {result.replays} replays")
+    print(f"replays the input's {t_input:.1f} s, then {candidates} on candidates in {t_shrink - t_input:.1f} s "
+          f"({(t_shrink - t_input) / candidates:.3f} s per replay)")
     for p in result.passes:
         print(f"  pass {p.name:<12} {p.candidates:3d} candidates  {p.removed or '-'}")
     print(f"backend {result.backend}: input fails on {len(result.signature.failing_heads)} (request, head) pairs; "

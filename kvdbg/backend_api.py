@@ -100,6 +100,11 @@ class BackendInstance(Protocol):
         """Per-request builder decisions (one dict per request) for ``replay --explain``."""
         ...
 
+    def reset(self) -> None:
+        """Optional: forget what the last replay left (views of its cache, what describe() reports) before
+        the instance replays another snapshot of the same layer (``kvdbg.runner.ReplayContext``)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Capabilities:

@@ -7,7 +7,7 @@ snapshot, the replay core, the backends, synth, shrink and capture call them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
@@ -16,11 +16,11 @@ from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
 
 if TYPE_CHECKING:
     from kvdbg.format import SnapshotMeta
-    from kvdbg.snapshot import Snapshot
+    from kvdbg.snapshot import Snapshot, Step
 
 __all__ = ["CPU_ATTN_K_TRANSPOSED", "FP8_MAX", "KV_VIEW_LAYOUTS", "apply_step_update", "as_fp8", "dequantize_fp8",
-           "finite_pages", "join_kv", "kv_head_dim", "kv_views", "page_dim", "quantize_fp8", "split_kv",
-           "stored_index", "working_cache"]
+           "finite_pages", "join_kv", "kv_head_dim", "kv_views", "page_dim", "quantize_fp8", "replay_cache",
+           "split_kv", "step_writes", "stored_index", "working_cache"]
 
 # float8_e4m3fn's largest finite value: vLLM's FP8 cache write saturates here.
 FP8_MAX = 448.0
@@ -193,6 +193,29 @@ def working_cache(snapshot: "Snapshot", device: str = "cpu") -> torch.Tensor:
         if mapped is not None:
             return mapped
     return snapshot.kv_cache.to(device, copy=True).contiguous()
+
+
+def step_writes(step: "Step") -> bool:
+    """Whether :func:`apply_step_update` writes anything for ``step``: new K/V and one valid slot at least."""
+    if step.slot_mapping is None or step.key is None or step.value is None:
+        return False
+    return bool((step.slot_mapping >= 0).any())
+
+
+def replay_cache(snapshot: "Snapshot", device: str, steps: Iterable[int], *, private: bool = False) -> torch.Tensor:
+    """The cache a replay reads while it applies the updates of ``steps`` in order.
+
+    Backends only read the cache; a step's update is the one write. So the
+    private :func:`working_cache` is opened only when one of ``steps`` writes,
+    or with ``private`` (a caller that writes itself, as poison writes NaN
+    regions). Otherwise the backends read the snapshot's own pages, copied
+    only to reach ``device`` or to be contiguous: a one-step snapshot without
+    new K/V (a shrink candidate, a capture without the update) costs no second
+    cache.
+    """
+    if private or any(step_writes(snapshot.steps[s]) for s in steps):
+        return working_cache(snapshot, device)
+    return snapshot.kv_cache.to(device).contiguous()
 
 
 def apply_step_update(snapshot: "Snapshot", cache: torch.Tensor, step: int) -> int:

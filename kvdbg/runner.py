@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -13,7 +13,7 @@ import torch
 
 from kvdbg.backend_api import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
 from kvdbg.backends import DEFAULT_ORDER, backend_names, get_backend
-from kvdbg.cache import apply_step_update, working_cache
+from kvdbg.cache import apply_step_update, replay_cache
 from kvdbg.errors import BackendUnavailable, OptionError
 from kvdbg.format import OUTPUTS_KEY
 from kvdbg.pagemap import live_page_values, value_anomalies
@@ -321,8 +321,8 @@ def _sync(device) -> None:
 
 @dataclass
 class ReplaySetup:
-    """What every replay of a snapshot starts from (replay, poison): checked options, the backends
-    loaded, the steps wanted, and a private working cache at step 0."""
+    """What a replay of one snapshot starts from (replay, poison): checked options, the backends
+    loaded, the steps wanted, and the cache at step 0 (see :func:`kvdbg.cache.replay_cache`)."""
 
     options: ReplayOptions  # device resolved
     names: list[str]
@@ -332,25 +332,77 @@ class ReplaySetup:
     specs: dict[str, BackendSpec]
     model_dtype: torch.dtype
     cache: torch.Tensor
+    named: tuple[str, ...] = ()  # backends asked for by name (required)
+
+
+def backend_key(meta: "SnapshotMeta") -> tuple:
+    """What a backend instance is made from: the layer, the engine's backend settings and the cache layout.
+
+    Backends read nothing else of the metadata (not the provenance, notes or step
+    count), so snapshots equal in these can share instances.
+    """
+    return (meta.layer, meta.backend, meta.kv_layout)
+
+
+class ReplayContext:
+    """The checked options and backend names of many replays, and the backends made for them.
+
+    Backends are created once per :func:`backend_key` and reused, as vLLM
+    reuses one builder per layer for every step: plans and persistent buffers
+    carry over between replays exactly as between the steps of one replay.
+    `kvdbg shrink` replays every candidate through one context, so only a pass
+    that changes the layer (the head pass) creates backends again.
+    """
+
+    def __init__(self, backends: Iterable[str] | None = None, options: ReplayOptions | None = None, *,
+                 required: Iterable[str] = ()):
+        self.options = options or ReplayOptions()
+        self.options.device = resolve_device(self.options.device)
+        self.names = list(dict.fromkeys(backends if backends is not None else DEFAULT_ORDER))
+        if not self.names:
+            raise OptionError("--backend: give at least one backend")
+        self.required = tuple(dict.fromkeys(required))
+        self._loaded: dict[tuple, tuple[list[BackendStatus], dict[str, Any], dict[str, BackendSpec]]] = {}
+
+    def backends(self, meta: "SnapshotMeta") -> tuple[list[BackendStatus], dict[str, Any], dict[str, BackendSpec]]:
+        """The backends for ``meta``'s layer: created on first use, afterwards reset and reused."""
+        key = backend_key(meta)
+        if key in self._loaded:
+            statuses, instances, specs = self._loaded[key]
+            for inst in instances.values():
+                # What the last replay left on an instance (views of its cache, counters its describe()
+                # reports) must not show in this one; plans and buffers stay.
+                reset = getattr(inst, "reset", None)
+                if reset is not None:
+                    reset()
+        else:
+            statuses, instances, specs = load_backends(self.names, meta, self.options, required=self.required)
+            self._loaded[key] = statuses, instances, specs
+        # A replay records each backend's last RunInfo on its status: each replay gets statuses of its own.
+        return [replace(st) for st in statuses], instances, specs
+
+    def setup(self, snapshot: "Snapshot", steps: Iterable[int] | None = None, *,
+              private_cache: bool = True) -> ReplaySetup:
+        """Check the steps, load (or reuse) the backends, open the cache; ``private_cache`` for a caller that
+        writes into it (poison): otherwise it is private only when a step's update writes."""
+        num_steps = len(snapshot.steps)
+        wanted = sorted(set(range(num_steps) if steps is None else steps))
+        for s in wanted:
+            if not 0 <= s < num_steps:
+                raise OptionError(f"--step {s} is out of range: the snapshot has {num_steps} step(s)")
+        statuses, instances, specs = self.backends(snapshot.meta)
+        cache = replay_cache(snapshot, self.options.device, range(wanted[-1] + 1 if wanted else 0),
+                             private=private_cache)
+        return ReplaySetup(self.options, self.names, wanted, statuses, instances, specs,
+                           getattr(torch, snapshot.meta.layer.dtype), cache, self.required)
 
 
 def prepare_replay(snapshot: "Snapshot", backends: Iterable[str] | None = None,
                    options: ReplayOptions | None = None, *, steps: Iterable[int] | None = None,
-                   required: Iterable[str] = ()) -> ReplaySetup:
-    """Resolve the device, check the backends and steps, load the backends, open the working cache."""
-    options = options or ReplayOptions()
-    options.device = resolve_device(options.device)
-    names = list(dict.fromkeys(backends if backends is not None else DEFAULT_ORDER))
-    if not names:
-        raise OptionError("--backend: give at least one backend")
-    num_steps = len(snapshot.steps)
-    wanted = sorted(set(range(num_steps) if steps is None else steps))
-    for s in wanted:
-        if not 0 <= s < num_steps:
-            raise OptionError(f"--step {s} is out of range: the snapshot has {num_steps} step(s)")
-    statuses, instances, specs = load_backends(names, snapshot.meta, options, required=required)
-    return ReplaySetup(options, names, wanted, statuses, instances, specs, getattr(torch, snapshot.meta.layer.dtype),
-                       working_cache(snapshot, options.device))
+                   required: Iterable[str] = (), private_cache: bool = True) -> ReplaySetup:
+    """Resolve the device, check the backends and steps, load the backends, open the cache."""
+    context = ReplayContext(backends, options, required=required)
+    return context.setup(snapshot, steps, private_cache=private_cache)
 
 
 def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options: ReplayOptions | None = None, *,
@@ -358,13 +410,25 @@ def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
            progress: Callable[[str], None] | None = None) -> ReplayResult:
     """Replay ``snapshot`` through ``backends`` (default: reference, flex, flashinfer_ts, vllm_flex).
 
-    Every step's update is applied to a working copy of the cache in order, so the
-    ``steps`` chosen are replayed against the cache state the engine had then; the
-    caller's ``snapshot`` is never modified. The reference always raises when it
+    Every step's update is applied in order to a private working cache (opened
+    only when a step has one: backends only read), so the ``steps`` chosen are
+    replayed against the cache state the engine had then; the caller's
+    ``snapshot`` is never modified. The reference always raises when it
     fails (nothing can be compared without it); another backend's failure becomes a
     ``backend_raised`` error finding on its column.
     """
-    setup = prepare_replay(snapshot, backends, options, steps=steps, required=required)
+    setup = prepare_replay(snapshot, backends, options, steps=steps, required=required, private_cache=False)
+    return run_replay(snapshot, setup, progress=progress)
+
+
+def run_replay(snapshot: "Snapshot", setup: ReplaySetup, *, progress: Callable[[str], None] | None = None,
+               check_inputs: bool = True) -> ReplayResult:
+    """Run a prepared replay (see :func:`replay`); ``setup.cache`` receives the steps' updates.
+
+    ``check_inputs`` scans each step's live pages for NaN/Inf and all-zero
+    pages (the step's own findings); a caller that judges only the backends'
+    outputs and findings (shrink) skips the scan.
+    """
     options, device, names, wanted = setup.options, setup.options.device, setup.names, setup.steps
     statuses, instances, specs = setup.statuses, setup.instances, setup.specs
     model_dtype, cache = setup.model_dtype, setup.cache
@@ -375,7 +439,7 @@ def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
         if step not in wanted:
             continue
         common = common_metadata(snapshot, step, device)
-        found = input_findings(snapshot, step, cache)
+        found = input_findings(snapshot, step, cache) if check_inputs else []
         query = snapshot.steps[step].query.to(device)
         runs = {}
         for name in names:
@@ -395,7 +459,7 @@ def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
             if last_run is not None and last_run.info is not None:
                 st.info = last_run.info
     return ReplayResult(path=snapshot.path, meta=snapshot.meta, options=options, backends=statuses, steps=results,
-                        named=tuple(dict.fromkeys(required)))
+                        named=setup.named)
 
 
 def save_outputs(result: ReplayResult, path: str, *, overwrite: bool = False) -> str:
@@ -430,6 +494,7 @@ def save_outputs(result: ReplayResult, path: str, *, overwrite: bool = False) ->
 
 __all__ = [
     "save_outputs",
-    "BackendRun", "BackendStatus", "ReplayReport", "ReplayResult", "StepReplay", "common_metadata",
-    "input_findings", "load_backends", "replay", "resolve_device", "run_backend",
+    "BackendRun", "BackendStatus", "ReplayContext", "ReplayReport", "ReplayResult", "ReplaySetup", "StepReplay",
+    "backend_key", "common_metadata", "input_findings", "load_backends", "prepare_replay", "replay",
+    "resolve_device", "run_backend", "run_replay",
 ]

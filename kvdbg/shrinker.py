@@ -37,7 +37,7 @@ from kvdbg.backends import DEFAULT_ORDER
 from kvdbg.cache import apply_step_update, kv_head_dim, working_cache
 from kvdbg.compare import compare_step
 from kvdbg.errors import KvdbgError, OptionError
-from kvdbg.runner import replay
+from kvdbg.runner import ReplayContext, replay, run_replay
 from kvdbg.snapshot import compact_cache, referenced_pages, save_snapshot, validate
 
 if TYPE_CHECKING:
@@ -162,9 +162,16 @@ def _split(items: list, n: int) -> list[list]:
 # --------------------------------------------------------------------------- observing a failure
 
 
-def observe(snapshot: "Snapshot", backend: str, step: int, *, device: str = "cpu") -> Observation:
-    """Replay one step through the reference and ``backend``; what fails there."""
-    result = replay(snapshot, ["reference", backend], ReplayOptions(device=device), steps=[step])
+def observe(snapshot: "Snapshot", backend: str, step: int, *, device: str = "cpu",
+            context: ReplayContext | None = None) -> Observation:
+    """Replay one step through the reference and ``backend``; what fails there.
+
+    ``context`` (made for exactly those two backends) lends backends already
+    created for the layer; the shrinker passes one for every candidate.
+    """
+    context = context or ReplayContext(["reference", backend], ReplayOptions(device=device))
+    # The observation reads the backend's outputs and findings only, not the scan of the inputs.
+    result = run_replay(snapshot, context.setup(snapshot, [step], private_cache=False), check_inputs=False)
     return _observation(result, backend)
 
 
@@ -218,7 +225,13 @@ def tensor_bytes(snapshot: "Snapshot") -> int:
 
 
 def _compact(snapshot: "Snapshot") -> "Snapshot":
-    """Keep only the stored pages the steps still read or write."""
+    """Keep only the stored pages the steps still read or write.
+
+    Every candidate is compacted before it is replayed, not only the ones kept:
+    backends see the stored-page count and numbering (flex scans, and compiled
+    reads, the whole physical cache; vLLM renumbers it), so an uncompacted
+    candidate would cost more to replay and need not give the same bits.
+    """
     ids = referenced_pages(snapshot.steps, snapshot.page_size)
     stored = snapshot.to_stored_index(ids)
     kv = compact_cache(snapshot.kv_cache, snapshot.meta.kv_layout, stored)
@@ -336,9 +349,13 @@ def same_failure(seen_pairs: frozenset, seen_finds: frozenset, want_pairs: froze
 class _Shrinker:
     def __init__(self, signature: Signature, device: str, progress: Callable[[str], None] | None):
         self.signature = signature
-        self.device = device
         self.progress = progress
         self.replays = 0
+        # One context for every candidate: its backends are made once per layer (the head pass changes it).
+        self.context = ReplayContext(["reference", signature.backend], ReplayOptions(device=device))
+
+    def observe(self, candidate: "Snapshot") -> Observation:
+        return observe(candidate, self.signature.backend, 0, context=self.context)
 
     def reproduces(self, candidate: "Snapshot", requests: Sequence[int], heads: Sequence[int]) -> bool:
         """Does ``candidate`` (keeping input requests/heads ``requests``/``heads``) fail the same way?"""
@@ -348,7 +365,7 @@ class _Shrinker:
             return False
         self.replays += 1
         try:
-            obs = observe(candidate, self.signature.backend, 0, device=self.device)
+            obs = self.observe(candidate)
         except KvdbgError:
             return False
         if not obs.available:
@@ -485,7 +502,7 @@ def shrink(snapshot: "Snapshot", backend: str | None = None, *, device: str = "c
     record("table width", shrinker.replays - count, removed)
 
     final = shrinker.replays
-    obs = observe(current, signature.backend, 0, device=device)
+    obs = shrinker.observe(current)
     shrinker.replays = final + 1
     capture = dict(current.meta.capture)
     capture["shrink"] = {"source": snapshot.path, "backend": signature.backend, "step": step,

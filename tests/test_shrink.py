@@ -9,13 +9,17 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from kvdbg import cache as cache_module
+from kvdbg import runner, shrinker
 from kvdbg.backend_api import ReplayOptions
 from kvdbg.cli import cli
-from kvdbg.runner import replay
+from kvdbg.runner import ReplayContext, backend_key, load_backends, prepare_replay, replay, run_replay
 from kvdbg.shrinker import (bake_step, ddmin, drop_pages, droppable_pages, observe, same_failure, select_kv_heads,
-                          select_requests)
+                          select_requests, shrink)
 from kvdbg.snapshot import load_snapshot, validate
 from kvdbg.synth import SynthSpec, synth_snapshot
+
+from tests.helpers import FIXTURES
 
 
 def invoke(*args):
@@ -145,3 +149,105 @@ def test_dropping_pages_before_a_causal_window_keeps_the_output():
     torch.testing.assert_close(reference_output(shorter), reference_output(baked), rtol=1e-12, atol=1e-12)
     inside = drop_pages(baked, 0, [11])  # keys 176..191 are inside the window: the output must change
     assert not torch.allclose(reference_output(inside)[0], reference_output(baked)[0])
+
+
+# --------------------------------------------------------------------------- state reused across candidates
+
+
+@pytest.mark.parametrize("fixture, backend, same_heads", [("prefix_page0", "flex", False),
+                                                          ("ts_causal_window", "flashinfer_ts", True)])
+def test_shrink_makes_backends_once_per_layer_and_answers_as_fresh_replays(fixture, backend, same_heads, tmp_path,
+                                                                            monkeypatch):
+    loads = []
+    real_load = runner.load_backends
+
+    def counting(names, meta, options, **kwargs):
+        loads.append((tuple(names), backend_key(meta)))
+        return real_load(names, meta, options, **kwargs)
+
+    monkeypatch.setattr(runner, "load_backends", counting)
+    path = os.path.join(FIXTURES, f"{fixture}.safetensors")
+    reused = shrink(load_snapshot(path), backend, output_path=str(tmp_path / "reused.safetensors"),
+                    same_heads=same_heads)
+    # The input's own replay, then the candidates': one load per layer they have.
+    assert {names for names, _ in loads[1:]} == {("reference", backend)}
+    layers = [key for _, key in loads[1:]]
+    assert len(layers) == len(set(layers)) and len(layers) < reused.replays - 2
+    if not same_heads:  # --any-heads: the head pass tries one KV head of two, a layer of its own
+        assert len(set(layers)) == 2
+
+    # The same shrink with a fresh replay per candidate: the same file, the same result.
+    loads.clear()
+    monkeypatch.setattr(shrinker._Shrinker, "observe",
+                        lambda self, candidate: observe(candidate, self.signature.backend, 0))
+    fresh = shrink(load_snapshot(path), backend, output_path=str(tmp_path / "fresh.safetensors"),
+                   same_heads=same_heads)
+    assert len(loads) == fresh.replays
+    assert (tmp_path / "reused.safetensors").read_bytes() == (tmp_path / "fresh.safetensors").read_bytes()
+    strip = ("seconds", "output_path")
+    assert {k: v for k, v in reused.to_json().items() if k not in strip} == \
+        {k: v for k, v in fresh.to_json().items() if k not in strip}
+
+
+def _run_record(result):
+    """Each backend's output bits, findings and what it reports having run."""
+    step = result.steps[0]
+    return ({name: run.output for name, run in step.runs.items()},
+            {name: [f.to_json() for f in run.findings] for name, run in step.runs.items()},
+            {st.name: st.info for st in result.backends})
+
+
+def test_a_reused_backend_forgets_the_last_snapshot_and_replays_the_next_as_a_fresh_one():
+    names = ["reference", "flex", "flashinfer_ts"]
+    big = bake_step(synth_snapshot(SynthSpec(seq_lens=(40, 90, 65, 300), num_heads=4, num_kv_heads=2, seed=3)), 0)
+    small = select_requests(big, [2, 0])
+    context = ReplayContext(names)
+    first = context.setup(big, [0], private_cache=False)
+    instances = first.instances
+    run_replay(big, first)
+    assert instances["flex"].impl.scores > 0 and instances["flashinfer_ts"].impl.last_views is not None
+    plans = dict(instances["flashinfer_ts"].builder.plans)
+
+    setup = context.setup(small, [0], private_cache=False)
+    assert setup.instances is instances  # the same layer: the same instances, reset
+    assert instances["flex"].impl.scores == 0 and instances["flashinfer_ts"].impl.last_views is None
+    _, fresh_instances, _ = load_backends(names, small.meta, ReplayOptions())
+    assert {n: i.describe() for n, i in instances.items()} == {n: i.describe() for n, i in fresh_instances.items()}
+
+    shared = _run_record(run_replay(small, setup))
+    fresh = _run_record(replay(small, names, steps=[0]))
+    for name in names:
+        torch.testing.assert_close(shared[0][name], fresh[0][name], atol=0, rtol=0, equal_nan=True)
+    assert shared[1:] == fresh[1:]
+    # flashinfer_ts planned the 2-request batch next to the 4-request one: plans are kept, not rebuilt.
+    assert set(plans) < set(instances["flashinfer_ts"].builder.plans)
+
+
+def test_a_step_without_cache_update_is_replayed_from_the_snapshot_own_pages(monkeypatch):
+    copies = []
+    real_working_cache = cache_module.working_cache
+
+    def counting(snapshot, device="cpu"):
+        copies.append(snapshot)
+        return real_working_cache(snapshot, device)
+
+    monkeypatch.setattr(cache_module, "working_cache", counting)
+    spec = dict(seq_lens=(40, 90), num_heads=4, num_kv_heads=2, seed=2)
+    read_only = synth_snapshot(SynthSpec(new_kv=False, **spec))
+    updated = synth_snapshot(SynthSpec(**spec))
+    before = read_only.kv_cache.clone()
+    context = ReplayContext(["reference", "flex"])
+
+    setup = context.setup(read_only, [0], private_cache=False)
+    assert setup.cache.data_ptr() == read_only.kv_cache.data_ptr() and not copies
+    assert observe(read_only, "flex", 0, context=context) == observe(read_only, "flex", 0)
+    assert not copies
+    assert torch.equal(read_only.kv_cache, before)  # backends only read the pages they are handed
+
+    updated_before = updated.kv_cache.clone()
+    setup = context.setup(updated, [0], private_cache=False)
+    assert setup.cache.data_ptr() != updated.kv_cache.data_ptr() and len(copies) == 1  # the update writes
+    run_replay(updated, setup)
+    assert torch.equal(updated.kv_cache, updated_before)
+    # poison writes NaN regions into its cache: it gets a private one even without an update.
+    assert prepare_replay(read_only, ["reference"]).cache.data_ptr() != read_only.kv_cache.data_ptr()
