@@ -198,6 +198,9 @@ def failure_signature(snapshot: "Snapshot", backend: str | None = None, *, devic
     candidates = [backend] if backend else [b for b in DEFAULT_ORDER if b != "reference"]
     if backend == "reference":
         raise OptionError("--backend reference: the reference defines correctness; choose a backend to shrink for")
+    quick = _last_step_signature(snapshot, candidates, device, progress)
+    if quick is not None:
+        return quick
     if progress:
         progress(f"replaying the input through reference, {', '.join(candidates)}")
     result = replay(snapshot, ["reference", *candidates], ReplayOptions(device=device),
@@ -215,6 +218,29 @@ def failure_signature(snapshot: "Snapshot", backend: str | None = None, *, devic
     which = f"backend {backend} passes" if backend else f"every backend ({', '.join(candidates)}) passes"
     raise OptionError(f"{snapshot.path or 'the snapshot'}: {which} against the reference "
                       "(no failing head, no error finding); there is nothing to shrink")
+
+
+def _last_step_signature(snapshot: "Snapshot", candidates: Sequence[str], device: str,
+                         progress: Callable[[str], None] | None) -> Signature | None:
+    """The signature the whole replay would give, found on the last step alone, or None to replay it all.
+
+    The whole replay picks the first candidate that fails, at the last step where
+    it fails. When the first candidate that can run fails at the last step, that
+    is its answer, and no other step or backend needs replaying (earlier steps'
+    updates are still applied to the cache). Otherwise this says nothing.
+    """
+    last = len(snapshot.steps) - 1
+    if last < 0:
+        return None
+    for name in candidates:
+        if progress:
+            progress(f"replaying the input's last step (step {last}) through reference, {name}")
+        result = replay(snapshot, ["reference", name], ReplayOptions(device=device), steps=[last])
+        if not next(st for st in result.backends if st.name == name).available:
+            continue
+        obs = _observation(result, name)
+        return Signature(name, last, obs.failing_heads, obs.error_findings) if obs.fails else None
+    return None
 
 
 # --------------------------------------------------------------------------- snapshot surgery

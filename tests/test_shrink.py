@@ -251,3 +251,28 @@ def test_a_step_without_cache_update_is_replayed_from_the_snapshot_own_pages(mon
     assert torch.equal(updated.kv_cache, updated_before)
     # poison writes NaN regions into its cache: it gets a private one even without an update.
     assert prepare_replay(read_only, ["reference"]).cache.data_ptr() != read_only.kv_cache.data_ptr()
+
+
+@pytest.mark.parametrize("source", ["prefix_page0", "ts_causal_window", "synth_three_steps"])
+def test_signature_from_the_last_step_equals_the_whole_replays(source, monkeypatch):
+    """The quick path (last step, first backend) and the whole replay choose the same failure."""
+    if source == "synth_three_steps":
+        snap = synth_snapshot(SynthSpec(seq_lens=(40, 90, 65), steps=3, num_heads=8, num_kv_heads=4, seed=3,
+                                        use_page_zero=True, page_zero_request=1))
+    else:
+        snap = load_snapshot(os.path.join(FIXTURES, f"{source}.safetensors"))
+    calls = []
+    real_replay = shrinker.replay
+
+    def recording(snapshot, backends, options=None, **kwargs):
+        calls.append((tuple(backends), tuple(kwargs.get("steps") or ())))
+        return real_replay(snapshot, backends, options, **kwargs)
+
+    monkeypatch.setattr(shrinker, "replay", recording)
+    quick = shrinker.failure_signature(snap)
+    last = len(snap.steps) - 1
+    assert calls[0] == (("reference", "flex"), (last,))
+    if quick.backend == "flex" and quick.step == last:
+        assert len(calls) == 1  # nothing else was replayed
+    monkeypatch.setattr(shrinker, "_last_step_signature", lambda *args: None)
+    assert shrinker.failure_signature(snap) == quick
