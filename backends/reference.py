@@ -65,8 +65,14 @@ class ReferenceBuilder:
         pages_cpu = pages.cpu().tolist()
         qlens_cpu = query_lens.cpu().tolist()
 
-        def per_token(q_len: int) -> int:  # gathered K and V, plus scores and probabilities
-            return 2 * layer.num_kv_heads * layer.head_size + 2 * layer.num_heads * q_len
+        # K and V widened to the compute dtype, the cache's own pages they are widened from (alive
+        # during the copy, counted in compute elements), then scores and probabilities.
+        cache_bytes = 1 if layer.is_fp8 else torch.finfo(getattr(torch, layer.dtype)).bits // 8
+        kv_elements = 2 * layer.num_kv_heads * layer.head_size
+        gathered = -(-kv_elements * cache_bytes // bytes_per)
+
+        def per_token(q_len: int) -> int:
+            return kv_elements + gathered + 2 * layer.num_heads * q_len
 
         chunks, page_counts, block_pages, current, widest_q = [], [], [], [], 0
 
