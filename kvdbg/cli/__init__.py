@@ -86,6 +86,11 @@ def cli():
     (COLUMNS=N overrides). Numbers are never cut: a table too wide leaves
     whole columns out and says which.
 
+    Capture from a live vLLM: install kvdbg into the engine's environment with
+    no extra (pip install -e .; pip's --dry-run names kvdbg alone) and set
+    KVDBG_CAPTURE_DIR. On a GPU, serve with --enforce-eager or piecewise CUDA
+    graphs while capturing (full graphs hide decode steps). docs/capture.md.
+
     \b
     Examples:
       kvdbg info snapshot.safetensors

@@ -17,9 +17,9 @@ if [ ! -f "$VENV/.kvdbg-engine-pins" ] || [ "$(cat "$VENV/.kvdbg-engine-pins")" 
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
   echo "$PINS" > "$VENV/.kvdbg-engine-pins"
 fi
-# kvdbg's own dependencies are vLLM's already; --no-deps keeps pip from touching vLLM's pins.
-"$VENV/bin/pip" install -q --no-deps -e .
-"$VENV/bin/python" -c "import torch, numpy, rich, click, safetensors" # kvdbg's dependencies, all vLLM's too
+# kvdbg installed the README's way (pip install -e ., no extra); fails if any other distribution changes.
+mkdir -p out
+python3 -m tests.engine.install_check "$VENV" out/engine-install-check.txt
 echo "engine venv ready after $(( $(date +%s) - started )) s"
 "$VENV/bin/python" -m tests.engine.stage "$@"
 # kvdbg's flex (its re-implementation) against vLLM's own FLEX_ATTENTION code, on random batches.

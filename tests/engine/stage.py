@@ -348,6 +348,13 @@ def main() -> int:
         lines.append(text)
         print(text, flush=True)
 
+    # run.sh installed kvdbg the README's way and checked that nothing else of the venv changed.
+    install_report = os.path.join(ROOT, "out", "engine-install-check.txt")
+    if os.path.exists(install_report):
+        with open(install_report) as f:
+            for line in f.read().splitlines():
+                log(line)
+
     models = {name: write_model(m, os.path.join(out, "models", name)) for name, m in MODELS.items()}
     t0 = time.monotonic()
     records = run_engines(out, models, log)
