@@ -50,7 +50,7 @@ def attention(snapshot, step, request, head, token, backend, device, svg_path, p
     Examples:
       kvdbg attention
       kvdbg attention fixtures/prefix_page0.safetensors --svg attention.svg
-      kvdbg attention snap.safetensors --step 0 --request 3 --head 5 --token 7 --json
+      kvdbg attention snap.safetensors --request 3 --head 5 --token 7 --json
     """
     from kvdbg import api
     from kvdbg.render.attention import AttentionText, attention_drawing

@@ -135,9 +135,9 @@ def draw_picture(analysis, source, snapshot, *, svg_path, png_path, force):
     from kvdbg.atomic import atomic_write, write_text_atomic
     from kvdbg.picture import picture
 
-    for option, path in (("--svg", svg_path), ("--png", png_path)):
-        if path and os.path.exists(path) and not force:
-            raise OptionError(f"{option} {path} already exists; pass --force to replace it")
+    from kvdbg.cli.common import check_picture_paths
+
+    check_picture_paths(svg_path, png_path, force=force)
     tables = None
     if source is not None:
         from kvdbg.window_source import step_tables
