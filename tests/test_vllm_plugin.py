@@ -119,7 +119,7 @@ class StandinEngine:
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
         from vllm.model_executor.layers.attention.attention import Attention
         from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, SlidingWindowSpec
 
         gen = torch.Generator().manual_seed(seed)
         self.gen = gen
@@ -136,7 +136,8 @@ class StandinEngine:
         spec_cls = SlidingWindowSpec if window else FullAttentionSpec
         kv_dtype = torch.uint8 if fp8 else torch.bfloat16
         self.spec = spec_cls(block_size=page_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=kv_dtype,
-                             sliding_window=window)
+                             sliding_window=window,
+                             kv_quant_mode=KVQuantMode.FP8_PER_TENSOR if fp8 else KVQuantMode.NONE)
         self.backend = TSBackend if backend == "FLASHINFER_TS" else FlexAttentionBackend
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         self.layers = []
@@ -280,7 +281,7 @@ def test_bad_variable_logs_and_patches_nothing(standins, tmp_path, caplog):
 
 def test_register_is_idempotent_and_reversible(standins, tmp_path):
     before = originals()
-    enable(standins, tmp_path)
+    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="FLASHINFER_TS,FLEX_ATTENTION")
     wrapped = current()
     assert all(wrapped[k] is not before[k] and wrapped[k]._kvdbg_original is before[k] for k in before)
     vllm_plugin.register()
@@ -288,6 +289,26 @@ def test_register_is_idempotent_and_reversible(standins, tmp_path):
     engine = StandinEngine()
     engine.step()
     assert len(snapshots(tmp_path)) == 1  # wrapped twice would capture twice
+    vllm_plugin.unregister()
+    assert current() == before
+
+
+def test_by_default_the_backend_of_each_layer_is_wrapped_when_the_layer_is_built(standins, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    before = originals()
+    enable(standins, tmp_path)
+    assert current() == before  # nothing is known about the engine's backends yet
+    engine = StandinEngine("FLASHINFER_TS", layers=2)
+    after = current()
+    ts = "vllm.v1.attention.backends.flashinfer_ts"
+    assert all((after[k] is not before[k]) == (k[0] == ts) for k in before)
+    lines = [r.getMessage() for r in caplog.records if "wrapping FLASHINFER_TS" in r.getMessage()]
+    assert len(lines) == 1 and "the backend of layer model.layers.0.self_attn.attn" in lines[0], lines
+    vllm_plugin.register()
+    StandinEngine("FLASHINFER_TS")
+    assert current() == after
+    engine.step()
+    assert len(snapshots(tmp_path)) == 2  # both layers, each once
     vllm_plugin.unregister()
     assert current() == before
 
@@ -452,7 +473,8 @@ def test_metadata_from_an_unwrapped_build_is_reported_once(standins, tmp_path, c
     engine = StandinEngine("FLASHINFER_TS")
     metadata = engine.builder.build(0, engine.common())  # built before the plugin was registered
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
-    enable(standins, tmp_path)
+    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="FLASHINFER_TS")
+    engine.builder.build(0, engine.common())  # a wrapped build declares the layers' cache
     engine.step(metadata=metadata)
     _, _, seen = engine.step(metadata=metadata)
     assert snapshots(tmp_path) == []
@@ -490,39 +512,77 @@ def test_entry_point_is_declared():
 # --------------------------------------------------------------------------- telling the user
 
 
-def _layer_on(backend_name):
+_BACKENDS_MADE: dict[tuple[str, bool], type] = {}
+
+
+def _backend_named(backend_name, *, mla=False):
+    """A backend class reporting ``backend_name`` whose impl and builder are new subclasses of the flex stand-in's."""
+    from vllm.v1.attention.backends.flex_attention import (
+        FlexAttentionBackend,
+        FlexAttentionImpl,
+        FlexAttentionMetadataBuilder,
+    )
+
+    if (backend_name, mla) not in _BACKENDS_MADE:
+        impl = type(f"{backend_name}Impl", (FlexAttentionImpl,), {})
+        builder = type(f"{backend_name}Builder", (FlexAttentionMetadataBuilder,), {})
+        _BACKENDS_MADE[backend_name, mla] = type(backend_name, (FlexAttentionBackend,), {
+            "get_name": staticmethod(lambda: backend_name), "is_mla": classmethod(lambda cls: mla),
+            "get_impl_cls": staticmethod(lambda: impl), "get_builder_cls": staticmethod(lambda: builder)})
+    return _BACKENDS_MADE[backend_name, mla]
+
+
+def _layer_on(backend_name, *, mla=False):
     """An attention layer whose backend class reports ``backend_name`` (the impl is the flex stand-in's)."""
     from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
 
-    backend = type(backend_name, (FlexAttentionBackend,), {"get_name": staticmethod(lambda: backend_name)})
     with default_dtype(torch.bfloat16):
-        return Attention(4, 16, 0.25, 2, prefix=f"layer.on.{backend_name}", attn_backend=backend)
+        return Attention(4, 16, 0.25, 2, prefix=f"layer.on.{backend_name}",
+                         attn_backend=_backend_named(backend_name, mla=mla))
 
 
 def test_the_backend_in_use_is_named_once_when_not_wrapped(standins, tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
-    enable(standins, tmp_path)
+    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="FLASHINFER_TS,FLEX_ATTENTION")
     for _ in range(2):
         _layer_on("CPU_ATTN")
-        _layer_on("TRITON_ATTN")
+        _layer_on("FLASHMLA", mla=True)
         _layer_on("FLEX_ATTENTION")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2, warnings
     assert "backend is CPU_ATTN, which is not wrapped" in warnings[0]
-    assert "Set KVDBG_CAPTURE_BACKENDS=CPU_ATTN" in warnings[0]
-    assert "TRITON_ATTN, whose KV-cache layout kvdbg does not know" in warnings[1]
+    assert "Set KVDBG_CAPTURE_BACKENDS=CPU_ATTN, or unset it" in warnings[0]
+    assert "FLASHMLA (layer layer.on.FLASHMLA) is an MLA backend" in warnings[1]
     vllm_plugin.unregister()
     from vllm.model_executor.layers.attention.attention import Attention
 
     assert not hasattr(Attention.__init__, "_kvdbg_original")
 
 
-def test_a_backend_of_unknown_layout_is_not_wrapped(standins, tmp_path, caplog):
+def test_by_default_every_backend_is_wrapped_once_and_mla_is_refused_once(standins, tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
-    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="FLEX_ATTENTION,TRITON_ATTN")
+    enable(standins, tmp_path)
+    for _ in range(2):
+        for name in ("TRITON_ATTN", "FLASH_ATTN"):
+            _layer_on(name)
+        _layer_on("FLASHMLA", mla=True)
+    lines = [r for r in caplog.records if r.getMessage().startswith("kvdbg capture: ")]
+    said = [(r.levelno, r.getMessage()) for r in lines]
+    assert len(said) == 3, said
+    assert said[0][0] == logging.INFO and "wrapping TRITON_ATTN (TRITON_ATTNImpl, TRITON_ATTNBuilder), the " \
+        "backend of layer layer.on.TRITON_ATTN" in said[0][1]
+    assert "wrapping FLASH_ATTN" in said[1][1]
+    assert said[2][0] == logging.WARNING and "backend FLASHMLA not wrapped: it is an MLA backend" in said[2][1]
+    assert vllm_plugin._state.wrapped == ["TRITON_ATTN", "FLASH_ATTN"]
+
+
+def test_a_named_backend_this_vllm_lacks_is_said_and_the_rest_wrapped(standins, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="FLEX_ATTENTION,ROCM_ATTN")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "TRITON_ATTN not wrapped: kvdbg does not know its KV-cache layout" in warnings[0]
+    assert len(warnings) == 1 and "backend ROCM_ATTN not wrapped: the vLLM backend registry does not resolve it" \
+        in warnings[0]
+    assert vllm_plugin._state.wrapped == ["FLEX_ATTENTION"]
 
 
 def test_lines_reach_stderr_without_any_logging_setup(tmp_path):
@@ -534,7 +594,9 @@ def test_lines_reach_stderr_without_any_logging_setup(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=ROOT)
     lines = [line for line in out.stderr.splitlines() if "[kvdbg]" in line]
     assert len(lines) == 1 and "kvdbg capture active in pid" in lines[0], out.stderr
-    assert f"directory={tmp_path}" in lines[0] and "wrapping FLASHINFER_TS,FLEX_ATTENTION" in lines[0]
+    assert f"directory={tmp_path}" in lines[0]
+    assert "wrapping the backend of each attention layer as the engine builds it (KVDBG_CAPTURE_BACKENDS unset)" \
+        in lines[0]
     env["VLLM_CONFIGURE_LOGGING"] = "0"  # the user owns logging: nothing added
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=ROOT)
     assert "[kvdbg]" not in out.stderr
@@ -543,20 +605,31 @@ def test_lines_reach_stderr_without_any_logging_setup(tmp_path):
 def test_cpu_attn_layout_follows_the_kernel_variant_and_amx_is_refused_once(standins, tmp_path, caplog):
     from types import SimpleNamespace
 
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
     from kvdbg.engine_layouts import CPU_ATTN_K_TRANSPOSED
 
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
     enable(standins, tmp_path)
     state = vllm_plugin._state
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    state._declared["l"] = vllm_plugin._Declared(spec, KVCacheLayout.LBHNC, None, 1, "CPUAttentionMetadataBuilder")
     info = vllm_plugin._ImplInfo("CPU_ATTN", False, "test")
-    impl = SimpleNamespace(kv_cache_dtype="auto")
-    assert state.engine_layout(impl, SimpleNamespace(isa="vec"), info) == CPU_ATTN_K_TRANSPOSED
-    assert state.engine_layout(impl, SimpleNamespace(isa="vec16"), info) == CPU_ATTN_K_TRANSPOSED
+    impl = SimpleNamespace(kv_cache_dtype="auto", num_kv_heads=2, head_size=16)
+    cache = torch.zeros(4, 2, 32, 32, dtype=torch.bfloat16)
+
+    def layer(isa):
+        return SimpleNamespace(isa=isa, layer_name="l", attn_backend=None)
+
+    assert state.engine_layout(impl, layer("vec"), info, cache).name == CPU_ATTN_K_TRANSPOSED
+    assert state.engine_layout(impl, layer("vec16"), info, cache).name == CPU_ATTN_K_TRANSPOSED
     for _ in range(3):
-        assert state.engine_layout(impl, SimpleNamespace(isa="amx"), info) is None
-    assert state.engine_layout(SimpleNamespace(kv_cache_dtype="fp8"), SimpleNamespace(isa="vec"), info) is None
+        assert state.engine_layout(impl, layer("amx"), info, cache) is None
+    fp8 = SimpleNamespace(kv_cache_dtype="fp8", num_kv_heads=2, head_size=16)
+    assert state.engine_layout(fp8, layer("vec"), info, cache) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2, warnings
     assert "CPU_ATTN's 'amx' kernel variant" in warnings[0] and "not verified" in warnings[0]
-    assert "kv_cache_dtype 'fp8'" in warnings[1]
-    assert state.capturer.failures["layout:CPU_ATTN:amx"] == 3
+    assert "kv_quant_mode NONE but the layer's kv_cache_dtype is 'fp8'" in warnings[1]
+    assert state.capturer.failures["layout:CPU_ATTN"] == 4
