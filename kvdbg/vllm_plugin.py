@@ -24,6 +24,7 @@ variables and what was and was not checked against a real vLLM.
 
 from __future__ import annotations
 
+import enum
 import functools
 import importlib
 import importlib.util
@@ -412,14 +413,17 @@ class _PluginState:
             except LayoutError as exc:
                 result = exc
             self._layouts[name] = (key, result)
+        said_as = None
         if not isinstance(result, LayoutError):
             try:
                 result.check(kv_cache, int(impl.num_kv_heads), int(impl.head_size))
                 return result
             except LayoutError as exc:
-                result = LayoutError(f"{backend} layer {name}: {exc}; nothing is captured from it")
+                # One line for all of a backend's layers: they share the engine's layout.
+                result, said_as = LayoutError(f"{backend} layer {name}: {exc}; nothing is captured from it (nor, "
+                                              "said no more, from its other layers)"), f"strides:{backend}"
         self.capturer.failures[f"layout:{backend}"] += 1
-        self._say_refused(str(result))
+        self._say_refused(str(result), key=said_as)
         return None
 
     def _say_refused(self, message: str, key: str | None = None) -> None:
@@ -792,8 +796,8 @@ def _spec_record(spec: Any) -> dict[str, Any] | None:
     fields = getattr(spec, "__dataclass_fields__", {})
     for name in fields:
         value = getattr(spec, name, None)
-        if hasattr(value, "name") and not isinstance(value, (str, int, float, bool)):
-            value = value.name  # an enum member
+        if isinstance(value, enum.Enum):
+            value = value.name
         elif isinstance(value, (bool, int, float, str)) or value is None:
             pass
         else:
