@@ -209,7 +209,8 @@ class Layer:
 
     def __init__(self, ops: VllmOps, name: str, kv_cache: torch.Tensor, kv_cache_dtype: str, window: int | None,
                  standin: bool):
-        self.ops, self.name, self.kv_cache, self.kv_cache_dtype, self.window = ops, name, kv_cache, kv_cache_dtype, window
+        self.ops, self.name, self.kv_cache, self.window = ops, name, kv_cache, window
+        self.kv_cache_dtype = kv_cache_dtype
         self.fp8 = kv_cache_dtype == "fp8"
         k, v = FP8_SCALES if self.fp8 else (1.0, 1.0)
         device = kv_cache.device
@@ -269,7 +270,7 @@ class Case:
     raw_view: bool = False  # hand kvdbg the raw buffer viewed as a contiguous [B, H, N, C] (what a shape-reader does)
 
 
-def run_case(ops: VllmOps, case: Case, out_dir: str, device: str, standin: bool, log) -> dict:
+def run_case(ops: VllmOps, case: Case, out_dir: str, device: str, standin: bool) -> dict:
     from kvdbg.capture import CaptureBackend, CaptureLayer, Capturer, StepTensors
     from kvdbg.engine_layouts import LayoutError, check_written_kv
 
@@ -381,7 +382,8 @@ def main(argv=None) -> int:
     import triton
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"vLLM {importlib.metadata.version('vllm')} ops from {os.path.dirname(importlib.util.find_spec('vllm').origin)}"
+    where = os.path.dirname(importlib.util.find_spec("vllm").origin)
+    print(f"vLLM {importlib.metadata.version('vllm')} ops from {where}"
           f" ({ops.modules} vLLM modules imported, {len(so_modules)} compiled modules stubbed); torch "
           f"{torch.__version__}, triton {triton.__version__}, {gpu}; import took {time.monotonic() - started:.1f} s")
     tag = "STAND-IN KERNELS, NOT vLLM's: " if args.standin_kernels else ""
@@ -401,7 +403,7 @@ def main(argv=None) -> int:
     ok = True
     for case in cases:
         t0 = time.monotonic()
-        r = run_case(ops, case, os.path.join(out_dir, f"case{cases.index(case)}"), device, args.standin_kernels, print)
+        r = run_case(ops, case, os.path.join(out_dir, f"case{cases.index(case)}"), device, args.standin_kernels)
         passed = (r.get("path") and r.get("replay_exit") == 0 and r.get("heads") and r.get("failed_heads") == 0
                   and r["read_back"].startswith("passed") and r.get("map_exit") == 0 and r.get("info_exit") == 0)
         ok &= bool(passed)
@@ -411,8 +413,8 @@ def main(argv=None) -> int:
                  f"map exit {r['map_exit']}, info exit {r['info_exit']}" if r.get("heads") else
                  f"no comparison ({r.get('refused') or r.get('replay_error')}; read-back {r['read_back']})")
               + f" [{time.monotonic() - t0:.1f} s] {r.get('path') or ''}")
-    strides = run_case(ops, wrong[0], os.path.join(out_dir, "wrong0"), device, args.standin_kernels, print)
-    raw = run_case(ops, wrong[1], os.path.join(out_dir, "wrong1"), device, args.standin_kernels, print)
+    strides = run_case(ops, wrong[0], os.path.join(out_dir, "wrong0"), device, args.standin_kernels)
+    raw = run_case(ops, wrong[1], os.path.join(out_dir, "wrong1"), device, args.standin_kernels)
     refused = strides["path"] is None and "input" in (strides.get("refused") or "")
     caught = (raw.get("path") is not None and raw["read_back"].startswith("failed") and raw.get("replay_exit") == 1
               and (raw.get("failed_heads") or 0) > 0)
