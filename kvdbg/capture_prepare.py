@@ -106,10 +106,12 @@ class CaptureLayer:
 
     ``dtype`` is the model dtype (query, new K/V and output use it), given as a
     ``torch.dtype`` or its name; ``kv_cache_dtype`` takes vLLM's strings
-    (``auto``, the model dtype's name, ``fp8``/``fp8_e4m3``). ``kv_layout`` names
-    the *engine cache's* layout (``kvdbg.engine_layouts``); None infers one of the
-    format's two layouts from the cache's shape at every step, a guess that cannot
-    tell CPU_ATTN's cache from vLLM's, so engines should declare it.
+    (``auto``, the model dtype's name, ``fp8``/``fp8_e4m3``). ``kv_layout`` is
+    the *engine cache's* layout (``kvdbg.engine_layouts``): a name, or an
+    ``EngineLayout`` built from the engine's declarations (the vLLM plugin's);
+    None infers one of the format's two layouts from the cache's shape at every
+    step, a guess that cannot tell CPU_ATTN's cache from vLLM's, so engines
+    should declare it.
     """
 
     name: str
@@ -119,7 +121,7 @@ class CaptureLayer:
     scale: float
     dtype: str
     kv_cache_dtype: str = "auto"
-    kv_layout: str | None = None
+    kv_layout: "str | EngineLayout | None" = None
     sliding_window: int | None = None
     q_scale: float = 1.0
     k_scale: float = 1.0
@@ -134,7 +136,7 @@ class CaptureLayer:
         set_ = functools.partial(object.__setattr__, self)
         set_("dtype", _model_dtype_name(self.dtype))
         set_("kv_cache_dtype", _normalise_kv_cache_dtype(self.kv_cache_dtype, self.dtype))
-        if self.kv_layout is not None:
+        if self.kv_layout is not None and not isinstance(self.kv_layout, EngineLayout):
             try:
                 engine_layout(self.kv_layout)
             except LayoutError as exc:
@@ -240,12 +242,14 @@ def infer_kv_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -
     )
 
 
-def resolve_kv_layout(kv_layout: str | None, kv_cache: torch.Tensor, num_kv_heads: int,
+def resolve_kv_layout(kv_layout: "str | EngineLayout | None", kv_cache: torch.Tensor, num_kv_heads: int,
                       head_size: int) -> EngineLayout:
-    """The engine layout named by ``kv_layout`` (inferred from the shape when None), checked against the tensor."""
-    name = kv_layout or infer_kv_layout(kv_cache, num_kv_heads, head_size)
+    """The engine layout ``kv_layout`` (a name; inferred from the shape when None), checked against the tensor."""
     try:
-        layout = engine_layout(name)
+        if isinstance(kv_layout, EngineLayout):
+            layout = kv_layout
+        else:
+            layout = engine_layout(kv_layout or infer_kv_layout(kv_cache, num_kv_heads, head_size))
         layout.check(kv_cache, num_kv_heads, head_size)
     except LayoutError as exc:
         raise CaptureInputError(str(exc)) from None

@@ -117,12 +117,15 @@ def plain_runs(out: str, model_dir: str, log) -> list[str]:
     problems = []
     amx = bool(torch.cpu._is_amx_tile_supported())
     scenarios = [
+        # Unset: the backend of each layer (CPU_ATTN here) is wrapped; a bfloat16 model on an AMX CPU gets the
+        # 'amx' kernel variant, refused in one line.
         ("default_backends", {}, ["kvdbg capture active in pid",
-                                  "this engine's attention backend is CPU_ATTN, which is not wrapped",
-                                  "Set KVDBG_CAPTURE_BACKENDS=CPU_ATTN"]),
-        ("cpu_attn_bf16", {"KVDBG_CAPTURE_BACKENDS": "CPU_ATTN"},
-         ["kvdbg capture active in pid", "wrapping CPU_ATTN"]
+                                  "wrapping the backend of each attention layer as the engine builds it",
+                                  "kvdbg capture: wrapping CPU_ATTN"]
          + (["kvdbg capture refused: CPU_ATTN's 'amx' kernel variant"] if amx else ["kvdbg captured layer"])),
+        ("other_backend_named", {"KVDBG_CAPTURE_BACKENDS": "FLEX_ATTENTION"},
+         ["kvdbg capture active in pid", "wrapping FLEX_ATTENTION (KVDBG_CAPTURE_BACKENDS)",
+          "this engine's attention backend is CPU_ATTN, which is not wrapped", "Set KVDBG_CAPTURE_BACKENDS=CPU_ATTN"]),
     ]
     for name, extra, expected in scenarios:
         capture_dir = os.path.join(out, "plain", name)
@@ -148,10 +151,12 @@ def plain_runs(out: str, model_dir: str, log) -> list[str]:
         refusals = [line for line in kvdbg_lines if "refused" in line]
         if len(refusals) > 1:
             problems.append(f"plain run {name}: {len(refusals)} refusal lines, expected at most one")
-        if name == "default_backends" and files:
+        if name == "other_backend_named" and files:
             problems.append(f"plain run {name}: {len(files)} files written by an unwrapped backend")
-        if name == "cpu_attn_bf16" and amx and files:
+        if name == "default_backends" and amx and files:
             problems.append(f"plain run {name}: {len(files)} files written from the unverified amx layout")
+        if name == "default_backends" and not amx and not files:
+            problems.append(f"plain run {name}: no snapshot from the CPU_ATTN layers it wrapped")
         if len(kvdbg_lines) > 2 + 8 + 2:
             problems.append(f"plain run {name}: {len(kvdbg_lines)} kvdbg lines, more than the bound")
     return problems
@@ -263,6 +268,7 @@ def case_checks(backend: str, case: str, paths: list[str], record: dict) -> list
             problems.append(f"{backend}/{case}: provenance says backend {cap.get('attention_backend')!r}, "
                             f"vllm {cap.get('vllm')!r}")
             break
+    problems += declared_layout_checks(backend, case, snaps)
     lens = []
     for s in snaps:
         st = s.steps[0]
@@ -306,6 +312,32 @@ def case_checks(backend: str, case: str, paths: list[str], record: dict) -> list
             problems.append(f"{backend}/{case}: no request outgrew window + page size")
         if case == "sliding_prefix_hit" and not null_entries:
             problems.append(f"{backend}/{case}: no null block before the window after a prefix-cache hit")
+    return problems
+
+
+def declared_layout_checks(backend: str, case: str, snaps: list) -> list[str]:
+    """Every snapshot's pages were read through the layout vLLM declared, and its written slots read back so."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from kvdbg.cache import CPU_ATTN_K_TRANSPOSED
+
+    # The engine resolves the backend's most preferred layout (it serves every layer here): read it from vLLM.
+    expected = AttentionBackendEnum[backend].get_class().supported_kv_cache_layouts()[0].name
+    engine_layout = CPU_ATTN_K_TRANSPOSED if backend == "CPU_ATTN" else f"vllm:{expected}"
+    problems = []
+    for s in snaps:
+        cap, name = s.meta.capture, os.path.basename(s.meta.capture.get("layer", "?"))
+        got = (cap.get("kv_cache_layout"), cap.get("kv_layout_engine"))
+        if got != (expected, engine_layout):
+            problems.append(f"{backend}/{case}: declared layout {got}, expected {(expected, engine_layout)}")
+        spec = cap.get("kv_cache_spec") or {}
+        if spec.get("class") not in ("FullAttentionSpec", "SlidingWindowSpec") or spec.get("kv_quant_mode") != "NONE":
+            problems.append(f"{backend}/{case}: kv_cache_spec {spec}")
+        if s.steps[0].key is not None and not str(cap.get("kv_layout_read_back", "")).startswith("passed"):
+            problems.append(f"{backend}/{case} {name} step {cap.get('step')}: read-back "
+                            f"{cap.get('kv_layout_read_back')!r}")
+        if problems:
+            break
     return problems
 
 
@@ -361,6 +393,9 @@ def main() -> int:
     engine_s = time.monotonic() - t0
 
     problems: list[str] = []
+    for (backend, model), record in records.items():
+        if record.get("wrapped") != [backend]:  # the default: the backend the engine's layers were built on
+            problems.append(f"{backend}/{model}: the plugin wrapped {record.get('wrapped')}, not {[backend]}")
     t0 = time.monotonic()
     if not args.skip_plain:
         problems += plain_runs(out, models["plain_bf16"], log)
