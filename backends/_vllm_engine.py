@@ -55,6 +55,12 @@ def vllm_version() -> str | None:
     return None
 
 
+def vllm_label() -> str:
+    """"vLLM <version>" for the messages; a vLLM without distribution metadata says so."""
+    version = vllm_version()
+    return f"vLLM {version}" if version else "vLLM (no distribution metadata)"
+
+
 def vllm_installed() -> bool:
     import importlib.util
 
@@ -86,13 +92,13 @@ def platform_reason(backend_name: str, device: str) -> str | None:
     try:
         from vllm.platforms import current_platform
     except Exception as exc:  # a broken install: the column says what failed
-        return f"vLLM {vllm_version()} is installed but its platform does not load: {_first_line(exc)}"
+        return f"{vllm_label()} is installed but its platform does not load: {_first_line(exc)}"
     if current_platform.is_unspecified():
         # The CUDA (or ROCm) build of vLLM with no GPU visible: vLLM itself would not start here.
-        return (f"vLLM {vllm_version()} found no platform it runs on in this environment (no GPU it was built "
+        return (f"{vllm_label()} found no platform it runs on in this environment (no GPU it was built "
                 f"for is visible; torch {torch.__version__}), so its {backend_name} code cannot run here")
     if kind == "cuda" and not (current_platform.is_cuda_alike() and torch.cuda.is_available()):
-        return (f"vLLM {vllm_version()} runs on platform {current_platform.device_name or type(current_platform).__name__}"
+        return (f"{vllm_label()} runs on platform {current_platform.device_name or type(current_platform).__name__}"
                 f" here, not on CUDA, so its {backend_name} code cannot run on {device}")
     return None
 
@@ -105,11 +111,11 @@ def registered(name: str) -> Any:
     try:
         registry = importlib.import_module(REGISTRY_MODULE)
     except Exception as exc:
-        raise BackendUnavailable(f"vLLM {vllm_version()} is installed but its backend registry ({REGISTRY_MODULE}) "
+        raise BackendUnavailable(f"{vllm_label()} is installed but its backend registry ({REGISTRY_MODULE}) "
                                  f"does not import: {_first_line(exc)}") from None
     members = registry.AttentionBackendEnum.__members__
     if name not in members:
-        raise BackendUnavailable(f"vLLM {vllm_version()} has no attention backend {name!r} in its registry; "
+        raise BackendUnavailable(f"{vllm_label()} has no attention backend {name!r} in its registry; "
                                  "kvdbg's own columns still replay the snapshot")
     return members[name]
 
@@ -121,7 +127,7 @@ def backend_class(name: str) -> type:
         return member.get_class()
     except Exception as exc:  # its module needs what this environment lacks (flashinfer, a CUDA build, ...)
         path = member.value or name
-        raise BackendUnavailable(f"vLLM {vllm_version()} is installed but its {name} backend ({path}) does not "
+        raise BackendUnavailable(f"{vllm_label()} is installed but its {name} backend ({path}) does not "
                                  f"import here: {_first_line(exc)}") from None
 
 
