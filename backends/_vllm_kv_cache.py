@@ -23,7 +23,6 @@ import torch
 
 from kvdbg.cache import CPU_ATTN_K_TRANSPOSED, join_kv
 from kvdbg.errors import BackendUnavailable
-from kvdbg.format import LAYOUT_VLLM
 
 if TYPE_CHECKING:
     from kvdbg.format import SnapshotMeta

