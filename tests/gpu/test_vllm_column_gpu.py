@@ -20,7 +20,11 @@ from kvdbg.synth import SynthSpec, synth_snapshot
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-CUDA = ReplayOptions(device="cuda")
+DEVICE = "cuda"
+
+
+def _options() -> ReplayOptions:
+    return ReplayOptions(device=DEVICE)
 
 CASES = {
     # prefill chunks and decodes in one batch (vLLM picks its 2D kernel for it), GQA 4
@@ -50,7 +54,7 @@ def _status(result, name):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_vllms_triton_attn_replays_against_the_reference(case):
     snap = _snapshot(case)
-    result = replay(snap, ["reference", "vllm"], CUDA, required=["vllm"])
+    result = replay(snap, ["reference", "vllm"], _options(), required=["vllm"])
     status = _status(result, "vllm")
     assert status.available and status.engine_name == "TRITON_ATTN"
     assert status.info.kernel.startswith("vLLM 0.33.0 TritonAttentionImpl"), status.info.kernel
@@ -69,14 +73,14 @@ def test_vllms_triton_attn_replays_against_the_reference(case):
 def test_the_column_is_counted_and_a_wrong_cache_fails():
     """The column reads the pages it is given: a corrupted page moves vLLM's output away from the captured one."""
     snap = _snapshot("mixed_bf16")
-    good = replay(snap, ["reference", "vllm"], CUDA, required=["vllm"])
+    good = replay(snap, ["reference", "vllm"], _options(), required=["vllm"])
     for step, replayed in zip(snap.steps, good.steps):
         step.output = replayed.runs["vllm"].output.cpu()
     keys, _ = snap.kv_views()
     live = int(snap.steps[0].block_table[3, 0])
     stored = int((snap.page_ids == live).nonzero()[0])
     keys[stored] = -keys[stored]  # request 3's first page, read by its decode token
-    bad = replay(snap, ["reference", "vllm"], CUDA, required=["vllm"]).judge()
+    bad = replay(snap, ["reference", "vllm"], _options(), required=["vllm"]).judge()
     failed = [c for c in bad.comparisons if c.actual == "vllm" and c.expected == "captured" and not c.passed]
     assert failed and bad.verdict.exit_code == 1
 
@@ -85,7 +89,7 @@ def test_poison_finds_no_slot_vllms_kernel_must_not_read():
     from kvdbg.poisoner import poison
 
     snap = _snapshot("dense_page0")
-    result = poison(snap, ["reference", "vllm"], CUDA, required=["vllm"])
+    result = poison(snap, ["reference", "vllm"], _options(), required=["vllm"])
     mine = [b for s in result.steps for b in s.backends if b.backend == "vllm"]
     assert mine and all(b.ran for b in mine)
     for b in mine:
@@ -102,6 +106,6 @@ def test_shrink_keeps_a_failure_of_the_column():
     keys, _ = snap.kv_views()
     stored = int((snap.page_ids == int(snap.steps[0].block_table[1, 0])).nonzero()[0])
     keys[stored, 1, 3] = float("nan")  # KV head 1, token 3 of request 1's first page: visible to its queries
-    result = shrink(snap, "vllm", device="cuda")
+    result = shrink(snap, "vllm", device=DEVICE)
     assert result.backend == "vllm" and result.kept_requests == [1] and result.kept_kv_heads == [1]
     assert result.failing_heads_after and result.pages_after < result.pages_before
