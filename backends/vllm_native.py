@@ -184,7 +184,8 @@ class VllmInstance:
         engine = self.engine
         if engine is None or engine.max_seqs < num_reqs or engine.max_tokens < num_tokens:
             seqs = max(MIN_SEQS, num_reqs, engine.max_seqs if engine else 0)
-            tokens = max(MIN_TOKENS, num_tokens, engine.max_tokens if engine else 0)
+            # vLLM's SchedulerConfig refuses fewer batched tokens than sequences.
+            tokens = max(MIN_TOKENS, num_tokens, seqs, engine.max_tokens if engine else 0)
             self.engine = MinimalEngine(self.cls, self.meta, self.options.device, num_blocks, seqs, tokens)
             self._pin_kernel_variant(self.engine)
         return self.engine
