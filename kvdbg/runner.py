@@ -347,13 +347,21 @@ class ReplaySetup:
     named: tuple[str, ...] = ()  # backends asked for by name (required)
 
 
-def backend_key(meta: "SnapshotMeta") -> tuple:
-    """What a backend instance is made from: the layer, the engine's backend settings and the cache layout.
+# Provenance (meta.capture) entries that change what a backend runs: CPU_ATTN's kernel variant and the
+# engine's resolved KVCacheLayout, both followed by the vllm column (kvdbg.backends.vllm_native).
+PROVENANCE_READ = ("kernel_variant", "kv_cache_layout")
 
-    Backends read nothing else of the metadata (not the provenance, notes or step
-    count), so snapshots equal in these can share instances.
+
+def backend_key(meta: "SnapshotMeta") -> tuple:
+    """What a backend instance is made from: the layer, the engine's backend settings, the cache layout, and
+    the provenance entries a backend follows (``PROVENANCE_READ``: the vllm column runs the kernel variant and
+    the cache layout the engine used).
+
+    Backends read nothing else of the metadata (not the rest of the provenance,
+    notes or step count), so snapshots equal in these can share instances.
     """
-    return (meta.layer, meta.backend, meta.kv_layout)
+    capture = meta.capture if isinstance(meta.capture, dict) else {}
+    return (meta.layer, meta.backend, meta.kv_layout, tuple(str(capture.get(k)) for k in PROVENANCE_READ))
 
 
 class ReplayContext:
