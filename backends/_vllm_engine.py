@@ -15,6 +15,7 @@ layer's KV-cache spec is the class the engine would make for it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -77,6 +78,22 @@ def _quiet_vllm() -> None:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 
+@contextlib.contextmanager
+def _vllm_warnings_off():
+    """vLLM's import and config checks warn about the engine it would serve (its Triton build, model runner,
+    block-size advice), which says nothing about this replay: kept off stderr while kvdbg loads vLLM's backend
+    and makes the minimal engine; errors still show."""
+    import logging
+
+    logger = logging.getLogger("vllm")
+    level = logger.level
+    logger.setLevel(max(level, logging.ERROR))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def platform_reason(backend_name: str, device: str) -> str | None:
     """Why vLLM cannot run ``backend_name``'s kernels on ``device`` here, read from vLLM's own platform."""
     _quiet_vllm()
@@ -90,7 +107,8 @@ def platform_reason(backend_name: str, device: str) -> str | None:
             return f"vLLM's {backend_name} runs on a CUDA GPU, and this replay runs on cpu: {hint}"
         return f"vLLM's {backend_name} runs on {where}, not on {device} (replay with --device {devices[0]})"
     try:
-        from vllm.platforms import current_platform
+        with _vllm_warnings_off():
+            from vllm.platforms import current_platform
     except Exception as exc:  # a broken install: the column says what failed
         return f"{vllm_label()} is installed but its platform does not load: {_first_line(exc)}"
     if current_platform.is_unspecified():
@@ -109,7 +127,8 @@ def registered(name: str) -> Any:
     import importlib
 
     try:
-        registry = importlib.import_module(REGISTRY_MODULE)
+        with _vllm_warnings_off():
+            registry = importlib.import_module(REGISTRY_MODULE)
     except Exception as exc:
         raise BackendUnavailable(f"{vllm_label()} is installed but its backend registry ({REGISTRY_MODULE}) "
                                  f"does not import: {_first_line(exc)}") from None
@@ -124,7 +143,8 @@ def backend_class(name: str) -> type:
     """vLLM's backend class registered under ``name`` (its registry, overrides included); unavailable otherwise."""
     member = registered(name)
     try:
-        return member.get_class()
+        with _vllm_warnings_off():
+            return member.get_class()
     except Exception as exc:  # its module needs what this environment lacks (flashinfer, a CUDA build, ...)
         path = member.value or name
         raise BackendUnavailable(f"{vllm_label()} is installed but its {name} backend ({path}) does not "
@@ -169,10 +189,6 @@ class MinimalEngine:
     def __init__(self, cls: type, meta: "SnapshotMeta", device: str, num_blocks: int, max_seqs: int,
                  max_tokens: int):
         _quiet_vllm()
-        from vllm.config import (CacheConfig, CompilationConfig, DeviceConfig, LoadConfig, ModelConfig,
-                                 ParallelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config)
-        from vllm.model_executor.layers.attention import Attention
-
         layer, backend = meta.layer, meta.backend
         self.cls, self.meta, self.device = cls, meta, torch.device(device)
         self.num_blocks, self.max_seqs, self.max_tokens = num_blocks, max_seqs, max_tokens
@@ -187,6 +203,15 @@ class MinimalEngine:
         }
         with open(os.path.join(self._tmp.name, "config.json"), "w") as fh:
             json.dump(hf_config, fh)
+        with _vllm_warnings_off():
+            self._make(cls, meta, num_blocks, max_seqs, max_tokens)
+
+    def _make(self, cls, meta: "SnapshotMeta", num_blocks: int, max_seqs: int, max_tokens: int) -> None:
+        from vllm.config import (CacheConfig, CompilationConfig, DeviceConfig, LoadConfig, ModelConfig,
+                                 ParallelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config)
+        from vllm.model_executor.layers.attention import Attention
+
+        layer, backend = meta.layer, meta.backend
         model = ModelConfig(model=self._tmp.name, tokenizer=self._tmp.name, skip_tokenizer_init=True,
                             dtype=layer.dtype, max_model_len=backend.max_model_len)
         cache = CacheConfig(block_size=backend.page_size, cache_dtype=layer.kv_cache_dtype)
