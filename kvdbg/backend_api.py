@@ -54,6 +54,11 @@ class CommonMetadata:
     null_page: int | None  # stored index of engine page 0 (vLLM's null block), if stored
     step: int = 0
     has_engine_output: bool = False  # the snapshot holds the engine's own output of this step
+    # The step's new K/V, which the replay has already written into the working cache (a backend that runs
+    # the engine's own cache write, vLLM's do_kv_cache_update, writes them again). None when the step has none.
+    new_key: "torch.Tensor | None" = None  # [num_tokens, Hkv, D], model dtype
+    new_value: "torch.Tensor | None" = None
+    new_slots: "torch.Tensor | None" = None  # [num_tokens] int64: stored page * page_size + offset; -1: not written
 
     @property
     def query_lens(self) -> "torch.Tensor":
@@ -170,6 +175,13 @@ class BackendSpec:
     # What the capabilities cannot say: the environment (torch, FlashInfer, vLLM) and rules that
     # depend on several fields at once (FlashInfer's plan). None when nothing else stands in the way.
     environment_reason: Callable[["SnapshotMeta"], str | None] = lambda meta: None
+    # A column that runs whichever backend the snapshot names (vLLM's own code) takes its engine name from
+    # the snapshot; None: always ``engine_name``.
+    engine_name_of: Callable[["SnapshotMeta"], str] | None = None
+
+    def engine_name_for(self, meta: "SnapshotMeta") -> str:
+        """The engine backend this column runs for ``meta`` (what verdict.counted_backends matches)."""
+        return self.engine_name if self.engine_name_of is None else self.engine_name_of(meta)
 
     def unsupported_reason(self, meta: "SnapshotMeta", device: str | None = None) -> str | None:
         """None when this backend can replay ``meta`` (on ``device``), else the one-line reason."""

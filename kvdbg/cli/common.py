@@ -254,8 +254,8 @@ def head_option(*, extra: str = ""):
 
 # ----------------------------------------------------------------------------- backends, device
 
-BACKEND_HELP = ("reference, flex, flashinfer_ts, vllm_flex (the installed vLLM's own code); any case, or the "
-                "engine's name (FLEX_ATTENTION, FLASHINFER_TS)")
+BACKEND_HELP = ("reference, flex, flashinfer_ts, vllm (the installed vLLM's own code for the snapshot's backend), "
+                "vllm_flex (vLLM's FLEX_ATTENTION); any case, or the engine's name (FLEX_ATTENTION, FLASHINFER_TS)")
 
 
 def _backend_list(ctx, param, values) -> tuple[str, ...]:

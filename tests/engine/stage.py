@@ -69,6 +69,7 @@ class Outcome:
     min_cosine: float | None = None  # captured vs reference
     kind: str = ""  # prefill / decode / mixed
     replay_s: float = 0.0
+    vllm_kernel: str = ""  # what the vllm column ran
 
 
 # --------------------------------------------------------------------------- engine runs
@@ -218,9 +219,12 @@ def replay_one(backend: str, case: str, path: str, out: str) -> Outcome:
 
     comparisons = {(c.get("actual"), c.get("expected")): c for c in data.get("comparisons", [])
                    if isinstance(c, dict)}
-    # vllm_flex is vLLM's own FLEX_ATTENTION code run by kvdbg (this venv has vLLM): on FLEX captures it must
-    # give the engine's own output; on CPU_ATTN captures, what FLEX would have written (the same attention).
-    for pair in (("captured", "reference"), ("flex", "captured"), ("vllm_flex", "captured")):
+    # vllm is vLLM's own code for the snapshot's backend, run by kvdbg outside the engine (this venv has vLLM):
+    # on every capture it must give the engine's own output, through the engine's backend and kernel variant.
+    outcome.problems += vllm_column_problems(data, backend, snap.meta.capture.get("kernel_variant"))
+    vllm_status = next((b for b in data.get("backends", []) if b.get("name") == "vllm"), None) or {}
+    outcome.vllm_kernel = (vllm_status.get("run") or {}).get("kernel", "")
+    for pair in (("captured", "reference"), ("flex", "captured"), ("vllm", "captured")):
         comp = comparisons.get(pair)
         if comp is None:
             outcome.problems.append(f"no '{pair[0]} vs {pair[1]}' comparison in the replay")
@@ -246,6 +250,20 @@ def replay_one(backend: str, case: str, path: str, out: str) -> Outcome:
         else:
             outcome.problems.append(f"error finding {label}: {str(finding.get('message'))[:200]}")
     return outcome
+
+
+def vllm_column_problems(data: dict, backend: str, variant: str | None) -> list[str]:
+    """The vllm column ran the capture's own backend (and CPU_ATTN's kernel variant) through vLLM's code."""
+    status = next((b for b in data.get("backends", []) if b.get("name") == "vllm"), None)
+    if status is None or not status.get("available"):
+        return [f"the vllm column did not run: {status.get('reason') if status else 'no such column'}"]
+    kernel = (status.get("run") or {}).get("kernel", "")
+    problems = []
+    if status.get("engine_name") != backend or not kernel.startswith("vLLM 0.32.0"):
+        problems.append(f"the vllm column ran {status.get('engine_name')} ({kernel}), not the capture's {backend}")
+    if backend == "CPU_ATTN" and variant and f"isa {variant}" not in kernel:
+        problems.append(f"the vllm column ran {kernel!r}, not the captured kernel variant {variant!r}")
+    return problems
 
 
 def case_checks(backend: str, case: str, paths: list[str], record: dict) -> list[str]:
@@ -450,6 +468,11 @@ def main() -> int:
             if case in ("sliding", "sliding_prefix_hit"):
                 log(f"{backend} {case}: {facts.get('outgrown_requests')} request-steps longer than window + page "
                     f"size; table entries wholly before the window: {facts.get('before_window_entries')}")
+    for backend in dict.fromkeys(o.backend for o in outcomes):
+        mine = [o for o in outcomes if o.backend == backend]
+        kernels = sorted({o.vllm_kernel for o in mine if o.vllm_kernel})
+        log(f"vllm column on {backend} captures: ran on {sum(bool(o.vllm_kernel) for o in mine)} of {len(mine)} "
+            f"snapshots ({', '.join(kernels) or 'nothing'}); 'vllm vs captured' is checked on each")
     for o in outcomes:
         for p in o.problems:
             problems.append(f"{o.backend}/{o.case} {os.path.basename(o.path)}: {p}")
