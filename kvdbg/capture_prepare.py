@@ -39,6 +39,7 @@ from kvdbg.errors import KvdbgError, SnapshotError
 from kvdbg.format import (
     FORMAT_KEY,
     FORMAT_VERSION,
+    format_version,
     LAYOUT_KV_PLANES,
     LAYOUT_VLLM,
     META_KEY,
@@ -382,7 +383,8 @@ def snapshot_file_size(snapshot: Snapshot) -> int:
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         entries.append((name, dtype_name(t.dtype), tuple(t.shape), raw))
     sink = _CountingSink()
-    write_safetensors(sink, entries, {FORMAT_KEY: FORMAT_VERSION, META_KEY: snapshot.meta.to_json()})
+    metadata = {FORMAT_KEY: format_version(snapshot.meta), META_KEY: snapshot.meta.to_json()}
+    write_safetensors(sink, entries, metadata)
     return sink.size
 
 

@@ -22,6 +22,10 @@ FORMAT_KEY = "kvdbg.format"
 OUTPUTS_KEY = "kvdbg.replay"  # the metadata key of a `kvdbg replay -o` outputs file (a file-format name)
 META_KEY = "kvdbg.meta"
 FORMAT_VERSION = "1"
+# "1.1": format 1 with a mask an older reader (which knows only "1") would replay wrongly, so that it refuses the
+# file instead (docs/snapshot-format.md, Versioning). Readers accept both.
+FORMAT_VERSION_MASKS = "1.1"
+FORMAT_VERSIONS_READ = (FORMAT_VERSION, FORMAT_VERSION_MASKS)
 
 # safetensors refuses headers above 100 MB; so do we, before reading one.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -119,6 +123,15 @@ class LayerMeta:
 
 
 LAYER_FIELDS_WRITTEN_WHEN_SET = ("alibi_sqrt", "chunk_lookback", "mm_prefix", "rswa_window")
+# Of those, the fields that change which keys a token sees: a reader of format "1" would ignore them.
+MASK_FIELDS = ("chunk_lookback", "mm_prefix", "rswa_window")
+
+
+def format_version(meta: "SnapshotMeta") -> str:
+    """The ``kvdbg.format`` a file of ``meta`` is written with: "1.1" when its mask needs a field "1" lacks."""
+    layer = meta.layer
+    uses = any(getattr(layer, name) != LayerMeta.__dataclass_fields__[name].default for name in MASK_FIELDS)
+    return FORMAT_VERSION_MASKS if uses else FORMAT_VERSION
 
 
 @dataclass(frozen=True)
@@ -440,10 +453,10 @@ def read_header(path: str | os.PathLike) -> Header:
             f"{path}: missing __metadata__[{FORMAT_KEY!r}]: a safetensors file, but not a kvdbg snapshot"
         )
     version = metadata[FORMAT_KEY]
-    if version != FORMAT_VERSION:
+    if version not in FORMAT_VERSIONS_READ:
         raise SnapshotError(
-            f"{path}: unknown {FORMAT_KEY} {version[:20]!r}; this kvdbg reads format {FORMAT_VERSION} "
-            "(upgrade kvdbg to read newer snapshots)"
+            f"{path}: unknown {FORMAT_KEY} {version[:20]!r}; this kvdbg reads format "
+            f"{' and '.join(FORMAT_VERSIONS_READ)} (upgrade kvdbg to read newer snapshots)"
         )
     if META_KEY not in metadata:
         raise SnapshotError(f"{path}: missing __metadata__[{META_KEY!r}]")

@@ -23,7 +23,7 @@ from kvdbg.format import (
     ENCODER_SELF_ATTN_TYPES,
     FORMAT_KEY,
     LAYER_VALUE_TENSORS,
-    FORMAT_VERSION,
+    format_version,
     META_KEY,
     Header,
     SnapshotMeta,
@@ -359,7 +359,7 @@ def save_snapshot(snapshot: Snapshot, path: str | os.PathLike, *, overwrite: boo
             raise OptionError(f"tensor {name!r} has dtype {t.dtype}, which the snapshot format cannot store")
         raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         entries.append((name, dtype_name(t.dtype), tuple(t.shape), raw))
-    metadata = {FORMAT_KEY: FORMAT_VERSION, META_KEY: snapshot.meta.to_json()}
+    metadata = {FORMAT_KEY: format_version(snapshot.meta), META_KEY: snapshot.meta.to_json()}
     return atomic_write(path, lambda fh: write_safetensors(fh, entries, metadata), overwrite=overwrite)
 
 

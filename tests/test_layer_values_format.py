@@ -111,3 +111,19 @@ def test_a_flag_without_its_values_loads_but_cannot_be_replayed(tmp_path):
 
     result = CliRunner().invoke(cli, ["replay", str(path)])
     assert result.exit_code == 2 and "no 'alibi_slopes' tensor" in result.output
+
+
+def test_a_mask_an_older_reader_would_misread_raises_the_format_to_1_1(tmp_path):
+    """chunk_lookback, mm_prefix and rswa_window change which keys a token sees: a reader of format "1" would
+    ignore them, so such a file says "1.1", which that reader refuses; this reader reads both."""
+    from kvdbg.format import read_header
+
+    plain = save_snapshot(synth_snapshot(SynthSpec(sliding_window=64)), tmp_path / "plain.safetensors")
+    chunked = save_snapshot(synth_snapshot(SynthSpec(sliding_window=64, chunk_lookback=1)),
+                            tmp_path / "chunked.safetensors")
+    assert read_header(plain).metadata["kvdbg.format"] == "1"
+    assert read_header(chunked).metadata["kvdbg.format"] == "1.1"
+    assert load_snapshot(chunked).meta.layer.chunk_lookback == 1
+    tensors, meta = _parts()
+    assert_bad(run_info(write_raw(tmp_path / "v.safetensors", tensors, meta, fmt="1.2")),
+               "unknown kvdbg.format '1.2'", "reads format 1 and 1.1")
