@@ -127,3 +127,15 @@ def test_a_mask_an_older_reader_would_misread_raises_the_format_to_1_1(tmp_path)
     tensors, meta = _parts()
     assert_bad(run_info(write_raw(tmp_path / "v.safetensors", tensors, meta, fmt="1.2")),
                "unknown kvdbg.format '1.2'", "reads format 1 and 1.1")
+
+
+def test_diff_names_the_heads_whose_values_differ(tmp_path):
+    from kvdbg.snapdiff import diff_snapshots
+
+    a = synth_snapshot(SynthSpec(sinks="auto"))
+    b = synth_snapshot(SynthSpec(sinks="auto"))
+    b.sinks = b.sinks.clone()
+    b.sinks[5] += 1.0
+    result = diff_snapshots(save_snapshot(a, tmp_path / "a.safetensors"), save_snapshot(b, tmp_path / "b.safetensors"))
+    (field,) = [f for f in result.meta if f.name == "sinks"]
+    assert "head 5" in str(field.a) and "1 of 8 heads differ" in str(field.b)
