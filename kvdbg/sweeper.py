@@ -349,6 +349,9 @@ def _window_variants(snapshot, options, backends) -> list[Variant]:
     if window is None:
         return [Variant("window", "captured ± 1", "", captured_applies=False, same_answer=False,
                         skipped="the layer has no sliding window")]
+    if snapshot.meta.layer.chunk_lookback is not None:
+        return [Variant("window", "captured ± 1", "", captured_applies=False, same_answer=False,
+                        skipped="the layer's chunk lookback replaces its window (the window only sizes the chunks)")]
     for label, value in (("none", None), (f"{window - 1}", window - 1), (f"{window + 1}", window + 1)):
         variant = Variant("window", label, f"sliding window {value if value is not None else 'none'} instead of "
                           f"{window}; backends against this variant's reference only",
