@@ -396,9 +396,13 @@ class _PluginState:
         if cached is not None and cached[0] == key:
             return cached[1]
         attn_type = getattr(layer, "attn_type", getattr(impl, "attn_type", "decoder"))
-        window = getattr(layer, "sliding_window", None)
-        if window is None and isinstance(getattr(impl, "sliding_window", None), int):
-            window = impl.sliding_window  # impls that keep vLLM's (left, right) tuple are read through the layer
+        # The layer keeps the window in tokens (None: none); impls keep their own forms ((left, right) with -1
+        # for none in FLASH_ATTN and TRITON_ATTN, -1 in CPU_ATTN), read only for a layer without the attribute.
+        window = getattr(layer, "sliding_window", getattr(impl, "sliding_window", None))
+        if isinstance(window, tuple):
+            window = window[0] + 1
+        if window is not None and window <= 0:
+            window = None
         lookback = getattr(impl, "chunk_lookback", -1)
         built = CaptureLayer(
             name=layer.layer_name,

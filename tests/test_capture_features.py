@@ -116,3 +116,13 @@ def test_the_head_pass_of_shrink_keeps_each_heads_values():
     small = select_kv_heads(snap, [1, 3])
     assert small.sinks.tolist() == snap.sinks[[2, 3, 6, 7]].tolist()
     assert small.alibi_slopes.tolist() == snap.alibi_slopes[[2, 3, 6, 7]].tolist()
+
+
+def test_an_impls_own_no_window_forms_are_read_as_none():
+    """CPU_ATTN's impl keeps -1 and FLASH_ATTN/TRITON_ATTN's (-1, -1) for "no window"; the layer's None wins."""
+    layer = _layer("l", None)
+    assert _capture(_impl(None, sliding_window=-1), layer).sliding_window is None
+    bare = _layer("l", None)
+    del bare.sliding_window  # a layer without the attribute: the impl's form is read
+    assert _capture(_impl(None, sliding_window=-1), bare).sliding_window is None
+    assert _capture(_impl(None, sliding_window=(127, 0)), bare).sliding_window == 128
