@@ -59,6 +59,10 @@ class CommonMetadata:
     new_key: "torch.Tensor | None" = None  # [num_tokens, Hkv, D], model dtype
     new_value: "torch.Tensor | None" = None
     new_slots: "torch.Tensor | None" = None  # [num_tokens] int64: stored page * page_size + offset; -1: not written
+    # The layer's learned values when the snapshot holds them ([num_heads] float32 on the replay device):
+    # read by a backend that models the feature, as vLLM's impl holds them.
+    sinks: "torch.Tensor | None" = None
+    alibi_slopes: "torch.Tensor | None" = None
 
     @property
     def query_lens(self) -> "torch.Tensor":
@@ -129,6 +133,10 @@ class Capabilities:
     soft_cap: bool = True
     sinks: bool = False
     alibi: bool = False
+    alibi_sqrt: bool = False
+    chunk_lookback: bool = False
+    mm_prefix: bool = False
+    rswa: bool = False
     kv_sharing: bool = False
     attn_types: tuple[str, ...] = ("decoder",)
     devices: tuple[str, ...] = ("cpu", "cuda")
@@ -142,6 +150,15 @@ def unsupported_by(caps: Capabilities, meta: "SnapshotMeta", device: str | None 
     refusals = [
         (layer.has_sinks and not caps.sinks, "attention sinks (layer.has_sinks)"),
         (layer.has_alibi and not caps.alibi, "ALiBi slopes (layer.has_alibi)"),
+        (layer.alibi_sqrt and not caps.alibi_sqrt, "square-root ALiBi (layer.alibi_sqrt)"),
+        (layer.chunk_lookback is not None and not caps.chunk_lookback,
+         f"chunked attention with lookback (layer.chunk_lookback = {layer.chunk_lookback})"),
+        (layer.mm_prefix and not caps.mm_prefix,
+         "PrefixLM multimodal attention (layer.mm_prefix: each request's bidirectional image ranges widen the "
+         "mask, and a snapshot does not hold them)"),
+        (layer.rswa_window is not None and not caps.rswa,
+         f"Reference Sliding Window Attention (layer.rswa_window = {layer.rswa_window}: each request's "
+         "globally visible prefix length shapes the mask, and a snapshot does not hold it)"),
         (bool(layer.logits_soft_cap) and not caps.soft_cap,
          f"logits soft-capping (layer.logits_soft_cap = {layer.logits_soft_cap})"),
         (layer.kv_sharing_target is not None and not caps.kv_sharing,

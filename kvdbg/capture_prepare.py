@@ -25,6 +25,7 @@ import datetime
 import functools
 import importlib.metadata
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -38,6 +39,7 @@ from kvdbg.errors import KvdbgError, SnapshotError
 from kvdbg.format import (
     FORMAT_KEY,
     FORMAT_VERSION,
+    format_version,
     LAYOUT_KV_PLANES,
     LAYOUT_VLLM,
     META_KEY,
@@ -112,6 +114,11 @@ class CaptureLayer:
     None infers one of the format's two layouts from the cache's shape at every
     step, a guess that cannot tell CPU_ATTN's cache from vLLM's, so engines
     should declare it.
+
+    ``sinks`` and ``alibi_slopes`` take the layer's learned values, one per query
+    head (a tensor on any device or a sequence of numbers); giving them sets
+    ``has_sinks`` / ``has_alibi``, and the snapshot stores them. ``head_size_v``,
+    when given, must equal ``head_size``: the format holds K and V of one width.
     """
 
     name: str
@@ -131,10 +138,29 @@ class CaptureLayer:
     has_alibi: bool = False
     kv_sharing_target: str | None = None
     attn_type: str = "decoder"
+    sinks: Any = None  # [num_heads] sink logits; stored as a tuple of floats
+    alibi_slopes: Any = None  # [num_heads] ALiBi slopes; stored as a tuple of floats
+    alibi_sqrt: bool = False
+    chunk_lookback: int | None = None
+    mm_prefix: bool = False
+    rswa_window: int | None = None
+    head_size_v: int | None = None
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
         set_("dtype", _model_dtype_name(self.dtype))
+        for values_name, flag in (("sinks", "has_sinks"), ("alibi_slopes", "has_alibi")):
+            values = _head_values(getattr(self, values_name), values_name, self.num_heads)
+            set_(values_name, values)
+            if values is not None:
+                set_(flag, True)
+            elif getattr(self, flag):
+                raise CaptureInputError(f"layer {flag} is true but no {values_name} were given: pass "
+                                        f"{values_name}= one value per query head, so that replay can model them")
+        if self.head_size_v is not None and self.head_size_v != self.head_size:
+            raise CaptureInputError(
+                f"layer head_size_v {self.head_size_v} differs from head_size {self.head_size}: a snapshot holds "
+                "K and V of one head size")
         set_("kv_cache_dtype", _normalise_kv_cache_dtype(self.kv_cache_dtype, self.dtype))
         if self.kv_layout is not None and not isinstance(self.kv_layout, EngineLayout):
             try:
@@ -160,7 +186,8 @@ class CaptureLayer:
         set_("attn_type", str(getattr(self.attn_type, "value", self.attn_type)))
         # The reader's own checks (positive sizes, finite positive scales, grouped heads), run once
         # per layer rather than on every step; the writer runs them again on the whole metadata.
-        probe = SnapshotMeta(layer=self.meta(causal=True), backend=BackendMeta("probe", 1, 1, 1), kv_layout=LAYOUT_VLLM)
+        probe = SnapshotMeta(layer=self.meta(causal=self.attn_type == "decoder"), backend=BackendMeta("probe", 1, 1, 1),
+                             kv_layout=LAYOUT_VLLM)
         try:
             parse_meta(probe.to_json())
         except SnapshotError as exc:
@@ -170,6 +197,24 @@ class CaptureLayer:
         """The snapshot's layer record for a step with this mask."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(LayerMeta) if f.name != "causal"}
         return LayerMeta(causal=causal, **fields)
+
+
+def _head_values(values: Any, name: str, num_heads: Any) -> tuple[float, ...] | None:
+    """One finite number per query head, as a tuple of floats (None stays None)."""
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        values = values.detach().to("cpu", torch.float64).reshape(-1).tolist()
+    try:
+        out = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise CaptureInputError(f"layer {name} must be one number per query head, got {type(values).__name__}") \
+            from None
+    if _is_integral(num_heads) and len(out) != int(num_heads):
+        raise CaptureInputError(f"layer {name} holds {len(out)} values for {int(num_heads)} query heads")
+    if not all(math.isfinite(v) for v in out):
+        raise CaptureInputError(f"layer {name} holds a value that is not finite")
+    return out
 
 
 def _is_integral(value: Any) -> bool:
@@ -342,7 +387,8 @@ def snapshot_file_size(snapshot: Snapshot) -> int:
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         entries.append((name, dtype_name(t.dtype), tuple(t.shape), raw))
     sink = _CountingSink()
-    write_safetensors(sink, entries, {FORMAT_KEY: FORMAT_VERSION, META_KEY: snapshot.meta.to_json()})
+    metadata = {FORMAT_KEY: format_version(snapshot.meta), META_KEY: snapshot.meta.to_json()}
+    write_safetensors(sink, entries, metadata)
     return sink.size
 
 
@@ -412,6 +458,7 @@ class PendingCapture:
     rank: int
     step_index: int | None
     num_tokens: int
+    layer_values: dict[str, torch.Tensor] = field(default_factory=dict)  # "sinks", "alibi_slopes"
 
 
 @dataclass
@@ -428,6 +475,7 @@ class CapturePlan:
     kv_cache: torch.Tensor = field(repr=False)
     layout: EngineLayout = field(repr=False)
     pre_update: PreUpdate | None = field(repr=False, default=None)
+    layer_values: dict[str, torch.Tensor] = field(default_factory=dict)  # "sinks", "alibi_slopes"
 
     def gather(self) -> PendingCapture:
         """Copy the pages to CPU (in the snapshot layout), restoring those the cache update overwrote."""
@@ -437,7 +485,8 @@ class CapturePlan:
         tensor_blocks = int(self.kv_cache.shape[self.layout.page_dim])
         stored_ids = self.page_ids.to(torch.int32) if tensor_blocks < 2**31 else self.page_ids
         return PendingCapture(meta=self.meta, kv_cache=pages, page_ids=stored_ids, step=self.step, rank=self.rank,
-                              step_index=self.step_index, num_tokens=self.num_tokens)
+                              step_index=self.step_index, num_tokens=self.num_tokens,
+                              layer_values=self.layer_values)
 
 
 def _require(value: Any, kind: type, name: str) -> None:
@@ -533,7 +582,14 @@ def plan_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTens
     small = sum(x.numel() * x.element_size() for x in step_record.tensors().values())
     return CapturePlan(meta=meta, step=step_record, page_ids=page_ids,
                        lower_bound_bytes=len(page_ids) * (page_bytes + 4) + small, rank=rank, step_index=step,
-                       num_tokens=num_tokens, kv_cache=t.kv_cache, layout=layout, pre_update=pre)
+                       num_tokens=num_tokens, kv_cache=t.kv_cache, layout=layout, pre_update=pre,
+                       layer_values=layer_values(layer))
+
+
+def layer_values(layer: CaptureLayer) -> dict[str, torch.Tensor]:
+    """The layer's value tensors as a snapshot stores them: [num_heads] float32, by tensor name."""
+    return {name: torch.tensor(values, dtype=torch.float32)
+            for name, values in (("sinks", layer.sinks), ("alibi_slopes", layer.alibi_slopes)) if values is not None}
 
 
 def prepare_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTensors, **kwargs) -> PendingCapture:
@@ -609,7 +665,8 @@ def complete_capture(pending: PendingCapture, output: torch.Tensor | None = None
         if dtype_name(out.dtype) != layer.dtype:
             raise CaptureInputError(f"output has dtype {dtype_name(out.dtype)}, expected the model dtype {layer.dtype}")
         pending.step.output = _to_cpu(out[: pending.num_tokens])
-    return Snapshot(meta=pending.meta, kv_cache=pending.kv_cache, page_ids=pending.page_ids, steps=[pending.step])
+    return Snapshot(meta=pending.meta, kv_cache=pending.kv_cache, page_ids=pending.page_ids, steps=[pending.step],
+                    **pending.layer_values)
 
 
 def check_metadata(meta: SnapshotMeta) -> None:

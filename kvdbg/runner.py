@@ -226,6 +226,8 @@ def common_metadata(snapshot: "Snapshot", step: int, device: str = "cpu") -> Com
         new_key=new_key,
         new_value=new_value,
         new_slots=new_slots,
+        sinks=None if snapshot.sinks is None else snapshot.sinks.to(device),
+        alibi_slopes=None if snapshot.alibi_slopes is None else snapshot.alibi_slopes.to(device),
     )
 
 
@@ -242,7 +244,8 @@ def load_backends(names: Iterable[str], meta: "SnapshotMeta", options: ReplayOpt
     """Import and create each backend. One that cannot run becomes an unavailable status with the reason.
 
     Unknown names raise OptionError. A backend in ``required`` (asked for by name) that is unavailable
-    raises BackendUnavailable instead: the user asked for it, so nothing is shown without it.
+    raises BackendUnavailable instead: the user asked for it, so nothing is shown without it. So does the
+    reference, whatever was asked: nothing can be judged without it.
     """
     names = list(dict.fromkeys(names))
     valid = backend_names()
@@ -271,7 +274,8 @@ def load_backends(names: Iterable[str], meta: "SnapshotMeta", options: ReplayOpt
                 continue
         statuses.append(BackendStatus(name, spec.engine_name_for(meta), False, reason))
     for st in statuses:
-        if not st.available and st.name in required:
+        # Without the reference nothing can be judged: a layer feature it cannot model is refused, never ignored.
+        if not st.available and (st.name in required or st.name == "reference"):
             raise BackendUnavailable(f"backend {st.name} cannot run: {st.reason}")
     return statuses, instances, specs
 

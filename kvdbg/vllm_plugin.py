@@ -530,7 +530,15 @@ class _PluginState:
     # ---------------------------------------------------------------- per layer, once
 
     def capture_layer(self, impl: Any, layer: Any, kv_layout: str, model_dtype: Any) -> "CaptureLayer":
-        """The layer's constants for capture, built on its first step (CaptureInputError if they are unusable)."""
+        """The layer's constants for capture, built on its first step (CaptureInputError if they are unusable).
+
+        Every feature the impl was built with is read from where vLLM 0.33 keeps it, so that replay models it
+        or refuses it by name: the sink logits (``impl.sinks``, one per query head; FlashInfer keeps a float32
+        copy there), the ALiBi slopes (``impl.alibi_slopes``, float32) and TRITON_ATTN's square-root variant
+        (``layer.use_alibi_sqrt``), the soft cap (0 means none), the layer's own sliding window (per layer, so
+        an interleaved model records each layer's), TRITON_ATTN's ``chunk_lookback`` (-1: off; on only with a
+        window), the PrefixLM and R-SWA masks, the attention type and the KV-sharing target.
+        """
         from kvdbg.capture import CaptureLayer
 
         scales = (layer._q_scale_float, layer._k_scale_float, layer._v_scale_float)
@@ -539,6 +547,14 @@ class _PluginState:
         if cached is not None and cached[0] == key:
             return cached[1]
         attn_type = getattr(layer, "attn_type", getattr(impl, "attn_type", "decoder"))
+        # The layer keeps the window in tokens (None: none); impls keep their own forms ((left, right) with -1
+        # for none in FLASH_ATTN and TRITON_ATTN, -1 in CPU_ATTN), read only for a layer without the attribute.
+        window = getattr(layer, "sliding_window", getattr(impl, "sliding_window", None))
+        if isinstance(window, tuple):
+            window = window[0] + 1
+        if window is not None and window <= 0:
+            window = None
+        lookback = getattr(impl, "chunk_lookback", -1)
         built = CaptureLayer(
             name=layer.layer_name,
             num_heads=impl.num_heads,
@@ -548,13 +564,19 @@ class _PluginState:
             dtype=model_dtype,
             kv_cache_dtype=str(getattr(impl, "kv_cache_dtype", getattr(layer, "kv_cache_dtype", "auto"))),
             kv_layout=kv_layout,
-            sliding_window=getattr(layer, "sliding_window", getattr(impl, "sliding_window", None)),
+            sliding_window=window,
             q_scale=scales[0],
             k_scale=scales[1],
             v_scale=scales[2],
             logits_soft_cap=getattr(impl, "logits_soft_cap", None) or None,
-            has_sinks=bool(getattr(layer, "has_sink", False)),
-            has_alibi=getattr(impl, "alibi_slopes", None) is not None,
+            sinks=getattr(impl, "sinks", None),
+            alibi_slopes=getattr(impl, "alibi_slopes", None),
+            alibi_sqrt=bool(getattr(layer, "use_alibi_sqrt", getattr(impl, "use_alibi_sqrt", False))),
+            chunk_lookback=int(lookback) if lookback is not None and lookback >= 0 and window else None,
+            mm_prefix=bool(getattr(layer, "use_mm_prefix", False)),
+            # RSWAAttention keeps its window only as this attribute (its KV cache spec needs the engine config).
+            rswa_window=getattr(layer, "_rswa_window", None) or None,
+            head_size_v=getattr(layer, "head_size_v", None),
             kv_sharing_target=getattr(layer, "kv_sharing_target_layer_name", None),
             attn_type=attn_type,
         )
