@@ -61,8 +61,12 @@ class WorkerSlot:
 
     @property
     def env(self) -> dict[str, str]:
-        """Set in the worker's environment before it starts."""
-        return {} if self.visible is None else {"CUDA_VISIBLE_DEVICES": self.visible}
+        """Set in the worker's environment before it starts: its GPU, and its share of the cores as torch's
+        threads (read when the worker first imports torch; an OMP_NUM_THREADS of the user's own stays)."""
+        env = {} if self.visible is None else {"CUDA_VISIBLE_DEVICES": self.visible}
+        if self.threads is not None and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        return env
 
     @property
     def pinned_device(self) -> str:
@@ -189,15 +193,11 @@ def run_in_process(tasks: list[tuple[int, str]], options: BatchOptions, slot: Wo
 # --------------------------------------------------------------------------- the pool
 
 
-def _worker_main(conn, env: dict[str, str], threads: int | None, options: BatchOptions, replay: Replay) -> None:
+def _worker_main(conn, env: dict[str, str], options: BatchOptions, replay: Replay) -> None:
     """A worker process: replay each (index, path) received until None; Ctrl-C is the parent's to handle."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
-    os.environ.update(env)  # already set at spawn; again in case this process was made otherwise
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
+    os.environ.update(env)  # already set at spawn (torch is imported later, by the first replay)
     pid = os.getpid()
     while True:
         try:
@@ -253,11 +253,12 @@ class LocalPool:
 
     def _start(self, slot: WorkerSlot) -> _Worker:
         parent_end, child_end = self._context.Pipe(duplex=True)
+        env = slot.env
         options = _with_device(self.options, slot.pinned_device)
         process = self._context.Process(target=_worker_main, name=f"kvdbg-worker-{slot.index}",
-                                        args=(child_end, slot.env, slot.threads, options, self.replay), daemon=True)
-        saved = {name: os.environ.get(name) for name in slot.env}
-        os.environ.update(slot.env)  # the child's environment is the parent's at start
+                                        args=(child_end, env, options, self.replay), daemon=True)
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)  # the child's environment is the parent's at start
         try:
             process.start()
         finally:

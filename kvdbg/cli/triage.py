@@ -40,7 +40,7 @@ def triage(results, full, as_json):
     from kvdbg.triage import triage as group_rows
 
     found = read_results(results)
-    rows = found.rows
+    rows = sorted(found.rows, key=lambda r: r.path)  # as a directory's files are replayed: by name
     files = [r.result for r in rows]
     code, summary = batch_verdict(files)
     batch = BatchResult(files, code, summary)
