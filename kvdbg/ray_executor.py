@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -86,6 +87,7 @@ class RayPool:
         self.ray = import_ray()
         self.resources: dict[str, float] = {}
         self.device = options.device
+        self._stdout = None
 
     # ------------------------------------------------------------------ connecting
 
@@ -100,6 +102,9 @@ class RayPool:
                 raise BackendUnavailable(f"--ray {self.address}: nothing answers there ({exc.strerror or exc}); "
                                          "is the cluster started (ray start --head)?") from None
         failure: list[BaseException] = []
+        # Ray prints what its nodes report to the driver (a worker that died, ...) on sys.stdout, from a thread
+        # of its own: stdout is kvdbg's output (--json), so Ray's messages go to stderr until close().
+        self._stdout, sys.stdout = sys.stdout, sys.stderr
 
         def init() -> None:
             try:
@@ -210,6 +215,9 @@ class RayPool:
             self.ray.shutdown()
         except Exception:
             pass
+        finally:
+            if self._stdout is not None:
+                sys.stdout, self._stdout = self._stdout, None
 
 
 def _first_line(exc: BaseException) -> str:

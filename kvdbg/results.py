@@ -239,6 +239,7 @@ class ResultsFile:
     ends: list[dict[str, Any]]
     torn_tail: int = 0  # bytes of a last line cut short by a crash (ignored)
     superseded: int = 0  # rows replaced by a later row of the same file (a changed file replayed again)
+    last_end: dict[str, Any] | None = None  # the end record of the last run (None: it never wrote one)
 
     @property
     def options(self) -> dict[str, Any]:
@@ -247,7 +248,7 @@ class ResultsFile:
     @property
     def finished(self) -> bool:
         """Whether the last invocation wrote its end record without being interrupted."""
-        return bool(self.ends) and len(self.ends) >= len(self.runs) and not self.ends[-1].get("interrupted")
+        return self.last_end is not None and not self.last_end.get("interrupted")
 
     def done(self) -> dict[str, Row]:
         """Rows by the absolute path of each of their files (what --resume skips when the key matches)."""
@@ -277,6 +278,7 @@ def read_results(path: str) -> ResultsFile:
     ends: list[dict[str, Any]] = []
     latest: dict[tuple[str, ...], Row] = {}
     superseded = 0
+    last_end = None
     for number, line in enumerate(data.splitlines(), 1):
         where = f"{path} line {number}"
         try:
@@ -293,6 +295,7 @@ def read_results(path: str) -> ResultsFile:
             if not isinstance(record.get("options"), dict):
                 raise ResultsError(f"{where}: run record has no options")
             runs.append(record)
+            last_end = None
         elif kind == RECORD_ROW:
             row = row_from_record(record, where)
             key = tuple(f.path for f in row.files)
@@ -302,11 +305,12 @@ def read_results(path: str) -> ResultsFile:
             latest[key] = row
         elif kind == RECORD_END:
             ends.append(record)
+            last_end = record
         else:
             raise ResultsError(f"{where}: unknown record {str(kind)[:40]!r}")
     if not runs:
         raise ResultsError(f"{path}: empty results file (no run record)")
-    return ResultsFile(path, runs, list(latest.values()), ends, torn, superseded)
+    return ResultsFile(path, runs, list(latest.values()), ends, torn, superseded, last_end)
 
 
 # --------------------------------------------------------------------------- writing

@@ -77,8 +77,15 @@ def small_directory(directory: str, count: int, *, seed: int = 100) -> list[str]
 
 
 def dying_replay(path, options):
-    """Kills its own worker process on files named ``die*``: a file that takes its worker down every time."""
-    if os.path.basename(path).startswith("die"):
+    """Kills its own worker process on files named ``die*`` (every time), ``die_once*`` (the first time: it
+    leaves ``PATH.died`` beside the file), else replays as kvdbg does."""
+    name = os.path.basename(path)
+    if name.startswith("die_once"):
+        marker = path + ".died"
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+    elif name.startswith("die"):
         os.kill(os.getpid(), signal.SIGKILL)
     return replay_file(path, options)
 

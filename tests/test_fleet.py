@@ -301,7 +301,7 @@ def test_ctrl_c_loses_only_the_files_in_flight_and_resume_finishes(tmp_path):
     assert process.returncode == 130 and b"kvdbg: interrupted" in err and b"Traceback" not in err
     found = read_results(results)
     kept = len(found.rows)
-    assert 3 <= kept < 12 and not found.finished and found.ends[-1]["interrupted"]
+    assert 3 <= kept < 12 and not found.finished and found.last_end["interrupted"]
     res = invoke("replay", directory, "--results", results, "--resume", "--backend", "reference", "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
