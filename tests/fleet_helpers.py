@@ -1,6 +1,7 @@
 """Snapshots with known causes of failure, and replay functions that kill their worker, for the fleet tests.
 
-Importable by the spawned worker processes (tests is a package on their sys.path) and by Ray tasks.
+Importable by the spawned worker processes (tests is a package on their sys.path) and by Ray tasks; torch is
+imported only where a snapshot is made or replayed, so that a worker of env_replay starts in a moment.
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ import time
 from dataclasses import replace
 
 from kvdbg.batch import replay_file
-from kvdbg.snapshot import save_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
 
 # The causes planted by mixed_directory, by the kind of group kvdbg.triage must put them in.
 CAUSES = ("flex_null_page", "wrong_capture", "poisoned_page", "corrupt", "pass")
 SMALL = dict(seq_lens=(40, 70), num_heads=8, num_kv_heads=2, head_size=32)
 
 
-def _snapshot(spec: SynthSpec, *, rank: int | None = None, step: int | None = None):
+def _snapshot(spec, *, rank: int | None = None, step: int | None = None):
+    from kvdbg.synth import synth_snapshot
+
     snap = synth_snapshot(spec)
     if rank is not None or step is not None:
         capture = dict(snap.meta.capture, rank=rank, step=step)
@@ -30,6 +31,9 @@ def _snapshot(spec: SynthSpec, *, rank: int | None = None, step: int | None = No
 
 def write_cause(directory: str, cause: str, seed: int, name: str | None = None) -> str:
     """One snapshot failing (or passing) for ``cause``; returns its path."""
+    from kvdbg.snapshot import save_snapshot
+    from kvdbg.synth import SynthSpec
+
     path = os.path.join(directory, name or f"{cause}_{seed}.safetensors")
     if cause == "flex_null_page":  # vLLM's null block in a live table entry: flex reads it, the reference does not
         snap = _snapshot(SynthSpec(**SMALL, query_len=2, use_page_zero=True, page_zero_request=1,
@@ -125,3 +129,27 @@ def verdicts(records) -> dict[str, tuple]:
         sig = r.get("signature")
         out[name] = (r["status"], r["exit_code"], tuple(r["error_findings"]), sig and sig["key"])
     return out
+
+
+def pinned_replay(path, options):
+    """Replays as kvdbg does, after noting beside the file what this worker sees: its CUDA_VISIBLE_DEVICES, how
+    many GPUs torch counts, and the device it was told to replay on (``PATH.PID.where``)."""
+    import torch
+
+    seen = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "device_count": torch.cuda.device_count(), "device": options.device}
+    with open(f"{path}.{os.getpid()}.where", "w", encoding="utf-8") as fh:
+        json.dump(seen, fh)
+    return replay_file(path, options)
+
+
+def env_replay(path, options):
+    """No replay at all (no torch): notes beside the file the CUDA_VISIBLE_DEVICES and the device this worker
+    was given (``PATH.PID.where``), and returns a passing row. For testing the scheduler of several GPUs on a
+    machine that has none."""
+    from kvdbg.batch import FileResult
+
+    with open(f"{path}.{os.getpid()}.where", "w", encoding="utf-8") as fh:
+        json.dump({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "device": options.device}, fh)
+    time.sleep(0.05)
+    return FileResult(path, "pass", 0, summary="PASS: scheduling only")

@@ -20,8 +20,8 @@ from kvdbg.fleet import run_fleet
 from kvdbg.results import ResultsError, read_results
 from kvdbg.workers import Started, WorkerSlot, default_per_gpu, plan_workers, visible_gpus
 
-from tests.fleet_helpers import (dying_replay, mixed_directory, rows, small_directory, verdicts, wait_for_rows,
-                                 write_cause)
+from tests.fleet_helpers import (dying_replay, env_replay, mixed_directory, rows, small_directory, verdicts,
+                                 wait_for_rows, write_cause)
 from tests.helpers import ROOT
 
 
@@ -71,6 +71,41 @@ def test_visible_devices_are_kept_as_written():
     slots = plan_workers("cuda", 1, visible_gpus(3, env), 8)
     assert [(s.device, s.env["CUDA_VISIBLE_DEVICES"]) for s in slots] == [
         ("cuda:0", "3"), ("cuda:1", "GPU-8f2c"), ("cuda:2", "1")]
+
+
+@pytest.mark.parametrize("parent_env", [None, "5,7,9"])
+def test_three_gpus_each_get_their_workers_pinned(tmp_path, monkeypatch, parent_env):
+    """The scheduler of several GPUs on a machine with none: torch's count is replaced by 3, and the replay by
+    one that only notes what its worker sees (tests.fleet_helpers.env_replay)."""
+    import kvdbg.workers
+
+    monkeypatch.setattr(kvdbg.workers, "cuda_count", lambda: 3)
+    if parent_env is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", parent_env)
+    ids = (parent_env or "0,1,2").split(",")
+    paths = [write_cause(str(tmp_path), "corrupt", i, name=f"f{i:02d}.safetensors") for i in range(12)]
+    killed = []
+
+    def kill_the_fifth(event):
+        if isinstance(event, Started) and event.index == 4 and event.attempt == 1:
+            os.kill(event.placement.pid, signal.SIGKILL)
+            killed.append(event.placement.device)
+
+    fleet = run_fleet(paths, BatchOptions(device="cuda"), jobs=2, replay=env_replay, on_event=kill_the_fifth)
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == parent_env  # the parent's own environment is unchanged
+    assert fleet.executor["per_device"] == {"cuda:0": 2, "cuda:1": 2, "cuda:2": 2}
+    assert [d.device for d in fleet.devices] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert all(d.files for d in fleet.devices) and sum(d.files for d in fleet.devices) == 12
+    assert [r.result.status for r in fleet.rows] == ["pass"] * 12
+    for row in fleet.rows:  # each worker saw only its GPU, under the parent's name for it, as "cuda"
+        with open(f"{row.path}.{row.placement.pid}.where", encoding="utf-8") as fh:
+            seen = json.load(fh)
+        assert seen == {"CUDA_VISIBLE_DEVICES": ids[int(row.placement.device[-1])], "device": "cuda"}
+    # The killed worker's file went to a fresh worker on the same GPU.
+    assert fleet.rows[4].attempts == 2 and fleet.rows[4].placement.device == killed[0]
+    assert [(w.placement.device, w.index, w.retried) for w in fleet.lost] == [(killed[0], 4, True)]
 
 
 def test_device_errors_name_the_option():
