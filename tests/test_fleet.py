@@ -418,3 +418,50 @@ def _children(pid: int) -> list[int]:
                 workers.append(child)
     assert workers, "no worker process"
     return workers
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_ray_options_that_cannot_work_are_one_line_errors(tmp_path, monkeypatch):
+    directory = tmp_path / "d"
+    small_directory(str(directory), 1)
+    # click's optional value takes the next word: a path there is refused, not taken as an address.
+    res = invoke("replay", "--ray", directory)
+    assert res.exit_code == 2
+    assert res.output.strip() == (f"Error: --ray took '{directory}' as the cluster address, but it is a path: put "
+                                  f"the snapshots first (kvdbg replay {directory} --ray) or give the address "
+                                  f"(--ray auto {directory})")
+    res = invoke("replay", directory, "--ray", "--jobs", "2")
+    assert res.exit_code == 2 and "--jobs with --ray counts tasks per GPU (--device cuda)" in res.output
+    res = invoke("replay", directory, "--ray", "--device", "cuda:1")
+    assert res.exit_code == 2 and "names a GPU of this machine; with --ray give --device cuda" in res.output
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where Ray is not installed
+    res = invoke("replay", directory, "--ray")
+    assert res.exit_code == 2
+    assert res.output.strip() == ("Error: --ray needs Ray, which is not installed: pip install 'kvdbg[ray]' (here "
+                                  "and on every node of the cluster)")
+
+
+def test_one_file_with_results_is_a_run_of_one(tmp_path):
+    path = small_directory(str(tmp_path / "d"), 1)[0]
+    results = tmp_path / "r.jsonl"
+    res = invoke("replay", path, "--results", results, "--json")
+    assert res.exit_code == 0 and len(json.loads(res.stdout)["files"]) == 1 and len(rows(str(results))) == 1
+    res = invoke("replay", path, "--results", tmp_path / "s.jsonl", "--head", "0")
+    assert res.exit_code == 2 and "--head applies to one snapshot" in res.output
+    res = invoke("replay", "--resume")
+    assert res.exit_code == 2 and res.output.strip() == ("Error: --resume needs snapshots to replay: name a "
+                                                         "directory or files")
+
+
+def test_ci_runs_the_ray_stage():
+    """The Ray tests are skipped without Ray: the stage that installs it must stay in CI and in the README."""
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as fh:
+        ci = fh.read().splitlines()
+    assert "bash tests/fleet_ray/run.sh" in ci
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        assert "\nbash tests/fleet_ray/run.sh\n" in fh.read()
+    with open(os.path.join(ROOT, "tests", "fleet_ray", "run.sh"), encoding="utf-8") as fh:
+        stage = fh.read()
+    assert "pip install -q -e '.[ray]'" in stage and "KVDBG_REQUIRE_RAY=1" in stage and "timeout" in stage

@@ -78,6 +78,8 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
     import os
 
     paths = list(snapshot)
+    if ray:
+        _check_ray_address(ray)
     several = {"--results": results, "--resume": resume, "--ray": ray is not None}
     if len(paths) > 1 or (paths and os.path.isdir(paths[0])) or (paths and any(several.values())):
         return replay_several(paths, backends=backend, steps=step, device=device, exact=exact, compile_=compile_,
@@ -127,8 +129,6 @@ def replay_several(paths, *, backends, steps, device, exact, compile_, atol, rto
                           "on its own")
     if force and not results:
         raise OptionError("--force applies to one snapshot's --output, or to --results FILE with several")
-    if ray:
-        _check_ray_address(ray)
     files = find_snapshots(paths, recursive=recursive)
     names = tuple(dict.fromkeys(backends))
     options = BatchOptions(backends=names, steps=steps, device=device, exact=exact, compile=compile_, atol=atol,

@@ -3,12 +3,15 @@ stopped at the end whatever happened; the tests are skipped where Ray is not ins
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    pytest.importorskip("ray")
+    if not os.environ.get("KVDBG_REQUIRE_RAY"):
+        pytest.importorskip("ray")
     from tests.fleet_ray.cluster import LocalCluster
 
     cluster = LocalCluster(workers=2, cpus=1).start()

@@ -9,6 +9,6 @@ STAGE_TIMEOUT=${KVDBG_RAY_STAGE_TIMEOUT:-1200}
 started=$(date +%s)
 .venv/bin/pip install -q -e '.[ray]'
 echo "ray $(.venv/bin/python -c 'import ray; print(ray.__version__)') installed after $(( $(date +%s) - started )) s"
-RAY_USAGE_STATS_ENABLED=0 timeout --signal=INT --kill-after=60 "$STAGE_TIMEOUT" \
+KVDBG_REQUIRE_RAY=1 RAY_USAGE_STATS_ENABLED=0 timeout --signal=INT --kill-after=60 "$STAGE_TIMEOUT" \
   .venv/bin/python -m pytest -q -p no:cacheprovider tests/fleet_ray
 echo "ray stage total: $(( $(date +%s) - started )) s"
