@@ -465,3 +465,26 @@ def test_ci_runs_the_ray_stage():
     with open(os.path.join(ROOT, "tests", "fleet_ray", "run.sh"), encoding="utf-8") as fh:
         stage = fh.read()
     assert "pip install -q -e '.[ray]'" in stage and "KVDBG_REQUIRE_RAY=1" in stage and "timeout" in stage
+
+
+def test_the_progress_bar_shows_count_rate_eta_and_failures():
+    import io
+
+    from rich.console import Console
+
+    from kvdbg.batch import FileResult
+    from kvdbg.render.progress import FleetBar
+    from kvdbg.results import Row
+
+    out = io.StringIO()
+    bar = FleetBar(Console(file=out, force_terminal=True, width=100, color_system=None))
+    bar.begin(4, 2, "2 worker processes: cpu 2")
+    for done, status in enumerate(["pass", "fail"], 1):
+        bar.row(Row(f"f{done}", [], FileResult(f"f{done}", status, 0)), done, 4)
+    bar._bar.refresh()
+    bar.note("worker 12 on cpu died (killed by SIGKILL)")
+    bar.end()
+    text = out.getvalue()
+    assert "4 snapshot(s) to replay; 2 kept from the results file: 2 worker processes: cpu 2" in text
+    assert "2/4" in text and "ETA" in text and "1 not passing" in text
+    assert "worker 12 on cpu died (killed by SIGKILL)" in text
