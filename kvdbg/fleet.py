@@ -169,7 +169,8 @@ def _run(paths, options, executor, info, device_kind, *, results, resume, overwr
                     kept[i] = row
             writer = ResultsWriter.open(results)
         tasks = [(i, p) for i, p in enumerate(paths) if i not in kept]
-        first = run_record(stored, planned=len(paths), skipped=len(kept), executor=info, resumed=bool(kept))
+        first = run_record(stored, planned=len(paths), skipped=len(kept), executor=info,
+                           resumed=writer is not None)
         if writer is None:
             writer = ResultsWriter.create(results, first, overwrite=overwrite)
         else:

@@ -231,7 +231,7 @@ def _die_with_parent() -> None:
         pass
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a restarted slot is another worker
 class _Worker:
     slot: WorkerSlot
     process: object
@@ -324,8 +324,7 @@ class LocalPool:
     def _lost(self, worker: _Worker, queue: deque, attempts: dict[int, int]) -> Iterator[WorkerLost | Done]:
         """A dead worker: give its file to a fresh worker once more, or report it; restart the slot."""
         worker.process.join(timeout=1.0)
-        code = worker.process.exitcode
-        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        how = _exit_how(worker.process.exitcode)
         placement = worker.placement
         worker.conn.close()
         task, worker.task = worker.task, None
@@ -364,6 +363,16 @@ class LocalPool:
     def pids(self) -> list[int]:
         """The live workers' process ids (for a test that kills one)."""
         return [w.process.pid for w in self._workers if w.process.is_alive()]
+
+
+def _exit_how(code: int | None) -> str:
+    """``killed by SIGKILL``, ``exit code 1``: how a worker process ended."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return "still running" if code is None else f"exit code {code}"
 
 
 def _with_device(options: BatchOptions, device: str) -> BatchOptions:
