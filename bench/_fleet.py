@@ -93,7 +93,7 @@ def run(label: str, directory: str, args: list[str], work: str, *, kill_after: i
     rows = rows_of(results)
     count = len(data["files"])
     verdicts = {os.path.basename(f["path"]): (f["status"], tuple(f["error_findings"])) for f in data["files"]}
-    signatures = sorted((g["key"], g["count"]) for g in data["groups"]["groups"])
+    signatures = sorted((g["key"], g["count"]) for g in data["triage"]["groups"])
     return {"label": label, "files": count, "rows": len(rows), "wall": wall, "overall": count / wall,
             "steady": steady_rate(rows), "devices": data["run"]["devices"], "lost": data["run"]["workers_lost"],
             "verdicts": verdicts, "signatures": signatures, "killed": killed, "exit": process.returncode,

@@ -146,7 +146,7 @@ def test_groups_match_the_causes_built_in(mixed, mixed_run):
     res, _ = mixed_run
     assert res.exit_code == 2, res.output  # a corrupt file is bad input
     data = json.loads(res.stdout)
-    groups = data["groups"]["groups"]
+    groups = data["triage"]["groups"]
     found = {frozenset(os.path.basename(p) for p in g["paths"]): g for g in groups}
     expected = {cause: frozenset(names) for cause, names in planted.items() if cause != "pass"}
     assert set(found) == set(expected.values()), [g["key"] for g in groups]
@@ -159,7 +159,7 @@ def test_groups_match_the_causes_built_in(mixed, mixed_run):
     assert "error finding nonfinite_kv" in poisoned["parts"] and "NaN/Inf expected" in poisoned["key"]
     corrupt = found[expected["corrupt"]]
     assert corrupt["kind"] == "bad input" and corrupt["key"].startswith("bad input: truncated file: tensor")
-    assert data["groups"]["passed"] == 3 and data["groups"]["total"] == 11
+    assert data["triage"]["passed"] == 3 and data["triage"]["total"] == 11
     # Failures first, the biggest group first; each example is one of its files, replayed with the run's options.
     assert [g["kind"] for g in groups] == ["fail", "fail", "fail", "bad input"] and groups[0]["count"] == 3
     for g in groups:
@@ -170,7 +170,7 @@ def test_groups_match_the_causes_built_in(mixed, mixed_run):
 
 def test_group_example_replays_to_the_same_verdict(mixed_run):
     data = json.loads(mixed_run[0].stdout)
-    flex = data["groups"]["groups"][0]
+    flex = data["triage"]["groups"][0]
     args = flex["example"]["command"].split()[1:]
     single = invoke(*args, "--json")
     assert single.exit_code == 1
@@ -208,16 +208,25 @@ def test_triage_text_reads_at_80_columns(mixed_run):
 
 def test_triage_reads_the_same_groups_from_the_results_file(mixed_run):
     res, results = mixed_run
-    replayed = json.loads(res.stdout)["groups"]
+    replayed = json.loads(res.stdout)["triage"]
     tri = invoke("triage", results, "--json")
     assert tri.exit_code == 2
     data = json.loads(tri.stdout)
-    assert data["groups"] == replayed
+    assert {k: data[k] for k in replayed} == replayed  # headline, total, passed, groups
     assert data["finished"] and data["rows"] == 11 and data["planned"] == 11
     assert list(data)[-1] == "verdict" and data["verdict"]["exit_code"] == 2
     text = invoke("triage", results, env={"COLUMNS": "200", "NO_COLOR": "1"}).stdout
     assert text.splitlines()[0] == f"{results}: 11 row(s) from 1 run(s); the last run finished"
     assert "By cause: 11 row(s): 3 pass; 7 fail, 3 causes; 1 bad input, 1 cause" in text
+
+
+def test_triage_never_imports_torch(mixed_run):
+    _, results = mixed_run
+    code = ("import sys\nfrom kvdbg.cli import main\ntry:\n    main(['triage', sys.argv[1], '--json'])\n"
+            "except SystemExit:\n    pass\nprint('torch' in sys.modules, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code, results], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert done.stderr.strip() == "False" and json.loads(done.stdout)["rows"] == 11
 
 
 def test_results_file_has_one_strict_json_line_per_file(mixed, mixed_run):

@@ -33,7 +33,7 @@ def triage(results, full, as_json):
     \b
     Examples:
       kvdbg triage results.jsonl
-      kvdbg triage results.jsonl --json | jq '.groups.groups[0].example'
+      kvdbg triage results.jsonl --json | jq '.groups[0].example'
     """
     from kvdbg.batch import BatchResult, batch_verdict
     from kvdbg.results import read_results
@@ -50,7 +50,7 @@ def triage(results, full, as_json):
         emit_json({"results": results, "runs": len(found.runs), "rows": len(rows),
                    "planned": found.runs[-1].get("planned"), "finished": found.finished,
                    "superseded_rows": found.superseded, "torn_tail_bytes": found.torn_tail,
-                   "status": status, "counts": batch.counts, "groups": grouped.to_json(),
+                   "status": status, "counts": batch.counts, **grouped.to_json(),
                    "verdict": batch.verdict.to_json()})
     else:
         from rich.text import Text

@@ -77,14 +77,14 @@ def render_fleet(fleet) -> Group:
 
 
 def fleet_json(fleet, batch_json: dict[str, Any]) -> dict[str, Any]:
-    """`kvdbg replay DIR --json`: the per-file records (with ranks, step, where each ran), the groups, the run;
-    the verdict last."""
+    """`kvdbg replay DIR --json`: the per-file records (with ranks, engine step, where each ran), the groups
+    ("triage"), the run; the verdict last."""
     out = dict(batch_json)
     verdict = out.pop("verdict")
     for record, row in zip(out["files"], fleet.rows):
         record.update({"ranks": row.ranks, "engine_step": row.step, "attempts": row.attempts,
                        "placement": row.placement.to_json() if row.placement is not None else None})
-    out["groups"] = fleet.triage.to_json()
+    out["triage"] = fleet.triage.to_json()
     out["run"] = fleet.to_json()
     out["verdict"] = verdict
     return out

@@ -51,8 +51,8 @@ def test_same_verdicts_and_groups_as_jobs(ray_cluster, tmp_path):
     assert ray_run.returncode == jobs_run.returncode == 2, ray_run.stderr
     assert verdicts(rows(str(on_ray))) == verdicts(rows(str(on_jobs)))
     ray_data, jobs_data = json.loads(ray_run.stdout), json.loads(jobs_run.stdout)
-    assert ray_data["groups"] == jobs_data["groups"] and ray_data["verdict"] == jobs_data["verdict"]
-    assert len(ray_data["groups"]["groups"]) == len(planted) - 1  # one group per planted cause, passes aside
+    assert ray_data["triage"] == jobs_data["triage"] and ray_data["verdict"] == jobs_data["verdict"]
+    assert len(ray_data["triage"]["groups"]) == len(planted) - 1  # one group per planted cause, passes aside
     run = ray_data["run"]
     assert run["executor"]["kind"] == "ray" and run["executor"]["nodes"] == 3 and run["executor"]["cpus"] == 2
     # Both worker nodes took files; they share this host's address, so their node ids tell them apart.
