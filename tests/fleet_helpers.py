@@ -29,8 +29,9 @@ def _snapshot(spec, *, rank: int | None = None, step: int | None = None):
     return snap
 
 
-def write_cause(directory: str, cause: str, seed: int, name: str | None = None) -> str:
-    """One snapshot failing (or passing) for ``cause``; returns its path."""
+def write_cause(directory: str, cause: str, seed: int, name: str | None = None, seq_lens=None) -> str:
+    """One snapshot failing (or passing) for ``cause``; returns its path. ``seq_lens`` for longer requests
+    (passing snapshots only)."""
     from kvdbg.snapshot import save_snapshot
     from kvdbg.synth import SynthSpec
 
@@ -47,7 +48,8 @@ def write_cause(directory: str, cause: str, seed: int, name: str | None = None) 
         stored = snap.page_ids.tolist().index(first)
         snap.kv_cache[stored] = float("nan")
     elif cause == "pass":
-        snap = _snapshot(SynthSpec(**SMALL, engine_output="reference", backend="FLASHINFER_TS", seed=seed),
+        spec = dict(SMALL, seq_lens=seq_lens or SMALL["seq_lens"])
+        snap = _snapshot(SynthSpec(**spec, engine_output="reference", backend="FLASHINFER_TS", seed=seed),
                          rank=seed % 2, step=100 + seed)
     elif cause == "corrupt":  # a valid file cut in half: its tensors run past the end
         whole = write_cause(directory, "pass", seed, name=f".whole_{seed}.safetensors")
@@ -74,10 +76,11 @@ def mixed_directory(directory: str) -> dict[str, set[str]]:
     return out
 
 
-def small_directory(directory: str, count: int, *, seed: int = 100) -> list[str]:
-    """``count`` passing snapshots, quick to replay."""
+def small_directory(directory: str, count: int, *, seed: int = 100, seq_lens=None) -> list[str]:
+    """``count`` passing snapshots, quick to replay (``seq_lens`` longer ones: a run that lasts a while)."""
     os.makedirs(directory, exist_ok=True)
-    return [write_cause(directory, "pass", seed + i, name=f"s{i:04d}.safetensors") for i in range(count)]
+    return [write_cause(directory, "pass", seed + i, name=f"s{i:04d}.safetensors", seq_lens=seq_lens)
+            for i in range(count)]
 
 
 def dying_replay(path, options):
