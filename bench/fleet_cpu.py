@@ -56,8 +56,8 @@ def main() -> None:
             runs.append(run("ray 2 workers", directory, ["--ray", cluster.address], work))
     table(runs, runs[0])
     for r in runs:
-        print(f"{r['label']}: " + ", ".join(f"{d['device']} {d['files']} files ({d['workers']} workers)"
-                                          for d in r["devices"]))
+        print(f"{r['label']}: " + ", ".join(f"{d['device']} {d['files']} files ({d['workers']} worker"
+                                          f"{'s' if d['workers'] > 1 else ''})" for d in r["devices"]))
     same = all(r["verdicts"] == runs[0]["verdicts"] for r in runs)
     print(f"same verdict for every file in every run: {same}")
 
