@@ -40,7 +40,7 @@ from _fleet import REPO, link_into, make_small, run, table  # noqa: E402
 sys.path.insert(0, REPO)  # tests.fleet_helpers
 
 # 1 GiB: 32 requests x 8192 tokens of the 2 GiB capture's layer; 64 MiB: 4 requests x 4096.
-ONE_GIB = dict(seq_lens=(8192,) * 32, num_heads=32, num_kv_heads=8, head_size=128, engine_output=None)
+ONE_GIB = dict(seq_lens=(8192,) * 32, num_heads=32, num_kv_heads=8, head_size=128)
 MEDIUM = dict(seq_lens=(4096,) * 4, num_heads=32, num_kv_heads=8, head_size=128)
 
 
@@ -104,7 +104,7 @@ def all_gpus(args, work: str, count: int) -> None:
     per = ["--jobs", str(args.per_gpu)]
     one = run("one GPU (cuda:0)", directory, ["--device", "cuda:0", *per], work)
     every = run(f"every GPU ({count})", directory, ["--device", "cuda", *per], work)
-    killed = run(f"every GPU, one killed", directory, ["--device", "cuda", *per], work, kill_after=files // 4)
+    killed = run("every GPU, one killed", directory, ["--device", "cuda", *per], work, kill_after=files // 4)
     print(f"{files} captures, {args.per_gpu} worker(s) per GPU")
     table([one, every, killed], one)
     print("per GPU:", ", ".join(f"{d['device']} {d['files']} files" for d in every["devices"]))

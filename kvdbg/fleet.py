@@ -26,7 +26,7 @@ from kvdbg.errors import KvdbgError, OptionError
 from kvdbg.results import (FileKey, ResultsError, ResultsWriter, Row, check_same_options, end_record, now,
                            options_record, read_results, row_record, run_record)
 from kvdbg.triage import Triage, signature, triage
-from kvdbg.workers import Done, Replay, Started, WorkerLost
+from kvdbg.workers import Done, Replay, WorkerLost
 
 
 class Progress(Protocol):
