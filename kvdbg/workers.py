@@ -275,7 +275,11 @@ class LocalPool:
         return _Worker(slot, process, parent_end)
 
     def run(self, tasks: list[tuple[int, str]]) -> Iterator[Started | Done | WorkerLost]:
-        """Events as files start and finish; the workers are stopped when the iterator ends or is closed."""
+        """Events as files start and finish; the workers are stopped when the iterator ends or is closed.
+
+        A worker that returns a result is given its next file before the result is reported, so that it
+        replays while the caller writes the row (an fsync) and draws the progress.
+        """
         from multiprocessing.connection import wait
 
         queue = deque(tasks)
@@ -284,17 +288,9 @@ class LocalPool:
             return
         try:
             self._workers = [self._start(slot) for slot in self.slots[:min(len(self.slots), len(tasks))]]
+            yield from self._assign(queue, attempts)
             while queue or any(w.task is not None for w in self._workers):
-                for worker in self._workers:
-                    if worker.task is None and queue and worker.process.is_alive():
-                        task = queue.popleft()
-                        attempts[task[0]] = attempts.get(task[0], 0) + 1
-                        worker.task = task
-                        try:
-                            worker.conn.send(task)
-                        except (BrokenPipeError, OSError):
-                            pass  # it died: its sentinel says so below, and the file goes back
-                        yield Started(task[0], worker.placement, attempts[task[0]])
+                events: list[Started | Done | WorkerLost] = []
                 busy = {w.conn: w for w in self._workers if w.task is not None}
                 sentinels = {w.process.sentinel: w for w in self._workers}
                 for ready in wait([*busy, *sentinels], timeout=1.0):
@@ -304,11 +300,28 @@ class LocalPool:
                     if worker.task is not None:
                         done = self._receive(worker, attempts)
                         if done is not None:
-                            yield done
+                            events.append(done)
                     if not worker.process.is_alive():
-                        yield from self._lost(worker, queue, attempts)
+                        events.extend(self._lost(worker, queue, attempts))
+                events.extend(self._assign(queue, attempts))
+                yield from events
         finally:
             self._stop()
+
+    def _assign(self, queue: deque, attempts: dict[int, int]) -> list[Started]:
+        """The next files to the idle workers (one each)."""
+        started = []
+        for worker in self._workers:
+            if worker.task is None and queue and worker.process.is_alive():
+                task = queue.popleft()
+                attempts[task[0]] = attempts.get(task[0], 0) + 1
+                worker.task = task
+                try:
+                    worker.conn.send(task)
+                except (BrokenPipeError, OSError):
+                    pass  # it died: its sentinel says so, and the file goes back
+                started.append(Started(task[0], worker.placement, attempts[task[0]]))
+        return started
 
     def _receive(self, worker: _Worker, attempts: dict[int, int]) -> Done | None:
         """The worker's result if one is waiting (also when it died just after sending it)."""
