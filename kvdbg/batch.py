@@ -219,7 +219,10 @@ def _comparison_record(c, counted: bool) -> dict[str, Any]:
     error = c.max_abs
     return {"actual": c.actual, "expected": c.expected, "step": c.step, "passed": c.passed, "counted": counted,
             "max_abs": None if error != error else error, "failed_heads": len(c.failed), "heads": len(c.heads),
-            "not_compared": c.nonfinite}
+            "not_compared": c.nonfinite,
+            # What kvdbg.triage groups failures by: which query heads fail, and how.
+            "failed_head_ids": sorted({h.head for h in c.failed}), "query_heads": len({h.head for h in c.heads}),
+            **c.counts()}
 
 
 def _one_line(text: str) -> str:

@@ -21,6 +21,7 @@ COMMANDS = {
     "shrink": "kvdbg.cli.shrink:shrink",
     "sweep": "kvdbg.cli.sweep:sweep",
     "synth": "kvdbg.cli.synth:synth",
+    "triage": "kvdbg.cli.triage:triage",
     "window": "kvdbg.cli.window:window",
 }
 

@@ -26,7 +26,8 @@ from kvdbg.errors import OptionError
               help="torch.compile flex_attention (default: eager on CPU; on CUDA compiled only for steps too big for eager to be quicker).")
 @tolerance_options()
 @click.option("--explain", is_flag=True, help="Show each backend's per-request builder decisions.")
-@full_option("Show every head, not only failing ones and the worst passing.")
+@full_option("Show every head, not only failing ones and the worst passing; with several snapshots, every file "
+             "of each group of failures.")
 @output_option("Also write every backend's output tensors to this safetensors file.",
                hidden_aliases=("--save-outputs",))
 @force_option()
@@ -34,22 +35,33 @@ from kvdbg.errors import OptionError
               help="Also draw which heads are wrong: a request x head error map per comparison (failing cells "
                    "marked) and, over several steps, each comparison's error step by step.")
 @picture_file_options("those pictures")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Several snapshots: replay this many at once, each in its own process.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Several snapshots: worker processes, each replaying one file at a time [default: 1]; with "
+                   "--device cuda, per GPU, on every visible GPU [default: 2 per GPU, 1 where cores are fewer]; with "
+                   "--ray, tasks per GPU.")
 @click.option("--recursive", "-r", is_flag=True, help="Several snapshots: search directories below their top level.")
+@click.option("--results", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Several snapshots: append one JSON line per snapshot to FILE as each finishes (kept when the "
+                   "run stops; kvdbg triage FILE reads it).")
+@click.option("--resume", is_flag=True,
+              help="With --results: keep the rows FILE has (same path, size and time) and replay the other files.")
+@click.option("--ray", "ray", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+              help="Several snapshots: run each as a Ray task on the cluster at ADDRESS (default: RAY_ADDRESS, or "
+                   "the one started here), reading the files from a path every node shares. Needs kvdbg[ray].")
 @json_option
 @guarded
 def replay(snapshot, backend, step, request, head, device, exact, compile_, atol, rtol, explain, full,
-           output, force, picture, svg_path, png_path, jobs, recursive, as_json):
+           output, force, picture, svg_path, png_path, jobs, recursive, results, resume, ray, as_json):
     """Replay a snapshot through the exact reference and the backends, and diff them per head.
 
     Without SNAPSHOT, replays the bundled dflash fixture. Given a directory
     (its *.safetensors, sorted; --recursive goes below) or several files,
     replays each as above and prints one summary row per file (file, layer,
     step, verdict, worst backend and its error); a file that is bad input gets
-    a row saying why and the others still run. Over several files the exit code
-    is 2 if any is bad input, else 1 if any fails, else 3 if none verified
-    anything, else 0. Each backend reports
+    a row saying why and the others still run; failing files are then grouped
+    by cause, each group with a command that replays one of its files. Over
+    several files the exit code is 2 if any is bad input, else 1 if any fails,
+    else 3 if none verified anything, else 0. Each backend reports
     what really ran (kernel, device, eager/compiled, dtype, emulated or not);
     findings list what the engine's backend would silently get wrong; the
     per-head table shows failing heads first.
@@ -65,16 +77,25 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
       kvdbg replay snapshot.safetensors --backend flex --head 0-3 --json
       kvdbg replay --explain -o outputs.safetensors
       kvdbg replay captures/ --jobs 4
+      kvdbg replay captures/ --device cuda --results r.jsonl --resume
+      kvdbg replay /shared/captures --ray --device cuda --results r.jsonl
     """
     import os
 
     paths = list(snapshot)
-    if len(paths) > 1 or (paths and os.path.isdir(paths[0])):
+    if ray:
+        _check_ray_address(ray)
+    several = {"--results": results, "--resume": resume, "--ray": ray is not None}
+    if len(paths) > 1 or (paths and os.path.isdir(paths[0])) or (paths and any(several.values())):
         return replay_several(paths, backends=backend, steps=step, device=device, exact=exact, compile_=compile_,
                               atol=atol, rtol=rtol, jobs=jobs, recursive=recursive, as_json=as_json,
+                              results=results, resume=resume, ray=ray, force=force, full=full,
                               single_only={"--request": request, "--head": head, "--explain": explain,
-                                           "--full": full, "--output": output, "--force": force,
-                                           "--picture": picture, "--svg": svg_path, "--png": png_path})
+                                           "--output": output, "--picture": picture, "--svg": svg_path,
+                                           "--png": png_path})
+    given = [name for name, value in several.items() if value]
+    if given:
+        raise OptionError(f"{given[0]} needs snapshots to replay: name a directory or files")
     snapshot = paths[0] if paths else None
     check_picture_paths(svg_path, png_path, force=force)
     from kvdbg import api
@@ -121,32 +142,52 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
 
 
 def replay_several(paths, *, backends, steps, device, exact, compile_, atol, rtol, jobs, recursive, as_json,
-                   single_only) -> None:
-    """`kvdbg replay DIR|FILES...`: one summary row per snapshot (kvdbg.batch), one exit code over all."""
-    from kvdbg.batch import BatchOptions, find_snapshots, replay_many
+                   results, resume, ray, force, full, single_only) -> None:
+    """`kvdbg replay DIR|FILES...`: one summary row per snapshot (kvdbg.batch), the failing ones grouped by cause
+    (kvdbg.triage), one exit code over all; run by kvdbg.fleet on workers, GPUs or a Ray cluster."""
+    from kvdbg.batch import BatchOptions, find_snapshots
+    from kvdbg.fleet import run_fleet
 
     given = [name for name, value in single_only.items() if value]
     if given:
         raise OptionError(f"{given[0]} applies to one snapshot; with several (or a directory) replay that file "
                           "on its own")
+    if force and not results:
+        raise OptionError("--force applies to one snapshot's --output, or to --results FILE with several")
     files = find_snapshots(paths, recursive=recursive)
     names = tuple(dict.fromkeys(backends))
     options = BatchOptions(backends=names, steps=steps, device=device, exact=exact, compile=compile_, atol=atol,
                            rtol=rtol)
-    printer = progress_printer()
-    progress = None if printer is None else \
-        (lambda done, total, result: printer(f"[{done}/{total}] {result.path}: {result.status}"))
+    progress = None
+    if sys.stderr.isatty():
+        from kvdbg.render.progress import FleetBar
 
-    result = replay_many(files, options, jobs=jobs, progress=progress)
+        progress = FleetBar(console(stderr=True))
+    fleet = run_fleet(files, options, jobs=jobs, ray=ray or None, use_ray=ray is not None, results=results,
+                      resume=resume, overwrite=force, progress=progress)
+    result = fleet.batch
     if as_json:
         from kvdbg.render.batch import batch_json
+        from kvdbg.render.triage import fleet_json
 
-        emit_json(batch_json(result))
+        emit_json(fleet_json(fleet, batch_json(result)))
     else:
         from kvdbg.render.batch import render_batch
+        from kvdbg.render.triage import render_fleet, render_triage
 
         out = console()
         out.print(render_batch(result))
+        out.print(render_triage(fleet.triage, full=full), crop=False)
+        out.print(render_fleet(fleet))
         print_verdict(out, result.verdict)
     if result.exit_code:
         sys.exit(result.exit_code)
+
+
+def _check_ray_address(address: str) -> None:
+    """``--ray DIR`` takes DIR as the address (click's optional value): say so rather than replay nothing."""
+    import os
+
+    if os.path.exists(address):
+        raise OptionError(f"--ray took {address!r} as the cluster address, but it is a path: put the snapshots "
+                          f"first (kvdbg replay {address} --ray) or give the address (--ray auto {address})")
