@@ -400,7 +400,9 @@ def test_a_worker_process_killed_from_outside_loses_nothing(tmp_path):
                "--backend", "reference", "--json"]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        wait_for_rows(results, 2, timeout=240, process=process)
+        # Killed while the run is under way: replaying these files takes a fraction of a second once a worker has
+        # imported torch, so waiting for rows would race the run's end; a worker is killed as soon as it exists,
+        # holding its first file or about to.
         worker = _children(process.pid)[0]
         os.kill(worker, signal.SIGKILL)
         out, err = process.communicate(timeout=300)
@@ -415,18 +417,30 @@ def test_a_worker_process_killed_from_outside_loses_nothing(tmp_path):
 
 
 def _children(pid: int) -> list[int]:
-    """The worker processes of ``pid`` (Linux /proc), the multiprocessing resource tracker left out."""
-    found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as fh:
-            found += [int(c) for c in fh.read().split()]
-    workers = []
-    for child in found:
-        with open(f"/proc/{child}/cmdline", "rb") as fh:
-            if b"resource_tracker" not in fh.read():
-                workers.append(child)
-    assert workers, "no worker process"
-    return workers
+    """The worker processes of ``pid``: the spawned interpreters whose parent it is (Linux /proc).
+
+    Polled for a few seconds: a worker that just finished its file may be between files, or being replaced.
+    """
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        workers = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+                if parent != pid:
+                    continue
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    if b"spawn_main" in fh.read():  # a spawned worker, not the tracker or a passing subprocess
+                        workers.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+        if workers:
+            return workers
+        time.sleep(0.05)
+    raise AssertionError("no worker process")
 
 
 # --------------------------------------------------------------------------- options
