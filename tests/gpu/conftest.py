@@ -35,6 +35,9 @@ class EmptyCompiledModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 if not SO_MODULES:
     collect_ignore_glob = ["test_*.py"]
 else:
-    with open(SO_MODULES) as fh:
-        sys.meta_path.insert(0, EmptyCompiledModules({line.strip() for line in fh if line.strip()}))
+    # run_vllm_column.sh puts stub_site on PYTHONPATH: its sitecustomize has installed the stand-ins already
+    # (for this interpreter and vLLM's child interpreters); this is for a run without it.
+    if not any(type(f).__name__ == "EmptyCompiledModules" for f in sys.meta_path):
+        with open(SO_MODULES) as fh:
+            sys.meta_path.insert(0, EmptyCompiledModules({line.strip() for line in fh if line.strip()}))
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")

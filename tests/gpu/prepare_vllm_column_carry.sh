@@ -15,11 +15,5 @@ if [ -z "$WHEEL" ]; then
   WHEEL=$(ls out/vllm-wheel/vllm-0.33.0-*.whl)
 fi
 python3 tests/gpu/vllm_carry.py "$WHEEL" "$CARRY"
-PLATFORMS=""
-for n in 17 24 27 28 31 34 35; do PLATFORMS="$PLATFORMS --platform manylinux_2_${n}_x86_64"; done
-grep -v '^#' tests/gpu/vllm_column_requirements.txt | while read -r req; do
-  [ -n "$req" ] || continue
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    $PLATFORMS --platform manylinux2014_x86_64 -d "$CARRY/wheels" "$req"
-done
+bash tests/gpu/download_wheels.sh
 du -sh "$CARRY"

@@ -6,11 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 CARRY=.gpu-carry
 python3 -m pip install -q --no-deps --no-build-isolation -e .
-if ! python3 -c "import zmq" 2>/dev/null; then
-  python3 -m pip install -q --no-deps --no-index --target "$CARRY/site" "$CARRY"/wheels/pyzmq-*.whl
-fi
+# vLLM's ops import its config (pydantic) and the cache writer wants pyzmq: the carried wheels, beside.
+SITE=/tmp/kvdbg-triton-attn-site
+python3 -m pip install -q --no-deps --no-index --no-compile --target "$SITE" "$CARRY"/wheels/*.whl
 ZIP=$(ls "$CARRY"/vllm-*-py.zip)
-export PYTHONPATH="$PWD/$ZIP:$PWD/$CARRY/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/$ZIP:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CONFIGURE_LOGGING=0
 rm -rf out/gpu-triton-attn
 python3 tests/gpu/triton_attn_capture.py --so-modules "$CARRY/vllm-so-modules.txt" --out out/gpu-triton-attn "$@"

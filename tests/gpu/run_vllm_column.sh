@@ -10,6 +10,7 @@ SITE=/tmp/kvdbg-vllm-column-site
 python3 -m pip install -q --no-deps --no-build-isolation -e .
 python3 -m pip install -q --no-deps --no-index --no-compile --target "$SITE" "$CARRY"/wheels/*.whl
 ZIP=$(ls "$CARRY"/vllm-*-py.zip)
-export PYTHONPATH="$PWD/$ZIP:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# stub_site: the compiled modules stood in for in every interpreter, vLLM's child processes too.
+export PYTHONPATH="$PWD/tests/gpu/stub_site:$PWD/$ZIP:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CONFIGURE_LOGGING=0 KVDBG_GPU_VLLM_SO_MODULES="$PWD/$CARRY/vllm-so-modules.txt"
 python3 -m pytest -q -p no:cacheprovider -m cuda tests/gpu/test_vllm_column_gpu.py "$@"
