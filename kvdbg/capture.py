@@ -242,6 +242,10 @@ class Capturer:
             hit = self._layer_cache[layer_name] = bool(self.config.layers(layer_name))
         return hit
 
+    def selects(self, layer_name: str, step: int | None = None, rank: int | None = None) -> bool:
+        """Whether the filters (layers, steps, ranks) take this step; budgets and state aside, nothing counted."""
+        return self._filtered_in(layer_name, step, rank)
+
     def _filtered_in(self, layer_name: str, step: int | None, rank: int | None) -> bool:
         config = self.config
         if not self.layer_selected(layer_name):

@@ -84,14 +84,6 @@ class HostBuffers:
             return sum(b.numel() for b in self._free)
 
 
-def _typed_view(buffer: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    count = 1
-    for n in shape:
-        count *= n
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    return buffer[:nbytes].view(dtype).view(shape)
-
-
 class StepCopies:
     """The host copies of one step, and what the writer must wait for before reading them.
 
@@ -112,24 +104,33 @@ class StepCopies:
     # ---------------------------------------------------------------- engine thread
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``t`` (contiguous); on CUDA issued on the current stream, not yet complete."""
-        if t.device.type == "cpu":
-            return t.detach().clone(memory_format=torch.contiguous_format)
+        """A host copy of ``t`` (contiguous); on CUDA issued on the current stream, not yet complete.
+
+        Engines run under inference mode or ``no_grad``; a tensor that requires
+        grad would keep its graph alive in the copy, so it is detached first.
+        """
+        if t.requires_grad:
+            t = t.detach()
+        if t.is_cpu:
+            return t.clone(memory_format=torch.contiguous_format)
         if self.cuda:
-            return t.detach().to("cpu", non_blocking=True)  # pinned from torch's caching host allocator
-        return t.detach().to("cpu")  # another device type: a plain synchronous copy
+            return t.to("cpu", non_blocking=True)  # pinned from torch's caching host allocator
+        return t.to("cpu")  # another device type: a plain synchronous copy
 
     def gather(self, cache: torch.Tensor, dim: int, ids: torch.Tensor) -> torch.Tensor:
         """Host copy of ``cache.index_select(dim, ids)`` (``ids``: int64 on the host), in the cache's own layout."""
         shape = list(cache.shape)
-        shape[dim] = int(ids.numel())
-        page_bytes = cache.element_size() * (cache.numel() // max(1, cache.shape[dim]))
+        pages = shape[dim]
+        shape[dim] = len(ids)
+        element = cache.element_size()
+        page_bytes = element * (cache.numel() // max(1, pages))
         nbytes = page_bytes * shape[dim]
-        if cache.device.type == "cpu":
-            buffer = self.buffers.take(nbytes) if self.buffers is not None else torch.empty(nbytes, dtype=torch.uint8)
-            if buffer.numel() >= POOLED_MIN_BYTES:
-                self.pooled.append(buffer)
-            out = _typed_view(buffer, cache.dtype, tuple(shape))
+        if cache.is_cpu:
+            if nbytes < POOLED_MIN_BYTES or self.buffers is None:
+                return cache.index_select(dim, ids)  # small: the allocator is quicker than a pool
+            buffer = self.buffers.take(nbytes)
+            self.pooled.append(buffer)
+            out = buffer[:nbytes].view(cache.dtype).view(shape)
             return torch.index_select(cache, dim, ids, out=out)
         if not self.cuda:
             return cache.index_select(dim, ids.to(cache.device)).to("cpu")

@@ -35,6 +35,7 @@ import importlib.metadata
 import json
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -322,7 +323,7 @@ def _copy_now(t: torch.Tensor, copies: StepCopies) -> torch.Tensor:
     On CPU a clone; a tensor on a device is read synchronously (give these on the
     host to spare the engine that wait).
     """
-    return copies.copy(t) if t.device.type == "cpu" else _to_cpu(t)
+    return copies.copy(t) if t.is_cpu else _to_cpu(t)
 
 
 def referenced_page_ids(block_table: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray | None,
@@ -458,8 +459,7 @@ class CapturePlan:
     @property
     def output_bytes(self) -> int:
         """Bytes the engine's output for this step will add."""
-        size = torch.empty((), dtype=getattr(torch, self.layer.dtype)).element_size()
-        return self.num_tokens * self.layer.num_heads * self.layer.head_size * size
+        return self.num_tokens * self.layer.num_heads * self.layer.head_size * _MODEL_DTYPE_BYTES[self.layer.dtype]
 
     def gather(self) -> "PendingCapture":
         """Copy the step's pages to the host, in the engine's layout (the expensive part; engine's thread)."""
@@ -494,12 +494,13 @@ class PendingCapture:
 
     @property
     def nbytes(self) -> int:
-        """Host memory this step holds until it is written."""
-        plan, total = self.plan, self.pages.numel() * self.pages.element_size()
-        tensors = list(plan.step.tensors().values()) + ([self.output] if self.output is not None else [])
-        if plan.pre_update is not None:
-            tensors += [plan.pre_update.pages, plan.pre_update.key, plan.pre_update.value]
-        return total + sum(t.numel() * t.element_size() for t in tensors)
+        """Host memory this step holds until it is written (a little more than its file's data)."""
+        plan = self.plan
+        total = plan.lower_bound_bytes + (0 if self.output is None else plan.output_bytes)
+        pre = plan.pre_update
+        if pre is not None:
+            total += _nbytes(pre.pages) + _nbytes(pre.key) + _nbytes(pre.value) + _nbytes(pre.slot_mapping)
+        return total
 
     def attach_output(self, output: torch.Tensor | None) -> None:
         """Copy the engine's output (``[>= tokens, Hq, D]`` or ``[.., Hq*D]``) after the forward (engine's thread)."""
@@ -508,15 +509,17 @@ class PendingCapture:
             out = output
             if out.ndim == 2 and out.shape[-1] == layer.num_heads * layer.head_size:
                 out = out.view(out.shape[0], layer.num_heads, layer.head_size)
-            if out.ndim != 3 or out.shape[1] != layer.num_heads or out.shape[2] != layer.head_size \
-                    or out.shape[0] < self.num_tokens:
+            shape = out.shape
+            if len(shape) != 3 or shape[1] != layer.num_heads or shape[2] != layer.head_size \
+                    or shape[0] < self.num_tokens:
                 raise CaptureInputError(f"output has shape {list(output.shape)}, expected [>= {self.num_tokens}, "
                                         f"{layer.num_heads}, {layer.head_size}]")
             if out.dtype != _TORCH_DTYPES.get(layer.dtype):
                 raise CaptureInputError(f"output has dtype {dtype_name(out.dtype)}, expected the model dtype "
                                         f"{layer.dtype}")
             copies = self.plan.copies
-            self.output = copies.copy(out[: self.num_tokens]) if copies is not None else _to_cpu(out[: self.num_tokens])
+            rows = out if out.shape[0] == self.num_tokens else out[: self.num_tokens]
+            self.output = copies.copy(rows) if copies is not None else _to_cpu(rows)
         if self.plan.copies is not None:
             self.plan.copies.close()
 
@@ -528,6 +531,7 @@ class PendingCapture:
 
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
+_MODEL_DTYPE_BYTES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _TORCH_DTYPES.items()}
 
 
 def _require(value: Any, kind: type, name: str) -> None:
@@ -535,25 +539,55 @@ def _require(value: Any, kind: type, name: str) -> None:
         raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# Per engine cache tensor (by id, checked by a weak reference): the layout resolved for it. The cache
+# is the same tensor on every step, so its layout is checked once.
+_LAYOUTS: dict[int, tuple] = {}
+
+
+def _layout_for(layer: CaptureLayer, kv_cache: torch.Tensor) -> EngineLayout:
+    key = (layer.kv_layout, layer.num_kv_heads, layer.head_size, kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+    hit = _LAYOUTS.get(id(kv_cache))
+    if hit is not None and hit[0]() is kv_cache and hit[1] == key:
+        return hit[2]
+    layout = resolve_kv_layout(layer.kv_layout, kv_cache, layer.num_kv_heads, layer.head_size)
+    try:
+        if len(_LAYOUTS) > 4096:  # caches of engines long gone
+            _LAYOUTS.clear()
+        _LAYOUTS[id(kv_cache)] = (weakref.ref(kv_cache), key, layout)
+    except TypeError:  # a tensor type that cannot be weakly referenced: resolved every step
+        pass
+    return layout
+
+
 def plan_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTensors, *, step: int | None = None,
                  rank: int = 0, rank_source: str = "given", engine: str | None = None,
                  info: Mapping[str, Any] | None = None, notes: str = "",
                  buffers: HostBuffers | None = None) -> CapturePlan:
-    """Check one step's shapes, copy its small tensors to the host and choose its pages (engine's thread)."""
+    """Check one step's shapes, copy its small tensors to the host and choose its pages (engine's thread).
+
+    Every torch call here costs the engine about a microsecond, so this does
+    the least that copying needs: shape checks on the tensors as given, one copy
+    each, the page ids in numpy. The rest waits for :func:`build_snapshot`.
+    """
     _require(layer, CaptureLayer, "layer")
     _require(backend, CaptureBackend, "backend")
     _require(tensors, StepTensors, "tensors")
     t = tensors
-    layout = resolve_kv_layout(layer.kv_layout, t.kv_cache, layer.num_kv_heads, layer.head_size)
-    page_size = int(t.kv_cache.shape[layout.token_dim])
-    tensor_blocks = int(t.kv_cache.shape[layout.page_dim])
+    kv_cache = t.kv_cache
+    layout = _layout_for(layer, kv_cache)
+    cache_shape = kv_cache.shape
+    page_size, tensor_blocks = cache_shape[layout.token_dim], cache_shape[layout.page_dim]
     if backend.page_size is not None and backend.page_size != page_size:
         raise CaptureInputError(f"page_size is {backend.page_size} but kv_cache holds pages of {page_size} tokens")
     if backend.num_gpu_blocks is not None and backend.num_gpu_blocks != tensor_blocks:
         raise CaptureInputError(f"num_gpu_blocks is {backend.num_gpu_blocks} but kv_cache holds {tensor_blocks} pages")
 
     # The metadata that decides which pages to copy: read now, on the host.
-    copies = StepCopies(t.kv_cache.device, buffers)
+    copies = StepCopies(kv_cache.device, buffers)
     bt, sl, qsl = _copy_now(t.block_table, copies), _copy_now(t.seq_lens, copies), _copy_now(t.query_start_loc, copies)
     if bt.ndim != 2:
         raise CaptureInputError(f"block_table has shape {list(bt.shape)}, expected [num_reqs, max_pages]")
@@ -562,12 +596,14 @@ def plan_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTens
         raise CaptureInputError(f"seq_lens has shape {list(sl.shape)}, expected [{num_reqs}] like block_table")
     if qsl.shape != (num_reqs + 1,):
         raise CaptureInputError(f"query_start_loc has shape {list(qsl.shape)}, expected [{num_reqs + 1}]")
-    num_tokens = int(qsl[-1])
+    bt_np, sl_np = bt.numpy(), sl.numpy()
+    num_tokens = int(qsl.numpy()[-1])
     query = t.query
-    if query.ndim != 3 or query.shape[1] != layer.num_heads or query.shape[2] != layer.head_size \
-            or not 0 <= num_tokens <= query.shape[0]:
+    q_shape = query.shape
+    if len(q_shape) != 3 or q_shape[1] != layer.num_heads or q_shape[2] != layer.head_size \
+            or not 0 <= num_tokens <= q_shape[0]:
         raise CaptureInputError(
-            f"query has shape {list(query.shape)}, expected [>= {num_tokens}, {layer.num_heads}, {layer.head_size}] "
+            f"query has shape {list(q_shape)}, expected [>= {num_tokens}, {layer.num_heads}, {layer.head_size}] "
             "(query_start_loc[-1] tokens, num_heads, head_size)"
         )
     causal = t.causal
@@ -582,39 +618,47 @@ def plan_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTens
         if pre.kv_layout != layout.name or pre.page_size != page_size:
             raise CaptureInputError("pre_update was saved from a cache of another layout or page size")
         key, value, slot_mapping = pre.key, pre.value, pre.slot_mapping
-    given = [n for n, x in (("key", key), ("value", value), ("slot_mapping", slot_mapping)) if x is not None]
-    if given and len(given) != 3:
-        raise CaptureInputError(f"key, value and slot_mapping come together; only {', '.join(given)} given")
-    step_record = Step(block_table=bt, seq_lens=sl, query_start_loc=qsl, query=copies.copy(query[:num_tokens]))
+    # Rows past the step's tokens (CUDA-graph padding) are not stored; most steps have none.
+    padded = num_tokens != q_shape[0]
+    step_record = Step(block_table=bt, seq_lens=sl, query_start_loc=qsl,
+                       query=copies.copy(query[:num_tokens] if padded else query))
+    host = _nbytes(bt) + _nbytes(sl) + _nbytes(qsl) + num_tokens * q_shape[1] * q_shape[2] * query.element_size()
     slots = None
-    if given:
+    if key is not None or value is not None or slot_mapping is not None:
+        if key is None or value is None or slot_mapping is None:
+            given = [n for n, x in (("key", key), ("value", value), ("slot_mapping", slot_mapping)) if x is not None]
+            raise CaptureInputError(f"key, value and slot_mapping come together; only {', '.join(given)} given")
         for name, x in (("key", key), ("value", value)):
-            if x.ndim != 3 or x.shape[1] != layer.num_kv_heads or x.shape[2] != layer.head_size \
-                    or x.shape[0] < num_tokens:
-                raise CaptureInputError(f"{name} has shape {list(x.shape)}, expected "
+            shape = x.shape
+            if len(shape) != 3 or shape[1] != layer.num_kv_heads or shape[2] != layer.head_size \
+                    or shape[0] < num_tokens:
+                raise CaptureInputError(f"{name} has shape {list(shape)}, expected "
                                         f"[>= {num_tokens}, {layer.num_kv_heads}, {layer.head_size}]")
         if slot_mapping.ndim != 1 or slot_mapping.shape[0] < num_tokens:
             raise CaptureInputError(f"slot_mapping has shape {list(slot_mapping.shape)}, expected [>= {num_tokens}]")
+        trim = key.shape[0] != num_tokens
         if pre is not None:  # already host copies: views suffice
-            step_record.key, step_record.value = key[:num_tokens], value[:num_tokens]
-            slots = slot_mapping[:num_tokens]
+            step_record.key, step_record.value = (key[:num_tokens], value[:num_tokens]) if trim else (key, value)
+            slots = slot_mapping[:num_tokens] if slot_mapping.shape[0] != num_tokens else slot_mapping
         else:
-            step_record.key, step_record.value = copies.copy(key[:num_tokens]), copies.copy(value[:num_tokens])
-            slots = _copy_now(slot_mapping[:num_tokens], copies)
+            step_record.key = copies.copy(key[:num_tokens] if trim else key)
+            step_record.value = copies.copy(value[:num_tokens] if trim else value)
+            slots = _copy_now(slot_mapping[:num_tokens] if slot_mapping.shape[0] != num_tokens else slot_mapping,
+                              copies)
+            host += 2 * num_tokens * layer.num_kv_heads * layer.head_size * key.element_size() + _nbytes(slots)
         step_record.slot_mapping = slots
 
-    ids = referenced_page_ids(bt.numpy(), sl.numpy(), None if slots is None else slots.numpy(), page_size)
+    ids = referenced_page_ids(bt_np, sl_np, None if slots is None else slots.numpy(), page_size)
     if ids.size and (ids[0] < 0 or ids[-1] >= tensor_blocks):
         bad = int(ids[0]) if ids[0] < 0 else int(ids[-1])
         raise CaptureInputError(f"block_table or slot_mapping refers to page {bad}, outside the cache of "
                                 f"{tensor_blocks} pages")
-    page_bytes = t.kv_cache.element_size() * (t.kv_cache.numel() // max(1, tensor_blocks))
-    small = sum(x.numel() * x.element_size() for x in step_record.tensors().values())
+    page_bytes = kv_cache.element_size() * (kv_cache.numel() // max(1, tensor_blocks))
     return CapturePlan(
         layer=layer, backend=backend, layout=layout, step=step_record, page_ids=torch.from_numpy(ids),
-        num_tokens=num_tokens, causal=causal, lower_bound_bytes=len(ids) * (page_bytes + 4) + small, rank=rank,
+        num_tokens=num_tokens, causal=causal, lower_bound_bytes=len(ids) * (page_bytes + 4) + host, rank=rank,
         step_index=step, rank_source=rank_source, engine=engine, info=info, notes=notes, captured_at=time.time(),
-        query_rows_given=int(query.shape[0]), kv_cache=t.kv_cache, pre_update=pre, copies=copies,
+        query_rows_given=q_shape[0], kv_cache=kv_cache, pre_update=pre, copies=copies,
     )
 
 

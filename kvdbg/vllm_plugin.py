@@ -354,7 +354,8 @@ class _PluginState:
             if metadata is None or common is None or not self.capturer.active:
                 return
             names = getattr(builder, "layer_names", None)
-            if names and not any(self.capturer.layer_selected(n) for n in names):
+            # The step each layer's next forward will be: nothing is kept for a build no capture will use.
+            if names and not any(self.capturer.selects(n, self._forward_counts.get(n, 0)) for n in names):
                 return
             if _graph_capturing(common.seq_lens):
                 return
