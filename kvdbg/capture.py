@@ -81,6 +81,7 @@ __all__ = [
     "resolve_kv_layout",
     "snapshot_file_size",
     "stale_temp_files",
+    "temp_file_prefix",
 ]
 
 # Scheduling priority of the background writer thread (Linux): lowest, so it only uses idle CPU.
@@ -126,6 +127,11 @@ def _pid_alive(pid: int) -> bool:
     except (PermissionError, OSError):
         return True  # exists (another user's), or cannot tell: keep its files
     return True
+
+
+def temp_file_prefix(pid: int | None = None) -> str:
+    """How the temp files of capture writes by ``pid`` (default: this process) on this host begin."""
+    return f"{TEMP_PREFIX}{_HOST}-{os.getpid() if pid is None else pid}-"
 
 
 def stale_temp_files(directory: str) -> list[str]:
@@ -481,7 +487,7 @@ class Capturer:
             self._remove_stale_temps(directory)
         stem = _SAFE_NAME.sub("_", pending.layer.name) or "layer"
         step = "x" if pending.step_index is None else str(pending.step_index)
-        temp_prefix = f"{TEMP_PREFIX}{_HOST}-{os.getpid()}-"
+        temp_prefix = temp_file_prefix()
         for _ in range(1000):
             name = f"{stem}-step{step}-rank{pending.rank}-{next(self._names):04d}.safetensors"
             path = os.path.join(directory, name)
@@ -541,6 +547,8 @@ class Capturer:
             pass
         while True:
             pending, directory, where, nbytes = self._queue.get()
+            # The engine's next step of this size then finds memory already touched.
+            self._buffers.ensure_spare(self.queue_budget() - self._queued_bytes)
             try:
                 try:
                     snapshot = build_snapshot(pending)

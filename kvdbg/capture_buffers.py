@@ -58,9 +58,11 @@ class HostBuffers:
         self.keep_bytes = keep_bytes
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
+        self.last_size = 0  # the latest pooled size asked for: the size of the spare
 
     def take(self, nbytes: int) -> torch.Tensor:
         if nbytes >= POOLED_MIN_BYTES:
+            self.last_size = nbytes
             with self._lock:
                 fits = [b for b in self._free if nbytes <= b.numel() <= 2 * nbytes]
                 if fits:
@@ -77,6 +79,25 @@ class HostBuffers:
             while len(self._free) > POOL_KEEP or (self.keep_bytes is not None
                                                   and sum(b.numel() for b in self._free) > self.keep_bytes):
                 self._free.pop(0)
+
+    def ensure_spare(self, limit_bytes: int) -> None:
+        """Keep one free buffer of the latest size ready, its memory already touched (writer's thread).
+
+        A fresh buffer costs its first user a page fault per 4 KiB, eight times
+        the copy at 50 MB; made here, that cost falls on the writer instead of
+        the engine. Only while the free buffers stay within ``limit_bytes``.
+        """
+        size = self.last_size
+        if size < POOLED_MIN_BYTES:
+            return
+        with self._lock:
+            if any(size <= b.numel() <= 2 * size for b in self._free):
+                return
+            if sum(b.numel() for b in self._free) + size > limit_bytes:
+                return
+        spare = torch.empty(size, dtype=torch.uint8)
+        spare.fill_(0)
+        self.give(spare)
 
     @property
     def free_bytes(self) -> int:

@@ -19,12 +19,14 @@ from tests.helpers import ROOT
 
 STANDINS = Path(__file__).parent / "vllm_standins"
 ENV_VARS = ("KVDBG_CAPTURE_DIR", "KVDBG_CAPTURE_BACKENDS", "KVDBG_CAPTURE_LAYERS", "KVDBG_CAPTURE_STEPS",
-            "KVDBG_CAPTURE_RANKS", "KVDBG_CAPTURE_MAX", "KVDBG_CAPTURE_MAX_BYTES", "RANK")
+            "KVDBG_CAPTURE_RANKS", "KVDBG_CAPTURE_MAX", "KVDBG_CAPTURE_MAX_BYTES", "KVDBG_CAPTURE_QUEUE_BYTES",
+            "KVDBG_CAPTURE_QUEUE", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "RANK")
 WRAPPED = {
     "vllm.v1.attention.backends.flashinfer_ts": {"FlashInferTSImpl": ("forward", "do_kv_cache_update"),
                                                   "FlashInferTSMetadataBuilder": ("build",)},
     "vllm.v1.attention.backends.flex_attention": {"FlexAttentionImpl": ("forward", "do_kv_cache_update"),
                                                    "FlexAttentionMetadataBuilder": ("build",)},
+    "vllm.v1.worker.worker_base": {"WorkerWrapperBase": ("shutdown",)},
 }
 
 
@@ -560,3 +562,36 @@ def test_cpu_attn_layout_follows_the_kernel_variant_and_amx_is_refused_once(stan
     assert "CPU_ATTN's 'amx' kernel variant" in warnings[0] and "not verified" in warnings[0]
     assert "kv_cache_dtype 'fp8'" in warnings[1]
     assert state.capturer.failures["layout:CPU_ATTN:amx"] == 3
+
+
+def test_the_writer_drains_at_the_worker_shutdown_and_says_one_line(standins, tmp_path, caplog):
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    caplog.set_level(logging.INFO, logger="kvdbg.capture")
+    enable(standins, tmp_path, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="3")
+    capturer = vllm_plugin.active_capturer()
+    assert capturer.config.queue_bytes == "auto"  # the plugin's default: the background writer
+    engine = StandinEngine("FLASHINFER_TS")
+    for _ in range(3):
+        engine.step()
+    worker = WorkerWrapperBase()
+    worker.shutdown()
+    assert worker.shut_down and len(os.listdir(tmp_path)) == 3  # drained before the worker's own shutdown
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvdbg capture in pid")]
+    assert lines == [f"kvdbg capture in pid {os.getpid()}: captured 3 snapshot(s), {capturer.bytes_written} bytes, "
+                     f"into {tmp_path}; dropped 0"]
+    vllm_plugin.unregister()  # closes again: nothing more is said
+    assert sum(r.getMessage().startswith("kvdbg capture in pid") for r in caplog.records) == 1
+
+
+def test_each_snapshot_records_its_place_among_the_engine_ranks(standins, tmp_path):
+    enable(standins, tmp_path)
+    engine = StandinEngine("FLASHINFER_TS")
+    engine.vllm_config.instance_id = "1764633600123456789"
+    engine.vllm_config.parallel_config.tensor_parallel_size = 1
+    engine.step()
+    (snap,) = snapshots(tmp_path)
+    capture = snap.meta.capture
+    assert capture["engine_instance"] == "1764633600123456789"
+    assert (capture["tp_rank"], capture["tp_size"]) == (0, 1)
+    assert "total_num_kv_heads" in capture and "dp_rank" in capture

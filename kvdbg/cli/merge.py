@@ -29,7 +29,7 @@ def merge(snapshots, output, kv_heads, force, as_json):
 
     \b
     Examples:
-      kvdbg merge captures/model.layers.1.self_attn.attn-step5-rank*.safetensors -o step5.safetensors
+      kvdbg merge snaps/*layers.1.*-step5-rank*.safetensors -o step5.safetensors
       kvdbg replay step5.safetensors
     """
     import os
