@@ -225,6 +225,9 @@ class StepTensors:
     value: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None  # [>= num_tokens]
     pre_update: "PreUpdate | None" = None
+    # True when block_table, seq_lens, query_start_loc, slot_mapping and causal are copies the caller
+    # made for capture (nothing else writes them): they are kept as they are, not copied again.
+    metadata_copied: bool = False
 
 
 # --------------------------------------------------------------------------- engine facts
@@ -324,6 +327,11 @@ def _copy_now(t: torch.Tensor, copies: StepCopies) -> torch.Tensor:
     host to spare the engine that wait).
     """
     return copies.copy(t) if t.is_cpu else _to_cpu(t)
+
+
+def _keep_on_host(t: torch.Tensor, copies: StepCopies) -> torch.Tensor:
+    """The caller's own copy, kept; read to the host when it is on a device."""
+    return t if t.is_cpu else _to_cpu(t)
 
 
 def referenced_page_ids(block_table: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray | None,
@@ -588,7 +596,8 @@ def plan_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTens
 
     # The metadata that decides which pages to copy: read now, on the host.
     copies = StepCopies(kv_cache.device, buffers)
-    bt, sl, qsl = _copy_now(t.block_table, copies), _copy_now(t.seq_lens, copies), _copy_now(t.query_start_loc, copies)
+    own = _keep_on_host if t.metadata_copied else _copy_now
+    bt, sl, qsl = own(t.block_table, copies), own(t.seq_lens, copies), own(t.query_start_loc, copies)
     if bt.ndim != 2:
         raise CaptureInputError(f"block_table has shape {list(bt.shape)}, expected [num_reqs, max_pages]")
     num_reqs = bt.shape[0]
@@ -608,7 +617,7 @@ def plan_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTens
         )
     causal = t.causal
     if isinstance(causal, torch.Tensor):
-        causal = _copy_now(causal, copies)
+        causal = own(causal, copies)
     elif not isinstance(causal, bool):
         raise CaptureInputError(f"causal must be a bool, got {type(causal).__name__}")
 
@@ -643,8 +652,7 @@ def plan_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTens
         else:
             step_record.key = copies.copy(key[:num_tokens] if trim else key)
             step_record.value = copies.copy(value[:num_tokens] if trim else value)
-            slots = _copy_now(slot_mapping[:num_tokens] if slot_mapping.shape[0] != num_tokens else slot_mapping,
-                              copies)
+            slots = own(slot_mapping[:num_tokens] if slot_mapping.shape[0] != num_tokens else slot_mapping, copies)
             host += 2 * num_tokens * layer.num_kv_heads * layer.head_size * key.element_size() + _nbytes(slots)
         step_record.slot_mapping = slots
 

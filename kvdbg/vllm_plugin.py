@@ -510,8 +510,10 @@ class _PluginState:
                 max_num_seqs=ctx.max_num_seqs,
                 max_num_batched_tokens=ctx.max_num_batched_tokens,
             )
+            # The context's tensors are the clones after_build made: capture keeps them without copying again.
             tensors = StepTensors(query=query, kv_cache=kv_cache, block_table=ctx.block_table, seq_lens=ctx.seq_lens,
-                                  query_start_loc=ctx.query_start_loc, causal=ctx.causal, pre_update=pre)
+                                  query_start_loc=ctx.query_start_loc, causal=ctx.causal, pre_update=pre,
+                                  metadata_copied=True)
             if pre is not None:
                 new_kv_note = "saved before do_kv_cache_update; the pages it overwrote are restored"
             elif info is not None and info.update_in_forward and key is not None and ctx.slot_mapping is not None:
