@@ -183,7 +183,9 @@ class Capturer:
         self._names = itertools.count()
         self._layer_cache: dict[str, bool] = {}
         self._cleaned: set[str] = set()
-        self._lock = threading.Lock()
+        # Guards the budgets and the counters shared with the writer; re-entrant because a budget check
+        # that drops a step counts it while the lock is held.
+        self._lock = threading.RLock()
         self._buffers = HostBuffers()
         self._rank: tuple[int, str] | None = None
         self._closed = False
@@ -239,9 +241,6 @@ class Capturer:
             self._rank = found
         return found
 
-    def _rank_source(self, rank: int | None) -> str:
-        return "given" if rank is not None or self.config.rank is not None else self._process_rank()[1]
-
     def layer_selected(self, layer_name: str) -> bool:
         hit = self._layer_cache.get(layer_name)
         if hit is None:
@@ -284,7 +283,11 @@ class Capturer:
         # Once per step, whichever of the engine's hooks asks first.
         if self._off_seen.get(layer_name, self) != step:
             self._off_seen[layer_name] = step
-            self.dropped[reason] += 1
+            self._drop(reason)
+
+    def _drop(self, reason: str, count: int = 1) -> None:
+        with self._lock:  # the engine's thread and the writer's both count
+            self.dropped[reason] += count
 
     # ---------------------------------------------------------------- failure policy
 
@@ -302,7 +305,7 @@ class Capturer:
         key = f"{kind}:{type(exc).__name__}"
         self.failures[key] += 1
         if step_lost:
-            self.dropped[kind] += 1
+            self._drop(kind)
         prefix = f"{where}: " if where else ""
         if fatal:
             detail = f"{prefix}{exc}"
@@ -328,7 +331,7 @@ class Capturer:
         max_bytes = self.config.max_bytes
         if max_bytes is None or self.bytes_written + size <= max_bytes:
             return True
-        self.dropped["max_bytes"] += 1
+        self._drop("max_bytes")
         self._note_once(
             "budget:bytes",
             f"kvdbg capture skipped layer {layer_name} step {step}: the snapshot "
@@ -352,7 +355,7 @@ class Capturer:
         budget = self.queue_budget()
         if self._queued_bytes + nbytes <= budget:
             return True
-        self.dropped["queue"] += 1
+        self._drop("queue")
         whole = " (more than the whole budget)" if nbytes > budget else ""
         self._note_once("dropped:queue_budget",
                         f"kvdbg capture dropped {where}: its {nbytes} bytes{whole} would take the snapshots waiting "
@@ -386,12 +389,14 @@ class Capturer:
         try:
             if _stream_capturing(getattr(tensors, "kv_cache", None)):
                 return None
-            rank_value = self.rank(rank)
+            if rank is not None or self.config.rank is not None:
+                rank_value, rank_source = self.rank(rank), "given"
+            else:
+                rank_value, rank_source = self._process_rank()
             if not self.wants(layer.name, step, rank_value):
                 return None
-            plan = plan_capture(layer, backend, tensors, step=step, rank=rank_value,
-                                rank_source=self._rank_source(rank), engine=self.config.engine, info=info,
-                                notes=notes, buffers=self._buffers)
+            plan = plan_capture(layer, backend, tensors, step=step, rank=rank_value, rank_source=rank_source,
+                                engine=self.config.engine, info=info, notes=notes, buffers=self._buffers)
             # Refuse before copying pages, the expensive part, when even a lower bound of the
             # file is over a budget; the writer checks the exact size.
             if not self._fits(plan.lower_bound_bytes, layer.name, step, exact=False):
@@ -449,7 +454,7 @@ class Capturer:
             with self._lock:
                 max_snapshots = self.config.max_snapshots
                 if not self.active or (max_snapshots is not None and len(self.written) >= max_snapshots):
-                    self.dropped["off"] += 1
+                    self._drop("off")
                     return None
                 if not self._fits(size, layer_name, pending.step_index, exact=True):
                     return None
@@ -547,15 +552,20 @@ class Capturer:
             pass
         while True:
             pending, directory, where, nbytes = self._queue.get()
-            # The engine's next step of this size then finds memory already touched.
-            self._buffers.ensure_spare(self.queue_budget() - self._queued_bytes)
             try:
+                try:
+                    # The engine's next step of this size then finds memory already touched.
+                    self._buffers.ensure_spare(self.queue_budget() - self._queued_bytes)
+                except Exception:  # only an optimisation (say, no memory for a spare): write on
+                    pass
                 try:
                     snapshot = build_snapshot(pending)
                 except Exception as exc:
                     self.report(exc, where, step_lost=True)
                 else:
                     self._store(snapshot, pending, directory, where)
+            except Exception as exc:  # the writer must outlive anything that goes wrong with one step
+                self.report(exc, where, step_lost=True)
             finally:
                 pending.release()
                 with self._lock:
@@ -610,8 +620,7 @@ class Capturer:
         self._closed = True
         _OPEN.discard(self)
         if not drained:
-            with self._lock:
-                self.dropped["exit"] += self._in_flight
+            self._drop("exit", self._in_flight)
         if self.requested or self.failures:
             level = logging.WARNING if sum(self.dropped.values()) else logging.INFO
             logger.log(level, "%s", self.summary())

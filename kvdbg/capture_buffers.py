@@ -42,7 +42,7 @@ GATHER_CHUNK_BYTES = 64 * 1024**2
 # Host buffers below this size are allocated per step (the allocator is fast for them).
 POOLED_MIN_BYTES = 256 * 1024
 # Free page buffers kept between steps.
-POOL_KEEP = 4
+POOL_KEEP = 2
 
 
 class HostBuffers:
