@@ -233,13 +233,11 @@ class Capturer:
         return self._process_rank()[0]
 
     def _process_rank(self) -> tuple[int, str]:
-        # Asked on every step: kept once torch.distributed has given it (it does not change after).
-        if self._rank is not None:
-            return self._rank
-        found = current_rank()
-        if found[1] == "torch.distributed":
-            self._rank = found
-        return found
+        # Asked on every step, so read once: an engine initialises torch.distributed before its first
+        # forward, and a process's rank does not change after.
+        if self._rank is None:
+            self._rank = current_rank()
+        return self._rank
 
     def layer_selected(self, layer_name: str) -> bool:
         hit = self._layer_cache.get(layer_name)

@@ -411,9 +411,9 @@ def save_pre_update(layer: CaptureLayer, *, key: torch.Tensor, value: torch.Tens
     Only copies (engine's thread); the pages are converted when the snapshot is built.
     """
     _require(layer, CaptureLayer, "layer")
-    layout = resolve_kv_layout(layer.kv_layout, kv_cache, layer.num_kv_heads, layer.head_size)
-    page_size = int(kv_cache.shape[layout.token_dim])
-    num_blocks = int(kv_cache.shape[layout.page_dim])
+    layout = _layout_for(layer, kv_cache)
+    page_size = kv_cache.shape[layout.token_dim]
+    num_blocks = kv_cache.shape[layout.page_dim]
     copies = StepCopies(kv_cache.device, buffers)
     slots = _copy_now(slot_mapping, copies)
     if slots.ndim != 1:
