@@ -353,14 +353,19 @@ def range_under_load(out: str, model_dir: str, log) -> list[str]:
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-c", ENGINE_RUN, model_dir, "6", "24", "1"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    served = proc.stdout.readline()
+    served, seen = "", []
+    for line in proc.stdout:  # vLLM logs to stdout too: wait for the script's own line
+        seen.append(line)
+        if line.startswith("generated"):
+            served = line
+            break
     for hog in hogs:
         hog.kill()
         hog.wait()
     stdout, stderr = proc.communicate(timeout=600)
     took = time.monotonic() - t0
     with open(os.path.join(out, "logs", "plain-range_under_load.stderr"), "w") as f:
-        f.write(stderr)
+        f.write("".join(seen) + stdout + stderr)
     problems = []
     if proc.returncode != 0 or not served.startswith("generated"):
         problems.append(f"range_under_load: the engine did not serve (exit {proc.returncode})")
