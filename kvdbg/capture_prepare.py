@@ -471,8 +471,10 @@ class CapturePlan:
 
     def gather(self) -> "PendingCapture":
         """Copy the step's pages to the host, in the engine's layout (the expensive part; engine's thread)."""
-        copies = self.copies if self.copies is not None else StepCopies(self.kv_cache.device)
-        pages = copies.gather(self.kv_cache, self.layout.page_dim, self.page_ids)
+        if self.copies is None:
+            self.copies = StepCopies(self.kv_cache.device)
+        pages = self.copies.gather(self.kv_cache, self.layout.page_dim, self.page_ids)
+        self.copies.close()  # marks the copies so far on this stream (the engine may switch before finish)
         return PendingCapture(plan=self, pages=pages)
 
 
