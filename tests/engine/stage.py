@@ -80,9 +80,11 @@ class Outcome:
 # --------------------------------------------------------------------------- engine runs
 
 
-def run_engines(out: str, models: dict[str, str], log) -> dict[tuple[str, str], dict]:
+def run_engines(out: str, models: dict[str, str], log, chosen: set) -> dict[tuple[str, str], dict]:
     records = {}
     for backend, model, cases in RUNS:
+        if (backend, model) not in chosen:
+            continue
         run_dir = os.path.join(out, "snapshots", backend, model)
         log_path = os.path.join(out, "logs", f"{backend}-{model}.log")
         t0 = time.monotonic()
@@ -560,6 +562,8 @@ def main() -> int:
     parser.add_argument("--skip-plain", action="store_true", help="skip the two plain LLM() runs")
     parser.add_argument("--skip-capture-runs", action="store_true",
                         help="skip the range-under-load, tensor-parallel and killed-mid-write engine runs")
+    parser.add_argument("--runs", default=",".join(f"{b}/{m}" for b, m, _ in RUNS),
+                        help="which engine runs (backend/model, comma-separated; empty: none)")
     args = parser.parse_args()
     started = time.monotonic()
     out = os.path.abspath(args.out)
@@ -584,7 +588,8 @@ def main() -> int:
 
     models = {name: write_model(m, os.path.join(out, "models", name)) for name, m in MODELS.items()}
     t0 = time.monotonic()
-    records = run_engines(out, models, log)
+    chosen = {tuple(r.split("/")) for r in args.runs.split(",") if r}
+    records = run_engines(out, models, log, chosen)
     engine_s = time.monotonic() - t0
 
     problems: list[str] = []
