@@ -230,6 +230,7 @@ def run_size(size: Size, steps: int, out: str) -> dict:
             capturer.flush(600)
             results[setting]["written"] = len(capturer.written)
             results[setting]["dropped"] = dict(capturer.dropped)
+            results[setting]["summary"] = capturer.summary()
             vllm_plugin.unregister()
     names = sorted(os.listdir(capture_dir))
     sizes = sorted(os.path.getsize(os.path.join(capture_dir, n)) for n in names)
@@ -261,6 +262,8 @@ def main() -> int:
         # One engine per process: vLLM does not start two engines in one process cleanly.
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--size", name, "--steps", str(args.steps),
                                "--out", args.out], capture_output=True, text=True)
+        with open(os.path.join(args.out, f"{name}.log"), "w") as f:
+            f.write(proc.stdout + proc.stderr)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
             return 1
@@ -272,6 +275,8 @@ def main() -> int:
         for setting, r in row["settings"].items():
             hooks = ", ".join(f"{h} {v:.1f}" for h, v in r["by_hook_us"].items())
             extra = f"; wrote {r['written']}, dropped {sum(r['dropped'].values())}" if "written" in r else ""
+            if "summary" in r and "turned off" in r["summary"]:
+                extra += f" ({r['summary'].split('; capture turned off: ')[-1][:200]})"
             print(f"  {setting:<28}{r['median_us']:>10.1f} us (p90 {r['p90_us']:.1f}; {hooks}){extra}")
             print(f"  {'':<28}whole step: {r['generate_wall_ms_per_step']:.2f} ms wall, "
                   f"{r['generate_engine_thread_cpu_ms_per_step']:.2f} ms engine-thread CPU")

@@ -446,7 +446,7 @@ class _PluginState:
 
     def before_cache_update(self, impl: Any, layer: Any, key, value, kv_cache, slot_mapping) -> None:
         try:
-            if not self.capturer.active or key is None or value is None or slot_mapping is None:
+            if key is None or value is None or slot_mapping is None:
                 return
             if _graph_capturing(kv_cache):
                 return
@@ -472,7 +472,9 @@ class _PluginState:
 
     def before_forward(self, impl: Any, layer: Any, query, key, value, kv_cache, metadata, output) -> "PendingCapture | None":
         try:
-            if metadata is None or not self.capturer.active:  # profiling runs carry no metadata
+            # Profiling runs carry no metadata. With capture off, wants() below still counts a step the
+            # filters select as dropped, for the exit line.
+            if metadata is None:
                 return None
             if _graph_capturing(query):
                 return None

@@ -487,7 +487,11 @@ def killed_mid_write(out: str, model_dir: str, log) -> list[str]:
     killed = None
     deadline = time.monotonic() + 600
     while killed is None and proc.poll() is None and time.monotonic() < deadline:
-        for name in os.listdir(capture_dir):
+        names = os.listdir(capture_dir)
+        if sum(n.endswith(".safetensors") for n in names) < 3:  # a few whole snapshots first
+            time.sleep(0.0005)
+            continue
+        for name in names:
             if not (name.startswith(TEMP_PREFIX) and name.endswith(".tmp")):
                 continue
             writer = int(name.rsplit("-", 2)[-2])
@@ -495,7 +499,8 @@ def killed_mid_write(out: str, model_dir: str, log) -> list[str]:
                 os.kill(writer, signal.SIGSTOP)  # freeze it, then make sure the file is still being written
             except ProcessLookupError:
                 continue
-            if os.path.exists(os.path.join(capture_dir, name)):
+            path = os.path.join(capture_dir, name)
+            if os.path.exists(path) and os.path.getsize(path) > 0:  # bytes in it: the write is under way
                 os.kill(writer, signal.SIGKILL)
                 killed = writer
                 break
@@ -506,6 +511,15 @@ def killed_mid_write(out: str, model_dir: str, log) -> list[str]:
     except ProcessLookupError:
         pass
     proc.wait()
+    # The killed writer is a zombie until its parent (killed too) is gone and it is reaped: until then its
+    # pid still answers, and its temporary file rightly counts as a live process's.
+    gone = time.monotonic() + 60
+    while killed is not None and time.monotonic() < gone:
+        try:
+            os.kill(killed, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
     took = time.monotonic() - t0
     if killed is None:
         return ["killed mid-write: never saw a write in progress to kill"]
@@ -518,6 +532,7 @@ def killed_mid_write(out: str, model_dir: str, log) -> list[str]:
         except Exception as exc:  # a partial file under a snapshot's name
             problems.append(f"killed mid-write: {name} does not load: {exc}")
     stale = stale_temp_files(capture_dir)
+    sizes = [os.path.getsize(p) for p in stale]
     if not stale or not all(f"-{killed}-" in os.path.basename(p) for p in stale):
         problems.append(f"killed mid-write: expected the killed writer's temporary file, found {stale}")
     live = os.path.join(capture_dir, f"{temp_file_prefix()}live0000.tmp")
@@ -548,7 +563,8 @@ def killed_mid_write(out: str, model_dir: str, log) -> list[str]:
     if len(removed) != 1 or f"pid {killed}" not in removed[0]:
         problems.append(f"killed mid-write: expected one line naming pid {killed}, got {removed}")
     log(f"plain LLM() killed mid-write  {took:5.1f} s: SIGKILL to pid {killed} with a file in flight; "
-        f"{len(snapshots)} snapshots whole, {len(stale)} temporary file left, then: {removed[0] if removed else '-'}")
+        f"{len(snapshots)} snapshots whole, {len(stale)} temporary file left ({sizes} bytes), then: "
+        f"{removed[0] if removed else '-'}")
     return problems
 
 
