@@ -168,8 +168,8 @@ def test_the_page_buffers_are_reused_by_identity_among_free_buffers_of_other_siz
     pool = HostBuffers()
     small = torch.zeros(POOLED_MIN_BYTES, dtype=torch.uint8)
     large = torch.zeros(3 * POOLED_MIN_BYTES, dtype=torch.uint8)
-    pool.give(large)
     pool.give(small)
+    pool.give(large)
     # Two free buffers of different sizes (a long capture's pages grow): the one that fits is handed back.
     assert pool.take(2 * POOLED_MIN_BYTES) is large
     assert pool.take(POOLED_MIN_BYTES) is small
