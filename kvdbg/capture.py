@@ -189,7 +189,7 @@ class Capturer:
         # Guards the budgets and the counters shared with the writer; re-entrant because a budget check
         # that drops a step counts it while the lock is held.
         self._lock = threading.RLock()
-        self._buffers = HostBuffers(spare_limit=self._spare_limit)
+        self._buffers = HostBuffers()
         self._rank: tuple[int, str] | None = None
         self._closed = False
         _OPEN.add(self)
@@ -605,6 +605,11 @@ class Capturer:
         while True:
             pending, directory, where, nbytes = self._queue.get()
             try:
+                try:
+                    # The engine's next step of this size then finds memory already touched.
+                    self._buffers.ensure_spare(self.queue_budget() - self._queued_bytes)
+                except Exception:  # only an optimisation (say, no memory for a spare): write on
+                    pass
                 snapshot = self._build(pending, where)
                 if snapshot is not None:
                     self._store(snapshot, pending, directory, where)
@@ -615,12 +620,6 @@ class Capturer:
                 with self._lock:
                     self._in_flight -= 1
                     self._queued_bytes -= nbytes
-
-    def _spare_limit(self) -> int:
-        """Bytes of free page buffers kept ready for the engine: what the writer's budget leaves (none without one)."""
-        if not self.config.background:
-            return 0
-        return self.queue_budget() - self._queued_bytes
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the background writer has written (or dropped) everything handed to it.

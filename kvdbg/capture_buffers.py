@@ -11,10 +11,8 @@ On CPU::
     the step's pages                                   index_select(out=) into a reused buffer
 
 A fresh 50 MB tensor costs eight times its copy in first-touch page faults; the
-:class:`HostBuffers` pool keeps a few page buffers between steps, and a
-low-priority thread of its own makes the next one (its memory touched) as soon
-as the engine takes one, so that the engine's thread copies into touched memory
-even while the writer is behind.
+:class:`HostBuffers` pool keeps a few page buffers between steps so that only
+the first capture of a size pays for them.
 
 On CUDA the engine's thread never waits for the device::
 
@@ -32,9 +30,8 @@ it reads anything.
 
 from __future__ import annotations
 
-import os
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -57,51 +54,21 @@ class HostBuffers:
     more than ``keep_bytes`` of them, are kept.
     """
 
-    def __init__(self, keep_bytes: int | None = None, spare_limit: Callable[[], int] | None = None):
+    def __init__(self, keep_bytes: int | None = None):
         self.keep_bytes = keep_bytes
-        # Bytes of free buffers the spare maker may hold (asked each time); None: no spares are made.
-        self.spare_limit = spare_limit
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self.last_size = 0  # the latest pooled size asked for: the size of the spare
-        self._wanted = threading.Event()
-        self._maker: threading.Thread | None = None
 
     def take(self, nbytes: int) -> torch.Tensor:
         if nbytes >= POOLED_MIN_BYTES:
             self.last_size = nbytes
-            taken = None
             with self._lock:
                 fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
                 if fits:
                     # By position: list.remove would compare tensors by value (elementwise), not by identity.
-                    taken = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-            self._want_spare()
-            if taken is not None:
-                return taken
+                    return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         return torch.empty(nbytes, dtype=torch.uint8)
-
-    def _want_spare(self) -> None:
-        """Ask the spare maker for a buffer of the latest size (started on first use; never waited for)."""
-        if self.spare_limit is None or self.spare_limit() <= 0:
-            return
-        if self._maker is None:
-            self._maker = threading.Thread(target=self._make_spares, name="kvdbg-capture-buffers", daemon=True)
-            self._maker.start()
-        self._wanted.set()
-
-    def _make_spares(self) -> None:
-        try:  # Linux: the lowest priority, as the writer's
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
-        while True:
-            self._wanted.wait()
-            self._wanted.clear()
-            try:
-                self.ensure_spare(self.spare_limit())
-            except Exception:  # only an optimisation (say, no memory for a spare): the engine allocates then
-                pass
 
     def give(self, buffer: torch.Tensor | None) -> None:
         if buffer is None or buffer.numel() < POOLED_MIN_BYTES or buffer.device.type != "cpu":
@@ -113,7 +80,7 @@ class HostBuffers:
                 self._free.pop(0)
 
     def ensure_spare(self, limit_bytes: int) -> None:
-        """Keep one free buffer of the latest size ready, its memory already touched (the spare maker's thread).
+        """Keep one free buffer of the latest size ready, its memory already touched (writer's thread).
 
         A fresh buffer costs its first user a page fault per 4 KiB, eight times
         the copy at 50 MB; made here, that cost falls on the writer instead of
@@ -128,7 +95,7 @@ class HostBuffers:
             if sum(b.numel() for b in self._free) + size > limit_bytes:
                 return
         spare = torch.empty(size, dtype=torch.uint8)
-        spare.numpy().fill(0)  # touched by numpy, in this thread alone (torch's fill_ would start a thread team)
+        spare.fill_(0)
         self.give(spare)
 
     @property

@@ -174,25 +174,3 @@ def test_the_page_buffers_are_reused_by_identity_among_free_buffers_of_other_siz
     assert pool.take(2 * POOLED_MIN_BYTES) is large
     assert pool.take(POOLED_MIN_BYTES) is small
     assert pool.free_bytes == 0 and pool.take(POOLED_MIN_BYTES) is not small
-
-
-def test_a_spare_page_buffer_is_made_off_the_engine_thread_once_one_is_taken():
-    import threading
-    import time
-
-    from kvdbg.capture_buffers import POOLED_MIN_BYTES, HostBuffers
-
-    pool = HostBuffers(spare_limit=lambda: 10 * POOLED_MIN_BYTES)
-    first = pool.take(2 * POOLED_MIN_BYTES)  # nothing free: the engine allocates this one
-    deadline = time.monotonic() + 10
-    while pool.free_bytes == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert pool.free_bytes == 2 * POOLED_MIN_BYTES  # made by the pool's own thread, not the caller's
-    assert any(t.name == "kvdbg-capture-buffers" for t in threading.enumerate())
-    spare = pool.take(2 * POOLED_MIN_BYTES)
-    assert spare is not first and bool((spare == 0).all())  # touched (zeroed) before it was handed over
-    # No budget left: no spare.
-    tight = HostBuffers(spare_limit=lambda: 0)
-    tight.take(2 * POOLED_MIN_BYTES)
-    time.sleep(0.1)
-    assert tight.free_bytes == 0 and tight._maker is None
