@@ -9,13 +9,20 @@ from typing import BinaryIO, Callable
 from kvdbg.errors import OptionError
 
 
+TEMP_PREFIX = ".kvdbg-"
+TEMP_SUFFIX = ".tmp"
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, overwrite: bool = False,
-                 what: str = "") -> str:
+                 what: str = "", temp_prefix: str = TEMP_PREFIX) -> str:
     """Write ``path`` through ``write(fh)`` into a temp file beside it, then move it into place.
 
     The file appears whole or not at all. An existing file is replaced only with
     ``overwrite``; without it, a file that appears meanwhile is not clobbered
     either (``link`` refuses). ``what`` prefixes error messages (e.g. "--output").
+    The temp file is named ``<temp_prefix><random>.tmp`` (a process killed
+    mid-write leaves it behind; capture puts its pid in the prefix to find its
+    own later).
     """
     path = os.fspath(path)
     label = f"{what} {path}" if what else path
@@ -27,7 +34,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
     if not os.path.isdir(directory):
         raise OptionError(f"cannot write {label}: directory {directory} does not exist")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".kvdbg-", suffix=".tmp", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix, suffix=TEMP_SUFFIX, dir=directory)
     except OSError as exc:
         raise OptionError(f"cannot write {label}: {exc.strerror or exc}") from None
     try:

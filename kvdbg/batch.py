@@ -18,6 +18,10 @@ code  when
       nothing are listed as such)
 ====  ==========================================================================
 
+The tensor-parallel ranks of one captured step (kvdbg.ranks) are replayed
+file by file and shown as one row (:class:`StepRow`) whose verdict is the
+worst of theirs: the step fails if any rank's heads fail.
+
 Nothing here imports torch at module level: the parent of a ``--jobs N`` run
 only schedules; each worker process imports torch once and replays its files.
 """
@@ -30,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 from kvdbg.errors import KvdbgError, OptionError
+from kvdbg.ranks import RankInfo, group_by_step, rank_info
 
 SNAPSHOT_GLOB = "*.safetensors"
 
@@ -79,9 +84,83 @@ class FileResult:
     summary: str = ""  # the file's verdict line, or the one-line reason it was not replayed
     comparisons: list[dict[str, Any]] = field(default_factory=list)  # one summary per comparison
     seconds: float = 0.0
+    rank: RankInfo | None = None  # set for one tensor-parallel rank's share of a step (kvdbg.ranks)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# How bad a status is, for the row of several files: its worst member's.
+_STATUS_ORDER = (STATUS_PASS, STATUS_UNVERIFIED, STATUS_FAIL, STATUS_CRASHED, STATUS_BAD_INPUT)
+
+
+@dataclass
+class StepRow:
+    """One row of the summary: one snapshot, or every tensor-parallel rank of one step (ordered by rank)."""
+
+    files: list[FileResult]
+
+    @property
+    def tp_ranks(self) -> list[int]:
+        return [f.rank.tp_rank for f in self.files if f.rank is not None]
+
+    @property
+    def exit_code(self) -> int:
+        return self.files[0].exit_code if len(self.files) == 1 else batch_exit_code(self.files)
+
+    @property
+    def status(self) -> str:
+        statuses = {f.status for f in self.files}
+        if statuses == {STATUS_UNVERIFIED}:
+            return STATUS_UNVERIFIED
+        return max(statuses - {STATUS_UNVERIFIED} or statuses, key=_STATUS_ORDER.index)
+
+    @property
+    def layer(self) -> str | None:
+        return next((f.layer for f in self.files if f.layer), None)
+
+    @property
+    def steps(self) -> list[int]:
+        return self.files[0].steps
+
+    @property
+    def error_findings(self) -> list[str]:
+        return sorted({code for f in self.files for code in f.error_findings})
+
+    @property
+    def worst(self) -> Worst | None:
+        """The worst comparison over the ranks, its failing heads counted over all of them."""
+        members = [f.worst for f in self.files if f.worst is not None]
+        if len(self.files) == 1 or not members:
+            return members[0] if members else None
+
+        def badness(w: Worst):
+            return (not w.passed, w.max_abs is None, -1.0 if w.max_abs is None else w.max_abs)
+
+        worst = max(members, key=badness)
+        same = [c for f in self.files for c in f.comparisons
+                if (c["actual"], c["expected"], c["step"]) == (worst.actual, worst.expected, worst.step)]
+        return Worst(worst.actual, worst.expected, worst.step, all(c["passed"] for c in same), worst.max_abs,
+                     sum(c["failed_heads"] for c in same), sum(c["heads"] for c in same), worst.counted)
+
+    @property
+    def summary(self) -> str:
+        if len(self.files) == 1:
+            return self.files[0].summary
+        bad = [f for f in self.files if f.status == self.status]
+        return "; ".join(f"tp_rank {f.rank.tp_rank}: {f.summary}" for f in bad)
+
+    def to_json(self) -> dict[str, Any]:
+        worst = self.worst
+        return {"files": [f.path for f in self.files], "tp_ranks": self.tp_ranks, "status": self.status,
+                "exit_code": self.exit_code, "layer": self.layer, "steps": self.steps,
+                "worst": None if worst is None else asdict(worst), "error_findings": self.error_findings,
+                "summary": self.summary}
+
+
+def step_rows(files: list[FileResult]) -> list[StepRow]:
+    """The summary's rows: the ranks of one step together, every other file alone (kvdbg.ranks.group_by_step)."""
+    return [StepRow(group) for group in group_by_step(files, lambda f: f.rank)]
 
 
 @dataclass
@@ -89,6 +168,10 @@ class BatchResult:
     files: list[FileResult]
     exit_code: int
     summary: str
+
+    @property
+    def rows(self) -> list[StepRow]:
+        return step_rows(self.files)
 
     @property
     def verdict(self):
@@ -189,12 +272,14 @@ def _replay_file(path: str, options: BatchOptions) -> FileResult:
     report = result.judge(atol=options.atol, rtol=options.rtol)  # the single-file replay's own verdict
     comparisons, findings, verdict = report.comparisons, report.findings, report.verdict
     counted = result.counted
+    rank = rank_info(snap.meta.layer.name, snap.meta.capture)
     return FileResult(
         path=path, status=verdict.status, exit_code=verdict.exit_code, layer=snap.meta.layer.name,
         steps=[s.step for s in result.steps], worst=worst_comparison(comparisons, counted),
         error_findings=sorted({f.code for f in findings if f.severity == "error" and f.backend in counted}),
         summary=verdict.summary,
-        comparisons=[_comparison_record(c, c.actual in counted) for c in comparisons if c.heads])
+        comparisons=[_comparison_record(c, c.actual in counted) for c in comparisons if c.heads],
+        rank=rank if rank.is_shard else None)
 
 
 def worst_comparison(comparisons, counted) -> Worst | None:
@@ -320,5 +405,5 @@ def batch_verdict(files: list[FileResult]) -> tuple[int, str]:
     return code, f"{head}: {len(files)} snapshot(s): " + "; ".join(parts)
 
 
-__all__ = ["BatchOptions", "BatchResult", "FileResult", "Worst", "batch_exit_code", "batch_verdict",
-           "find_snapshots", "iter_results", "replay_file", "replay_many", "worst_comparison"]
+__all__ = ["BatchOptions", "BatchResult", "FileResult", "StepRow", "Worst", "batch_exit_code", "batch_verdict",
+           "find_snapshots", "iter_results", "replay_file", "replay_many", "step_rows", "worst_comparison"]

@@ -27,15 +27,18 @@ __all__ = [
     "DEFAULT_BACKENDS",
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_SNAPSHOTS",
-    "DEFAULT_QUEUE",
+    "DEFAULT_QUEUE_BYTES",
+    "QUEUE_SHARE_OF_AVAILABLE",
     "ENV_BACKENDS",
     "ENV_DIR",
     "ENV_LAYERS",
     "ENV_MAX",
     "ENV_MAX_BYTES",
-    "ENV_QUEUE",
+    "ENV_QUEUE_BYTES",
     "ENV_RANKS",
     "ENV_STEPS",
+    "auto_queue_bytes",
+    "available_memory",
 ]
 
 ENV_DIR = "KVDBG_CAPTURE_DIR"
@@ -45,7 +48,9 @@ ENV_STEPS = "KVDBG_CAPTURE_STEPS"
 ENV_RANKS = "KVDBG_CAPTURE_RANKS"
 ENV_MAX = "KVDBG_CAPTURE_MAX"
 ENV_MAX_BYTES = "KVDBG_CAPTURE_MAX_BYTES"
-ENV_QUEUE = "KVDBG_CAPTURE_QUEUE"
+ENV_QUEUE_BYTES = "KVDBG_CAPTURE_QUEUE_BYTES"
+# Replaced by ENV_QUEUE_BYTES; a value left set is refused by name rather than ignored.
+ENV_QUEUE_COUNT_REPLACED = "KVDBG_CAPTURE_QUEUE"
 
 # KVDBG_CAPTURE_BACKENDS unset or "auto": the plugin wraps the backend of each attention layer the
 # engine builds (its cache is then checked against what vLLM declares for the layer). Names instead
@@ -56,8 +61,12 @@ DEFAULT_BACKENDS: tuple[str, ...] = ()
 # variables are unset (``unlimited`` lifts a cap explicitly).
 DEFAULT_MAX_SNAPSHOTS = 32
 DEFAULT_MAX_BYTES = 4 * 1024**3
-# Snapshots waiting for the background writer; when it is full, new ones are dropped and counted.
-DEFAULT_QUEUE = 8
+# Bytes of snapshots that may wait for the background writer; past them a step is dropped and
+# counted. "auto": QUEUE_SHARE_OF_AVAILABLE of the memory available when the writer starts (so after
+# the engine has allocated its weights and cache), at least QUEUE_FLOOR_BYTES, at most max_bytes.
+DEFAULT_QUEUE_BYTES = "auto"
+QUEUE_SHARE_OF_AVAILABLE = 0.25
+QUEUE_FLOOR_BYTES = 64 * 1024**2
 
 
 # --------------------------------------------------------------------------- value parsers
@@ -159,9 +168,10 @@ class CaptureConfig:
     ranks: IntRanges | None = None  # None: every rank
     max_snapshots: int | None = None  # None: no cap
     max_bytes: int | None = None
-    # 0: finish() writes in the caller's thread. N > 0: finish() only hands the copied step to a
-    # background writer through a queue of N; a full queue drops the step.
-    queue_size: int = 0
+    # 0: finish() writes in the caller's thread. N > 0 or "auto": finish() only hands the copied step
+    # to a background writer, which holds at most this many bytes of waiting snapshots; a step that
+    # would go past them is dropped (counted, logged once, and said at exit).
+    queue_bytes: int | str = 0
     rank: int | None = None  # this process's rank, when the caller fixes it
     engine: str | None = None  # recorded as provenance; None: "vllm <version>" when installed
     # vLLM backends the plugin wraps up front; empty: the backend of each attention layer, as it is built.
@@ -182,8 +192,14 @@ class CaptureConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise OptionError(f"{name} must be a positive integer or None, got {value!r}")
-        if not isinstance(self.queue_size, int) or self.queue_size < 0:
-            raise OptionError(f"queue_size must be a non-negative integer, got {self.queue_size!r}")
+        if self.queue_bytes != "auto" and (isinstance(self.queue_bytes, bool) or not isinstance(self.queue_bytes, int)
+                                           or self.queue_bytes < 0):
+            raise OptionError(f"queue_bytes must be a non-negative integer or 'auto', got {self.queue_bytes!r}")
+
+    @property
+    def background(self) -> bool:
+        """Whether finish() hands steps to a background writer (else it writes in the caller's thread)."""
+        return self.queue_bytes != 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "CaptureConfig":
@@ -197,6 +213,9 @@ class CaptureConfig:
             text = env.get(name, "")
             return parse_ranges(text, name) if text.strip() else None
 
+        if env.get(ENV_QUEUE_COUNT_REPLACED, "").strip():
+            raise OptionError(f"{ENV_QUEUE_COUNT_REPLACED} (a count of snapshots) was replaced by {ENV_QUEUE_BYTES} "
+                              f"(a memory budget; default auto, 0 writes in the engine's thread): unset it")
         backends = parse_backends(env.get(ENV_BACKENDS))
         return cls(
             directory=directory,
@@ -205,7 +224,7 @@ class CaptureConfig:
             ranks=ranges(ENV_RANKS),
             max_snapshots=parse_count(env.get(ENV_MAX), ENV_MAX, DEFAULT_MAX_SNAPSHOTS),
             max_bytes=parse_bytes(env.get(ENV_MAX_BYTES), ENV_MAX_BYTES, DEFAULT_MAX_BYTES),
-            queue_size=parse_count(env.get(ENV_QUEUE), ENV_QUEUE, DEFAULT_QUEUE, zero_ok=True),
+            queue_bytes=parse_queue_bytes(env.get(ENV_QUEUE_BYTES)),
             backends=backends or DEFAULT_BACKENDS,
             backends_given=backends is not None,
         )
@@ -219,5 +238,53 @@ class CaptureConfig:
             f"steps={self.steps if self.steps is not None else 'all'} "
             f"ranks={self.ranks if self.ranks is not None else 'all'} "
             f"max={cap(self.max_snapshots, '')} max_bytes={cap(self.max_bytes, ' bytes')} "
-            f"writer={'background, queue ' + str(self.queue_size) if self.queue_size else 'in the caller'}"
+            f"writer={self.describe_writer()}"
         )
+
+    def describe_writer(self) -> str:
+        if not self.background:
+            return "in the caller's thread"
+        if self.queue_bytes == "auto":
+            return (f"background, queue up to {int(QUEUE_SHARE_OF_AVAILABLE * 100)}% of the memory available when "
+                    "it starts")
+        return f"background, queue up to {self.queue_bytes} bytes"
+
+
+def parse_queue_bytes(text: str | None) -> int | str:
+    """``auto`` (also when unset), ``0`` (no background writer) or bytes like ``512M``; ``unlimited`` is refused."""
+    if text is None or not text.strip() or text.strip().lower() == "auto":
+        return DEFAULT_QUEUE_BYTES
+    if text.strip() == "0":
+        return 0
+    if text.strip().lower() == "unlimited":
+        raise OptionError(f"{ENV_QUEUE_BYTES} cannot be unlimited (a slow disk would fill the memory); give bytes "
+                          "like 2G, 'auto' or 0")
+    return parse_bytes(text, ENV_QUEUE_BYTES, None)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations without swapping (Linux ``MemAvailable``), else free pages."""
+    try:
+        with open("/proc/meminfo", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def auto_queue_bytes(max_bytes: int | None, available: int | None = None) -> tuple[int, str]:
+    """The ``auto`` budget of the writer's queue and a phrase saying how it was chosen."""
+    available = available_memory() if available is None else available
+    if available is None:
+        budget, why = QUEUE_FLOOR_BYTES, "the floor: available memory is unknown here"
+    else:
+        budget = max(QUEUE_FLOOR_BYTES, int(available * QUEUE_SHARE_OF_AVAILABLE))
+        why = f"{int(QUEUE_SHARE_OF_AVAILABLE * 100)}% of the {available // 1024**2} MiB available"
+    if max_bytes is not None and max_bytes < budget:
+        budget, why = max_bytes, f"{ENV_MAX_BYTES}, below {why}"
+    return budget, why

@@ -1,4 +1,4 @@
-"""Turn one engine step into what a snapshot file holds: validation, page gathering and provenance, nothing else.
+"""Turn one engine step into what a snapshot file holds: copying in the engine's thread, the rest in the writer's.
 
 Everything here either returns a record or raises a typed error
 (:class:`CaptureInputError` naming the field, ``TypeError`` for a caller's
@@ -13,9 +13,17 @@ The three inputs of a capture::
     CaptureBackend  the engine's settings for the backend: name, max_model_len, ...
     StepTensors     per step: query, cache, block table, lengths, causal, new K/V
 
-    plan_capture(layer, backend, tensors)  -> CapturePlan    small tensors copied, metadata, page ids, a size bound
-    CapturePlan.gather()                   -> PendingCapture the pages copied to CPU (the expensive part)
-    complete_capture(pending, output)      -> Snapshot       the engine's output added after the forward
+What runs where::
+
+    engine's thread (only copies; kvdbg.capture_buffers)
+      save_pre_update(layer, ...)             -> PreUpdate       before a cache update: new K/V, pages it overwrites
+      plan_capture(layer, backend, tensors)   -> CapturePlan     shapes checked, small tensors copied, page ids, a size bound
+      CapturePlan.gather()                    -> PendingCapture  the pages copied, in the engine's layout
+      PendingCapture.attach_output(output)                       the engine's output copied after the forward
+    writer's thread
+      build_snapshot(pending)                 -> Snapshot        waits for the copies, converts and restores pages,
+                                                                 metadata, provenance
+    complete_capture(pending, output)         -> Snapshot        the last two in one call
 """
 
 from __future__ import annotations
@@ -27,14 +35,18 @@ import importlib.metadata
 import json
 import math
 import os
+import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from kvdbg._version import __version__
 from kvdbg.cache import page_dim, stored_index
-from kvdbg.engine_layouts import EngineLayout, LayoutError, engine_layout
+from kvdbg.capture_buffers import HostBuffers, StepCopies
+from kvdbg.engine_layouts import EngineLayout, LayoutError, check_written_pages, engine_layout
 from kvdbg.errors import KvdbgError, SnapshotError
 from kvdbg.format import (
     FORMAT_KEY,
@@ -50,7 +62,7 @@ from kvdbg.format import (
     parse_meta,
     write_safetensors,
 )
-from kvdbg.snapshot import Snapshot, Step, compact_cache, dtype_name, referenced_pages
+from kvdbg.snapshot import Snapshot, Step, dtype_name
 
 __all__ = [
     "CaptureBackend",
@@ -60,24 +72,32 @@ __all__ = [
     "PendingCapture",
     "PreUpdate",
     "StepTensors",
+    "WrittenKVMismatch",
+    "build_snapshot",
     "complete_capture",
     "current_rank",
     "infer_kv_layout",
+    "layer_values",
     "package_version",
     "plan_capture",
     "prepare_capture",
+    "referenced_page_ids",
     "resolve_kv_layout",
     "save_pre_update",
     "snapshot_file_size",
 ]
 
-# Pages are gathered to CPU in slices of this size so that a long-context capture
-# does not need a second full copy of its pages in GPU memory.
-GATHER_CHUNK_BYTES = 64 * 1024**2
-
 
 class CaptureInputError(KvdbgError):
     """The engine's tensors or settings cannot form a snapshot (the message names the field)."""
+
+
+class WrittenKVMismatch(CaptureInputError):
+    """The slots the engine's cache update wrote, read back through the layer's layout, are not the K/V it was given.
+
+    Not a fault of one step: the layer's cache does not hold its content as
+    declared, so every snapshot of it would be wrong.
+    """
 
 
 # --------------------------------------------------------------------------- the inputs
@@ -262,6 +282,9 @@ class StepTensors:
     value: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None  # [>= num_tokens]
     pre_update: "PreUpdate | None" = None
+    # True when block_table, seq_lens, query_start_loc, slot_mapping and causal are copies the caller
+    # made for capture (nothing else writes them): they are kept as they are, not copied again.
+    metadata_copied: bool = False
 
 
 # --------------------------------------------------------------------------- engine facts
@@ -356,18 +379,48 @@ def _to_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True).contiguous()
 
 
-def _gather_pages(kv_cache: torch.Tensor, layout: EngineLayout, page_ids: torch.Tensor) -> torch.Tensor:
-    """Copy ``page_ids`` of an engine cache to CPU, a slice at a time, converted to the snapshot layout."""
-    dim = layout.page_dim
-    index_layout = LAYOUT_VLLM if dim == 0 else LAYOUT_KV_PLANES  # compact_cache only needs the page dimension
-    num_pages = int(page_ids.numel())
-    page_bytes = max(1, kv_cache.element_size() * kv_cache.numel() // max(1, kv_cache.shape[dim]))
-    per_chunk = max(1, GATHER_CHUNK_BYTES // page_bytes)
-    parts = [
-        layout.convert(_to_cpu(compact_cache(kv_cache, index_layout, page_ids[start:start + per_chunk])))
-        for start in range(0, max(num_pages, 1), per_chunk)
-    ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=page_dim(layout.snapshot_layout))
+def _copy_now(t: torch.Tensor, copies: StepCopies) -> torch.Tensor:
+    """A host copy whose values can be read at once: capture needs them to choose the pages.
+
+    On CPU a clone; a tensor on a device is read synchronously (give these on the
+    host to spare the engine that wait).
+    """
+    return copies.copy(t) if t.is_cpu else _to_cpu(t)
+
+
+def _keep_on_host(t: torch.Tensor, copies: StepCopies) -> torch.Tensor:
+    """The caller's own copy, kept; read to the host when it is on a device."""
+    return t if t.is_cpu else _to_cpu(t)
+
+
+# Up to this many block-table entries, the pages of a step are chosen in plain Python (see referenced_page_ids).
+SMALL_TABLE_ENTRIES = 1024
+
+
+def referenced_page_ids(block_table: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray | None,
+                        page_size: int) -> np.ndarray:
+    """Sorted engine ids (int64) of the pages a step reads (live block-table entries) or writes (its slots).
+
+    The same rule as :func:`kvdbg.snapshot.referenced_pages`, without torch: it
+    runs in the engine's thread on every captured step, where each torch call
+    costs more than the arithmetic. A small batch (the usual decode step) is
+    done in plain Python, which beats numpy's per-call cost up to about a
+    thousand table entries; a larger one in numpy.
+    """
+    if block_table.size <= SMALL_TABLE_ENTRIES:
+        ids: set[int] = set()
+        for row, length in zip(block_table.tolist(), seq_lens.tolist()):
+            ids.update(row[: (length + page_size - 1) // page_size])
+        if slots is not None:
+            ids.update(slot // page_size for slot in slots.tolist() if slot >= 0)
+        return np.array(sorted(ids), dtype=np.int64)
+    live_pages = (seq_lens.astype(np.int64) + (page_size - 1)) // page_size
+    live = np.arange(block_table.shape[1]) < live_pages[:, None]
+    ids = block_table[live].astype(np.int64, copy=False)
+    if slots is not None:
+        written = slots[slots >= 0].astype(np.int64, copy=False) // page_size
+        ids = np.concatenate((ids, written))
+    return np.unique(ids)
 
 
 class _CountingSink:
@@ -397,96 +450,187 @@ def snapshot_file_size(snapshot: Snapshot) -> int:
 
 @dataclass
 class PreUpdate:
-    """What an engine's cache update is about to change, saved before it runs.
+    """What an engine's cache update is about to change, copied before it runs.
 
     For engines that write the step's new K/V into the cache *before* calling the
     attention forward (vLLM's ``do_kv_cache_update``), this is how the snapshot
-    still holds the cache as the step found it.
+    still holds the cache as the step found it. The pages stay in the engine's
+    layout; the writer converts them. With ``check_written`` the writer also
+    reads the slots the update wrote back from the pages copied at the forward
+    (:class:`WrittenKVMismatch` when they do not hold ``key``/``value``).
     """
 
     layer_name: str
     step: int | None
-    key: torch.Tensor  # [tokens, Hkv, D] on CPU, as given (padded rows included)
+    key: torch.Tensor  # [tokens, Hkv, D] on the host, as given (padded rows included)
     value: torch.Tensor
     slot_mapping: torch.Tensor  # [tokens]
     page_ids: torch.Tensor  # int64, sorted: pages the update writes
-    pages: torch.Tensor  # their content before the update, converted to the snapshot layout
-    kv_layout: str  # the engine layout of the cache they came from
+    pages: torch.Tensor  # their content before the update, in the engine's layout (kv_layout)
+    kv_layout: str  # the name of the engine layout of the cache they came from
     page_size: int
+    copies: StepCopies | None = field(default=None, repr=False)  # what the writer waits for
+    layout: EngineLayout | None = field(default=None, repr=False)  # that layout (None: looked up by name)
+    check_written: bool = False  # the writer reads the written slots back
+
+    def snapshot_pages(self) -> torch.Tensor:
+        """The saved pages in the snapshot layout (writer side: waits for the copies, converts)."""
+        if self.copies is not None:
+            self.copies.wait()
+        return (self.layout or engine_layout(self.kv_layout)).convert(self.pages)
 
 
 def save_pre_update(layer: CaptureLayer, *, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-                    kv_cache: torch.Tensor, step: int | None = None) -> PreUpdate:
-    """The step's new K/V and a CPU copy of the pages they will overwrite; call it before the cache update."""
+                    kv_cache: torch.Tensor, step: int | None = None, buffers: HostBuffers | None = None,
+                    check_written: bool = False) -> PreUpdate:
+    """Copy the step's new K/V and the pages they will overwrite; call it before the cache update.
+
+    Only copies (engine's thread); the pages are converted when the snapshot is
+    built. With ``check_written`` the snapshot's builder reads the slots the
+    update wrote back from the pages the forward's capture copies, and refuses
+    the step unless they hold ``key``/``value`` (:class:`WrittenKVMismatch`).
+    """
     _require(layer, CaptureLayer, "layer")
-    layout = resolve_kv_layout(layer.kv_layout, kv_cache, layer.num_kv_heads, layer.head_size)
-    page_size = int(kv_cache.shape[layout.token_dim])
-    num_blocks = int(kv_cache.shape[layout.page_dim])
-    slots = _to_cpu(slot_mapping)
+    layout = _layout_for(layer, kv_cache)
+    page_size = kv_cache.shape[layout.token_dim]
+    num_blocks = kv_cache.shape[layout.page_dim]
+    copies = StepCopies(kv_cache.device, buffers)
+    slots = _copy_now(slot_mapping, copies)
     if slots.ndim != 1:
         raise CaptureInputError(f"slot_mapping has shape {list(slots.shape)}, expected [num_tokens]")
-    written = slots[slots >= 0].to(torch.int64)
-    if len(written) and int(written.max()) >= num_blocks * page_size:
+    if slots.shape[0] <= SMALL_TABLE_ENTRIES:  # plain Python beats numpy's per-call cost here (a decode step)
+        written = [slot for slot in slots.tolist() if slot >= 0]
+        highest = max(written, default=-1)
+    else:
+        written = slots.numpy()
+        written = written[written >= 0]
+        highest = int(written.max()) if written.size else -1
+    if highest >= num_blocks * page_size:
         raise CaptureInputError(
-            f"slot_mapping holds slot {int(written.max())}, outside the cache of {num_blocks * page_size} slots"
+            f"slot_mapping holds slot {highest}, outside the cache of {num_blocks * page_size} slots"
         )
-    page_ids = torch.unique(written // page_size)
-    return PreUpdate(
-        layer_name=layer.name,
-        step=step,
-        key=_to_cpu(key),
-        value=_to_cpu(value),
-        slot_mapping=slots,
-        page_ids=page_ids,
-        pages=_gather_pages(kv_cache, layout, page_ids),
-        kv_layout=layout.name,
-        page_size=page_size,
-    )
+    if isinstance(written, list):
+        page_ids = torch.tensor(sorted({slot // page_size for slot in written}), dtype=torch.int64)
+    else:
+        page_ids = torch.from_numpy(np.unique(written.astype(np.int64, copy=False) // page_size))
+    pre = PreUpdate(layer_name=layer.name, step=step, key=copies.copy(key), value=copies.copy(value),
+                    slot_mapping=slots, page_ids=page_ids, pages=copies.gather(kv_cache, layout.page_dim, page_ids),
+                    kv_layout=layout.name, page_size=page_size, copies=copies, layout=layout,
+                    check_written=check_written)
+    copies.close()
+    return pre
 
 
-# --------------------------------------------------------------------------- before the forward
-
-
-@dataclass
-class PendingCapture:
-    """A step copied to CPU before the forward, waiting for the engine's output."""
-
-    meta: SnapshotMeta
-    kv_cache: torch.Tensor
-    page_ids: torch.Tensor
-    step: Step
-    rank: int
-    step_index: int | None
-    num_tokens: int
-    layer_values: dict[str, torch.Tensor] = field(default_factory=dict)  # "sinks", "alibi_slopes"
+# --------------------------------------------------------------------------- before the forward (engine thread)
 
 
 @dataclass
 class CapturePlan:
-    """A validated step whose small tensors are on CPU, before its pages are copied."""
+    """A step whose small tensors are copied to the host, its pages chosen but not yet copied.
 
-    meta: SnapshotMeta
-    step: Step
+    Built in the engine's thread by :func:`plan_capture`; only shapes were
+    checked. Everything else (the metadata, the reader's checks, the layout
+    conversion) happens when the snapshot is built (:func:`build_snapshot`).
+    """
+
+    layer: CaptureLayer
+    backend: CaptureBackend
+    layout: EngineLayout = field(repr=False)
+    step: Step  # host copies, rows past the step's tokens dropped
     page_ids: torch.Tensor  # int64, sorted engine ids of the pages the step reads or writes
+    num_tokens: int
+    causal: bool | torch.Tensor  # a per-request tensor is checked when the snapshot is built
     lower_bound_bytes: int  # the file is at least this big (data without output or header)
     rank: int
     step_index: int | None
-    num_tokens: int
-    kv_cache: torch.Tensor = field(repr=False)
-    layout: EngineLayout = field(repr=False)
-    pre_update: PreUpdate | None = field(repr=False, default=None)
-    layer_values: dict[str, torch.Tensor] = field(default_factory=dict)  # "sinks", "alibi_slopes"
+    rank_source: str = "given"
+    engine: str | None = None
+    info: Mapping[str, Any] | None = None
+    notes: str = ""
+    captured_at: float = 0.0  # time.time() in the engine's thread
+    query_rows_given: int = 0
+    kv_cache: torch.Tensor | None = field(default=None, repr=False)
+    pre_update: PreUpdate | None = field(default=None, repr=False)
+    copies: StepCopies | None = field(default=None, repr=False)
 
-    def gather(self) -> PendingCapture:
-        """Copy the pages to CPU (in the snapshot layout), restoring those the cache update overwrote."""
-        pages = _gather_pages(self.kv_cache, self.layout, self.page_ids)
-        if self.pre_update is not None and len(self.pre_update.page_ids):
-            _restore_pre_update(pages, self.page_ids, self.pre_update, self.layout.snapshot_layout)
-        tensor_blocks = int(self.kv_cache.shape[self.layout.page_dim])
-        stored_ids = self.page_ids.to(torch.int32) if tensor_blocks < 2**31 else self.page_ids
-        return PendingCapture(meta=self.meta, kv_cache=pages, page_ids=stored_ids, step=self.step, rank=self.rank,
-                              step_index=self.step_index, num_tokens=self.num_tokens,
-                              layer_values=self.layer_values)
+    @property
+    def output_bytes(self) -> int:
+        """Bytes the engine's output for this step will add."""
+        return self.num_tokens * self.layer.num_heads * self.layer.head_size * _MODEL_DTYPE_BYTES[self.layer.dtype]
+
+    def gather(self) -> "PendingCapture":
+        """Copy the step's pages to the host, in the engine's layout (the expensive part; engine's thread)."""
+        if self.copies is None:
+            self.copies = StepCopies(self.kv_cache.device)
+        pages = self.copies.gather(self.kv_cache, self.layout.page_dim, self.page_ids)
+        self.copies.close()  # marks the copies so far on this stream (the engine may switch before finish)
+        return PendingCapture(plan=self, pages=pages)
+
+
+@dataclass
+class PendingCapture:
+    """A step copied before the forward, waiting for the engine's output; then handed to the writer."""
+
+    plan: CapturePlan
+    pages: torch.Tensor  # the step's pages in the engine's layout, on the host
+    output: torch.Tensor | None = None
+
+    @property
+    def layer(self) -> CaptureLayer:
+        return self.plan.layer
+
+    @property
+    def step_index(self) -> int | None:
+        return self.plan.step_index
+
+    @property
+    def rank(self) -> int:
+        return self.plan.rank
+
+    @property
+    def num_tokens(self) -> int:
+        return self.plan.num_tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory this step holds until it is written (a little more than its file's data)."""
+        plan = self.plan
+        total = plan.lower_bound_bytes + (0 if self.output is None else plan.output_bytes)
+        pre = plan.pre_update
+        if pre is not None:
+            total += _nbytes(pre.pages) + _nbytes(pre.key) + _nbytes(pre.value) + _nbytes(pre.slot_mapping)
+        return total
+
+    def attach_output(self, output: torch.Tensor | None) -> None:
+        """Copy the engine's output (``[>= tokens, Hq, D]`` or ``[.., Hq*D]``) after the forward (engine's thread)."""
+        layer = self.plan.layer
+        if output is not None:
+            out = output
+            if out.ndim == 2 and out.shape[-1] == layer.num_heads * layer.head_size:
+                out = out.view(out.shape[0], layer.num_heads, layer.head_size)
+            shape = out.shape
+            if len(shape) != 3 or shape[1] != layer.num_heads or shape[2] != layer.head_size \
+                    or shape[0] < self.num_tokens:
+                raise CaptureInputError(f"output has shape {list(output.shape)}, expected [>= {self.num_tokens}, "
+                                        f"{layer.num_heads}, {layer.head_size}]")
+            if out.dtype != _TORCH_DTYPES.get(layer.dtype):
+                raise CaptureInputError(f"output has dtype {dtype_name(out.dtype)}, expected the model dtype "
+                                        f"{layer.dtype}")
+            copies = self.plan.copies
+            rows = out if out.shape[0] == self.num_tokens else out[: self.num_tokens]
+            self.output = copies.copy(rows) if copies is not None else _to_cpu(rows)
+        if self.plan.copies is not None:
+            self.plan.copies.close()
+
+    def release(self) -> None:
+        """Give the host buffers back once the snapshot is written (writer's thread)."""
+        for copies in (self.plan.copies, getattr(self.plan.pre_update, "copies", None)):
+            if copies is not None:
+                copies.release()
+
+
+_TORCH_DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
+_MODEL_DTYPE_BYTES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _TORCH_DTYPES.items()}
 
 
 def _require(value: Any, kind: type, name: str) -> None:
@@ -494,78 +638,170 @@ def _require(value: Any, kind: type, name: str) -> None:
         raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# Per engine cache tensor (by id, checked by a weak reference): the layout resolved for it. The cache
+# is the same tensor on every step, so its layout is checked once.
+_LAYOUTS: dict[int, tuple] = {}
+
+
+def _layout_for(layer: CaptureLayer, kv_cache: torch.Tensor) -> EngineLayout:
+    key = (layer.kv_layout, layer.num_kv_heads, layer.head_size, kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+    hit = _LAYOUTS.get(id(kv_cache))
+    if hit is not None and hit[0]() is kv_cache and hit[1] == key:
+        return hit[2]
+    layout = resolve_kv_layout(layer.kv_layout, kv_cache, layer.num_kv_heads, layer.head_size)
+    try:
+        if len(_LAYOUTS) > 4096:  # caches of engines long gone
+            _LAYOUTS.clear()
+        _LAYOUTS[id(kv_cache)] = (weakref.ref(kv_cache), key, layout)
+    except TypeError:  # a tensor type that cannot be weakly referenced: resolved every step
+        pass
+    return layout
+
+
 def plan_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTensors, *, step: int | None = None,
                  rank: int = 0, rank_source: str = "given", engine: str | None = None,
-                 info: Mapping[str, Any] | None = None, notes: str = "") -> CapturePlan:
-    """Check one step against its layer and copy what decides the file (everything but the pages) to CPU."""
+                 info: Mapping[str, Any] | None = None, notes: str = "",
+                 buffers: HostBuffers | None = None) -> CapturePlan:
+    """Check one step's shapes, copy its small tensors to the host and choose its pages (engine's thread).
+
+    Every torch call here costs the engine about a microsecond, so this does
+    the least that copying needs: shape checks on the tensors as given, one copy
+    each, the page ids in numpy. The rest waits for :func:`build_snapshot`.
+    """
     _require(layer, CaptureLayer, "layer")
     _require(backend, CaptureBackend, "backend")
     _require(tensors, StepTensors, "tensors")
     t = tensors
-    layout = resolve_kv_layout(layer.kv_layout, t.kv_cache, layer.num_kv_heads, layer.head_size)
-    page_size = int(t.kv_cache.shape[layout.token_dim])
-    tensor_blocks = int(t.kv_cache.shape[layout.page_dim])
+    kv_cache = t.kv_cache
+    layout = _layout_for(layer, kv_cache)
+    cache_shape = kv_cache.shape
+    page_size, tensor_blocks = cache_shape[layout.token_dim], cache_shape[layout.page_dim]
     if backend.page_size is not None and backend.page_size != page_size:
         raise CaptureInputError(f"page_size is {backend.page_size} but kv_cache holds pages of {page_size} tokens")
     if backend.num_gpu_blocks is not None and backend.num_gpu_blocks != tensor_blocks:
         raise CaptureInputError(f"num_gpu_blocks is {backend.num_gpu_blocks} but kv_cache holds {tensor_blocks} pages")
 
-    # Small metadata first: it decides which pages to copy and how big the file gets.
-    bt, sl, qsl = _to_cpu(t.block_table), _to_cpu(t.seq_lens), _to_cpu(t.query_start_loc)
+    # The metadata that decides which pages to copy: read now, on the host.
+    copies = StepCopies(kv_cache.device, buffers)
+    own = _keep_on_host if t.metadata_copied else _copy_now
+    bt, sl, qsl = own(t.block_table, copies), own(t.seq_lens, copies), own(t.query_start_loc, copies)
     if bt.ndim != 2:
         raise CaptureInputError(f"block_table has shape {list(bt.shape)}, expected [num_reqs, max_pages]")
     num_reqs = bt.shape[0]
-    if tuple(sl.shape) != (num_reqs,):
+    if sl.shape != (num_reqs,):
         raise CaptureInputError(f"seq_lens has shape {list(sl.shape)}, expected [{num_reqs}] like block_table")
-    if tuple(qsl.shape) != (num_reqs + 1,):
+    if qsl.shape != (num_reqs + 1,):
         raise CaptureInputError(f"query_start_loc has shape {list(qsl.shape)}, expected [{num_reqs + 1}]")
-    num_tokens = int(qsl[-1])
+    bt_np, sl_np = bt.numpy(), sl.numpy()
+    num_tokens = int(qsl.numpy()[-1])
     query = t.query
-    if query.ndim != 3 or tuple(query.shape[1:]) != (layer.num_heads, layer.head_size) or query.shape[0] < num_tokens:
+    q_shape = query.shape
+    if len(q_shape) != 3 or q_shape[1] != layer.num_heads or q_shape[2] != layer.head_size \
+            or not 0 <= num_tokens <= q_shape[0]:
         raise CaptureInputError(
-            f"query has shape {list(query.shape)}, expected [>= {num_tokens}, {layer.num_heads}, {layer.head_size}] "
+            f"query has shape {list(q_shape)}, expected [>= {num_tokens}, {layer.num_heads}, {layer.head_size}] "
             "(query_start_loc[-1] tokens, num_heads, head_size)"
         )
+    causal = t.causal
+    if isinstance(causal, torch.Tensor):
+        causal = own(causal, copies)
+    elif not isinstance(causal, bool):
+        raise CaptureInputError(f"causal must be a bool, got {type(causal).__name__}")
 
-    provenance: dict[str, Any] = {}
-    causal = _causal_flag(t.causal, provenance)
     key, value, slot_mapping, pre = t.key, t.value, t.slot_mapping, t.pre_update
     if pre is not None:
         _require(pre, PreUpdate, "pre_update")
         if pre.kv_layout != layout.name or pre.page_size != page_size:
             raise CaptureInputError("pre_update was saved from a cache of another layout or page size")
         key, value, slot_mapping = pre.key, pre.value, pre.slot_mapping
-    given = [n for n, x in (("key", key), ("value", value), ("slot_mapping", slot_mapping)) if x is not None]
-    if given and len(given) != 3:
-        raise CaptureInputError(f"key, value and slot_mapping come together; only {', '.join(given)} given")
-    step_record = Step(block_table=bt, seq_lens=sl, query_start_loc=qsl, query=_to_cpu(query[:num_tokens]))
-    if given:
+    # Rows past the step's tokens (CUDA-graph padding) are not stored; most steps have none.
+    padded = num_tokens != q_shape[0]
+    step_record = Step(block_table=bt, seq_lens=sl, query_start_loc=qsl,
+                       query=copies.copy(query[:num_tokens] if padded else query))
+    host = _nbytes(bt) + _nbytes(sl) + _nbytes(qsl) + num_tokens * q_shape[1] * q_shape[2] * query.element_size()
+    slots = None
+    if key is not None or value is not None or slot_mapping is not None:
+        if key is None or value is None or slot_mapping is None:
+            given = [n for n, x in (("key", key), ("value", value), ("slot_mapping", slot_mapping)) if x is not None]
+            raise CaptureInputError(f"key, value and slot_mapping come together; only {', '.join(given)} given")
         for name, x in (("key", key), ("value", value)):
-            if x.ndim != 3 or tuple(x.shape[1:]) != (layer.num_kv_heads, layer.head_size) or x.shape[0] < num_tokens:
-                raise CaptureInputError(f"{name} has shape {list(x.shape)}, expected "
+            shape = x.shape
+            if len(shape) != 3 or shape[1] != layer.num_kv_heads or shape[2] != layer.head_size \
+                    or shape[0] < num_tokens:
+                raise CaptureInputError(f"{name} has shape {list(shape)}, expected "
                                         f"[>= {num_tokens}, {layer.num_kv_heads}, {layer.head_size}]")
         if slot_mapping.ndim != 1 or slot_mapping.shape[0] < num_tokens:
             raise CaptureInputError(f"slot_mapping has shape {list(slot_mapping.shape)}, expected [>= {num_tokens}]")
-        step_record.key = _to_cpu(key[:num_tokens])
-        step_record.value = _to_cpu(value[:num_tokens])
-        step_record.slot_mapping = _to_cpu(slot_mapping[:num_tokens])
+        trim = key.shape[0] != num_tokens
+        if pre is not None:  # already host copies: views suffice
+            step_record.key, step_record.value = (key[:num_tokens], value[:num_tokens]) if trim else (key, value)
+            slots = slot_mapping[:num_tokens] if slot_mapping.shape[0] != num_tokens else slot_mapping
+        else:
+            step_record.key = copies.copy(key[:num_tokens] if trim else key)
+            step_record.value = copies.copy(value[:num_tokens] if trim else value)
+            slots = own(slot_mapping[:num_tokens] if slot_mapping.shape[0] != num_tokens else slot_mapping, copies)
+            host += 2 * num_tokens * layer.num_kv_heads * layer.head_size * key.element_size() + _nbytes(slots)
+        step_record.slot_mapping = slots
 
-    page_ids = referenced_pages([step_record], page_size)
-    if len(page_ids) and (int(page_ids.min()) < 0 or int(page_ids.max()) >= tensor_blocks):
-        bad = int(page_ids.min()) if int(page_ids.min()) < 0 else int(page_ids.max())
+    ids = referenced_page_ids(bt_np, sl_np, None if slots is None else slots.numpy(), page_size)
+    if ids.size and (ids[0] < 0 or ids[-1] >= tensor_blocks):
+        bad = int(ids[0]) if ids[0] < 0 else int(ids[-1])
         raise CaptureInputError(f"block_table or slot_mapping refers to page {bad}, outside the cache of "
                                 f"{tensor_blocks} pages")
+    page_bytes = kv_cache.element_size() * (kv_cache.numel() // max(1, tensor_blocks))
+    return CapturePlan(
+        layer=layer, backend=backend, layout=layout, step=step_record, page_ids=torch.from_numpy(ids),
+        num_tokens=num_tokens, causal=causal, lower_bound_bytes=len(ids) * (page_bytes + 4) + host, rank=rank,
+        step_index=step, rank_source=rank_source, engine=engine, info=info, notes=notes, captured_at=time.time(),
+        query_rows_given=q_shape[0], kv_cache=kv_cache, pre_update=pre, copies=copies,
+    )
 
+
+def prepare_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTensors, **kwargs) -> PendingCapture:
+    """:func:`plan_capture`, then copy the pages: the step as the engine's thread leaves it, less the output."""
+    return plan_capture(layer, backend, tensors, **kwargs).gather()
+
+
+# --------------------------------------------------------------------------- the snapshot (writer thread)
+
+
+def build_snapshot(pending: PendingCapture) -> Snapshot:
+    """The snapshot of a copied step: waits for its copies, converts the pages, restores the pre-update ones,
+    writes the metadata and provenance. Raises CaptureInputError naming the field (e.g. mixed ``causal``).
+    """
+    _require(pending, PendingCapture, "pending")
+    plan = pending.plan
+    if plan.copies is not None:
+        plan.copies.wait()
+    layout = plan.layout
+    pages = layout.convert(pending.pages)
+    pre = plan.pre_update
+    read_back = None
+    if pre is not None and pre.check_written:
+        read_back = _read_back(plan, pages, pre)  # before the restore: these pages are as the update left them
+    if pre is not None and len(pre.page_ids):
+        _restore_pre_update(pages, plan.page_ids, pre, layout.snapshot_layout)
+    provenance: dict[str, Any] = {}
+    causal = _causal_flag(plan.causal, provenance)
     provenance["kv_layout_engine"] = layout.name
-    provenance["kv_layout_source"] = "declared by the caller" if layer.kv_layout else "inferred from the cache shape"
+    provenance["kv_layout_source"] = "declared by the caller" if plan.layer.kv_layout else \
+        "inferred from the cache shape"
     if layout.to_snapshot is not None:
         provenance["kv_layout_conversion"] = layout.description
-    provenance.update(info or {})
+    provenance.update(plan.info or {})
+    if read_back is not None:
+        provenance["kv_layout_read_back"] = read_back
+    cache, backend = plan.kv_cache, plan.backend
+    tensor_blocks = int(cache.shape[layout.page_dim])
     meta = SnapshotMeta(
-        layer=layer.meta(causal=causal),
+        layer=plan.layer.meta(causal=causal),
         backend=BackendMeta(
             name=str(backend.name),
-            page_size=page_size,
+            page_size=int(cache.shape[layout.token_dim]),
             max_model_len=int(backend.max_model_len),
             num_gpu_blocks=tensor_blocks,
             max_decode_query_len=int(backend.max_decode_query_len) if backend.max_decode_query_len else 1,
@@ -574,16 +810,12 @@ def plan_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTens
         ),
         kv_layout=layout.snapshot_layout,
         num_steps=1,
-        capture=_provenance(t.kv_cache, query, layer.name, step=step, rank=rank, rank_source=rank_source,
-                            engine=engine, num_pages=len(page_ids), pre_update=pre, extra=provenance),
-        notes=notes,
+        capture=_provenance(plan, extra=provenance),
+        notes=plan.notes,
     )
-    page_bytes = t.kv_cache.element_size() * t.kv_cache.numel() // max(1, tensor_blocks)
-    small = sum(x.numel() * x.element_size() for x in step_record.tensors().values())
-    return CapturePlan(meta=meta, step=step_record, page_ids=page_ids,
-                       lower_bound_bytes=len(page_ids) * (page_bytes + 4) + small, rank=rank, step_index=step,
-                       num_tokens=num_tokens, kv_cache=t.kv_cache, layout=layout, pre_update=pre,
-                       layer_values=layer_values(layer))
+    step = dataclasses.replace(plan.step, output=pending.output)
+    stored_ids = plan.page_ids.to(torch.int32) if tensor_blocks < 2**31 else plan.page_ids
+    return Snapshot(meta=meta, kv_cache=pages, page_ids=stored_ids, steps=[step], **layer_values(plan.layer))
 
 
 def layer_values(layer: CaptureLayer) -> dict[str, torch.Tensor]:
@@ -592,9 +824,25 @@ def layer_values(layer: CaptureLayer) -> dict[str, torch.Tensor]:
             for name, values in (("sinks", layer.sinks), ("alibi_slopes", layer.alibi_slopes)) if values is not None}
 
 
-def prepare_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTensors, **kwargs) -> PendingCapture:
-    """:func:`plan_capture`, then copy the pages: the step as a snapshot will hold it, less the output."""
-    return plan_capture(layer, backend, tensors, **kwargs).gather()
+def _read_back(plan: CapturePlan, pages: torch.Tensor, pre: PreUpdate) -> str:
+    """Compare the written slots in ``pages`` (copied after the cache update) with the K/V the update was given."""
+    layer = plan.layer
+    try:
+        tokens = check_written_pages(plan.layout, pages, plan.page_ids, page_size=pre.page_size, key=pre.key,
+                                     value=pre.value, slot_mapping=pre.slot_mapping, head_size=layer.head_size,
+                                     kv_cache_dtype=layer.kv_cache_dtype, k_scale=layer.k_scale,
+                                     v_scale=layer.v_scale)
+    except LayoutError as exc:
+        raise WrittenKVMismatch(str(exc)) from None
+    return (f"passed: the {tokens} slots do_kv_cache_update wrote read back through {plan.layout.name} as the K/V "
+            "it was given")
+
+
+def complete_capture(pending: PendingCapture, output: torch.Tensor | None = None) -> Snapshot:
+    """:meth:`PendingCapture.attach_output`, then :func:`build_snapshot`: the step as a snapshot, in one call."""
+    _require(pending, PendingCapture, "pending")
+    pending.attach_output(output)
+    return build_snapshot(pending)
 
 
 def _causal_flag(causal: bool | torch.Tensor, provenance: dict[str, Any]) -> bool:
@@ -614,62 +862,39 @@ def _restore_pre_update(pages: torch.Tensor, page_ids: torch.Tensor, pre: PreUpd
     pos = stored_index(page_ids, pre.page_ids)
     keep = (pos >= 0).nonzero().reshape(-1)
     if keep.numel():
-        pages.index_copy_(dim, pos[keep], pre.pages.index_select(dim, keep))
+        pages.index_copy_(dim, pos[keep], pre.snapshot_pages().index_select(dim, keep))
 
 
-def _provenance(kv_cache: torch.Tensor, query: torch.Tensor, layer_name: str, *, step: int | None, rank: int,
-                rank_source: str, engine: str | None, num_pages: int, pre_update: PreUpdate | None,
-                extra: Mapping[str, Any]) -> dict[str, Any]:
+def _provenance(plan: CapturePlan, *, extra: Mapping[str, Any]) -> dict[str, Any]:
     vllm_version, vllm_dist = package_version("vllm")
+    cache, pre = plan.kv_cache, plan.pre_update
     record: dict[str, Any] = {
-        "engine": engine or (f"vllm {vllm_version}" if vllm_version else "unknown"),
+        "engine": plan.engine or (f"vllm {vllm_version}" if vllm_version else "unknown"),
         "kvdbg": __version__,
         "torch": torch.__version__,
         "flashinfer": _dist_version("flashinfer-python", "flashinfer"),
         "vllm": vllm_version,
         "vllm_distribution": vllm_dist,
-        "device": str(kv_cache.device),
-        **_gpu_facts(kv_cache.device),
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
-        "rank": rank,
-        "rank_source": rank_source,
-        "step": step,
+        "device": str(cache.device),
+        **_gpu_facts(cache.device),
+        "time": datetime.datetime.fromtimestamp(plan.captured_at, datetime.timezone.utc).isoformat(
+            timespec="milliseconds"),
+        "rank": plan.rank,
+        "rank_source": plan.rank_source,
+        "step": plan.step_index,
         "pid": os.getpid(),
-        "layer": layer_name,
-        "kv_cache_engine_shape": list(kv_cache.shape),
-        "kv_cache_engine_stride": list(kv_cache.stride()),
-        "kv_cache_engine_dtype": dtype_name(kv_cache.dtype),
-        "query_rows_given": int(query.shape[0]),
-        "stored_pages": num_pages,
-        "pre_update_pages_restored": 0 if pre_update is None else int(len(pre_update.page_ids)),
+        "layer": plan.layer.name,
+        "kv_cache_engine_shape": list(cache.shape),
+        "kv_cache_engine_stride": list(cache.stride()),
+        "kv_cache_engine_dtype": dtype_name(cache.dtype),
+        "query_rows_given": plan.query_rows_given,
+        "stored_pages": int(plan.page_ids.numel()),
+        "pre_update_pages_restored": 0 if pre is None else int(len(pre.page_ids)),
     }
     record.update(extra)
     return json.loads(json.dumps(record, default=str))  # only JSON values reach the file
 
 
-# --------------------------------------------------------------------------- after the forward
-
-
-def complete_capture(pending: PendingCapture, output: torch.Tensor | None = None) -> Snapshot:
-    """The snapshot of a pending step, with the engine's ``output`` (``[>= tokens, Hq, D]`` or ``[.., Hq*D]``)."""
-    _require(pending, PendingCapture, "pending")
-    layer = pending.meta.layer
-    if output is not None:
-        out = output
-        if out.ndim == 2 and out.shape[-1] == layer.num_heads * layer.head_size:
-            out = out.view(out.shape[0], layer.num_heads, layer.head_size)
-        if out.ndim != 3 or tuple(out.shape[1:]) != (layer.num_heads, layer.head_size) \
-                or out.shape[0] < pending.num_tokens:
-            raise CaptureInputError(f"output has shape {list(output.shape)}, expected [>= {pending.num_tokens}, "
-                                    f"{layer.num_heads}, {layer.head_size}]")
-        if dtype_name(out.dtype) != layer.dtype:
-            raise CaptureInputError(f"output has dtype {dtype_name(out.dtype)}, expected the model dtype {layer.dtype}")
-        pending.step.output = _to_cpu(out[: pending.num_tokens])
-    return Snapshot(meta=pending.meta, kv_cache=pending.kv_cache, page_ids=pending.page_ids, steps=[pending.step],
-                    **pending.layer_values)
-
-
 def check_metadata(meta: SnapshotMeta) -> None:
     """The reader's checks on the metadata's values (finite positive scales, ...); SnapshotError naming the field."""
     parse_meta(meta.to_json())
-

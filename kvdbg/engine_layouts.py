@@ -35,7 +35,8 @@ differently (not decoded by kvdbg) and is refused, as is every variant not in
 
 What a declaration says is also checked against the bytes: :func:`check_written_kv`
 reads the slots the engine's cache update has just written back through the
-layout and compares them with the K/V it was given.
+layout and compares them with the K/V it was given (:func:`check_written_pages`
+on pages already copied: a capture's writer does it on the snapshot's pages).
 """
 
 from __future__ import annotations
@@ -327,14 +328,42 @@ def check_written_kv(layout: EngineLayout, kv_cache: torch.Tensor, *, key: torch
     from kvdbg.snapshot import compact_cache
 
     slots = slot_mapping.detach().reshape(-1).to("cpu", torch.int64)
-    written = (slots >= 0).nonzero().reshape(-1)
+    written = slots[slots >= 0]
     if written.numel() == 0:
         return 0
     page_size = int(kv_cache.shape[layout.token_dim])
-    slot_ids = slots[written]
-    page_ids, position = torch.unique(slot_ids // page_size, return_inverse=True)
+    page_ids = torch.unique(written // page_size)
     index_layout = LAYOUT_VLLM if layout.page_dim == 0 else LAYOUT_KV_PLANES
     pages = layout.convert(compact_cache(kv_cache, index_layout, page_ids.to(kv_cache.device)).to("cpu").contiguous())
+    return check_written_pages(layout, pages, page_ids, page_size=page_size, key=key, value=value,
+                               slot_mapping=slot_mapping, head_size=head_size, kv_cache_dtype=kv_cache_dtype,
+                               k_scale=k_scale, v_scale=v_scale)
+
+
+def check_written_pages(layout: EngineLayout, pages: torch.Tensor, page_ids: torch.Tensor, *, page_size: int,
+                        key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, head_size: int,
+                        kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0) -> int:
+    """:func:`check_written_kv` on pages already copied out of the cache after its update.
+
+    ``pages`` are in ``layout.snapshot_layout`` (converted), ``page_ids`` their
+    sorted engine ids, which must include every page a slot of ``slot_mapping``
+    lies in. A capture's writer calls this on the pages it copied for the
+    snapshot, so that the engine's thread does not compare anything.
+    """
+    slots = slot_mapping.detach().reshape(-1).to("cpu", torch.int64)
+    written = (slots >= 0).nonzero().reshape(-1)
+    if written.numel() == 0:
+        return 0
+    slot_ids = slots[written]
+    ids = page_ids.to("cpu", torch.int64)
+    wanted = slot_ids // page_size
+    if ids.numel() == 0:
+        raise LayoutError(f"page {int(wanted[0])}, written by the cache update, is not among the pages read back")
+    position = torch.searchsorted(ids, wanted).clamp(max=ids.numel() - 1)
+    absent = ids[position] != wanted
+    if bool(absent.any()):
+        raise LayoutError(f"page {int(wanted[absent.nonzero()[0, 0]])}, written by the cache update, is not among "
+                          "the pages read back")
     fp8 = kv_cache_dtype in FP8_CACHE_DTYPES
     cached_k, cached_v = split_kv(pages, layout.snapshot_layout, head_size, fp8=fp8)
     offsets = slot_ids % page_size
@@ -362,5 +391,5 @@ def check_written_kv(layout: EngineLayout, kv_cache: torch.Tensor, *, key: torch
 
 
 __all__ = ["CPU_ATTN_K_TRANSPOSED", "CPU_ATTN_VERIFIED", "ENGINE_LAYOUTS", "EngineLayout", "LayerCacheDeclaration",
-           "LayoutError", "READABLE_QUANT_MODES", "VLLM_LAYOUT_PREFIX", "check_written_kv", "cpu_attn_layout",
-           "declared_layout", "engine_layout", "strides_follow", "vllm_layout", "vllm_to_cpu_attn"]
+           "LayoutError", "READABLE_QUANT_MODES", "VLLM_LAYOUT_PREFIX", "check_written_kv", "check_written_pages",
+           "cpu_attn_layout", "declared_layout", "engine_layout", "strides_follow", "vllm_layout", "vllm_to_cpu_attn"]

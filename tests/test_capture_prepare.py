@@ -12,6 +12,7 @@ from kvdbg.capture_prepare import (
     CaptureInputError,
     CapturePlan,
     PendingCapture,
+    build_snapshot,
     complete_capture,
     plan_capture,
     prepare_capture,
@@ -31,15 +32,34 @@ def test_prepare_returns_the_step_and_touches_nothing(tmp_path, layout, monkeypa
                               info={"where": "unit test"}, notes="n")
     assert isinstance(pending, PendingCapture) and os.listdir(tmp_path) == []
     want = engine.snap
-    assert torch.equal(pending.page_ids.long(), want.page_ids.long())
-    assert same_bytes(pending.kv_cache, want.kv_cache)
+    assert torch.equal(pending.plan.page_ids, want.page_ids.long())
+    assert same_bytes(pending.pages, want.kv_cache)  # these layouts need no conversion
     assert pending.num_tokens == want.steps[0].num_tokens
-    assert same_bytes(pending.step.query, want.steps[0].query)  # padding rows dropped
-    meta = pending.meta
+    assert same_bytes(pending.plan.step.query, want.steps[0].query)  # padding rows dropped
+    snapshot = complete_capture(pending)
+    assert torch.equal(snapshot.page_ids.long(), want.page_ids.long()) and snapshot.page_ids.dtype == torch.int32
+    meta = snapshot.meta
     assert meta.layer == want.meta.layer and meta.backend == want.meta.backend and meta.notes == "n"
     assert (meta.capture["rank"], meta.capture["rank_source"], meta.capture["engine"]) == (3, "test", "engine 1.0")
     assert meta.capture["where"] == "unit test" and meta.capture["query_rows_given"] == pending.num_tokens + PAD_ROWS
     assert parse_meta(meta.to_json()) == meta
+
+
+def test_the_engine_thread_only_copies_and_the_copies_do_not_alias_the_engine():
+    """Everything a later step could overwrite is a copy once begin returns; the metadata is built later."""
+    engine = Engine()
+    layer, backend, tensors = engine.args()
+    pending = prepare_capture(layer, backend, tensors, step=3)
+    want = complete_capture(prepare_capture(layer, backend, tensors, step=3), engine.output)
+    # The engine reuses every buffer for the next step.
+    for t in (tensors.query, tensors.key, tensors.value, tensors.block_table, tensors.seq_lens, engine.cache):
+        t.zero_() if t.is_floating_point() else t.fill_(0)
+    tensors.slot_mapping.fill_(-1)
+    pending.attach_output(engine.output)
+    engine.output.zero_()
+    got = build_snapshot(pending)
+    for name, t in want.tensors().items():
+        assert same_bytes(got.tensors()[name], t), name
 
 
 def test_the_plan_bounds_the_file_before_any_page_is_copied(tmp_path):
@@ -50,7 +70,7 @@ def test_the_plan_bounds_the_file_before_any_page_is_copied(tmp_path):
     dim = page_dim(engine.snap.meta.kv_layout)
     engine.cache.index_fill_(dim, plan.page_ids, 2.0)
     pending = plan.gather()
-    assert bool((pending.kv_cache == 2.0).all())
+    assert bool((pending.pages == 2.0).all())
     snapshot = complete_capture(pending, engine.output)
     size = snapshot_file_size(snapshot)
     assert plan.lower_bound_bytes <= size == os.path.getsize(save_snapshot(snapshot, tmp_path / "s.safetensors"))
@@ -119,9 +139,10 @@ def test_pre_update_restores_only_the_pages_the_update_wrote():
     slots = t.slot_mapping[t.slot_mapping >= 0].long()
     assert torch.equal(pre.page_ids, torch.unique(slots // engine.snap.meta.backend.page_size))
     engine.cache.index_fill_(0, pre.page_ids, 5.0)  # the engine's cache update
-    pending = prepare_capture(*engine.args(key=None, value=None, slot_mapping=None, pre_update=pre), step=7)
-    assert same_bytes(pending.kv_cache, before.index_select(0, pending.page_ids.long()))
-    assert pending.meta.capture["pre_update_pages_restored"] == len(pre.page_ids)
+    snapshot = complete_capture(prepare_capture(*engine.args(key=None, value=None, slot_mapping=None,
+                                                             pre_update=pre), step=7))
+    assert same_bytes(snapshot.kv_cache, before.index_select(0, snapshot.page_ids.long()))
+    assert snapshot.meta.capture["pre_update_pages_restored"] == len(pre.page_ids)
     other = dataclasses.replace(pre, page_size=32)
     with pytest.raises(CaptureInputError, match="pre_update was saved from a cache of another layout or page size"):
         prepare_capture(*engine.args(key=None, value=None, slot_mapping=None, pre_update=other))
@@ -134,8 +155,22 @@ def test_pre_update_restores_only_the_pages_the_update_wrote():
 def test_an_undeclared_layout_is_inferred_from_the_shape_and_said_so(layout):
     engine = Engine(layout=layout)
     layer = dataclasses.replace(engine.layer, kv_layout=None)
-    pending = prepare_capture(layer, engine.backend, engine.tensors)
-    assert pending.meta.kv_layout == layout
-    assert pending.meta.capture["kv_layout_source"] == "inferred from the cache shape"
+    snapshot = complete_capture(prepare_capture(layer, engine.backend, engine.tensors))
+    assert snapshot.meta.kv_layout == layout
+    assert snapshot.meta.capture["kv_layout_source"] == "inferred from the cache shape"
     with pytest.raises(CaptureInputError, match=r"kv_cache has shape \[7, 16\], which is neither"):
         prepare_capture(layer, engine.backend, dataclasses.replace(engine.tensors, kv_cache=torch.zeros(7, 16)))
+
+
+def test_the_page_buffers_are_reused_by_identity_among_free_buffers_of_other_sizes():
+    from kvdbg.capture_buffers import POOLED_MIN_BYTES, HostBuffers
+
+    pool = HostBuffers()
+    small = torch.zeros(POOLED_MIN_BYTES, dtype=torch.uint8)
+    large = torch.zeros(3 * POOLED_MIN_BYTES, dtype=torch.uint8)
+    pool.give(small)
+    pool.give(large)
+    # Two free buffers of different sizes (a long capture's pages grow): the one that fits is handed back.
+    assert pool.take(2 * POOLED_MIN_BYTES) is large
+    assert pool.take(POOLED_MIN_BYTES) is small
+    assert pool.free_bytes == 0 and pool.take(POOLED_MIN_BYTES) is not small

@@ -1,4 +1,5 @@
-"""Capture under load and faults: the background writer, a full disk, several processes writing to one directory."""
+"""Capture under load and faults: the byte-bounded writer, the exit line, a full disk, an unwritable directory,
+a process killed mid-write, several processes writing to one directory."""
 
 from __future__ import annotations
 
@@ -6,16 +7,23 @@ import errno
 import logging
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
 import pytest
 
+from kvdbg import capture as capture_module
 from kvdbg import snapshot as snapshot_module
-from kvdbg.capture import Capturer
+from kvdbg.capture import TEMP_PREFIX, Capturer, stale_temp_files
 from kvdbg.format import LAYOUT_VLLM
 from kvdbg.snapshot import load_snapshot
 from tests.test_capture import Engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def files(directory) -> list[str]:
@@ -26,46 +34,96 @@ def capture_steps(capturer: Capturer, engine: Engine, steps) -> list:
     return [capturer.capture(*engine.args(), output=engine.output, step=step, rank=0) for step in steps]
 
 
-def test_background_writer_keeps_the_engine_thread_free_and_drops_when_full(tmp_path, monkeypatch, caplog):
-    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
-    engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
-    disk = threading.Event()  # the "disk" accepts writes only once this is set
+def step_bytes(engine: Engine) -> int:
+    """Host bytes one step of ``engine`` holds while it waits for the writer."""
+    capturer = Capturer("unused", queue_bytes=1 << 40)
+    pending = capturer.begin(*engine.args(), step=0, rank=0)
+    pending.attach_output(engine.output)
+    return pending.nbytes
+
+
+@pytest.fixture
+def slow_disk(monkeypatch):
+    """The "disk" accepts writes only once the returned event is set."""
+    disk = threading.Event()
     real_write = snapshot_module.write_safetensors
 
     def slow_write(*args, **kwargs):
-        disk.wait(10)
+        disk.wait(20)
         return real_write(*args, **kwargs)
 
     monkeypatch.setattr(snapshot_module, "write_safetensors", slow_write)
-    capturer = Capturer(tmp_path, queue_size=2)
+    yield disk
+    disk.set()
+
+
+def test_the_writer_drops_only_past_its_memory_budget_and_never_holds_up_the_engine(tmp_path, slow_disk, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
+    size = step_bytes(engine)
+    capturer = Capturer(tmp_path, queue_bytes=int(2.5 * size))
     started = time.monotonic()
-    results = capture_steps(capturer, engine, range(1))
-    while capturer._queue.qsize() and time.monotonic() - started < 5:  # the writer takes it, then waits on the disk
-        time.sleep(0.001)
-    results += capture_steps(capturer, engine, range(1, 6))
+    results = capture_steps(capturer, engine, range(6))
     assert time.monotonic() - started < 5  # never waited for the disk
     assert results == [None] * 6  # paths are known only once written
-    # One step is being written, two wait in the queue, the other three are dropped and counted.
-    assert capturer.failures["dropped:queue_full"] == 3
-    dropped = [r for r in caplog.records if "dropped" in r.getMessage()]
-    assert len(dropped) == 1 and "KVDBG_CAPTURE_QUEUE=2" in dropped[0].getMessage()
-    disk.set()
-    assert capturer.flush(10)
-    assert len(files(tmp_path)) == 3 == len(capturer.written)
+    # Two steps fit in the budget (the one being written still holds its memory); four do not.
+    assert capturer.dropped == {"queue": 4} and capturer._queued_bytes == 2 * size
+    dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(dropped) == 1 and "KVDBG_CAPTURE_QUEUE_BYTES=" in dropped[0] and "Raise KVDBG_CAPTURE_QUEUE_BYTES" \
+        in dropped[0]
+    slow_disk.set()
+    assert capturer.close(10)
+    assert len(files(tmp_path)) == 2 == len(capturer.written) and capturer._queued_bytes == 0
     for name in files(tmp_path):
         assert load_snapshot(tmp_path / name).steps[0].output is not None
+    line = caplog.records[-1]
+    assert line.levelno == logging.WARNING and line.getMessage() == (
+        f"kvdbg capture in pid {os.getpid()}: captured 2 snapshot(s), {capturer.bytes_written} bytes, into {tmp_path}; "
+        "dropped 4 (4 over the writer's memory budget)")
 
 
-def test_background_writer_respects_the_count_budget(tmp_path):
+def test_a_contiguous_range_behind_a_slow_disk_is_kept_whole_with_the_default_budget(tmp_path, slow_disk, caplog):
+    caplog.set_level(logging.INFO, logger="kvdbg.capture")
     engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
-    capturer = Capturer(tmp_path, queue_size=8, max_snapshots=3)
+    capturer = Capturer(tmp_path, queue_bytes="auto", steps="10-49")
+    capture_steps(capturer, engine, range(60))  # 40 requested; the disk takes none until the end
+    assert capturer.queue_budget() >= 64 * 1024**2 and not capturer.dropped
+    slow_disk.set()
+    assert capturer.close(30)
+    steps = sorted(load_snapshot(tmp_path / n).meta.capture["step"] for n in files(tmp_path))
+    assert steps == list(range(10, 50))
+    started = [r.getMessage() for r in caplog.records if "background writer started" in r.getMessage()]
+    assert len(started) == 1 and "KVDBG_CAPTURE_QUEUE_BYTES=auto: 25% of the" in started[0]
+    assert caplog.records[-1].getMessage().endswith(f"captured 40 snapshot(s), {capturer.bytes_written} bytes, "
+                                                    f"into {tmp_path}; dropped 0")
+
+
+def test_close_waits_a_bounded_time_and_counts_what_is_left(tmp_path, slow_disk, caplog):
+    caplog.set_level(logging.INFO, logger="kvdbg.capture")
+    engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
+    capturer = Capturer(tmp_path, queue_bytes="auto")
+    capture_steps(capturer, engine, range(3))
+    started = time.monotonic()
+    assert not capturer.close(0.2)
+    assert time.monotonic() - started < 5
+    assert capturer.dropped == {"exit": 3}
+    assert caplog.records[-1].getMessage().endswith("dropped 3 (3 still waiting at shutdown); 3 still with the writer")
+    assert not capturer.close(0.1)  # said once
+    assert sum("dropped 3" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_count_budget_counts_what_is_in_flight_and_the_rest_as_dropped(tmp_path):
+    engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
+    capturer = Capturer(tmp_path, queue_bytes="auto", max_snapshots=3)
     capture_steps(capturer, engine, range(6))
-    assert capturer.flush(10)
+    assert capturer.close(10)
     assert len(files(tmp_path)) == 3 and not capturer.active
+    assert sum(capturer.dropped.values()) == 3 and set(capturer.dropped) <= {"max_snapshots", "off"}
+    assert "past KVDBG_CAPTURE_MAX" in capturer.summary() or "capture was off" in capturer.summary()
 
 
-@pytest.mark.parametrize("queue_size", [0, 4], ids=["in-caller", "background"])
-def test_disk_full_mid_write_leaves_no_file_and_one_line(tmp_path, monkeypatch, caplog, queue_size):
+@pytest.mark.parametrize("queue_bytes", [0, "auto"], ids=["in-caller", "background"])
+def test_disk_full_mid_write_leaves_no_file_and_one_line(tmp_path, monkeypatch, caplog, queue_bytes):
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
     engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
     real_write = snapshot_module.write_safetensors
@@ -84,13 +142,124 @@ def test_disk_full_mid_write_leaves_no_file_and_one_line(tmp_path, monkeypatch, 
         return real_write(HalfWay(), *args, **kwargs)
 
     monkeypatch.setattr(snapshot_module, "write_safetensors", full_disk)
-    capturer = Capturer(tmp_path, queue_size=queue_size)
+    capturer = Capturer(tmp_path, queue_bytes=queue_bytes)
     capture_steps(capturer, engine, range(3))  # never raises into the engine
     assert capturer.flush(10)
     assert files(tmp_path) == []  # neither a partial file under a final name nor a temp file
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "No space left on device" in errors[0], errors
     assert not capturer.active
+    capturer.close(1)
+    assert "capture turned off: " in caplog.records[-1].getMessage() and "No space left" in \
+        caplog.records[-1].getMessage()
+
+
+@pytest.mark.parametrize("queue_bytes", [0, "auto"], ids=["in-caller", "background"])
+def test_an_unwritable_directory_is_one_line_and_the_engine_goes_on(tmp_path, caplog, queue_bytes):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("a file where the directory should be\n")
+    capturer = Capturer(blocker / "snaps", queue_bytes=queue_bytes)
+    capture_steps(capturer, engine, range(4))
+    assert capturer.flush(10)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and f"cannot create capture directory {blocker / 'snaps'}: Not a directory" in errors[0]
+    assert not capturer.active and capturer.written == []
+    assert blocker.read_text() == "a file where the directory should be\n"
+    capturer.close(1)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_a_read_only_directory_is_one_line(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
+    directory = tmp_path / "ro"
+    directory.mkdir()
+    directory.chmod(0o555)
+    try:
+        capturer = Capturer(directory)
+        capture_steps(capturer, engine, range(3))
+    finally:
+        directory.chmod(0o755)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "Permission denied" in errors[0]
+
+
+CHILD_KILLED_MID_WRITE = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    from kvdbg import snapshot as snapshot_module
+    from kvdbg.capture import Capturer
+    from tests.test_capture import Engine
+
+    real_write = snapshot_module.write_safetensors
+
+    def stuck_write(fh, *args, **kwargs):
+        fh.write(b"half a snapshot")
+        fh.flush()
+        print("writing", flush=True)
+        time.sleep(600)  # the parent kills this process here
+
+    snapshot_module.write_safetensors = stuck_write
+    engine = Engine(layout="pages,heads,tokens,2*dim", dtype="bfloat16")
+    capturer = Capturer(sys.argv[1], queue_bytes="auto")
+    capturer.capture(*engine.args(), output=engine.output, step=1, rank=0)
+    time.sleep(600)
+""")
+
+
+def test_a_capture_killed_mid_write_leaves_only_a_temp_file_which_the_next_run_removes(tmp_path, caplog):
+    directory = tmp_path / "snaps"
+    directory.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", CHILD_KILLED_MID_WRITE.format(root=ROOT), str(directory)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "writing"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    left = files(directory)
+    assert len(left) == 1 and left[0].startswith(TEMP_PREFIX) and left[0].endswith(".tmp"), left
+    assert f"-{child.pid}-" in left[0]
+    assert stale_temp_files(str(directory)) == [str(directory / left[0])]
+    # Temp files this run does not own stay: a live process's (its own parent's), another host's, other tools'.
+    alive = f"{TEMP_PREFIX}{capture_module._HOST}-{os.getppid()}-abc123.tmp"
+    elsewhere = f"{TEMP_PREFIX}otherhost-{child.pid}-abc123.tmp"
+    for name in (alive, elsewhere, ".kvdbg-q1w2e3.tmp"):
+        (directory / name).write_bytes(b"x")
+    caplog.set_level(logging.INFO, logger="kvdbg.capture")
+    engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
+    path = Capturer(directory).capture(*engine.args(), output=engine.output, step=2, rank=0)
+    assert path is not None and load_snapshot(path).meta.capture["step"] == 2
+    assert sorted(files(directory)) == sorted([os.path.basename(path), alive, elsewhere, ".kvdbg-q1w2e3.tmp"])
+    removed = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+    assert removed == [f"kvdbg capture: removed 1 temporary file(s) in {directory} left by capture processes that "
+                       f"died mid-write (pid {child.pid})"]
+
+
+CHILD_EXITS = textwrap.dedent("""
+    import logging, sys
+    sys.path.insert(0, {root!r})
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from kvdbg.capture import Capturer
+    from tests.test_capture import Engine
+
+    engine = Engine(layout="pages,heads,tokens,2*dim", dtype="bfloat16")
+    capturer = Capturer(sys.argv[1], queue_bytes="auto", steps="0-2")
+    for step in range(5):
+        capturer.capture(*engine.args(), output=engine.output, step=step, rank=0)
+    # no close(): the exit handler drains the writer and says the line
+""")
+
+
+def test_at_exit_the_writer_drains_and_one_line_says_what_was_captured(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", CHILD_EXITS.format(root=ROOT), str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("kvdbg capture in pid")]
+    assert len(lines) == 1 and lines[0].endswith(f"captured 3 snapshot(s), {sum(os.path.getsize(tmp_path / n) for n in files(tmp_path))} bytes, into {tmp_path}; dropped 0")
+    assert len(files(tmp_path)) == 3
 
 
 def _capture_in_process(directory: str, count: int) -> int:

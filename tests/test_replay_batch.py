@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from kvdbg.batch import (STATUS_BAD_INPUT, STATUS_CRASHED, STATUS_FAIL, STATUS_PASS, STATUS_UNVERIFIED, BatchOptions,
                          FileResult, batch_exit_code, find_snapshots, replay_many)
 from kvdbg.cli import cli
+from kvdbg.snapshot import save_snapshot
 
 from tests.helpers import FIXTURES, assert_close_ulps
 
@@ -174,3 +175,51 @@ def test_fixtures_directory_at_80_columns(monkeypatch, tmp_path):
     assert max(len(line) for line in lines if not line.lstrip().startswith("$ kvdbg ")) <= 80
     rows = [line for line in lines if line.startswith("│ ") and ("PASS" in line or "FAIL" in line)]
     assert [("FAIL" in r, "PASS" in r) for r in rows] == [(False, True), (True, False), (True, False)]
+
+
+def test_the_ranks_of_a_step_are_one_row_with_one_verdict(tmp_path):
+    """Tensor-parallel ranks of one step (same engine, layer, step) share a row; the step fails if any rank does."""
+    import torch
+
+    from kvdbg.synth import SynthSpec, synth_snapshot
+    from tests.test_merge import split_into_ranks, write_shards
+
+    directory = tmp_path / "captures"
+    for step in (5, 6):
+        full = synth_snapshot(SynthSpec(seq_lens=(20, 45), num_heads=4, num_kv_heads=2, head_size=16,
+                                        engine_output="reference", seed=step))
+        shards = split_into_ranks(full, 2, step=step)
+        if step == 6:  # rank 1's engine wrote a wrong value in its first head
+            shards[1].steps[0].output[0, 0] += 4.0
+        write_shards(directory, shards, stem=f"model.layers.0.self_attn.attn-step{step}")
+    alone = synth_snapshot(SynthSpec(seq_lens=(30,), num_heads=4, num_kv_heads=2, head_size=16,
+                                     engine_output="reference"))
+    save_snapshot(alone, directory / "zz-alone.safetensors")
+    res = invoke(str(directory), "--backend", "flex", "--json")
+    assert res.exit_code == 1, res.output
+    data = json.loads(res.output)
+    assert len(data["files"]) == 5 and [f["status"] for f in data["files"]] == ["pass", "pass", "pass", "fail", "pass"]
+    rows = data["rows"]
+    assert [(row["tp_ranks"], row["status"], len(row["files"])) for row in rows] == [
+        ([0, 1], "pass", 2), ([0, 1], "fail", 2), ([], "pass", 1)]
+    failing = rows[1]
+    assert failing["steps"] == [0] and "captured" in (failing["worst"]["actual"], failing["worst"]["expected"])
+    # request x head pairs, counted over both ranks: 2 requests x 2 heads on each
+    assert (failing["worst"]["failed_heads"], failing["worst"]["heads"]) == (1, 8)
+    assert failing["summary"].startswith("tp_rank 1: ")
+    table = invoke(str(directory), "--backend", "flex").output
+    assert "3 rows, a step's ranks in one" in table.replace("\n", " ")
+    assert "1/8 heads fail" in table and " 0,1 " in table
+    assert torch.__version__  # torch is only needed to build the inputs
+
+
+def test_shards_that_cannot_be_told_apart_are_not_grouped(tmp_path):
+    from kvdbg.synth import SynthSpec, synth_snapshot
+    from tests.test_merge import split_into_ranks, write_shards
+
+    full = synth_snapshot(SynthSpec(seq_lens=(20,), num_heads=4, num_kv_heads=2, head_size=16,
+                                    engine_output="reference"))
+    for run in ("a", "b"):  # two runs with no engine id, same layer and step: rank 0 twice
+        write_shards(tmp_path / "d", split_into_ranks(full, 2, engine=None)[:1], stem=f"{run}-step5")
+    data = json.loads(invoke(str(tmp_path / "d"), "--backend", "flex", "--json").output)
+    assert [len(row["files"]) for row in data["rows"]] == [1, 1]

@@ -19,12 +19,14 @@ from tests.helpers import ROOT
 
 STANDINS = Path(__file__).parent / "vllm_standins"
 ENV_VARS = ("KVDBG_CAPTURE_DIR", "KVDBG_CAPTURE_BACKENDS", "KVDBG_CAPTURE_LAYERS", "KVDBG_CAPTURE_STEPS",
-            "KVDBG_CAPTURE_RANKS", "KVDBG_CAPTURE_MAX", "KVDBG_CAPTURE_MAX_BYTES", "RANK")
+            "KVDBG_CAPTURE_RANKS", "KVDBG_CAPTURE_MAX", "KVDBG_CAPTURE_MAX_BYTES", "KVDBG_CAPTURE_QUEUE_BYTES",
+            "KVDBG_CAPTURE_QUEUE", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "RANK")
 WRAPPED = {
     "vllm.v1.attention.backends.flashinfer_ts": {"FlashInferTSImpl": ("forward", "do_kv_cache_update"),
                                                   "FlashInferTSMetadataBuilder": ("build",)},
     "vllm.v1.attention.backends.flex_attention": {"FlexAttentionImpl": ("forward", "do_kv_cache_update"),
                                                    "FlexAttentionMetadataBuilder": ("build",)},
+    "vllm.v1.worker.worker_base": {"WorkerWrapperBase": ("shutdown",)},
 }
 
 
@@ -311,11 +313,13 @@ def test_by_default_the_backend_of_each_layer_is_wrapped_when_the_layer_is_built
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
     before = originals()
     enable(standins, tmp_path)
-    assert current() == before  # nothing is known about the engine's backends yet
+    worker = "vllm.v1.worker.worker_base"
+    # Nothing is known about the engine's backends yet; only the worker's shutdown (the writer's drain) is wrapped.
+    assert {k: v for k, v in current().items() if k[0] != worker} == {k: v for k, v in before.items() if k[0] != worker}
     engine = StandinEngine("FLASHINFER_TS", layers=2)
     after = current()
     ts = "vllm.v1.attention.backends.flashinfer_ts"
-    assert all((after[k] is not before[k]) == (k[0] == ts) for k in before)
+    assert all((after[k] is not before[k]) == (k[0] in (ts, worker)) for k in before)
     lines = [r.getMessage() for r in caplog.records if "wrapping FLASHINFER_TS" in r.getMessage()]
     assert len(lines) == 1 and "the backend of layer model.layers.0.self_attn.attn" in lines[0], lines
     vllm_plugin.register()
@@ -725,8 +729,26 @@ def test_a_cache_whose_written_slots_do_not_read_back_is_refused_once(standins, 
     assert warnings[0].startswith("kvdbg capture refused: ODD_ATTN layer model.layers.0.self_attn.attn: after "
                                   "do_kv_cache_update, read through layout 'vllm:LBHNC', slot ")
     assert "where the engine wrote" in warnings[0] and "nothing is captured from this layer" in warnings[0]
-    assert vllm_plugin.active_capturer().failures["layout:ODD_ATTN"] == 2  # each layer refused once, then skipped
-    assert vllm_plugin.active_capturer().active
+    capturer = vllm_plugin.active_capturer()
+    assert capturer.failures["layout:ODD_ATTN"] == 2  # each layer refused once, then skipped
+    assert capturer.active
+    # The writer compares (the engine's thread only copies), so a later step may be copied before the refusal
+    # is known: it is dropped, not written. Every step asked for is accounted for in the exit line.
+    assert capturer.dropped == {"refused": 6} and len(capturer.written) == 0
+    assert "6 refused by a check (see the warning)" in capturer.summary()
+
+
+def test_without_a_background_writer_the_read_back_refuses_at_the_same_step(standins, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path, KVDBG_CAPTURE_QUEUE_BYTES="0")
+    engine = StandinEngine(_odd_backend(), layers=1, causal=True, window=None, query_len=1, seq_lens=(40, 17))
+    engine.step()
+    capturer = vllm_plugin.active_capturer()
+    assert capturer.layer_refused("model.layers.0.self_attn.attn").startswith("read through layout 'vllm:LBHNC'")
+    engine.step()
+    assert snapshots(tmp_path) == [] and capturer.dropped == {"refused": 2}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "from step 0 on" in warnings[0], warnings
 
 
 def test_a_batch_whose_mask_a_snapshot_cannot_hold_is_refused_once(standins, tmp_path, caplog):
@@ -802,3 +824,36 @@ def test_a_step_recorded_into_a_cuda_graph_is_said_once_and_not_counted(standins
     assert len(said) == 1 and "a CUDA graph is being recorded through layer model.layers.0.self_attn.attn" in said[0]
     assert "--enforce-eager" in said[0]
     assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [0, 0]  # recorded forwards are not steps
+
+
+def test_the_writer_drains_at_the_worker_shutdown_and_says_one_line(standins, tmp_path, caplog):
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    caplog.set_level(logging.INFO, logger="kvdbg.capture")
+    enable(standins, tmp_path, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="3")
+    capturer = vllm_plugin.active_capturer()
+    assert capturer.config.queue_bytes == "auto"  # the plugin's default: the background writer
+    engine = StandinEngine("FLASHINFER_TS")
+    for _ in range(3):
+        engine.step()
+    worker = WorkerWrapperBase()
+    worker.shutdown()
+    assert worker.shut_down and len(os.listdir(tmp_path)) == 3  # drained before the worker's own shutdown
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvdbg capture in pid")]
+    assert lines == [f"kvdbg capture in pid {os.getpid()}: captured 3 snapshot(s), {capturer.bytes_written} bytes, "
+                     f"into {tmp_path}; dropped 0"]
+    vllm_plugin.unregister()  # closes again: nothing more is said
+    assert sum(r.getMessage().startswith("kvdbg capture in pid") for r in caplog.records) == 1
+
+
+def test_each_snapshot_records_its_place_among_the_engine_ranks(standins, tmp_path):
+    enable(standins, tmp_path)
+    engine = StandinEngine("FLASHINFER_TS")
+    engine.vllm_config.instance_id = "1764633600123456789"
+    engine.vllm_config.parallel_config.tensor_parallel_size = 1
+    engine.step()
+    (snap,) = snapshots(tmp_path)
+    capture = snap.meta.capture
+    assert capture["engine_instance"] == "1764633600123456789"
+    assert (capture["tp_rank"], capture["tp_size"]) == (0, 1)
+    assert "total_num_kv_heads" in capture and "dp_rank" in capture

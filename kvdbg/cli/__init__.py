@@ -15,6 +15,7 @@ COMMANDS = {
     "explain": "kvdbg.cli.explain:explain",
     "info": "kvdbg.cli.info:info",
     "map": "kvdbg.cli.map:map_",
+    "merge": "kvdbg.cli.merge:merge",
     "poison": "kvdbg.cli.poison:poison",
     "replay": "kvdbg.cli.replay:replay",
     "report": "kvdbg.cli.report:report",

@@ -10,7 +10,7 @@ from rich.console import Group
 from rich.text import Text
 
 from kvdbg.batch import (STATUS_BAD_INPUT, STATUS_CRASHED, STATUS_FAIL, STATUS_PASS, STATUS_UNVERIFIED, BatchResult,
-                         FileResult)
+                         FileResult, StepRow)
 from kvdbg.render.fit import Column, FitTable
 
 STATUS_TEXT = {STATUS_PASS: ("PASS", "bold green"), STATUS_FAIL: ("FAIL", "bold red"),
@@ -54,16 +54,21 @@ def short_layer(name: str | None) -> str:
     return match.group(1) if match else name
 
 
-def _why(f: FileResult) -> str:
+def _why(f: FileResult | StepRow) -> str:
     """The one-line reason, without the path the row already names."""
     text = f.summary
-    for prefix in (f"{f.path}: ", f"{os.path.abspath(f.path)}: "):
-        if text.startswith(prefix):
-            return text[len(prefix):]
+    paths = [f.path] if isinstance(f, FileResult) else [m.path for m in f.files]
+    for path in paths:
+        for prefix in (f"{path}: ", f"{os.path.abspath(path)}: "):
+            text = text.replace(prefix, "")
     return text
 
 
-def _worst(f: FileResult) -> Text:
+def _ranks(ranks: list[int]) -> str:
+    return _steps(ranks) if ranks else "-"
+
+
+def _worst(f: FileResult | StepRow) -> Text:
     text = Text()
     w = f.worst
     if w is not None:
@@ -80,29 +85,41 @@ def _worst(f: FileResult) -> Text:
 
 
 def render_batch(result: BatchResult) -> Group:
-    names, directory = display_names(result.files)
+    rows = result.rows
+    names, directory = display_names([row.files[0] for row in rows])
+    grouped = any(len(row.files) > 1 for row in rows)
     title = f"{len(result.files)} snapshot(s)" + (f" in {directory}" if directory else "")
-    table = FitTable([Column("file", priority=10, min_width=14), Column("layer", whole=True, justify="left", priority=2),
-                      Column("step", whole=True, justify="left", priority=4),
-                      Column("verdict", whole=True, justify="left", priority=9),
-                      Column("worst backend / why", priority=8), Column("max abs", whole=True, priority=7)],
-                     title=title,
-                     caption="worst: the backend whose comparison (with the reference unless named) fails worst, "
-                             "else errs most; its error findings; why: a file not replayed")
-    for name, f in zip(names, result.files):
-        label, style = STATUS_TEXT[f.status]
-        if f.status in (STATUS_BAD_INPUT, STATUS_CRASHED):
-            table.add_row(name, short_layer(f.layer), "-", Text(label, style=style), Text(_why(f), style="red"), "-")
+    if grouped:
+        title += f"; {len(rows)} rows, a step's ranks in one"
+    columns = [Column("file", priority=10, min_width=14), Column("layer", whole=True, justify="left", priority=2),
+               Column("step", whole=True, justify="left", priority=4)]
+    if grouped:
+        columns.append(Column("ranks", whole=True, justify="left", priority=5))
+    columns += [Column("verdict", whole=True, justify="left", priority=9),
+                Column("worst backend / why", priority=8), Column("max abs", whole=True, priority=7)]
+    caption = ("worst: the backend whose comparison (with the reference unless named) fails worst, else errs most; "
+               "its error findings; why: a file not replayed")
+    if grouped:
+        caption += "; ranks: the first rank's file is named, heads are counted over the ranks"
+    table = FitTable(columns, title=title, caption=caption)
+    for name, row in zip(names, rows):
+        label, style = STATUS_TEXT[row.status]
+        ranks = [_ranks(row.tp_ranks)] if grouped else []
+        if row.status in (STATUS_BAD_INPUT, STATUS_CRASHED):
+            table.add_row(name, short_layer(row.layer), "-", *ranks, Text(label, style=style),
+                          Text(_why(row), style="red"), "-")
             continue
-        error = _fmt(f.worst.max_abs) if f.worst is not None else "-"
-        table.add_row(name, short_layer(f.layer), _steps(f.steps), Text(label, style=style), _worst(f), error)
+        worst = row.worst
+        error = _fmt(worst.max_abs) if worst is not None else "-"
+        table.add_row(name, short_layer(row.layer), _steps(row.steps), *ranks, Text(label, style=style), _worst(row),
+                      error)
     return Group(table, Text(EXIT_RULE, style="dim"))
 
 
 def batch_json(result: BatchResult) -> dict[str, Any]:
-    """One object per file, in the order replayed, then the overall verdict (the last key)."""
-    return {"files": [f.to_json() for f in result.files], "counts": result.counts, "rule": EXIT_RULE,
-            "verdict": result.verdict.to_json()}
+    """One object per file, in the order replayed; the rows (a step's ranks in one); the verdict (the last key)."""
+    return {"files": [f.to_json() for f in result.files], "rows": [row.to_json() for row in result.rows],
+            "counts": result.counts, "rule": EXIT_RULE, "verdict": result.verdict.to_json()}
 
 
 __all__ = ["EXIT_RULE", "batch_json", "display_names", "render_batch"]

@@ -42,6 +42,9 @@ CASES = {
     # the disk fills up in the middle of the first snapshot (a file size limit on this process):
     # the engine serves on, one error line, capture turns off, no file under a final name
     "disk_full": [([(12, 30)], 3)],
+    # the capture directory cannot be created (a regular file stands where its parent should be):
+    # the engine serves on, one error line, capture turns off (so, like disk_full, last in its engine)
+    "unwritable": [([(13, 30)], 3)],
 }
 # Both layers only where the case needs them (every replay costs seconds); layer 1 elsewhere.
 BOTH_LAYERS = ("decode",)
@@ -84,8 +87,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     os.environ["KVDBG_CAPTURE_DIR"] = os.path.join(args.out, "_before_cases")
     os.environ.pop("KVDBG_CAPTURE_BACKENDS", None)  # the default: the backend each layer is built on
-    os.environ["KVDBG_CAPTURE_MAX"] = "unlimited"
-    os.environ["KVDBG_CAPTURE_QUEUE"] = "256"  # the background writer, deep enough that no step is dropped
+    os.environ["KVDBG_CAPTURE_MAX"] = "unlimited"  # the writer's memory budget keeps its default
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: the capturer can be redirected
 
     if args.backend == "FLEX_ATTENTION":
@@ -116,6 +118,11 @@ def main() -> int:
               "wrapped": list(vllm_plugin._state.wrapped)}
     for case in args.cases.split(","):
         case_dir = os.path.join(args.out, case)
+        if case == "unwritable":
+            blocker = os.path.join(args.out, "not_a_directory")
+            with open(blocker, "w") as f:
+                f.write("a regular file where the capture directory's parent should be\n")
+            case_dir = os.path.join(blocker, "snapshots")
         capturer.reconfigure(directory=case_dir)
         capturer.select_layers(None if case in BOTH_LAYERS else "*.layers.1.*")
         before = len(capturer.written)
@@ -142,6 +149,7 @@ def main() -> int:
             "failures": {k: v - failures_before.get(k, 0) for k, v in capturer.failures.items()
                          if v != failures_before.get(k, 0)},
             "files": sorted(os.listdir(case_dir)) if os.path.isdir(case_dir) else [],
+            "dropped": dict(capturer.dropped),
         }
     record["failures"] = dict(capturer.failures)
     with open(os.path.join(args.out, "cases.json"), "w") as f:

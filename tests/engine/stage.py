@@ -8,9 +8,15 @@ this module runs inside that venv. Steps:
    test-only shims in ``flex_shims``) over the cases of ``engine_case.CASES``;
 3. run two plain ``LLM()`` engines (vLLM's own multiprocessing, nothing set up
    for logging) and check that the plugin's lines reach stderr;
-4. replay every snapshot with ``kvdbg replay --json`` and check the comparisons
+4. run three more engines of vLLM's own processes with capture's default
+   settings: a range of steps of both layers asked for under load (every one
+   must arrive), two tensor-parallel ranks (one replay row per step, and the
+   merged step replays as the ranks do), and one killed with SIGKILL while its
+   writer is in the middle of a file (no partial snapshot; the next capture
+   removes the temporary file);
+5. replay every snapshot with ``kvdbg replay --json`` and check the comparisons
    and findings; check that each case produced the batches it claims;
-5. print a summary; exit 1 on any failed check.
+6. print a summary; exit 1 on any failed check.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ MIN_DECODE_COSINE = 0.9999
 RUNS = [
     # (backend, model, cases)
     ("CPU_ATTN", "plain", "prefill,decode,mixed,prefix_hit,disk_full"),
-    ("CPU_ATTN", "sliding", "sliding,sliding_prefix_hit"),
+    ("CPU_ATTN", "sliding", "sliding,sliding_prefix_hit,unwritable"),
     ("FLEX_ATTENTION", "plain", "prefill,decode,mixed,prefix_hit"),
     ("FLEX_ATTENTION", "sliding", "sliding,sliding_prefix_hit"),
 ]
@@ -75,9 +81,11 @@ class Outcome:
 # --------------------------------------------------------------------------- engine runs
 
 
-def run_engines(out: str, models: dict[str, str], log) -> dict[tuple[str, str], dict]:
+def run_engines(out: str, models: dict[str, str], log, chosen: set) -> dict[tuple[str, str], dict]:
     records = {}
     for backend, model, cases in RUNS:
+        if (backend, model) not in chosen:
+            continue
         run_dir = os.path.join(out, "snapshots", backend, model)
         log_path = os.path.join(out, "logs", f"{backend}-{model}.log")
         t0 = time.monotonic()
@@ -149,7 +157,8 @@ def plain_runs(out: str, model_dir: str, log) -> list[str]:
         for text in expected:
             if not any(text in line for line in kvdbg_lines):
                 problems.append(f"plain run {name}: no stderr line with {text!r}")
-        refusals = [line for line in kvdbg_lines if "refused" in line]
+        # The refusal lines themselves (the exit line may count the steps they cost as "refused by a check").
+        refusals = [line for line in kvdbg_lines if "kvdbg capture refused:" in line]
         if len(refusals) > 1:
             problems.append(f"plain run {name}: {len(refusals)} refusal lines, expected at most one")
         if name == "other_backend_named" and files:
@@ -158,29 +167,10 @@ def plain_runs(out: str, model_dir: str, log) -> list[str]:
             problems.append(f"plain run {name}: {len(files)} files written from the unverified amx layout")
         if name == "default_backends" and not amx and not files:
             problems.append(f"plain run {name}: no snapshot from the CPU_ATTN layers it wrapped")
-        if len(kvdbg_lines) > 2 + 8 + 2:
+        # active, wrapping, writer started, 8 snapshot lines, a refusal, the exit line, and slack of 2
+        if len(kvdbg_lines) > 3 + 8 + 4:
             problems.append(f"plain run {name}: {len(kvdbg_lines)} kvdbg lines, more than the bound")
     return problems
-
-
-def overhead(out: str, model_dir: str, log) -> None:
-    """Decode-step time with capture off and on, measured in one run (reported, not asserted)."""
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.overhead", "--model", model_dir,
-                           "--out", os.path.join(out, "overhead")], cwd=ROOT, capture_output=True, text=True)
-    with open(os.path.join(out, "logs", "overhead.log"), "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    try:
-        data = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        log(f"overhead: no result (exit {proc.returncode}); see logs/overhead.log")
-        return
-    log(f"decode step, CPU_ATTN, 1 request, best of {data['repeats']} rounds of {data['tokens']} steps "
-        "(wall / engine-thread CPU / process CPU, ms):")
-    for name, wall in data["decode_step_ms"].items():
-        log(f"    {name:<40}{wall:8.2f}{data['engine_thread_cpu_ms'][name]:8.2f}{data['process_cpu_ms'][name]:8.2f}")
-    log(f"    snapshot {data['snapshot_bytes']} bytes; copying that many bytes once takes "
-        f"{data['copy_snapshot_bytes_ms']:.3f} ms; background writer wrote {data['snapshots_written_background']}, "
-        f"dropped {data['dropped_background']}")
 
 
 # --------------------------------------------------------------------------- replays
@@ -271,9 +261,9 @@ def case_checks(backend: str, case: str, paths: list[str], record: dict) -> list
     from kvdbg.snapshot import load_snapshot
 
     problems = [f"{backend}/{case}: capture failure {kind} x{count}"
-                for kind, count in record.get("failures", {}).items() if case != "disk_full"]
-    if case == "disk_full":
-        return problems + disk_full_checks(backend, record)
+                for kind, count in record.get("failures", {}).items() if case not in FAULT_CASES]
+    if case in FAULT_CASES:
+        return problems + fault_checks(backend, case, record)
     snaps = [load_snapshot(p) for p in paths]
     if not snaps:
         return problems + [f"{backend}/{case}: no snapshots"]
@@ -359,18 +349,279 @@ def declared_layout_checks(backend: str, case: str, snaps: list) -> list[str]:
     return problems
 
 
-def disk_full_checks(backend: str, record: dict) -> list[str]:
-    """The disk filled up in the middle of the first snapshot: the engine served on, capture stopped cleanly."""
+# Cases where writing fails on purpose: the engine must serve on, with one error line, and capture turns off.
+FAULT_CASES = {"disk_full": "No space left|File too large", "unwritable": "cannot create capture directory"}
+
+
+def fault_checks(backend: str, case: str, record: dict) -> list[str]:
+    """Writing failed (the disk filled up, the directory cannot be made): the engine served on, capture stopped."""
     problems = []
     failures = record.get("failures", {})
     if list(failures) != ["write:_WriteFailed"] or failures["write:_WriteFailed"] != 1:
-        problems.append(f"{backend}/disk_full: expected one write failure, got {failures}")
+        problems.append(f"{backend}/{case}: expected one write failure, got {failures}")
     if record.get("files"):
-        problems.append(f"{backend}/disk_full: files left in the directory: {record['files']}")
+        problems.append(f"{backend}/{case}: files left in the directory: {record['files']}")
     if record.get("capture_active_after"):
-        problems.append(f"{backend}/disk_full: capture still on after the disk filled up")
+        problems.append(f"{backend}/{case}: capture still on after the write failed")
     if not all(len(tokens) == 3 for batch in record.get("generated", []) for tokens in batch):
-        problems.append(f"{backend}/disk_full: the engine did not finish its requests: {record.get('generated')}")
+        problems.append(f"{backend}/{case}: the engine did not finish its requests: {record.get('generated')}")
+    return problems
+
+
+def exit_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "[kvdbg] kvdbg capture in pid" in line]
+
+
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("KVDBG_", "VLLM_"))}
+
+# A real engine of vLLM's own processes, with nothing but the capture variables set (the defaults otherwise).
+ENGINE_RUN = """
+import sys
+from vllm import LLM, SamplingParams
+
+def main():
+    model, prompts, tokens, tp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, block_size=32, max_model_len=512,
+              num_gpu_blocks_override=64, seed=0, gpu_memory_utilization=0.25, tensor_parallel_size=tp)
+    batch = [{"prompt_token_ids": [3 + (i * 37 + j * 101) % 500 for i in range(40 + 7 * j)]} for j in range(prompts)]
+    out = llm.generate(batch, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0), use_tqdm=False)
+    print("generated", [len(o.outputs[0].token_ids) for o in out], flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+RANGE_STEPS = (4, 15)  # both layers: 24 snapshots, within the default KVDBG_CAPTURE_MAX of 32
+
+
+def range_under_load(out: str, model_dir: str, log) -> list[str]:
+    """Steps 4-15 of both layers, asked with the default settings while the machine is busy: all 24 arrive."""
+    from kvdbg.snapshot import load_snapshot
+
+    capture_dir = os.path.join(out, "plain", "range_under_load")
+    env = dict(CLEAN_ENV, KVDBG_CAPTURE_DIR=capture_dir,
+               KVDBG_CAPTURE_STEPS=f"{RANGE_STEPS[0]}-{RANGE_STEPS[1]}")
+    # Load: two busy processes at normal priority, against the writer's lowest priority, while the engine
+    # decodes 6 requests; they stop once the engine has served, so the shutdown's drain is what writes.
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE_RUN, model_dir, "6", "24", "1"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    served, seen = "", []
+    for line in proc.stdout:  # vLLM logs to stdout too: wait for the script's own line
+        seen.append(line)
+        if line.startswith("generated"):
+            served = line
+            break
+    for hog in hogs:
+        hog.kill()
+        hog.wait()
+    stdout, stderr = proc.communicate(timeout=600)
+    took = time.monotonic() - t0
+    with open(os.path.join(out, "logs", "plain-range_under_load.stderr"), "w") as f:
+        f.write("".join(seen) + stdout + stderr)
+    problems = []
+    if proc.returncode != 0 or not served.startswith("generated"):
+        problems.append(f"range_under_load: the engine did not serve (exit {proc.returncode})")
+    names = sorted(n for n in os.listdir(capture_dir) if n.endswith(".safetensors")) if os.path.isdir(
+        capture_dir) else []
+    metas = [load_snapshot(os.path.join(capture_dir, n)).meta for n in names]
+    got = sorted((meta.layer.name, meta.capture["step"]) for meta in metas)
+    layers = sorted({layer for layer, _ in got})
+    want = sorted((layer, step) for layer in ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+                  for step in range(RANGE_STEPS[0], RANGE_STEPS[1] + 1))
+    if got != want:
+        missing = sorted(set(want) - set(got))
+        problems.append(f"range_under_load: asked for steps {RANGE_STEPS[0]}-{RANGE_STEPS[1]} of both layers, got "
+                        f"{len(got)} snapshots (layers {layers}); missing {missing[:6]}")
+    lines = exit_lines(stderr)
+    if len(lines) != 1 or f"captured {len(want)} snapshot(s)" not in lines[0] or "dropped 0" not in lines[0]:
+        problems.append(f"range_under_load: expected one exit line saying captured {len(want)}, dropped 0; got "
+                        f"{lines}")
+    log(f"plain LLM() range_under_load  {took:5.1f} s: steps {RANGE_STEPS[0]}-{RANGE_STEPS[1]} of 2 layers under "
+        f"load, {len(got)} of {len(want)} snapshots; {lines[0].split('[kvdbg] ')[-1] if lines else 'no exit line'}")
+    return problems
+
+
+TP_STEPS = "1-2"
+
+
+def tensor_parallel(out: str, model_dir: str, log) -> list[str]:
+    """Two tensor-parallel ranks (vLLM's CPU build runs TP on CPU): one row per step, the merged step replays
+    as the ranks do."""
+    import torch
+
+    from kvdbg import api
+    from kvdbg.snapshot import load_snapshot
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        log("tensor parallel: skipped, needs two CPUs")
+        return []
+    capture_dir = os.path.join(out, "plain", "tp2")
+    env = dict(CLEAN_ENV, KVDBG_CAPTURE_DIR=capture_dir,
+               KVDBG_CAPTURE_STEPS=TP_STEPS, KVDBG_CAPTURE_LAYERS="*.layers.1.*",
+               VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}")  # one core per rank
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", ENGINE_RUN, model_dir, "2", "4", "2"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    took = time.monotonic() - t0
+    with open(os.path.join(out, "logs", "plain-tp2.stderr"), "w") as f:
+        f.write(proc.stderr)
+    if proc.returncode != 0 or "generated" not in proc.stdout:
+        return [f"tensor parallel: the engine did not serve (exit {proc.returncode}); see logs/plain-tp2.stderr"]
+    problems = []
+    replay = subprocess.run([os.path.join(BIN, "kvdbg"), "replay", capture_dir, "--json"], capture_output=True,
+                            text=True)
+    try:
+        rows = json.loads(replay.stdout)["rows"]
+    except (ValueError, KeyError):
+        return [f"tensor parallel: kvdbg replay DIR printed no rows (exit {replay.returncode}): "
+                f"{replay.stderr.strip()[:300]}"]
+    if replay.returncode != 0 or [(r["tp_ranks"], r["status"]) for r in rows] != [([0, 1], "pass")] * 2:
+        problems.append(f"tensor parallel: expected 2 rows of ranks 0,1 passing, got "
+                        f"{[(r['tp_ranks'], r['status'], r['summary'][:120]) for r in rows]}")
+    merged_dir = os.path.join(out, "plain", "tp2_merged")
+    os.makedirs(merged_dir, exist_ok=True)
+    for row in rows:
+        ranks = [load_snapshot(p) for p in row["files"]]
+        step = ranks[0].meta.capture["step"]
+        target = os.path.join(merged_dir, f"step{step}.safetensors")
+        merge = subprocess.run([os.path.join(BIN, "kvdbg"), "merge", *row["files"], "-o", target], capture_output=True,
+                               text=True)
+        if merge.returncode != 0:
+            problems.append(f"tensor parallel: kvdbg merge of step {step} failed: {merge.stderr.strip()[:300]}")
+            continue
+        # vllm: vLLM's own code for the captured backend (CPU_ATTN here, with the captured kernel variant).
+        try:
+            merged = api.replay(target, ["reference", "vllm"])
+            alone = [api.replay(p, ["reference", "vllm"]) for p in row["files"]]
+        except Exception as exc:  # a backend that cannot run is a finding of this check, not a crash of the stage
+            problems.append(f"tensor parallel: step {step}: replay failed: {type(exc).__name__}: {exc}")
+            continue
+        if merged.verdict.exit_code != 0:
+            problems.append(f"tensor parallel: the merged step {step} does not pass: {merged.verdict.summary}")
+        layer = merged.result.meta.layer
+        if (layer.num_heads, layer.num_kv_heads) != (sum(r.meta.layer.num_heads for r in ranks),
+                                                     sum(r.meta.layer.num_kv_heads for r in ranks)):
+            problems.append(f"tensor parallel: merged step {step} has {layer.num_heads}/{layer.num_kv_heads} heads")
+        for backend in ("reference", "vllm"):
+            whole = merged.result.steps[0].runs[backend].output
+            parts = torch.cat([r.result.steps[0].runs[backend].output for r in alone], dim=1)
+            eps = torch.finfo(parts.dtype).eps
+            if not torch.allclose(whole, parts, atol=4 * eps, rtol=4 * eps):
+                problems.append(f"tensor parallel: step {step}: the merged replay's {backend} output differs from "
+                                f"the ranks' by {float((whole - parts).abs().max()):.3g}")
+        instances = {r.meta.capture.get("engine_instance") for r in ranks}
+        if len(instances) != 1 or None in instances:
+            problems.append(f"tensor parallel: the ranks record engine instances {instances}")
+    log(f"plain LLM() tensor parallel 2 {took:5.1f} s: {len(rows)} rows of ranks "
+        f"{[r['tp_ranks'] for r in rows]}, merged steps replayed as the ranks do"
+        + ("" if not problems else " (FAILED)"))
+    return problems
+
+
+def killed_mid_write(out: str, model_dir: str, log) -> list[str]:
+    """SIGKILL the engine while its writer is in the middle of a file: no snapshot name is left partial, and the
+    next capture into the directory removes the temporary file the dead process left."""
+    import logging
+    import signal
+
+    import torch
+
+    from kvdbg.capture import TEMP_PREFIX, CaptureBackend, CaptureLayer, Capturer, StepTensors, stale_temp_files, \
+        temp_file_prefix
+    from kvdbg.format import LAYOUT_VLLM
+    from kvdbg.snapshot import load_snapshot
+
+    capture_dir = os.path.join(out, "plain", "killed")
+    os.makedirs(capture_dir)
+    env = dict(CLEAN_ENV, KVDBG_CAPTURE_DIR=capture_dir,
+               KVDBG_CAPTURE_MAX="unlimited")
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE_RUN, model_dir, "4", "400", "1"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    killed = None
+    deadline = time.monotonic() + 600
+    while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        names = os.listdir(capture_dir)
+        if sum(n.endswith(".safetensors") for n in names) < 3:  # a few whole snapshots first
+            time.sleep(0.0005)
+            continue
+        for name in names:
+            if not (name.startswith(TEMP_PREFIX) and name.endswith(".tmp")):
+                continue
+            writer = int(name.rsplit("-", 2)[-2])
+            try:
+                os.kill(writer, signal.SIGSTOP)  # freeze it, then make sure the file is still being written
+            except ProcessLookupError:
+                continue
+            path = os.path.join(capture_dir, name)
+            if os.path.exists(path) and os.path.getsize(path) > 0:  # bytes in it: the write is under way
+                os.kill(writer, signal.SIGKILL)
+                killed = writer
+                break
+            os.kill(writer, signal.SIGCONT)
+        time.sleep(0.0005)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    # The killed writer is a zombie until its parent (killed too) is gone and it is reaped: until then its
+    # pid still answers, and its temporary file rightly counts as a live process's.
+    gone = time.monotonic() + 60
+    while killed is not None and time.monotonic() < gone:
+        try:
+            os.kill(killed, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    if killed is None:
+        return ["killed mid-write: never saw a write in progress to kill"]
+    problems = []
+    names = os.listdir(capture_dir)
+    snapshots = [n for n in names if n.endswith(".safetensors")]
+    for name in snapshots:
+        try:
+            load_snapshot(os.path.join(capture_dir, name))
+        except Exception as exc:  # a partial file under a snapshot's name
+            problems.append(f"killed mid-write: {name} does not load: {exc}")
+    stale = stale_temp_files(capture_dir)
+    sizes = [os.path.getsize(p) for p in stale]
+    if not stale or not all(f"-{killed}-" in os.path.basename(p) for p in stale):
+        problems.append(f"killed mid-write: expected the killed writer's temporary file, found {stale}")
+    live = os.path.join(capture_dir, f"{temp_file_prefix()}live0000.tmp")
+    with open(live, "wb") as f:  # a live process's write in progress: never removed
+        f.write(b"x")
+    # The next capture into the directory (here through the Python API, as any engine's would) cleans up.
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("kvdbg.capture").addHandler(handler)
+    logging.getLogger("kvdbg.capture").setLevel(logging.INFO)
+    try:
+        layer = CaptureLayer(name="cleanup.attn", num_heads=2, num_kv_heads=1, head_size=16, scale=0.25,
+                             dtype=torch.float16, kv_layout=LAYOUT_VLLM)
+        step = StepTensors(query=torch.randn(1, 2, 16).half(), kv_cache=torch.randn(4, 1, 16, 32).half(),
+                           block_table=torch.tensor([[2, 3]], dtype=torch.int32),
+                           seq_lens=torch.tensor([20], dtype=torch.int32),
+                           query_start_loc=torch.tensor([0, 1], dtype=torch.int32), causal=True)
+        Capturer(capture_dir).capture(layer, CaptureBackend(name="CPU_ATTN", max_model_len=64), step,
+                                      output=torch.randn(1, 2, 16).half(), step=0, rank=0)
+    finally:
+        logging.getLogger("kvdbg.capture").removeHandler(handler)
+    removed = [r.getMessage() for r in records if "removed" in r.getMessage()]
+    if stale_temp_files(capture_dir) or any(os.path.exists(p) for p in stale):
+        problems.append("killed mid-write: the next capture did not remove the dead writer's temporary file")
+    if not os.path.exists(live):
+        problems.append("killed mid-write: the next capture removed a live process's temporary file")
+    if len(removed) != 1 or f"pid {killed}" not in removed[0]:
+        problems.append(f"killed mid-write: expected one line naming pid {killed}, got {removed}")
+    log(f"plain LLM() killed mid-write  {took:5.1f} s: SIGKILL to pid {killed} with a file in flight; "
+        f"{len(snapshots)} snapshots whole, {len(stale)} temporary file left ({sizes} bytes), then: "
+        f"{removed[0] if removed else '-'}")
     return problems
 
 
@@ -382,7 +633,10 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "out", "engine"))
     parser.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     parser.add_argument("--skip-plain", action="store_true", help="skip the two plain LLM() runs")
-    parser.add_argument("--skip-overhead", action="store_true", help="skip measuring capture's cost")
+    parser.add_argument("--skip-capture-runs", action="store_true",
+                        help="skip the range-under-load, tensor-parallel and killed-mid-write engine runs")
+    parser.add_argument("--runs", default=",".join(f"{b}/{m}" for b, m, _ in RUNS),
+                        help="which engine runs (backend/model, comma-separated; empty: none)")
     args = parser.parse_args()
     started = time.monotonic()
     out = os.path.abspath(args.out)
@@ -407,7 +661,8 @@ def main() -> int:
 
     models = {name: write_model(m, os.path.join(out, "models", name)) for name, m in MODELS.items()}
     t0 = time.monotonic()
-    records = run_engines(out, models, log)
+    chosen = {tuple(r.split("/")) for r in args.runs.split(",") if r}
+    records = run_engines(out, models, log, chosen)
     engine_s = time.monotonic() - t0
 
     problems: list[str] = []
@@ -418,8 +673,12 @@ def main() -> int:
     if not args.skip_plain:
         problems += plain_runs(out, models["plain_bf16"], log)
     plain_s = time.monotonic() - t0
-    if not args.skip_overhead:
-        overhead(out, models["plain"], log)
+    t0 = time.monotonic()
+    if not args.skip_capture_runs:
+        problems += range_under_load(out, models["plain"], log)
+        problems += tensor_parallel(out, models["plain"], log)
+        problems += killed_mid_write(out, models["plain"], log)
+    capture_runs_s = time.monotonic() - t0
 
     jobs = []
     by_case: dict[tuple[str, str], list[str]] = defaultdict(list)
@@ -433,12 +692,19 @@ def main() -> int:
         log_path = os.path.join(out, "logs", f"{backend}-{model}.log")
         with open(log_path) as f:
             errors = [line for line in f if "[kvdbg]" in line and line.startswith("ERROR")]
-        expected_errors = 1 if "disk_full" in record["cases"] else 0
-        if len(errors) != expected_errors:
-            problems.append(f"{backend}/{model}: {len(errors)} kvdbg error lines, expected {expected_errors}: "
+        faults = [case for case in record["cases"] if case in FAULT_CASES]
+        if len(errors) != len(faults):
+            problems.append(f"{backend}/{model}: {len(errors)} kvdbg error lines, expected {len(faults)}: "
                             + " | ".join(e.strip()[:160] for e in errors))
-        elif errors:
-            log(f"{backend} disk_full: the one error line: {errors[0].strip()[:220]}")
+        else:
+            for case, line in zip(faults, errors):
+                log(f"{backend} {case}: the one error line: {line.strip()[:220]}")
+        with open(log_path) as f:
+            lines = exit_lines(f.read())
+        if len(lines) != 1:
+            problems.append(f"{backend}/{model}: {len(lines)} exit lines, expected one: {lines}")
+        else:
+            log(f"{backend} {model}: {lines[0].split('[kvdbg] ')[-1][:220]}")
     t0 = time.monotonic()
     with ThreadPoolExecutor(args.jobs) as pool:
         outcomes = list(pool.map(lambda j: replay_one(*j, out), jobs))
@@ -478,8 +744,9 @@ def main() -> int:
             problems.append(f"{o.backend}/{o.case} {os.path.basename(o.path)}: {p}")
     total = time.monotonic() - started
     log("")
-    log(f"{len(outcomes)} snapshots replayed; engine runs {engine_s:.0f} s, plain runs {plain_s:.0f} s, "
-        f"replays {replay_s:.0f} s ({args.jobs} at a time), stage {total:.0f} s")
+    log(f"{len(outcomes)} snapshots replayed; engine runs {engine_s:.0f} s, plain runs {plain_s:.0f} s, capture runs "
+        f"(range, TP, kill) {capture_runs_s:.0f} s, replays {replay_s:.0f} s ({args.jobs} at a time), "
+        f"stage {total:.0f} s")
     if TOLERATED_FLASHINFER_TS_PREDICTIONS:
         log("tolerated FLASHINFER_TS predictions (it did not run here): "
             f"{', '.join(TOLERATED_FLASHINFER_TS_PREDICTIONS)}")

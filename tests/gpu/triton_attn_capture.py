@@ -299,7 +299,7 @@ def run_case(ops: VllmOps, case: Case, out_dir: str, device: str, standin: bool)
         page_elems = spec.page_size_bytes // layer.kv_cache.element_size()
         kv_for_kvdbg = raw.view(layer.kv_cache.dtype)[:NUM_BLOCKS * page_elems].view(
             NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
-    capturer = Capturer(out_dir, queue_size=0)
+    capturer = Capturer(out_dir, queue_bytes=0)
     target = CaptureLayer(name=name, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
                           scale=HEAD_SIZE ** -0.5, dtype=torch.bfloat16, kv_cache_dtype=case.kv_cache_dtype,
                           kv_layout=declared, sliding_window=case.window, k_scale=layer.k_scale_float,

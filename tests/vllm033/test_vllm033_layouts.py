@@ -433,7 +433,7 @@ def test_cudagraph_modes_are_said_as_vllm_defines_them():
 @pytest.fixture
 def plugin(gpu_standins, tmp_path):
     """The plugin registered as vLLM would (auto: the backend of each layer built), writing in the caller."""
-    for name, value in {"KVDBG_CAPTURE_DIR": str(tmp_path / "snaps"), "KVDBG_CAPTURE_QUEUE": "0"}.items():
+    for name, value in {"KVDBG_CAPTURE_DIR": str(tmp_path / "snaps"), "KVDBG_CAPTURE_QUEUE_BYTES": "0"}.items():
         gpu_standins.setenv(name, value)
     gpu_standins.delenv("KVDBG_CAPTURE_BACKENDS", raising=False)
     vllm_plugin.unregister()

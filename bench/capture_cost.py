@@ -1,0 +1,292 @@
+"""What capture costs the engine's thread per captured step, against copying the snapshot, in a real vLLM (CPU).
+
+Usage (inside a venv with vLLM's CPU build, e.g. the engine stage's):
+    .venv-engine/bin/python bench/capture_cost.py [--steps 24] [--out /tmp/kvdbg-capture-cost] [--sizes small,large]
+
+Runs vLLM in this process (CPU_ATTN) with kvdbg's plugin, once per snapshot
+size, capturing layer 1 of 2 on every decode step through the background
+writer (the default settings, but no count or byte cap):
+
+    small   the engine stage's tiny model (2 KV heads of 64, float16), one request: ~55 KB per snapshot
+    large   8 KV heads of 128, float16, 4 requests of 3 100 tokens: ~50 MB per snapshot
+
+The engine's thread is the main thread here. Every method the plugin wraps
+(the builder's ``build``, the impl's ``do_kv_cache_update`` and ``forward``)
+is timed twice: around the plugin's wrapper and around vLLM's own method
+inside it; the difference is kvdbg's time on the engine's thread, summed per
+decode step (one ``build`` per step). Times are the thread's CPU time
+(``time.thread_time_ns``): on a shared machine the wall time of a 20 us hook
+mostly says who else had the core. Median over the decode steps, against two
+floors measured the same way in the same process right after:
+
+    copy of the bytes     one copy of as many bytes as the snapshot holds, into a buffer allocated before
+    copy of the tensors   each of the snapshot's tensors copied once (clone), the least any capture that
+                          copies tensors out of the engine pays per tensor
+
+Also printed: the same hooks with nothing selected (what wrapping costs a step
+that is not captured), the split by hook, and the writer's count of written and
+dropped steps. Reads nothing but its own output; prints a table and a JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
+# CPU time of the calling thread: what kvdbg takes from the engine's thread, unaffected by a neighbour's load
+# (on a shared machine, wall time inside a 20 us hook mostly measures who else had the core).
+CLOCK = time.thread_time_ns
+HOOKS = (("CPUAttentionMetadataBuilder", "build"), ("CPUAttentionBackendImpl", "do_kv_cache_update"),
+         ("CPUAttentionBackendImpl", "forward"))
+
+
+@dataclass
+class Size:
+    name: str
+    kv_heads: int
+    head_dim: int
+    prompts: list[int]  # prompt lengths
+    max_model_len: int
+    blocks: int
+    batched_tokens: int
+
+
+SIZES = {
+    "small": Size("small", kv_heads=2, head_dim=64, prompts=[60], max_model_len=512, blocks=48, batched_tokens=64),
+    "large": Size("large", kv_heads=8, head_dim=128, prompts=[3100] * 4, max_model_len=4096, blocks=520,
+                  batched_tokens=4096),
+}
+
+
+@dataclass
+class Ledger:
+    """kvdbg's nanoseconds on the engine's thread, per step (a step starts with the builder's build)."""
+
+    steps: list[dict[str, int]] = field(default_factory=list)
+    _inner: int = 0
+
+    def start_step(self) -> None:
+        self.steps.append(defaultdict(int))
+
+    def add(self, hook: str, ns: int) -> None:
+        if not self.steps:
+            self.start_step()
+        self.steps[-1][hook] += ns
+
+
+def install_timers(module, ledger: Ledger) -> None:
+    """Time vLLM's own methods (inner) now, before the plugin wraps them."""
+    import functools
+
+    for cls_name, attr in HOOKS:
+        cls = getattr(module, cls_name)
+        original = cls.__dict__[attr]
+
+        def make(original, hook):
+            @functools.wraps(original)
+            def inner(*args, **kwargs):
+                t0 = CLOCK()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    ledger._inner = CLOCK() - t0
+            inner._bench_original = original
+            return inner
+
+        setattr(cls, attr, make(original, f"{cls_name}.{attr}"))
+
+
+def install_outer(module, ledger: Ledger) -> None:
+    """Time the plugin's wrappers (outer); outer minus inner is kvdbg's share."""
+    import functools
+
+    for cls_name, attr in HOOKS:
+        cls = getattr(module, cls_name)
+        wrapped = cls.__dict__[attr]
+        hook = attr
+
+        def make(wrapped, hook):
+            @functools.wraps(wrapped)
+            def outer(*args, **kwargs):
+                if hook == "build":
+                    ledger.start_step()
+                ledger._inner = 0
+                t0 = CLOCK()
+                try:
+                    return wrapped(*args, **kwargs)
+                finally:
+                    ledger.add(hook, CLOCK() - t0 - ledger._inner)
+            outer._bench_wrapped = wrapped
+            return outer
+
+        setattr(cls, attr, make(wrapped, hook))
+
+
+def remove_outer(module) -> None:
+    for cls_name, attr in HOOKS:
+        cls = getattr(module, cls_name)
+        outer = cls.__dict__[attr]
+        if hasattr(outer, "_bench_wrapped"):
+            setattr(cls, attr, outer._bench_wrapped)
+
+
+def median_ns(fn, repeats: int = 200) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = CLOCK()
+        fn()
+        samples.append(CLOCK() - t0)
+    return statistics.median(samples)
+
+
+def floors(path: str) -> tuple[float, float, int]:
+    """(copy of the file's bytes, copy of each tensor once) in ns, and the tensor count, for one snapshot."""
+    import torch
+
+    from kvdbg.snapshot import load_snapshot
+
+    snap = load_snapshot(path)
+    tensors = [t.clone() for t in snap.tensors().values()]  # in memory, as the engine's are
+    nbytes = os.path.getsize(path)
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src).fill_(0)
+    copy_bytes = median_ns(lambda: dst.copy_(src), 100 if nbytes > 10**7 else 2000)
+    copy_tensors = median_ns(lambda: [t.clone() for t in tensors], 20 if nbytes > 10**7 else 2000)
+    return copy_bytes, copy_tensors, len(tensors)
+
+
+def run_size(size: Size, steps: int, out: str) -> dict:
+    import torch  # noqa: F401
+
+    from tests.engine.tiny_model import TinyModel, write_model
+
+    model = TinyModel(f"bench_{size.name}", dtype="float16", num_heads=size.kv_heads,
+                      num_kv_heads=size.kv_heads, hidden_size=size.kv_heads * size.head_dim,
+                      intermediate_size=size.kv_heads * size.head_dim, max_position_embeddings=size.max_model_len)
+    model_dir = write_model(model, os.path.join(out, "models", size.name))
+    capture_dir = os.path.join(out, "snapshots", size.name)
+    os.environ.update(KVDBG_CAPTURE_DIR=capture_dir, KVDBG_CAPTURE_BACKENDS="CPU_ATTN",
+                      KVDBG_CAPTURE_LAYERS="*.layers.1.*", KVDBG_CAPTURE_MAX="unlimited",
+                      KVDBG_CAPTURE_MAX_BYTES="unlimited", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    import importlib
+
+    from vllm import LLM, SamplingParams
+
+    from kvdbg import vllm_plugin
+    from kvdbg.ranges import IntRanges
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, block_size=32,
+              max_model_len=size.max_model_len, num_gpu_blocks_override=size.blocks, seed=0,
+              gpu_memory_utilization=0.25, enable_prefix_caching=False, max_num_batched_tokens=size.batched_tokens,
+              max_num_seqs=8)
+    module = importlib.import_module(CPU_ATTN_MODULE)
+    ledger = Ledger()
+    vllm_plugin.unregister()
+    install_timers(module, ledger)
+    prompts = [{"prompt_token_ids": [3 + (i * 37 + j * 11) % 500 for i in range(n)]} for j, n in enumerate(size.prompts)]
+
+    def generate() -> None:
+        llm.generate(prompts, SamplingParams(max_tokens=steps + 1, ignore_eos=True), use_tqdm=False)
+
+    results = {}
+    for setting in ("unwrapped (timers only)", "wrapped, nothing captured", "one layer captured"):
+        if setting != "unwrapped (timers only)":
+            vllm_plugin.register()
+            capturer = vllm_plugin.active_capturer()
+            if setting == "wrapped, nothing captured":
+                capturer.reconfigure(steps=IntRanges(()))
+        install_outer(module, ledger)
+        generate()  # warm: the first capture of a size allocates its buffers
+        ledger.steps.clear()
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        generate()
+        wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
+        decode = ledger.steps[-steps:]
+        remove_outer(module)
+        per_step = sorted(sum(s.values()) for s in decode)
+        results[setting] = {
+            "median_us": statistics.median(per_step) / 1e3,
+            "p90_us": per_step[int(0.9 * (len(per_step) - 1))] / 1e3,
+            "by_hook_us": {hook: statistics.median(s.get(hook, 0) for s in decode) / 1e3
+                           for hook in ("build", "do_kv_cache_update", "forward")},
+            # The whole generate() per step: what the engine feels, the writer's competition for the
+            # cores and the interpreter lock included (noisy on a shared machine).
+            "generate_wall_ms_per_step": wall / len(ledger.steps) * 1e3,
+            "generate_engine_thread_cpu_ms_per_step": cpu / len(ledger.steps) * 1e3,
+        }
+        if setting != "unwrapped (timers only)":
+            capturer = vllm_plugin.active_capturer()
+            capturer.flush(600)
+            results[setting]["written"] = len(capturer.written)
+            results[setting]["dropped"] = dict(capturer.dropped)
+            results[setting]["summary"] = capturer.summary()
+            vllm_plugin.unregister()
+    names = sorted(os.listdir(capture_dir))
+    sizes = sorted(os.path.getsize(os.path.join(capture_dir, n)) for n in names)
+    typical = os.path.join(capture_dir, names[[os.path.getsize(os.path.join(capture_dir, n)) for n in names].index(
+        sizes[len(sizes) // 2])])
+    copy_bytes, copy_tensors, count = floors(typical)
+    captured = results["one layer captured"]["median_us"] * 1e3
+    return {"size": size.name, "snapshot_bytes": sizes[len(sizes) // 2], "settings": results,
+            "copy_bytes_us": copy_bytes / 1e3, "copy_tensors_us": copy_tensors / 1e3, "tensors": count,
+            "ratio_to_copy_bytes": captured / copy_bytes, "ratio_to_copy_tensors": captured / copy_tensors}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=24, help="decode steps per measured generate()")
+    parser.add_argument("--out", default="/tmp/kvdbg-capture-cost")
+    parser.add_argument("--sizes", default="small,large")
+    parser.add_argument("--size", help=argparse.SUPPRESS)  # one size in this process (a child of the run)
+    args = parser.parse_args()
+    if args.size:
+        print(json.dumps(run_size(SIZES[args.size], args.steps, args.out)))
+        return 0
+    import shutil
+    import subprocess
+
+    shutil.rmtree(args.out, ignore_errors=True)
+    rows = []
+    for name in args.sizes.split(","):
+        # One engine per process: vLLM does not start two engines in one process cleanly.
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--size", name, "--steps", str(args.steps),
+                               "--out", args.out], capture_output=True, text=True)
+        with open(os.path.join(args.out, f"{name}.log"), "w") as f:
+            f.write(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+            return 1
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    print(f"engine-thread time per decode step in kvdbg's hooks (median over {args.steps} steps; CPU_ATTN, layer 1 "
+          "of 2 captured, background writer)")
+    for row in rows:
+        print(f"\n{row['size']}: snapshot {row['snapshot_bytes']:,} bytes, {row['tensors']} tensors")
+        for setting, r in row["settings"].items():
+            hooks = ", ".join(f"{h} {v:.1f}" for h, v in r["by_hook_us"].items())
+            extra = f"; wrote {r['written']}, dropped {sum(r['dropped'].values())}" if "written" in r else ""
+            if "summary" in r and "turned off" in r["summary"]:
+                extra += f" ({r['summary'].split('; capture turned off: ')[-1][:200]})"
+            print(f"  {setting:<28}{r['median_us']:>10.1f} us (p90 {r['p90_us']:.1f}; {hooks}){extra}")
+            print(f"  {'':<28}whole step: {r['generate_wall_ms_per_step']:.2f} ms wall, "
+                  f"{r['generate_engine_thread_cpu_ms_per_step']:.2f} ms engine-thread CPU")
+        print(f"  {'copy of the bytes':<28}{row['copy_bytes_us']:>10.1f} us")
+        print(f"  {'copy of the tensors':<28}{row['copy_tensors_us']:>10.1f} us")
+        print(f"  ratio: captured step / copy of the bytes   {row['ratio_to_copy_bytes']:6.2f}")
+        print(f"  ratio: captured step / copy of the tensors {row['ratio_to_copy_tensors']:6.2f}")
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
