@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tests.engine.tiny_model import TinyModel, write_model
+from tests.engine.sentinel_case import sentinel_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
@@ -578,6 +579,7 @@ def main() -> int:
     parser.add_argument("--skip-plain", action="store_true", help="skip the two plain LLM() runs")
     parser.add_argument("--skip-capture-runs", action="store_true",
                         help="skip the range-under-load, tensor-parallel and killed-mid-write engine runs")
+    parser.add_argument("--skip-sentinel", action="store_true", help="skip the sentinel's clean and fault runs")
     parser.add_argument("--runs", default=",".join(f"{b}/{m}" for b, m, _ in RUNS),
                         help="which engine runs (backend/model, comma-separated; empty: none)")
     args = parser.parse_args()
@@ -619,6 +621,10 @@ def main() -> int:
         problems += tensor_parallel(out, models["plain"], log)
         problems += killed_mid_write(out, models["plain"], log)
     capture_runs_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    if not args.skip_sentinel:
+        problems += sentinel_runs(out, models["plain"], log, CLEAN_ENV)
+    sentinel_s = time.monotonic() - t0
 
     jobs = []
     by_case: dict[tuple[str, str], list[str]] = defaultdict(list)
@@ -680,7 +686,7 @@ def main() -> int:
     total = time.monotonic() - started
     log("")
     log(f"{len(outcomes)} snapshots replayed; engine runs {engine_s:.0f} s, plain runs {plain_s:.0f} s, capture runs "
-        f"(range, TP, kill) {capture_runs_s:.0f} s, replays {replay_s:.0f} s ({args.jobs} at a time), "
+        f"(range, TP, kill) {capture_runs_s:.0f} s, sentinel runs {sentinel_s:.0f} s, replays {replay_s:.0f} s ({args.jobs} at a time), "
         f"stage {total:.0f} s")
     if TOLERATED_FLASHINFER_TS_PREDICTIONS:
         log("tolerated FLASHINFER_TS predictions (it did not run here): "
