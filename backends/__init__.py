@@ -15,10 +15,12 @@ BACKEND_MODULES = {
     "reference": "kvdbg.backends.reference",
     "flex": "kvdbg.backends.flex",
     "flashinfer_ts": "kvdbg.backends.flashinfer_ts",
+    "vllm": "kvdbg.backends.vllm_native",
     "vllm_flex": "kvdbg.backends.vllm_flex",
 }
-# vllm_flex runs the installed vLLM's own code; without vLLM its column says so and nothing else changes.
-DEFAULT_ORDER = ("reference", "flex", "flashinfer_ts", "vllm_flex")
+# vllm runs the installed vLLM's own code for the snapshot's backend; where vLLM cannot run it, its column
+# says why and nothing else changes. vllm_flex (vLLM's FLEX_ATTENTION on any snapshot) runs when named.
+DEFAULT_ORDER = ("reference", "flex", "flashinfer_ts", "vllm")
 
 
 # What users type for a backend: kvdbg's names, the engine's names the tables print beside them

@@ -10,9 +10,10 @@ left as they were. Q·K runs on tensor cores in the inputs' own 16-bit dtype
 as in the fp32 torch emulation. The probabilities stay fp32 by splitting them
 into two 16-bit halves (hi + lo, ~16 significant bits) for the P·V product. With
 FP8 inputs the kernel instead models prims_ts's FP8 path as the torch emulation
-does (``fp8_rounded_attention``): 128-key tiles dealt alternately to two streams,
-each with its own running max, P scaled by 448 and rounded to e4m3 for P·V
-(exact in bf16), the streams merged at the end. With
+does (``fp8_rounded_attention``): 128-key tiles dealt in turn to the planner's
+one or two K/V instances from each row's first tile (the first its CTA's window
+keeps), each instance with its own running max, P scaled by 448 and rounded to
+e4m3 for P·V (exact in bf16), the instances merged at the end. With
 an online softmax the results match the torch emulation to fp32-level rounding,
 not bit for bit. One program handles one (request, KV head) pair and all of
 that head's query rows (GQA group x query tokens), so each K/V byte is read once.
@@ -25,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kvdbg.ts_contract import FP8_P_STREAMS, FP8_P_TILE
+from kvdbg.ts_planner import DecodeProfile
 
 
 @triton.jit
@@ -107,7 +109,7 @@ def _decode_kernel(
     stride_tb: tl.constexpr, table_width: tl.constexpr,
     SQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, FP8_P: tl.constexpr,
-    HAS_VALID: tl.constexpr, CHECK: tl.constexpr,
+    INSTANCES: tl.constexpr, TOKENS_PER_CTA: tl.constexpr, HAS_VALID: tl.constexpr, CHECK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -137,28 +139,41 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     start = length * 0
     if FP8_P:
-        # Two streams of BLOCK_N (= 128)-key tiles; skipping whole tile pairs keeps each tile's stream.
+        # BLOCK_N (= 128)-key tiles dealt in turn to INSTANCES K/V instances from each row's first tile: the
+        # kernel skips whole tiles before the window of the row's CTA (its first token, TOKENS_PER_CTA per CTA).
+        first = i * 0
         if CAUSAL:
-            lo = tl.maximum(length - SQ - window_left, 0)
-            start = tl.where(window_left >= 0, (lo // (2 * BLOCK_N)) * (2 * BLOCK_N), start)
+            cta_token = (i // TOKENS_PER_CTA) * TOKENS_PER_CTA
+            first = tl.where(window_left >= 0, tl.maximum(length - SQ + cta_token - window_left, 0) // BLOCK_N, 0)
+            lo = tl.maximum(length - SQ - window_left, 0)  # row 0's CTA starts first: no row sees keys before
+            start = tl.where(window_left >= 0, (lo // BLOCK_N) * BLOCK_N, start)
         m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
         denom1 = tl.zeros([BLOCK_M], tl.float32)
         acc1 = tl.zeros([BLOCK_M, D], tl.float32)
-        for tok0 in range(start, length, 2 * BLOCK_N):
-            m, denom, acc = _fp8_p_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, tok0, length, last, row_ok, dims,
-                                        stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
-                                        stride_tb, bmm1_scale, window_left, m, denom, acc,
-                                        PAGE=PAGE, TILE=BLOCK_N, CAUSAL=CAUSAL)
-            m1, denom1, acc1 = _fp8_p_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, tok0 + BLOCK_N, length, last,
-                                           row_ok, dims, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh,
-                                           stride_vt, stride_tb, bmm1_scale, window_left, m1, denom1, acc1,
-                                           PAGE=PAGE, TILE=BLOCK_N, CAUSAL=CAUSAL)
-        top = tl.maximum(m, m1)
-        top_safe = tl.where(top == float("-inf"), 0.0, top)
-        w0 = tl.exp(m - top_safe)
-        w1 = tl.exp(m1 - top_safe)
-        denom = denom * w0 + denom1 * w1
-        acc = acc * w0[:, None] + acc1 * w1[:, None]
+        for tok0 in range(start, length, BLOCK_N):
+            if INSTANCES == 1:
+                m, denom, acc = _fp8_p_tile(q, k_ptr, v_ptr, table_ptr, b, kvh, tok0, length, last, row_ok, dims,
+                                            stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
+                                            stride_tb, bmm1_scale, window_left, m, denom, acc,
+                                            PAGE=PAGE, TILE=BLOCK_N, CAUSAL=CAUSAL)
+            else:
+                # Parity by bit: a tile before a row's first tile is masked for it whichever state it updates.
+                mine = ((tok0 // BLOCK_N - first) & 1) == 0  # [BLOCK_M]: this tile is instance 0's
+                m_new, denom_new, acc_new = _fp8_p_tile(
+                    q, k_ptr, v_ptr, table_ptr, b, kvh, tok0, length, last, row_ok, dims,
+                    stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_tb, bmm1_scale,
+                    window_left, tl.where(mine, m, m1), tl.where(mine, denom, denom1),
+                    tl.where(mine[:, None], acc, acc1), PAGE=PAGE, TILE=BLOCK_N, CAUSAL=CAUSAL)
+                m, m1 = tl.where(mine, m_new, m), tl.where(mine, m1, m_new)
+                denom, denom1 = tl.where(mine, denom_new, denom), tl.where(mine, denom1, denom_new)
+                acc, acc1 = tl.where(mine[:, None], acc_new, acc), tl.where(mine[:, None], acc1, acc_new)
+        if INSTANCES == 2:
+            top = tl.maximum(m, m1)
+            top_safe = tl.where(top == float("-inf"), 0.0, top)
+            w0 = tl.exp(m - top_safe)
+            w1 = tl.exp(m1 - top_safe)
+            denom = denom * w0 + denom1 * w1
+            acc = acc * w0[:, None] + acc1 * w1[:, None]
     else:
         if CAUSAL:
             # A causal window lets no row see keys before its first row's window: skip those blocks.
@@ -203,11 +218,12 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
 def triton_decode(q, k_cache, v_cache, seq_lens, block_tables, *, mask_type: str, window_left: int,
                   bmm1_scale: float, bmm2_scale: float, out: torch.Tensor, requests: list[int] | None = None,
                   valid: torch.Tensor | None = None, max_kv_len: int | None = None, block_n: int | None = None,
-                  num_warps: int = 4, num_stages: int = 2, fp8_p: bool | None = None):
+                  num_warps: int = 4, num_stages: int = 2, fp8_p: bool | None = None,
+                  fp8_profile: DecodeProfile | None = None):
     """Drop-in for ``emulate_decode`` on CUDA tensors (no ``key_mask``); the tile knobs are for bench/.
 
-    ``fp8_p`` (default: FP8 q and K) models the FP8 kernel's P rounding, with 128-key tiles, as
-    ``emulate_decode`` does.
+    ``fp8_p`` (default: FP8 q and K) models the FP8 kernel's P rounding, with 128-key tiles and the K/V
+    instances and query tokens per CTA of ``fp8_profile`` (default: two, one), as ``emulate_decode`` does.
 
     ``max_kv_len``: the kernel itself leaves out every request the real kernel
     does not compute (``flashinfer_ts.undefined_codes``: a length outside
@@ -230,8 +246,10 @@ def triton_decode(q, k_cache, v_cache, seq_lens, block_tables, *, mask_type: str
     # Keep the fp32 score and accumulator tiles within registers/shared memory.
     if fp8_p is None:
         fp8_p = q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
+    instances = fp8_profile.kv_instances if fp8_profile is not None else FP8_P_STREAMS
+    tokens_per_cta = fp8_profile.q_tokens_per_cta if fp8_profile is not None else 1
     if fp8_p:
-        assert FP8_P_STREAMS == 2, "the Triton kernel models two FP8 streams"
+        assert instances in (1, 2), "the Triton kernel models one or two FP8 K/V instances"
         block_n = FP8_P_TILE  # the kernel's tile, not a tuning knob here
     elif block_n is None:  # measured on an H200 (bench/ts_triton_tiles.py): larger key tiles while registers allow
         block_n = 128 if block_m * d <= 32 * 128 else 64 if block_m * d <= 64 * 128 else 32
@@ -241,7 +259,8 @@ def triton_decode(q, k_cache, v_cache, seq_lens, block_tables, *, mask_type: str
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3],
         block_tables.stride(0), block_tables.shape[1],
         SQ=sq, GROUP=group, D=d, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=mask_type == "causal", FP8_P=bool(fp8_p), HAS_VALID=valid is not None,
+        CAUSAL=mask_type == "causal", FP8_P=bool(fp8_p), INSTANCES=instances, TOKENS_PER_CTA=tokens_per_cta,
+        HAS_VALID=valid is not None,
         CHECK=max_kv_len is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -30,6 +30,7 @@ from kvdbg.ts_window import (
     ts_window_left,
     visibility_table,
 )
+from kvdbg.ts_planner import B200_SMS, DecodeProfile, fp8_decode_profile, window_first_tiles
 from kvdbg.ts_window_torch import restrict_to_window_tensors
 from kvdbg.ts_contract import (
     FP8_P_STREAMS,
@@ -58,14 +59,15 @@ EMULATED_KERNEL_TRITON = "prims_ts contract, emulated in Triton"
 TRITON_ABOVE_BYTES = 64 << 20
 TRITON_ABOVE_REQUESTS = 256
 # The FP8 kernel scales unnormalised probabilities by 448 (e4m3's largest finite value) and rounds them to
-# e4m3 before the P.V product (fmha_decode helpers_softmax). It streams keys in tiles of FP8_P_TILE, dealt
-# in turn to FP8_P_STREAMS instances with their own running max, merged at the end: kvdbg models that at
-# split count 1.
+# e4m3 before the P.V product (fmha_decode helpers_softmax). It streams keys in tiles of FP8_P_TILE through
+# one or two K/V instances, each with its own running max, merged at the end; how many depends on the
+# profile the planner picks (kvdbg.ts_planner). kvdbg models that at split count 1.
 FP8_P_SCALE = FP8_MAX
-FP8_P_CAVEAT = ("P rounded to e4m3 at 448x per 128-key tile against each of 2 streams' running max, modelled "
-                "at split count 1; the real planner may split the keys further (its choice depends on batch "
-                "and GPU), which moves where P is rounded: each P stays within half an e4m3 step (1/16 "
-                "relative) of exact either way")
+FP8_P_CAVEAT = ("P rounded to e4m3 at 448x per 128-key tile against its K/V instance's running max, with the "
+                "planner's profile (one instance for a Keeps tile at head_dim 192/256, else two, tiles dealt in "
+                "turn from the first one the window keeps), modelled at split count 1 for a B200; the real "
+                "planner may split the keys further (its choice depends on batch and GPU), which moves where P "
+                "is rounded: each P stays within half an e4m3 step (1/16 relative) of exact either way")
 
 # Named in the reason a GPU is refused, so a user sees at once which machine they are on.
 _ARCH_NAMES = {7: "Volta/Turing", 8: "Ampere/Ada", 9: "Hopper, e.g. H100/H200", 12: "consumer Blackwell"}
@@ -326,6 +328,7 @@ class FlashInferTSMetadata:
     buffer_width: int
     max_kv_len: int
     build_id: int
+    fp8_profile: DecodeProfile | None = None  # the planner's profile of an FP8 plan (how P is rounded)
 
 
 def _buffer_rows(meta: "SnapshotMeta", query_len: int) -> int | None:
@@ -355,6 +358,7 @@ class FlashInferTSBuilder:
         self.query_len = backend.max_decode_query_len
         self.max_kv_len = ts_max_kv_len(self.sliding_window, self.query_len, self.page_size, backend.max_model_len)
         self.plans: dict[tuple[int, int, bool], tuple[TSPlan, Any]] = {}
+        self.fp8_profiles: dict[tuple[int, int, bool], DecodeProfile] = {}
         self.plan_calls = 0
         self.build_count = 0
         rows = _buffer_rows(meta, self.query_len)
@@ -381,6 +385,12 @@ class FlashInferTSBuilder:
         if self.gate.available:
             wrapper = self.gate.wrapper_cls(kv_layout="HND")
             wrapper.plan(**self.gate.api.plan_kwargs(plan.kwargs()))
+        elif self.q_dtype == torch.float8_e4m3fn:
+            # Emulated: which profile the planner would pick decides how the kernel rounds P.
+            self.fp8_profiles[key] = fp8_decode_profile(
+                head_dim=self.head_size, query_len=query_len, heads_per_kv=self.num_qo_heads // self.num_kv_heads,
+                batch_size=num_reqs, num_kv_heads=self.num_kv_heads, max_kv_len=self.max_kv_len,
+                window_left=plan.window_left, sm_count=B200_SMS)
         self.plan_calls += 1
         self.plans[key] = (plan, wrapper)
         return plan, wrapper
@@ -443,10 +453,11 @@ class FlashInferTSBuilder:
                                         plan=None, plan_key=None, wrapper=None, restricted=restricted,
                                         start_page=start_page, overflow=None, **base)
         plan, wrapper = self._plan_for(num_reqs, query_len, causal)
+        key = (num_reqs, query_len, causal)
         return FlashInferTSMetadata(seq_lens=out_lens, block_table=out_table, num_actual_tokens=num_reqs * query_len,
-                                    query_len=query_len, plan=plan, plan_key=(num_reqs, query_len, causal),
-                                    wrapper=wrapper, restricted=restricted, start_page=start_page, overflow=None,
-                                    **base)
+                                    query_len=query_len, plan=plan, plan_key=key, wrapper=wrapper,
+                                    restricted=restricted, start_page=start_page, overflow=None,
+                                    fp8_profile=self.fp8_profiles.get(key), **base)
 
 
 # --------------------------------------------------------------------------- the kernel contract in torch
@@ -467,6 +478,7 @@ def emulate_decode(
     requests: list[int] | None = None,
     key_mask: Callable[[int], "torch.Tensor"] | None = None,
     fp8_p: bool | None = None,
+    fp8_profile: DecodeProfile | None = None,
 ) -> "torch.Tensor":
     """prims_ts paged decode by its documented contract, in fp32.
 
@@ -482,10 +494,14 @@ def emulate_decode(
     A dense row sees all ``seq_len`` keys even when ``seq_len < SQ``.
 
     ``fp8_p`` (default: when q and K are FP8) models the FP8 kernel's P
-    rounding, see :func:`fp8_rounded_attention`; otherwise P stays fp32.
+    rounding, see :func:`fp8_rounded_attention`, with the K/V instances and
+    query tokens per CTA of ``fp8_profile`` (default: two instances, one token);
+    otherwise P stays fp32.
     """
     if fp8_p is None:
         fp8_p = q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
+    instances = fp8_profile.kv_instances if fp8_profile is not None else FP8_P_STREAMS
+    tokens_per_cta = fp8_profile.q_tokens_per_cta if fp8_profile is not None else 1
 
     batch, sq, hq, d = q.shape
     hkv, page_size = k_cache.shape[1], k_cache.shape[2]
@@ -511,7 +527,10 @@ def emulate_decode(
             allowed = allowed & key_mask(b).to(q.device)
         scores = scores.masked_fill(~allowed, float("-inf"))
         if fp8_p:
-            result = fp8_rounded_attention(scores, values.unsqueeze(1)) * bmm2_scale
+            first = window_first_tiles(seq_len=length, query_len=sq, q_tokens_per_cta=tokens_per_cta,
+                                       window_left=window_left if mask_type == "causal" else -1)
+            result = fp8_rounded_attention(scores, values.unsqueeze(1), instances=instances,
+                                           first_tile=torch.tensor(first, device=q.device)) * bmm2_scale
         else:
             probs = torch.softmax(scores, dim=-1)
             result = torch.matmul(probs, values.unsqueeze(1)) * bmm2_scale  # [Hkv, G, SQ, D]
@@ -521,29 +540,38 @@ def emulate_decode(
     return out
 
 
-def fp8_rounded_attention(scores: "torch.Tensor", values: "torch.Tensor") -> "torch.Tensor":
+def fp8_rounded_attention(scores: "torch.Tensor", values: "torch.Tensor", *, instances: int = FP8_P_STREAMS,
+                          first_tile: "torch.Tensor | None" = None) -> "torch.Tensor":
     """softmax(scores) @ values with P rounded as prims_ts's FP8 path rounds it, at split count 1.
 
     ``scores`` [..., SQ, L] fp32, already scaled, -inf where masked; ``values``
-    [..., L, D]. Keys go in tiles of 128; tile ``t`` belongs to stream ``t % 2``
-    and is exponentiated against ``m_t``, that stream's running max after it.
-    Its unnormalised P, times 448, is rounded to e4m3 for the P.V product, while
-    the softmax sum adds the unrounded values. Rescaling every tile to the
-    overall max ``M`` is exactly what the online merge does::
+    [..., L, D]. Keys go in tiles of 128. The kernel skips whole tiles before a
+    CTA's window and deals the rest in turn to its ``instances`` K/V instances:
+    for query row ``i``, tile ``t`` belongs to instance ``(t - first_tile[i]) %
+    instances`` (``first_tile`` [SQ], default 0) and is exponentiated against
+    ``m_t``, that instance's running max after it. Its unnormalised P, times
+    448, is rounded to e4m3 for the P.V product, while the softmax sum adds the
+    unrounded values. Rescaling every tile to the overall max ``M`` is exactly
+    what the online merge does::
 
         out = sum_t e^(m_t - M) * e4m3(448 e^(s_t - m_t)) @ V_t
               / sum_t e^(m_t - M) * sum(448 e^(s_t - m_t))
 
     Rows that see no key come back NaN.
     """
-    length = scores.shape[-1]
+    length, sq = scores.shape[-1], scores.shape[-2]
     tiles = -(-length // FP8_P_TILE)
     padded = torch.nn.functional.pad(scores, (0, tiles * FP8_P_TILE - length), value=float("-inf"))
     tiled = padded.unflatten(-1, (tiles, FP8_P_TILE))  # [..., SQ, T, 128]
     tile_max = tiled.amax(-1)  # [..., SQ, T]
-    running = torch.empty_like(tile_max)
-    for stream in range(FP8_P_STREAMS):
-        running[..., stream::FP8_P_STREAMS] = torch.cummax(tile_max[..., stream::FP8_P_STREAMS], dim=-1).values
+    first = torch.zeros(sq, dtype=torch.int64, device=scores.device) if first_tile is None else first_tile
+    # Tiles before a row's first tile are masked for it: whichever instance they fall to, they stay -inf.
+    owner = torch.remainder(torch.arange(tiles, device=scores.device).unsqueeze(0) - first.view(sq, 1), instances)
+    running = torch.full_like(tile_max, float("-inf"))
+    for instance in range(instances):
+        own = owner == instance  # [SQ, T]
+        mine = torch.cummax(tile_max.masked_fill(~own, float("-inf")), dim=-1).values
+        running = torch.where(own, mine, running)
     empty = running == float("-inf")
     anchor = running.masked_fill(empty, 0.0)
     probs = torch.exp(tiled - anchor.unsqueeze(-1)) * FP8_P_SCALE
@@ -677,11 +705,12 @@ class FlashInferTSImpl:
                 defined = [r for r, code in enumerate(codes.tolist()) if not code]
                 emulate_decode(q, k_cache, v_cache, md.seq_lens, md.block_table, mask_type=plan.mask_type,
                                window_left=plan.window_left, bmm1_scale=self.bmm1_scale,
-                               bmm2_scale=self.bmm2_scale, out=kernel_out, requests=defined)
+                               bmm2_scale=self.bmm2_scale, out=kernel_out, requests=defined,
+                               fp8_profile=md.fp8_profile)
             else:  # the kernel checks the same preconditions itself: no host round trip, no extra launch
                 emulate(q, k_cache, v_cache, md.seq_lens, md.block_table, mask_type=plan.mask_type,
                         window_left=plan.window_left, bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale,
-                        out=kernel_out, max_kv_len=md.max_kv_len)
+                        out=kernel_out, max_kv_len=md.max_kv_len, fp8_profile=md.fp8_profile)
         # The engine converts the kernel's dtype (fp16 for an FP8 query) to the model dtype.
         if kernel_out.data_ptr() != output.data_ptr():
             output[:n] = kernel_out.reshape(n, self.num_heads, self.head_size).to(model_dtype).to(output.dtype)
@@ -780,6 +809,8 @@ class FlashInferTSInstance:
                  f"contract: {self.gate.path}"] + notes
         if layer.is_fp8:
             notes.append(f"FP8 emulation: {FP8_P_CAVEAT}")
+            for text in dict.fromkeys(p.describe() for p in self.builder.fp8_profiles.values()):
+                notes.append(f"FP8 plan: flashinfer 0.7.4's planner picks the {text}")
         if getattr(self.impl, "emulator_note", None):
             notes.append(self.impl.emulator_note)
         kernel = EMULATED_KERNEL_TRITON if getattr(self.impl, "emulator", "torch") == "triton" else EMULATED_KERNEL

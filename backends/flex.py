@@ -526,7 +526,9 @@ BACKEND = BackendSpec(
     name="flex",
     engine_name="FLEX_ATTENTION",
     summary="torch flex_attention over the physical cache with vLLM's paged mask_mod",
-    # vLLM's FLEX_ATTENTION refuses sinks, ALiBi, soft cap and KV sharing; FP8 is dequantised by kvdbg.
+    # vLLM 0.33's FLEX_ATTENTION refuses sinks, ALiBi, soft cap and KV sharing; FP8 is dequantised by kvdbg.
+    # This column re-implements its paged decoder path: vLLM runs encoder-only layers through another one, on
+    # the step's own Q/K/V without the cache, so they are not replayed here (the reference replays them).
     capabilities=Capabilities(who="vLLM's FLEX_ATTENTION", soft_cap=False),
     environment_reason=_environment,
     create=lambda meta, options: FlexInstance(meta, options),

@@ -3,9 +3,13 @@
 Correctness is defined here; every backend is compared against it. Masks are
 those of docs/snapshot-format.md, with ``p = L - q + i`` the absolute position of
 query token ``i``: causal ``k <= p`` (window: ``p - w < k <= p``); dense
-``k < L`` (window: vLLM's ``|p - k| < w`` and ``k < L``). A soft-capped layer
-caps the scaled logits as ``cap * tanh(s / cap)`` before the mask. A key no
-token may see contributes nothing, even when its K or V holds NaN.
+``k < L`` (window: vLLM's ``|p - k| < w`` and ``k < L``); with a chunk lookback
+``b`` the window is replaced by chunks of ``c = w // (b + 1)`` tokens,
+``p // c - k // c <= b``. The logit of key ``k`` is ``s = scale * q.k``, soft-capped
+to ``cap * tanh(s / cap)``, plus the head's ALiBi bias ``-slope * |p - k|``
+(square-root variant: ``-slope * sqrt(p - k)`` for ``k <= p``, 0 after). A head's
+sink logit joins the softmax denominator once, with no value. A key no token may
+see contributes nothing, even when its K or V holds NaN.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import torch
 
 from kvdbg.backend_api import BackendSpec, Capabilities, CommonMetadata, Finding, ReplayOptions, RunInfo
 from kvdbg.cache import as_fp8, dequantize_fp8, finite_pages, kv_head_dim, kv_views, page_dim, split_kv
+from kvdbg.errors import SnapshotError
+from kvdbg.format import ATTN_TYPES
 
 if TYPE_CHECKING:
     from kvdbg.format import SnapshotMeta
@@ -46,6 +52,8 @@ class ReferenceMetadata:
     causal: bool
     sliding_window: int | None
     page_size: int
+    sinks: "torch.Tensor | None" = None  # [Hq] sink logits, when the layer has them
+    alibi_slopes: "torch.Tensor | None" = None  # [Hq] ALiBi slopes, when the layer has them
 
 
 class ReferenceBuilder:
@@ -55,6 +63,7 @@ class ReferenceBuilder:
 
     def build(self, common: CommonMetadata) -> ReferenceMetadata:
         layer, ps = self.meta.layer, common.page_size
+        _require_values(layer, common)
         seq_lens = common.seq_lens.to(torch.int64)
         query_lens = common.query_lens.to(torch.int64)
         pages = (seq_lens + ps - 1) // ps
@@ -106,7 +115,20 @@ class ReferenceBuilder:
             causal=common.causal,
             sliding_window=common.sliding_window,
             page_size=ps,
+            sinks=common.sinks,
+            alibi_slopes=common.alibi_slopes,
         )
+
+
+def _require_values(layer, common: CommonMetadata) -> None:
+    """A layer flag whose values the snapshot does not hold cannot be modelled: refuse it by name."""
+    for flag, values, name, what in (("has_sinks", common.sinks, "sinks", "attention sinks"),
+                                     ("has_alibi", common.alibi_slopes, "alibi_slopes", "ALiBi slopes")):
+        if getattr(layer, flag) and values is None:
+            raise SnapshotError(
+                f"meta field layer.{flag} is true but the snapshot holds no {name!r} tensor: the reference "
+                f"cannot model {what} without their values (a capture by an older kvdbg records only the flag; "
+                "capture the step again)")
 
 
 def _budget_bytes(device: "torch.device") -> int:
@@ -133,6 +155,11 @@ class ReferenceImpl:
         fp8_query = query.dtype == torch.float8_e4m3fn
         device = query.device
         soft_cap = float(layer.logits_soft_cap or 0.0)
+        # Per query head, laid out as the score rows [Hkv, 1, G, 1] (row g * qmax + i of KV head h).
+        sinks = None if md.sinks is None else md.sinks.to(device, dt).view(hkv, 1, group, 1)
+        slopes = None if md.alibi_slopes is None else md.alibi_slopes.to(device, dt).view(hkv, 1, group, 1, 1)
+        window, lookback = md.sliding_window, layer.chunk_lookback
+        chunk = None if lookback is None else window // (lookback + 1)
         # One check of the whole V cache (one host sync) spares each chunk its own; a cache with a
         # non-finite value anywhere has each chunk checked for the keys its tokens cannot see.
         values_finite = bool(finite_pages(v_pages).all())
@@ -170,16 +197,22 @@ class ReferenceImpl:
                 k = torch.arange(first_page * ps, last_page * ps, device=device).view(1, 1, kv_len)
                 p = pos.unsqueeze(2)
                 allowed = (k <= p) if md.causal else (k < seq_lens.view(n, 1, 1))
-                if md.sliding_window is not None:
-                    allowed = allowed & ((p - k).abs() < md.sliding_window)
+                if chunk is not None:  # TRITON_ATTN: chunks with lookback replace the window
+                    allowed = allowed & (torch.div(p, chunk, rounding_mode="floor")
+                                         - torch.div(k, chunk, rounding_mode="floor") <= lookback)
+                elif window is not None:
+                    allowed = allowed & ((p - k).abs() < window)
                 allowed = allowed & real.unsqueeze(2)
                 scores = scores.view(hkv, n, group, qmax, kv_len)
+                if slopes is not None:  # in place: the bias never exists at the size of the scores
+                    scores.addcmul_(slopes, _alibi_offsets(p - k, layer.alibi_sqrt, dt).unsqueeze(1))
                 scores = scores.masked_fill(~allowed.view(1, n, 1, qmax, kv_len), float("-inf"))
                 if values_finite:
                     return scores.view(hkv, n, group * qmax, kv_len), (values, None)
                 return scores.view(hkv, n, group * qmax, kv_len), _masked_values(values, allowed, group)
 
-            if step_pages >= num_pages:
+            sink_rows = None if sinks is None else sinks.expand(hkv, n, group, qmax).reshape(hkv, n, group * qmax, 1)
+            if step_pages >= num_pages and sink_rows is None:
                 scores, (values, poisoned) = block_scores(0, num_pages)
                 probs = torch.softmax(scores, dim=-1)
                 del scores
@@ -187,20 +220,25 @@ class ReferenceImpl:
                 if poisoned is not None:
                     out = out.masked_fill(poisoned, float("nan"))
             else:
-                out = self._online_softmax(block_scores, num_pages, step_pages)
+                out = self._online_softmax(block_scores, num_pages, step_pages, sink_rows)
             out = out.view(hkv, n, group, qmax, d).permute(1, 3, 0, 2, 4).reshape(n, qmax, hq, d)
             output[token[real]] = out[real].to(output.dtype)
         return output
 
     @staticmethod
-    def _online_softmax(block_scores, num_pages: int, step_pages: int):
+    def _online_softmax(block_scores, num_pages: int, step_pages: int, sinks=None):
         """softmax(scores) @ values over KV blocks of ``step_pages`` pages, merged exactly.
 
         Keeps a running row maximum ``m``, denominator ``l`` and unnormalised
         output ``acc``; a new block rescales them by ``exp(m_old - m_new)``. Rows
         that see no key at all end as 0/0 = NaN, as one softmax over -inf gives.
+        ``sinks`` [rows, 1]: each row's sink logit, counted once as the state
+        before the first block (``m = sink``, ``l = 1``, no value); a row that
+        sees no key then gives 0.
         """
         m = l = acc = poisoned = None
+        if sinks is not None:
+            m, l = sinks, torch.ones_like(sinks)
         for first in range(0, num_pages, step_pages):
             scores, (values, block_poisoned) = block_scores(first, min(first + step_pages, num_pages))
             if block_poisoned is not None:
@@ -214,6 +252,8 @@ class ReferenceImpl:
             block_out = torch.matmul(weights, values)
             block_sum = weights.sum(dim=-1, keepdim=True)
             del weights, values
+            if acc is None and m is not None:  # the sinks' state: nothing accumulated yet
+                acc = torch.zeros_like(block_out)
             if m is None:
                 acc, l = block_out, block_sum
             else:
@@ -223,6 +263,21 @@ class ReferenceImpl:
             m = m_new
         out = acc / l
         return out if poisoned is None else out.masked_fill(poisoned, float("nan"))
+
+
+def _alibi_offsets(distance, sqrt: bool, dtype):
+    """ALiBi's position term for ``distance = p - k``, to be scaled by each head's slope.
+
+    Linear: ``-|p - k|``, FlashAttention's definition, which for a causal row is
+    ``k - p`` (TRITON_ATTN adds ``k - (L - q)``, the same up to a per-row constant,
+    which softmax ignores; for keys after ``p`` of a dense row TRITON_ATTN's term
+    keeps growing instead). Square root (TRITON_ATTN's use_alibi_sqrt):
+    ``-sqrt(p - k)`` for keys up to ``p``, 0 after.
+    """
+    distance = distance.to(dtype)
+    if sqrt:
+        return torch.where(distance >= 0, -distance.clamp_min(0).sqrt(), torch.zeros_like(distance))
+    return -distance.abs()
 
 
 def _gather(meta: "SnapshotMeta", kv_cache, table, dtype):
@@ -278,6 +333,37 @@ def _masked_values(values, allowed, group: int):
     return torch.where(bad, torch.zeros_like(values), values), poisoned
 
 
+def feature_notes(layer) -> list[str]:
+    """What the reference models of the layer's features, one note each (describe() and the docs say the same)."""
+    notes = []
+    if layer.has_sinks:
+        notes.append("attention sinks: each head's sink logit joins the softmax denominator once (no value, no "
+                     "scale, soft cap or bias), as vLLM's kernels initialise the running max with it")
+    if layer.has_alibi:
+        if layer.alibi_sqrt:
+            notes.append("ALiBi, square-root variant: -slope * sqrt(p - k) for keys up to p, 0 after "
+                         "(TRITON_ATTN's use_alibi_sqrt), added after the soft cap")
+        else:
+            notes.append("ALiBi: -slope * |p - k| added after the soft cap (FlashAttention's definition; for a "
+                         "causal row vLLM's kernels agree up to a per-row constant)")
+            if not layer.causal:
+                notes.append("ALiBi on a dense mask: TRITON_ATTN adds slope * (k - (L - q)) instead, which grows "
+                             "for keys after p: its output differs from this definition there")
+    if layer.chunk_lookback is not None and layer.sliding_window is not None:
+        chunk = layer.sliding_window // (layer.chunk_lookback + 1)
+        notes.append(f"chunked attention: chunks of {chunk} tokens (sliding_window // (chunk_lookback + 1)); a "
+                     f"query sees its own chunk and {layer.chunk_lookback} before it, instead of the window")
+    if layer.attn_type in ("encoder", "encoder_only"):
+        notes.append(f"attn_type {layer.attn_type}: bidirectional over the step's own tokens (seq_len = query length)")
+    elif layer.attn_type == "encoder_decoder":
+        notes.append("attn_type encoder_decoder: each decoder query sees every one of the request's seq_len "
+                     "encoder keys")
+    if layer.kv_sharing_target is not None:
+        notes.append(f"KV shared: the cache is {layer.kv_sharing_target}'s, read as captured (this layer writes "
+                     "none)")
+    return notes
+
+
 class ReferenceInstance:
     def __init__(self, meta: "SnapshotMeta", options: ReplayOptions):
         self.meta = meta
@@ -292,9 +378,11 @@ class ReferenceInstance:
         notes = ["logical KV gathered through the block table; GQA by head grouping"]
         if self.meta.layer.is_fp8:
             notes.append("FP8 query/K/V dequantised with the q/k/v scales before attention")
-        if self.meta.layer.logits_soft_cap:
-            cap = self.meta.layer.logits_soft_cap
+        layer = self.meta.layer
+        if layer.logits_soft_cap:
+            cap = layer.logits_soft_cap
             notes.append(f"logits soft-capped: {cap:g} * tanh(scale * q.k / {cap:g}) before the mask")
+        notes.extend(feature_notes(layer))
         return RunInfo(backend="reference", kernel=f"exact torch attention ({name} accumulate)",
                        device=self.options.device, dtype=name, notes=notes)
 
@@ -303,10 +391,14 @@ class ReferenceInstance:
 
     def explain(self, common: CommonMetadata, metadata: ReferenceMetadata) -> list[dict[str, Any]]:
         rows = []
-        w = metadata.sliding_window
+        w, lookback = metadata.sliding_window, self.meta.layer.chunk_lookback
         for r, (length, q) in enumerate(zip(metadata.seq_lens.tolist(), metadata.query_lens.tolist())):
             first = length - q
-            if metadata.causal:
+            if lookback is not None and w:
+                c = w // (lookback + 1)
+                end = "p" if metadata.causal else str(length - 1)
+                seen = f"[max(0, {c} * (p // {c} - {lookback})), {end}] for p in [{first}, {length - 1}]"
+            elif metadata.causal:
                 lo = (first - w + 1) if w else 0
                 seen = f"[{max(lo, 0)}, p] for p in [{first}, {length - 1}]"
             else:
@@ -320,7 +412,8 @@ BACKEND = BackendSpec(
     name="reference",
     engine_name="REFERENCE",
     summary="exact attention over the logical KV (fp32, fp64 with --exact)",
-    # Soft cap, KV sharing and every layout are modelled; sinks and ALiBi are not.
-    capabilities=Capabilities(who="the reference", kv_sharing=True, attn_types=("decoder",)),
+    # Everything the format records is modelled except what needs per-request data it does not hold.
+    capabilities=Capabilities(who="the reference", sinks=True, alibi=True, alibi_sqrt=True, chunk_lookback=True,
+                              kv_sharing=True, attn_types=ATTN_TYPES),
     create=lambda meta, options: ReferenceInstance(meta, options),
 )

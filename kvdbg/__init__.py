@@ -24,6 +24,8 @@ _LAZY = {
     "poison": "kvdbg.api",
     "sweep": "kvdbg.api",
     "diff": "kvdbg.api",
+    "attention": "kvdbg.api",
+    "error_pictures": "kvdbg.api",
     "Capturer": "kvdbg.capture",
     "Finding": "kvdbg.findings",
     "CODES": "kvdbg.findings",

@@ -82,6 +82,41 @@ def replay(snapshot: "str | Snapshot", backends: Iterable[str] | None = None, *,
     return result.judge(atol=atol, rtol=rtol, requests=requests, heads=heads)
 
 
+def attention(snapshot: "str | Snapshot", backends: Iterable[str] | None = None, *, step: int | None = None,
+              request: int | None = None, head: int | None = None, token: int | None = None,
+              device: str = "cpu", report: "ReplayReport | None" = None,
+              progress: Callable[[str], None] | None = None):
+    """One query token's attention weights over the keys, the reference's and each backend's: `kvdbg attention`.
+
+    What is not given comes from the worst failing head (else the worst head) of
+    a replay, and its worst token; the weights are held against the outputs of
+    that replay (``report``, when the caller has one, else replayed here: the
+    step alone when step, request, head and token are all given).
+    """
+    from kvdbg.attention import attention_picture, choose
+
+    snap = load(snapshot)
+    if report is None:
+        steps = None if step is None or None in (request, head, token) else [step]
+        report = replay(snap, backends, device=device, steps=steps, progress=progress)
+    names = None if backends is None else _named(backends)
+    chosen = choose(snap, report, step=step, request=request, head=head, token=token, backends=names)
+    return attention_picture(snap, chosen, report, backends=names, progress=progress)
+
+
+def _named(backends: Iterable[str]) -> list[str]:
+    from kvdbg.backends import resolve_backend
+
+    return list(dict.fromkeys(resolve_backend(b) for b in backends))
+
+
+def error_pictures(report: "ReplayReport"):
+    """A judged replay's request x head error maps and its error over steps (`replay --picture`)."""
+    from kvdbg.errormap import error_pictures as build
+
+    return build(report)
+
+
 def page_map(snapshot: "str | Snapshot", *, step: int = 0, request: int | None = None) -> "PageMap":
     """Physical-to-logical page map of one step, with its anomalies: `kvdbg map`."""
     from kvdbg.pagemap import page_map as build
@@ -133,4 +168,4 @@ def diff(path_a: str, path_b: str, **kwargs: Any):
     return diff_files(path_a, path_b, **kwargs)
 
 
-__all__ = ["load", "replay", "page_map", "window", "shrink", "poison", "sweep", "diff"]
+__all__ = ["attention", "diff", "error_pictures", "load", "page_map", "poison", "replay", "shrink", "sweep", "window"]

@@ -54,6 +54,15 @@ class CommonMetadata:
     null_page: int | None  # stored index of engine page 0 (vLLM's null block), if stored
     step: int = 0
     has_engine_output: bool = False  # the snapshot holds the engine's own output of this step
+    # The step's new K/V, which the replay has already written into the working cache (a backend that runs
+    # the engine's own cache write, vLLM's do_kv_cache_update, writes them again). None when the step has none.
+    new_key: "torch.Tensor | None" = None  # [num_tokens, Hkv, D], model dtype
+    new_value: "torch.Tensor | None" = None
+    new_slots: "torch.Tensor | None" = None  # [num_tokens] int64: stored page * page_size + offset; -1: not written
+    # The layer's learned values when the snapshot holds them ([num_heads] float32 on the replay device):
+    # read by a backend that models the feature, as vLLM's impl holds them.
+    sinks: "torch.Tensor | None" = None
+    alibi_slopes: "torch.Tensor | None" = None
 
     @property
     def query_lens(self) -> "torch.Tensor":
@@ -124,6 +133,10 @@ class Capabilities:
     soft_cap: bool = True
     sinks: bool = False
     alibi: bool = False
+    alibi_sqrt: bool = False
+    chunk_lookback: bool = False
+    mm_prefix: bool = False
+    rswa: bool = False
     kv_sharing: bool = False
     attn_types: tuple[str, ...] = ("decoder",)
     devices: tuple[str, ...] = ("cpu", "cuda")
@@ -137,6 +150,15 @@ def unsupported_by(caps: Capabilities, meta: "SnapshotMeta", device: str | None 
     refusals = [
         (layer.has_sinks and not caps.sinks, "attention sinks (layer.has_sinks)"),
         (layer.has_alibi and not caps.alibi, "ALiBi slopes (layer.has_alibi)"),
+        (layer.alibi_sqrt and not caps.alibi_sqrt, "square-root ALiBi (layer.alibi_sqrt)"),
+        (layer.chunk_lookback is not None and not caps.chunk_lookback,
+         f"chunked attention with lookback (layer.chunk_lookback = {layer.chunk_lookback})"),
+        (layer.mm_prefix and not caps.mm_prefix,
+         "PrefixLM multimodal attention (layer.mm_prefix: each request's bidirectional image ranges widen the "
+         "mask, and a snapshot does not hold them)"),
+        (layer.rswa_window is not None and not caps.rswa,
+         f"Reference Sliding Window Attention (layer.rswa_window = {layer.rswa_window}: each request's "
+         "globally visible prefix length shapes the mask, and a snapshot does not hold it)"),
         (bool(layer.logits_soft_cap) and not caps.soft_cap,
          f"logits soft-capping (layer.logits_soft_cap = {layer.logits_soft_cap})"),
         (layer.kv_sharing_target is not None and not caps.kv_sharing,
@@ -170,6 +192,13 @@ class BackendSpec:
     # What the capabilities cannot say: the environment (torch, FlashInfer, vLLM) and rules that
     # depend on several fields at once (FlashInfer's plan). None when nothing else stands in the way.
     environment_reason: Callable[["SnapshotMeta"], str | None] = lambda meta: None
+    # A column that runs whichever backend the snapshot names (vLLM's own code) takes its engine name from
+    # the snapshot; None: always ``engine_name``.
+    engine_name_of: Callable[["SnapshotMeta"], str] | None = None
+
+    def engine_name_for(self, meta: "SnapshotMeta") -> str:
+        """The engine backend this column runs for ``meta`` (what verdict.counted_backends matches)."""
+        return self.engine_name if self.engine_name_of is None else self.engine_name_of(meta)
 
     def unsupported_reason(self, meta: "SnapshotMeta", device: str | None = None) -> str | None:
         """None when this backend can replay ``meta`` (on ``device``), else the one-line reason."""

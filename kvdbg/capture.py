@@ -50,6 +50,7 @@ from kvdbg.capture_prepare import (
     PendingCapture,
     PreUpdate,
     StepTensors,
+    WrittenKVMismatch,
     build_snapshot,
     check_metadata,
     current_rank,
@@ -101,6 +102,7 @@ DROP_REASONS = {
     "queue": "over the writer's memory budget",
     "max_bytes": f"over {ENV_MAX_BYTES}",
     "input": "not storable (see the warning)",
+    "refused": "refused by a check (see the warning)",
     "write": "the write failed",
     "internal": "a kvdbg error",
     "off": "capture was off",
@@ -178,6 +180,7 @@ class Capturer:
         self.disabled_reason: str | None = None
         self._logged: set[str] = set()
         self._off_seen: dict[str, Any] = {}
+        self._refused: dict[str, str] = {}  # layers whose written slots did not read back: why
         self._queue: queue.SimpleQueue | None = None
         self._writer: threading.Thread | None = None
         self._names = itertools.count()
@@ -264,6 +267,9 @@ class Capturer:
         ``dropped["off"]``: it was asked for and will not be written.
         """
         if not self._filtered_in(layer_name, step, rank):
+            return False
+        if self._refused and layer_name in self._refused:
+            self._count_unserved(layer_name, step, "refused")
             return False
         config = self.config
         if self.active and config.max_snapshots is not None \
@@ -365,13 +371,19 @@ class Capturer:
 
     def save_pre_update(self, layer: CaptureLayer, *, key: torch.Tensor, value: torch.Tensor,
                         slot_mapping: torch.Tensor, kv_cache: torch.Tensor, step: int | None = None,
-                        rank: int | None = None) -> PreUpdate | None:
-        """Copy the step's new K/V and the pages they will overwrite; call it before the engine's cache update."""
+                        rank: int | None = None, check_written: bool = False) -> PreUpdate | None:
+        """Copy the step's new K/V and the pages they will overwrite; call it before the engine's cache update.
+
+        With ``check_written`` the writer reads the slots the update wrote back
+        from the pages the step's :meth:`begin` copies (after the update), and
+        refuses the layer from then on, in one line, unless they hold
+        ``key``/``value``: the engine's thread copies, never compares.
+        """
         try:
             if _stream_capturing(kv_cache) or not self.wants(layer.name, step, rank):
                 return None
             return save_pre_update(layer, key=key, value=value, slot_mapping=slot_mapping, kv_cache=kv_cache,
-                                   step=step, buffers=self._buffers)
+                                   step=step, buffers=self._buffers, check_written=check_written)
         except Exception as exc:
             # The forward of this step will try again without the saved pages, so no step is lost yet.
             self.report(exc, f"layer {getattr(layer, 'name', layer)} step {step} (before the cache update)")
@@ -425,7 +437,6 @@ class Capturer:
                 if not self._hand_to_writer(pending, where, on_written):
                     _tell(on_written, None)
                 return None
-            snapshot = build_snapshot(pending)
         except Exception as exc:
             self.report(exc, where, step_lost=True)
             pending.release()
@@ -433,7 +444,8 @@ class Capturer:
             return None
         path = None
         try:
-            path = self._store(snapshot, pending, self.config.directory, where)
+            snapshot = self._build(pending, where)
+            path = None if snapshot is None else self._store(snapshot, pending, self.config.directory, where)
             return path
         finally:
             pending.release()
@@ -447,6 +459,45 @@ class Capturer:
         return self.finish(pending, output)
 
     # ---------------------------------------------------------------- writing
+
+    def _build(self, pending: PendingCapture, where: str) -> Snapshot | None:
+        """The step's snapshot (in the caller's thread or the writer's); None after counting why not."""
+        name = pending.layer.name
+        if name in self._refused:  # refused after this step was copied: its snapshot would be as wrong
+            self._drop("refused")
+            return None
+        try:
+            return build_snapshot(pending)
+        except WrittenKVMismatch as exc:
+            self._refuse_layer(pending, exc)
+        except Exception as exc:
+            self.report(exc, where, step_lost=True)
+        return None
+
+    def _refuse_layer(self, pending: PendingCapture, exc: WrittenKVMismatch) -> None:
+        """A layer whose cache did not read back as declared: nothing more of it is captured, said in one line."""
+        name, backend = pending.layer.name, str(pending.plan.backend.name)
+        with self._lock:
+            self._drop("refused")
+            if name in self._refused:
+                return
+            self._refused[name] = str(exc)
+            self.failures[f"layout:{backend}"] += 1
+            first = f"readback:{backend}" not in self._logged
+            self._logged.add(f"readback:{backend}")
+        if first:  # one line for all of a backend's layers: they share the engine's layout
+            logger.warning("kvdbg capture refused: %s layer %s: after do_kv_cache_update, %s; nothing is captured "
+                           "from this layer from step %s on, found by the writer (nor, said no more, from other "
+                           "layers refused so)", backend, name, exc, pending.step_index)
+
+    def layer_refused(self, layer_name: str) -> str | None:
+        """Why the writer refused this layer's cache (its written slots did not read back), or None."""
+        return self._refused.get(layer_name)
+
+    def skip(self, layer_name: str, step: int | None, reason: str = "refused") -> None:
+        """A step :meth:`wants` took that the caller will not hand over (say, a cache layout it refuses):
+        counted once in :attr:`dropped` under ``reason``, so that the exit line accounts for it."""
+        self._count_unserved(layer_name, step, reason)
 
     def _store(self, snapshot: Snapshot, pending: PendingCapture, directory: str, where: str) -> str | None:
         """Validate, size-check and write one snapshot (in the caller's thread or the writer's)."""
@@ -567,11 +618,8 @@ class Capturer:
                     self._buffers.ensure_spare(self.queue_budget() - self._queued_bytes)
                 except Exception:  # only an optimisation (say, no memory for a spare): write on
                     pass
-                try:
-                    snapshot = build_snapshot(pending)
-                except Exception as exc:
-                    self.report(exc, where, step_lost=True)
-                else:
+                snapshot = self._build(pending, where)
+                if snapshot is not None:
                     path = self._store(snapshot, pending, directory, where)
             except Exception as exc:  # the writer must outlive anything that goes wrong with one step
                 self.report(exc, where, step_lost=True)

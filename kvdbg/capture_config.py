@@ -23,6 +23,7 @@ __all__ = [
     "LayerFilter",
     "parse_bytes",
     "parse_count",
+    "AUTO_BACKENDS",
     "DEFAULT_BACKENDS",
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_SNAPSHOTS",
@@ -51,8 +52,11 @@ ENV_QUEUE_BYTES = "KVDBG_CAPTURE_QUEUE_BYTES"
 # Replaced by ENV_QUEUE_BYTES; a value left set is refused by name rather than ignored.
 ENV_QUEUE_COUNT_REPLACED = "KVDBG_CAPTURE_QUEUE"
 
-# vLLM backends the plugin wraps unless KVDBG_CAPTURE_BACKENDS names others.
-DEFAULT_BACKENDS = ("FLASHINFER_TS", "FLEX_ATTENTION")
+# KVDBG_CAPTURE_BACKENDS unset or "auto": the plugin wraps the backend of each attention layer the
+# engine builds (its cache is then checked against what vLLM declares for the layer). Names instead
+# wrap those backends only.
+AUTO_BACKENDS = "auto"
+DEFAULT_BACKENDS: tuple[str, ...] = ()
 # A live engine left capturing by mistake must not fill a disk: these apply when the
 # variables are unset (``unlimited`` lifts a cap explicitly).
 DEFAULT_MAX_SNAPSHOTS = 32
@@ -134,12 +138,16 @@ def parse_bytes(text: str | None, what: str, default: int | None) -> int | None:
 
 
 def parse_backends(text: str | None, what: str = ENV_BACKENDS) -> tuple[str, ...] | None:
-    """Comma-separated vLLM backend names, upper-cased; None when unset (the defaults apply)."""
-    if text is None or not text.strip():
+    """Comma-separated vLLM backend names, upper-cased; None when unset or ``auto`` (every layer's backend)."""
+    if text is None or not text.strip() or text.strip().lower() == AUTO_BACKENDS:
         return None
     names = tuple(dict.fromkeys(n.strip().upper() for n in text.split(",") if n.strip()))
     if not names:
-        raise OptionError(f"{what} names no backend; e.g. {','.join(DEFAULT_BACKENDS)}")
+        raise OptionError(f"{what} names no backend; e.g. FLASH_ATTN,TRITON_ATTN, or {AUTO_BACKENDS} "
+                          "(each attention layer's own backend)")
+    if AUTO_BACKENDS.upper() in names:
+        raise OptionError(f"{what}: {AUTO_BACKENDS!r} stands alone (each attention layer's own backend); "
+                          f"got {text.strip()[:60]!r}")
     return names
 
 
@@ -166,7 +174,8 @@ class CaptureConfig:
     queue_bytes: int | str = 0
     rank: int | None = None  # this process's rank, when the caller fixes it
     engine: str | None = None  # recorded as provenance; None: "vllm <version>" when installed
-    backends: tuple[str, ...] = DEFAULT_BACKENDS  # vLLM backends the plugin wraps
+    # vLLM backends the plugin wraps up front; empty: the backend of each attention layer, as it is built.
+    backends: tuple[str, ...] = DEFAULT_BACKENDS
     backends_given: bool = False  # named by the user (a missing one is then a warning)
     # Snapshots announced at INFO (one line each); the rest at DEBUG, so a long capture stays readable.
     info_snapshot_lines: int = 1

@@ -33,6 +33,7 @@ import datetime
 import functools
 import importlib.metadata
 import json
+import math
 import os
 import time
 import weakref
@@ -45,11 +46,12 @@ import torch
 from kvdbg._version import __version__
 from kvdbg.cache import page_dim, stored_index
 from kvdbg.capture_buffers import HostBuffers, StepCopies
-from kvdbg.engine_layouts import EngineLayout, LayoutError, engine_layout
+from kvdbg.engine_layouts import EngineLayout, LayoutError, check_written_pages, engine_layout
 from kvdbg.errors import KvdbgError, SnapshotError
 from kvdbg.format import (
     FORMAT_KEY,
     FORMAT_VERSION,
+    format_version,
     LAYOUT_KV_PLANES,
     LAYOUT_VLLM,
     META_KEY,
@@ -70,10 +72,12 @@ __all__ = [
     "PendingCapture",
     "PreUpdate",
     "StepTensors",
+    "WrittenKVMismatch",
     "build_snapshot",
     "complete_capture",
     "current_rank",
     "infer_kv_layout",
+    "layer_values",
     "package_version",
     "plan_capture",
     "prepare_capture",
@@ -86,6 +90,14 @@ __all__ = [
 
 class CaptureInputError(KvdbgError):
     """The engine's tensors or settings cannot form a snapshot (the message names the field)."""
+
+
+class WrittenKVMismatch(CaptureInputError):
+    """The slots the engine's cache update wrote, read back through the layer's layout, are not the K/V it was given.
+
+    Not a fault of one step: the layer's cache does not hold its content as
+    declared, so every snapshot of it would be wrong.
+    """
 
 
 # --------------------------------------------------------------------------- the inputs
@@ -116,10 +128,17 @@ class CaptureLayer:
 
     ``dtype`` is the model dtype (query, new K/V and output use it), given as a
     ``torch.dtype`` or its name; ``kv_cache_dtype`` takes vLLM's strings
-    (``auto``, the model dtype's name, ``fp8``/``fp8_e4m3``). ``kv_layout`` names
-    the *engine cache's* layout (``kvdbg.engine_layouts``); None infers one of the
-    format's two layouts from the cache's shape at every step, a guess that cannot
-    tell CPU_ATTN's cache from vLLM's, so engines should declare it.
+    (``auto``, the model dtype's name, ``fp8``/``fp8_e4m3``). ``kv_layout`` is
+    the *engine cache's* layout (``kvdbg.engine_layouts``): a name, or an
+    ``EngineLayout`` built from the engine's declarations (the vLLM plugin's);
+    None infers one of the format's two layouts from the cache's shape at every
+    step, a guess that cannot tell CPU_ATTN's cache from vLLM's, so engines
+    should declare it.
+
+    ``sinks`` and ``alibi_slopes`` take the layer's learned values, one per query
+    head (a tensor on any device or a sequence of numbers); giving them sets
+    ``has_sinks`` / ``has_alibi``, and the snapshot stores them. ``head_size_v``,
+    when given, must equal ``head_size``: the format holds K and V of one width.
     """
 
     name: str
@@ -129,7 +148,7 @@ class CaptureLayer:
     scale: float
     dtype: str
     kv_cache_dtype: str = "auto"
-    kv_layout: str | None = None
+    kv_layout: "str | EngineLayout | None" = None
     sliding_window: int | None = None
     q_scale: float = 1.0
     k_scale: float = 1.0
@@ -139,12 +158,31 @@ class CaptureLayer:
     has_alibi: bool = False
     kv_sharing_target: str | None = None
     attn_type: str = "decoder"
+    sinks: Any = None  # [num_heads] sink logits; stored as a tuple of floats
+    alibi_slopes: Any = None  # [num_heads] ALiBi slopes; stored as a tuple of floats
+    alibi_sqrt: bool = False
+    chunk_lookback: int | None = None
+    mm_prefix: bool = False
+    rswa_window: int | None = None
+    head_size_v: int | None = None
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
         set_("dtype", _model_dtype_name(self.dtype))
+        for values_name, flag in (("sinks", "has_sinks"), ("alibi_slopes", "has_alibi")):
+            values = _head_values(getattr(self, values_name), values_name, self.num_heads)
+            set_(values_name, values)
+            if values is not None:
+                set_(flag, True)
+            elif getattr(self, flag):
+                raise CaptureInputError(f"layer {flag} is true but no {values_name} were given: pass "
+                                        f"{values_name}= one value per query head, so that replay can model them")
+        if self.head_size_v is not None and self.head_size_v != self.head_size:
+            raise CaptureInputError(
+                f"layer head_size_v {self.head_size_v} differs from head_size {self.head_size}: a snapshot holds "
+                "K and V of one head size")
         set_("kv_cache_dtype", _normalise_kv_cache_dtype(self.kv_cache_dtype, self.dtype))
-        if self.kv_layout is not None:
+        if self.kv_layout is not None and not isinstance(self.kv_layout, EngineLayout):
             try:
                 engine_layout(self.kv_layout)
             except LayoutError as exc:
@@ -168,7 +206,8 @@ class CaptureLayer:
         set_("attn_type", str(getattr(self.attn_type, "value", self.attn_type)))
         # The reader's own checks (positive sizes, finite positive scales, grouped heads), run once
         # per layer rather than on every step; the writer runs them again on the whole metadata.
-        probe = SnapshotMeta(layer=self.meta(causal=True), backend=BackendMeta("probe", 1, 1, 1), kv_layout=LAYOUT_VLLM)
+        probe = SnapshotMeta(layer=self.meta(causal=self.attn_type == "decoder"), backend=BackendMeta("probe", 1, 1, 1),
+                             kv_layout=LAYOUT_VLLM)
         try:
             parse_meta(probe.to_json())
         except SnapshotError as exc:
@@ -178,6 +217,24 @@ class CaptureLayer:
         """The snapshot's layer record for a step with this mask."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(LayerMeta) if f.name != "causal"}
         return LayerMeta(causal=causal, **fields)
+
+
+def _head_values(values: Any, name: str, num_heads: Any) -> tuple[float, ...] | None:
+    """One finite number per query head, as a tuple of floats (None stays None)."""
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        values = values.detach().to("cpu", torch.float64).reshape(-1).tolist()
+    try:
+        out = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise CaptureInputError(f"layer {name} must be one number per query head, got {type(values).__name__}") \
+            from None
+    if _is_integral(num_heads) and len(out) != int(num_heads):
+        raise CaptureInputError(f"layer {name} holds {len(out)} values for {int(num_heads)} query heads")
+    if not all(math.isfinite(v) for v in out):
+        raise CaptureInputError(f"layer {name} holds a value that is not finite")
+    return out
 
 
 def _is_integral(value: Any) -> bool:
@@ -253,12 +310,14 @@ def infer_kv_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -
     )
 
 
-def resolve_kv_layout(kv_layout: str | None, kv_cache: torch.Tensor, num_kv_heads: int,
+def resolve_kv_layout(kv_layout: "str | EngineLayout | None", kv_cache: torch.Tensor, num_kv_heads: int,
                       head_size: int) -> EngineLayout:
-    """The engine layout named by ``kv_layout`` (inferred from the shape when None), checked against the tensor."""
-    name = kv_layout or infer_kv_layout(kv_cache, num_kv_heads, head_size)
+    """The engine layout ``kv_layout`` (a name; inferred from the shape when None), checked against the tensor."""
     try:
-        layout = engine_layout(name)
+        if isinstance(kv_layout, EngineLayout):
+            layout = kv_layout
+        else:
+            layout = engine_layout(kv_layout or infer_kv_layout(kv_cache, num_kv_heads, head_size))
         layout.check(kv_cache, num_kv_heads, head_size)
     except LayoutError as exc:
         raise CaptureInputError(str(exc)) from None
@@ -368,7 +427,8 @@ def snapshot_file_size(snapshot: Snapshot) -> int:
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         entries.append((name, dtype_name(t.dtype), tuple(t.shape), raw))
     sink = _CountingSink()
-    write_safetensors(sink, entries, {FORMAT_KEY: FORMAT_VERSION, META_KEY: snapshot.meta.to_json()})
+    metadata = {FORMAT_KEY: format_version(snapshot.meta), META_KEY: snapshot.meta.to_json()}
+    write_safetensors(sink, entries, metadata)
     return sink.size
 
 
@@ -382,7 +442,9 @@ class PreUpdate:
     For engines that write the step's new K/V into the cache *before* calling the
     attention forward (vLLM's ``do_kv_cache_update``), this is how the snapshot
     still holds the cache as the step found it. The pages stay in the engine's
-    layout; the writer converts them.
+    layout; the writer converts them. With ``check_written`` the writer also
+    reads the slots the update wrote back from the pages copied at the forward
+    (:class:`WrittenKVMismatch` when they do not hold ``key``/``value``).
     """
 
     layer_name: str
@@ -392,23 +454,28 @@ class PreUpdate:
     slot_mapping: torch.Tensor  # [tokens]
     page_ids: torch.Tensor  # int64, sorted: pages the update writes
     pages: torch.Tensor  # their content before the update, in the engine's layout (kv_layout)
-    kv_layout: str  # the engine layout of the cache they came from
+    kv_layout: str  # the name of the engine layout of the cache they came from
     page_size: int
     copies: StepCopies | None = field(default=None, repr=False)  # what the writer waits for
+    layout: EngineLayout | None = field(default=None, repr=False)  # that layout (None: looked up by name)
+    check_written: bool = False  # the writer reads the written slots back
 
     def snapshot_pages(self) -> torch.Tensor:
         """The saved pages in the snapshot layout (writer side: waits for the copies, converts)."""
         if self.copies is not None:
             self.copies.wait()
-        return engine_layout(self.kv_layout).convert(self.pages)
+        return (self.layout or engine_layout(self.kv_layout)).convert(self.pages)
 
 
 def save_pre_update(layer: CaptureLayer, *, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-                    kv_cache: torch.Tensor, step: int | None = None,
-                    buffers: HostBuffers | None = None) -> PreUpdate:
+                    kv_cache: torch.Tensor, step: int | None = None, buffers: HostBuffers | None = None,
+                    check_written: bool = False) -> PreUpdate:
     """Copy the step's new K/V and the pages they will overwrite; call it before the cache update.
 
-    Only copies (engine's thread); the pages are converted when the snapshot is built.
+    Only copies (engine's thread); the pages are converted when the snapshot is
+    built. With ``check_written`` the snapshot's builder reads the slots the
+    update wrote back from the pages the forward's capture copies, and refuses
+    the step unless they hold ``key``/``value`` (:class:`WrittenKVMismatch`).
     """
     _require(layer, CaptureLayer, "layer")
     layout = _layout_for(layer, kv_cache)
@@ -427,7 +494,8 @@ def save_pre_update(layer: CaptureLayer, *, key: torch.Tensor, value: torch.Tens
     page_ids = torch.from_numpy(np.unique(written.astype(np.int64, copy=False) // page_size))
     pre = PreUpdate(layer_name=layer.name, step=step, key=copies.copy(key), value=copies.copy(value),
                     slot_mapping=slots, page_ids=page_ids, pages=copies.gather(kv_cache, layout.page_dim, page_ids),
-                    kv_layout=layout.name, page_size=page_size, copies=copies)
+                    kv_layout=layout.name, page_size=page_size, copies=copies, layout=layout,
+                    check_written=check_written)
     copies.close()
     return pre
 
@@ -691,6 +759,9 @@ def build_snapshot(pending: PendingCapture) -> Snapshot:
     layout = plan.layout
     pages = layout.convert(pending.pages)
     pre = plan.pre_update
+    read_back = None
+    if pre is not None and pre.check_written:
+        read_back = _read_back(plan, pages, pre)  # before the restore: these pages are as the update left them
     if pre is not None and len(pre.page_ids):
         _restore_pre_update(pages, plan.page_ids, pre, layout.snapshot_layout)
     provenance: dict[str, Any] = {}
@@ -701,6 +772,8 @@ def build_snapshot(pending: PendingCapture) -> Snapshot:
     if layout.to_snapshot is not None:
         provenance["kv_layout_conversion"] = layout.description
     provenance.update(plan.info or {})
+    if read_back is not None:
+        provenance["kv_layout_read_back"] = read_back
     cache, backend = plan.kv_cache, plan.backend
     tensor_blocks = int(cache.shape[layout.page_dim])
     meta = SnapshotMeta(
@@ -721,7 +794,27 @@ def build_snapshot(pending: PendingCapture) -> Snapshot:
     )
     step = dataclasses.replace(plan.step, output=pending.output)
     stored_ids = plan.page_ids.to(torch.int32) if tensor_blocks < 2**31 else plan.page_ids
-    return Snapshot(meta=meta, kv_cache=pages, page_ids=stored_ids, steps=[step])
+    return Snapshot(meta=meta, kv_cache=pages, page_ids=stored_ids, steps=[step], **layer_values(plan.layer))
+
+
+def layer_values(layer: CaptureLayer) -> dict[str, torch.Tensor]:
+    """The layer's value tensors as a snapshot stores them: [num_heads] float32, by tensor name."""
+    return {name: torch.tensor(values, dtype=torch.float32)
+            for name, values in (("sinks", layer.sinks), ("alibi_slopes", layer.alibi_slopes)) if values is not None}
+
+
+def _read_back(plan: CapturePlan, pages: torch.Tensor, pre: PreUpdate) -> str:
+    """Compare the written slots in ``pages`` (copied after the cache update) with the K/V the update was given."""
+    layer = plan.layer
+    try:
+        tokens = check_written_pages(plan.layout, pages, plan.page_ids, page_size=pre.page_size, key=pre.key,
+                                     value=pre.value, slot_mapping=pre.slot_mapping, head_size=layer.head_size,
+                                     kv_cache_dtype=layer.kv_cache_dtype, k_scale=layer.k_scale,
+                                     v_scale=layer.v_scale)
+    except LayoutError as exc:
+        raise WrittenKVMismatch(str(exc)) from None
+    return (f"passed: the {tokens} slots do_kv_cache_update wrote read back through {plan.layout.name} as the K/V "
+            "it was given")
 
 
 def complete_capture(pending: PendingCapture, output: torch.Tensor | None = None) -> Snapshot:

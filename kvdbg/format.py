@@ -22,6 +22,10 @@ FORMAT_KEY = "kvdbg.format"
 OUTPUTS_KEY = "kvdbg.replay"  # the metadata key of a `kvdbg replay -o` outputs file (a file-format name)
 META_KEY = "kvdbg.meta"
 FORMAT_VERSION = "1"
+# "1.1": format 1 with a mask an older reader (which knows only "1") would replay wrongly, so that it refuses the
+# file instead (docs/snapshot-format.md, Versioning). Readers accept both.
+FORMAT_VERSION_MASKS = "1.1"
+FORMAT_VERSIONS_READ = (FORMAT_VERSION, FORMAT_VERSION_MASKS)
 
 # safetensors refuses headers above 100 MB; so do we, before reading one.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -63,7 +67,17 @@ FP8_STORAGE_DTYPES = ("uint8", "float8_e4m3fn")
 STEP_TENSORS_REQUIRED = ("block_table", "seq_lens", "query_start_loc", "query")
 STEP_TENSORS_UPDATE = ("key", "value", "slot_mapping")
 STEP_TENSORS = STEP_TENSORS_REQUIRED + STEP_TENSORS_UPDATE + ("output",)
-GLOBAL_TENSORS = ("kv_cache", "page_ids")
+# Optional per-layer value tensors, [num_heads] float32, each present only when its layer flag is true:
+# the learned sink logit of each query head, and each query head's ALiBi slope.
+LAYER_VALUE_TENSORS = {"sinks": "has_sinks", "alibi_slopes": "has_alibi"}
+GLOBAL_TENSORS = ("kv_cache", "page_ids") + tuple(LAYER_VALUE_TENSORS)
+
+# vLLM's attention types (AttentionType): decoder self-attention over the cache; encoder and encoder_only
+# self-attention over the step's own tokens, bidirectional; encoder_decoder (cross-attention): decoder queries
+# over the encoder's cached keys.
+ATTN_TYPES = ("decoder", "encoder", "encoder_only", "encoder_decoder")
+ENCODER_SELF_ATTN_TYPES = ("encoder", "encoder_only")
+CROSS_ATTN_TYPE = "encoder_decoder"
 
 
 # --------------------------------------------------------------------------- metadata
@@ -90,6 +104,14 @@ class LayerMeta:
     has_alibi: bool = False
     kv_sharing_target: str | None = None
     attn_type: str = "decoder"
+    # TRITON_ATTN's square-root ALiBi variant (use_alibi_sqrt): -slope * sqrt(p - k) for keys up to p.
+    alibi_sqrt: bool = False
+    # TRITON_ATTN's chunked attention with lookback (chunk_lookback >= 0): chunks of
+    # sliding_window // (chunk_lookback + 1) tokens; a query sees its own chunk and chunk_lookback before it.
+    chunk_lookback: int | None = None
+    # Features recorded so that replay can refuse them by name: the snapshot does not hold what they need.
+    mm_prefix: bool = False  # PrefixLM multimodal layers: per-request bidirectional ranges (use_mm_prefix)
+    rswa_window: int | None = None  # Reference Sliding Window Attention: per-request prefix lengths
 
     @property
     def is_fp8(self) -> bool:
@@ -98,6 +120,18 @@ class LayerMeta:
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+
+LAYER_FIELDS_WRITTEN_WHEN_SET = ("alibi_sqrt", "chunk_lookback", "mm_prefix", "rswa_window")
+# Of those, the fields that change which keys a token sees: a reader of format "1" would ignore them.
+MASK_FIELDS = ("chunk_lookback", "mm_prefix", "rswa_window")
+
+
+def format_version(meta: "SnapshotMeta") -> str:
+    """The ``kvdbg.format`` a file of ``meta`` is written with: "1.1" when its mask needs a field "1" lacks."""
+    layer = meta.layer
+    uses = any(getattr(layer, name) != LayerMeta.__dataclass_fields__[name].default for name in MASK_FIELDS)
+    return FORMAT_VERSION_MASKS if uses else FORMAT_VERSION
 
 
 @dataclass(frozen=True)
@@ -125,7 +159,13 @@ class SnapshotMeta:
     notes: str = ""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        record = asdict(self)
+        # Feature fields added after the first release are written only when set, so a snapshot without them
+        # keeps the bytes an earlier kvdbg wrote (fixtures regenerate byte for byte).
+        for name in LAYER_FIELDS_WRITTEN_WHEN_SET:
+            if record["layer"][name] == LayerMeta.__dataclass_fields__[name].default:
+                del record["layer"][name]
+        return json.dumps(record, sort_keys=True, separators=(",", ":"))
 
     def step_prefix(self, step: int) -> str:
         return step_prefix(step, self.num_steps)
@@ -154,13 +194,14 @@ def _get(obj: Mapping[str, Any], path: str, key: str, kind: str, *, required: bo
     elif kind == "bool":
         if not isinstance(value, bool):
             raise _field_error(where, "true or false", value)
-    elif kind in ("pos_int", "opt_pos_int", "nonneg_int"):
-        if value is None and kind == "opt_pos_int":
+    elif kind in ("pos_int", "opt_pos_int", "nonneg_int", "opt_nonneg_int"):
+        if value is None and kind in ("opt_pos_int", "opt_nonneg_int"):
             return None
         if isinstance(value, bool) or not isinstance(value, int):
             raise _field_error(where, "an integer", value)
-        if kind == "nonneg_int" and value < 0 or kind != "nonneg_int" and value <= 0:
-            raise _field_error(where, "a positive integer" if kind != "nonneg_int" else "a non-negative integer", value)
+        nonneg = kind in ("nonneg_int", "opt_nonneg_int")
+        if nonneg and value < 0 or not nonneg and value <= 0:
+            raise _field_error(where, "a non-negative integer" if nonneg else "a positive integer", value)
         if value > 2**40:
             raise _field_error(where, "an integer below 2**40", value)
     elif kind in ("scale", "opt_float"):
@@ -211,6 +252,10 @@ def parse_meta(raw: str) -> SnapshotMeta:
         has_alibi=_get(lo, "layer", "has_alibi", "bool", required=False, default=False),
         kv_sharing_target=_get(lo, "layer", "kv_sharing_target", "opt_str", required=False),
         attn_type=_get(lo, "layer", "attn_type", "str", required=False, default="decoder"),
+        alibi_sqrt=_get(lo, "layer", "alibi_sqrt", "bool", required=False, default=False),
+        chunk_lookback=_get(lo, "layer", "chunk_lookback", "opt_nonneg_int", required=False),
+        mm_prefix=_get(lo, "layer", "mm_prefix", "bool", required=False, default=False),
+        rswa_window=_get(lo, "layer", "rswa_window", "opt_pos_int", required=False),
     )
     if layer.dtype not in MODEL_DTYPES:
         raise _field_error("layer.dtype", f"one of {', '.join(MODEL_DTYPES)}", layer.dtype)
@@ -223,6 +268,7 @@ def parse_meta(raw: str) -> SnapshotMeta:
             f"meta field layer.num_heads ({layer.num_heads}) must be a multiple of "
             f"layer.num_kv_heads ({layer.num_kv_heads}) for grouped-query attention"
         )
+    _check_layer_features(layer)
     backend = BackendMeta(
         name=_get(bo, "backend", "name", "str"),
         page_size=_get(bo, "backend", "page_size", "pos_int"),
@@ -247,6 +293,24 @@ def parse_meta(raw: str) -> SnapshotMeta:
     notes = _get(obj, "meta", "notes", "str", required=False, default="")
     return SnapshotMeta(layer=layer, backend=backend, kv_layout=kv_layout, num_steps=num_steps,
                         capture=capture, notes=notes)
+
+
+def _check_layer_features(layer: LayerMeta) -> None:
+    """Rules between the layer's feature fields (each value alone was checked as it was read)."""
+    if layer.alibi_sqrt and not layer.has_alibi:
+        raise SnapshotError("meta field layer.alibi_sqrt is true but layer.has_alibi is false: the square-root "
+                            "variant needs ALiBi slopes")
+    if layer.chunk_lookback is not None:
+        if layer.sliding_window is None:
+            raise SnapshotError("meta field layer.chunk_lookback needs layer.sliding_window: the chunk size is "
+                                "sliding_window // (chunk_lookback + 1)")
+        if layer.sliding_window // (layer.chunk_lookback + 1) == 0:
+            raise SnapshotError(
+                f"meta field layer.chunk_lookback = {layer.chunk_lookback} leaves chunks of 0 tokens "
+                f"(layer.sliding_window = {layer.sliding_window} // {layer.chunk_lookback + 1})")
+    if layer.attn_type in ENCODER_SELF_ATTN_TYPES + (CROSS_ATTN_TYPE,) and layer.causal:
+        raise SnapshotError(f"meta field layer.causal is true but layer.attn_type {layer.attn_type!r} attends "
+                            "bidirectionally: it must be false")
 
 
 def _replace(obj, **changes):
@@ -389,10 +453,10 @@ def read_header(path: str | os.PathLike) -> Header:
             f"{path}: missing __metadata__[{FORMAT_KEY!r}]: a safetensors file, but not a kvdbg snapshot"
         )
     version = metadata[FORMAT_KEY]
-    if version != FORMAT_VERSION:
+    if version not in FORMAT_VERSIONS_READ:
         raise SnapshotError(
-            f"{path}: unknown {FORMAT_KEY} {version[:20]!r}; this kvdbg reads format {FORMAT_VERSION} "
-            "(upgrade kvdbg to read newer snapshots)"
+            f"{path}: unknown {FORMAT_KEY} {version[:20]!r}; this kvdbg reads format "
+            f"{' and '.join(FORMAT_VERSIONS_READ)} (upgrade kvdbg to read newer snapshots)"
         )
     if META_KEY not in metadata:
         raise SnapshotError(f"{path}: missing __metadata__[{META_KEY!r}]")
@@ -475,6 +539,21 @@ def check_structure(header: Header) -> None:
     )
     known = set(GLOBAL_TENSORS)
     hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_size
+    for name, flag in LAYER_VALUE_TENSORS.items():
+        entry = tensors.get(name)
+        if entry is None:
+            continue
+        if not getattr(layer, flag):
+            raise SnapshotError(f"tensor {name!r} is present but meta field layer.{flag} is false")
+        _check_dtype(entry, ("float32",))
+        _check_shape(entry, (hq,), f"[{hq}] (one value per query head, layer.num_heads)")
+    if layer.kv_sharing_target is not None:
+        for step in range(meta.num_steps):
+            name = meta.step_prefix(step) + "slot_mapping"
+            if name in tensors:
+                raise SnapshotError(
+                    f"tensor {name!r} writes new K/V, but layer.kv_sharing_target is set: a layer that reads "
+                    f"another layer's cache ({layer.kv_sharing_target!r}) writes none")
     q_dtypes = (layer.dtype,) + (FP8_STORAGE_DTYPES if layer.is_fp8 else ())
     for step in range(meta.num_steps):
         prefix = meta.step_prefix(step)

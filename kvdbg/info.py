@@ -76,6 +76,28 @@ class InfoSummary:
         return out
 
 
+def layer_features(layer: dict[str, Any], tensor_names: set[str]) -> list[str]:
+    """The layer's attention features beyond the mask, one short phrase each (empty: none)."""
+    out = []
+    if layer.get("attn_type", "decoder") != "decoder":
+        out.append(f"attn_type {layer['attn_type']}")
+    if layer.get("logits_soft_cap"):
+        out.append(f"soft cap {layer['logits_soft_cap']:g}")
+    for flag, tensor, what in (("has_sinks", "sinks", "sinks"), ("has_alibi", "alibi_slopes", "ALiBi")):
+        if layer.get(flag):
+            sqrt = " (square root)" if flag == "has_alibi" and layer.get("alibi_sqrt") else ""
+            out.append(f"{what}{sqrt}" + ("" if tensor in tensor_names else " (flag only: values not stored)"))
+    if layer.get("chunk_lookback") is not None:
+        out.append(f"chunk lookback {layer['chunk_lookback']}")
+    if layer.get("kv_sharing_target"):
+        out.append(f"KV shared with {layer['kv_sharing_target']}")
+    if layer.get("mm_prefix"):
+        out.append("PrefixLM multimodal ranges (not stored)")
+    if layer.get("rswa_window"):
+        out.append(f"R-SWA window {layer['rswa_window']} (prefix lengths not stored)")
+    return out
+
+
 def summarize(path: str | os.PathLike) -> InfoSummary:
     header = read_header(path)
     return summarize_header(header)

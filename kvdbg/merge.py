@@ -11,6 +11,8 @@ slots and page ids are the same; only the per-head tensors differ::
     rank 1: query [T, Hq/2, D]   kv_cache [P, Hkv/2, page, 2D]   output [T, Hq/2, D]
     merged: query [T, Hq,   D]   kv_cache [P, Hkv,   page, 2D]   output [T, Hq,   D]   (rank 0's heads first)
 
+The layer's per-query-head values (``sinks``, ``alibi_slopes``) are joined like the query heads.
+
 The merged file's metadata is rank 0's with ``layer.num_heads`` and
 ``layer.num_kv_heads`` the totals, and in ``capture``: ``rank`` and
 ``tp_rank`` null, ``merged_from`` (per rank: file, tp_rank, global rank, pid,
@@ -31,6 +33,7 @@ import torch
 from kvdbg._version import __version__
 from kvdbg.cache import kv_head_dim
 from kvdbg.errors import SnapshotError
+from kvdbg.format import LAYER_VALUE_TENSORS
 from kvdbg.ranks import RankInfo, rank_info
 from kvdbg.snapshot import Snapshot, Step
 
@@ -38,6 +41,7 @@ from kvdbg.snapshot import Snapshot, Step
 SHARED_STEP_TENSORS = ("block_table", "seq_lens", "query_start_loc", "slot_mapping")
 QUERY_HEAD_TENSORS = ("query", "output")  # [T, Hq_rank, D]: joined along the heads
 KV_HEAD_TENSORS = ("key", "value")  # [T, Hkv_rank, D]: joined along the KV heads
+# The layer's values, one per query head ([Hq_rank]; vLLM slices them per rank as it slices the heads): joined.
 # capture fields that may differ between the ranks of one step (everything else must agree)
 PER_RANK_CAPTURE = frozenset({"rank", "rank_source", "tp_rank", "pid", "time", "device", "gpu", "gpu_error",
                               "kv_cache_engine_shape", "kv_cache_engine_stride"})
@@ -141,13 +145,16 @@ def _same_meta(label: str, first: Snapshot, other: Snapshot) -> None:
     _same(label, "num_steps", a.num_steps, b.num_steps)
     for key in sorted((set(a.capture) | set(b.capture)) - PER_RANK_CAPTURE):
         _same(label, f"capture.{key}", a.capture.get(key), b.capture.get(key))
-    known = {"kv_cache", "page_ids"} | {a.step_prefix(i) + name for i in range(a.num_steps)
+    known = {"kv_cache", "page_ids", *LAYER_VALUE_TENSORS} | {a.step_prefix(i) + name for i in range(a.num_steps)
                                          for name in (*SHARED_STEP_TENSORS, *QUERY_HEAD_TENSORS, *KV_HEAD_TENSORS)}
     for snap in (first, other):
         unknown = sorted(set(snap.tensors()) - known)
         if unknown:
             raise MergeError(f"{_label(snap, 0)}: tensor {unknown[0]!r} is not one kvdbg merge knows how to join "
                              "across ranks")
+    for name in LAYER_VALUE_TENSORS:
+        if (getattr(first, name) is None) != (getattr(other, name) is None):
+            raise MergeError(f"{label}: tensor {name!r} is in one file and not in the other")
     if not torch.equal(first.page_ids, other.page_ids):
         raise MergeError(f"{label}: page_ids differ from the first file's: not the same step")
     for i, (sa, sb) in enumerate(zip(first.steps, other.steps)):
@@ -201,7 +208,9 @@ def merge_ranks(snapshots: Sequence[Snapshot], *, total_kv_heads: int | None = N
     layer = dataclasses.replace(meta.layer, num_heads=meta.layer.num_heads * len(ordered),
                                 num_kv_heads=kv_cache.shape[kv_dim])
     merged_meta = dataclasses.replace(meta, layer=layer, capture=capture)
-    return Snapshot(meta=merged_meta, kv_cache=kv_cache, page_ids=first.page_ids, steps=steps)
+    values = {name: torch.cat([getattr(snap, name) for snap in ordered]) for name in LAYER_VALUE_TENSORS
+              if getattr(first, name) is not None}
+    return Snapshot(meta=merged_meta, kv_cache=kv_cache, page_ids=first.page_ids, steps=steps, **values)
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kvdbg._version import __version__
-from kvdbg.errors import OptionError, SnapshotError
+from kvdbg.errors import KvdbgError, OptionError, SnapshotError
 
 if TYPE_CHECKING:
     from kvdbg.compare import Comparison
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from kvdbg.info import InfoSummary
     from kvdbg.verdict import Verdict
 
-__all__ = ["Environment", "WindowRow", "BackendSummary", "BugReport", "collect_environment", "file_sha256",
+__all__ = ["Environment", "WindowRow", "BackendSummary", "BugReport", "ReportPictures", "build_pictures", "collect_environment", "file_sha256",
            "build_report", "reproduce_command", "snapshot_sha256", "write_text_atomic", "MAX_WORST_HEADS"]
 
 MAX_WORST_HEADS = 3
@@ -102,6 +102,7 @@ class BugReport:
     command: str
     device: str
     sweep: Any = None  # (kvdbg.sweeper.SweepResult, its Verdict) when asked for (report --sweep)
+    pictures: "ReportPictures | None" = None  # when asked for (report --html / --svg): build_pictures
 
     @property
     def comparisons(self) -> list["Comparison"]:
@@ -311,6 +312,57 @@ def snapshot_sha256(snapshot: "Snapshot") -> str:
 def _replayed(result, *, explicit: bool) -> list[str]:
     """Backends the reproducing command names: all asked for, or the defaults that could run here."""
     return [st.name for st in result.backends if st.name != "reference" and (explicit or st.available)]
+
+
+# --------------------------------------------------------------------------- pictures
+
+
+@dataclass
+class ReportPictures:
+    """The pictures of a report: which heads are wrong, the error over steps, where the attention went, the window."""
+
+    errors: Any  # kvdbg.errormap.ErrorPictures
+    attention: Any  # kvdbg.attention.AttentionPicture, or None when it cannot be drawn (attention_reason says why)
+    attention_reason: str
+    window: Any  # kvdbg.picture.Picture of the attention's request (its step), or None
+    window_analysis: Any  # kvdbg.ts_window.WindowAnalysis behind it
+    window_reason: str
+
+
+def build_pictures(report: BugReport, progress: Callable[[str], None] | None = None) -> ReportPictures:
+    """Every picture of ``report`` from its replay (nothing replayed again)."""
+    from kvdbg.api import attention
+    from kvdbg.errormap import error_pictures
+    from kvdbg.snapshot import load_snapshot
+
+    errors = error_pictures(report.replay)
+    snap = load_snapshot(report.path)
+    picture, reason = None, ""
+    names = [st.name for st in report.replay.result.backends if st.available]
+    if progress:
+        progress("drawing where the attention went")
+    try:
+        picture = attention(snap, names, report=report.replay)
+    except KvdbgError as exc:  # e.g. a request with no query token to show
+        reason = str(exc)
+    window = analysis = None
+    window_reason = ""
+    step = picture.step if picture is not None else 0
+    request = picture.request if picture is not None else None
+    try:
+        from kvdbg.picture import picture as window_picture
+        from kvdbg.ts_window import analyze_window
+        from kvdbg.window_source import step_tables, window_source
+
+        source = window_source(report.path, step=step, request=request)
+        analysis = analyze_window(source.seq_len, source.window, query_len=source.query_len,
+                                  page_size=source.page_size, causal=source.causal,
+                                  max_model_len=source.max_model_len,
+                                  max_decode_query_len=source.max_decode_query_len)
+        window = window_picture(analysis, step_tables(report.path, step), source.request)
+    except KvdbgError as exc:
+        window_reason = str(exc)
+    return ReportPictures(errors, picture, reason, window, analysis, window_reason)
 
 
 # --------------------------------------------------------------------------- writing

@@ -13,7 +13,7 @@ import torch
 
 from kvdbg.backend_api import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
 from kvdbg.backends import DEFAULT_ORDER, backend_names, get_backend
-from kvdbg.cache import apply_step_update, replay_cache
+from kvdbg.cache import apply_step_update, replay_cache, stored_index
 from kvdbg.errors import BackendUnavailable, OptionError
 from kvdbg.format import OUTPUTS_KEY
 from kvdbg.pagemap import live_page_values, value_anomalies
@@ -199,6 +199,14 @@ def common_metadata(snapshot: "Snapshot", step: int, device: str = "cpu") -> Com
     seq_lens = s.seq_lens.to(torch.int64)
     qsl = s.query_start_loc.to(torch.int64)
     qlens = qsl[1:] - qsl[:-1]
+    new_key = new_value = new_slots = None
+    if s.key is not None and s.value is not None and s.slot_mapping is not None:
+        slots = s.slot_mapping.to(torch.int64)
+        stored = stored_index(snapshot.page_ids, slots.clamp_min(0) // snapshot.page_size)
+        written = (slots >= 0) & (stored >= 0)
+        new_slots = torch.where(written, stored * snapshot.page_size + slots % snapshot.page_size,
+                                torch.full_like(slots, -1)).to(device)
+        new_key, new_value = s.key.to(device), s.value.to(device)
     return CommonMetadata(
         block_table=snapshot.stored_block_table(step).to(device),
         block_table_engine=s.block_table.to(torch.int64).to(device),
@@ -215,6 +223,11 @@ def common_metadata(snapshot: "Snapshot", step: int, device: str = "cpu") -> Com
         null_page=snapshot.null_page_index(),
         step=step,
         has_engine_output=s.output is not None,
+        new_key=new_key,
+        new_value=new_value,
+        new_slots=new_slots,
+        sinks=None if snapshot.sinks is None else snapshot.sinks.to(device),
+        alibi_slopes=None if snapshot.alibi_slopes is None else snapshot.alibi_slopes.to(device),
     )
 
 
@@ -231,7 +244,8 @@ def load_backends(names: Iterable[str], meta: "SnapshotMeta", options: ReplayOpt
     """Import and create each backend. One that cannot run becomes an unavailable status with the reason.
 
     Unknown names raise OptionError. A backend in ``required`` (asked for by name) that is unavailable
-    raises BackendUnavailable instead: the user asked for it, so nothing is shown without it.
+    raises BackendUnavailable instead: the user asked for it, so nothing is shown without it. So does the
+    reference, whatever was asked: nothing can be judged without it.
     """
     names = list(dict.fromkeys(names))
     valid = backend_names()
@@ -256,11 +270,12 @@ def load_backends(names: Iterable[str], meta: "SnapshotMeta", options: ReplayOpt
                     else _first_line(exc)
             else:
                 instances[name], specs[name] = inst, spec
-                statuses.append(BackendStatus(name, spec.engine_name, True, None, inst.describe()))
+                statuses.append(BackendStatus(name, spec.engine_name_for(meta), True, None, inst.describe()))
                 continue
-        statuses.append(BackendStatus(name, spec.engine_name, False, reason))
+        statuses.append(BackendStatus(name, spec.engine_name_for(meta), False, reason))
     for st in statuses:
-        if not st.available and st.name in required:
+        # Without the reference nothing can be judged: a layer feature it cannot model is refused, never ignored.
+        if not st.available and (st.name in required or st.name == "reference"):
             raise BackendUnavailable(f"backend {st.name} cannot run: {st.reason}")
     return statuses, instances, specs
 
@@ -278,7 +293,8 @@ def run_backend(name: str, spec: BackendSpec, inst: Any, common: CommonMetadata,
     hq = query.shape[1]
     d = meta_layer.head_size if meta_layer is not None else query.shape[2]
     dtype = getattr(inst, "output_dtype", None) or output_dtype
-    run = BackendRun(backend=name, engine_name=spec.engine_name, step=common.step, info=inst.describe())
+    engine_name = spec.engine_name_for(inst.meta) if hasattr(inst, "meta") else spec.engine_name
+    run = BackendRun(backend=name, engine_name=engine_name, step=common.step, info=inst.describe())
     output = torch.full((num_tokens, hq, d), float("nan"), dtype=dtype, device=query.device)
     try:
         t0 = time.perf_counter()
@@ -335,13 +351,21 @@ class ReplaySetup:
     named: tuple[str, ...] = ()  # backends asked for by name (required)
 
 
-def backend_key(meta: "SnapshotMeta") -> tuple:
-    """What a backend instance is made from: the layer, the engine's backend settings and the cache layout.
+# Provenance (meta.capture) entries that change what a backend runs: CPU_ATTN's kernel variant and the
+# engine's resolved KVCacheLayout, both followed by the vllm column (kvdbg.backends.vllm_native).
+PROVENANCE_READ = ("kernel_variant", "kv_cache_layout")
 
-    Backends read nothing else of the metadata (not the provenance, notes or step
-    count), so snapshots equal in these can share instances.
+
+def backend_key(meta: "SnapshotMeta") -> tuple:
+    """What a backend instance is made from: the layer, the engine's backend settings, the cache layout, and
+    the provenance entries a backend follows (``PROVENANCE_READ``: the vllm column runs the kernel variant and
+    the cache layout the engine used).
+
+    Backends read nothing else of the metadata (not the rest of the provenance,
+    notes or step count), so snapshots equal in these can share instances.
     """
-    return (meta.layer, meta.backend, meta.kv_layout)
+    capture = meta.capture if isinstance(meta.capture, dict) else {}
+    return (meta.layer, meta.backend, meta.kv_layout, tuple(str(capture.get(k)) for k in PROVENANCE_READ))
 
 
 class ReplayContext:
@@ -408,7 +432,7 @@ def prepare_replay(snapshot: "Snapshot", backends: Iterable[str] | None = None,
 def replay(snapshot: "Snapshot", backends: Iterable[str] | None = None, options: ReplayOptions | None = None, *,
            steps: Iterable[int] | None = None, required: Iterable[str] = (),
            progress: Callable[[str], None] | None = None) -> ReplayResult:
-    """Replay ``snapshot`` through ``backends`` (default: reference, flex, flashinfer_ts, vllm_flex).
+    """Replay ``snapshot`` through ``backends`` (default: reference, flex, flashinfer_ts, vllm).
 
     Every step's update is applied in order to a private working cache (opened
     only when a step has one: backends only read), so the ``steps`` chosen are

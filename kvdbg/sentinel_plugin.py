@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvdbg.capture import CaptureLayer, PreUpdate
+    from kvdbg.engine_layouts import EngineLayout
 
 logger = logging.getLogger("kvdbg.sentinel")
 
@@ -47,6 +48,7 @@ class _Waiting:
     impl: Any
     layer: Any
     target: "CaptureLayer"
+    kv_layout: "EngineLayout"
     ctx: Any
     pre: "PreUpdate | None"
     key: Any
@@ -95,12 +97,12 @@ class SentinelHooks:
             step = state._forward_counts.get(name, 0)  # the forward this update belongs to comes next
             if not self.sentinel.sampled(name, step):
                 return
-            kv_layout = state.engine_layout(impl, layer, state._info(impl))
+            kv_layout = state.engine_layout(impl, layer, state._info(impl), kv_cache)
             if kv_layout is None:
                 return
             target = state.capture_layer(impl, layer, kv_layout, getattr(layer, "dtype", key.dtype))
             pre = self.capturer.save_pre_update(target, key=key, value=value, slot_mapping=slot_mapping,
-                                                kv_cache=kv_cache, step=step)
+                                                kv_cache=kv_cache, step=step, check_written=True)
             if pre is not None:
                 self._pre[name] = pre
         except Exception as exc:
@@ -124,12 +126,16 @@ class SentinelHooks:
                 self._say_once("metadata", "kvdbg sentinel: a sampled step's metadata was not built by a wrapped "
                                "builder; such steps are not checked")
                 return
+            if ctx.refused is not None:  # a mask the reference cannot be given either (capture says it once)
+                self._say_once(f"refused:{ctx.refused.split(' ')[0]}", f"kvdbg sentinel: steps whose mask a "
+                               f"snapshot cannot hold are not checked ({ctx.refused})")
+                return
             causal = _causal(ctx.causal)
             if causal is None:
                 self._say_once("causal", "kvdbg sentinel: a batch mixing causal and non-causal requests is not "
                                "checked")
                 return
-            kv_layout = state.engine_layout(impl, layer, state._info(impl))
+            kv_layout = state.engine_layout(impl, layer, state._info(impl), kv_cache)
             if kv_layout is None:
                 return
             info = state._info(impl)
@@ -143,12 +149,13 @@ class SentinelHooks:
                 if self._deferred is None:
                     self._deferred = DeferredChecks(self.sentinel, kv_cache.device)
                 kept = self._deferred.submit(target, inputs, step)
-                self._waiting[name] = _Waiting(impl, layer, target, ctx, pre, key, value, kept, step)
+                self._waiting[name] = _Waiting(impl, layer, target, kv_layout, ctx, pre, key, value, kept, step)
                 return
             result = self.sentinel.check(target, inputs, step)
             finding = result.finding()
             if finding is not None:
-                self._capture(state, finding, _Waiting(impl, layer, target, ctx, pre, key, value, inputs, step))
+                self._capture(state, finding, _Waiting(impl, layer, target, kv_layout, ctx, pre, key, value, inputs,
+                                                       step))
         except Exception as exc:
             self._failed(exc, "after the forward")
 
@@ -174,7 +181,7 @@ class SentinelHooks:
                          finding.kind)
             return
         backend, tensors, provenance = state.step_capture(w.impl, w.ctx, w.inputs.query, w.key, w.value,
-                                                          w.inputs.kv_cache, w.pre, w.layer)
+                                                          w.inputs.kv_cache, w.pre, w.layer, w.kv_layout)
         provenance["captured_by"] = f"the sentinel ({finding.kind})"
         pending = self.capturer.begin(w.target, backend, tensors, step=w.step, info=provenance,
                                       notes=finding.text())

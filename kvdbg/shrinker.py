@@ -307,7 +307,9 @@ def select_kv_heads(snapshot: "Snapshot", keep: Sequence[int]) -> "Snapshot":
     new = replace(step, query=pick(step.query, q_idx), key=pick(step.key, kv_idx), value=pick(step.value, kv_idx),
                   output=pick(step.output, q_idx))
     meta = replace(snapshot.meta, layer=replace(layer, num_heads=len(q_idx), num_kv_heads=len(kv_idx)))
-    return replace(snapshot, meta=meta, kv_cache=kv, steps=[new], path=None)
+    # A query head's sink logit and ALiBi slope go with it.
+    values = {name: t.index_select(0, q_idx) for name, t in snapshot.layer_tensors().items()}
+    return replace(snapshot, meta=meta, kv_cache=kv, steps=[new], path=None, **values)
 
 
 def drop_pages(snapshot: "Snapshot", request: int, logical_pages: Iterable[int]) -> "Snapshot":

@@ -225,6 +225,26 @@ def meta_differences(header_a, header_b) -> tuple[list[FieldDiff], list[FieldDif
     return inputs, provenance
 
 
+def layer_value_differences(snap_a, snap_b) -> list[FieldDiff]:
+    """The layer's value tensors (sinks, ALiBi slopes) that differ: absent on one side, or the first head that
+    differs and how many do."""
+    out = []
+    for name in ("sinks", "alibi_slopes"):
+        a, b = getattr(snap_a, name), getattr(snap_b, name)
+        if a is None and b is None:
+            continue
+        if a is None or b is None:
+            out.append(FieldDiff(name, "absent" if a is None else f"{a.numel()} values",
+                                 "absent" if b is None else f"{b.numel()} values"))
+            continue
+        differ = (a != b).nonzero().flatten().tolist()
+        if differ:
+            h = differ[0]
+            out.append(FieldDiff(name, f"head {h}: {float(a[h]):.6g}",
+                                 f"head {h}: {float(b[h]):.6g} ({len(differ)} of {a.numel()} heads differ)"))
+    return out
+
+
 def _flatten(obj: Any, prefix: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         return {prefix: obj}
@@ -448,6 +468,7 @@ def diff_snapshots(path_a: str, path_b: str, *, atol: float | None = None, rtol:
     result = SnapDiff(KIND_SNAPSHOT, header_a.path, header_b.path)
     result.meta, result.provenance = meta_differences(header_a, header_b)
     snap_a, snap_b = load_snapshot(path_a), load_snapshot(path_b)
+    result.meta.extend(layer_value_differences(snap_a, snap_b))
     cache_a, cache_b = working_cache(snap_a, "cpu"), working_cache(snap_b, "cpu")
     for step in range(len(snap_a.steps)):
         if progress:

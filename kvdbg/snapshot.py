@@ -18,9 +18,12 @@ from kvdbg.atomic import TEMP_PREFIX, atomic_write
 from kvdbg.cache import kv_views, page_dim, stored_index
 from kvdbg.errors import OptionError, SnapshotError
 from kvdbg.format import (
+    CROSS_ATTN_TYPE,
     DTYPE_TO_ST,
+    ENCODER_SELF_ATTN_TYPES,
     FORMAT_KEY,
-    FORMAT_VERSION,
+    LAYER_VALUE_TENSORS,
+    format_version,
     META_KEY,
     Header,
     SnapshotMeta,
@@ -98,6 +101,9 @@ class Snapshot:
     kv_source: tuple | None = field(default=None, compare=False, repr=False)
     # Set by load_snapshot: the parsed file header, so a caller never parses the file again.
     header: Header | None = field(default=None, compare=False, repr=False)
+    # The layer's learned values, [num_heads] float32 each, present when layer.has_sinks / has_alibi say so.
+    sinks: torch.Tensor | None = None  # the sink logit of each query head (joins the softmax denominator)
+    alibi_slopes: torch.Tensor | None = None  # the ALiBi slope of each query head
 
     @property
     def num_pages(self) -> int:
@@ -151,8 +157,12 @@ class Snapshot:
         hits = (self.page_ids == 0).nonzero()
         return int(hits[0, 0]) if len(hits) else None
 
+    def layer_tensors(self) -> dict[str, torch.Tensor]:
+        """The layer's value tensors the snapshot holds (``sinks``, ``alibi_slopes``), by file name."""
+        return {n: getattr(self, n) for n in LAYER_VALUE_TENSORS if getattr(self, n) is not None}
+
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"kv_cache": self.kv_cache, "page_ids": self.page_ids}
+        out = {"kv_cache": self.kv_cache, "page_ids": self.page_ids, **self.layer_tensors()}
         for i, step in enumerate(self.steps):
             prefix = self.meta.step_prefix(i)
             out.update({prefix + n: t for n, t in step.tensors().items()})
@@ -260,12 +270,22 @@ def check_values(meta: SnapshotMeta, page_ids: torch.Tensor, steps: list[Step]) 
                 f"{prefix}query_start_loc[-1] = {int(qsl[-1])} but {prefix}query has {step.num_tokens} tokens"
             )
         qlens = qsl[1:] - qsl[:-1]
-        short = qlens > sl
+        attn_type = meta.layer.attn_type
+        # Cross-attention queries (decoder tokens) attend to the encoder's keys: as many or as few as there are.
+        short = qlens > sl if attn_type != CROSS_ATTN_TYPE else torch.zeros_like(sl, dtype=torch.bool)
         if short.any():
             (r,) = _first_index(short)
             raise SnapshotError(
                 f"{prefix}seq_lens[{r}] = {int(sl[r])} is shorter than the request's {int(qlens[r])} query tokens"
             )
+        if attn_type in ENCODER_SELF_ATTN_TYPES:
+            context = sl != qlens
+            if context.any():
+                (r,) = _first_index(context)
+                raise SnapshotError(
+                    f"{prefix}seq_lens[{r}] = {int(sl[r])} but the request has {int(qlens[r])} query tokens: "
+                    f"layer.attn_type {attn_type!r} attends over the step's own tokens only, so they must be equal"
+                )
         if bt.numel():
             outside = (bt < 0) | (bt >= total)
             if outside.any():
@@ -301,6 +321,16 @@ def check_values(meta: SnapshotMeta, page_ids: torch.Tensor, steps: list[Step]) 
                 )
 
 
+def check_layer_values(meta: SnapshotMeta, tensors: dict[str, torch.Tensor]) -> None:
+    """The layer's value tensors (``sinks``, ``alibi_slopes``) hold finite numbers; SnapshotError naming the entry."""
+    for name, values in tensors.items():
+        bad = ~torch.isfinite(values.to(torch.float64))
+        if bad.any():
+            (h,) = _first_index(bad)
+            raise SnapshotError(f"tensor {name!r}[{h}] = {float(values[h])} is not finite (one value per query "
+                                f"head; meta field layer.{LAYER_VALUE_TENSORS[name]})")
+
+
 def validate(snapshot: Snapshot) -> None:
     """Run every structural and value check on an in-memory snapshot."""
     if len(snapshot.steps) != snapshot.meta.num_steps:
@@ -311,6 +341,7 @@ def validate(snapshot: Snapshot) -> None:
     header = Header("<memory>", 0, 0, {}, _entries(tensors), snapshot.meta)
     check_structure(header)
     check_values(snapshot.meta, snapshot.page_ids, snapshot.steps)
+    check_layer_values(snapshot.meta, snapshot.layer_tensors())
 
 
 # --------------------------------------------------------------------------- I/O
@@ -330,7 +361,7 @@ def save_snapshot(snapshot: Snapshot, path: str | os.PathLike, *, overwrite: boo
             raise OptionError(f"tensor {name!r} has dtype {t.dtype}, which the snapshot format cannot store")
         raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         entries.append((name, dtype_name(t.dtype), tuple(t.shape), raw))
-    metadata = {FORMAT_KEY: FORMAT_VERSION, META_KEY: snapshot.meta.to_json()}
+    metadata = {FORMAT_KEY: format_version(snapshot.meta), META_KEY: snapshot.meta.to_json()}
     return atomic_write(path, lambda fh: write_safetensors(fh, entries, metadata), overwrite=overwrite,
                         temp_prefix=temp_prefix)
 
@@ -362,10 +393,12 @@ def load_snapshot(path: str | os.PathLike, *, validate_values: bool = True) -> S
             "block_table", "seq_lens", "query_start_loc", "query", "key", "value", "slot_mapping", "output")}))
     kv = tensors["kv_cache"]
     snap = Snapshot(meta=meta, kv_cache=kv, page_ids=tensors["page_ids"], steps=steps, path=header.path,
-                    kv_source=(file_id, kv.data_ptr(), kv._version), header=header)
+                    kv_source=(file_id, kv.data_ptr(), kv._version), header=header,
+                    **{name: tensors.get(name) for name in LAYER_VALUE_TENSORS})
     if validate_values:
         try:
             check_values(meta, snap.page_ids, steps)
+            check_layer_values(meta, snap.layer_tensors())
         except SnapshotError as exc:
             raise SnapshotError(f"{header.path}: {exc}") from None
     return snap

@@ -189,7 +189,7 @@ def relabel_pages(snapshot: "Snapshot", mapping: dict[int, int]) -> "Snapshot":
             slots = torch.where(wide >= 0, moved, wide).to(slots.dtype)
         steps.append(replace(s, block_table=table, slot_mapping=slots))
     return Snapshot(meta=snapshot.meta, kv_cache=kv, page_ids=new_ids[order].to(snapshot.page_ids.dtype),
-                    steps=steps, path=snapshot.path)
+                    steps=steps, path=snapshot.path, **snapshot.layer_tensors())
 
 
 def _placement_variants(snapshot, options, backends) -> list[Variant]:
@@ -244,7 +244,8 @@ def retype_snapshot(snapshot: "Snapshot", model_dtype: str, fp8: bool,
                         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
     meta = replace(snapshot.meta, layer=new_layer)
     kv = torch.empty(snapshot.kv_cache.shape, dtype=torch.uint8 if fp8 else target)
-    new = Snapshot(meta=meta, kv_cache=kv, page_ids=snapshot.page_ids, steps=[], path=snapshot.path)
+    new = Snapshot(meta=meta, kv_cache=kv, page_ids=snapshot.page_ids, steps=[], path=snapshot.path,
+                   **snapshot.layer_tensors())
     for (src, old_scale), (dst, new_scale) in zip(
             zip(snapshot.kv_views(), (layer.k_scale, layer.v_scale) if layer.is_fp8 else (1.0, 1.0)),
             zip(new.kv_views(), (k_scale, v_scale))):
@@ -348,6 +349,9 @@ def _window_variants(snapshot, options, backends) -> list[Variant]:
     if window is None:
         return [Variant("window", "captured ± 1", "", captured_applies=False, same_answer=False,
                         skipped="the layer has no sliding window")]
+    if snapshot.meta.layer.chunk_lookback is not None:
+        return [Variant("window", "captured ± 1", "", captured_applies=False, same_answer=False,
+                        skipped="the layer's chunk lookback replaces its window (the window only sizes the chunks)")]
     for label, value in (("none", None), (f"{window - 1}", window - 1), (f"{window + 1}", window + 1)):
         variant = Variant("window", label, f"sliding window {value if value is not None else 'none'} instead of "
                           f"{window}; backends against this variant's reference only",

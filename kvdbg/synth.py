@@ -10,7 +10,8 @@ import torch
 from kvdbg._version import __version__
 from kvdbg.cache import join_kv, quantize_fp8
 from kvdbg.errors import OptionError
-from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM, LAYOUTS, MODEL_DTYPES, BackendMeta, LayerMeta, SnapshotMeta
+from kvdbg.format import (ATTN_TYPES, CROSS_ATTN_TYPE, ENCODER_SELF_ATTN_TYPES, LAYOUT_KV_PLANES, LAYOUT_VLLM,
+                          LAYOUTS, MODEL_DTYPES, BackendMeta, LayerMeta, SnapshotMeta)
 from kvdbg.snapshot import Snapshot, Step, torch_dtype, validate
 
 @dataclass(frozen=True)
@@ -49,7 +50,20 @@ class SynthSpec:
     notes: str = ""
     # Store each step's output as computed by this kvdbg backend, standing in for the engine's own.
     engine_output: str | None = None
-    extra_layer: dict = field(default_factory=dict)  # e.g. {"has_sinks": True} to exercise rejections
+    # Layer features. ``sinks`` / ``alibi_slopes``: one value per query head, or "auto" (sinks drawn from the
+    # seed; ALiBi's geometric slopes for num_heads).
+    sinks: tuple[float, ...] | str | None = None
+    alibi_slopes: tuple[float, ...] | str | None = None
+    alibi_sqrt: bool = False
+    logits_soft_cap: float | None = None
+    attn_type: str = "decoder"
+    kv_sharing_target: str | None = None
+    chunk_lookback: int | None = None
+    extra_layer: dict = field(default_factory=dict)  # e.g. {"mm_prefix": True} to exercise rejections
+
+
+_FEATURE_FIELDS = ("sinks", "alibi_slopes", "alibi_sqrt", "logits_soft_cap", "attn_type", "kv_sharing_target",
+                   "chunk_lookback")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -65,10 +79,11 @@ def _check(spec: SynthSpec) -> None:
     qlens = spec.query_lens or (spec.query_len,) * len(spec.seq_lens)
     if len(qlens) != len(spec.seq_lens):
         raise bad(f"--query-lens gives {len(qlens)} lengths for {len(spec.seq_lens)} requests")
+    cross = spec.attn_type == CROSS_ATTN_TYPE
     for i, (length, q) in enumerate(zip(spec.seq_lens, qlens)):
         if q < 0:
             raise bad(f"query length of request {i} must be >= 0, got {q}")
-        if length < q or length <= 0:
+        if length <= 0 or length < q and not cross:
             raise bad(f"--seq-lens[{i}] = {length} must be positive and hold the request's {q} query tokens")
     for name in ("num_heads", "num_kv_heads", "head_size", "page_size", "steps"):
         if getattr(spec, name) <= 0:
@@ -101,7 +116,74 @@ def _check(spec: SynthSpec) -> None:
         raise bad(f"--page-zero-request {spec.page_zero_request} is not a request index")
     if len(spec.seq_lens) > 4096 or max(spec.seq_lens) > 2**22 or spec.steps > 64:
         raise bad("synthetic snapshots are limited to 4096 requests, 4M tokens per request and 64 steps")
+    _check_features(spec, qlens)
 
+
+def _check_features(spec: SynthSpec, qlens) -> None:
+    for name, option in (("sinks", "--sinks"), ("alibi_slopes", "--alibi")):
+        values = getattr(spec, name)
+        if isinstance(values, str):
+            if values != "auto":
+                raise OptionError(f"{option} takes 'auto' or one number per query head, got {values!r}")
+        elif values is not None:
+            if len(values) != spec.num_heads:
+                raise OptionError(f"{option} gives {len(values)} values for {spec.num_heads} query heads")
+            if not all(math.isfinite(v) for v in values):
+                raise OptionError(f"{option} values must be finite numbers")
+    if spec.alibi_sqrt and spec.alibi_slopes is None:
+        raise OptionError("--alibi-sqrt needs --alibi")
+    if spec.logits_soft_cap is not None and not (math.isfinite(spec.logits_soft_cap) and spec.logits_soft_cap > 0):
+        raise OptionError(f"--soft-cap must be a finite positive number, got {spec.logits_soft_cap}")
+    if spec.attn_type not in ATTN_TYPES:
+        raise OptionError(f"--attn-type must be one of {', '.join(ATTN_TYPES)}, got {spec.attn_type}")
+    if spec.attn_type != "decoder":
+        if spec.causal:
+            raise OptionError(f"--attn-type {spec.attn_type} attends bidirectionally: give --mask dense")
+        if spec.steps != 1:
+            raise OptionError(f"--attn-type {spec.attn_type}: one step (--steps 1)")
+    if spec.attn_type in ENCODER_SELF_ATTN_TYPES and list(spec.seq_lens) != list(qlens):
+        raise OptionError(f"--attn-type {spec.attn_type} attends over the step's own tokens: every --seq-lens "
+                          "value must equal the request's query length")
+    if spec.new_kv and (spec.attn_type == CROSS_ATTN_TYPE or spec.kv_sharing_target is not None):
+        why = "a cross-attention decoder step" if spec.attn_type == CROSS_ATTN_TYPE else \
+            "a layer that reads another layer's cache"
+        raise OptionError(f"{why} writes no new K/V: give --no-new-kv")
+    if spec.chunk_lookback is not None:
+        if spec.chunk_lookback < 0:
+            raise OptionError(f"--chunk-lookback must be >= 0, got {spec.chunk_lookback}")
+        if spec.sliding_window is None or spec.sliding_window // (spec.chunk_lookback + 1) == 0:
+            raise OptionError("--chunk-lookback needs --window of at least chunk_lookback + 1 tokens: the chunk "
+                              "size is window // (chunk_lookback + 1)")
+
+
+def _feature_fields(spec: SynthSpec) -> dict:
+    fields = dict(logits_soft_cap=spec.logits_soft_cap, attn_type=spec.attn_type,
+                  kv_sharing_target=spec.kv_sharing_target, chunk_lookback=spec.chunk_lookback)
+    if spec.sinks is not None:
+        fields["has_sinks"] = True
+    if spec.alibi_slopes is not None:
+        fields.update(has_alibi=True, alibi_sqrt=spec.alibi_sqrt)
+    return fields
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """ALiBi's slopes for ``num_heads`` heads: a geometric series from 2**(-8/n) for the largest power of two
+    ``n`` not above ``num_heads``; further heads take every other slope of the series for ``2n``."""
+    def series(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    n = 1 << (num_heads.bit_length() - 1)
+    return (series(n) + series(2 * n)[0::2])[:num_heads]
+
+
+def _layer_values(spec: SynthSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The sinks and ALiBi slopes tensors a spec asks for ("auto" sinks come from a generator of their own,
+    so a spec without them keeps every other byte)."""
+    sinks = spec.sinks
+    if sinks == "auto":
+        sinks = (torch.randn(spec.num_heads, generator=torch.Generator().manual_seed(spec.seed + 1)) * 2).tolist()
+    slopes = alibi_slopes(spec.num_heads) if spec.alibi_slopes == "auto" else spec.alibi_slopes
+    return tuple(None if v is None else torch.tensor(list(v), dtype=torch.float32) for v in (sinks, slopes))
 
 def synth_snapshot(spec: SynthSpec) -> Snapshot:
     """Build a snapshot from ``spec``. Only the referenced pages are generated and stored."""
@@ -110,7 +192,8 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
     ps = spec.page_size
     qlens = list(spec.query_lens or (spec.query_len,) * len(spec.seq_lens))
     num_reqs = len(qlens)
-    final_lens = [length + (spec.steps - 1) * q for length, q in zip(spec.seq_lens, qlens)]
+    grows = spec.attn_type != CROSS_ATTN_TYPE
+    final_lens = [length + (spec.steps - 1) * q * grows for length, q in zip(spec.seq_lens, qlens)]
     pages_per_req = [_cdiv(n, ps) for n in final_lens]
     shared = spec.shared_prefix_pages
     needed = shared + sum(n - shared for n in pages_per_req)
@@ -152,8 +235,10 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
         kv_cache = kv_cache.view(torch.uint8)
 
     steps = []
+    cross = spec.attn_type == CROSS_ATTN_TYPE
     for s in range(spec.steps):
-        lens = [length + s * q for length, q in zip(spec.seq_lens, qlens)]
+        # A cross-attention step reads the encoder's keys: their number does not grow with the decoder's tokens.
+        lens = [length + (0 if cross else s * q) for length, q in zip(spec.seq_lens, qlens)]
         table = torch.zeros(num_reqs, width, dtype=torch.int32)
         for r, row in enumerate(rows):
             live = _cdiv(lens[r], ps)
@@ -193,7 +278,7 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
         q_scale=spec.q_scale,
         k_scale=spec.k_scale,
         v_scale=spec.v_scale,
-        **spec.extra_layer,
+        **{**_feature_fields(spec), **spec.extra_layer},
     )
     backend_name = spec.backend or ("FLASHINFER_TS" if spec.layout == LAYOUT_VLLM else "FLEX_ATTENTION")
     max_model_len = spec.max_model_len or max(32768, 1 << (max(final_lens) - 1).bit_length())
@@ -204,7 +289,10 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
         num_gpu_blocks=num_gpu_blocks,
         max_decode_query_len=spec.max_decode_query_len or max(max(qlens), 1),
     )
-    spec_record = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(spec).items()}
+    # Feature fields at their defaults are left out, so specs without them keep their bytes.
+    defaults = SynthSpec()
+    spec_record = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(spec).items()
+                   if k not in _FEATURE_FIELDS or v != getattr(defaults, k)}
     meta = SnapshotMeta(
         layer=layer,
         backend=backend,
@@ -213,7 +301,8 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
         capture={"engine": "kvdbg synth", "kvdbg": __version__, "synth": spec_record},
         notes=spec.notes,
     )
-    snap = Snapshot(meta=meta, kv_cache=kv_cache, page_ids=page_ids, steps=steps)
+    sinks, slopes = _layer_values(spec)
+    snap = Snapshot(meta=meta, kv_cache=kv_cache, page_ids=page_ids, steps=steps, sinks=sinks, alibi_slopes=slopes)
     validate(snap)
     if spec.engine_output:
         _attach_engine_output(snap, spec.engine_output)
@@ -239,4 +328,4 @@ def _cumsum(values):
         yield total
 
 
-__all__ = ["SynthSpec", "synth_snapshot", "LAYOUT_KV_PLANES", "LAYOUT_VLLM"]
+__all__ = ["SynthSpec", "alibi_slopes", "synth_snapshot", "LAYOUT_KV_PLANES", "LAYOUT_VLLM"]

@@ -54,10 +54,11 @@ SUPPORTED_CAPABILITIES = ((10, 0), (10, 3), (10, 7))
 KERNEL_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 MASK_TYPES = ("causal", "dense")
 MAX_HEAD_RATIO = 128  # Hq / Hkv, _validate_head_geometry
-# The FP8 kernel streams keys in tiles of 128, dealt in turn to two instances with their own running max
-# (fmha_decode helpers_softmax); the torch and Triton emulations of its P rounding both follow these.
+# The FP8 kernel streams keys in tiles of 128 through its K/V instances, each with its own running max
+# (fmha_decode helpers_softmax): two unless the planner picks a Keeps tile at head_dim 192/256, which has one
+# (kvdbg.ts_planner). The torch and Triton emulations of its P rounding both follow these.
 FP8_P_TILE = 128
-FP8_P_STREAMS = 2
+FP8_P_STREAMS = 2  # the instances of every profile but those one-instance Keeps ones
 
 # Spellings callers use for the same dtype: torch names, vLLM's kv_cache_dtype, short forms.
 _DTYPE_ALIASES = {

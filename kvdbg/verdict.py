@@ -28,8 +28,9 @@ window, a prefill batch FLASHINFER_TS never runs) is a note, not a failure.
 
 **What counts.** A replay judges the engine the snapshot came from: the
 engine's captured output against the reference, the backends that implement
-the snapshot's own backend (``meta.backend.name``: flex and vllm_flex for
-FLEX_ATTENTION, flashinfer_ts for FLASHINFER_TS), every backend the user named
+the snapshot's own backend (``meta.backend.name``: vllm, which runs vLLM's own
+code for whichever backend the snapshot names; flex and vllm_flex for
+FLEX_ATTENTION; flashinfer_ts for FLASHINFER_TS), every backend the user named
 with ``--backend``, and the findings about the inputs themselves. The other
 default columns are *what-if* columns -- how another backend would handle this
 batch (FLASHINFER_TS on a CPU_ATTN capture, say). They are shown in full, with

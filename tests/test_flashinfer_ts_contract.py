@@ -264,14 +264,14 @@ def test_force_emulation_and_plan_rejection_fall_back_with_the_reason(monkeypatc
 
 
 @pytest.mark.parametrize("extra, words", [
-    ({"has_sinks": True}, "attention sinks"),
-    ({"has_alibi": True}, "ALiBi"),
+    ({"sinks": "auto"}, "attention sinks"),
+    ({"alibi_slopes": "auto"}, "ALiBi"),
     ({"logits_soft_cap": 30.0}, "soft-capping"),
-    ({"kv_sharing_target": "model.layers.0.self_attn.attn"}, "KV sharing"),
-    ({"attn_type": "encoder_only"}, "attn_type 'encoder_only'"),
+    ({"kv_sharing_target": "model.layers.0.self_attn.attn", "new_kv": False}, "KV sharing"),
+    ({"attn_type": "encoder_only", "causal": False, "query_len": 40}, "attn_type 'encoder_only'"),
 ])
 def test_rejections_show_as_unavailable_with_the_reason(extra, words):
-    snap = synth_snapshot(SynthSpec(seq_lens=(40,), head_size=64, extra_layer=extra))
+    snap = synth_snapshot(SynthSpec(seq_lens=(40,), head_size=64, **extra))
     reason = ts.BACKEND.unsupported_reason(snap.meta)
     assert reason is not None and words in reason
     result = replay(snap, ["reference", "flashinfer_ts"])

@@ -90,12 +90,15 @@ def test_nonpositive_seq_len_is_an_error_before_0_7_4_and_inactive_after():
 # --------------------------------------------------------------------------- 2. FP8 P rounding
 
 
-def _fp8_model(q, k_cache, v_cache, seq_lens, table, *, mask_type, window_left, bmm1_scale, bmm2_scale):
+def _fp8_model(q, k_cache, v_cache, seq_lens, table, *, mask_type, window_left, bmm1_scale, bmm2_scale,
+               instances=2, tokens_per_cta=1):
     """Independent model of prims_ts's FP8 path at split count 1, written as the kernel streams it.
 
-    Per query row and head: 128-key tiles, tile t handled by instance t % 2 with its own running max m,
-    sum l and accumulator; each tile's P = 448 * exp(s - m_new) rounded to e4m3 for P.V while l adds the
-    unrounded P; the two instances are merged at the end.
+    Per query row and head: 128-key tiles; the kernel skips whole tiles before the window of the row's CTA (whose
+    first token is the row's token rounded down to a multiple of ``tokens_per_cta``) and deals the rest in turn
+    to ``instances`` K/V instances, each with its own running max m, sum l and accumulator; each tile's
+    P = 448 * exp(s - m_new) is rounded to e4m3 for P.V while l adds the unrounded P; the instances are merged
+    at the end.
     """
     batch, sq, hq, d = q.shape
     hkv, ps = k_cache.shape[1], k_cache.shape[2]
@@ -108,13 +111,16 @@ def _fp8_model(q, k_cache, v_cache, seq_lens, table, *, mask_type, window_left, 
         for i in range(sq):
             end = length if mask_type == "dense" else length - sq + i + 1
             begin = 0 if window_left < 0 else max(0, end - window_left - 1)
+            cta_token = i // tokens_per_cta * tokens_per_cta
+            skip = 0 if window_left < 0 or mask_type == "dense" else \
+                max(0, length - sq + cta_token - window_left) // 128
             for h in range(hq):
                 s = (keys[h // (hq // hkv)] @ q[b, i, h].float()) * bmm1_scale
                 s[:begin] = float("-inf")
                 s[end:] = float("-inf")
-                state = [[float("-inf"), 0.0, torch.zeros(d)] for _ in range(2)]
-                for t in range(-(-length // 128)):
-                    m, l, acc = state[t % 2]
+                state = [[float("-inf"), 0.0, torch.zeros(d)] for _ in range(instances)]
+                for t in range(skip, -(-length // 128)):
+                    m, l, acc = state[(t - skip) % instances]
                     tile = s[t * 128:(t + 1) * 128]
                     m_new = max(m, float(tile.max()))
                     if m_new == float("-inf"):
@@ -122,8 +128,8 @@ def _fp8_model(q, k_cache, v_cache, seq_lens, table, *, mask_type, window_left, 
                     p = torch.exp(tile - m_new) * 448.0
                     p8 = p.to(torch.float8_e4m3fn).float()
                     scale = math.exp(m - m_new) if m != float("-inf") else 0.0
-                    state[t % 2] = [m_new, l * scale + float(p.sum()),
-                                    acc * scale + p8 @ values[h // (hq // hkv), t * 128:(t + 1) * 128]]
+                    state[(t - skip) % instances] = [m_new, l * scale + float(p.sum()),
+                                                     acc * scale + p8 @ values[h // (hq // hkv), t * 128:(t + 1) * 128]]
                 top = max(st[0] for st in state)
                 if top == float("-inf"):
                     continue
@@ -173,6 +179,53 @@ def test_fp8_emulation_is_the_p_rounding_model_within_flashinfer_tolerance(seed,
     ts.emulate_decode(q, k, v, seq_lens, table, mask_type=mask_type, window_left=window_left, out=exact,
                       fp8_p=False, **scales)
     assert (exact - model).abs().max() > 10 * FP8_FP16_ATOL
+
+
+@pytest.mark.parametrize("seed,lens,sq,hq,hkv,mask_type,window_left,instances,tokens_per_cta", [
+    # head_dim 256, a Keeps tile: one K/V instance, so every tile is rounded against one running max.
+    (5, (500, 90), 1, 64, 1, "dense", -1, 1, 1),
+    (6, (600, 130), 8, 16, 2, "causal", -1, 1, 8),
+    # A Swaps profile at head_dim 256 keeps two instances; with a window they are dealt from its first tile.
+    (7, (900, 300), 1, 8, 2, "causal", 300, 2, 1),
+    (8, (1000, 640), 4, 8, 2, "causal", 260, 2, 2),
+])
+def test_fp8_head_dim_256_is_the_p_rounding_model_of_its_profile(seed, lens, sq, hq, hkv, mask_type, window_left,
+                                                                 instances, tokens_per_cta):
+    from kvdbg.ts_planner import DecodeProfile
+
+    q, k, v, seq_lens, table = _fp8_case(seed, lens, sq, hq, hkv, d=256)
+    scales = dict(bmm1_scale=0.006, bmm2_scale=0.7)
+    profile = DecodeProfile(keeps=instances == 1, tile_q=64 if instances == 1 else 8,
+                            q_tokens_per_cta=tokens_per_cta, kv_instances=instances, why="test")
+    out = torch.full(q.shape, float("nan"), dtype=torch.float16)
+    ts.emulate_decode(q, k, v, seq_lens, table, mask_type=mask_type, window_left=window_left, out=out,
+                      fp8_profile=profile, **scales)
+    args = dict(mask_type=mask_type, window_left=window_left, **scales)
+    model = _fp8_model(q, k, v, seq_lens, table, instances=instances, tokens_per_cta=tokens_per_cta, **args)
+    torch.testing.assert_close(out.float(), model, rtol=FP8_FP16_RTOL, atol=FP8_FP16_ATOL)
+    # The other instance count rounds P against other maxima: measurably elsewhere, so the profile matters.
+    other = _fp8_model(q, k, v, seq_lens, table, instances=3 - instances, tokens_per_cta=tokens_per_cta, **args)
+    assert (other - model).abs().max() > 10 * FP8_FP16_ATOL
+
+
+def test_the_replay_rounds_p_with_the_profile_the_planner_picks():
+    """Through the builder: head_dim 256 with 64 query heads per KV head plans a Keeps tile (one instance)."""
+    from kvdbg.ts_planner import fp8_decode_profile
+
+    snap = synth_snapshot(SynthSpec(seq_lens=(700, 300), num_heads=64, num_kv_heads=1, head_size=256, fp8=True,
+                                    causal=False, q_scale=0.05, k_scale=0.03, v_scale=0.04))
+    inst, common, md, cache, out = _emulated(snap)
+    assert md.fp8_profile == fp8_decode_profile(head_dim=256, query_len=1, heads_per_kv=64, batch_size=2,
+                                                num_kv_heads=1, max_kv_len=md.max_kv_len, window_left=-1)
+    assert md.fp8_profile.kv_instances == 1
+    k, v = split_kv(cache, LAYOUT_VLLM, 256, fp8=True)
+    q = inst.impl.kernel_query(snap.steps[0].query).reshape(2, 1, 64, 256)
+    model = _fp8_model(q, k, v, md.seq_lens, md.block_table, mask_type="dense", window_left=-1,
+                       bmm1_scale=inst.impl.bmm1_scale, bmm2_scale=inst.impl.bmm2_scale, instances=1)
+    torch.testing.assert_close(out.float().view(2, 1, 64, 256), model.to(torch.float16).to(out.dtype).float(),
+                               rtol=FP8_FP16_RTOL, atol=FP8_FP16_ATOL)
+    notes = " ".join(inst.describe().notes)
+    assert "Keeps Q64 profile, one K/V instance" in notes
 
 
 def test_fp8_fixture_emulation_is_the_p_rounding_model():

@@ -63,6 +63,26 @@ def test_triton_matches_torch_emulation(mask_type, window_left, sq, hq, hkv, d, 
         torch.testing.assert_close(b, a, atol=2e-3, rtol=8e-3, equal_nan=True)
 
 
+@pytest.mark.parametrize("mask_type,window_left", [("dense", -1), ("causal", -1), ("causal", 300)])
+@pytest.mark.parametrize("instances,tokens_per_cta,sq,hq,hkv", [(1, 2, 2, 8, 1), (1, 1, 1, 16, 1), (2, 2, 4, 8, 2)])
+def test_triton_fp8_follows_the_planners_profile(mask_type, window_left, instances, tokens_per_cta, sq, hq, hkv):
+    """head_dim 256: a Keeps profile (one K/V instance) and a Swaps one (two, dealt from the window's first tile)."""
+    from kvdbg.ts_planner import DecodeProfile
+
+    profile = DecodeProfile(keeps=instances == 1, tile_q=64 if instances == 1 else 8,
+                            q_tokens_per_cta=tokens_per_cta, kv_instances=instances, why="test")
+    lens = [max(sq, 700), 37, 400, 1030]
+    q, k, v, seq_lens, table = _case(4, sq, hq, hkv, 256, 16, lens, True, seed=instances * 7 + sq)
+    a = torch.full((4, sq, hq, 256), float("nan"), dtype=torch.float16, device="cuda")
+    b = a.clone()
+    kwargs = dict(mask_type=mask_type, window_left=window_left, bmm1_scale=0.006, bmm2_scale=0.7,
+                  fp8_profile=profile)
+    ts.emulate_decode(q, k, v, seq_lens, table, out=a, **kwargs)
+    triton_decode(q, k, v, seq_lens, table, out=b, **kwargs)
+    assert torch.equal(a.isnan(), b.isnan()) and a[~a.isnan()].numel() > 0
+    _assert_fp8_close(b, a, v, bmm2_scale=0.7)
+
+
 def _assert_fp8_close(actual, expected, v, *, bmm2_scale):
     """Both emulations round P to e4m3 the same way, from exp() of different libraries: where a probability
     sits on an e4m3 rounding boundary the two may round it apart, moving that output by at most half an e4m3

@@ -165,7 +165,7 @@ def test_cpu_flex_stays_eager_unless_asked():
 
 
 def test_unsupported_features_make_the_column_unavailable_with_the_reason():
-    snap = synth_snapshot(SynthSpec(extra_layer={"kv_sharing_target": "model.layers.0.self_attn.attn"}))
+    snap = synth_snapshot(SynthSpec(kv_sharing_target="model.layers.0.self_attn.attn", new_kv=False))
     result = replay(snap, ["reference", "flex"], ReplayOptions())
     status = {s.name: s for s in result.backends}
     assert status["reference"].available

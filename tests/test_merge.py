@@ -47,8 +47,9 @@ def split_into_ranks(full: Snapshot, tp_size: int, *, engine: str = ENGINE, step
             capture["total_num_kv_heads"] = layer.num_kv_heads
         shard_meta = dataclasses.replace(meta, layer=dataclasses.replace(layer, num_heads=hq, num_kv_heads=hkv),
                                          capture=capture)
+        values = {name: t[heads].clone() for name, t in full.layer_tensors().items()}  # sliced as the heads
         shards.append(Snapshot(meta=shard_meta, kv_cache=full.kv_cache.index_select(kv_dim, torch.tensor(kv)),
-                               page_ids=full.page_ids.clone(), steps=steps))
+                               page_ids=full.page_ids.clone(), steps=steps, **values))
     return shards
 
 
@@ -83,18 +84,23 @@ def test_the_merged_ranks_are_the_whole_step(num_heads, num_kv_heads, tp_size):
     assert replicas == [rank % copies != 0 for rank in range(tp_size)]
 
 
-def test_the_merged_replay_equals_the_replays_of_the_ranks(tmp_path):
+@pytest.mark.parametrize("features", [{}, {"sinks": "auto", "alibi_slopes": "auto"}], ids=["plain", "sinks-alibi"])
+def test_the_merged_replay_equals_the_replays_of_the_ranks(tmp_path, features):
     full = synth_snapshot(SynthSpec(seq_lens=(20, 45, 70), num_heads=8, num_kv_heads=4, head_size=16,
-                                    engine_output="reference"))
+                                    engine_output="reference", **features))
+    assert set(full.layer_tensors()) == set(features)
     paths = write_shards(tmp_path / "ranks", split_into_ranks(full, 2))
     out = tmp_path / "merged.safetensors"
     res = CliRunner().invoke(cli, ["merge", *paths, "-o", str(out), "--json"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["tp_ranks"] == [0, 1]
-    merged = api.replay(load_snapshot(out), ["reference", "flex"])
-    ranks = [api.replay(load_snapshot(p), ["reference", "flex"]) for p in paths]
+    backends = ["reference"] if features else ["reference", "flex"]  # flex models neither sinks nor ALiBi
+    merged = api.replay(load_snapshot(out), backends)
+    ranks = [api.replay(load_snapshot(p), backends) for p in paths]
     assert merged.verdict.exit_code == 0 and all(r.verdict.exit_code == 0 for r in ranks)
-    for backend in ("reference", "flex"):
+    for name, values in full.layer_tensors().items():
+        assert same_bytes(getattr(load_snapshot(out), name), values), name
+    for backend in backends:
         whole = merged.result.steps[0].runs[backend].output
         joined = torch.cat([r.result.steps[0].runs[backend].output for r in ranks], dim=1)
         assert_close_ulps(whole, joined, ulps=4)

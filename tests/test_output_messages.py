@@ -276,10 +276,13 @@ def test_report_svgs_are_self_contained_titled_by_what_ran_and_free_of_local_pat
         assert home + "/" not in report
     assert report.rstrip().splitlines()[-1].startswith("**Verdict:** FAIL")
     svgs = {p.stem: p.read_text() for p in (tmp_path / "svg").glob("*.svg")}
-    assert set(svgs) == {"info", "map", "replay"}
-    for svg in svgs.values():
+    assert set(svgs) == {"info", "map", "replay", "errors", "attention", "window"}
+    for stem, svg in svgs.items():
         assert "@font-face" not in svg and "cdnjs" not in svg and "woff" not in svg
-        assert "font-family: DejaVu Sans Mono" in svg
+        assert ("font-family: DejaVu Sans Mono" if stem in ("info", "map", "replay")
+                else 'font-family="DejaVu Sans Mono') in svg
+        if stem not in ("info", "map", "replay"):
+            assert str(tmp_path) not in svg
     title = re.search(r'class="terminal-[0-9]+-title"[^>]*>([^<]*)<', svgs["replay"]).group(1)
     assert "reference, flex ran on cpu" in title.replace("&#160;", " ")
     assert "--backend" not in title
@@ -307,18 +310,14 @@ def test_report_lists_unavailable_backends_apart_from_what_ran():
     assert section.splitlines()[2].startswith("- `flashinfer_ts`: kv\\_layout")
 
 
-def test_report_writes_pngs_where_a_converter_is_installed(tmp_path, monkeypatch):
-    """rsvg-convert stands in here as a script that records its call and writes the file it is asked for."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "calls.txt"
-    script = bin_dir / "rsvg-convert"
-    script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nprintf PNG > "$2"\n')
-    script.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+def test_report_svg_writes_the_pictures_and_their_pngs(tmp_path):
+    """Tables as SVG; the pictures as SVG and, with the plot extra, PNG (matplotlib)."""
+    pytest.importorskip("matplotlib")
     res = invoke("report", FIXTURES / "causal_gqa.safetensors", "--backend", "flex", "--svg", tmp_path / "svg",
                  "-o", tmp_path / "r.md")
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in (tmp_path / "svg").iterdir()) == [
-        "info.png", "info.svg", "map.png", "map.svg", "replay.png", "replay.svg"]
-    assert len(calls.read_text().splitlines()) == 3
+        "attention.png", "attention.svg", "errors.png", "errors.svg", "info.svg", "map.svg", "replay.svg",
+        "window.png", "window.svg"]
+    assert all((tmp_path / "svg" / f"{stem}.png").read_bytes()[:4] == b"\x89PNG"
+               for stem in ("attention", "errors", "window"))

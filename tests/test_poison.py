@@ -226,7 +226,7 @@ def test_nothing_to_poison_is_not_clean(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--step", "3"], "Error: --step 3 is out of range: the snapshot has 1 step(s)"),
     (["--backend", "flexx"], "Error: --backend: unknown backend 'flexx'; did you mean flex? (choose from: "
-                             "reference, flex, flashinfer_ts, vllm_flex; engine names FLEX_ATTENTION and "
+                             "reference, flex, flashinfer_ts, vllm, vllm_flex; engine names FLEX_ATTENTION and "
                              "FLASHINFER_TS work too)"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):

@@ -51,7 +51,7 @@ def test_unknown_backend_lists_valid_names(make_snapshot):
     assert res.exit_code == 2
     assert res.output.strip() == (
         "Error: --backend: unknown backend 'flash'; did you mean flashinfer_ts? (choose from: reference, flex, "
-        "flashinfer_ts, vllm_flex; engine names FLEX_ATTENTION and FLASHINFER_TS work too)")
+        "flashinfer_ts, vllm, vllm_flex; engine names FLEX_ATTENTION and FLASHINFER_TS work too)")
 
 
 def test_cuda_unavailable_is_bad_input(make_snapshot):

@@ -28,17 +28,25 @@ def _layer(**kw) -> CaptureLayer:
     return CaptureLayer(**fields)
 
 
-def _dense(q, k, v, scale, *, pos0, window=None, cap=None):
-    """Attention of query rows [q, D] at positions pos0.. over keys [L, D], float64, causal."""
+def _dense(q, k, v, scale, *, pos0, window=None, cap=None, sink=None, slope=None):
+    """Attention of query rows [q, D] at positions pos0.. over keys [L, D], float64, causal.
+
+    A sink logit joins the denominator with no value; an ALiBi slope adds -slope * (p - k) after the cap.
+    """
     s = (q @ k.T) * scale
     if cap:
         s = cap * torch.tanh(s / cap)
     p = torch.arange(q.shape[0]).unsqueeze(1) + pos0
     key = torch.arange(k.shape[0]).unsqueeze(0)
+    if slope is not None:
+        s = s - slope * (p - key).abs()
     allowed = key <= p
     if window is not None:
         allowed &= p - key < window
     s = s.masked_fill(~allowed, -math.inf)
+    if sink is not None:
+        s = torch.cat([s, torch.full((s.shape[0], 1), float(sink), dtype=s.dtype)], dim=1)
+        return torch.softmax(s, -1)[:, :-1] @ v
     return torch.softmax(s, -1) @ v
 
 
@@ -77,7 +85,10 @@ def make_step(layer: CaptureLayer, *, seed=0, seq_lens=(37, 9, 21), query_lens=(
             rows = query[int(qsl[r]):int(qsl[r]) + q, h].double()
             out[int(qsl[r]):int(qsl[r]) + q, h] = _dense(rows, k, v, layer.scale, pos0=n - q,
                                                           window=layer.sliding_window,
-                                                          cap=layer.logits_soft_cap).to(dtype)
+                                                          cap=layer.logits_soft_cap,
+                                                          sink=None if layer.sinks is None else layer.sinks[h],
+                                                          slope=None if layer.alibi_slopes is None
+                                                          else layer.alibi_slopes[h]).to(dtype)
     return StepInputs(query=query.view(-1, HQ * D), kv_cache=cache, block_table=table,
                       seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl, causal=True,
                       output=out.view(-1, HQ * D), max_model_len=512)
@@ -93,7 +104,9 @@ ALL_PAIRS = [(r, h) for r in range(3) for h in range(HQ)]
     {"sliding_window": 6},
     {"logits_soft_cap": 5.0},
     {"kv_cache_dtype": "fp8", "k_scale": 0.05, "v_scale": 0.02, "dtype": "float16"},
-], ids=["bf16", "fp16", "cpu_attn", "window", "soft_cap", "fp8"])
+    {"sinks": [0.5, -1.0, 2.0, 0.0]},
+    {"alibi_slopes": [0.5, 0.25, 0.125, 0.0625], "logits_soft_cap": 8.0},
+], ids=["bf16", "fp16", "cpu_attn", "window", "soft_cap", "fp8", "sinks", "alibi"])
 def test_an_honest_step_passes_every_pair(kw):
     layer = _layer(**kw)
     for seed in range(3):
@@ -169,14 +182,14 @@ def test_pairs_are_sampled_from_requests_with_tokens():
 
 def test_unmodelled_layer_is_said_once_and_never_checked(caplog):
     sentinel = Sentinel(SentinelConfig(directory="/tmp/x", rate=1.0))
-    layer = _layer(attn_type="encoder")
+    layer = _layer(mm_prefix=True)
     with caplog.at_level(logging.WARNING, logger="kvdbg.sentinel"):
         assert not sentinel.can_check(layer, "CPU_ATTN")
         assert not sentinel.can_check(layer, "CPU_ATTN")
         assert not sentinel.can_check(_layer(name="x"), "FLASHINFER_TS")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
-    assert "cannot check layer model.layers.1.self_attn.attn" in lines[0] and "encoder" in lines[0]
+    assert "cannot check layer model.layers.1.self_attn.attn" in lines[0] and "PrefixLM" in lines[0]
     assert "FLASHINFER_TS" in lines[1]
     assert sentinel.can_check(_layer(name="y"), "CPU_ATTN")
 
@@ -241,3 +254,10 @@ def test_config_from_env():
                        "KVDBG_SENTINEL_LAYERS")]:
         with pytest.raises(OptionError, match=name):
             SentinelConfig.from_env(env)
+
+
+def test_a_kernel_that_ignores_the_layers_sinks_is_caught():
+    sinks = [2.0, 2.0, 2.0, 2.0]
+    ignored = make_step(_layer())  # the same cache, query and output, computed without the sinks
+    result = check_step(_layer(sinks=sinks), ignored, pairs=ALL_PAIRS)
+    assert len(result.failed_pairs) == len(ALL_PAIRS)

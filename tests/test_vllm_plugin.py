@@ -117,11 +117,11 @@ class StandinEngine:
 
     def __init__(self, backend="FLASHINFER_TS", *, seq_lens=(300, 77, 150), query_len=4, causal=False,
                  window=64, page_size=16, num_blocks=72, num_heads=4, num_kv_heads=2, head_size=16,
-                 fp8=False, layers=1, max_model_len=4096, seed=0):
+                 fp8=False, layers=1, max_model_len=4096, seed=0, cache_layout="LBHNC"):
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
         from vllm.model_executor.layers.attention.attention import Attention
         from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, SlidingWindowSpec
 
         gen = torch.Generator().manual_seed(seed)
         self.gen = gen
@@ -138,8 +138,13 @@ class StandinEngine:
         spec_cls = SlidingWindowSpec if window else FullAttentionSpec
         kv_dtype = torch.uint8 if fp8 else torch.bfloat16
         self.spec = spec_cls(block_size=page_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=kv_dtype,
-                             sliding_window=window)
-        self.backend = TSBackend if backend == "FLASHINFER_TS" else FlexAttentionBackend
+                             sliding_window=window,
+                             kv_quant_mode=KVQuantMode.FP8_PER_TENSOR if fp8 else KVQuantMode.NONE)
+        self.vllm_config.cache_config.kv_cache_layout = cache_layout
+        if isinstance(backend, type):
+            self.backend = backend
+        else:
+            self.backend = TSBackend if backend == "FLASHINFER_TS" else FlexAttentionBackend
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         self.layers = []
         with default_dtype(torch.bfloat16):
@@ -154,7 +159,7 @@ class StandinEngine:
                     cache = (torch.randn(cache_shape, generator=gen) * 8).to(torch.float8_e4m3fn).view(torch.uint8)
                 else:
                     cache = torch.randn(cache_shape, generator=gen).to(torch.bfloat16)
-                layer.kv_cache = cache
+                layer.kv_cache = _stored_in(cache, cache_layout)
                 self.layers.append(layer)
         # Shuffled engine pages (page 0 stays vLLM's null block) and a stale tail of random ids.
         pool = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
@@ -206,6 +211,16 @@ class StandinEngine:
                              cache_before=pre_update, cache_after=layer.kv_cache.clone()))
         self.seq_lens = [n + self.query_len for n in self.seq_lens]
         return common, metadata, seen
+
+
+def _stored_in(cache: torch.Tensor, layout_name: str) -> torch.Tensor:
+    """The logical [blocks, heads, tokens, 2*D] ``cache`` as a view of memory in ``layout_name``'s order (as vLLM's
+    create_kv_cache_views hands a layer its cache)."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    order = KVCacheLayout[layout_name].layer_view_order
+    storage = cache.permute(*order).contiguous()
+    return storage.permute(*[order.index(axis) for axis in range(4)])
 
 
 def snapshots(directory) -> list:
@@ -282,7 +297,7 @@ def test_bad_variable_logs_and_patches_nothing(standins, tmp_path, caplog):
 
 def test_register_is_idempotent_and_reversible(standins, tmp_path):
     before = originals()
-    enable(standins, tmp_path)
+    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="FLASHINFER_TS,FLEX_ATTENTION")
     wrapped = current()
     assert all(wrapped[k] is not before[k] and wrapped[k]._kvdbg_original is before[k] for k in before)
     vllm_plugin.register()
@@ -290,6 +305,28 @@ def test_register_is_idempotent_and_reversible(standins, tmp_path):
     engine = StandinEngine()
     engine.step()
     assert len(snapshots(tmp_path)) == 1  # wrapped twice would capture twice
+    vllm_plugin.unregister()
+    assert current() == before
+
+
+def test_by_default_the_backend_of_each_layer_is_wrapped_when_the_layer_is_built(standins, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    before = originals()
+    enable(standins, tmp_path)
+    worker = "vllm.v1.worker.worker_base"
+    # Nothing is known about the engine's backends yet; only the worker's shutdown (the writer's drain) is wrapped.
+    assert {k: v for k, v in current().items() if k[0] != worker} == {k: v for k, v in before.items() if k[0] != worker}
+    engine = StandinEngine("FLASHINFER_TS", layers=2)
+    after = current()
+    ts = "vllm.v1.attention.backends.flashinfer_ts"
+    assert all((after[k] is not before[k]) == (k[0] in (ts, worker)) for k in before)
+    lines = [r.getMessage() for r in caplog.records if "wrapping FLASHINFER_TS" in r.getMessage()]
+    assert len(lines) == 1 and "the backend of layer model.layers.0.self_attn.attn" in lines[0], lines
+    vllm_plugin.register()
+    StandinEngine("FLASHINFER_TS")
+    assert current() == after
+    engine.step()
+    assert len(snapshots(tmp_path)) == 2  # both layers, each once
     vllm_plugin.unregister()
     assert current() == before
 
@@ -454,7 +491,8 @@ def test_metadata_from_an_unwrapped_build_is_reported_once(standins, tmp_path, c
     engine = StandinEngine("FLASHINFER_TS")
     metadata = engine.builder.build(0, engine.common())  # built before the plugin was registered
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
-    enable(standins, tmp_path)
+    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="FLASHINFER_TS")
+    engine.builder.build(0, engine.common())  # a wrapped build declares the layers' cache
     engine.step(metadata=metadata)
     _, _, seen = engine.step(metadata=metadata)
     assert snapshots(tmp_path) == []
@@ -492,39 +530,77 @@ def test_entry_point_is_declared():
 # --------------------------------------------------------------------------- telling the user
 
 
-def _layer_on(backend_name):
+_BACKENDS_MADE: dict[tuple[str, bool], type] = {}
+
+
+def _backend_named(backend_name, *, mla=False):
+    """A backend class reporting ``backend_name`` whose impl and builder are new subclasses of the flex stand-in's."""
+    from vllm.v1.attention.backends.flex_attention import (
+        FlexAttentionBackend,
+        FlexAttentionImpl,
+        FlexAttentionMetadataBuilder,
+    )
+
+    if (backend_name, mla) not in _BACKENDS_MADE:
+        impl = type(f"{backend_name}Impl", (FlexAttentionImpl,), {})
+        builder = type(f"{backend_name}Builder", (FlexAttentionMetadataBuilder,), {})
+        _BACKENDS_MADE[backend_name, mla] = type(backend_name, (FlexAttentionBackend,), {
+            "get_name": staticmethod(lambda: backend_name), "is_mla": classmethod(lambda cls: mla),
+            "get_impl_cls": staticmethod(lambda: impl), "get_builder_cls": staticmethod(lambda: builder)})
+    return _BACKENDS_MADE[backend_name, mla]
+
+
+def _layer_on(backend_name, *, mla=False):
     """An attention layer whose backend class reports ``backend_name`` (the impl is the flex stand-in's)."""
     from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
 
-    backend = type(backend_name, (FlexAttentionBackend,), {"get_name": staticmethod(lambda: backend_name)})
     with default_dtype(torch.bfloat16):
-        return Attention(4, 16, 0.25, 2, prefix=f"layer.on.{backend_name}", attn_backend=backend)
+        return Attention(4, 16, 0.25, 2, prefix=f"layer.on.{backend_name}",
+                         attn_backend=_backend_named(backend_name, mla=mla))
 
 
 def test_the_backend_in_use_is_named_once_when_not_wrapped(standins, tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
-    enable(standins, tmp_path)
+    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="FLASHINFER_TS,FLEX_ATTENTION")
     for _ in range(2):
         _layer_on("CPU_ATTN")
-        _layer_on("TRITON_ATTN")
+        _layer_on("FLASHMLA", mla=True)
         _layer_on("FLEX_ATTENTION")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2, warnings
     assert "backend is CPU_ATTN, which is not wrapped" in warnings[0]
-    assert "Set KVDBG_CAPTURE_BACKENDS=CPU_ATTN" in warnings[0]
-    assert "TRITON_ATTN, whose KV-cache layout kvdbg does not know" in warnings[1]
+    assert "Set KVDBG_CAPTURE_BACKENDS=CPU_ATTN, or unset it" in warnings[0]
+    assert "FLASHMLA (layer layer.on.FLASHMLA) is an MLA backend" in warnings[1]
     vllm_plugin.unregister()
     from vllm.model_executor.layers.attention.attention import Attention
 
     assert not hasattr(Attention.__init__, "_kvdbg_original")
 
 
-def test_a_backend_of_unknown_layout_is_not_wrapped(standins, tmp_path, caplog):
+def test_by_default_every_backend_is_wrapped_once_and_mla_is_refused_once(standins, tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
-    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="FLEX_ATTENTION,TRITON_ATTN")
+    enable(standins, tmp_path)
+    for _ in range(2):
+        for name in ("TRITON_ATTN", "FLASH_ATTN"):
+            _layer_on(name)
+        _layer_on("FLASHMLA", mla=True)
+    lines = [r for r in caplog.records if r.getMessage().startswith("kvdbg capture: ")]
+    said = [(r.levelno, r.getMessage()) for r in lines]
+    assert len(said) == 3, said
+    assert said[0][0] == logging.INFO and "wrapping TRITON_ATTN (TRITON_ATTNImpl, TRITON_ATTNBuilder), the " \
+        "backend of layer layer.on.TRITON_ATTN" in said[0][1]
+    assert "wrapping FLASH_ATTN" in said[1][1]
+    assert said[2][0] == logging.WARNING and "backend FLASHMLA not wrapped: it is an MLA backend" in said[2][1]
+    assert vllm_plugin._state.wrapped == ["TRITON_ATTN", "FLASH_ATTN"]
+
+
+def test_a_named_backend_this_vllm_lacks_is_said_and_the_rest_wrapped(standins, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="FLEX_ATTENTION,ROCM_ATTN")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "TRITON_ATTN not wrapped: kvdbg does not know its KV-cache layout" in warnings[0]
+    assert len(warnings) == 1 and "backend ROCM_ATTN not wrapped: the vLLM backend registry does not resolve it" \
+        in warnings[0]
+    assert vllm_plugin._state.wrapped == ["FLEX_ATTENTION"]
 
 
 def test_lines_reach_stderr_without_any_logging_setup(tmp_path):
@@ -536,7 +612,9 @@ def test_lines_reach_stderr_without_any_logging_setup(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=ROOT)
     lines = [line for line in out.stderr.splitlines() if "[kvdbg]" in line]
     assert len(lines) == 1 and "kvdbg capture active in pid" in lines[0], out.stderr
-    assert f"directory={tmp_path}" in lines[0] and "wrapping FLASHINFER_TS,FLEX_ATTENTION" in lines[0]
+    assert f"directory={tmp_path}" in lines[0]
+    assert "wrapping the backend of each attention layer as the engine builds it (KVDBG_CAPTURE_BACKENDS unset)" \
+        in lines[0]
     env["VLLM_CONFIGURE_LOGGING"] = "0"  # the user owns logging: nothing added
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=ROOT)
     assert "[kvdbg]" not in out.stderr
@@ -545,23 +623,207 @@ def test_lines_reach_stderr_without_any_logging_setup(tmp_path):
 def test_cpu_attn_layout_follows_the_kernel_variant_and_amx_is_refused_once(standins, tmp_path, caplog):
     from types import SimpleNamespace
 
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
     from kvdbg.engine_layouts import CPU_ATTN_K_TRANSPOSED
 
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
     enable(standins, tmp_path)
     state = vllm_plugin._state
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    state._declared["l"] = vllm_plugin._Declared(spec, KVCacheLayout.LBHNC, None, 1, "CPUAttentionMetadataBuilder")
     info = vllm_plugin._ImplInfo("CPU_ATTN", False, "test")
-    impl = SimpleNamespace(kv_cache_dtype="auto")
-    assert state.engine_layout(impl, SimpleNamespace(isa="vec"), info) == CPU_ATTN_K_TRANSPOSED
-    assert state.engine_layout(impl, SimpleNamespace(isa="vec16"), info) == CPU_ATTN_K_TRANSPOSED
+    impl = SimpleNamespace(kv_cache_dtype="auto", num_kv_heads=2, head_size=16)
+    cache = torch.zeros(4, 2, 32, 32, dtype=torch.bfloat16)
+
+    def layer(isa):
+        return SimpleNamespace(isa=isa, layer_name="l", attn_backend=None)
+
+    assert state.engine_layout(impl, layer("vec"), info, cache).name == CPU_ATTN_K_TRANSPOSED
+    assert state.engine_layout(impl, layer("vec16"), info, cache).name == CPU_ATTN_K_TRANSPOSED
     for _ in range(3):
-        assert state.engine_layout(impl, SimpleNamespace(isa="amx"), info) is None
-    assert state.engine_layout(SimpleNamespace(kv_cache_dtype="fp8"), SimpleNamespace(isa="vec"), info) is None
+        assert state.engine_layout(impl, layer("amx"), info, cache) is None
+    fp8 = SimpleNamespace(kv_cache_dtype="fp8", num_kv_heads=2, head_size=16)
+    assert state.engine_layout(fp8, layer("vec"), info, cache) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2, warnings
     assert "CPU_ATTN's 'amx' kernel variant" in warnings[0] and "not verified" in warnings[0]
-    assert "kv_cache_dtype 'fp8'" in warnings[1]
-    assert state.capturer.failures["layout:CPU_ATTN:amx"] == 3
+    assert "kv_quant_mode NONE but the layer's kv_cache_dtype is 'fp8'" in warnings[1]
+    assert state.capturer.failures["layout:CPU_ATTN"] == 4
+
+
+# --------------------------------------------------------------------------- the layout vLLM declares
+
+
+def test_the_snapshot_says_what_vllm_declared_and_that_the_written_slots_read_back(standins, tmp_path):
+    enable(standins, tmp_path)
+    engine = StandinEngine("FLASHINFER_TS", seq_lens=(70, 33))
+    engine.step()
+    (snap,) = snapshots(tmp_path)
+    cap = snap.meta.capture
+    assert (cap["kv_layout_engine"], cap["kv_cache_layout"]) == ("vllm:LBHNC", "LBHNC")
+    assert cap["kv_cache_layout_source"] == \
+        "cache_config.get_resolved_kv_cache_layout() via FlashInferTSMetadataBuilder"
+    assert cap["kv_cache_spec"]["class"] == "SlidingWindowSpec"
+    assert (cap["kv_cache_spec"]["kv_quant_mode"], cap["kv_cache_spec"]["head_size_v"]) == ("NONE", 16)
+    assert cap["kv_layout_read_back"] == ("passed: the 8 slots do_kv_cache_update wrote read back through "
+                                          "vllm:LBHNC as the K/V it was given")
+
+
+@pytest.mark.parametrize("cache_layout", ["LBNHC", "LHBNC", "BLHNC"])
+def test_a_cache_stored_in_another_declared_order_is_read_by_logical_index(standins, tmp_path, cache_layout):
+    enable(standins, tmp_path)
+    engine = StandinEngine("FLASHINFER_TS", cache_layout=cache_layout, seq_lens=(70, 33))
+    assert engine.layers[0].kv_cache.is_contiguous() == (cache_layout == "BLHNC")  # BLHNC: one layer is LBHNC
+    _, _, seen = engine.step()
+    (snap,) = snapshots(tmp_path)
+    assert snap.meta.capture["kv_cache_layout"] == cache_layout
+    assert torch.equal(snap.kv_cache, seen[0]["cache_before"][snap.page_ids.long()])
+    vllm_plugin.unregister()
+    replayed = replay_with_standins(snap, "FLASHINFER_TS")
+    assert torch.equal(replayed["output"].view(snap.steps[0].output.shape), snap.steps[0].output)
+
+
+def test_strides_that_disagree_with_the_declared_layout_are_refused_once(standins, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path)
+    engine = StandinEngine("FLASHINFER_TS", layers=2)  # caches stored LBHNC ...
+    engine.vllm_config.cache_config.kv_cache_layout = "LBNHC"  # ... declared LBNHC
+    for _ in range(2):
+        _, _, seen = engine.step()
+    assert snapshots(tmp_path) == [] and seen[0]["output"].isfinite().all()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "kvdbg capture refused: FLASHINFER_TS layer model.layers.0.self_attn.attn: kv_cache strides" in warnings[0]
+    assert "do not lay its axes out in the order [0, 2, 1, 3] that layout 'vllm:LBNHC' declares" in warnings[0]
+    assert vllm_plugin.active_capturer().failures["layout:FLASHINFER_TS"] == 8  # 2 layers x 2 steps x (update, forward)
+
+
+def _odd_backend():
+    """A backend that declares dense content but writes each token's V where its K belongs, and K where V does."""
+    from vllm._standin_math import write_cache
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionImpl
+
+    backend = _backend_named("ODD_ATTN")
+    impl = backend.get_impl_cls()
+    if "do_kv_cache_update" not in impl.__dict__:
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+            write_cache(value, key, kv_cache[..., :self.head_size], kv_cache[..., self.head_size:], slot_mapping,
+                        fp8=False, k_scale=1.0, v_scale=1.0)
+
+        impl.do_kv_cache_update = do_kv_cache_update
+        assert issubclass(impl, FlexAttentionImpl)
+    return backend
+
+
+def test_a_cache_whose_written_slots_do_not_read_back_is_refused_once(standins, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path)
+    engine = StandinEngine(_odd_backend(), layers=2, causal=True, window=None, query_len=1, seq_lens=(40, 17))
+    for _ in range(3):
+        _, _, seen = engine.step()
+    assert snapshots(tmp_path) == [] and seen[0]["output"].isfinite().all()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("kvdbg capture refused: ODD_ATTN layer model.layers.0.self_attn.attn: after "
+                                  "do_kv_cache_update, read through layout 'vllm:LBHNC', slot ")
+    assert "where the engine wrote" in warnings[0] and "nothing is captured from this layer" in warnings[0]
+    capturer = vllm_plugin.active_capturer()
+    assert capturer.failures["layout:ODD_ATTN"] == 2  # each layer refused once, then skipped
+    assert capturer.active
+    # The writer compares (the engine's thread only copies), so a later step may be copied before the refusal
+    # is known: it is dropped, not written. Every step asked for is accounted for in the exit line.
+    assert capturer.dropped == {"refused": 6} and len(capturer.written) == 0
+    assert "6 refused by a check (see the warning)" in capturer.summary()
+
+
+def test_without_a_background_writer_the_read_back_refuses_at_the_same_step(standins, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path, KVDBG_CAPTURE_QUEUE_BYTES="0")
+    engine = StandinEngine(_odd_backend(), layers=1, causal=True, window=None, query_len=1, seq_lens=(40, 17))
+    engine.step()
+    capturer = vllm_plugin.active_capturer()
+    assert capturer.layer_refused("model.layers.0.self_attn.attn").startswith("read through layout 'vllm:LBHNC'")
+    engine.step()
+    assert snapshots(tmp_path) == [] and capturer.dropped == {"refused": 2}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "from step 0 on" in warnings[0], warnings
+
+
+def test_a_batch_whose_mask_a_snapshot_cannot_hold_is_refused_once(standins, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path)
+    engine = StandinEngine("FLASHINFER_TS")
+    for _ in range(2):
+        common = engine.common()
+        common.mm_req_doc_ranges = {0: [(0, 16)]}
+        engine.step(common=common)
+    engine.step()
+    assert len(snapshots(tmp_path)) == 1  # the plain step
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "a batch whose mask a snapshot cannot hold: mm_req_doc_ranges set" in warnings[0]
+
+
+class _Mode:
+    """CUDAGraphMode's interface as the note reads it: a name, and the mode of decode and of mixed batches."""
+
+    def __init__(self, name, decode, mixed):
+        self.name, self._decode, self._mixed = name, decode, mixed
+
+    def decode_mode(self):
+        return _Mode(self._decode, self._decode, self._decode)
+
+    def mixed_mode(self):
+        return _Mode(self._mixed, self._mixed, self._mixed)
+
+
+@pytest.mark.parametrize("mode, says", [
+    (_Mode("NONE", "NONE", "NONE"), None),
+    (_Mode("PIECEWISE", "PIECEWISE", "PIECEWISE"), None),
+    (_Mode("FULL_AND_PIECEWISE", "FULL", "PIECEWISE"), "uniform decode batches of up to 512 tokens run as full CUDA "
+     "graphs, replayed without Python, so kvdbg cannot see or capture those steps; it sees prefill and mixed"),
+    (_Mode("FULL_DECODE_ONLY", "FULL", "NONE"), "cudagraph_mode is FULL_DECODE_ONLY: uniform decode batches"),
+    (_Mode("FULL", "FULL", "FULL"), "cudagraph_mode is FULL: every batch of up to 512 tokens run as full CUDA graphs"),
+])
+def test_full_cuda_graphs_are_said_with_what_they_hide_and_what_to_do(mode, says):
+    line = vllm_plugin.cudagraph_note(mode, 512)
+    if says is None:
+        assert line is None
+        return
+    assert says in line and "\n" not in line
+    assert "--enforce-eager" in line and '''--compilation-config '{"cudagraph_mode": "PIECEWISE"}''' in line
+
+
+def test_the_graph_line_is_said_once_per_process_at_the_first_build(standins, tmp_path, caplog):
+    from types import SimpleNamespace
+
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path)
+    engine = StandinEngine("FLASHINFER_TS")
+    engine.vllm_config.compilation_config = SimpleNamespace(
+        cudagraph_mode=_Mode("FULL_AND_PIECEWISE", "FULL", "PIECEWISE"), max_cudagraph_capture_size=256)
+    engine.step()
+    engine.step()
+    vllm_plugin._state.note_graph_recording("x")  # already said: not again
+    said = [r.getMessage() for r in caplog.records if "cudagraph_mode" in r.getMessage() or "CUDA graph" in
+            r.getMessage()]
+    assert len(said) == 1 and "decode batches of up to 256 tokens" in said[0], said
+
+
+def test_a_step_recorded_into_a_cuda_graph_is_said_once_and_not_counted(standins, tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="0")
+    engine = StandinEngine("FLASHINFER_TS", layers=2)
+    monkeypatch.setattr(vllm_plugin, "_graph_capturing", lambda t: True)
+    engine.step()
+    engine.step()
+    monkeypatch.setattr(vllm_plugin, "_graph_capturing", lambda t: False)
+    engine.step()
+    said = [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()]
+    assert len(said) == 1 and "a CUDA graph is being recorded through layer model.layers.0.self_attn.attn" in said[0]
+    assert "--enforce-eager" in said[0]
+    assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [0, 0]  # recorded forwards are not steps
 
 
 def test_the_writer_drains_at_the_worker_shutdown_and_says_one_line(standins, tmp_path, caplog):

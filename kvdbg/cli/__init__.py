@@ -10,6 +10,7 @@ from kvdbg._version import __version__
 
 # name -> module:attribute; modules are imported only when a command is looked up.
 COMMANDS = {
+    "attention": "kvdbg.cli.attention:attention",
     "diff": "kvdbg.cli.diff:diff",
     "explain": "kvdbg.cli.explain:explain",
     "info": "kvdbg.cli.info:info",

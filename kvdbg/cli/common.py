@@ -254,8 +254,8 @@ def head_option(*, extra: str = ""):
 
 # ----------------------------------------------------------------------------- backends, device
 
-BACKEND_HELP = ("reference, flex, flashinfer_ts, vllm_flex (the installed vLLM's own code); any case, or the "
-                "engine's name (FLEX_ATTENTION, FLASHINFER_TS)")
+BACKEND_HELP = ("reference, flex, flashinfer_ts, vllm (the installed vLLM's own code for the snapshot's backend), "
+                "vllm_flex (vLLM's FLEX_ATTENTION); any case, or the engine's name (FLEX_ATTENTION, FLASHINFER_TS)")
 
 
 def _backend_list(ctx, param, values) -> tuple[str, ...]:
@@ -375,3 +375,49 @@ def progress_printer(verb: str = "", *, ongoing: bool = True) -> Callable[[str],
         err.print(f"{prefix}{message}{suffix}", style="dim")
 
     return progress
+
+
+# ----------------------------------------------------------------------------- picture files
+
+def picture_file_options(what: str):
+    """--svg FILE and --png FILE: a picture written atomically (PNG through matplotlib, the plot extra)."""
+    def decorate(fn):
+        fn = click.option("--png", "png_path", default=None, type=click.Path(dir_okay=False), metavar="FILE",
+                          help=f"Write {what} as PNG to this file (atomically; needs the plot extra: "
+                               "pip install 'kvdbg[plot]').")(fn)
+        return click.option("--svg", "svg_path", default=None, type=click.Path(dir_okay=False), metavar="FILE",
+                            help=f"Write {what} as SVG to this file (atomically; self-contained).")(fn)
+
+    return decorate
+
+
+def check_picture_paths(svg_path: str | None, png_path: str | None, *, force: bool) -> None:
+    """Refuse, before any work, a picture file that exists (without --force), or PNG without matplotlib."""
+    for option, path in (("--svg", svg_path), ("--png", png_path)):
+        if path and os.path.exists(path) and not force:
+            raise OptionError(f"{option} {path} already exists; pass --force to replace it")
+    if png_path:
+        from kvdbg.render.canvas import require_raster
+
+        require_raster("--png")
+
+
+def write_pictures(make_drawing: Callable[[], Any], svg_path: str | None, png_path: str | None, *,
+                   force: bool) -> list[str]:
+    """Write the drawing ``make_drawing()`` returns as SVG and/or PNG, atomically; the paths written."""
+    if not svg_path and not png_path:
+        return []
+    check_picture_paths(svg_path, png_path, force=force)
+    from kvdbg.atomic import atomic_write, write_text_atomic
+    from kvdbg.render.canvas import png_bytes, svg_text
+
+    drawing = make_drawing()
+    data = png_bytes(drawing, what="--png") if png_path else None  # before any file: a missing extra writes none
+    written = []
+    if svg_path:
+        write_text_atomic(svg_path, svg_text(drawing), overwrite=force, what="--svg")
+        written.append(svg_path)
+    if png_path:
+        atomic_write(png_path, lambda fh: fh.write(data), overwrite=force, what="--png")
+        written.append(png_path)
+    return written

@@ -6,9 +6,10 @@ import sys
 
 import click
 
-from kvdbg.cli.common import (backend_option, console, default_snapshot, device_option, emit_json, force_option,
-                              full_option, guarded, head_option, json_option, output_option, print_verdict,
-                              progress_printer, request_option, step_option, tolerance_options, within)
+from kvdbg.cli.common import (backend_option, check_picture_paths, console, default_snapshot, device_option,
+                              emit_json, force_option, full_option, guarded, head_option, json_option, output_option,
+                              picture_file_options, print_verdict, progress_printer, request_option, step_option,
+                              tolerance_options, within, write_pictures)
 from kvdbg.errors import OptionError
 
 
@@ -29,13 +30,17 @@ from kvdbg.errors import OptionError
 @output_option("Also write every backend's output tensors to this safetensors file.",
                hidden_aliases=("--save-outputs",))
 @force_option()
+@click.option("--picture", is_flag=True,
+              help="Also draw which heads are wrong: a request x head error map per comparison (failing cells "
+                   "marked) and, over several steps, each comparison's error step by step.")
+@picture_file_options("those pictures")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="Several snapshots: replay this many at once, each in its own process.")
 @click.option("--recursive", "-r", is_flag=True, help="Several snapshots: search directories below their top level.")
 @json_option
 @guarded
 def replay(snapshot, backend, step, request, head, device, exact, compile_, atol, rtol, explain, full,
-           output, force, jobs, recursive, as_json):
+           output, force, picture, svg_path, png_path, jobs, recursive, as_json):
     """Replay a snapshot through the exact reference and the backends, and diff them per head.
 
     Without SNAPSHOT, replays the bundled dflash fixture. Given a directory
@@ -68,8 +73,10 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
         return replay_several(paths, backends=backend, steps=step, device=device, exact=exact, compile_=compile_,
                               atol=atol, rtol=rtol, jobs=jobs, recursive=recursive, as_json=as_json,
                               single_only={"--request": request, "--head": head, "--explain": explain,
-                                           "--full": full, "--output": output, "--force": force})
+                                           "--full": full, "--output": output, "--force": force,
+                                           "--picture": picture, "--svg": svg_path, "--png": png_path})
     snapshot = paths[0] if paths else None
+    check_picture_paths(svg_path, png_path, force=force)
     from kvdbg import api
     from kvdbg.render.replay import render_replay
     from kvdbg.runner import save_outputs as write_outputs
@@ -87,10 +94,28 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
     result = report.result
     if output:
         write_outputs(result, output, overwrite=force)
+    pictures = api.error_pictures(report) if picture or svg_path or png_path else None
+    written = []
+    if pictures is not None:
+        from kvdbg.render.errormap import error_drawing
+
+        written = write_pictures(lambda: error_drawing(pictures), svg_path, png_path, force=force)
     if as_json:
-        emit_json(report.to_json(explain=explain))
+        record = report.to_json(explain=explain)
+        if pictures is not None:
+            verdict = record.pop("verdict")
+            record.update(pictures=pictures.to_json(), verdict=verdict)
+        emit_json(record)
     else:
-        console().print(render_replay(report, explain=explain, full=full, saved=output))
+        from rich.text import Text
+
+        extra = []  # above the verdict line, which stays the last line
+        if picture:
+            from kvdbg.render.errormap import ErrorMapText, StepsText
+
+            extra = [ErrorMapText(pictures, full=full)] + ([StepsText(pictures.series)] if pictures.series else [])
+        extra += [Text(f"picture written to {path}", style="dim") for path in written]
+        console().print(render_replay(report, explain=explain, full=full, saved=output, before_verdict=extra))
     if report.verdict.exit_code:
         sys.exit(report.verdict.exit_code)
 

@@ -17,13 +17,18 @@ from kvdbg.errors import OptionError
 @backend_option()
 @device_option()
 @click.option("--svg", "svg_dir", default=None, type=click.Path(file_okay=False),
-              help="Also write the info, map and replay tables as self-contained SVG images into this directory "
-                   "(and PNGs beside them where rsvg-convert is installed).")
+              help="Also write self-contained SVG images into this directory: the info, map and replay tables, "
+                   "and the pictures (errors: which heads are wrong, over steps too; attention: where the worst "
+                   "token's attention went; window); PNGs of the pictures beside them with the plot extra "
+                   "(pip install 'kvdbg[plot]').")
+@click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also write the whole report as one self-contained HTML file (no network, no web font): the "
+                   "verdict, the pictures and the tables.")
 @force_option()
 @click.option("--sweep", "sweep_knobs", default=None, metavar="KNOB[,KNOB]",
               help="Also sweep these knobs (as `kvdbg sweep --vary`) and include the matrix.")
 @guarded
-def report(snapshot, output, backend, device, svg_dir, force, sweep_knobs):
+def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_knobs):
     """Write a Markdown bug report for a snapshot, ready to paste into a GitHub issue.
 
     Sections: the environment (OS, Python, torch and its CUDA build, GPUs,
@@ -39,6 +44,7 @@ def report(snapshot, output, backend, device, svg_dir, force, sweep_knobs):
       kvdbg report snapshot.safetensors > report.md
       kvdbg report snapshot.safetensors -o report.md --svg figures/ --backend flex
       kvdbg report snapshot.safetensors --sweep placement,window > report.md
+      kvdbg report snapshot.safetensors -o report.md --html report.html
     """
     from kvdbg.render.report import render_markdown, render_svgs
     from kvdbg.report import build_report, write_text_atomic
@@ -49,16 +55,17 @@ def report(snapshot, output, backend, device, svg_dir, force, sweep_knobs):
         from kvdbg.sweeper import parse_knobs
 
         knobs = parse_knobs(sweep_knobs)
-    svg_paths = []
     if svg_dir is not None:
         if os.path.exists(svg_dir) and not os.path.isdir(svg_dir):
             raise OptionError(f"--svg {svg_dir} is not a directory")
-        svg_paths = [os.path.join(svg_dir, f"{stem}.svg") for stem in ("info", "map", "replay")]
-        taken = [p for p in svg_paths if os.path.exists(p)]
+        # Every file --svg may write; refused up front so that no work is lost to a name taken.
+        taken = [p for stem in ("info", "map", "replay", *PICTURES) for ext in ("svg", "png")
+                 if os.path.exists(p := os.path.join(svg_dir, f"{stem}.{ext}"))]
         if taken and not force:
             raise OptionError(f"{taken[0]} already exists; pass --force to replace it")
-    if output is not None and os.path.exists(output) and not force:
-        raise OptionError(f"{output} already exists; pass --force to replace it")
+    for option, path in (("-o", output), ("--html", html_path)):
+        if path is not None and os.path.exists(path) and not force:
+            raise OptionError(f"{path} already exists; pass --force to replace it")
     progress = progress_printer()
     result = build_report(snapshot, list(backends) or None, device=device, progress=progress)
     if knobs is not None:
@@ -70,11 +77,19 @@ def report(snapshot, output, backend, device, svg_dir, force, sweep_knobs):
                       required=list(backends), progress=progress)
         result.sweep = (swept, sweep_verdict(swept))
     text = render_markdown(result)
+    if svg_dir is not None or html_path is not None:
+        from kvdbg.report import build_pictures
+
+        result.pictures = build_pictures(result, progress=progress)
     if svg_dir is not None:
         os.makedirs(svg_dir, exist_ok=True)
-        for path, (stem, svg) in zip(svg_paths, render_svgs(result).items()):
-            write_text_atomic(path, svg, overwrite=force)
-        _pngs(svg_paths, force)
+        for stem, svg in render_svgs(result).items():
+            write_text_atomic(os.path.join(svg_dir, f"{stem}.svg"), svg, overwrite=force)
+        _pictures(result, svg_dir, force)
+    if html_path is not None:
+        from kvdbg.render.html import render_html
+
+        write_text_atomic(html_path, render_html(result), overwrite=force)
     if output is None:
         click.echo(text, nl=False)
     else:
@@ -84,16 +99,31 @@ def report(snapshot, output, backend, device, svg_dir, force, sweep_knobs):
         sys.exit(verdict.exit_code)
 
 
-def _pngs(svg_paths: list[str], force: bool) -> None:
-    """A PNG beside each SVG where rsvg-convert is installed; without it, the SVGs alone."""
-    import shutil
-    import subprocess
+PICTURES = ("errors", "attention", "window")
 
-    converter = shutil.which("rsvg-convert")
-    if converter is None:
-        return
-    for svg in svg_paths:
-        png = svg[:-len(".svg")] + ".png"
-        if os.path.exists(png) and not force:
-            continue
-        subprocess.run([converter, "-o", png, svg], check=False, capture_output=True, timeout=60)
+
+def _pictures(result, svg_dir: str, force: bool) -> None:
+    """The pictures as SVG, and as PNG with the plot extra (without it, one line on stderr says which extra)."""
+    import importlib.util
+
+    from kvdbg.atomic import atomic_write
+    from kvdbg.render.attention import attention_drawing
+    from kvdbg.render.canvas import PLOT_EXTRA, png_bytes, svg_text
+    from kvdbg.render.drawing import layout
+    from kvdbg.render.errormap import error_drawing
+    from kvdbg.report import write_text_atomic
+
+    pictures = result.pictures
+    drawings = {"errors": error_drawing(pictures.errors)}
+    if pictures.attention is not None:
+        drawings["attention"] = attention_drawing(pictures.attention)
+    if pictures.window is not None:
+        drawings["window"] = layout(pictures.window)
+    raster = importlib.util.find_spec("matplotlib") is not None
+    for stem, drawing in drawings.items():
+        write_text_atomic(os.path.join(svg_dir, f"{stem}.svg"), svg_text(drawing), overwrite=force)
+        if raster:
+            data = png_bytes(drawing)
+            atomic_write(os.path.join(svg_dir, f"{stem}.png"), lambda fh: fh.write(data), overwrite=force)
+    if not raster:
+        click.echo(f"report: SVG only; PNGs of the pictures need matplotlib: {PLOT_EXTRA}", err=True)

@@ -7,8 +7,22 @@ import click
 from kvdbg.cli.common import (AliasedOption, BadInput, HiddenArgument, backend_name, console, emit_json, force_option,
                               guarded, json_option, output_option)
 from kvdbg.errors import KvdbgError, OptionError
-from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
+from kvdbg.format import ATTN_TYPES, LAYOUT_KV_PLANES, LAYOUT_VLLM
 from kvdbg.ranges import IntListParam
+
+class HeadValuesParam(click.ParamType):
+    """'auto' or comma-separated numbers, one per query head (the count is checked against --num-heads)."""
+
+    name = "auto|numbers"
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str) or value == "auto":
+            return value
+        try:
+            return tuple(float(v) for v in value.split(","))
+        except ValueError:
+            self.fail(f"{value!r} is neither 'auto' nor comma-separated numbers", param, ctx)
+
 
 # --layout names -> the format's kv_layout strings (docs/snapshot-format.md).
 LAYOUT_CHOICES = {"vllm": LAYOUT_VLLM, "kv-planes": LAYOUT_KV_PLANES}
@@ -67,13 +81,27 @@ def _kvdbg_backend(ctx, param, value):
 @click.option("--engine-output", default=None, metavar="BACKEND", callback=_kvdbg_backend,
               help="Store each step's output computed by this kvdbg backend (reference, flex, flashinfer_ts) "
                    "as the engine's captured output.")
+@click.option("--sinks", type=HeadValuesParam(), default=None, metavar="auto|V,V,...",
+              help="Attention sinks: one logit per query head, or 'auto' (drawn from --seed).")
+@click.option("--alibi", type=HeadValuesParam(), default=None, metavar="auto|S,S,...",
+              help="ALiBi: one slope per query head, or 'auto' (ALiBi's geometric slopes).")
+@click.option("--alibi-sqrt", is_flag=True, help="With --alibi: the square-root variant (TRITON_ATTN's use_alibi_sqrt).")
+@click.option("--soft-cap", type=float, default=None, help="Logits soft cap: cap * tanh(s / cap) (default: none).")
+@click.option("--attn-type", type=click.Choice(list(ATTN_TYPES)), default="decoder", show_default=True,
+              help="encoder/encoder_only: self-attention over the step's own tokens (--mask dense, --seq-lens equal "
+                   "to the query lengths); encoder_decoder: decoder queries over seq_len encoder keys (--mask dense).")
+@click.option("--kv-sharing-target", default=None, metavar="LAYER",
+              help="The layer whose cache this layer reads (it writes none: give --no-new-kv).")
+@click.option("--chunk-lookback", type=int, default=None,
+              help="With --window: TRITON_ATTN's chunked attention, chunks of window // (N + 1) tokens.")
 @force_option()
 @json_option
 @guarded
 def synth(out, output, seq_lens, query_len, query_lens, num_heads, num_kv_heads, head_size, page_size, window, mask, dtype,
           fp8, fp8_storage, q_scale, k_scale, v_scale, layout, shuffle, shared_prefix_pages, use_page_zero,
           page_zero_request, stale_tail, steps, new_kv, seed, num_gpu_blocks, max_model_len,
-          max_decode_query_len, backend_name, notes, engine_output, force, as_json):
+          max_decode_query_len, backend_name, notes, engine_output, sinks, alibi, alibi_sqrt, soft_cap, attn_type,
+          kv_sharing_target, chunk_lookback, force, as_json):
     """Write a deterministic synthetic snapshot: the same options give the same bytes.
 
     \b
@@ -83,6 +111,8 @@ def synth(out, output, seq_lens, query_len, query_lens, num_heads, num_kv_heads,
       kvdbg synth -o dflash.safetensors --seq-lens 9000,1000 --query-len 8 \\
         --mask dense --window 4096
       kvdbg synth -o fp8.safetensors --fp8 --mask dense --query-len 4
+      kvdbg synth -o gpt_oss.safetensors --sinks auto --window 128 \\
+        --engine-output reference
     """
     from kvdbg.snapshot import save_snapshot
     from kvdbg.synth import SynthSpec, synth_snapshot
@@ -124,6 +154,13 @@ def synth(out, output, seq_lens, query_len, query_lens, num_heads, num_kv_heads,
         backend=backend_name,
         notes=notes,
         engine_output=engine_output,
+        sinks=sinks,
+        alibi_slopes=alibi,
+        alibi_sqrt=alibi_sqrt,
+        logits_soft_cap=soft_cap,
+        attn_type=attn_type,
+        kv_sharing_target=kv_sharing_target,
+        chunk_lookback=chunk_lookback,
     )
     snap = synth_snapshot(spec)
     path = save_snapshot(snap, out, overwrite=force)

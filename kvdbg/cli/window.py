@@ -41,7 +41,7 @@ HAND_OPTIONS = ("--seq-len", "--window", "--query-len", "--page-size", "--mask",
 @click.option("--svg", "svg_path", default=None, type=click.Path(dir_okay=False),
               help="Write that picture as SVG to this file (atomically).")
 @click.option("--png", "png_path", default=None, type=click.Path(dir_okay=False),
-              help="Write that picture as PNG to this file (atomically).")
+              help="Write that picture as PNG to this file (atomically; needs the plot extra: pip install 'kvdbg[plot]').")
 @force_option()
 @json_option
 @guarded
@@ -135,9 +135,9 @@ def draw_picture(analysis, source, snapshot, *, svg_path, png_path, force):
     from kvdbg.atomic import atomic_write, write_text_atomic
     from kvdbg.picture import picture
 
-    for option, path in (("--svg", svg_path), ("--png", png_path)):
-        if path and os.path.exists(path) and not force:
-            raise OptionError(f"{option} {path} already exists; pass --force to replace it")
+    from kvdbg.cli.common import check_picture_paths
+
+    check_picture_paths(svg_path, png_path, force=force)
     tables = None
     if source is not None:
         from kvdbg.window_source import step_tables
@@ -149,7 +149,7 @@ def draw_picture(analysis, source, snapshot, *, svg_path, png_path, force):
 
         write_text_atomic(svg_path, svg_text(drawn), overwrite=force, what="--svg")
     if png_path:
-        from kvdbg.render.png import png_bytes
+        from kvdbg.render.drawing import png_bytes
 
         data = png_bytes(drawn)
         atomic_write(png_path, lambda fh: fh.write(data), overwrite=force, what="--png")

@@ -1,60 +1,28 @@
-"""The picture of `kvdbg window` laid out as rectangles and labels, written as SVG (plain text; no torch).
+"""The picture of `kvdbg window` laid out on kvdbg.render.canvas: SVG text (no torch), PNG through matplotlib.
 
-The same layout is rasterised to PNG by kvdbg.render.png, so both files show
-the same panels: an overview of the whole request, a zoom at one key per cell
-around the first difference (page starts marked), and a legend.
+Both files show the same panels: an overview of the whole request, a zoom at
+one key per cell around the first difference (page starts marked), and a legend.
 """
 
 from __future__ import annotations
 
 import textwrap
-from dataclasses import dataclass
-from xml.sax.saxutils import escape
 
 from kvdbg.picture import EXTRA, LOADED, MEANING, MISSED, NONE, SEEN, Picture, cell_kind, merged_rows, row_groups
+from kvdbg.render.canvas import CHAR_W, FAINT, LINE_H, MARGIN, Drawing, Label, Rect
+from kvdbg.render.canvas import png_bytes as drawing_png
+from kvdbg.render.canvas import svg_text as drawing_svg
 from kvdbg.render.picture import panels
 
 COLORS = {SEEN: (46, 125, 50), "partial": (129, 199, 132), EXTRA: (249, 168, 37), MISSED: (198, 40, 40),
           LOADED: (176, 190, 197), NONE: (240, 240, 240)}
-INK = (33, 33, 33)
-FAINT = (117, 117, 117)
 PAGE_LINE = (66, 66, 66)
-BACKGROUND = (255, 255, 255)
 
-CHAR_W = 6  # px per character (the PNG font is 5x7 in a 6x9 cell; SVG uses 10px monospace, about as wide)
-LINE_H = 12
 ROW_H = 10
-MARGIN = 12
 GRID_COLUMNS = 800  # overview cells at most (one key each when the request is shorter)
 ZOOM_CELL = 8  # px per key in the zoom
 ZOOM_KEYS = 96  # keys in the zoom (whole pages when the page size divides it)
 MAX_IMAGE_ROWS = 64  # display rows per grid; longer query blocks merge tokens
-
-
-@dataclass(frozen=True)
-class Rect:
-    x: int
-    y: int
-    w: int
-    h: int
-    color: tuple[int, int, int]
-
-
-@dataclass(frozen=True)
-class Label:
-    x: int
-    y: int  # top of the text
-    text: str
-    color: tuple[int, int, int] = INK
-    scale: int = 1  # 2: a title
-
-
-@dataclass
-class Drawing:
-    width: int
-    height: int
-    rects: list[Rect]
-    labels: list[Label]
 
 
 def layout(p: Picture) -> Drawing:
@@ -135,26 +103,18 @@ def layout(p: Picture) -> Drawing:
     for note in p.notes:
         labels.append(Label(MARGIN, y, note[:chars], FAINT))
         y += LINE_H
-    return Drawing(width, y + MARGIN, rects, labels)
-
-
-def _hex(color: tuple[int, int, int]) -> str:
-    return "#%02x%02x%02x" % color
+    mask_name = "causal" if p.causal else "dense"
+    return Drawing(width, y + MARGIN, rects, labels,
+                   title=f"kvdbg window picture: {who}L {p.seq_len}, {mask_name}, window {p.window or 'none'}")
 
 
 def svg_text(p: Picture) -> str:
-    d = layout(p)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{d.width}" height="{d.height}" '
-           f'viewBox="0 0 {d.width} {d.height}" font-family="monospace" font-size="10">',
-           f'<rect x="0" y="0" width="{d.width}" height="{d.height}" fill="{_hex(BACKGROUND)}"/>']
-    out += [f'<rect x="{r.x}" y="{r.y}" width="{r.w}" height="{r.h}" fill="{_hex(r.color)}"/>' for r in d.rects]
-    for label in d.labels:
-        size = ' font-size="20" font-weight="bold"' if label.scale > 1 else ""
-        # y is the text's top; SVG places the baseline, about 8 px below at 10 px.
-        out.append(f'<text x="{label.x}" y="{label.y + 8 * label.scale}" fill="{_hex(label.color)}"{size}>'
-                   f'{escape(label.text)}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    return drawing_svg(layout(p))
 
 
-__all__ = ["COLORS", "Drawing", "Label", "Rect", "layout", "svg_text"]
+def png_bytes(p: Picture) -> bytes:
+    """The same layout as a PNG (matplotlib, the ``plot`` extra; without it a one-line error names the extra)."""
+    return drawing_png(layout(p), what="--png")
+
+
+__all__ = ["COLORS", "Drawing", "Label", "Rect", "layout", "png_bytes", "svg_text"]

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from kvdbg.render.fit import Column, FitTable
 from kvdbg.render.util import human_bytes
-from kvdbg.info import InfoSummary
+from kvdbg.info import InfoSummary, layer_features
 
 MAX_REQUEST_ROWS = 32
 
@@ -31,6 +31,9 @@ def render_info(s: InfoSummary, *, full: bool = False) -> Group:
         f"{'causal' if layer['causal'] else 'dense (non-causal)'}, "
         + (f"sliding window {window}" if window else "no sliding window"),
     )
+    features = layer_features(layer, {t.name for t in s.tensors})
+    if features:
+        overview.add_row("features", ", ".join(features))
     dtype = f"model {layer['dtype']}, kv cache {layer['kv_cache_dtype']} (stored {s.kv_cache_dtype_stored})"
     if layer["kv_cache_dtype"] != "auto":
         dtype += f", scales q {layer['q_scale']:.6g} k {layer['k_scale']:.6g} v {layer['v_scale']:.6g}"

@@ -281,8 +281,11 @@ def render_verdict(verdict: Verdict) -> Text:
 
 
 def render_replay(report: ReplayReport, *, explain: bool = False, full: bool = False,
-                  saved: str | None = None) -> Group:
-    """Everything `kvdbg replay` prints, ending on the verdict line (``report.verdict``)."""
+                  saved: str | None = None, before_verdict: list | None = None) -> Group:
+    """Everything `kvdbg replay` prints, ending on the verdict line (``report.verdict``).
+
+    ``before_verdict``: renderables shown just above the verdict line (`replay --picture`'s pictures).
+    """
     result, comparisons = report.result, report.comparisons
     layer = result.meta.layer
     mask = ("causal" if layer.causal else "dense") + (f", window {layer.sliding_window}" if layer.sliding_window else "")
@@ -306,5 +309,6 @@ def render_replay(report: ReplayReport, *, explain: bool = False, full: bool = F
     parts.append(render_footer(comparisons))
     if saved:
         parts.append(Text(f"outputs written to {saved}", style="dim"))
+    parts.extend(before_verdict or [])
     parts.append(render_verdict(report.verdict))
     return Group(*parts)

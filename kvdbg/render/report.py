@@ -6,6 +6,7 @@ import io
 import re
 import shlex
 
+from kvdbg.info import layer_features
 from kvdbg.findings import explain_command
 from kvdbg.render.markdown import md_code, md_escape, md_table
 from kvdbg.render.util import human_bytes
@@ -85,6 +86,9 @@ def _snapshot(r: BugReport) -> str:
         ["steps", str(s.num_steps)],
         ["capture", md_escape(capture or "-")],
     ]
+    features = layer_features(layer, {t.name for t in s.tensors})
+    if features:
+        rows.insert(rows.index(["mask", md_escape(mask)]) + 1, ["features", md_escape(", ".join(features))])
     if s.notes:
         rows.append(["notes", md_escape(s.notes)])
     parts = ["## Snapshot\n\n" + md_table(["field", "value"], rows)]

@@ -86,7 +86,7 @@ def main() -> int:
 
     os.makedirs(args.out, exist_ok=True)
     os.environ["KVDBG_CAPTURE_DIR"] = os.path.join(args.out, "_before_cases")
-    os.environ["KVDBG_CAPTURE_BACKENDS"] = args.backend
+    os.environ.pop("KVDBG_CAPTURE_BACKENDS", None)  # the default: the backend each layer is built on
     os.environ["KVDBG_CAPTURE_MAX"] = "unlimited"  # the writer's memory budget keeps its default
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: the capturer can be redirected
 
@@ -114,7 +114,8 @@ def main() -> int:
         print("engine_case: the kvdbg plugin is not active in this process", file=sys.stderr)
         return 2
 
-    record = {"backend": args.backend, "model": args.model, "startup_s": startup_s, "cases": {}}
+    record = {"backend": args.backend, "model": args.model, "startup_s": startup_s, "cases": {},
+              "wrapped": list(vllm_plugin._state.wrapped)}
     for case in args.cases.split(","):
         case_dir = os.path.join(args.out, case)
         if case == "unwritable":

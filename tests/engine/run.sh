@@ -22,6 +22,13 @@ mkdir -p out
 python3 -m tests.engine.install_check "$VENV" out/engine-install-check.txt
 echo "engine venv ready after $(( $(date +%s) - started )) s"
 "$VENV/bin/python" -m tests.engine.stage "$@"
-# kvdbg's flex (its re-implementation) against vLLM's own FLEX_ATTENTION code, on random batches.
-"$VENV/bin/python" -m tests.engine.vllm_flex_differential --count 200 --seed 0 --jobs 2
+# The vllm column (vLLM's own code for the snapshot's backend) against this vLLM: page placement against its own
+# cache writer and views, kernel variant, replay, shrink, sweep, poison. pytest goes beside the venv, not in it.
+if [ ! -d out/engine-pytest/pytest ]; then
+  "$VENV/bin/pip" install -q --no-deps --target out/engine-pytest pytest pluggy iniconfig > out/engine-pytest.log 2>&1 \
+    || { tail -n 20 out/engine-pytest.log; exit 1; }
+fi
+PYTHONPATH=out/engine-pytest "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/engine/test_vllm_column.py
+# The vllm column on random batches: kvdbg's flex against vLLM's FLEX_ATTENTION, vLLM's CPU_ATTN against the reference.
+"$VENV/bin/python" -m tests.engine.vllm_differential --count 200 --cpu-attn-count 100 --seed 0 --jobs 2
 echo "engine stage total (venv included): $(( $(date +%s) - started )) s"

@@ -76,6 +76,7 @@ class Outcome:
     min_cosine: float | None = None  # captured vs reference
     kind: str = ""  # prefill / decode / mixed
     replay_s: float = 0.0
+    vllm_kernel: str = ""  # what the vllm column ran
 
 
 # --------------------------------------------------------------------------- engine runs
@@ -126,12 +127,15 @@ def plain_runs(out: str, model_dir: str, log) -> list[str]:
     problems = []
     amx = bool(torch.cpu._is_amx_tile_supported())
     scenarios = [
+        # Unset: the backend of each layer (CPU_ATTN here) is wrapped; a bfloat16 model on an AMX CPU gets the
+        # 'amx' kernel variant, refused in one line.
         ("default_backends", {}, ["kvdbg capture active in pid",
-                                  "this engine's attention backend is CPU_ATTN, which is not wrapped",
-                                  "Set KVDBG_CAPTURE_BACKENDS=CPU_ATTN"]),
-        ("cpu_attn_bf16", {"KVDBG_CAPTURE_BACKENDS": "CPU_ATTN"},
-         ["kvdbg capture active in pid", "wrapping CPU_ATTN"]
+                                  "wrapping the backend of each attention layer as the engine builds it",
+                                  "kvdbg capture: wrapping CPU_ATTN"]
          + (["kvdbg capture refused: CPU_ATTN's 'amx' kernel variant"] if amx else ["kvdbg captured layer"])),
+        ("other_backend_named", {"KVDBG_CAPTURE_BACKENDS": "FLEX_ATTENTION"},
+         ["kvdbg capture active in pid", "wrapping FLEX_ATTENTION (KVDBG_CAPTURE_BACKENDS)",
+          "this engine's attention backend is CPU_ATTN, which is not wrapped", "Set KVDBG_CAPTURE_BACKENDS=CPU_ATTN"]),
     ]
     for name, extra, expected in scenarios:
         capture_dir = os.path.join(out, "plain", name)
@@ -157,11 +161,14 @@ def plain_runs(out: str, model_dir: str, log) -> list[str]:
         refusals = [line for line in kvdbg_lines if "refused" in line]
         if len(refusals) > 1:
             problems.append(f"plain run {name}: {len(refusals)} refusal lines, expected at most one")
-        if name == "default_backends" and files:
+        if name == "other_backend_named" and files:
             problems.append(f"plain run {name}: {len(files)} files written by an unwrapped backend")
-        if name == "cpu_attn_bf16" and amx and files:
+        if name == "default_backends" and amx and files:
             problems.append(f"plain run {name}: {len(files)} files written from the unverified amx layout")
-        if len(kvdbg_lines) > 2 + 8 + 4:
+        if name == "default_backends" and not amx and not files:
+            problems.append(f"plain run {name}: no snapshot from the CPU_ATTN layers it wrapped")
+        # active, wrapping, writer started, 8 snapshot lines, a refusal, the exit line, and slack of 2
+        if len(kvdbg_lines) > 3 + 8 + 4:
             problems.append(f"plain run {name}: {len(kvdbg_lines)} kvdbg lines, more than the bound")
     return problems
 
@@ -202,9 +209,12 @@ def replay_one(backend: str, case: str, path: str, out: str) -> Outcome:
 
     comparisons = {(c.get("actual"), c.get("expected")): c for c in data.get("comparisons", [])
                    if isinstance(c, dict)}
-    # vllm_flex is vLLM's own FLEX_ATTENTION code run by kvdbg (this venv has vLLM): on FLEX captures it must
-    # give the engine's own output; on CPU_ATTN captures, what FLEX would have written (the same attention).
-    for pair in (("captured", "reference"), ("flex", "captured"), ("vllm_flex", "captured")):
+    # vllm is vLLM's own code for the snapshot's backend, run by kvdbg outside the engine (this venv has vLLM):
+    # on every capture it must give the engine's own output, through the engine's backend and kernel variant.
+    outcome.problems += vllm_column_problems(data, backend, snap.meta.capture.get("kernel_variant"))
+    vllm_status = next((b for b in data.get("backends", []) if b.get("name") == "vllm"), None) or {}
+    outcome.vllm_kernel = (vllm_status.get("run") or {}).get("kernel", "")
+    for pair in (("captured", "reference"), ("flex", "captured"), ("vllm", "captured")):
         comp = comparisons.get(pair)
         if comp is None:
             outcome.problems.append(f"no '{pair[0]} vs {pair[1]}' comparison in the replay")
@@ -232,6 +242,20 @@ def replay_one(backend: str, case: str, path: str, out: str) -> Outcome:
     return outcome
 
 
+def vllm_column_problems(data: dict, backend: str, variant: str | None) -> list[str]:
+    """The vllm column ran the capture's own backend (and CPU_ATTN's kernel variant) through vLLM's code."""
+    status = next((b for b in data.get("backends", []) if b.get("name") == "vllm"), None)
+    if status is None or not status.get("available"):
+        return [f"the vllm column did not run: {status.get('reason') if status else 'no such column'}"]
+    kernel = (status.get("run") or {}).get("kernel", "")
+    problems = []
+    if status.get("engine_name") != backend or not kernel.startswith("vLLM 0.32.0"):
+        problems.append(f"the vllm column ran {status.get('engine_name')} ({kernel}), not the capture's {backend}")
+    if backend == "CPU_ATTN" and variant and f"isa {variant}" not in kernel:
+        problems.append(f"the vllm column ran {kernel!r}, not the captured kernel variant {variant!r}")
+    return problems
+
+
 def case_checks(backend: str, case: str, paths: list[str], record: dict) -> list[str]:
     """The case really produced the batches it is named after (else a pass would prove nothing)."""
     from kvdbg.snapshot import load_snapshot
@@ -252,6 +276,7 @@ def case_checks(backend: str, case: str, paths: list[str], record: dict) -> list
             problems.append(f"{backend}/{case}: provenance says backend {cap.get('attention_backend')!r}, "
                             f"vllm {cap.get('vllm')!r}")
             break
+    problems += declared_layout_checks(backend, case, snaps)
     lens = []
     for s in snaps:
         st = s.steps[0]
@@ -295,6 +320,32 @@ def case_checks(backend: str, case: str, paths: list[str], record: dict) -> list
             problems.append(f"{backend}/{case}: no request outgrew window + page size")
         if case == "sliding_prefix_hit" and not null_entries:
             problems.append(f"{backend}/{case}: no null block before the window after a prefix-cache hit")
+    return problems
+
+
+def declared_layout_checks(backend: str, case: str, snaps: list) -> list[str]:
+    """Every snapshot's pages were read through the layout vLLM declared, and its written slots read back so."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from kvdbg.cache import CPU_ATTN_K_TRANSPOSED
+
+    # The engine resolves the backend's most preferred layout (it serves every layer here): read it from vLLM.
+    expected = AttentionBackendEnum[backend].get_class().supported_kv_cache_layouts()[0].name
+    engine_layout = CPU_ATTN_K_TRANSPOSED if backend == "CPU_ATTN" else f"vllm:{expected}"
+    problems = []
+    for s in snaps:
+        cap, name = s.meta.capture, os.path.basename(s.meta.capture.get("layer", "?"))
+        got = (cap.get("kv_cache_layout"), cap.get("kv_layout_engine"))
+        if got != (expected, engine_layout):
+            problems.append(f"{backend}/{case}: declared layout {got}, expected {(expected, engine_layout)}")
+        spec = cap.get("kv_cache_spec") or {}
+        if spec.get("class") not in ("FullAttentionSpec", "SlidingWindowSpec") or spec.get("kv_quant_mode") != "NONE":
+            problems.append(f"{backend}/{case}: kv_cache_spec {spec}")
+        if s.steps[0].key is not None and not str(cap.get("kv_layout_read_back", "")).startswith("passed"):
+            problems.append(f"{backend}/{case} {name} step {cap.get('step')}: read-back "
+                            f"{cap.get('kv_layout_read_back')!r}")
+        if problems:
+            break
     return problems
 
 
@@ -348,7 +399,7 @@ def range_under_load(out: str, model_dir: str, log) -> list[str]:
     from kvdbg.snapshot import load_snapshot
 
     capture_dir = os.path.join(out, "plain", "range_under_load")
-    env = dict(CLEAN_ENV, KVDBG_CAPTURE_DIR=capture_dir, KVDBG_CAPTURE_BACKENDS="CPU_ATTN",
+    env = dict(CLEAN_ENV, KVDBG_CAPTURE_DIR=capture_dir,
                KVDBG_CAPTURE_STEPS=f"{RANGE_STEPS[0]}-{RANGE_STEPS[1]}")
     # Load: two busy processes at normal priority, against the writer's lowest priority, while the engine
     # decodes 6 requests; they stop once the engine has served, so the shutdown's drain is what writes.
@@ -408,7 +459,7 @@ def tensor_parallel(out: str, model_dir: str, log) -> list[str]:
         log("tensor parallel: skipped, needs two CPUs")
         return []
     capture_dir = os.path.join(out, "plain", "tp2")
-    env = dict(CLEAN_ENV, KVDBG_CAPTURE_DIR=capture_dir, KVDBG_CAPTURE_BACKENDS="CPU_ATTN",
+    env = dict(CLEAN_ENV, KVDBG_CAPTURE_DIR=capture_dir,
                KVDBG_CAPTURE_STEPS=TP_STEPS, KVDBG_CAPTURE_LAYERS="*.layers.1.*",
                VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}")  # one core per rank
     t0 = time.monotonic()
@@ -480,7 +531,7 @@ def killed_mid_write(out: str, model_dir: str, log) -> list[str]:
 
     capture_dir = os.path.join(out, "plain", "killed")
     os.makedirs(capture_dir)
-    env = dict(CLEAN_ENV, KVDBG_CAPTURE_DIR=capture_dir, KVDBG_CAPTURE_BACKENDS="CPU_ATTN",
+    env = dict(CLEAN_ENV, KVDBG_CAPTURE_DIR=capture_dir,
                KVDBG_CAPTURE_MAX="unlimited")
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-c", ENGINE_RUN, model_dir, "4", "400", "1"], cwd=ROOT, env=env,
@@ -611,6 +662,9 @@ def main() -> int:
     engine_s = time.monotonic() - t0
 
     problems: list[str] = []
+    for (backend, model), record in records.items():
+        if record.get("wrapped") != [backend]:  # the default: the backend the engine's layers were built on
+            problems.append(f"{backend}/{model}: the plugin wrapped {record.get('wrapped')}, not {[backend]}")
     t0 = time.monotonic()
     if not args.skip_plain:
         problems += plain_runs(out, models["plain_bf16"], log)
@@ -680,6 +734,11 @@ def main() -> int:
             if case in ("sliding", "sliding_prefix_hit"):
                 log(f"{backend} {case}: {facts.get('outgrown_requests')} request-steps longer than window + page "
                     f"size; table entries wholly before the window: {facts.get('before_window_entries')}")
+    for backend in dict.fromkeys(o.backend for o in outcomes):
+        mine = [o for o in outcomes if o.backend == backend]
+        kernels = sorted({o.vllm_kernel for o in mine if o.vllm_kernel})
+        log(f"vllm column on {backend} captures: ran on {sum(bool(o.vllm_kernel) for o in mine)} of {len(mine)} "
+            f"snapshots ({', '.join(kernels) or 'nothing'}); 'vllm vs captured' is checked on each")
     for o in outcomes:
         for p in o.problems:
             problems.append(f"{o.backend}/{o.case} {os.path.basename(o.path)}: {p}")

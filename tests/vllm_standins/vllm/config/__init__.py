@@ -19,6 +19,15 @@ class CacheConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None
     cache_dtype: str = "auto"
+    # Resolved by the engine core in vLLM; the stand-ins' caches are contiguous [blocks, heads, tokens, 2*D].
+    kv_cache_layout: str | None = "LBHNC"
+
+    def get_resolved_kv_cache_layout(self):
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        if self.kv_cache_layout is None:
+            raise ValueError("KV cache layout has not been resolved yet")
+        return KVCacheLayout[self.kv_cache_layout]
 
 
 @dataclass
