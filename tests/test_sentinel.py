@@ -261,3 +261,14 @@ def test_a_kernel_that_ignores_the_layers_sinks_is_caught():
     ignored = make_step(_layer())  # the same cache, query and output, computed without the sinks
     result = check_step(_layer(sinks=sinks), ignored, pairs=ALL_PAIRS)
     assert len(result.failed_pairs) == len(ALL_PAIRS)
+
+
+def test_a_prefill_is_held_to_the_reference_on_its_last_rows():
+    layer = _layer()
+    inputs = make_step(layer, seq_lens=(37, 30, 21), query_lens=(1, 30, 1))
+    assert check_step(layer, inputs, pairs=ALL_PAIRS).passed
+    inputs.output.view(-1, HQ, D)[30, 2] += 1.0  # request 1's last query row (position 29)
+    result = check_step(layer, inputs, pairs=ALL_PAIRS)
+    assert [(p.request, p.head) for p in result.failed_pairs] == [(1, 2)]
+    assert result.failed_pairs[0].diff.worst_position == 29
+    assert result.failed_pairs[0].diff.num_tokens == 16  # MAX_QUERY_ROWS of the 30

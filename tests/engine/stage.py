@@ -14,6 +14,9 @@ this module runs inside that venv. Steps:
    merged step replays as the ranks do), and one killed with SIGKILL while its
    writer is in the middle of a file (no partial snapshot; the next capture
    removes the temporary file);
+4b. run two engines with the sentinel on every step (``sentinel_case``): with
+   no fault it writes nothing; with three test-only faults it captures each at
+   its step, and ``kvdbg replay`` on each fails naming it;
 5. replay every snapshot with ``kvdbg replay --json`` and check the comparisons
    and findings; check that each case produced the batches it claims;
 6. print a summary; exit 1 on any failed check.
