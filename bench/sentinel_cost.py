@@ -1,7 +1,7 @@
 """What the sentinel costs a real vLLM (CPU) engine's step at a given rate, against the engine with kvdbg off.
 
 Usage (inside a venv with vLLM's CPU build, e.g. the engine stage's):
-    .venv-engine/bin/python bench/sentinel_cost.py [--rate 0.01] [--rounds 12] [--out /tmp/kvdbg-sentinel-cost]
+    .venv-engine/bin/python bench/sentinel_cost.py [--rate 0.01] [--rounds 20] [--out /tmp/kvdbg-sentinel-cost]
 
 One process, one engine (vLLM in-process, CPU_ATTN, a 4-layer float16 model of
 16 query / 4 KV heads of 64, 8 requests of ~200 tokens decoding 48 tokens each).
@@ -38,7 +38,7 @@ PROMPTS, PROMPT_LEN, TOKENS = 8, 200, 48
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=None, help="sentinel rate (default: KVDBG_SENTINEL=on's)")
-    parser.add_argument("--rounds", type=int, default=12, help="rounds per side")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds per side")
     parser.add_argument("--out", default="/tmp/kvdbg-sentinel-cost")
     args = parser.parse_args()
 

@@ -90,12 +90,12 @@ class SentinelHooks:
             name = getattr(layer, "layer_name", None)
             if name is None:
                 return
-            if name in self._waiting:
+            if self._waiting and name in self._waiting:
                 self._collect(state, name)
-            if key is None or value is None or slot_mapping is None or _graph_capturing(kv_cache):
-                return
             step = state._forward_counts.get(name, 0)  # the forward this update belongs to comes next
-            if not self.sentinel.sampled(name, step):
+            if not self.sentinel.sampled(name, step):  # first: the cost of a step not drawn is this lookup
+                return
+            if key is None or value is None or slot_mapping is None or _graph_capturing(kv_cache):
                 return
             kv_layout = state.engine_layout(impl, layer, state._info(impl), kv_cache)
             if kv_layout is None:
@@ -111,16 +111,18 @@ class SentinelHooks:
     def after_forward(self, state, impl: Any, layer: Any, query, key, value, kv_cache, metadata, output) -> None:
         try:
             name = getattr(layer, "layer_name", None)
-            if metadata is None or name is None or _graph_capturing(query):
+            if metadata is None or name is None:
                 return
-            if name in self._waiting:  # a layer with no cache update of its own (KV sharing)
+            if self._waiting and name in self._waiting:  # a layer with no cache update of its own (KV sharing)
                 self._collect(state, name)
             step = state._forward_counts.get(name, 0) - 1  # the plugin counted this forward before it ran
-            pre = self._pre.pop(name, None)
             if not self.sentinel.sampled(name, step):
                 return
+            pre = self._pre.pop(name, None)
             if pre is not None and pre.step != step:
                 pre = None
+            if _graph_capturing(query):
+                return
             ctx = state._lookup(metadata)
             if ctx is None:
                 self._say_once("metadata", "kvdbg sentinel: a sampled step's metadata was not built by a wrapped "
