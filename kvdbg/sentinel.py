@@ -45,7 +45,7 @@ import torch
 from kvdbg.backend_api import CommonMetadata
 from kvdbg.backends.reference import BACKEND as REFERENCE
 from kvdbg.backends.reference import ReferenceBuilder, ReferenceImpl
-from kvdbg.cache import kv_head_dim
+from kvdbg.cache import page_dim
 from kvdbg.capture_prepare import CaptureLayer, resolve_kv_layout
 from kvdbg.compare import HeadDiff, Tolerance, compare, default_tolerance
 from kvdbg.format import LAYOUT_VLLM, BackendMeta, SnapshotMeta
@@ -266,6 +266,15 @@ def _within(actual: torch.Tensor, expected: torch.Tensor, qsl: torch.Tensor, tol
     return [bool(per_token[bounds[i]:bounds[i + 1]].all()) for i in range(len(bounds) - 1)]
 
 
+def _one_head_per_page(pages: torch.Tensor, layout: str, kv_heads: torch.Tensor) -> torch.Tensor:
+    """Pages of a snapshot ``layout`` with one KV head each: page ``i`` keeps its KV head ``kv_heads[i]``."""
+    index = torch.arange(kv_heads.numel(), device=pages.device)
+    if page_dim(layout) == 0:  # [pages, Hkv, page, 2*D]
+        return pages[index, kv_heads].unsqueeze(1)
+    # [2, pages, page, Hkv, D]: the two indexed dimensions come first, [pages, 2, page, D]
+    return pages[:, index, :, kv_heads].permute(1, 0, 2, 3).unsqueeze(3)
+
+
 def _reference_pairs(layer: CaptureLayer, inputs: StepInputs, query: torch.Tensor, output: torch.Tensor,
                      pairs: list[tuple[int, int]], qsl: list[int], seq_lens: list[int]):
     """(reference, engine output, query_start_loc, seq_lens) of ``pairs``, each pair one request of one head.
@@ -278,19 +287,21 @@ def _reference_pairs(layer: CaptureLayer, inputs: StepInputs, query: torch.Tenso
     page_size = inputs.kv_cache.shape[layout.token_dim]
     device = inputs.kv_cache.device
     group = layer.num_heads // layer.num_kv_heads
-    heads_at = kv_head_dim(layout.snapshot_layout)  # where both the engine tensor and the converted pages index heads
-    pieces, page_counts, tokens, heads = [], [], [], []
+    id_lists, page_counts, kv_heads, tokens, heads = [], [], [], [], []
     for r, head in pairs:
         live = -(-seq_lens[r] // page_size)
-        ids = inputs.block_table[r, :live].to(device, torch.int64)
-        pages = inputs.kv_cache.index_select(layout.page_dim, ids).narrow(heads_at, head // group, 1)
-        pieces.append(layout.convert(pages))
+        id_lists.append(inputs.block_table[r, :live])
         page_counts.append(live)
+        kv_heads += [head // group] * live
         # The last rows of the request's query block: a prefill's cost stays that of a few decode tokens,
         # and the rows kept are still the positions L - q' .. L - 1 the reference masks for.
         tokens.append(torch.arange(max(qsl[r], qsl[r + 1] - MAX_QUERY_ROWS), qsl[r + 1], device=query.device))
         heads.append(torch.full_like(tokens[-1], head))
-    pages = torch.cat(pieces, dim=layout.page_dim)
+    # Few, large operations (a check's cost on a busy CPU is mostly per operation): every pair's pages in
+    # one gather, converted to the snapshot layout at once, then each page's one KV head picked.
+    ids = torch.cat(id_lists).to(device, torch.int64)
+    pages = layout.convert(inputs.kv_cache.index_select(layout.page_dim, ids))
+    pages = _one_head_per_page(pages, layout.snapshot_layout, torch.tensor(kv_heads, device=device))
     table = torch.full((len(pairs), max(page_counts)), -1, dtype=torch.int64)
     start = 0
     for i, count in enumerate(page_counts):

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from kvdbg.cache import quantize_fp8
+from kvdbg.cache import join_kv, quantize_fp8
 from kvdbg.capture_prepare import CaptureLayer
 from kvdbg.engine_layouts import vllm_to_cpu_attn
 from kvdbg.errors import OptionError
-from kvdbg.format import LAYOUT_VLLM
+from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
 from kvdbg.sentinel import Sentinel, StepInputs, check_step, choose_pairs
 from kvdbg.sentinel_config import DEFAULT_RATE, SentinelConfig, parse_rate, sentinel_requested
 
@@ -65,6 +65,8 @@ def make_step(layer: CaptureLayer, *, seed=0, seq_lens=(37, 9, 21), query_lens=(
         cache = torch.cat([keys, values], -1).to(dtype)
         if layer.kv_layout == CPU_ATTN:
             cache = vllm_to_cpu_attn(cache)
+        elif layer.kv_layout == LAYOUT_KV_PLANES:
+            cache = join_kv(keys.to(dtype), values.to(dtype), LAYOUT_KV_PLANES)
     perm = torch.randperm(PAGES - 1, generator=g) + 1  # page 0 is vLLM's null block
     width = max(-(-n // PS) for n in seq_lens) + 1
     table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
@@ -101,12 +103,13 @@ ALL_PAIRS = [(r, h) for r in range(3) for h in range(HQ)]
     {},
     {"dtype": "float16"},
     {"kv_layout": CPU_ATTN},
+    {"kv_layout": LAYOUT_KV_PLANES},
     {"sliding_window": 6},
     {"logits_soft_cap": 5.0},
     {"kv_cache_dtype": "fp8", "k_scale": 0.05, "v_scale": 0.02, "dtype": "float16"},
     {"sinks": [0.5, -1.0, 2.0, 0.0]},
     {"alibi_slopes": [0.5, 0.25, 0.125, 0.0625], "logits_soft_cap": 8.0},
-], ids=["bf16", "fp16", "cpu_attn", "window", "soft_cap", "fp8", "sinks", "alibi"])
+], ids=["bf16", "fp16", "cpu_attn", "kv_planes", "window", "soft_cap", "fp8", "sinks", "alibi"])
 def test_an_honest_step_passes_every_pair(kw):
     layer = _layer(**kw)
     for seed in range(3):
