@@ -30,8 +30,6 @@ from kvdbg.capture_config import CaptureConfig
 from kvdbg.sentinel import DeferredChecks, Sentinel, SentinelFinding, StepInputs
 
 if TYPE_CHECKING:
-    import torch
-
     from kvdbg.capture import CaptureLayer, PreUpdate
     from kvdbg.engine_layouts import EngineLayout
 

@@ -11,7 +11,7 @@ import pytest
 from kvdbg import api, vllm_plugin
 from kvdbg.sentinel_config import ENV_RATE
 from kvdbg.snapshot import load_snapshot
-from tests.test_vllm_plugin import ENV_VARS, StandinEngine, clean, standins  # noqa: F401  (fixtures)
+from tests.test_vllm_plugin import StandinEngine, clean, standins  # noqa: F401  (fixtures)
 
 SENTINEL_VARS = ("KVDBG_SENTINEL", "KVDBG_SENTINEL_DIR", "KVDBG_SENTINEL_LAYERS", "KVDBG_SENTINEL_PAIRS",
                  "KVDBG_SENTINEL_MAX", "KVDBG_SENTINEL_INTERVAL", "KVDBG_SENTINEL_SEED")
