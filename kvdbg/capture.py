@@ -467,7 +467,10 @@ class Capturer:
             self._drop("refused")
             return None
         try:
-            return build_snapshot(pending)
+            # Engines run under inference mode, so their copies are inference tensors; the writer restores
+            # pre-update pages into them in place, which torch allows only inside inference mode.
+            with torch.inference_mode():
+                return build_snapshot(pending)
         except WrittenKVMismatch as exc:
             self._refuse_layer(pending, exc)
         except Exception as exc:

@@ -64,11 +64,10 @@ class HostBuffers:
         if nbytes >= POOLED_MIN_BYTES:
             self.last_size = nbytes
             with self._lock:
-                fits = [b for b in self._free if nbytes <= b.numel() <= 2 * nbytes]
+                fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
                 if fits:
-                    best = min(fits, key=torch.Tensor.numel)
-                    self._free.remove(best)
-                    return best
+                    # By position: list.remove would compare tensors by value (elementwise), not by identity.
+                    return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def give(self, buffer: torch.Tensor | None) -> None:

@@ -393,14 +393,27 @@ def _keep_on_host(t: torch.Tensor, copies: StepCopies) -> torch.Tensor:
     return t if t.is_cpu else _to_cpu(t)
 
 
+# Up to this many block-table entries, the pages of a step are chosen in plain Python (see referenced_page_ids).
+SMALL_TABLE_ENTRIES = 1024
+
+
 def referenced_page_ids(block_table: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray | None,
                         page_size: int) -> np.ndarray:
     """Sorted engine ids (int64) of the pages a step reads (live block-table entries) or writes (its slots).
 
-    The same rule as :func:`kvdbg.snapshot.referenced_pages`, in numpy: it runs
-    in the engine's thread on every captured step, where each torch call costs
-    more than the arithmetic.
+    The same rule as :func:`kvdbg.snapshot.referenced_pages`, without torch: it
+    runs in the engine's thread on every captured step, where each torch call
+    costs more than the arithmetic. A small batch (the usual decode step) is
+    done in plain Python, which beats numpy's per-call cost up to about a
+    thousand table entries; a larger one in numpy.
     """
+    if block_table.size <= SMALL_TABLE_ENTRIES:
+        ids: set[int] = set()
+        for row, length in zip(block_table.tolist(), seq_lens.tolist()):
+            ids.update(row[: (length + page_size - 1) // page_size])
+        if slots is not None:
+            ids.update(slot // page_size for slot in slots.tolist() if slot >= 0)
+        return np.array(sorted(ids), dtype=np.int64)
     live_pages = (seq_lens.astype(np.int64) + (page_size - 1)) // page_size
     live = np.arange(block_table.shape[1]) < live_pages[:, None]
     ids = block_table[live].astype(np.int64, copy=False)
@@ -485,13 +498,21 @@ def save_pre_update(layer: CaptureLayer, *, key: torch.Tensor, value: torch.Tens
     slots = _copy_now(slot_mapping, copies)
     if slots.ndim != 1:
         raise CaptureInputError(f"slot_mapping has shape {list(slots.shape)}, expected [num_tokens]")
-    written = slots.numpy()
-    written = written[written >= 0]
-    if written.size and int(written.max()) >= num_blocks * page_size:
+    if slots.shape[0] <= SMALL_TABLE_ENTRIES:  # plain Python beats numpy's per-call cost here (a decode step)
+        written = [slot for slot in slots.tolist() if slot >= 0]
+        highest = max(written, default=-1)
+    else:
+        written = slots.numpy()
+        written = written[written >= 0]
+        highest = int(written.max()) if written.size else -1
+    if highest >= num_blocks * page_size:
         raise CaptureInputError(
-            f"slot_mapping holds slot {int(written.max())}, outside the cache of {num_blocks * page_size} slots"
+            f"slot_mapping holds slot {highest}, outside the cache of {num_blocks * page_size} slots"
         )
-    page_ids = torch.from_numpy(np.unique(written.astype(np.int64, copy=False) // page_size))
+    if isinstance(written, list):
+        page_ids = torch.tensor(sorted({slot // page_size for slot in written}), dtype=torch.int64)
+    else:
+        page_ids = torch.from_numpy(np.unique(written.astype(np.int64, copy=False) // page_size))
     pre = PreUpdate(layer_name=layer.name, step=step, key=copies.copy(key), value=copies.copy(value),
                     slot_mapping=slots, page_ids=page_ids, pages=copies.gather(kv_cache, layout.page_dim, page_ids),
                     kv_layout=layout.name, page_size=page_size, copies=copies, layout=layout,

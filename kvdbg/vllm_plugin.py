@@ -36,6 +36,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -290,6 +291,8 @@ class _PluginState:
         self._builders: dict[int, Any] = {}  # kept alive so that their ids stay theirs
         self._declared: dict[str, _Declared] = {}
         self._layouts: dict[str, tuple[tuple, Any]] = {}
+        self._builder_layers: dict[int, tuple[tuple, list[str] | None]] = {}
+        self._checked: dict[str, tuple] = {}  # per layer: (layout, the cache tensor it was checked on, its data_ptr)
         self._records: dict[str, tuple[tuple, dict[str, Any]]] = {}  # per layer: its declaration's provenance
         self._graphs_said = False
         self._parallel: dict[str, Any] | None = None  # this process's place among the engine's ranks, read once
@@ -442,9 +445,11 @@ class _PluginState:
 
     def engine_layout(self, impl: Any, layer: Any, info: "_ImplInfo | None", kv_cache: Any) -> "EngineLayout | None":
         """The layout this layer's declarations give its cache, checked against ``kv_cache``; None after saying
-        once why it is refused."""
-        from kvdbg.engine_layouts import LayerCacheDeclaration, LayoutError, declared_layout
+        once why it is refused.
 
+        Runs twice per captured step (cache update and forward), so what does not change is kept: the layout
+        per declaration, and the check of the cache tensor's strides per tensor.
+        """
         backend = info.backend_name if info is not None else type(impl).__name__
         name = layer.layer_name
         if self.capturer.layer_refused(name) is not None:
@@ -452,12 +457,20 @@ class _PluginState:
         declared = self._declared.get(name)
         variant = getattr(layer, "isa", None) if backend == "CPU_ATTN" else None
         kv_cache_dtype = str(getattr(impl, "kv_cache_dtype", getattr(layer, "kv_cache_dtype", "auto")))
-        per_head = _per_head_scales(layer)
+        # Per-head scales matter only to an FP8 cache (one k and one v scale per layer is all a snapshot holds).
+        per_head = kv_cache_dtype.startswith("fp8") and _per_head_scales(layer)
         key = (backend, id(declared), variant, kv_cache_dtype, per_head)
         cached = self._layouts.get(name)
         if cached is not None and cached[0] == key:
             result = cached[1]
+            checked = self._checked.get(name)
+            # The same tensor as last time (an engine's cache tensors live as long as the engine): checked already.
+            if checked is not None and checked[0] is result and checked[1]() is kv_cache \
+                    and checked[2] == kv_cache.data_ptr():
+                return result
         else:
+            from kvdbg.engine_layouts import LayerCacheDeclaration, LayoutError, declared_layout
+
             try:
                 if declared is None:
                     raise LayoutError(f"{backend}: no wrapped metadata builder declared the cache of layer {name} "
@@ -473,10 +486,16 @@ class _PluginState:
             except LayoutError as exc:
                 result = exc
             self._layouts[name] = (key, result)
+        from kvdbg.engine_layouts import LayoutError
+
         said_as = None
         if not isinstance(result, LayoutError):
             try:
                 result.check(kv_cache, int(impl.num_kv_heads), int(impl.head_size))
+                try:  # a weak reference: the plugin must never keep an engine's cache alive
+                    self._checked[name] = (result, weakref.ref(kv_cache), kv_cache.data_ptr())
+                except TypeError:  # not weakly referenceable: checked on every step
+                    pass
                 return result
             except LayoutError as exc:
                 # One line for all of a backend's layers: they share the engine's layout.
@@ -534,9 +553,10 @@ class _PluginState:
             if metadata is None or common is None or (not self.capturer.active and self.sentinel is None):
                 return
             self.declare(builder)
-            names = getattr(builder, "layer_names", None)
+            names = self._selected_layers(builder)
             # The step each layer's next forward will be: nothing is kept for a build no capture will use.
-            if names and not any(self._wanted(n, self._forward_counts.get(n, 0)) for n in names):
+            if names is not None and not any(self.capturer.selects(n, self._forward_counts.get(n, 0))
+                                             for n in names) and not self._sentinel_checks(builder):
                 return
             if _graph_capturing(common.seq_lens):
                 return
@@ -553,7 +573,10 @@ class _PluginState:
                 block_table=common.block_table_tensor[:num_reqs].clone(),
                 seq_lens=common.seq_lens[:num_reqs].clone(),
                 query_start_loc=common.query_start_loc[: num_reqs + 1].clone(),
-                slot_mapping=None if common.slot_mapping is None else common.slot_mapping[:num_tokens].clone(),
+                # Only a backend that writes the new K/V inside forward needs them (the others' are saved before
+                # do_kv_cache_update).
+                slot_mapping=None if common.slot_mapping is None or not self._update_in_forward
+                else common.slot_mapping[:num_tokens].clone(),
                 causal=causal.clone() if hasattr(causal, "clone") else causal,
                 max_model_len=getattr(model_config, "max_model_len", None),
                 max_decode_query_len=getattr(builder, "query_len", None),
@@ -569,10 +592,28 @@ class _PluginState:
         except Exception as exc:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
 
-    def _wanted(self, name: str, step: int) -> bool:
-        """Whether capture's filters take this step, or the sentinel checks it."""
-        return self.capturer.selects(name, step) or (self.sentinel is not None
-                                                     and self.sentinel.sentinel.sampled(name, step))
+    def _sentinel_checks(self, builder: Any) -> bool:
+        """Whether the sentinel checks the next step of any of this builder's layers (it has its own layer filter)."""
+        if self.sentinel is None:
+            return False
+        names = getattr(builder, "layer_names", None) or ()
+        return any(self.sentinel.sentinel.sampled(n, self._forward_counts.get(n, 0)) for n in names)
+
+    def _selected_layers(self, builder: Any) -> "list[str] | None":
+        """The builder's layers the layer filter selects (None: it names none), kept per builder and configuration:
+        a model has dozens of layers and a build runs on every step."""
+        key = (id(builder), id(self.capturer.config))
+        hit = self._builder_layers.get(id(builder))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        names = getattr(builder, "layer_names", None)
+        selected = [n for n in names if self.capturer.layer_selected(n)] if names else None
+        self._builder_layers[id(builder)] = (key, selected)
+        return selected
+
+    @property
+    def _update_in_forward(self) -> bool:
+        return any(info.update_in_forward for info in self._impl_info.values())
 
     def _stash(self, metadata: Any, ctx: _EngineContext) -> None:
         try:

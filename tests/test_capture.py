@@ -246,6 +246,27 @@ def test_the_writer_reads_the_written_slots_back_and_refuses_a_layer_that_does_n
     capturer.close(10)
 
 
+@pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_KV_PLANES])
+def test_an_engine_under_inference_mode_is_captured_by_the_background_writer(tmp_path, layout):
+    # The copies made in the engine's thread are then inference tensors, which the writer updates in place
+    # (the pre-update pages put back) on its own thread, outside the engine's inference mode.
+    engine = Engine(layout=layout)
+    t = engine.tensors
+    before = engine.cache.clone()
+    capturer = Capturer(tmp_path, queue_bytes="auto")
+    with torch.inference_mode():
+        pre = capturer.save_pre_update(engine.layer, key=t.key, value=t.value, slot_mapping=t.slot_mapping,
+                                       kv_cache=engine.cache, step=3, rank=0, check_written=True)
+        _cache_update(engine, layout, t.key, t.value, t.slot_mapping)
+        capturer.capture(*engine.args(key=None, value=None, slot_mapping=None, pre_update=pre),
+                         output=engine.output, step=3, rank=0)
+    assert capturer.close(10) and capturer.dropped == {} and not capturer.failures
+    (path,) = capturer.written
+    got = load_snapshot(path)
+    assert same_bytes(got.kv_cache, before.index_select(page_dim(layout), got.page_ids.long()))
+    assert got.meta.capture["kv_layout_read_back"].startswith("passed")
+
+
 def test_capture_without_new_kv(tmp_path):
     engine = Engine()
     got = load_snapshot(capture_step(tmp_path, *engine.args(key=None, value=None, slot_mapping=None), **STEP))

@@ -160,3 +160,17 @@ def test_an_undeclared_layout_is_inferred_from_the_shape_and_said_so(layout):
     assert snapshot.meta.capture["kv_layout_source"] == "inferred from the cache shape"
     with pytest.raises(CaptureInputError, match=r"kv_cache has shape \[7, 16\], which is neither"):
         prepare_capture(layer, engine.backend, dataclasses.replace(engine.tensors, kv_cache=torch.zeros(7, 16)))
+
+
+def test_the_page_buffers_are_reused_by_identity_among_free_buffers_of_other_sizes():
+    from kvdbg.capture_buffers import POOLED_MIN_BYTES, HostBuffers
+
+    pool = HostBuffers()
+    small = torch.zeros(POOLED_MIN_BYTES, dtype=torch.uint8)
+    large = torch.zeros(3 * POOLED_MIN_BYTES, dtype=torch.uint8)
+    pool.give(small)
+    pool.give(large)
+    # Two free buffers of different sizes (a long capture's pages grow): the one that fits is handed back.
+    assert pool.take(2 * POOLED_MIN_BYTES) is large
+    assert pool.take(POOLED_MIN_BYTES) is small
+    assert pool.free_bytes == 0 and pool.take(POOLED_MIN_BYTES) is not small
