@@ -36,7 +36,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -419,11 +419,14 @@ class Capturer:
             self.report(exc, f"layer {getattr(layer, 'name', layer)} step {step}", step_lost=True)
             return None
 
-    def finish(self, pending: PendingCapture | None, output: torch.Tensor | None = None) -> str | None:
+    def finish(self, pending: PendingCapture | None, output: torch.Tensor | None = None, *,
+               on_written: Callable[[str | None], None] | None = None) -> str | None:
         """Copy the engine's output (after the forward) and write the snapshot, or hand it to the writer.
 
         Returns the file's path when written in the caller's thread; with a background
         writer (``queue_bytes`` not 0) the file is written later and this returns None.
+        ``on_written`` is called once with the file's path, or None when the step was
+        not written, in whichever thread writes it (the vLLM sentinel names the file in its line).
         """
         if pending is None:
             return None
@@ -431,17 +434,22 @@ class Capturer:
         try:
             pending.attach_output(output)
             if self.config.background:
-                self._hand_to_writer(pending, where)
+                if not self._hand_to_writer(pending, where, on_written):
+                    _tell(on_written, None)
                 return None
         except Exception as exc:
             self.report(exc, where, step_lost=True)
             pending.release()
+            _tell(on_written, None)
             return None
+        path = None
         try:
             snapshot = self._build(pending, where)
-            return None if snapshot is None else self._store(snapshot, pending, self.config.directory, where)
+            path = None if snapshot is None else self._store(snapshot, pending, self.config.directory, where)
+            return path
         finally:
             pending.release()
+            _tell(on_written, path)
 
     def capture(self, layer: CaptureLayer, backend: CaptureBackend, tensors: StepTensors, *,
                 output: torch.Tensor | None = None, step: int | None = None, rank: int | None = None,
@@ -579,12 +587,13 @@ class Capturer:
 
     # ---------------------------------------------------------------- the background writer
 
-    def _hand_to_writer(self, pending: PendingCapture, where: str) -> None:
+    def _hand_to_writer(self, pending: PendingCapture, where: str,
+                        on_written: Callable[[str | None], None] | None = None) -> bool:
         nbytes = pending.nbytes
         with self._lock:
             if not self._queue_has_room(nbytes, where):
                 pending.release()
-                return
+                return False
             if self._writer is None:
                 self._queue = queue.SimpleQueue()
                 self._writer = threading.Thread(target=self._write_loop, name="kvdbg-capture-writer", daemon=True)
@@ -594,7 +603,8 @@ class Capturer:
             self._queued_bytes += nbytes
             self._in_flight += 1
         # The directory is taken now: a later change of it applies to later steps only.
-        self._queue.put((pending, self.config.directory, where, nbytes))
+        self._queue.put((pending, self.config.directory, where, nbytes, on_written))
+        return True
 
     def _write_loop(self) -> None:
         assert self._queue is not None
@@ -603,7 +613,8 @@ class Capturer:
         except (AttributeError, OSError):
             pass
         while True:
-            pending, directory, where, nbytes = self._queue.get()
+            pending, directory, where, nbytes, on_written = self._queue.get()
+            path = None
             try:
                 try:
                     # The engine's next step of this size then finds memory already touched.
@@ -612,11 +623,12 @@ class Capturer:
                     pass
                 snapshot = self._build(pending, where)
                 if snapshot is not None:
-                    self._store(snapshot, pending, directory, where)
+                    path = self._store(snapshot, pending, directory, where)
             except Exception as exc:  # the writer must outlive anything that goes wrong with one step
                 self.report(exc, where, step_lost=True)
             finally:
                 pending.release()
+                _tell(on_written, path)
                 with self._lock:
                     self._in_flight -= 1
                     self._queued_bytes -= nbytes
@@ -674,6 +686,15 @@ class Capturer:
             level = logging.WARNING if sum(self.dropped.values()) else logging.INFO
             logger.log(level, "%s", self.summary())
         return drained
+
+
+def _tell(on_written: Callable[[str | None], None] | None, path: str | None) -> None:
+    if on_written is None:
+        return
+    try:
+        on_written(path)
+    except Exception as exc:  # a caller's callback must not stop the writer
+        logger.debug("kvdbg capture: the on_written callback failed: %s", exc)
 
 
 # Capturers that handed steps to a writer and have not been closed: at interpreter exit, their

@@ -44,14 +44,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch and the capture modules load only once capture is switched on
     import torch
 
-    from kvdbg.capture import CaptureLayer, Capturer, PendingCapture, PreUpdate
+    from kvdbg.capture import CaptureBackend, CaptureLayer, Capturer, PendingCapture, PreUpdate, StepTensors
     from kvdbg.engine_layouts import EngineLayout
+    from kvdbg.sentinel_plugin import SentinelHooks
 
 logger = logging.getLogger("kvdbg.capture")
 
-# The same name as kvdbg.capture_config.ENV_DIR (a test keeps them equal), spelt here so that a
-# vLLM process without capture reads one variable and imports nothing of kvdbg's configuration.
+# The same names as kvdbg.capture_config.ENV_DIR and kvdbg.sentinel_config.ENV_RATE (a test keeps them
+# equal), spelt here so that a vLLM process without capture reads two variables and imports nothing of kvdbg's.
 ENV_DIR = "KVDBG_CAPTURE_DIR"
+ENV_SENTINEL = "KVDBG_SENTINEL"
+_SENTINEL_OFF = ("", "0", "off", "false", "no")
 
 
 @dataclass(frozen=True)
@@ -105,24 +108,37 @@ _state: "_PluginState | None" = None
 
 
 def register() -> None:
-    """vLLM's plugin hook. Does nothing unless ``KVDBG_CAPTURE_DIR`` is set; safe to call again."""
+    """vLLM's plugin hook. Does nothing unless ``KVDBG_CAPTURE_DIR`` or ``KVDBG_SENTINEL`` is set; safe to call again."""
     global _state
-    if not os.environ.get(ENV_DIR, "").strip():
+    capture_on = bool(os.environ.get(ENV_DIR, "").strip())
+    sentinel_on = os.environ.get(ENV_SENTINEL, "").strip().lower() not in _SENTINEL_OFF
+    if not capture_on and not sentinel_on:
         return
     try:
         with _lock:
             if _state is not None:
                 return
             if importlib.util.find_spec("vllm") is None:
-                logger.warning("kvdbg capture: %s is set but vLLM is not importable here; nothing is captured", ENV_DIR)
+                logger.warning("kvdbg capture: %s is set but vLLM is not importable here; nothing is captured",
+                               ENV_DIR if capture_on else ENV_SENTINEL)
                 return
             _show_logs_by_default()
             from kvdbg.capture import Capturer, package_version
             from kvdbg.capture_config import ENV_BACKENDS
 
-            capturer = Capturer.from_env(info_snapshot_lines=INFO_SNAPSHOT_LINES)
+            sentinel = None
+            if sentinel_on:
+                from kvdbg.sentinel_plugin import SentinelHooks
+
+                sentinel = SentinelHooks.from_env()
+            if capture_on:
+                capturer = Capturer.from_env(info_snapshot_lines=INFO_SNAPSHOT_LINES)
+            else:  # the sentinel alone: the wrappers run, but no step is captured unless the sentinel finds it wrong
+                capturer = Capturer.from_env({**os.environ, ENV_DIR: sentinel.sentinel.config.directory},
+                                             layers=_NoLayers())
             config = capturer.config
             state = _PluginState(capturer, list(config.backends))
+            state.sentinel = sentinel
             for name in config.backends:
                 state.wrap_backend(name)
             if config.backends and not state.wrapped:
@@ -142,13 +158,19 @@ def register() -> None:
             # imported module knows its version even where no metadata was installed.
             version, dist = package_version("vllm")
             version = version or getattr(sys.modules.get("vllm"), "__version__", "unknown")
-            capturer.reconfigure(engine=f"vllm {version}" + (f" ({dist})" if dist and dist != "vllm" else ""))
+            engine = f"vllm {version}" + (f" ({dist})" if dist and dist != "vllm" else "")
+            capturer.reconfigure(engine=engine)
+            if sentinel is not None:
+                sentinel.capturer.reconfigure(engine=engine)
             _state = state
         if config.backends:
             wrapping = f"wrapping {','.join(state.wrapped)} ({ENV_BACKENDS})"
         else:
             wrapping = f"wrapping the backend of each attention layer as the engine builds it ({ENV_BACKENDS} unset)"
-        logger.info("kvdbg capture active in pid %d: %s; %s", os.getpid(), wrapping, capturer.describe())
+        logger.info("kvdbg capture active in pid %d: %s; %s", os.getpid(), wrapping,
+                    capturer.describe() if capture_on else f"capture off ({ENV_DIR} unset)")
+        if sentinel is not None:
+            logger.info("kvdbg sentinel active in pid %d: %s", os.getpid(), sentinel.describe())
     except Exception as exc:  # vLLM calls plugins unguarded: a failure here must not stop the engine
         logger.error("kvdbg capture not started: %s", exc)
 
@@ -161,6 +183,16 @@ def unregister() -> None:
             _state.restore()
             _state.before_shutdown()  # what was captured is written, and said in one line
             _state = None
+
+
+class _NoLayers:
+    """The capture filter when only the sentinel is on: no layer is captured by the capture variables."""
+
+    def __call__(self, name: str) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return "none (capture off)"
 
 
 def active_capturer() -> "Capturer | None":
@@ -264,6 +296,7 @@ class _PluginState:
         self._records: dict[str, tuple[tuple, dict[str, Any]]] = {}  # per layer: its declaration's provenance
         self._graphs_said = False
         self._parallel: dict[str, Any] | None = None  # this process's place among the engine's ranks, read once
+        self.sentinel: "SentinelHooks | None" = None  # the sampled check of the engine's own attention
 
     # ---------------------------------------------------------------- patching
 
@@ -349,6 +382,8 @@ class _PluginState:
             limit = float(grace) - 1 if grace.replace(".", "", 1).isdigit() else 4.0
             from kvdbg.capture import EXIT_FLUSH_SECONDS
 
+            if self.sentinel is not None:
+                self.sentinel.close(self, max(0.5, min(EXIT_FLUSH_SECONDS, limit) / 2))
             self.capturer.close(max(0.5, min(EXIT_FLUSH_SECONDS, limit)))
         except Exception as exc:  # shutting down must go on whatever happens here
             logger.debug("kvdbg capture: draining at shutdown failed: %s", exc)
@@ -515,13 +550,13 @@ class _PluginState:
 
     def after_build(self, builder: Any, common: Any, metadata: Any) -> None:
         try:
-            if metadata is None or common is None or not self.capturer.active:
+            if metadata is None or common is None or (not self.capturer.active and self.sentinel is None):
                 return
             self.declare(builder)
             names = self._selected_layers(builder)
             # The step each layer's next forward will be: nothing is kept for a build no capture will use.
             if names is not None and not any(self.capturer.selects(n, self._forward_counts.get(n, 0))
-                                             for n in names):
+                                             for n in names) and not self._sentinel_checks(builder):
                 return
             if _graph_capturing(common.seq_lens):
                 return
@@ -556,6 +591,13 @@ class _PluginState:
                 self._parallel = _parallel_facts(vllm_config)
         except Exception as exc:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
+
+    def _sentinel_checks(self, builder: Any) -> bool:
+        """Whether the sentinel checks the next step of any of this builder's layers (it has its own layer filter)."""
+        if self.sentinel is None:
+            return False
+        names = getattr(builder, "layer_names", None) or ()
+        return any(self.sentinel.sentinel.sampled(n, self._forward_counts.get(n, 0)) for n in names)
 
     def _selected_layers(self, builder: Any) -> "list[str] | None":
         """The builder's layers the layer filter selects (None: it names none), kept per builder and configuration:
@@ -714,7 +756,7 @@ class _PluginState:
                 self.capturer.skip(name, step)
                 return None
             ctx = self._lookup(metadata)
-            from kvdbg.capture import CaptureBackend, CaptureInputError, StepTensors
+            from kvdbg.capture import CaptureInputError
 
             if ctx is None:
                 raise CaptureInputError(
@@ -731,47 +773,56 @@ class _PluginState:
                 raise CaptureInputError(f"{ctx.builder} has no vllm_config.model_config.max_model_len")
             model_dtype = output.dtype if output is not None else layer.dtype
             target = self.capture_layer(impl, layer, kv_layout, model_dtype)
-            info = self._info(impl)
-            backend_name = info.backend_name if info else type(impl).__name__
-            backend = CaptureBackend(
-                name=backend_name,
-                max_model_len=int(ctx.max_model_len),
-                max_decode_query_len=ctx.max_decode_query_len,
-                max_num_seqs=ctx.max_num_seqs,
-                max_num_batched_tokens=ctx.max_num_batched_tokens,
-            )
-            # The context's tensors are the clones after_build made: capture keeps them without copying again.
-            tensors = StepTensors(query=query, kv_cache=kv_cache, block_table=ctx.block_table, seq_lens=ctx.seq_lens,
-                                  query_start_loc=ctx.query_start_loc, causal=ctx.causal, pre_update=pre,
-                                  metadata_copied=True)
-            if pre is not None:
-                new_kv_note = "saved before do_kv_cache_update; the pages it overwrote are restored"
-            elif info is not None and info.update_in_forward and key is not None and ctx.slot_mapping is not None:
-                tensors.key, tensors.value, tensors.slot_mapping = key, value, ctx.slot_mapping
-                new_kv_note = f"taken at forward ({info.update_source} is true)"
-            else:
-                new_kv_note = ("absent: no do_kv_cache_update preceded this forward (KV sharing, a fused update or "
-                               "no new tokens); kv_cache holds the state attention read")
-            provenance = {
-                "metadata_source": f"CommonAttentionMetadata as passed to {ctx.builder}.build (before restriction)",
-                "new_kv": new_kv_note,
-                "max_decode_query_len_source": (f"{ctx.builder}.query_len" if ctx.max_decode_query_len is not None
-                                                else "format default 1 (the builder has no query_len)"),
-                "kv_cache_spec_block_size": ctx.spec_block_size,
-                "impl": type(impl).__name__,
-                "attention_backend": _backend_in_use(layer, backend_name),
-                "kernel_variant": getattr(layer, "isa", None) if backend_name == "CPU_ATTN" else None,
-                **self._declaration_record(name, kv_layout),
-                **(self._parallel or {}),
-            }
-            if pre is None:
-                provenance["kv_layout_read_back"] = ("not checked: no do_kv_cache_update wrote this step's K/V "
-                                                     "before the forward")
-            # With a pre-update, the writer reads the written slots back and says so in kv_layout_read_back.
+            backend, tensors, provenance = self.step_capture(impl, ctx, query, key, value, kv_cache, pre, layer,
+                                                             kv_layout)
             return self.capturer.begin(target, backend, tensors, step=step, info=provenance)
         except Exception as exc:
             self.capturer.report(exc, f"{type(impl).__name__}.forward", step_lost=True)
             return None
+
+    def step_capture(self, impl: Any, ctx: _EngineContext, query, key, value, kv_cache, pre: "PreUpdate | None",
+                     layer: Any, kv_layout: "EngineLayout") -> tuple["CaptureBackend", "StepTensors", dict[str, Any]]:
+        """What :meth:`Capturer.begin` takes for one step: the backend's settings, the tensors, the provenance."""
+        from kvdbg.capture import CaptureBackend, StepTensors
+
+        info = self._info(impl)
+        backend_name = info.backend_name if info else type(impl).__name__
+        backend = CaptureBackend(
+            name=backend_name,
+            max_model_len=int(ctx.max_model_len),
+            max_decode_query_len=ctx.max_decode_query_len,
+            max_num_seqs=ctx.max_num_seqs,
+            max_num_batched_tokens=ctx.max_num_batched_tokens,
+        )
+        # The context's tensors are the clones after_build made: capture keeps them without copying again.
+        tensors = StepTensors(query=query, kv_cache=kv_cache, block_table=ctx.block_table, seq_lens=ctx.seq_lens,
+                              query_start_loc=ctx.query_start_loc, causal=ctx.causal, pre_update=pre,
+                              metadata_copied=True)
+        if pre is not None:
+            new_kv_note = "saved before do_kv_cache_update; the pages it overwrote are restored"
+        elif info is not None and info.update_in_forward and key is not None and ctx.slot_mapping is not None:
+            tensors.key, tensors.value, tensors.slot_mapping = key, value, ctx.slot_mapping
+            new_kv_note = f"taken at forward ({info.update_source} is true)"
+        else:
+            new_kv_note = ("absent: no do_kv_cache_update preceded this forward (KV sharing, a fused update or "
+                           "no new tokens); kv_cache holds the state attention read")
+        provenance = {
+            "metadata_source": f"CommonAttentionMetadata as passed to {ctx.builder}.build (before restriction)",
+            "new_kv": new_kv_note,
+            "max_decode_query_len_source": (f"{ctx.builder}.query_len" if ctx.max_decode_query_len is not None
+                                            else "format default 1 (the builder has no query_len)"),
+            "kv_cache_spec_block_size": ctx.spec_block_size,
+            "impl": type(impl).__name__,
+            "attention_backend": _backend_in_use(layer, backend_name),
+            "kernel_variant": getattr(layer, "isa", None) if backend_name == "CPU_ATTN" else None,
+            **self._declaration_record(layer.layer_name, kv_layout),
+            **(self._parallel or {}),
+        }
+        if pre is None:
+            provenance["kv_layout_read_back"] = ("not checked: no do_kv_cache_update wrote this step's K/V "
+                                                 "before the forward")
+        # With a pre-update, the writer reads the written slots back and says so in kv_layout_read_back.
+        return backend, tensors, provenance
 
     def _declaration_record(self, name: str, kv_layout: "EngineLayout") -> dict[str, Any]:
         """Provenance: what vLLM declared for the layer's cache (built once per layer and layout)."""
@@ -980,6 +1031,9 @@ def _wrap_forward(state: _PluginState, original):
         result = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         if pending is not None:
             state.after_forward(pending, output, result)
+        if state.sentinel is not None:
+            state.sentinel.after_forward(state, self, layer, query, key, value, kv_cache, attn_metadata,
+                                         output if output is not None else result)
         return result
 
     forward._kvdbg_original = original
@@ -1000,6 +1054,8 @@ def _wrap_cache_update(state: _PluginState, original):
     @functools.wraps(original)
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
         state.before_cache_update(self, layer, key, value, kv_cache, slot_mapping)
+        if state.sentinel is not None:
+            state.sentinel.before_cache_update(state, self, layer, key, value, kv_cache, slot_mapping)
         return original(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
 
     do_kv_cache_update._kvdbg_original = original

@@ -92,7 +92,10 @@ def cli():
     Capture from a live vLLM: install kvdbg into the engine's environment with
     no extra (pip install -e .; pip's --dry-run names kvdbg alone) and set
     KVDBG_CAPTURE_DIR. On a GPU, serve with --enforce-eager or piecewise CUDA
-    graphs while capturing (full graphs hide decode steps). docs/capture.md.
+    graphs while capturing (full graphs hide decode steps). KVDBG_SENTINEL=0.01
+    (with KVDBG_SENTINEL_DIR) checks 1% of each layer's steps against the exact
+    reference inside the engine and captures the steps that are wrong
+    (KVDBG_SENTINEL_LAYERS selects layers). docs/capture.md.
 
     \b
     Examples:

@@ -14,6 +14,9 @@ this module runs inside that venv. Steps:
    merged step replays as the ranks do), and one killed with SIGKILL while its
    writer is in the middle of a file (no partial snapshot; the next capture
    removes the temporary file);
+4b. run two engines with the sentinel on every step (``sentinel_case``): with
+   no fault it writes nothing; with three test-only faults it captures each at
+   its step, and ``kvdbg replay`` on each fails naming it;
 5. replay every snapshot with ``kvdbg replay --json`` and check the comparisons
    and findings; check that each case produced the batches it claims;
 6. print a summary; exit 1 on any failed check.
@@ -32,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tests.engine.tiny_model import TinyModel, write_model
+from tests.engine.sentinel_case import sentinel_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
@@ -635,6 +639,7 @@ def main() -> int:
     parser.add_argument("--skip-plain", action="store_true", help="skip the two plain LLM() runs")
     parser.add_argument("--skip-capture-runs", action="store_true",
                         help="skip the range-under-load, tensor-parallel and killed-mid-write engine runs")
+    parser.add_argument("--skip-sentinel", action="store_true", help="skip the sentinel's clean and fault runs")
     parser.add_argument("--runs", default=",".join(f"{b}/{m}" for b, m, _ in RUNS),
                         help="which engine runs (backend/model, comma-separated; empty: none)")
     args = parser.parse_args()
@@ -679,6 +684,10 @@ def main() -> int:
         problems += tensor_parallel(out, models["plain"], log)
         problems += killed_mid_write(out, models["plain"], log)
     capture_runs_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    if not args.skip_sentinel:
+        problems += sentinel_runs(out, models["plain"], log, CLEAN_ENV)
+    sentinel_s = time.monotonic() - t0
 
     jobs = []
     by_case: dict[tuple[str, str], list[str]] = defaultdict(list)
@@ -745,7 +754,7 @@ def main() -> int:
     total = time.monotonic() - started
     log("")
     log(f"{len(outcomes)} snapshots replayed; engine runs {engine_s:.0f} s, plain runs {plain_s:.0f} s, capture runs "
-        f"(range, TP, kill) {capture_runs_s:.0f} s, replays {replay_s:.0f} s ({args.jobs} at a time), "
+        f"(range, TP, kill) {capture_runs_s:.0f} s, sentinel runs {sentinel_s:.0f} s, replays {replay_s:.0f} s ({args.jobs} at a time), "
         f"stage {total:.0f} s")
     if TOLERATED_FLASHINFER_TS_PREDICTIONS:
         log("tolerated FLASHINFER_TS predictions (it did not run here): "

@@ -1,0 +1,277 @@
+"""The sentinel's check against an independent attention (dense softmax per request), its faults and its policy."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+
+import pytest
+import torch
+
+from kvdbg.cache import join_kv, quantize_fp8
+from kvdbg.capture_prepare import CaptureLayer
+from kvdbg.engine_layouts import vllm_to_cpu_attn
+from kvdbg.errors import OptionError
+from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
+from kvdbg.sentinel import Sentinel, StepInputs, check_step, choose_pairs
+from kvdbg.sentinel_config import DEFAULT_RATE, SentinelConfig, parse_rate, sentinel_requested
+
+HQ, HKV, D, PS, PAGES = 4, 2, 16, 8, 40
+CPU_ATTN = "cpu_attn:pages,heads,[dim,tokens]k+[tokens,dim]v"
+
+
+def _layer(**kw) -> CaptureLayer:
+    fields = dict(name="model.layers.1.self_attn.attn", num_heads=HQ, num_kv_heads=HKV, head_size=D,
+                  scale=D ** -0.5, dtype="bfloat16", kv_layout=LAYOUT_VLLM)
+    fields.update(kw)
+    return CaptureLayer(**fields)
+
+
+def _dense(q, k, v, scale, *, pos0, window=None, cap=None, sink=None, slope=None):
+    """Attention of query rows [q, D] at positions pos0.. over keys [L, D], float64, causal.
+
+    A sink logit joins the denominator with no value; an ALiBi slope adds -slope * (p - k) after the cap.
+    """
+    s = (q @ k.T) * scale
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    p = torch.arange(q.shape[0]).unsqueeze(1) + pos0
+    key = torch.arange(k.shape[0]).unsqueeze(0)
+    if slope is not None:
+        s = s - slope * (p - key).abs()
+    allowed = key <= p
+    if window is not None:
+        allowed &= p - key < window
+    s = s.masked_fill(~allowed, -math.inf)
+    if sink is not None:
+        s = torch.cat([s, torch.full((s.shape[0], 1), float(sink), dtype=s.dtype)], dim=1)
+        return torch.softmax(s, -1)[:, :-1] @ v
+    return torch.softmax(s, -1) @ v
+
+
+def make_step(layer: CaptureLayer, *, seed=0, seq_lens=(37, 9, 21), query_lens=(1, 4, 1), fp8=False):
+    """A cache in the layer's engine layout and the output an honest kernel would give, in the model dtype."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, layer.dtype)
+    keys = torch.randn(PAGES, HKV, PS, D, generator=g) * 2
+    values = torch.randn(PAGES, HKV, PS, D, generator=g)
+    if fp8:
+        k8, v8 = quantize_fp8(keys, layer.k_scale), quantize_fp8(values, layer.v_scale)
+        keys, values = k8.float() * layer.k_scale, v8.float() * layer.v_scale
+        cache = torch.cat([k8, v8], -1).view(torch.uint8)
+    else:
+        keys, values = keys.to(dtype).float(), values.to(dtype).float()
+        cache = torch.cat([keys, values], -1).to(dtype)
+        if layer.kv_layout == CPU_ATTN:
+            cache = vllm_to_cpu_attn(cache)
+        elif layer.kv_layout == LAYOUT_KV_PLANES:
+            cache = join_kv(keys.to(dtype), values.to(dtype), LAYOUT_KV_PLANES)
+    perm = torch.randperm(PAGES - 1, generator=g) + 1  # page 0 is vLLM's null block
+    width = max(-(-n // PS) for n in seq_lens) + 1
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(seq_lens):
+        live = -(-n // PS)
+        table[r, :live] = perm[used:used + live].to(torch.int32)
+        used += live
+    qsl = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+    query = (torch.randn(int(qsl[-1]), HQ, D, generator=g) * 2).to(dtype)
+    out = torch.empty(int(qsl[-1]) + 3, HQ, D, dtype=dtype).fill_(float("nan"))  # padding rows the kernel skips
+    group = HQ // HKV
+    for r, (n, q) in enumerate(zip(seq_lens, query_lens)):
+        pages = table[r, :-(-n // PS)].long()
+        for h in range(HQ):
+            k = keys[pages, h // group].reshape(-1, D)[:n].double()
+            v = values[pages, h // group].reshape(-1, D)[:n].double()
+            rows = query[int(qsl[r]):int(qsl[r]) + q, h].double()
+            out[int(qsl[r]):int(qsl[r]) + q, h] = _dense(rows, k, v, layer.scale, pos0=n - q,
+                                                          window=layer.sliding_window,
+                                                          cap=layer.logits_soft_cap,
+                                                          sink=None if layer.sinks is None else layer.sinks[h],
+                                                          slope=None if layer.alibi_slopes is None
+                                                          else layer.alibi_slopes[h]).to(dtype)
+    return StepInputs(query=query.view(-1, HQ * D), kv_cache=cache, block_table=table,
+                      seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl, causal=True,
+                      output=out.view(-1, HQ * D), max_model_len=512)
+
+
+ALL_PAIRS = [(r, h) for r in range(3) for h in range(HQ)]
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"dtype": "float16"},
+    {"kv_layout": CPU_ATTN},
+    {"kv_layout": LAYOUT_KV_PLANES},
+    {"sliding_window": 6},
+    {"logits_soft_cap": 5.0},
+    {"kv_cache_dtype": "fp8", "k_scale": 0.05, "v_scale": 0.02, "dtype": "float16"},
+    {"sinks": [0.5, -1.0, 2.0, 0.0]},
+    {"alibi_slopes": [0.5, 0.25, 0.125, 0.0625], "logits_soft_cap": 8.0},
+], ids=["bf16", "fp16", "cpu_attn", "kv_planes", "window", "soft_cap", "fp8", "sinks", "alibi"])
+def test_an_honest_step_passes_every_pair(kw):
+    layer = _layer(**kw)
+    for seed in range(3):
+        inputs = make_step(layer, seed=seed, fp8=layer.kv_cache_dtype.startswith("fp8"))
+        result = check_step(layer, inputs, pairs=ALL_PAIRS, step=5)
+        assert result.nonfinite is None
+        assert len(result.pairs) == len(ALL_PAIRS)
+        assert result.passed, [(p.request, p.head, p.diff.max_abs) for p in result.failed_pairs]
+        assert result.finding() is None
+
+
+def test_one_corrupted_head_is_found_and_named():
+    layer = _layer()
+    inputs = make_step(layer)
+    out = inputs.output.view(-1, HQ, D)
+    out[1:5, 3] += 0.5  # request 1 (tokens 1..4), head 3
+    result = check_step(layer, inputs, pairs=ALL_PAIRS, step=7)
+    assert [(p.request, p.head) for p in result.failed_pairs] == [(1, 3)]
+    finding = result.finding()
+    assert finding.kind == "mismatch" and finding.first == (1, 3)
+    assert finding.signature == ("mismatch", layer.name, 3)
+    text = finding.text()
+    assert "layer model.layers.1.self_attn.attn step 7" in text and "request 1 head 3" in text
+    assert "1 of 12 sampled" in text and "default for bfloat16" in text
+
+
+def test_a_wrong_page_for_the_kernel_is_a_mismatch():
+    layer = _layer()
+    inputs = make_step(layer)
+    # The kernel read request 0 with one page swapped: held to the table the engine built, it is wrong.
+    wrong = inputs.block_table.clone()
+    wrong[0, 1] = inputs.block_table[2, 0]
+    kernel = make_step(layer)
+    kernel.block_table = wrong  # as if the output had been computed from this table ...
+    kernel.output = make_step(layer).output
+    kernel_out = check_step(layer, StepInputs(**{**inputs.__dict__, "block_table": wrong}), pairs=ALL_PAIRS)
+    assert {p.request for p in kernel_out.failed_pairs} == {0}
+
+
+def test_nan_in_the_output_and_in_a_page():
+    layer = _layer()
+    inputs = make_step(layer)
+    inputs.output.view(-1, HQ, D)[4, 2, 0] = float("inf")
+    result = check_step(layer, inputs, pairs=[(0, 0)])
+    assert result.nonfinite is not None
+    assert (result.nonfinite.request, result.nonfinite.head, result.nonfinite.token) == (1, 2, 4)
+    assert result.finding().kind == "nonfinite" and "1 NaN/inf value(s) in 1 of the step's 6" in result.finding().text()
+
+    # NaN in a page request 2 reads, under a visible key: the reference is NaN there, the output is not.
+    inputs = make_step(layer)
+    page = int(inputs.block_table[2, 0])
+    inputs.kv_cache[page, 0, 3, D + 1] = float("nan")  # V of key 3, KV head 0
+    result = check_step(layer, inputs, pairs=[(2, 0), (2, 2)])
+    assert [(p.request, p.head) for p in result.failed_pairs] == [(2, 0)]
+    assert "non-finite in the reference" in result.finding().text()
+
+
+def test_padding_rows_and_stale_table_entries_are_not_read():
+    layer = _layer()
+    inputs = make_step(layer)
+    assert torch.isnan(inputs.output.view(-1, HQ, D)[-1]).all()  # padding past the step's tokens
+    inputs.block_table[:, -1] = 10_000  # past every request's live pages
+    assert check_step(layer, inputs, pairs=ALL_PAIRS).passed
+
+
+def test_pairs_are_sampled_from_requests_with_tokens():
+    rng = random.Random(3)
+    pairs = choose_pairs([1, 0, 2], 4, 5, rng)
+    assert len(set(pairs)) == 5 and all(r in (0, 2) and 0 <= h < 4 for r, h in pairs)
+    assert choose_pairs([0, 0], 4, 3, rng) == []
+    assert len(choose_pairs([1], 2, 10, rng)) == 2
+
+
+def test_unmodelled_layer_is_said_once_and_never_checked(caplog):
+    sentinel = Sentinel(SentinelConfig(directory="/tmp/x", rate=1.0))
+    layer = _layer(mm_prefix=True)
+    with caplog.at_level(logging.WARNING, logger="kvdbg.sentinel"):
+        assert not sentinel.can_check(layer, "CPU_ATTN")
+        assert not sentinel.can_check(layer, "CPU_ATTN")
+        assert not sentinel.can_check(_layer(name="x"), "FLASHINFER_TS")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert "cannot check layer model.layers.1.self_attn.attn" in lines[0] and "PrefixLM" in lines[0]
+    assert "FLASHINFER_TS" in lines[1]
+    assert sentinel.can_check(_layer(name="y"), "CPU_ATTN")
+
+
+def test_sampling_rate_layers_and_one_draw_per_step():
+    sentinel = Sentinel(SentinelConfig(directory="/tmp/x", rate=0.25, layers="*.layers.1.*", seed=11))
+    hits = sum(sentinel.sampled("model.layers.1.attn", step) for step in range(4000))
+    assert 850 < hits < 1150
+    assert not any(sentinel.sampled("model.layers.0.attn", step) for step in range(200))
+    first = sentinel.sampled("model.layers.1.attn", 9000)
+    assert all(sentinel.sampled("model.layers.1.attn", 9000) == first for _ in range(20))
+    same = [Sentinel(SentinelConfig(directory="/tmp/x", rate=0.25, seed=11)) for _ in range(2)]
+    assert [same[0].sampled("a", s) for s in range(50)] == [same[1].sampled("a", s) for s in range(50)]
+
+
+def test_dedupe_cap_and_interval():
+    now = [0.0]
+    sentinel = Sentinel(SentinelConfig(directory="/tmp/x", rate=1.0, max_snapshots=2, interval=10), clock=lambda: now[0])
+    layer = _layer()
+
+    def finding(head):
+        inputs = make_step(layer)
+        inputs.output.view(-1, HQ, D)[0, head] += 1
+        result = check_step(layer, inputs, pairs=[(0, head)])
+        sentinel.record(result)
+        return result.finding()
+
+    assert sentinel.admit(finding(1))
+    assert not sentinel.admit(finding(1))  # same signature
+    assert not sentinel.admit(finding(2))  # too soon
+    now[0] = 11
+    assert sentinel.admit(finding(2))
+    now[0] = 30
+    assert not sentinel.admit(finding(3))  # past the cap
+    line = sentinel.summary()
+    assert "checked 5 step(s)" in line and "5 wrong, 2 captured" in line
+    assert "1 already captured with the same signature" in line and "1 past KVDBG_SENTINEL_MAX=2" in line
+    assert "1 within KVDBG_SENTINEL_INTERVAL=10s" in line
+
+
+def test_config_from_env():
+    env = {"KVDBG_SENTINEL": "1%", "KVDBG_CAPTURE_DIR": "/tmp/cap"}
+    config = SentinelConfig.from_env(env)
+    assert config.rate == 0.01 and config.directory == "/tmp/cap" and config.pairs == 4
+    config = SentinelConfig.from_env({"KVDBG_SENTINEL": "on", "KVDBG_SENTINEL_DIR": "/tmp/s",
+                                      "KVDBG_CAPTURE_DIR": "/tmp/cap", "KVDBG_SENTINEL_LAYERS": "re:layers\\.1\\.",
+                                      "KVDBG_SENTINEL_PAIRS": "2", "KVDBG_SENTINEL_MAX": "unlimited",
+                                      "KVDBG_SENTINEL_INTERVAL": "0", "KVDBG_SENTINEL_SEED": "5"})
+    assert (config.rate, config.directory, config.pairs, config.max_snapshots, config.interval, config.seed) == \
+        (DEFAULT_RATE, "/tmp/s", 2, None, 0.0, 5)
+    assert config.layers("model.layers.1.attn") and not config.layers("model.layers.11.attn")
+    assert sentinel_requested({"KVDBG_SENTINEL": "0.5"}) and not sentinel_requested({"KVDBG_SENTINEL": "off"})
+    assert parse_rate("0") == 0.0
+    for env, name in [({"KVDBG_SENTINEL": "2"}, "KVDBG_SENTINEL "),
+                      ({"KVDBG_SENTINEL": "nan"}, "KVDBG_SENTINEL "),
+                      ({"KVDBG_SENTINEL": "0.1"}, "KVDBG_SENTINEL_DIR"),
+                      ({"KVDBG_SENTINEL": "0.1", "KVDBG_SENTINEL_DIR": "/x", "KVDBG_SENTINEL_PAIRS": "0"},
+                       "KVDBG_SENTINEL_PAIRS"),
+                      ({"KVDBG_SENTINEL": "0.1", "KVDBG_SENTINEL_DIR": "/x", "KVDBG_SENTINEL_INTERVAL": "-1"},
+                       "KVDBG_SENTINEL_INTERVAL"),
+                      ({"KVDBG_SENTINEL": "0.1", "KVDBG_SENTINEL_DIR": "/x", "KVDBG_SENTINEL_LAYERS": "re:("},
+                       "KVDBG_SENTINEL_LAYERS")]:
+        with pytest.raises(OptionError, match=name):
+            SentinelConfig.from_env(env)
+
+
+def test_a_kernel_that_ignores_the_layers_sinks_is_caught():
+    sinks = [12.0, 12.0, 12.0, 12.0]  # above every logit here: the sink takes most of each softmax
+    ignored = make_step(_layer())  # the same cache, query and output, computed without the sinks
+    result = check_step(_layer(sinks=sinks), ignored, pairs=ALL_PAIRS)
+    assert len(result.failed_pairs) == len(ALL_PAIRS)
+
+
+def test_a_prefill_is_held_to_the_reference_on_its_last_rows():
+    layer = _layer()
+    inputs = make_step(layer, seq_lens=(37, 30, 21), query_lens=(1, 30, 1))
+    assert check_step(layer, inputs, pairs=ALL_PAIRS).passed
+    inputs.output.view(-1, HQ, D)[30, 2] += 1.0  # request 1's last query row (position 29)
+    result = check_step(layer, inputs, pairs=ALL_PAIRS)
+    assert [(p.request, p.head) for p in result.failed_pairs] == [(1, 2)]
+    assert result.failed_pairs[0].diff.worst_position == 29
+    assert result.failed_pairs[0].diff.num_tokens == 16  # MAX_QUERY_ROWS of the 30

@@ -1,0 +1,62 @@
+"""The sentinel's device path: checks run in a worker on a side stream, collected later; same verdicts as on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvdbg.sentinel import DeferredChecks, Sentinel, check_step
+from kvdbg.sentinel_config import SentinelConfig
+from tests.test_sentinel import ALL_PAIRS, CPU_ATTN, HQ, D, _layer, make_step
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def on_device(inputs):
+    return dataclasses.replace(inputs, **{name: getattr(inputs, name).cuda()
+                                          for name in ("query", "kv_cache", "block_table", "seq_lens",
+                                                       "query_start_loc", "output")})
+
+
+@pytest.mark.parametrize("kw", [{}, {"kv_layout": CPU_ATTN}, {"kv_cache_dtype": "fp8", "k_scale": 0.05,
+                                                                "v_scale": 0.02, "dtype": "float16"},
+                                {"sinks": [0.5, -1.0, 2.0, 0.0], "sliding_window": 6}],
+                         ids=["bf16", "cpu_attn_layout", "fp8", "sinks_window"])
+def test_device_checks_agree_with_host_checks(kw):
+    layer = _layer(**kw)
+    sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0, pairs=len(ALL_PAIRS), seed=0))
+    deferred = DeferredChecks(sentinel, torch.device("cuda"))
+    honest = make_step(layer, fp8=layer.kv_cache_dtype.startswith("fp8"))
+    wrong = make_step(layer, fp8=layer.kv_cache_dtype.startswith("fp8"))
+    wrong.output.view(-1, HQ, D)[1:5, 3] += 1.0
+    for step, inputs in enumerate((honest, wrong)):
+        host = check_step(layer, inputs, pairs=ALL_PAIRS, step=step)
+        deferred.submit(layer, on_device(inputs), step)
+        job = deferred.collect(layer.name, timeout=60)
+        assert job is not None and job.error is None, job.error
+        device = job.result
+        assert [(p.request, p.head, p.passed) for p in device.pairs] == \
+            [(p.request, p.head, p.passed) for p in host.pairs]
+        assert device.passed == host.passed == (step == 0)
+
+
+def test_the_engine_stream_does_not_wait_for_the_check():
+    layer = _layer()
+    sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0, seed=0))
+    deferred = DeferredChecks(sentinel, torch.device("cuda"))
+    inputs = on_device(make_step(layer))
+    # A long kernel on the engine's stream: submit must return before it ends (no host sync in submit).
+    big = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        big = big @ big / 8192
+    kept = deferred.submit(layer, inputs, 0)
+    submitted_before_end = not torch.cuda.current_stream().query()
+    job = deferred.collect(layer.name, timeout=120)
+    assert submitted_before_end and job.result.passed
+    # The copies the worker checks were taken on the engine's stream, after what it had queued.
+    assert torch.equal(kept.output.cpu(), inputs.output.cpu())

@@ -1,0 +1,117 @@
+"""The sentinel inside kvdbg.vllm_plugin, against the vLLM 0.33 stand-ins (no real vLLM here)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+
+from kvdbg import api, vllm_plugin
+from kvdbg.sentinel_config import ENV_RATE
+from kvdbg.snapshot import load_snapshot
+from tests.test_vllm_plugin import StandinEngine, clean, standins  # noqa: F401  (fixtures)
+
+SENTINEL_VARS = ("KVDBG_SENTINEL", "KVDBG_SENTINEL_DIR", "KVDBG_SENTINEL_LAYERS", "KVDBG_SENTINEL_PAIRS",
+                 "KVDBG_SENTINEL_MAX", "KVDBG_SENTINEL_INTERVAL", "KVDBG_SENTINEL_SEED")
+
+
+@pytest.fixture
+def sentinel_env(standins, tmp_path):
+    for var in SENTINEL_VARS:
+        standins.delenv(var, raising=False)
+    directory = tmp_path / "sentinel"
+    standins.setenv("KVDBG_SENTINEL", "1")
+    standins.setenv("KVDBG_SENTINEL_DIR", str(directory))
+    standins.setenv("KVDBG_SENTINEL_PAIRS", "64")
+    standins.setenv("KVDBG_SENTINEL_INTERVAL", "0")
+    standins.setenv("KVDBG_CAPTURE_BACKENDS", "FLEX_ATTENTION")
+    return standins, directory
+
+
+def _hooks():
+    return vllm_plugin._state.sentinel
+
+
+def _files(directory):
+    hooks = _hooks()
+    assert hooks.capturer.flush(10)
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+def test_the_plugin_spells_the_sentinel_variable_as_the_config_does():
+    assert vllm_plugin.ENV_SENTINEL == ENV_RATE
+
+
+def test_honest_steps_are_checked_and_nothing_is_written(sentinel_env):
+    monkeypatch, directory = sentinel_env
+    vllm_plugin.register()
+    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)
+    for _ in range(3):
+        engine.step()
+    hooks = _hooks()
+    assert hooks.sentinel.counts["checked"] == 6 and hooks.sentinel.counts["failed"] == 0
+    assert hooks.sentinel.counts["pairs"] == 6 * 3 * 4
+    assert _files(directory) == []
+    assert vllm_plugin.active_capturer().written == []  # capture itself is off: only the sentinel's variables
+
+
+def test_a_wrong_head_is_captured_once_with_its_finding(sentinel_env, caplog):
+    monkeypatch, directory = sentinel_env
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionImpl
+
+    real = FlexAttentionImpl.forward
+
+    def faulty(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        out = real(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if attn_metadata is not None and layer.layer_name.endswith("layers.1.self_attn.attn"):
+            n = attn_metadata.num_actual_tokens
+            out[:n].view(n, self.num_heads, self.head_size)[:, 2] += 1.0
+        return out
+
+    monkeypatch.setattr(FlexAttentionImpl, "forward", faulty)
+    with caplog.at_level(logging.INFO, logger="kvdbg"):
+        vllm_plugin.register()
+        engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)
+        for _ in range(3):
+            engine.step()
+        (path,) = _files(directory)  # the same fault on later steps has the same signature
+    lines = [r.getMessage() for r in caplog.records if "is wrong" in r.getMessage()]
+    assert lines == [f"kvdbg sentinel: layer model.layers.1.self_attn.attn step 0 is wrong (output disagrees with "
+                     f"the exact reference): first failing request 0 head 2; snapshot {path}"]
+    snap = load_snapshot(path)
+    assert snap.meta.notes.startswith("kvdbg sentinel, layer model.layers.1.self_attn.attn step 0: 3 of 12 sampled")
+    assert snap.meta.capture["captured_by"] == "the sentinel (mismatch)"
+    assert snap.meta.capture["step"] == 0
+    # The snapshot holds the state the step started from: replay finds the same head wrong, and only it.
+    result = api.replay(path, ["reference"])
+    assert result.verdict.exit_code == 1
+    (comparison,) = [c for c in result.comparisons if (c.actual, c.expected) == ("captured", "reference")]
+    assert sorted({h.head for h in comparison.failed}) == [2]
+    hooks = _hooks()
+    assert hooks.sentinel.counts["failed"] == 3 and hooks.sentinel.counts["duplicate"] == 2
+    vllm_plugin._state.before_shutdown()
+    summary = [r.getMessage() for r in caplog.records if "kvdbg sentinel in pid" in r.getMessage()]
+    assert len(summary) == 1 and "checked 6 step(s)" in summary[0] and "3 wrong, 1 captured" in summary[0]
+
+
+def test_unsampled_layers_are_not_checked(sentinel_env):
+    monkeypatch, directory = sentinel_env
+    monkeypatch.setenv("KVDBG_SENTINEL_LAYERS", "*.layers.0.*")
+    vllm_plugin.register()
+    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=1)
+    engine.step()
+    assert _hooks().sentinel.counts["checked"] == 1
+
+
+def test_a_bad_sentinel_variable_is_one_line_and_nothing_is_patched(sentinel_env, caplog):
+    monkeypatch, _ = sentinel_env
+    monkeypatch.setenv("KVDBG_SENTINEL", "7")
+    with caplog.at_level(logging.ERROR, logger="kvdbg"):
+        vllm_plugin.register()
+    assert vllm_plugin._state is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvdbg capture not started: KVDBG_SENTINEL must be a share of steps in (0, 1] like 0.01 or 1%, 'on' (0.01) "
+        "or 'off', got '7'"]
+
