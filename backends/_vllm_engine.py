@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -159,11 +160,20 @@ def _accepted(fn, **kwargs) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
+# Backends vLLM's CPU platform runs without asking ``validate_configuration`` about sinks: its
+# ``get_attn_backend_cls`` returns CPU_ATTN for every decoder layer (vllm/platforms/cpu.py), and CPU_ATTN's impl
+# hands the sinks to its kernel (``s_aux``) although the class leaves ``supports_sink()`` at the default False.
+# So the engine runs GPT-OSS's sinks on CPU_ATTN; refusing them here would refuse what the engine ran.
+SINKS_UNCHECKED_BY_PLATFORM = {"CPU_ATTN": ("cpu",)}
+
+
 def validation_reasons(cls: type, meta: "SnapshotMeta", device: str) -> list[str]:
     """What vLLM's own ``validate_configuration`` says against running ``cls`` for this layer."""
     from vllm.platforms import current_platform
 
     layer = meta.layer
+    kind = torch.device(device).type
+    asks_sinks = kind not in SINKS_UNCHECKED_BY_PLATFORM.get(cls.get_name(), ())
     capability = current_platform.get_device_capability() if torch.device(device).type == "cuda" else None
     if capability is None:
         from vllm.platforms.interface import DeviceCapability
@@ -171,10 +181,40 @@ def validation_reasons(cls: type, meta: "SnapshotMeta", device: str) -> list[str
         capability = DeviceCapability(0, 0)  # a CPU backend: vLLM's CPU platform passes no real capability
     kwargs = _accepted(cls.validate_configuration, head_size=layer.head_size, dtype=getattr(torch, layer.dtype),
                        kv_cache_dtype=layer.kv_cache_dtype, block_size=meta.backend.page_size, use_mla=False,
-                       has_sink=layer.has_sinks, use_sparse=False, use_mm_prefix=False,
+                       has_sink=layer.has_sinks and asks_sinks, use_sparse=False, use_mm_prefix=False,
                        use_per_head_quant_scales=False, device_capability=capability, attn_type=layer.attn_type,
                        has_sliding_window=layer.sliding_window is not None, use_non_causal=not layer.causal)
     return list(cls.validate_configuration(**kwargs))
+
+
+@dataclass(frozen=True)
+class LayerValues:
+    """The layer's learned values a model hands vLLM's ``Attention``: sink logits and ALiBi slopes ([num_heads]
+    float32 each, as the snapshot stores them), or None where the layer has none."""
+
+    sinks: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None) -> "LayerValues":
+        def kept(t):
+            return None if t is None else t.detach().to("cpu", torch.float32)
+
+        return cls(kept(sinks), kept(alibi_slopes))
+
+    def same(self, other: "LayerValues | None") -> bool:
+        if other is None:
+            return False
+        return all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                   for a, b in ((self.sinks, other.sinks), (self.alibi_slopes, other.alibi_slopes)))
+
+
+def sinks_dtype(sinks: torch.Tensor, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the sinks go to vLLM's impl in: the model dtype, as a model's sinks parameter is (GPT-OSS makes it
+    under the model's default dtype), where that holds the stored values exactly; float32 otherwise (values that
+    came from no model-dtype parameter, e.g. synthesised ones), which every impl takes (CPU_ATTN runs a non-bf16
+    sink in float32, FlashInfer converts its sinks to float32, TRITON_ATTN's kernel loads them as float32)."""
+    return model_dtype if torch.equal(sinks.to(model_dtype).float(), sinks.float()) else torch.float32
 
 
 class MinimalEngine:
@@ -187,10 +227,15 @@ class MinimalEngine:
     """
 
     def __init__(self, cls: type, meta: "SnapshotMeta", device: str, num_blocks: int, max_seqs: int,
-                 max_tokens: int):
+                 max_tokens: int, values: LayerValues | None = None):
         _quiet_vllm()
         layer, backend = meta.layer, meta.backend
         self.cls, self.meta, self.device = cls, meta, torch.device(device)
+        # None: the snapshot's values are not known yet (the column is made from the metadata alone); the
+        # layer is then built with zeros in their place, only so that vLLM says now whether it takes a layer
+        # with these features. Such an engine never runs a step (VllmInstance.engine_for).
+        self.values = values
+        self.sinks_dtype: torch.dtype | None = None
         self.num_blocks, self.max_seqs, self.max_tokens = num_blocks, max_seqs, max_tokens
         self._tmp = tempfile.TemporaryDirectory(prefix="kvdbg-vllm-")
         weakref.finalize(self, self._tmp.cleanup)
@@ -231,10 +276,14 @@ class MinimalEngine:
             try:
                 # The layer's window is the snapshot's; KV sharing is left out: it changes only whether the
                 # engine writes this layer's cache, and kvdbg's replay holds the cache the layer read.
-                self.layer = Attention(layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads,
-                                       cache_config=cache, logits_soft_cap=layer.logits_soft_cap,
-                                       per_layer_sliding_window=layer.sliding_window, prefix=layer.name,
-                                       attn_backend=cls)
+                # Built under the device as vLLM's model loader builds a model, so the tensors the impl makes
+                # from its arguments (the ALiBi slopes) are on it.
+                with self.device:
+                    self.layer = Attention(layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads,
+                                           alibi_slopes=self._alibi_slopes(), use_alibi_sqrt=layer.alibi_sqrt or None,
+                                           cache_config=cache, logits_soft_cap=layer.logits_soft_cap,
+                                           per_layer_sliding_window=layer.sliding_window, prefix=layer.name,
+                                           attn_backend=cls, **self._extra_impl_args(model_dtype))
             except (NotImplementedError, ValueError, AssertionError) as exc:
                 raise BackendUnavailable(f"vLLM's {cls.get_name()} refuses this layer: {_first_line(exc)}") from None
             finally:
@@ -247,6 +296,29 @@ class MinimalEngine:
     @property
     def impl(self):
         return self.layer.impl
+
+    def _alibi_slopes(self) -> list[float] | None:
+        """ALiBi slopes as a model hands them to ``Attention``: a list of floats, one per query head."""
+        layer = self.meta.layer
+        if not layer.has_alibi:
+            return None
+        if self.values is None or self.values.alibi_slopes is None:
+            return [0.0] * layer.num_heads
+        return self.values.alibi_slopes.tolist()
+
+    def _extra_impl_args(self, model_dtype: torch.dtype) -> dict[str, Any]:
+        """The impl arguments vLLM's ``Attention`` passes through: the sinks tensor (GPT-OSS's ``sinks=``, on the
+        device) and TRITON_ATTN's ``chunk_lookback``; vLLM's layer refuses the latter for another backend."""
+        layer, extra = self.meta.layer, {}
+        if layer.has_sinks:
+            if self.values is None or self.values.sinks is None:
+                extra["sinks"] = torch.zeros(layer.num_heads, dtype=model_dtype, device=self.device)
+            else:
+                self.sinks_dtype = sinks_dtype(self.values.sinks, model_dtype)
+                extra["sinks"] = self.values.sinks.to(self.device, self.sinks_dtype)
+        if layer.chunk_lookback is not None:
+            extra["chunk_lookback"] = layer.chunk_lookback
+        return extra
 
     def _kv_cache_spec(self, cache) -> Any:
         """The spec vLLM's ``Attention.get_kv_cache_spec`` makes for this layer (window, dtype, quant mode)."""
@@ -283,5 +355,5 @@ def _set_scales(vllm_layer, layer) -> None:
             host.fill_(float(value))
 
 
-__all__ = ["BACKEND_DEVICES", "MinimalEngine", "backend_class", "backend_devices", "platform_reason", "registered",
-           "validation_reasons", "vllm_installed", "vllm_version"]
+__all__ = ["BACKEND_DEVICES", "LayerValues", "MinimalEngine", "backend_class", "backend_devices", "platform_reason",
+           "registered", "sinks_dtype", "validation_reasons", "vllm_installed", "vllm_version"]

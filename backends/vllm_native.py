@@ -45,7 +45,7 @@ from kvdbg.backend_api import BackendSpec, Capabilities, CommonMetadata, Finding
 from kvdbg.cache import dequantize_fp8, kv_views
 from kvdbg.errors import BackendUnavailable
 
-from ._vllm_engine import (MinimalEngine, backend_class, platform_reason, registered, validation_reasons,
+from ._vllm_engine import (LayerValues, MinimalEngine, backend_class, platform_reason, registered, validation_reasons,
                            vllm_installed, vllm_label, vllm_version)
 from ._vllm_kv_cache import SLOT_CONTENT, allocate, check_view, choose_layout, place_pages, renumber
 
@@ -66,9 +66,15 @@ KERNEL_VARIANTS = {"CPU_ATTN": ("isa", ("vec", "vec16"))}
 
 # What the snapshot holds decides what can be handed to vLLM's impl; vLLM's own checks (its
 # validate_configuration and the impl's constructor) refuse the rest in vLLM's words when the column is made.
+# What the column hands vLLM's Attention layer as a model does: the soft cap, the window, the sinks (``sinks=``)
+# and ALiBi slopes (``alibi_slopes=``, ``use_alibi_sqrt``), TRITON_ATTN's ``chunk_lookback``, non-causal decoder
+# metadata; a KV-sharing layer replays the cache it read. Whether the backend takes them is vLLM's to say, in its
+# words (validate_configuration, the layer's and the impl's constructors), when the column is made. Left out:
+# what a snapshot does not hold (PrefixLM ranges, R-SWA prefixes), and encoder attention, which vLLM builds with
+# other layer classes and which reads the step's own K/V handed to forward instead of the cache.
 CAPABILITIES = Capabilities(
-    who="the vllm column", soft_cap=True, kv_sharing=True, alibi=False, sinks=False,
-    then="the snapshot does not carry the values this column would hand to vLLM's impl")
+    who="the vllm column", soft_cap=True, sinks=True, alibi=True, alibi_sqrt=True, chunk_lookback=True,
+    kv_sharing=True, attn_types=("decoder",))
 
 
 def environment_reason(meta: "SnapshotMeta") -> str | None:
@@ -101,7 +107,8 @@ class VllmBuilder:
 
         device = common.seq_lens.device
         new_index, num_blocks, added = renumber(common.num_pages, common.null_page, device)
-        engine = self.owner.engine_for(num_blocks, common.num_reqs, common.num_actual_tokens)
+        values = LayerValues.of(common.sinks, common.alibi_slopes)
+        engine = self.owner.engine_for(num_blocks, common.num_reqs, common.num_actual_tokens, values)
         table = common.block_table.to(torch.int64)
         # Entries of pages not stored lie past a request's live pages, where vLLM reads nothing: the null block.
         vllm_table = torch.where(table >= 0, new_index[table.clamp_min(0)], torch.zeros_like(table))
@@ -173,20 +180,28 @@ class VllmInstance:
         self.cache_write: str | None = None  # None: not run yet; else what wrote the step's new K/V
         self.added_null_block = False
         self.query_note: str | None = None
-        backend = meta.backend
+        backend, layer = meta.backend, meta.layer
+        # A layer without sinks or ALiBi has no values to wait for; one with them gets its values with the first
+        # step, and is built now with zeros in their place only to let vLLM refuse the layer now.
+        known = None if layer.has_sinks or layer.has_alibi else LayerValues()
         self.engine_for(backend.num_gpu_blocks, max(MIN_SEQS, backend.max_num_seqs or 0),
-                        max(MIN_TOKENS, backend.max_num_batched_tokens or 0))  # refuses a layer vLLM refuses, now
+                        max(MIN_TOKENS, backend.max_num_batched_tokens or 0), known)  # refuses what vLLM refuses
         self.swapped_eager = False
 
     # -- engine
 
-    def engine_for(self, num_blocks: int, num_reqs: int, num_tokens: int) -> MinimalEngine:
+    def engine_for(self, num_blocks: int, num_reqs: int, num_tokens: int,
+                   values: LayerValues | None = None) -> MinimalEngine:
+        """The engine for a step: rebuilt when the batch outgrows it, or to take the step's layer values (the
+        sinks and ALiBi slopes reach kvdbg with the step, not with the metadata the column is made from)."""
         engine = self.engine
-        if engine is None or engine.max_seqs < num_reqs or engine.max_tokens < num_tokens:
+        stale = values is not None and not values.same(engine.values if engine else None)
+        if engine is None or stale or engine.max_seqs < num_reqs or engine.max_tokens < num_tokens:
             seqs = max(MIN_SEQS, num_reqs, engine.max_seqs if engine else 0)
             # vLLM's SchedulerConfig refuses fewer batched tokens than sequences.
             tokens = max(MIN_TOKENS, num_tokens, seqs, engine.max_tokens if engine else 0)
-            self.engine = MinimalEngine(self.cls, self.meta, self.options.device, num_blocks, seqs, tokens)
+            kept = values if values is not None else (engine.values if engine else None)
+            self.engine = MinimalEngine(self.cls, self.meta, self.options.device, num_blocks, seqs, tokens, kept)
             self._pin_kernel_variant(self.engine)
         return self.engine
 
@@ -317,6 +332,9 @@ class VllmInstance:
                     if self.content else ""),
                  "kvdbg provides: the engine config made from the snapshot's metadata and one vLLM Attention layer "
                  "built with this backend"]
+        handed = self._layer_features()
+        if handed:
+            notes.append("handed to vLLM's Attention as a model hands them: " + "; ".join(handed))
         if self.variant_note:
             notes.append(f"kernel variant {self.variant_note}")
         if self.cache_write:
@@ -329,6 +347,27 @@ class VllmInstance:
         return RunInfo(backend=self.column, kernel=f"{self.version} {impl} ({', '.join(detail)})",
                        device=self.options.device, dtype=self.meta.layer.dtype, emulated=False,
                        compiled=self.backend_name == FLEX and not eager_cpu, notes=notes)
+
+    def _layer_features(self) -> list[str]:
+        layer, engine = self.meta.layer, self.engine
+        out = []
+        if layer.has_sinks:
+            dtype = engine.sinks_dtype if engine is not None else None
+            where = (f"in {str(dtype).removeprefix('torch.')}" + (", the model dtype, which holds them exactly"
+                                                                   if dtype == self.output_dtype else
+                                                                   ": the model dtype would round them")
+                     if dtype is not None else "in the model dtype where it holds them exactly, else float32")
+            out.append(f"the snapshot's {layer.num_heads} sink logits as sinks= ({where})")
+        if layer.has_alibi:
+            out.append(f"the snapshot's {layer.num_heads} ALiBi slopes as alibi_slopes="
+                       + (" with use_alibi_sqrt=True" if layer.alibi_sqrt else ""))
+        if layer.logits_soft_cap:
+            out.append(f"logits_soft_cap={layer.logits_soft_cap:g}")
+        if layer.sliding_window is not None:
+            out.append(f"per_layer_sliding_window={layer.sliding_window}")
+        if layer.chunk_lookback is not None:
+            out.append(f"chunk_lookback={layer.chunk_lookback}")
+        return out
 
     def findings(self, common: CommonMetadata, md: VllmStepMetadata) -> list[Finding]:
         return []

@@ -161,3 +161,51 @@ def test_a_vllm_that_cannot_load_makes_the_column_unavailable_not_an_error_findi
     finally:
         for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
             del sys.modules[name]
+
+
+# --------------------------------------------------------------------------- what the column declares
+
+def _meta(**features):
+    spec = dict(seq_lens=(9, 40), num_heads=4, num_kv_heads=2, backend="TRITON_ATTN")
+    return synth_snapshot(SynthSpec(**dict(spec, **features))).meta
+
+
+@pytest.mark.parametrize("features", [dict(sinks="auto"), dict(alibi_slopes="auto"),
+                                      dict(alibi_slopes="auto", alibi_sqrt=True), dict(logits_soft_cap=30.0),
+                                      dict(sliding_window=16, chunk_lookback=1), dict(sliding_window=16),
+                                      dict(kv_sharing_target="model.layers.0.self_attn.attn", new_kv=False)])
+def test_features_the_column_hands_to_vllm_are_left_for_vllm_to_accept(features):
+    """Nothing the column hands vLLM's Attention is refused by kvdbg: vLLM's own checks say, in its words."""
+    from kvdbg.backend_api import unsupported_by
+    from kvdbg.backends.vllm_native import CAPABILITIES
+
+    assert unsupported_by(CAPABILITIES, _meta(**features)) is None
+
+
+@pytest.mark.parametrize("features, why", [
+    (dict(attn_type="encoder_only", seq_lens=(3, 4), query_lens=(3, 4), causal=False),
+     "attn_type 'encoder_only' (it replays decoder attention only)"),
+    (dict(attn_type="encoder", seq_lens=(3, 4), query_lens=(3, 4), causal=False),
+     "attn_type 'encoder' (it replays decoder attention only)"),
+    (dict(extra_layer={"mm_prefix": True}), "PrefixLM multimodal attention (layer.mm_prefix: "),
+    (dict(sliding_window=16, extra_layer={"rswa_window": 8}), "Reference Sliding Window Attention"),
+])
+def test_what_the_column_cannot_hand_to_vllm_is_refused_by_name(features, why):
+    from kvdbg.backend_api import unsupported_by
+    from kvdbg.backends.vllm_native import CAPABILITIES
+
+    reason = unsupported_by(CAPABILITIES, _meta(**features))
+    assert reason is not None and reason.startswith(f"the vllm column does not support {why}"), reason
+
+
+@no_vllm
+def test_a_layer_with_sinks_and_alibi_replays_and_the_column_says_only_that_vllm_is_absent(tmp_path):
+    from kvdbg.snapshot import save_snapshot
+
+    snap = synth_snapshot(SynthSpec(seq_lens=(9, 40), num_heads=4, num_kv_heads=2, backend="CPU_ATTN", sinks="auto",
+                                    alibi_slopes="auto", logits_soft_cap=30.0, engine_output="reference"))
+    res, data = _replay_json(save_snapshot(snap, str(tmp_path / "features.safetensors")))
+    assert res.exit_code == 0, res.output[-2000:]
+    status = {b["name"]: b for b in data["backends"]}["vllm"]
+    assert not status["available"] and status["reason"].startswith("vLLM is not installed in this environment")
+    assert status["engine_name"] == "CPU_ATTN"

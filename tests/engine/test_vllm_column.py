@@ -223,3 +223,73 @@ def test_poison_finds_the_vllm_column_reading_no_slot_it_must_not(backend, page_
     assert mine and all(b.ran for b in mine)
     regions = [r for b in mine for r in b.regions if r.status != "empty"]
     assert regions and not any(b.reads_poisoned for b in mine), [(r.region, r.status) for r in regions]
+
+
+# --------------------------------------------------------------------------- layer features handed to vLLM
+
+# Sinks drawn from the seed (float32: not held exactly by float16, so handed as float32), ALiBi's geometric slopes.
+FEATURES = {
+    "sinks": dict(sinks="auto"),
+    "alibi": dict(alibi_slopes="auto"),
+    "soft cap": dict(logits_soft_cap=20.0),
+    "sinks, ALiBi, soft cap and a window": dict(sinks="auto", alibi_slopes="auto", logits_soft_cap=20.0,
+                                                sliding_window=40, dtype="bfloat16"),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_cpu_attn_runs_each_layer_feature_as_the_reference_models_it(feature):
+    """vLLM's own CPU_ATTN kernel with the snapshot's sinks / ALiBi slopes / soft cap, against the reference
+    (which models each independently): decode and prefill rows, two steps."""
+    snap = _with_engine_output(_snap("CPU_ATTN", steps=2, **FEATURES[feature]))
+    result = replay(snap, ["reference", "vllm"], required=["vllm"])
+    status = _status(result, "vllm")
+    assert status.available and "CPUAttentionBackendImpl" in status.info.kernel
+    handed = next(n for n in status.info.notes if n.startswith("handed to vLLM's Attention"))
+    layer = snap.meta.layer
+    assert ("sink logits as sinks=" in handed) == layer.has_sinks
+    assert ("ALiBi slopes as alibi_slopes=" in handed) == layer.has_alibi
+    assert ("logits_soft_cap=20" in handed) == bool(layer.logits_soft_cap)
+    for step in range(len(snap.steps)):
+        comps = [c for c in compare_step(result.steps[step], snap.meta) if c.actual == "vllm"]
+        assert comps and all(c.passed for c in comps), [c.to_json() for c in comps if not c.passed][:1]
+    assert result.judge().verdict.exit_code == 0
+
+
+def test_the_impl_holds_the_snapshots_values():
+    from kvdbg.backends.vllm_native import BACKEND
+    from kvdbg.runner import common_metadata
+
+    snap = _snap("CPU_ATTN", sinks=(0.5, -1.0, 2.0, 0.25, 0.0, 1.5, -0.5, 3.0), alibi_slopes="auto",
+                 dtype="bfloat16")
+    inst = BACKEND.create(snap.meta, ReplayOptions())
+    assert inst.engine.values is None  # made from the metadata alone: the values come with the step
+    inst.builder.build(common_metadata(snap, 0))
+    impl = inst.engine.impl
+    # Exact in bfloat16, so handed in the model dtype, as GPT-OSS's sinks parameter is.
+    assert impl.sinks.dtype == torch.bfloat16 and torch.equal(impl.sinks.float(), snap.sinks)
+    assert torch.equal(impl.alibi_slopes, snap.alibi_slopes)
+    assert "(in bfloat16, the model dtype, which holds them exactly)" in " ".join(inst.describe().notes)
+
+
+@pytest.mark.parametrize("backend, page_size, feature, reason", [
+    ("FLEX_ATTENTION", 16, dict(alibi_slopes="auto"),
+     "vLLM's FLEX_ATTENTION refuses this layer: NotImplementedError: FlexAttention does not support alibi slopes"),
+    ("FLEX_ATTENTION", 16, dict(logits_soft_cap=20.0),
+     "vLLM's FLEX_ATTENTION refuses this layer: NotImplementedError: FlexAttention does not support logits soft cap"),
+    ("FLEX_ATTENTION", 16, dict(sinks="auto"),
+     "vLLM's FLEX_ATTENTION rejects this layer (attention sinks not supported)"),
+    ("CPU_ATTN", 32, dict(alibi_slopes="auto", alibi_sqrt=True),
+     "vLLM's CPU_ATTN refuses this layer: ValueError: use_alibi_sqrt is not supported by backend CPU_ATTN"),
+    ("CPU_ATTN", 32, dict(sliding_window=64, chunk_lookback=1),
+     "vLLM's CPU_ATTN refuses this layer: AssertionError: Chunked attention with lookback requires the Triton"),
+])
+def test_a_feature_the_backend_refuses_makes_the_column_unavailable_with_vllms_reason(backend, page_size, feature,
+                                                                                      reason):
+    snap = _with_engine_output(_snap(backend, page_size=page_size, **feature))
+    result = replay(snap, ["reference", "vllm"])
+    status = _status(result, "vllm")
+    assert not status.available and status.reason.startswith(reason), status.reason
+    assert "\n" not in status.reason
+    assert not any(f.backend == "vllm" for f in result.findings)
+    assert result.judge().verdict.exit_code == 0

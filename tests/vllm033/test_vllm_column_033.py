@@ -155,3 +155,86 @@ def test_the_vllm_interfaces_the_column_calls_have_the_shape_it_expects():
         impl = _backend_class(name).get_impl_cls()
         assert list(inspect.signature(impl.do_kv_cache_update).parameters)[:6] == [
             "self", "layer", "key", "value", "kv_cache", "slot_mapping"], name
+
+
+# --------------------------------------------------------------------------- layer features through TRITON_ATTN
+
+def _record_kernel_calls(monkeypatch):
+    """vLLM 0.33's TritonAttentionImpl runs as it is; its two Triton kernels (GPU code) are stood in for: the cache
+    write keeps nothing, the attention kernel records the arguments the impl hands it and writes zeros. The
+    stand-ins compute no attention: what is checked is what reaches the kernel, not what it computes (the GPU
+    run, tests/gpu/run_vllm_column.sh, runs the real kernels)."""
+    from vllm.v1.attention.backends import triton_attn
+
+    from kvdbg.backends import vllm_native
+
+    calls = []
+
+    def unified_attention(**kwargs):
+        calls.append(kwargs)
+        kwargs["out"].fill_(0)
+
+    monkeypatch.setattr(triton_attn, "unified_attention", unified_attention)
+    monkeypatch.setattr(triton_attn, "triton_reshape_and_cache_flash", lambda *args, **kwargs: None)
+    # vLLM's platform is unspecified here (no GPU): the column would say so and stop (see the tests above).
+    monkeypatch.setattr(vllm_native, "platform_reason", lambda name, device: None)
+    return calls
+
+
+def test_triton_attn_hands_the_snapshots_sinks_alibi_and_soft_cap_to_its_kernel(monkeypatch):
+    from kvdbg.backend_api import ReplayOptions
+    from kvdbg.runner import replay
+
+    calls = _record_kernel_calls(monkeypatch)
+    sinks = (0.5, -1.0, 2.0, 0.25, 0.0, 1.5, -0.5, 3.0)  # exact in bfloat16: handed in the model dtype
+    snap = synth_snapshot(SynthSpec(seq_lens=(9, 40), query_lens=(1, 3), num_heads=8, num_kv_heads=2, head_size=64,
+                                    page_size=16, dtype="bfloat16", backend="TRITON_ATTN", sinks=sinks,
+                                    alibi_slopes="auto", alibi_sqrt=True, logits_soft_cap=30.0, sliding_window=24,
+                                    steps=2))
+    result = replay(snap, ["reference", "vllm"], ReplayOptions(device="cpu"), required=["vllm"])
+    status = next(st for st in result.backends if st.name == "vllm")
+    assert status.available and "TritonAttentionImpl" in status.info.kernel
+    assert len(calls) == 2  # one kernel call per step, from vLLM's own forward
+    for kw in calls:
+        assert kw["sinks"].dtype == torch.bfloat16 and torch.equal(kw["sinks"].float(), snap.sinks)
+        assert kw["alibi_slopes"].dtype == torch.float32 and torch.equal(kw["alibi_slopes"], snap.alibi_slopes)
+        assert kw["use_alibi_sqrt"] is True and kw["softcap"] == 30.0
+        assert tuple(kw["window_size"]) == (23, 0) and kw["chunk_lookback"] == -1
+        assert bool(kw["causal"])
+
+
+def test_float32_sinks_the_model_dtype_would_round_reach_the_kernel_unrounded(monkeypatch):
+    from kvdbg.backend_api import ReplayOptions
+    from kvdbg.runner import replay
+
+    calls = _record_kernel_calls(monkeypatch)
+    snap = synth_snapshot(SynthSpec(seq_lens=(9, 40), num_heads=8, num_kv_heads=2, head_size=64, page_size=16,
+                                    dtype="float16", backend="TRITON_ATTN", sinks="auto", sliding_window=32,
+                                    chunk_lookback=1))
+    result = replay(snap, ["reference", "vllm"], ReplayOptions(device="cpu"), required=["vllm"])
+    notes = " ".join(next(st for st in result.backends if st.name == "vllm").info.notes)
+    assert "(in float32: the model dtype would round them)" in notes and "chunk_lookback=1" in notes
+    (kw,) = calls
+    assert kw["sinks"].dtype == torch.float32 and torch.equal(kw["sinks"], snap.sinks)
+    assert kw["alibi_slopes"] is None and kw["chunk_lookback"] == 1
+
+
+@pytest.mark.parametrize("backend, features, reason", [
+    ("FLEX_ATTENTION", dict(alibi_slopes="auto"), "FlexAttention does not support alibi slopes"),
+    ("FLEX_ATTENTION", dict(sinks="auto"), "rejects this layer (attention sinks not supported)"),
+    ("FLEX_ATTENTION", dict(alibi_slopes="auto", alibi_sqrt=True), "use_alibi_sqrt is not supported by backend"),
+    ("FLEX_ATTENTION", dict(sliding_window=32, chunk_lookback=1),
+     "Chunked attention with lookback requires the Triton"),
+])
+def test_a_feature_vllm_0_33_refuses_for_the_backend_makes_the_column_unavailable(monkeypatch, backend, features,
+                                                                                  reason):
+    from kvdbg.backend_api import ReplayOptions
+    from kvdbg.runner import replay
+
+    _record_kernel_calls(monkeypatch)
+    snap = synth_snapshot(SynthSpec(seq_lens=(9, 40), num_heads=8, num_kv_heads=2, head_size=64, page_size=16,
+                                    dtype="bfloat16", backend=backend, engine_output="reference", **features))
+    result = replay(snap, ["reference", "vllm"], ReplayOptions(device="cpu"))
+    status = next(st for st in result.backends if st.name == "vllm")
+    assert not status.available and reason in status.reason and "\n" not in status.reason, status.reason
+    assert not any(f.backend == "vllm" for f in result.findings)
