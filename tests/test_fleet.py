@@ -330,7 +330,12 @@ def test_not_a_results_file_is_one_line(tmp_path, content, message):
 def test_ctrl_c_loses_only_the_files_in_flight_and_resume_finishes(tmp_path):
     """SIGINT to a running `kvdbg replay DIR --jobs 2`: exit 130, every finished row kept; --resume does the rest."""
     directory = tmp_path / "d"
-    paths = small_directory(str(directory), 30)
+    # Three quick files first (names sort first), then longer ones: the run is surely still going when the third
+    # row is in (thirty quick files can all finish within one poll of the results file on a quiet machine).
+    paths = small_directory(str(directory), 3)
+    paths += [write_cause(str(directory), "pass", 700 + i, name=f"t{i:04d}.safetensors", seq_lens=(12000, 16000))
+              for i in range(8)]
+    total = len(paths)
     results = str(tmp_path / "r.jsonl")
     # Every backend (not the reference alone): long enough a run to be stopped midway.
     command = [sys.executable, "-m", "kvdbg", "replay", str(directory), "--jobs", "2", "--results", results]
@@ -345,11 +350,11 @@ def test_ctrl_c_loses_only_the_files_in_flight_and_resume_finishes(tmp_path):
     assert process.returncode == 130 and b"kvdbg: interrupted" in err and b"Traceback" not in err
     found = read_results(results)
     kept = len(found.rows)
-    assert 3 <= kept < 30 and not found.finished and found.last_end["interrupted"]
+    assert 3 <= kept < total and not found.finished and found.last_end["interrupted"]
     res = invoke("replay", directory, "--results", results, "--resume", "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["run"]["resumed"] == kept and data["run"]["replayed"] == 30 - kept
+    assert data["run"]["resumed"] == kept and data["run"]["replayed"] == total - kept
     assert sorted(os.path.basename(r["path"]) for r in rows(results)) == sorted(map(os.path.basename, paths))
 
 

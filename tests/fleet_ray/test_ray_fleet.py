@@ -106,7 +106,12 @@ def test_a_task_whose_worker_dies_is_retried_once_then_reported(ray_cluster, tmp
 def test_resume_after_an_interrupted_run_finishes_the_rest(ray_cluster, tmp_path):
     """The driver killed mid-run (SIGKILL: no end record); --resume replays only what has no row."""
     directory = tmp_path / "d"
-    paths = small_directory(str(directory), 24, seed=300, seq_lens=(1500, 2500))  # long enough to stop midway
+    # Three quick files first (names sort first), then longer ones: the run is surely still going when the third
+    # row is in, however quiet the machine.
+    paths = small_directory(str(directory), 3, seed=300)
+    paths += [write_cause(str(directory), "pass", 700 + i, name=f"t{i:04d}.safetensors", seq_lens=(12000, 16000))
+              for i in range(8)]
+    total = len(paths)
     results = str(tmp_path / "r.jsonl")
     process = start_kvdbg("replay", directory, "--ray", ray_cluster.address, "--results", results)
     try:
@@ -119,16 +124,16 @@ def test_resume_after_an_interrupted_run_finishes_the_rest(ray_cluster, tmp_path
             process.wait(timeout=30)
     interrupted = read_results(results)
     kept = len(interrupted.rows)
-    assert 3 <= kept < 24 and not interrupted.finished
+    assert 3 <= kept < total and not interrupted.finished
     resumed = kvdbg("replay", directory, "--ray", ray_cluster.address, "--results", results, "--resume", "--json")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     data = json.loads(resumed.stdout)
-    assert data["run"]["resumed"] == kept and data["run"]["replayed"] == 24 - kept
-    assert [f["status"] for f in data["files"]] == [STATUS_PASS] * 24
+    assert data["run"]["resumed"] == kept and data["run"]["replayed"] == total - kept
+    assert [f["status"] for f in data["files"]] == [STATUS_PASS] * total
     final = read_results(results)
-    assert final.finished and len(final.rows) == 24 and len(final.runs) == 2
+    assert final.finished and len(final.rows) == total and len(final.runs) == 2
     assert sorted(os.path.basename(r.path) for r in final.rows) == sorted(map(os.path.basename, paths))
-    assert len(rows(results)) == 24  # the kept rows were not replayed again
+    assert len(rows(results)) == total  # the kept rows were not replayed again
 
 
 def test_no_cluster_at_the_address_is_a_one_line_error(tmp_path):
