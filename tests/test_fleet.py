@@ -339,7 +339,10 @@ def test_ctrl_c_loses_only_the_files_in_flight_and_resume_finishes(tmp_path):
     results = str(tmp_path / "r.jsonl")
     # Every backend (not the reference alone): long enough a run to be stopped midway.
     command = [sys.executable, "-m", "kvdbg", "replay", str(directory), "--jobs", "2", "--results", results]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # SIGINT's default action restored in the child: under a shell's background job (nohup, `cmd &`) it inherits
+    # an ignored SIGINT, and Python then never raises KeyboardInterrupt -- a user's Ctrl-C is what is tested.
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for_rows(results, 3, timeout=240, process=process)
         process.send_signal(signal.SIGINT)
