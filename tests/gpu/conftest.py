@@ -7,37 +7,20 @@ this: where vLLM's code does not import, its column says so (tests/test_vllm_col
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.util
 import os
-import sys
-import types
 
 SO_MODULES = os.environ.get("KVDBG_GPU_VLLM_SO_MODULES")
-
-
-class EmptyCompiledModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Empty modules in place of vLLM's compiled extensions: the TRITON_ATTN path calls none of them."""
-
-    def __init__(self, names: set[str]):
-        self.names = names
-
-    def find_spec(self, fullname, path, target=None):
-        return importlib.util.spec_from_loader(fullname, self) if fullname in self.names else None
-
-    def create_module(self, spec):
-        return types.ModuleType(spec.name)
-
-    def exec_module(self, module):
-        pass
 
 
 if not SO_MODULES:
     collect_ignore_glob = ["test_*.py"]
 else:
-    # run_vllm_column.sh puts stub_site on PYTHONPATH: its sitecustomize has installed the stand-ins already
-    # (for this interpreter and vLLM's child interpreters); this is for a run without it.
-    if not any(type(f).__name__ == "EmptyCompiledModules" for f in sys.meta_path):
-        with open(SO_MODULES) as fh:
-            sys.meta_path.insert(0, EmptyCompiledModules({line.strip() for line in fh if line.strip()}))
+    # run_vllm_column.sh puts stub_site on PYTHONPATH, whose sitecustomize has installed the stand-ins already
+    # (here and in vLLM's child interpreters); install() does nothing then. Loaded by path: one definition.
+    _path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub_site", "sitecustomize.py")
+    _spec = importlib.util.spec_from_file_location("kvdbg_gpu_stub_site", _path)
+    _stub_site = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_stub_site)
+    _stub_site.install(SO_MODULES)
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
-import importlib.abc
 import importlib.metadata
 import importlib.util
 import json
@@ -46,7 +45,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from dataclasses import dataclass
 
 import torch
@@ -58,20 +56,14 @@ FP8_SCALES = (0.05, 0.04)  # k, v
 # --------------------------------------------------------------------------- vLLM's modules
 
 
-class _EmptyCompiledModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Empty modules in place of vLLM's compiled extensions (not carried; nothing here calls them)."""
-
-    def __init__(self, names: set[str]):
-        self.names = names
-
-    def find_spec(self, fullname, path, target=None):
-        return importlib.util.spec_from_loader(fullname, self) if fullname in self.names else None
-
-    def create_module(self, spec):
-        return types.ModuleType(spec.name)
-
-    def exec_module(self, module):
-        pass
+def _install_stand_ins(so_modules_list: str) -> None:
+    """Empty modules in place of vLLM's compiled extensions (not carried; nothing here calls them): the same
+    stand-ins as the GPU harness's stub_site, loaded by path."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub_site", "sitecustomize.py")
+    spec = importlib.util.spec_from_file_location("kvdbg_gpu_stub_site", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.install(so_modules_list)
 
 
 @dataclass
@@ -102,8 +94,8 @@ def _module_constants(module: str, names: tuple[str, ...]) -> dict[str, int]:
     return found
 
 
-def load_vllm(so_modules: set[str]) -> VllmOps:
-    sys.meta_path.insert(0, _EmptyCompiledModules(so_modules))
+def load_vllm(so_modules_list: str) -> VllmOps:
+    _install_stand_ins(so_modules_list)
     cache_ops = importlib.import_module("vllm.v1.attention.ops.triton_reshape_and_cache_flash")
     attention_ops = importlib.import_module("vllm.v1.attention.ops.triton_unified_attention")
     interface = importlib.import_module("vllm.v1.kv_cache_interface")
@@ -378,7 +370,7 @@ def main(argv=None) -> int:
         return 1
     with open(args.so_modules) as f:
         so_modules = {line.strip() for line in f if line.strip()}
-    ops = load_vllm(so_modules)
+    ops = load_vllm(args.so_modules)
     import triton
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"

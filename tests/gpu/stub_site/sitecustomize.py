@@ -51,7 +51,13 @@ def _register_capability_queries():
     _LIBRARIES.append(library)
 
 
-_LIST = os.environ.get("KVDBG_GPU_VLLM_SO_MODULES")
-if _LIST and not any(isinstance(f, EmptyCompiledModules) for f in sys.meta_path):
-    with open(_LIST) as _fh:
-        sys.meta_path.insert(0, EmptyCompiledModules({line.strip() for line in _fh if line.strip()}))
+def install(list_path: str) -> None:
+    """Put the stand-ins for the modules listed in ``list_path`` (one name a line) first on sys.meta_path, once."""
+    if any(type(f).__name__ == "EmptyCompiledModules" for f in sys.meta_path):
+        return
+    with open(list_path) as fh:
+        sys.meta_path.insert(0, EmptyCompiledModules({line.strip() for line in fh if line.strip()}))
+
+
+if os.environ.get("KVDBG_GPU_VLLM_SO_MODULES"):
+    install(os.environ["KVDBG_GPU_VLLM_SO_MODULES"])
