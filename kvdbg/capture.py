@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from kvdbg.capture_buffers import HostBuffers
+from kvdbg.capture_buffers import IDLE_RELEASE_SECONDS, HostBuffers
 from kvdbg.capture_config import (ENV_MAX, ENV_MAX_BYTES, ENV_QUEUE_BYTES, CaptureConfig, LayerFilter,
                                   auto_queue_bytes)
 from kvdbg.capture_prepare import (
@@ -613,7 +613,16 @@ class Capturer:
         except (AttributeError, OSError):
             pass
         while True:
-            pending, directory, where, nbytes, on_written = self._queue.get()
+            try:
+                # Idle with free page buffers: give them back to the system after a while.
+                item = self._queue.get(timeout=IDLE_RELEASE_SECONDS if self._buffers.free_bytes else None)
+            except queue.Empty:
+                released = self._buffers.trim()
+                if released:
+                    logger.debug("kvdbg capture: idle for %.0f s, released %d bytes of free page buffers",
+                                 IDLE_RELEASE_SECONDS, released)
+                continue
+            pending, directory, where, nbytes, on_written = item
             path = None
             try:
                 try:
@@ -627,6 +636,9 @@ class Capturer:
             except Exception as exc:  # the writer must outlive anything that goes wrong with one step
                 self.report(exc, where, step_lost=True)
             finally:
+                # Free page buffers are kept for the engine's next steps within what the budget leaves free,
+                # so that waiting and free buffers together never hold more than the budget.
+                self._buffers.keep_bytes = max(0, self.queue_budget() - self._queued_bytes + nbytes)
                 pending.release()
                 _tell(on_written, path)
                 with self._lock:

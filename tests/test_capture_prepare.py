@@ -174,3 +174,23 @@ def test_the_page_buffers_are_reused_by_identity_among_free_buffers_of_other_siz
     assert pool.take(2 * POOLED_MIN_BYTES) is large
     assert pool.take(POOLED_MIN_BYTES) is small
     assert pool.free_bytes == 0 and pool.take(POOLED_MIN_BYTES) is not small
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("ids", [[3, 4, 5, 9, 10, 20], [7], list(range(0, 40, 2))])
+def test_a_pooled_gather_copies_runs_of_pages_or_selects_them_alike(dim, ids, monkeypatch):
+    from kvdbg import capture_buffers
+    from kvdbg.capture_buffers import MAX_RUNS, HostBuffers, StepCopies, _runs
+
+    monkeypatch.setattr(capture_buffers, "POOLED_MIN_BYTES", 1)  # pool (and so copy by runs) even these pages
+    shape = [2, 2, 4, 8, 16]
+    shape[dim] = 40
+    cache = torch.randn(shape)
+    index = torch.tensor(ids, dtype=torch.int64)
+    runs = _runs(index)
+    count = 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:]))  # runs of consecutive ids
+    assert (runs is None) == (count > MAX_RUNS)  # every second page of 40: twenty runs, too many to copy apart
+    if runs is not None:
+        assert sum(count for _, _, count in runs) == len(ids)
+    copies = StepCopies(cache.device, HostBuffers())
+    assert torch.equal(copies.gather(cache, dim, index), cache.index_select(dim, index))

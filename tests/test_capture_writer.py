@@ -279,3 +279,43 @@ def test_several_processes_write_one_directory_without_collisions(tmp_path):
     assert len(names) == 12 and all(n.endswith(".safetensors") for n in names)
     for name in names:
         load_snapshot(tmp_path / name)
+
+
+def test_page_buffers_come_back_for_the_next_burst_within_the_budget_and_go_when_idle(tmp_path, monkeypatch):
+    from kvdbg import capture_buffers
+
+    monkeypatch.setattr(capture_buffers, "POOLED_MIN_BYTES", 1)  # this engine's pages are small: pool them all
+    monkeypatch.setattr(capture_module, "IDLE_RELEASE_SECONDS", 0.3)
+    engine = Engine(layout=LAYOUT_VLLM)
+    size = step_bytes(engine)
+    capturer = Capturer(tmp_path, queue_bytes=3 * size)
+    capture_steps(capturer, engine, range(3))
+    assert capturer.flush(10) and len(capturer.written) == 3
+    pool = capturer._buffers
+    kept = pool.free_bytes
+    # The burst's buffers are kept for the next one, never more than the budget leaves free.
+    assert 0 < kept <= 3 * size
+    free_ptrs = {b.data_ptr() for b in pool._free}
+    pending = capturer.begin(*engine.args(), step=3, rank=0)
+    assert pending.pages.data_ptr() in free_ptrs  # the next step's pages land in a kept buffer
+    capturer.finish(pending, engine.output)
+    assert capturer.flush(10) and len(capturer.written) == 4
+    deadline = time.monotonic() + 10
+    while pool.free_bytes and time.monotonic() < deadline:  # idle: the writer gives them back
+        time.sleep(0.05)
+    assert pool.free_bytes == 0
+    assert capturer.close(10)
+
+
+def test_the_pool_keeps_no_more_free_bytes_than_it_is_told():
+    import torch
+
+    from kvdbg.capture_buffers import POOLED_MIN_BYTES, HostBuffers
+
+    pool = HostBuffers(keep_bytes=3 * POOLED_MIN_BYTES)
+    buffers = [torch.empty(POOLED_MIN_BYTES * (i + 1), dtype=torch.uint8) for i in range(3)]
+    for b in buffers:
+        pool.give(b)
+    # 1 + 2 + 3 units are over the 3 allowed: the oldest go first.
+    assert [b.numel() for b in pool._free] == [3 * POOLED_MIN_BYTES]
+    assert pool.trim() == 3 * POOLED_MIN_BYTES and pool.free_bytes == 0
