@@ -239,23 +239,68 @@ class _ImplInfo:
     update_source: str
 
 
-@dataclass
-class _EngineContext:
-    """The engine-level metadata of one build, copied before the builder restricts anything."""
+@dataclass(frozen=True)
+class _BuilderFacts:
+    """What one metadata builder's configuration says about every batch it builds (read once per builder)."""
 
-    owner_id: int
-    block_table: "torch.Tensor"
-    seq_lens: "torch.Tensor"
-    query_start_loc: "torch.Tensor"
-    slot_mapping: "torch.Tensor | None"
-    causal: Any
     max_model_len: int | None
     max_decode_query_len: int | None
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     spec_block_size: int | None
     builder: str
-    refused: str | None = None  # why this batch's mask cannot be stored (a feature of the step, not the layer)
+
+
+def _builder_facts(builder: Any) -> _BuilderFacts:
+    vllm_config = getattr(builder, "vllm_config", None)
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    return _BuilderFacts(
+        max_model_len=getattr(getattr(vllm_config, "model_config", None), "max_model_len", None),
+        max_decode_query_len=getattr(builder, "query_len", None),
+        max_num_seqs=getattr(scheduler_config, "max_num_seqs", None),
+        max_num_batched_tokens=getattr(scheduler_config, "max_num_batched_tokens", None),
+        spec_block_size=getattr(getattr(builder, "kv_cache_spec", None), "block_size", None),
+        builder=type(builder).__name__,
+    )
+
+
+class _EngineContext:
+    """The engine-level metadata of one build, copied before the builder restricts anything.
+
+    Made on every build of a captured step, so a plain class with slots: its
+    constant part is the builder's :class:`_BuilderFacts`.
+    """
+
+    __slots__ = ("owner_id", "block_table", "seq_lens", "query_start_loc", "slot_mapping", "causal", "facts",
+                 "refused")
+
+    def __init__(self, owner_id: int, block_table: "torch.Tensor", seq_lens: "torch.Tensor",
+                 query_start_loc: "torch.Tensor", slot_mapping: "torch.Tensor | None", causal: Any,
+                 facts: _BuilderFacts, refused: str | None = None):
+        self.owner_id = owner_id
+        self.block_table = block_table
+        self.seq_lens = seq_lens
+        self.query_start_loc = query_start_loc
+        self.slot_mapping = slot_mapping
+        self.causal = causal
+        self.facts = facts
+        self.refused = refused  # why this batch's mask cannot be stored (a feature of the step, not the layer)
+
+    @property
+    def builder(self) -> str:
+        return self.facts.builder
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.facts.max_model_len
+
+    @property
+    def max_decode_query_len(self) -> int | None:
+        return self.facts.max_decode_query_len
+
+    @property
+    def spec_block_size(self) -> int | None:
+        return self.facts.spec_block_size
 
 
 @dataclass(frozen=True)
@@ -292,6 +337,10 @@ class _PluginState:
         self._declared: dict[str, _Declared] = {}
         self._layouts: dict[str, tuple[tuple, Any]] = {}
         self._builder_layers: dict[int, tuple[tuple, list[str] | None]] = {}
+        self._builder_facts: dict[int, _BuilderFacts] = {}  # per builder (kept alive in _builders)
+        self._layout_fast: dict[str, tuple] = {}  # per layer: what engine_layout last checked, and its answer
+        self._step_constants: dict[str, tuple] = {}  # per layer: (key, CaptureBackend, provenance) of step_capture
+        self._update_in_forward = False  # whether any wrapped backend writes the new K/V inside forward
         self._checked: dict[str, tuple] = {}  # per layer: (layout, the cache tensor it was checked on, its data_ptr)
         self._records: dict[str, tuple[tuple, dict[str, Any]]] = {}  # per layer: its declaration's provenance
         self._graphs_said = False
@@ -326,6 +375,7 @@ class _PluginState:
         else:
             info = _ImplInfo(name, False, "not declared; new K/V are taken only from do_kv_cache_update")
         self._impl_info[impl_cls] = info
+        self._update_in_forward = any(i.update_in_forward for i in self._impl_info.values())
         self._patch(impl_cls, "forward", _wrap_forward)
         if hasattr(impl_cls, "do_kv_cache_update"):
             self._patch(impl_cls, "do_kv_cache_update", _wrap_cache_update)
@@ -450,11 +500,16 @@ class _PluginState:
         Runs twice per captured step (cache update and forward), so what does not change is kept: the layout
         per declaration, and the check of the cache tensor's strides per tensor.
         """
-        backend = info.backend_name if info is not None else type(impl).__name__
         name = layer.layer_name
         if self.capturer.layer_refused(name) is not None:
             return None
         declared = self._declared.get(name)
+        # The same impl, layer, declaration and cache tensor as last time: nothing that decides the layout changed.
+        fast = self._layout_fast.get(name)
+        if fast is not None and fast[0] == id(impl) and fast[1]() is layer and fast[2] is declared \
+                and fast[3]() is kv_cache and fast[4] == kv_cache.data_ptr():
+            return fast[5]
+        backend = info.backend_name if info is not None else type(impl).__name__
         variant = getattr(layer, "isa", None) if backend == "CPU_ATTN" else None
         kv_cache_dtype = str(getattr(impl, "kv_cache_dtype", getattr(layer, "kv_cache_dtype", "auto")))
         # Per-head scales matter only to an FP8 cache (one k and one v scale per layer is all a snapshot holds).
@@ -467,6 +522,7 @@ class _PluginState:
             # The same tensor as last time (an engine's cache tensors live as long as the engine): checked already.
             if checked is not None and checked[0] is result and checked[1]() is kv_cache \
                     and checked[2] == kv_cache.data_ptr():
+                self._remember_layout(name, impl, layer, declared, kv_cache, result)
                 return result
         else:
             from kvdbg.engine_layouts import LayerCacheDeclaration, LayoutError, declared_layout
@@ -496,6 +552,7 @@ class _PluginState:
                     self._checked[name] = (result, weakref.ref(kv_cache), kv_cache.data_ptr())
                 except TypeError:  # not weakly referenceable: checked on every step
                     pass
+                self._remember_layout(name, impl, layer, declared, kv_cache, result)
                 return result
             except LayoutError as exc:
                 # One line for all of a backend's layers: they share the engine's layout.
@@ -504,6 +561,14 @@ class _PluginState:
         self.capturer.failures[f"layout:{backend}"] += 1
         self._say_refused(str(result), key=said_as)
         return None
+
+    def _remember_layout(self, name: str, impl: Any, layer: Any, declared: Any, kv_cache: Any, layout: Any) -> None:
+        try:  # weak references: the plugin must never keep an engine's layer or cache alive (the layer keeps
+            # its impl alive, so the impl's id stays its own while the layer lives)
+            self._layout_fast[name] = (id(impl), weakref.ref(layer), declared, weakref.ref(kv_cache),
+                                       kv_cache.data_ptr(), layout)
+        except TypeError:  # not weakly referenceable: the full check runs on every step
+            pass
 
     def _say_refused(self, message: str, key: str | None = None) -> None:
         """One warning per distinct refusal (``key``, or the message itself)."""
@@ -560,35 +625,29 @@ class _PluginState:
                 return
             if _graph_capturing(common.seq_lens):
                 return
-            num_reqs = int(common.num_reqs)
-            num_tokens = int(common.num_actual_tokens)
+            num_reqs = common.num_reqs
             causal = common.causal
-            vllm_config = getattr(builder, "vllm_config", None)
-            model_config = getattr(vllm_config, "model_config", None)
-            scheduler_config = getattr(vllm_config, "scheduler_config", None)
+            facts = self._builder_facts.get(id(builder))
+            if facts is None:
+                facts = self._builder_facts[id(builder)] = _builder_facts(builder)
+                if self._parallel is None:
+                    self._parallel = _parallel_facts(getattr(builder, "vllm_config", None))
+            slot_mapping = common.slot_mapping
             # Clones are stream-ordered copies on the engine's device: no host sync
             # here, and a later in-place update of the runner's buffers cannot reach them.
-            ctx = _EngineContext(
-                owner_id=id(metadata),
-                block_table=common.block_table_tensor[:num_reqs].clone(),
-                seq_lens=common.seq_lens[:num_reqs].clone(),
-                query_start_loc=common.query_start_loc[: num_reqs + 1].clone(),
+            self._stash(metadata, _EngineContext(
+                id(metadata),
+                common.block_table_tensor[:num_reqs].clone(),
+                common.seq_lens[:num_reqs].clone(),
+                common.query_start_loc[: num_reqs + 1].clone(),
                 # Only a backend that writes the new K/V inside forward needs them (the others' are saved before
                 # do_kv_cache_update).
-                slot_mapping=None if common.slot_mapping is None or not self._update_in_forward
-                else common.slot_mapping[:num_tokens].clone(),
-                causal=causal.clone() if hasattr(causal, "clone") else causal,
-                max_model_len=getattr(model_config, "max_model_len", None),
-                max_decode_query_len=getattr(builder, "query_len", None),
-                max_num_seqs=getattr(scheduler_config, "max_num_seqs", None),
-                max_num_batched_tokens=getattr(scheduler_config, "max_num_batched_tokens", None),
-                spec_block_size=getattr(getattr(builder, "kv_cache_spec", None), "block_size", None),
-                builder=type(builder).__name__,
-                refused=_step_refusal(common),
-            )
-            self._stash(metadata, ctx)
-            if self._parallel is None:
-                self._parallel = _parallel_facts(vllm_config)
+                None if slot_mapping is None or not self._update_in_forward
+                else slot_mapping[: common.num_actual_tokens].clone(),
+                causal.clone() if hasattr(causal, "clone") else causal,
+                facts,
+                _step_refusal(common),
+            ))
         except Exception as exc:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
 
@@ -610,10 +669,6 @@ class _PluginState:
         selected = [n for n in names if self.capturer.layer_selected(n)] if names else None
         self._builder_layers[id(builder)] = (key, selected)
         return selected
-
-    @property
-    def _update_in_forward(self) -> bool:
-        return any(info.update_in_forward for info in self._impl_info.values())
 
     def _stash(self, metadata: Any, ctx: _EngineContext) -> None:
         try:
@@ -782,47 +837,69 @@ class _PluginState:
 
     def step_capture(self, impl: Any, ctx: _EngineContext, query, key, value, kv_cache, pre: "PreUpdate | None",
                      layer: Any, kv_layout: "EngineLayout") -> tuple["CaptureBackend", "StepTensors", dict[str, Any]]:
-        """What :meth:`Capturer.begin` takes for one step: the backend's settings, the tensors, the provenance."""
-        from kvdbg.capture import CaptureBackend, StepTensors
+        """What :meth:`Capturer.begin` takes for one step: the backend's settings, the tensors, the provenance.
+
+        The settings and the provenance are the same on every step of a layer (but for how its new K/V were
+        taken), so they are made once per layer and builder and shared, read-only, by its snapshots.
+        """
+        from kvdbg.capture import StepTensors
 
         info = self._info(impl)
-        backend_name = info.backend_name if info else type(impl).__name__
-        backend = CaptureBackend(
-            name=backend_name,
-            max_model_len=int(ctx.max_model_len),
-            max_decode_query_len=ctx.max_decode_query_len,
-            max_num_seqs=ctx.max_num_seqs,
-            max_num_batched_tokens=ctx.max_num_batched_tokens,
-        )
         # The context's tensors are the clones after_build made: capture keeps them without copying again.
         tensors = StepTensors(query=query, kv_cache=kv_cache, block_table=ctx.block_table, seq_lens=ctx.seq_lens,
                               query_start_loc=ctx.query_start_loc, causal=ctx.causal, pre_update=pre,
                               metadata_copied=True)
         if pre is not None:
-            new_kv_note = "saved before do_kv_cache_update; the pages it overwrote are restored"
+            how = "pre"
         elif info is not None and info.update_in_forward and key is not None and ctx.slot_mapping is not None:
             tensors.key, tensors.value, tensors.slot_mapping = key, value, ctx.slot_mapping
-            new_kv_note = f"taken at forward ({info.update_source} is true)"
+            how = "forward"
         else:
-            new_kv_note = ("absent: no do_kv_cache_update preceded this forward (KV sharing, a fused update or "
-                           "no new tokens); kv_cache holds the state attention read")
+            how = "absent"
+        name = layer.layer_name
+        cache_key = (ctx.facts, info, kv_layout, how, id(self._declared.get(name)), self._parallel is None)
+        cached = self._step_constants.get(name)
+        if cached is None or cached[0] != cache_key:
+            cached = self._step_constants[name] = (cache_key, *self._step_constants_for(impl, ctx, info, layer,
+                                                                                          kv_layout, how))
+        return cached[1], tensors, cached[2]
+
+    def _step_constants_for(self, impl: Any, ctx: _EngineContext, info: "_ImplInfo | None", layer: Any,
+                            kv_layout: "EngineLayout", how: str) -> tuple["CaptureBackend", dict[str, Any]]:
+        from kvdbg.capture import CaptureBackend
+
+        facts = ctx.facts
+        backend_name = info.backend_name if info else type(impl).__name__
+        backend = CaptureBackend(
+            name=backend_name,
+            max_model_len=int(facts.max_model_len),
+            max_decode_query_len=facts.max_decode_query_len,
+            max_num_seqs=facts.max_num_seqs,
+            max_num_batched_tokens=facts.max_num_batched_tokens,
+        )
+        new_kv_note = {
+            "pre": "saved before do_kv_cache_update; the pages it overwrote are restored",
+            "forward": f"taken at forward ({info.update_source if info else ''} is true)",
+            "absent": ("absent: no do_kv_cache_update preceded this forward (KV sharing, a fused update or "
+                       "no new tokens); kv_cache holds the state attention read"),
+        }[how]
         provenance = {
-            "metadata_source": f"CommonAttentionMetadata as passed to {ctx.builder}.build (before restriction)",
+            "metadata_source": f"CommonAttentionMetadata as passed to {facts.builder}.build (before restriction)",
             "new_kv": new_kv_note,
-            "max_decode_query_len_source": (f"{ctx.builder}.query_len" if ctx.max_decode_query_len is not None
+            "max_decode_query_len_source": (f"{facts.builder}.query_len" if facts.max_decode_query_len is not None
                                             else "format default 1 (the builder has no query_len)"),
-            "kv_cache_spec_block_size": ctx.spec_block_size,
+            "kv_cache_spec_block_size": facts.spec_block_size,
             "impl": type(impl).__name__,
             "attention_backend": _backend_in_use(layer, backend_name),
             "kernel_variant": getattr(layer, "isa", None) if backend_name == "CPU_ATTN" else None,
             **self._declaration_record(layer.layer_name, kv_layout),
             **(self._parallel or {}),
         }
-        if pre is None:
+        if how != "pre":
             provenance["kv_layout_read_back"] = ("not checked: no do_kv_cache_update wrote this step's K/V "
                                                  "before the forward")
         # With a pre-update, the writer reads the written slots back and says so in kv_layout_read_back.
-        return backend, tensors, provenance
+        return backend, provenance
 
     def _declaration_record(self, name: str, kv_layout: "EngineLayout") -> dict[str, Any]:
         """Provenance: what vLLM declared for the layer's cache (built once per layer and layout)."""
