@@ -50,6 +50,18 @@ POOL_KEEP = 64
 IDLE_RELEASE_SECONDS = 30.0
 
 
+def _headroom(nbytes: int, pinned: bool) -> int:
+    """The size to allocate for ``nbytes``: a step's pages grow as its sequences do, so a buffer made to
+    measure would fit no later step. Pinned memory comes from torch's caching host allocator in powers of
+    two, so the power of two costs nothing more; other memory gets an eighth more (at most)."""
+    if nbytes < POOLED_MIN_BYTES:
+        return nbytes
+    if pinned:
+        return 1 << (nbytes - 1).bit_length()
+    grain = 1 << max(0, nbytes.bit_length() - 4)  # an eighth to a sixteenth of the size
+    return -(-nbytes // grain) * grain
+
+
 class HostBuffers:
     """Host memory for copied pages, reused between steps (one pool per capturer; thread-safe).
 
@@ -82,7 +94,7 @@ class HostBuffers:
                 if fits:
                     # By position: list.remove would compare tensors by value (elementwise), not by identity.
                     return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        return torch.empty(_headroom(nbytes, pinned), dtype=torch.uint8, pin_memory=pinned)
 
     def give(self, buffer: torch.Tensor | None) -> None:
         if buffer is None or buffer.numel() < POOLED_MIN_BYTES or buffer.device.type != "cpu":
@@ -115,7 +127,7 @@ class HostBuffers:
                 return
             if sum(b.numel() for b in self._free) + size > limit_bytes:
                 return
-        spare = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        spare = torch.empty(_headroom(size, pinned), dtype=torch.uint8, pin_memory=pinned)
         spare.fill_(0)
         self.give(spare)
 
@@ -172,7 +184,7 @@ class StepCopies:
             buffer = self.buffers.take(nbytes)
             self.pooled.append(buffer)
             out = buffer[:nbytes].view(cache.dtype).view(shape)
-            runs = _runs(ids)
+            runs = _runs(ids) if nbytes >= RUNS_MIN_BYTES else None
             if runs is None:
                 return torch.index_select(cache, dim, ids, out=out)
             for start, first, count in runs:  # consecutive pages: copies that run on all the engine's threads
@@ -234,8 +246,10 @@ class StepCopies:
         self.pooled.clear()
 
 
-# A large CPU gather whose pages form at most this many runs of consecutive ids is copied run by run.
+# A CPU gather of at least RUNS_MIN_BYTES whose pages form at most MAX_RUNS runs of consecutive ids is
+# copied run by run (below that, the calls a run costs are more than index_select's slower copy saves).
 MAX_RUNS = 16
+RUNS_MIN_BYTES = 4 * 1024**2
 
 
 def _runs(ids: torch.Tensor) -> list[tuple[int, int, int]] | None:

@@ -183,6 +183,7 @@ def test_a_pooled_gather_copies_runs_of_pages_or_selects_them_alike(dim, ids, mo
     from kvdbg.capture_buffers import MAX_RUNS, HostBuffers, StepCopies, _runs
 
     monkeypatch.setattr(capture_buffers, "POOLED_MIN_BYTES", 1)  # pool (and so copy by runs) even these pages
+    monkeypatch.setattr(capture_buffers, "RUNS_MIN_BYTES", 1)
     shape = [2, 2, 4, 8, 16]
     shape[dim] = 40
     cache = torch.randn(shape)
@@ -194,3 +195,20 @@ def test_a_pooled_gather_copies_runs_of_pages_or_selects_them_alike(dim, ids, mo
         assert sum(count for _, _, count in runs) == len(ids)
     copies = StepCopies(cache.device, HostBuffers())
     assert torch.equal(copies.gather(cache, dim, index), cache.index_select(dim, index))
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_kept_page_buffer_fits_the_next_steps_whose_sequences_grew(pinned):
+    from kvdbg.capture_buffers import POOLED_MIN_BYTES, HostBuffers, _headroom
+
+    if pinned and not torch.cuda.is_available():
+        # The size rule alone: pinned buffers are made to the power of two the caching host allocator uses.
+        assert _headroom(3 * POOLED_MIN_BYTES + 1, True) == 4 * POOLED_MIN_BYTES
+        return
+    pool = HostBuffers()
+    first = pool.take(40 * POOLED_MIN_BYTES, pinned=pinned)
+    assert first.numel() > 40 * POOLED_MIN_BYTES  # made with headroom
+    pool.give(first)
+    # A later step holds a page or two more: the same buffer serves it.
+    assert pool.take(40 * POOLED_MIN_BYTES + 2 * 65536, pinned=pinned) is first
+    assert _headroom(40 * POOLED_MIN_BYTES, False) <= 40 * POOLED_MIN_BYTES * 9 // 8
