@@ -16,16 +16,25 @@ is timed twice: around the plugin's wrapper and around vLLM's own method
 inside it; the difference is kvdbg's time on the engine's thread, summed per
 decode step (one ``build`` per step). Times are the thread's CPU time
 (``time.thread_time_ns``): on a shared machine the wall time of a 20 us hook
-mostly says who else had the core. Median over the decode steps, against two
-floors measured the same way in the same process right after:
+mostly says who else had the core. Each setting runs a warm burst of decode
+steps, lets the writer drain (its page buffers go back to the pool), then the
+measured burst: median over its decode steps (the warm burst's median is in
+the JSON as ``first_burst_median_us``). Settings, in one process:
+
+    unwrapped (timers only)      the timers around vLLM's own methods: their cost, taken off the others
+    wrapped, nothing captured    kvdbg's plugin with no step selected
+    one layer captured           kvdbg's plugin
+    bare copies (no kvdbg)       hooks that copy each of the step's tensors once with one torch call and do
+                                 nothing else: the floor of any capture made of torch calls
+    copy of the bytes, in place  the forward hook copies the snapshot's bytes into a buffer made before
+
+and two floors measured in a loop right after:
 
     copy of the bytes     one copy of as many bytes as the snapshot holds, into a buffer allocated before
-    copy of the tensors   each of the snapshot's tensors copied once (clone), the least any capture that
-                          copies tensors out of the engine pays per tensor
+    copy of the tensors   each of the snapshot's tensors copied once (clone)
 
-Also printed: the same hooks with nothing selected (what wrapping costs a step
-that is not captured), the split by hook, and the writer's count of written and
-dropped steps. Reads nothing but its own output; prints a table and a JSON line.
+Also printed: the split by hook and the writer's count of written and dropped
+steps. Reads nothing but its own output; prints a table and a JSON line.
 """
 
 from __future__ import annotations
@@ -46,6 +55,9 @@ CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
 # CPU time of the calling thread: what kvdbg takes from the engine's thread, unaffected by a neighbour's load
 # (on a shared machine, wall time inside a 20 us hook mostly measures who else had the core).
 CLOCK = time.thread_time_ns
+BARE = "bare copies (no kvdbg)"
+IN_SITU = "copy of the bytes, in place"
+LAYER_SUFFIX = ".layers.1.self_attn.attn"  # the captured layer (KVDBG_CAPTURE_LAYERS below)
 HOOKS = (("CPUAttentionMetadataBuilder", "build"), ("CPUAttentionBackendImpl", "do_kv_cache_update"),
          ("CPUAttentionBackendImpl", "forward"))
 
@@ -132,6 +144,97 @@ def install_outer(module, ledger: Ledger) -> None:
         setattr(cls, attr, make(wrapped, hook))
 
 
+def install_bare(module, layer_suffix: str) -> None:
+    """Wrap the hooks with the least any capture of a step does: each tensor copied once, nothing else.
+
+    The same points as kvdbg's plugin: at the build, the block table, sequence
+    lengths and query starts; before the cache update, the new K/V, their slots
+    and the pages they overwrite (ids from the slots); at the forward, the query
+    and the pages the step reads (ids from the block table), then the output.
+    No checks, no metadata, no hand-off: the copies are dropped. Its time is the
+    floor of a capture done with torch calls from Python.
+    """
+    import functools
+
+    import torch
+
+    builder_cls, impl_cls = (getattr(module, name) for name, _ in HOOKS[:2])
+    build, update, forward = (getattr(module, c).__dict__[a] for c, a in HOOKS)
+
+    @functools.wraps(build)
+    def bare_build(self, *args, **kwargs):
+        metadata = build(self, *args, **kwargs)
+        common = kwargs.get("common_attn_metadata", args[1] if len(args) > 1 else None)
+        if common is not None:
+            n = common.num_reqs
+            metadata._bare = (common.block_table_tensor[:n].clone(), common.seq_lens[:n].clone(),
+                              common.query_start_loc[: n + 1].clone())
+        return metadata
+
+    @functools.wraps(update)
+    def bare_update(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
+        if layer.layer_name.endswith(layer_suffix):
+            page = kv_cache.shape[2]  # tokens per page (CPU_ATTN's cache: [pages, kv heads, page, 2 * head])
+            slots = slot_mapping.clone()
+            ids = torch.tensor(sorted({s // page for s in slots.tolist() if s >= 0}), dtype=torch.int64)
+            layer._bare = (key.clone(), value.clone(), slots, kv_cache.index_select(0, ids))
+        return update(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
+
+    @functools.wraps(forward)
+    def bare_forward(self, layer, query, key, value, kv_cache, metadata, *args, **kwargs):
+        copied = None
+        if metadata is not None and layer.layer_name.endswith(layer_suffix):
+            bt, sl, qsl = metadata._bare
+            page = kv_cache.shape[2]
+            ids = sorted({p for row, n in zip(bt.tolist(), sl.tolist()) for p in row[: (n + page - 1) // page]})
+            tokens = int(qsl[-1])
+            # Into a buffer kept from the step before when the count matches (a fresh one pays page faults).
+            kept = getattr(layer, "_bare_pages", None)
+            if kept is None or kept.shape[0] != len(ids):
+                kept = layer._bare_pages = kv_cache.new_empty((len(ids), *kv_cache.shape[1:]))
+            copied = (query[:tokens].clone(),
+                      torch.index_select(kv_cache, 0, torch.tensor(ids, dtype=torch.int64), out=kept))
+        result = forward(self, layer, query, key, value, kv_cache, metadata, *args, **kwargs)
+        if copied is not None:
+            output = kwargs.get("output", args[0] if args else None)
+            copied += (output[:tokens].clone(),)
+        return result
+
+    builder_cls.build, impl_cls.do_kv_cache_update, impl_cls.forward = bare_build, bare_update, bare_forward
+    bare_build._bench_bare = build
+    bare_update._bench_bare = update
+    bare_forward._bench_bare = forward
+
+
+def install_copy(module, layer_suffix: str, nbytes: int) -> None:
+    """Wrap the forward with one copy of ``nbytes`` into a buffer allocated (and touched) before: the copy
+    of a snapshot's bytes at the point of the engine's thread where capture copies, measured as capture is."""
+    import functools
+
+    import torch
+
+    impl_cls = getattr(module, HOOKS[1][0])
+    forward = impl_cls.__dict__["forward"]
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+
+    @functools.wraps(forward)
+    def copy_forward(self, layer, query, key, value, kv_cache, metadata, *args, **kwargs):
+        if metadata is not None and layer.layer_name.endswith(layer_suffix):
+            dst.copy_(src)
+        return forward(self, layer, query, key, value, kv_cache, metadata, *args, **kwargs)
+
+    impl_cls.forward = copy_forward
+    copy_forward._bench_bare = forward
+
+
+def remove_bare(module) -> None:
+    for cls_name, attr in HOOKS:
+        cls = getattr(module, cls_name)
+        if hasattr(cls.__dict__[attr], "_bench_bare"):
+            setattr(cls, attr, cls.__dict__[attr]._bench_bare)
+
+
 def remove_outer(module) -> None:
     for cls_name, attr in HOOKS:
         cls = getattr(module, cls_name)
@@ -200,24 +303,38 @@ def run_size(size: Size, steps: int, out: str) -> dict:
         llm.generate(prompts, SamplingParams(max_tokens=steps + 1, ignore_eos=True), use_tqdm=False)
 
     results = {}
-    for setting in ("unwrapped (timers only)", "wrapped, nothing captured", "one layer captured"):
-        if setting != "unwrapped (timers only)":
+    snapshot_bytes = 0
+    for setting in ("unwrapped (timers only)", "wrapped, nothing captured", "one layer captured", BARE, IN_SITU):
+        if setting == BARE:
+            install_bare(module, LAYER_SUFFIX)
+        elif setting == IN_SITU:
+            install_copy(module, LAYER_SUFFIX, snapshot_bytes)
+        elif setting != "unwrapped (timers only)":
             vllm_plugin.register()
             capturer = vllm_plugin.active_capturer()
             if setting == "wrapped, nothing captured":
                 capturer.reconfigure(steps=IntRanges(()))
         install_outer(module, ledger)
-        generate()  # warm: the first capture of a size allocates its buffers
+        generate()  # warm: the first captures of a size allocate their buffers (timed apart, below)
+        cold = [sum(s.values()) for s in ledger.steps[-steps:]]
+        if setting in ("wrapped, nothing captured", "one layer captured"):
+            # The writer gives the warm run's page buffers back to the pool, within its budget: the measured
+            # run is a later burst of the same capture session.
+            vllm_plugin.active_capturer().flush(600)
         ledger.steps.clear()
         wall0, cpu0 = time.perf_counter(), time.thread_time()
         generate()
         wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
         decode = ledger.steps[-steps:]
         remove_outer(module)
+        if setting in (BARE, IN_SITU):
+            remove_bare(module)
         per_step = sorted(sum(s.values()) for s in decode)
         results[setting] = {
             "median_us": statistics.median(per_step) / 1e3,
             "p90_us": per_step[int(0.9 * (len(per_step) - 1))] / 1e3,
+            # The warm run: the session's first burst, which allocates (and first-touches) its page buffers.
+            "first_burst_median_us": statistics.median(cold) / 1e3,
             "by_hook_us": {hook: statistics.median(s.get(hook, 0) for s in decode) / 1e3
                            for hook in ("build", "do_kv_cache_update", "forward")},
             # The whole generate() per step: what the engine feels, the writer's competition for the
@@ -225,22 +342,32 @@ def run_size(size: Size, steps: int, out: str) -> dict:
             "generate_wall_ms_per_step": wall / len(ledger.steps) * 1e3,
             "generate_engine_thread_cpu_ms_per_step": cpu / len(ledger.steps) * 1e3,
         }
-        if setting != "unwrapped (timers only)":
+        if setting in ("wrapped, nothing captured", "one layer captured"):
             capturer = vllm_plugin.active_capturer()
             capturer.flush(600)
             results[setting]["written"] = len(capturer.written)
             results[setting]["dropped"] = dict(capturer.dropped)
             results[setting]["summary"] = capturer.summary()
             vllm_plugin.unregister()
-    names = sorted(os.listdir(capture_dir))
-    sizes = sorted(os.path.getsize(os.path.join(capture_dir, n)) for n in names)
-    typical = os.path.join(capture_dir, names[[os.path.getsize(os.path.join(capture_dir, n)) for n in names].index(
-        sizes[len(sizes) // 2])])
+        if setting == "one layer captured":
+            names = sorted(os.listdir(capture_dir))
+            sizes = sorted(os.path.getsize(os.path.join(capture_dir, n)) for n in names)
+            snapshot_bytes = sizes[len(sizes) // 2]
+            typical = os.path.join(capture_dir, names[[os.path.getsize(os.path.join(capture_dir, n))
+                                                       for n in names].index(snapshot_bytes)])
     copy_bytes, copy_tensors, count = floors(typical)
-    captured = results["one layer captured"]["median_us"] * 1e3
-    return {"size": size.name, "snapshot_bytes": sizes[len(sizes) // 2], "settings": results,
+    # The hooks' own timers cost the same in every setting: what kvdbg (or a bare capture) adds is the
+    # setting's time less the timers-only run's.
+    timers = results["unwrapped (timers only)"]["median_us"] * 1e3
+    captured = results["one layer captured"]["median_us"] * 1e3 - timers
+    bare = results[BARE]["median_us"] * 1e3 - timers
+    in_situ = results[IN_SITU]["median_us"] * 1e3 - timers
+    return {"size": size.name, "snapshot_bytes": snapshot_bytes, "settings": results,
             "copy_bytes_us": copy_bytes / 1e3, "copy_tensors_us": copy_tensors / 1e3, "tensors": count,
-            "ratio_to_copy_bytes": captured / copy_bytes, "ratio_to_copy_tensors": captured / copy_tensors}
+            "kvdbg_us": captured / 1e3, "bare_us": bare / 1e3, "copy_in_engine_us": in_situ / 1e3,
+            "ratio_to_copy_bytes": captured / copy_bytes, "ratio_to_copy_in_engine": captured / in_situ,
+            "ratio_to_bare": captured / bare, "bare_to_copy_bytes": bare / copy_bytes,
+            "bare_to_copy_in_engine": bare / in_situ, "ratio_to_copy_tensors": captured / copy_tensors}
 
 
 def main() -> int:
@@ -277,13 +404,21 @@ def main() -> int:
             extra = f"; wrote {r['written']}, dropped {sum(r['dropped'].values())}" if "written" in r else ""
             if "summary" in r and "turned off" in r["summary"]:
                 extra += f" ({r['summary'].split('; capture turned off: ')[-1][:200]})"
-            print(f"  {setting:<28}{r['median_us']:>10.1f} us (p90 {r['p90_us']:.1f}; {hooks}){extra}")
+            print(f"  {setting:<28}{r['median_us']:>10.1f} us (p90 {r['p90_us']:.1f}; first burst "
+                  f"{r['first_burst_median_us']:.1f}; {hooks}){extra}")
             print(f"  {'':<28}whole step: {r['generate_wall_ms_per_step']:.2f} ms wall, "
                   f"{r['generate_engine_thread_cpu_ms_per_step']:.2f} ms engine-thread CPU")
-        print(f"  {'copy of the bytes':<28}{row['copy_bytes_us']:>10.1f} us")
-        print(f"  {'copy of the tensors':<28}{row['copy_tensors_us']:>10.1f} us")
-        print(f"  ratio: captured step / copy of the bytes   {row['ratio_to_copy_bytes']:6.2f}")
-        print(f"  ratio: captured step / copy of the tensors {row['ratio_to_copy_tensors']:6.2f}")
+        print(f"  {'copy of the bytes (loop)':<28}{row['copy_bytes_us']:>10.1f} us   one copy_, repeated in a loop")
+        print(f"  {'copy of the tensors (loop)':<28}{row['copy_tensors_us']:>10.1f} us")
+        print("  less the timers-only run (what each adds to the engine's thread):")
+        print(f"    kvdbg                       {row['kvdbg_us']:>10.1f} us")
+        print(f"    bare copies                 {row['bare_us']:>10.1f} us   the floor of any capture by torch calls")
+        print(f"    copy of the bytes, in place {row['copy_in_engine_us']:>10.1f} us")
+        print(f"  ratio: kvdbg / copy of the bytes (loop)      {row['ratio_to_copy_bytes']:7.2f}")
+        print(f"  ratio: kvdbg / copy of the bytes, in place   {row['ratio_to_copy_in_engine']:7.2f}")
+        print(f"  ratio: kvdbg / bare copies                   {row['ratio_to_bare']:7.2f}")
+        print(f"  ratio: bare copies / copy of the bytes (loop) {row['bare_to_copy_bytes']:6.2f}")
+        print(f"  ratio: bare copies / copy, in place          {row['bare_to_copy_in_engine']:7.2f}")
     print(json.dumps(rows))
     return 0
 
