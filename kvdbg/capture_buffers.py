@@ -58,8 +58,8 @@ def _headroom(nbytes: int, pinned: bool) -> int:
         return nbytes
     if pinned:
         return 1 << (nbytes - 1).bit_length()
-    grain = 1 << max(0, nbytes.bit_length() - 4)  # an eighth to a sixteenth of the size
-    return -(-nbytes // grain) * grain
+    grain = 1 << max(0, nbytes.bit_length() - 5)  # a sixteenth to a thirty-second of the size
+    return -(-(nbytes + (nbytes >> 4)) // grain) * grain  # a sixteenth more, rounded up to the grain
 
 
 class HostBuffers:
