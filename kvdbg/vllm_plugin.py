@@ -625,7 +625,7 @@ class _PluginState:
                 return
             if _graph_capturing(common.seq_lens):
                 return
-            num_reqs = common.num_reqs
+            num_reqs = int(common.num_reqs)
             causal = common.causal
             facts = self._builder_facts.get(id(builder))
             if facts is None:
@@ -643,7 +643,7 @@ class _PluginState:
                 # Only a backend that writes the new K/V inside forward needs them (the others' are saved before
                 # do_kv_cache_update).
                 None if slot_mapping is None or not self._update_in_forward
-                else slot_mapping[: common.num_actual_tokens].clone(),
+                else slot_mapping[: int(common.num_actual_tokens)].clone(),
                 causal.clone() if hasattr(causal, "clone") else causal,
                 facts,
                 _step_refusal(common),
