@@ -637,7 +637,7 @@ class Capturer:
                 self.report(exc, where, step_lost=True)
             finally:
                 # Free page buffers are kept for the engine's next steps within what the budget leaves free,
-                # so that waiting and free buffers together never hold more than the budget.
+                # so that waiting and free buffers together stay within the budget (each counted by its bytes).
                 self._buffers.keep_bytes = max(0, self.queue_budget() - self._queued_bytes + nbytes)
                 pending.release()
                 _tell(on_written, path)
