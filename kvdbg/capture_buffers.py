@@ -9,6 +9,7 @@ On CPU::
 
     small tensors (query, new K/V, block table, ...)   t.clone()          one copy each
     the step's pages                                   index_select(out=) into a reused buffer
+                                                       (from 4 MiB, runs of consecutive pages: copy_)
 
 A fresh 50 MB tensor costs three to eight times its copy in first-touch page
 faults; the :class:`HostBuffers` pool keeps the page buffers the writer gives
