@@ -11,6 +11,9 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tests.fleet_helpers import rows  # noqa: E402  (the results file's row records, as the tests read them)
 
 # A small capture: 4 requests of 9-333 tokens, Hq 8 / Hkv 2, D 64, bf16, page 16, the engine's output stored
 # (~330 KiB).
@@ -46,22 +49,9 @@ def link_into(directory: str, paths: list[str], *, copies: int = 1) -> list[str]
     return out
 
 
-def rows_of(results: str) -> list[dict]:
-    out = []
-    with open(results, "rb") as fh:
-        for line in fh:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("record") == "row":
-                out.append(record)
-    return out
-
-
-def steady_rate(rows: list[dict]) -> float:
+def steady_rate(records: list[dict]) -> float:
     """Files per second from the 10th finished row to the last: the workers' start-up left out."""
-    stamps = sorted(datetime.datetime.fromisoformat(r["finished"]).timestamp() for r in rows)
+    stamps = sorted(datetime.datetime.fromisoformat(r["finished"]).timestamp() for r in records)
     first = max(0, len(stamps) // 10 - 1)
     span = stamps[-1] - stamps[first] if stamps else 0.0
     return (len(stamps) - 1 - first) / span if span > 0 else float("nan")
@@ -79,7 +69,7 @@ def run(label: str, directory: str, args: list[str], work: str, *, kill_after: i
     killed = None
     if kill_after is not None:
         while process.poll() is None and killed is None:
-            if os.path.exists(results) and len(rows_of(results)) >= kill_after:
+            if os.path.exists(results) and len(rows(results)) >= kill_after:
                 workers = _children(process.pid)
                 if workers:
                     killed = workers[0]
@@ -90,14 +80,14 @@ def run(label: str, directory: str, args: list[str], work: str, *, kill_after: i
     if process.returncode not in (0, 1, 2):
         raise SystemExit(f"{label}: exit {process.returncode}\n{err.decode()[-3000:]}")
     data = json.loads(out)
-    rows = rows_of(results)
+    written = rows(results)
     count = len(data["files"])
     verdicts = {os.path.basename(f["path"]): (f["status"], tuple(f["error_findings"])) for f in data["files"]}
     signatures = sorted((g["key"], g["count"]) for g in data["triage"]["groups"])
-    return {"label": label, "files": count, "rows": len(rows), "wall": wall, "overall": count / wall,
-            "steady": steady_rate(rows), "devices": data["run"]["devices"], "lost": data["run"]["workers_lost"],
+    return {"label": label, "files": count, "rows": len(written), "wall": wall, "overall": count / wall,
+            "steady": steady_rate(written), "devices": data["run"]["devices"], "lost": data["run"]["workers_lost"],
             "verdicts": verdicts, "signatures": signatures, "killed": killed, "exit": process.returncode,
-            "bytes": sum(f["size"] for r in rows for f in r["files"])}
+            "bytes": sum(f["size"] for r in written for f in r["files"])}
 
 
 def _children(pid: int) -> list[int]:
