@@ -264,27 +264,21 @@ def _builder_facts(builder: Any) -> _BuilderFacts:
     )
 
 
+@dataclass(slots=True)
 class _EngineContext:
     """The engine-level metadata of one build, copied before the builder restricts anything.
 
-    Made on every build of a captured step, so a plain class with slots: its
-    constant part is the builder's :class:`_BuilderFacts`.
+    Made on every build of a captured step, so its constant part is the builder's :class:`_BuilderFacts`.
     """
 
-    __slots__ = ("owner_id", "block_table", "seq_lens", "query_start_loc", "slot_mapping", "causal", "facts",
-                 "refused")
-
-    def __init__(self, owner_id: int, block_table: "torch.Tensor", seq_lens: "torch.Tensor",
-                 query_start_loc: "torch.Tensor", slot_mapping: "torch.Tensor | None", causal: Any,
-                 facts: _BuilderFacts, refused: str | None = None):
-        self.owner_id = owner_id
-        self.block_table = block_table
-        self.seq_lens = seq_lens
-        self.query_start_loc = query_start_loc
-        self.slot_mapping = slot_mapping
-        self.causal = causal
-        self.facts = facts
-        self.refused = refused  # why this batch's mask cannot be stored (a feature of the step, not the layer)
+    owner_id: int
+    block_table: "torch.Tensor"
+    seq_lens: "torch.Tensor"
+    query_start_loc: "torch.Tensor"
+    slot_mapping: "torch.Tensor | None"
+    causal: Any
+    facts: _BuilderFacts
+    refused: str | None = None  # why this batch's mask cannot be stored (a feature of the step, not the layer)
 
     @property
     def builder(self) -> str:
@@ -293,14 +287,6 @@ class _EngineContext:
     @property
     def max_model_len(self) -> int | None:
         return self.facts.max_model_len
-
-    @property
-    def max_decode_query_len(self) -> int | None:
-        return self.facts.max_decode_query_len
-
-    @property
-    def spec_block_size(self) -> int | None:
-        return self.facts.spec_block_size
 
 
 @dataclass(frozen=True)
