@@ -72,6 +72,7 @@ __all__ = [
     "CaptureInputError",
     "CaptureLayer",
     "Capturer",
+    "EngineTime",
     "LayerFilter",
     "PendingCapture",
     "PreUpdate",
@@ -153,6 +154,35 @@ def stale_temp_files(directory: str) -> list[str]:
     return sorted(stale)
 
 
+@dataclasses.dataclass
+class EngineTime:
+    """What capture's hooks took from the engine's thread (wall time, as the engine felt it), kept by an
+    engine plugin that times its hooks: the hook calls that copied for a step, and the others (filters
+    that said no, step counting). ``steps``: the steps copied at their forward."""
+
+    captured_ns: int = 0
+    steps: int = 0
+    other_ns: int = 0
+    other_calls: int = 0
+
+    def describe(self) -> str:
+        """One clause for the exit line ('' when no hook was timed)."""
+        if not self.steps and not self.other_calls:
+            return ""
+        parts = []
+        if self.steps:
+            parts.append(f"{_ms(self.captured_ns)} copying {self.steps} step(s) "
+                         f"({self.captured_ns / self.steps / 1e3:,.0f} us each)")
+        if self.other_calls:
+            parts.append(f"{_ms(self.other_ns)} in {self.other_calls:,} other hook call(s) "
+                         f"({self.other_ns / self.other_calls / 1e3:,.1f} us each)")
+        return "engine's thread: " + ", ".join(parts)
+
+
+def _ms(ns: int) -> str:
+    return f"{ns / 1e6:,.1f} ms"
+
+
 class Capturer:
     """Capture into one directory under a :class:`CaptureConfig`: filters, budgets, failure policy, writer.
 
@@ -190,6 +220,7 @@ class Capturer:
         # that drops a step counts it while the lock is held.
         self._lock = threading.RLock()
         self._buffers = HostBuffers()
+        self.engine_time = EngineTime()
         self._rank: tuple[int, str] | None = None
         self._closed = False
         _OPEN.add(self)
@@ -676,6 +707,9 @@ class Capturer:
             line += f"; {self._in_flight} still with the writer"
         if self.disabled_reason:
             line += f"; capture turned off: {self.disabled_reason}"
+        spent = self.engine_time.describe()
+        if spent:
+            line += f"; {spent}"
         return line
 
     def close(self, timeout: float | None = EXIT_FLUSH_SECONDS) -> bool:

@@ -36,6 +36,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ logger = logging.getLogger("kvdbg.capture")
 ENV_DIR = "KVDBG_CAPTURE_DIR"
 ENV_SENTINEL = "KVDBG_SENTINEL"
 _SENTINEL_OFF = ("", "0", "off", "false", "no")
+# The hooks' clock: wall time, what the engine waited for (a thread's CPU clock is a system call).
+_clock = time.perf_counter_ns
 
 
 @dataclass(frozen=True)
@@ -599,18 +602,19 @@ class _PluginState:
 
     # ---------------------------------------------------------------- builder
 
-    def after_build(self, builder: Any, common: Any, metadata: Any) -> None:
+    def after_build(self, builder: Any, common: Any, metadata: Any) -> bool:
+        """Keep copies of the step's metadata for the forwards of its layers; whether it copied anything."""
         try:
             if metadata is None or common is None or (not self.capturer.active and self.sentinel is None):
-                return
+                return False
             self.declare(builder)
             names = self._selected_layers(builder)
             # The step each layer's next forward will be: nothing is kept for a build no capture will use.
             if names is not None and not any(self.capturer.selects(n, self._forward_counts.get(n, 0))
                                              for n in names) and not self._sentinel_checks(builder):
-                return
+                return False
             if _graph_capturing(common.seq_lens):
-                return
+                return False
             num_reqs = int(common.num_reqs)
             causal = common.causal
             facts = self._builder_facts.get(id(builder))
@@ -634,8 +638,10 @@ class _PluginState:
                 facts,
                 _step_refusal(common),
             ))
+            return True
         except Exception as exc:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
+            return False
 
     def _sentinel_checks(self, builder: Any) -> bool:
         """Whether the sentinel checks the next step of any of this builder's layers (it has its own layer filter)."""
@@ -735,8 +741,8 @@ class _PluginState:
 
     # ---------------------------------------------------------------- cache update
 
-    def before_cache_update(self, impl: Any, layer: Any, key, value, kv_cache, slot_mapping) -> None:
-        """Copy what the update will overwrite, and the K/V it writes.
+    def before_cache_update(self, impl: Any, layer: Any, key, value, kv_cache, slot_mapping) -> bool:
+        """Copy what the update will overwrite, and the K/V it writes; whether it copied them.
 
         The writer later reads the written slots back from the pages the forward's
         capture copies (after the update): a layer whose cache does not hold the K/V
@@ -746,29 +752,32 @@ class _PluginState:
         """
         try:
             if key is None or value is None or slot_mapping is None:
-                return
+                return False
             name = getattr(layer, "layer_name", None)
             if name is None:
-                return
+                return False
             step = self._forward_counts.get(name, 0)  # the forward this update belongs to comes next
             if _graph_capturing(kv_cache):
                 if self.capturer.layer_selected(name):
                     self.note_graph_recording(name)
-                return
+                return False
             if not self.capturer.wants(name, step):
-                return
+                return False
             kv_layout = self.engine_layout(impl, layer, self._info(impl), kv_cache)
             if kv_layout is None:
                 self.capturer.skip(name, step)
-                return
+                return False
             # The forward's rule for the model dtype, without its output buffer.
             target = self.capture_layer(impl, layer, kv_layout, getattr(layer, "dtype", key.dtype))
             pre = self.capturer.save_pre_update(target, key=key, value=value, slot_mapping=slot_mapping,
                                                 kv_cache=kv_cache, step=step, check_written=True)
-            if pre is not None:
-                self._pre_updates[name] = pre
+            if pre is None:
+                return False
+            self._pre_updates[name] = pre
+            return True
         except Exception as exc:
             self.capturer.report(exc, f"{type(impl).__name__}.do_kv_cache_update")
+            return False
 
     # ---------------------------------------------------------------- forward
 
@@ -1086,14 +1095,27 @@ def _resolve_backend(name: str) -> tuple[type, type, type | None, str]:
 # --------------------------------------------------------------------------- wrappers
 
 
+# The hooks time themselves (wall time: what the engine waited, the interpreter lock included) into the
+# capturer's EngineTime, which the exit line reports: the calls that copied for a step apart from the others.
+
+
 def _wrap_forward(state: _PluginState, original):
     @functools.wraps(original)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        start = _clock()
         output = kwargs.get("output", args[0] if args else None)
         pending = state.before_forward(self, layer, query, key, value, kv_cache, attn_metadata, output)
+        spent = _clock() - start
         result = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        account = state.capturer.engine_time
         if pending is not None:
+            start = _clock()
             state.after_forward(pending, output, result)
+            account.captured_ns += spent + _clock() - start
+            account.steps += 1
+        else:
+            account.other_ns += spent
+            account.other_calls += 1
         if state.sentinel is not None:
             state.sentinel.after_forward(state, self, layer, query, key, value, kv_cache, attn_metadata,
                                          output if output is not None else result)
@@ -1101,6 +1123,15 @@ def _wrap_forward(state: _PluginState, original):
 
     forward._kvdbg_original = original
     return forward
+
+
+def _account(state: _PluginState, copied: bool, ns: int) -> None:
+    account = state.capturer.engine_time
+    if copied:
+        account.captured_ns += ns
+    else:
+        account.other_ns += ns
+        account.other_calls += 1
 
 
 def _wrap_layer_init(state: _PluginState, original):
@@ -1116,7 +1147,9 @@ def _wrap_layer_init(state: _PluginState, original):
 def _wrap_cache_update(state: _PluginState, original):
     @functools.wraps(original)
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
-        state.before_cache_update(self, layer, key, value, kv_cache, slot_mapping)
+        start = _clock()
+        copied = state.before_cache_update(self, layer, key, value, kv_cache, slot_mapping)
+        _account(state, copied, _clock() - start)
         if state.sentinel is not None:
             state.sentinel.before_cache_update(state, self, layer, key, value, kv_cache, slot_mapping)
         return original(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
@@ -1139,8 +1172,10 @@ def _wrap_build(state: _PluginState, original):
     @functools.wraps(original)
     def build(self, *args, **kwargs):
         metadata = original(self, *args, **kwargs)
+        start = _clock()
         common = kwargs.get("common_attn_metadata", args[1] if len(args) > 1 else None)
-        state.after_build(self, common, metadata)
+        copied = state.after_build(self, common, metadata)
+        _account(state, copied, _clock() - start)
         return metadata
 
     build._kvdbg_original = original

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -426,6 +427,36 @@ def test_each_layer_is_described_once_and_again_when_its_scales_change(standins,
     assert snaps[engine.names[0], 4].meta.layer.k_scale == 0.05
 
 
+def test_the_hooks_account_for_the_engine_time_of_copied_steps_apart_from_the_others(standins, tmp_path):
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="1", KVDBG_CAPTURE_LAYERS="*.layers.1.*")
+    engine = StandinEngine("FLASHINFER_TS", layers=2)
+    capturer = vllm_plugin.active_capturer()
+    for _ in range(3):
+        engine.step()
+    capturer.flush(30)
+    account = capturer.engine_time
+    # One layer-step copied (layer 1, step 1). The other calls: the five other forwards, their five cache
+    # updates, and the builds of steps 0 and 2, which keep nothing (no selected layer's next step is selected).
+    assert account.steps == 1 and len(snapshots(tmp_path)) == 1
+    assert account.other_calls == 5 + 5 + 2
+    assert account.captured_ns > 0 and account.other_ns > 0
+    line = capturer.summary()
+    assert re.search(r"; engine's thread: [\d,.]+ ms copying 1 step\(s\) \([\d,]+ us each\), [\d,.]+ ms in 12 other "
+                     r"hook call\(s\) \([\d,.]+ us each\)$", line), line
+
+
+def test_the_account_says_nothing_when_no_hook_was_timed():
+    from kvdbg.capture import EngineTime
+
+    account = EngineTime()
+    assert account.describe() == ""
+    account.other_ns, account.other_calls = 1_500_000, 3
+    assert account.describe() == "engine's thread: 1.5 ms in 3 other hook call(s) (500.0 us each)"
+    account.captured_ns, account.steps = 2_460_000_000, 5000
+    assert account.describe() == ("engine's thread: 2,460.0 ms copying 5000 step(s) (492 us each), 1.5 ms in 3 "
+                                  "other hook call(s) (500.0 us each)")
+
+
 def test_a_layer_that_cannot_be_described_is_skipped_and_the_engine_runs_on(standins, tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
     enable(standins, tmp_path)
@@ -840,8 +871,14 @@ def test_the_writer_drains_at_the_worker_shutdown_and_says_one_line(standins, tm
     worker.shutdown()
     assert worker.shut_down and len(os.listdir(tmp_path)) == 3  # drained before the worker's own shutdown
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvdbg capture in pid")]
-    assert lines == [f"kvdbg capture in pid {os.getpid()}: captured 3 snapshot(s), {capturer.bytes_written} bytes, "
-                     f"into {tmp_path}; dropped 0"]
+    assert len(lines) == 1
+    said, spent = lines[0].split("; engine's thread: ")
+    assert said == (f"kvdbg capture in pid {os.getpid()}: captured 3 snapshot(s), {capturer.bytes_written} bytes, "
+                    f"into {tmp_path}; dropped 0")
+    # What the hooks took from the engine's thread: the three steps they copied, each timed.
+    account = capturer.engine_time
+    assert account.steps == 3 and account.captured_ns > 0
+    assert re.fullmatch(r"[\d,.]+ ms copying 3 step\(s\) \([\d,]+ us each\)(, .* other hook call\(s\) .*)?", spent)
     vllm_plugin.unregister()  # closes again: nothing more is said
     assert sum(r.getMessage().startswith("kvdbg capture in pid") for r in caplog.records) == 1
 

@@ -442,6 +442,9 @@ def range_under_load(out: str, model_dir: str, log) -> list[str]:
     if len(lines) != 1 or f"captured {len(want)} snapshot(s)" not in lines[0] or "dropped 0" not in lines[0]:
         problems.append(f"range_under_load: expected one exit line saying captured {len(want)}, dropped 0; got "
                         f"{lines}")
+    elif f"copying {len(want)} step(s)" not in lines[0]:
+        problems.append(f"range_under_load: the exit line does not account for the engine's thread in the "
+                        f"{len(want)} steps copied: {lines[0]}")
     log(f"plain LLM() range_under_load  {took:5.1f} s: steps {RANGE_STEPS[0]}-{RANGE_STEPS[1]} of 2 layers under "
         f"load, {len(got)} of {len(want)} snapshots; {lines[0].split('[kvdbg] ')[-1] if lines else 'no exit line'}")
     return problems
