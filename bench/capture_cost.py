@@ -14,9 +14,12 @@ The engine's thread is the main thread here. Every method the plugin wraps
 (the builder's ``build``, the impl's ``do_kv_cache_update`` and ``forward``)
 is timed twice: around the plugin's wrapper and around vLLM's own method
 inside it; the difference is kvdbg's time on the engine's thread, summed per
-decode step (one ``build`` per step). Times are the thread's CPU time
+decode step (one ``build`` per step). The ratios use the thread's CPU time
 (``time.thread_time_ns``): on a shared machine the wall time of a 20 us hook
-mostly says who else had the core. Each setting runs a warm burst of decode
+mostly says who else had the core. The wall time in the hooks is printed too
+(and its ratio): it adds the engine thread's waits for a core and for the
+interpreter lock while the writer's thread works, what the engine feels on a
+machine with no core to spare. Each setting runs a warm burst of decode
 steps, lets the writer drain (its page buffers go back to the pool), then the
 measured burst: median over its decode steps (the warm burst's median is in
 the JSON as ``first_burst_median_us``). Settings, in one process:
@@ -66,6 +69,9 @@ CPU_ATTN_MODULE = "vllm.v1.attention.backends.cpu_attn"
 # CPU time of the calling thread: what kvdbg takes from the engine's thread, unaffected by a neighbour's load
 # (on a shared machine, wall time inside a 20 us hook mostly measures who else had the core).
 CLOCK = time.thread_time_ns
+# Wall time as well: what the engine's thread waited, its waits for the interpreter lock and for a core
+# (the writer's thread competes for both) included. Summed per step beside the CPU time.
+WALL = time.perf_counter_ns
 BARE = "bare copies (no kvdbg)"
 IN_SITU = "copy of the bytes, in place"
 IN_SITU_ONE = "... in place, one thread"
@@ -94,18 +100,27 @@ SIZES = {
 
 @dataclass
 class Ledger:
-    """kvdbg's nanoseconds on the engine's thread, per step (a step starts with the builder's build)."""
+    """kvdbg's nanoseconds on the engine's thread, per step (a step starts with the builder's build):
+    thread CPU time per hook in ``steps``, wall time per step in ``walls``."""
 
     steps: list[dict[str, int]] = field(default_factory=list)
+    walls: list[int] = field(default_factory=list)
     _inner: int = 0
+    _inner_wall: int = 0
 
     def start_step(self) -> None:
         self.steps.append(defaultdict(int))
+        self.walls.append(0)
 
-    def add(self, hook: str, ns: int) -> None:
+    def add(self, hook: str, ns: int, wall_ns: int) -> None:
         if not self.steps:
             self.start_step()
         self.steps[-1][hook] += ns
+        self.walls[-1] += wall_ns
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.walls.clear()
 
 
 def install_timers(module, ledger: Ledger) -> None:
@@ -119,11 +134,11 @@ def install_timers(module, ledger: Ledger) -> None:
         def make(original, hook):
             @functools.wraps(original)
             def inner(*args, **kwargs):
-                t0 = CLOCK()
+                t0, w0 = CLOCK(), WALL()
                 try:
                     return original(*args, **kwargs)
                 finally:
-                    ledger._inner = CLOCK() - t0
+                    ledger._inner, ledger._inner_wall = CLOCK() - t0, WALL() - w0
             inner._bench_original = original
             return inner
 
@@ -144,12 +159,12 @@ def install_outer(module, ledger: Ledger) -> None:
             def outer(*args, **kwargs):
                 if hook == "build":
                     ledger.start_step()
-                ledger._inner = 0
-                t0 = CLOCK()
+                ledger._inner = ledger._inner_wall = 0
+                t0, w0 = CLOCK(), WALL()
                 try:
                     return wrapped(*args, **kwargs)
                 finally:
-                    ledger.add(hook, CLOCK() - t0 - ledger._inner)
+                    ledger.add(hook, CLOCK() - t0 - ledger._inner, WALL() - w0 - ledger._inner_wall)
             outer._bench_wrapped = wrapped
             return outer
 
@@ -348,7 +363,7 @@ def run_size(size: Size, steps: int, out: str) -> dict:
             vllm_plugin.active_capturer().flush(600)
             # The plugin's own account of its hooks (the exit line's), for the measured burst alone.
             vllm_plugin.active_capturer().engine_time = EngineTime()
-        ledger.steps.clear()
+        ledger.clear()
         wall0, cpu0 = time.perf_counter(), time.thread_time()
         generate()
         wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
@@ -359,6 +374,7 @@ def run_size(size: Size, steps: int, out: str) -> dict:
         per_step = sorted(sum(s.values()) for s in decode)
         results[setting] = {
             "median_us": statistics.median(per_step) / 1e3,
+            "wall_median_us": statistics.median(ledger.walls[-steps:]) / 1e3,
             "p90_us": per_step[int(0.9 * (len(per_step) - 1))] / 1e3,
             # The warm run: the session's first burst, which allocates (and first-touches) its page buffers.
             "first_burst_median_us": statistics.median(cold) / 1e3,
@@ -395,6 +411,11 @@ def run_size(size: Size, steps: int, out: str) -> dict:
     in_situ_torch = results[IN_SITU]["median_us"] * 1e3 - timers
     in_situ_one = results[IN_SITU_ONE]["median_us"] * 1e3 - timers
     in_situ = min(in_situ_torch, in_situ_one)  # the faster way is the reference (see the module's notes)
+
+    def wall(setting: str) -> float:
+        return (results[setting]["wall_median_us"] - results["unwrapped (timers only)"]["wall_median_us"]) * 1e3
+
+    captured_wall, in_situ_wall = wall("one layer captured"), min(wall(IN_SITU), wall(IN_SITU_ONE))
     return {"size": size.name, "snapshot_bytes": snapshot_bytes, "settings": results,
             "copy_bytes_us": copy_bytes / 1e3, "copy_bytes_torch_us": copy_torch / 1e3,
             "copy_bytes_one_thread_us": copy_one / 1e3, "copy_tensors_us": copy_tensors / 1e3, "tensors": count,
@@ -402,7 +423,9 @@ def run_size(size: Size, steps: int, out: str) -> dict:
             "copy_in_engine_torch_us": in_situ_torch / 1e3, "copy_in_engine_one_thread_us": in_situ_one / 1e3,
             "ratio_to_copy_bytes": captured / copy_bytes, "ratio_to_copy_in_engine": captured / in_situ,
             "ratio_to_bare": captured / bare, "bare_to_copy_bytes": bare / copy_bytes,
-            "bare_to_copy_in_engine": bare / in_situ, "ratio_to_copy_tensors": captured / copy_tensors}
+            "bare_to_copy_in_engine": bare / in_situ, "ratio_to_copy_tensors": captured / copy_tensors,
+            "kvdbg_wall_us": captured_wall / 1e3, "copy_in_engine_wall_us": in_situ_wall / 1e3,
+            "wall_ratio_to_copy_in_engine": captured_wall / in_situ_wall}
 
 
 def main() -> int:
@@ -441,6 +464,7 @@ def main() -> int:
                 extra += f" ({r['summary'].split('; capture turned off: ')[-1][:200]})"
             print(f"  {setting:<28}{r['median_us']:>10.1f} us (p90 {r['p90_us']:.1f}; first burst "
                   f"{r['first_burst_median_us']:.1f}; {hooks}){extra}")
+            print(f"  {'':<28}wall time in the hooks: {r['wall_median_us']:.1f} us")
             print(f"  {'':<28}whole step: {r['generate_wall_ms_per_step']:.2f} ms wall, "
                   f"{r['generate_engine_thread_cpu_ms_per_step']:.2f} ms engine-thread CPU")
             if "own_account_us_per_step" in r:
@@ -461,6 +485,9 @@ def main() -> int:
         print(f"  ratio: kvdbg / bare copies                   {row['ratio_to_bare']:7.2f}")
         print(f"  ratio: bare copies / copy of the bytes (loop) {row['bare_to_copy_bytes']:6.2f}")
         print(f"  ratio: bare copies / copy, in place          {row['bare_to_copy_in_engine']:7.2f}")
+        print(f"  in wall time (the writer's thread competes for the cores and the interpreter lock): kvdbg "
+              f"{row['kvdbg_wall_us']:.1f} us, copy in place {row['copy_in_engine_wall_us']:.1f} us, ratio "
+              f"{row['wall_ratio_to_copy_in_engine']:.2f}")
     print(json.dumps(rows))
     return 0
 
