@@ -603,15 +603,17 @@ class _PluginState:
     # ---------------------------------------------------------------- builder
 
     def after_build(self, builder: Any, common: Any, metadata: Any) -> bool:
-        """Keep copies of the step's metadata for the forwards of its layers; whether it copied anything."""
+        """Keep copies of the step's metadata for the forwards of its layers; whether it did for a capture
+        (not only for the sentinel)."""
         try:
             if metadata is None or common is None or (not self.capturer.active and self.sentinel is None):
                 return False
             self.declare(builder)
             names = self._selected_layers(builder)
             # The step each layer's next forward will be: nothing is kept for a build no capture will use.
-            if names is not None and not any(self.capturer.selects(n, self._forward_counts.get(n, 0))
-                                             for n in names) and not self._sentinel_checks(builder):
+            for_capture = names is None or any(self.capturer.selects(n, self._forward_counts.get(n, 0))
+                                               for n in names)
+            if not for_capture and not self._sentinel_checks(builder):
                 return False
             if _graph_capturing(common.seq_lens):
                 return False
@@ -638,7 +640,7 @@ class _PluginState:
                 facts,
                 _step_refusal(common),
             ))
-            return True
+            return for_capture
         except Exception as exc:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
             return False
