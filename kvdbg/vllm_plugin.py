@@ -629,9 +629,9 @@ class _PluginState:
             # here, and a later in-place update of the runner's buffers cannot reach them.
             self._stash(metadata, _EngineContext(
                 id(metadata),
-                common.block_table_tensor[:num_reqs].clone(),
-                common.seq_lens[:num_reqs].clone(),
-                common.query_start_loc[: num_reqs + 1].clone(),
+                _rows(common.block_table_tensor, num_reqs).clone(),
+                _rows(common.seq_lens, num_reqs).clone(),
+                _rows(common.query_start_loc, num_reqs + 1).clone(),
                 # Only a backend that writes the new K/V inside forward needs them (the others' are saved before
                 # do_kv_cache_update).
                 None if slot_mapping is None or not self._update_in_forward
@@ -697,13 +697,13 @@ class _PluginState:
         an interleaved model records each layer's), TRITON_ATTN's ``chunk_lookback`` (-1: off; on only with a
         window), the PrefixLM and R-SWA masks, the attention type and the KV-sharing target.
         """
-        from kvdbg.capture import CaptureLayer
-
         scales = (layer._q_scale_float, layer._k_scale_float, layer._v_scale_float)
         key = (id(impl), kv_layout, model_dtype, scales)
         cached = self._layers.get(layer.layer_name)
         if cached is not None and cached[0] == key:
             return cached[1]
+        from kvdbg.capture import CaptureLayer
+
         attn_type = getattr(layer, "attn_type", getattr(impl, "attn_type", "decoder"))
         # The layer keeps the window in tokens (None: none); impls keep their own forms ((left, right) with -1
         # for none in FLASH_ATTN and TRITON_ATTN, -1 in CPU_ATTN), read only for a layer without the attribute.
@@ -808,9 +808,9 @@ class _PluginState:
                 self.capturer.skip(name, step)
                 return None
             ctx = self._lookup(metadata)
-            from kvdbg.capture import CaptureInputError
-
             if ctx is None:
+                from kvdbg.capture import CaptureInputError
+
                 raise CaptureInputError(
                     f"the {type(metadata).__name__} it received was not returned by a wrapped builder's build(), "
                     "so the engine-level metadata is unknown"
@@ -822,6 +822,8 @@ class _PluginState:
                 self.capturer.skip(name, step)
                 return None
             if ctx.max_model_len is None:
+                from kvdbg.capture import CaptureInputError
+
                 raise CaptureInputError(f"{ctx.builder} has no vllm_config.model_config.max_model_len")
             model_dtype = output.dtype if output is not None else layer.dtype
             target = self.capture_layer(impl, layer, kv_layout, model_dtype)
@@ -924,6 +926,11 @@ class _PluginState:
             self.capturer.finish(pending, output if output is not None else result)
         except Exception as exc:  # finish does not raise; this guards the engine against a kvdbg bug anyway
             self.capturer.report(exc, "after forward", step_lost=True)
+
+
+def _rows(t: Any, n: int) -> Any:
+    """``t[:n]``, sliced only when it holds more rows (a runner's padded buffer): a slice is a torch call."""
+    return t if t.shape[0] == n else t[:n]
 
 
 def _parallel_facts(vllm_config: Any) -> dict[str, Any]:
@@ -1071,9 +1078,11 @@ def _max_graph_size(compilation: Any) -> int | None:
 
 
 def _graph_capturing(t: Any) -> bool:
+    if not getattr(t, "is_cuda", False):  # asked on every hook call: a host tensor needs nothing more
+        return False
     import torch
 
-    return bool(getattr(t, "is_cuda", False)) and torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_current_stream_capturing()
 
 
 def _resolve_backend(name: str) -> tuple[type, type, type | None, str]:
