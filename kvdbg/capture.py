@@ -158,7 +158,8 @@ def stale_temp_files(directory: str) -> list[str]:
 class EngineTime:
     """What capture's hooks took from the engine's thread (wall time, as the engine felt it), kept by an
     engine plugin that times its hooks: the hook calls that copied for a step, and the others (filters
-    that said no, step counting). ``steps``: the steps copied at their forward."""
+    that said no, step counting, metadata kept for the sentinel alone). ``steps``: the steps copied at
+    their forward."""
 
     captured_ns: int = 0
     steps: int = 0
