@@ -27,8 +27,17 @@ the JSON as ``first_burst_median_us``). Settings, in one process:
     unwrapped (timers only)      the timers around vLLM's own methods: their cost, taken off the others
     wrapped, nothing captured    kvdbg's plugin with no step selected
     one layer captured           kvdbg's plugin
+    empty hooks (no kvdbg)       hooks at the same three points that only ask whether the layer is the captured
+                                 one: what any capture by hooks pays before it copies a byte
     bare copies (no kvdbg)       hooks that copy each of the step's tensors once with one torch call and do
-                                 nothing else: the floor of any capture made of torch calls
+                                 nothing else: the floor of a capture made of torch calls
+    bare copies, numpy           the same with numpy calls on views of the tensors (one thread, no dispatcher)
+    empty hooks + copy in two    the empty hooks, and the forward's copying the snapshot's bytes with numpy in
+                                 two calls, half before vLLM's forward and half after, as a capture copies
+                                 the pages the forward reads and the output it writes: the floor of a
+                                 capture by hooks (one native call after the forward could copy both, and
+                                 would still cost the empty hooks plus one copy in place). A one-thread copy:
+                                 at 51 MB torch's is faster, and this floor is a little high there
     copy of the bytes, in place  the forward hook copies the snapshot's bytes into a buffer made before,
                                  with torch (``copy_``)
     ... in place, one thread     the same with ``numpy.copyto``: one thread's plain copy
@@ -73,8 +82,11 @@ CLOCK = time.thread_time_ns
 # (the writer's thread competes for both) included. Summed per step beside the CPU time.
 WALL = time.perf_counter_ns
 BARE = "bare copies (no kvdbg)"
+BARE_NP = "bare copies, numpy"
+EMPTY = "empty hooks (no kvdbg)"
 IN_SITU = "copy of the bytes, in place"
 IN_SITU_ONE = "... in place, one thread"
+FLOOR = "empty hooks + copy in two"
 LAYER_SUFFIX = ".layers.1.self_attn.attn"  # the captured layer (KVDBG_CAPTURE_LAYERS below)
 HOOKS = (("CPUAttentionMetadataBuilder", "build"), ("CPUAttentionBackendImpl", "do_kv_cache_update"),
          ("CPUAttentionBackendImpl", "forward"))
@@ -171,6 +183,56 @@ def install_outer(module, ledger: Ledger) -> None:
         setattr(cls, attr, make(wrapped, hook))
 
 
+def install_empty(module, layer_suffix: str, nbytes: int = 0) -> None:
+    """Hooks at the same three points that only ask whether the layer is the captured one, then call through:
+    what any capture made of Python hooks pays before it copies a byte.
+
+    With ``nbytes``, the forward hook also copies that many bytes (numpy, one thread) into a buffer made
+    before, half before vLLM's forward and half after it, as a capture copies the pages the forward reads
+    and the output it writes: the floor of a capture by hooks.
+    """
+    import functools
+
+    import numpy as np
+
+    src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+    half = nbytes // 2
+    first, second = (dst[:half], src[:half]), (dst[half:], src[half:])
+
+    builder_cls, impl_cls = (getattr(module, name) for name, _ in HOOKS[:2])
+    build, update, forward = (getattr(module, c).__dict__[a] for c, a in HOOKS)
+
+    @functools.wraps(build)
+    def empty_build(self, *args, **kwargs):
+        metadata = build(self, *args, **kwargs)
+        if kwargs.get("common_attn_metadata", args[1] if len(args) > 1 else None) is not None:
+            metadata._bare = None
+        return metadata
+
+    @functools.wraps(update)
+    def empty_update(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
+        if layer.layer_name.endswith(layer_suffix):
+            layer._bare = None
+        return update(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
+
+    @functools.wraps(forward)
+    def empty_forward(self, layer, query, key, value, kv_cache, metadata, *args, **kwargs):
+        wanted = metadata is not None and layer.layer_name.endswith(layer_suffix)
+        if wanted and nbytes:
+            np.copyto(*first)
+        result = forward(self, layer, query, key, value, kv_cache, metadata, *args, **kwargs)
+        if wanted:
+            layer._bare = kwargs.get("output", args[0] if args else None)
+            if nbytes:
+                np.copyto(*second)
+        return result
+
+    builder_cls.build, impl_cls.do_kv_cache_update, impl_cls.forward = empty_build, empty_update, empty_forward
+    empty_build._bench_bare = build
+    empty_update._bench_bare = update
+    empty_forward._bench_bare = forward
+
+
 def install_bare(module, layer_suffix: str) -> None:
     """Wrap the hooks with the least any capture of a step does: each tensor copied once, nothing else.
 
@@ -225,6 +287,64 @@ def install_bare(module, layer_suffix: str) -> None:
         if copied is not None:
             output = kwargs.get("output", args[0] if args else None)
             copied += (output[:tokens].clone(),)
+        return result
+
+    builder_cls.build, impl_cls.do_kv_cache_update, impl_cls.forward = bare_build, bare_update, bare_forward
+    bare_build._bench_bare = build
+    bare_update._bench_bare = update
+    bare_forward._bench_bare = forward
+
+
+def install_bare_numpy(module, layer_suffix: str) -> None:
+    """The bare copies made with numpy calls on views of the tensors (one thread, no torch dispatch)."""
+    import functools
+
+    import numpy as np
+    import torch
+
+    builder_cls, impl_cls = (getattr(module, name) for name, _ in HOOKS[:2])
+    build, update, forward = (getattr(module, c).__dict__[a] for c, a in HOOKS)
+
+    def view(t):
+        return t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()
+
+    @functools.wraps(build)
+    def bare_build(self, *args, **kwargs):
+        metadata = build(self, *args, **kwargs)
+        common = kwargs.get("common_attn_metadata", args[1] if len(args) > 1 else None)
+        if common is not None:
+            n = common.num_reqs
+            metadata._bare = (common.block_table_tensor.numpy()[:n].copy(), common.seq_lens.numpy()[:n].copy(),
+                              common.query_start_loc.numpy()[: n + 1].copy())
+        return metadata
+
+    @functools.wraps(update)
+    def bare_update(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
+        if layer.layer_name.endswith(layer_suffix):
+            cache = view(kv_cache)
+            slots = slot_mapping.numpy().copy()
+            ids = np.unique(slots[slots >= 0] // cache.shape[2])
+            layer._bare = (view(key).copy(), view(value).copy(), slots, cache.take(ids, axis=0))
+        return update(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
+
+    @functools.wraps(forward)
+    def bare_forward(self, layer, query, key, value, kv_cache, metadata, *args, **kwargs):
+        copied = None
+        if metadata is not None and layer.layer_name.endswith(layer_suffix):
+            bt, sl, qsl = metadata._bare
+            cache = view(kv_cache)
+            page = cache.shape[2]
+            used = (sl + page - 1) // page
+            ids = np.unique(np.concatenate([row[:k] for row, k in zip(bt, used.tolist())]))
+            tokens = int(qsl[-1])
+            kept = getattr(layer, "_bare_pages", None)
+            if kept is None or kept.shape[0] != len(ids):
+                kept = layer._bare_pages = np.empty((len(ids), *cache.shape[1:]), cache.dtype)
+            copied = (view(query)[:tokens].copy(), np.take(cache, ids, axis=0, out=kept))
+        result = forward(self, layer, query, key, value, kv_cache, metadata, *args, **kwargs)
+        if copied is not None:
+            output = kwargs.get("output", args[0] if args else None)
+            copied += (view(output)[:tokens].copy(),)
         return result
 
     builder_cls.build, impl_cls.do_kv_cache_update, impl_cls.forward = bare_build, bare_update, bare_forward
@@ -343,10 +463,16 @@ def run_size(size: Size, steps: int, out: str) -> dict:
 
     results = {}
     snapshot_bytes = 0
-    for setting in ("unwrapped (timers only)", "wrapped, nothing captured", "one layer captured", BARE, IN_SITU,
-                    IN_SITU_ONE):
-        if setting == BARE:
+    for setting in ("unwrapped (timers only)", "wrapped, nothing captured", "one layer captured", EMPTY, BARE,
+                    BARE_NP, FLOOR, IN_SITU, IN_SITU_ONE):
+        if setting == EMPTY:
+            install_empty(module, LAYER_SUFFIX)
+        elif setting == BARE:
             install_bare(module, LAYER_SUFFIX)
+        elif setting == BARE_NP:
+            install_bare_numpy(module, LAYER_SUFFIX)
+        elif setting == FLOOR:
+            install_empty(module, LAYER_SUFFIX, snapshot_bytes)
         elif setting in (IN_SITU, IN_SITU_ONE):
             install_copy(module, LAYER_SUFFIX, snapshot_bytes, one_thread=setting == IN_SITU_ONE)
         elif setting != "unwrapped (timers only)":
@@ -369,7 +495,7 @@ def run_size(size: Size, steps: int, out: str) -> dict:
         wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
         decode = ledger.steps[-steps:]
         remove_outer(module)
-        if setting in (BARE, IN_SITU, IN_SITU_ONE):
+        if setting in (EMPTY, BARE, BARE_NP, FLOOR, IN_SITU, IN_SITU_ONE):
             remove_bare(module)
         per_step = sorted(sum(s.values()) for s in decode)
         results[setting] = {
@@ -408,6 +534,9 @@ def run_size(size: Size, steps: int, out: str) -> dict:
     timers = results["unwrapped (timers only)"]["median_us"] * 1e3
     captured = results["one layer captured"]["median_us"] * 1e3 - timers
     bare = results[BARE]["median_us"] * 1e3 - timers
+    bare_np = results[BARE_NP]["median_us"] * 1e3 - timers
+    empty = results[EMPTY]["median_us"] * 1e3 - timers
+    floor = results[FLOOR]["median_us"] * 1e3 - timers
     in_situ_torch = results[IN_SITU]["median_us"] * 1e3 - timers
     in_situ_one = results[IN_SITU_ONE]["median_us"] * 1e3 - timers
     in_situ = min(in_situ_torch, in_situ_one)  # the faster way is the reference (see the module's notes)
@@ -419,7 +548,9 @@ def run_size(size: Size, steps: int, out: str) -> dict:
     return {"size": size.name, "snapshot_bytes": snapshot_bytes, "settings": results,
             "copy_bytes_us": copy_bytes / 1e3, "copy_bytes_torch_us": copy_torch / 1e3,
             "copy_bytes_one_thread_us": copy_one / 1e3, "copy_tensors_us": copy_tensors / 1e3, "tensors": count,
-            "kvdbg_us": captured / 1e3, "bare_us": bare / 1e3, "copy_in_engine_us": in_situ / 1e3,
+            "kvdbg_us": captured / 1e3, "bare_us": bare / 1e3, "bare_numpy_us": bare_np / 1e3,
+            "empty_hooks_us": empty / 1e3, "floor_us": floor / 1e3, "copy_in_engine_us": in_situ / 1e3,
+            "empty_to_copy_in_engine": empty / in_situ, "floor_to_copy_in_engine": floor / in_situ,
             "copy_in_engine_torch_us": in_situ_torch / 1e3, "copy_in_engine_one_thread_us": in_situ_one / 1e3,
             "ratio_to_copy_bytes": captured / copy_bytes, "ratio_to_copy_in_engine": captured / in_situ,
             "ratio_to_bare": captured / bare, "bare_to_copy_bytes": bare / copy_bytes,
@@ -475,7 +606,10 @@ def main() -> int:
         print(f"  {'copy of the tensors (loop)':<28}{row['copy_tensors_us']:>10.1f} us")
         print("  less the timers-only run (what each adds to the engine's thread):")
         print(f"    kvdbg                       {row['kvdbg_us']:>10.1f} us")
-        print(f"    bare copies                 {row['bare_us']:>10.1f} us   the floor of any capture by torch calls")
+        print(f"    bare copies                 {row['bare_us']:>10.1f} us   each tensor copied once by a torch call")
+        print(f"    bare copies, numpy          {row['bare_numpy_us']:>10.1f} us   the same by numpy calls")
+        print(f"    empty hooks                 {row['empty_hooks_us']:>10.1f} us   hooks that copy nothing")
+        print(f"    empty hooks + copy in two   {row['floor_us']:>10.1f} us   the floor of a capture by hooks")
         print(f"    copy of the bytes, in place {row['copy_in_engine_torch_us']:>10.1f} us")
         print(f"    ... in place, one thread    {row['copy_in_engine_one_thread_us']:>10.1f} us")
         print("  ratios to the faster copy of the bytes "
@@ -485,6 +619,8 @@ def main() -> int:
         print(f"  ratio: kvdbg / bare copies                   {row['ratio_to_bare']:7.2f}")
         print(f"  ratio: bare copies / copy of the bytes (loop) {row['bare_to_copy_bytes']:6.2f}")
         print(f"  ratio: bare copies / copy, in place          {row['bare_to_copy_in_engine']:7.2f}")
+        print(f"  ratio: empty hooks / copy, in place          {row['empty_to_copy_in_engine']:7.2f}")
+        print(f"  ratio: floor of capture by hooks / copy, in place {row['floor_to_copy_in_engine']:5.2f}")
         print(f"  in wall time (the writer's thread competes for the cores and the interpreter lock): kvdbg "
               f"{row['kvdbg_wall_us']:.1f} us, copy in place {row['copy_in_engine_wall_us']:.1f} us, ratio "
               f"{row['wall_ratio_to_copy_in_engine']:.2f}")
