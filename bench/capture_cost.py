@@ -1,14 +1,17 @@
 """What capture costs the engine's thread per captured step, against copying the snapshot, in a real vLLM (CPU).
 
 Usage (inside a venv with vLLM's CPU build, e.g. the engine stage's):
-    .venv-engine/bin/python bench/capture_cost.py [--steps 24] [--out /tmp/kvdbg-capture-cost] [--sizes small,large]
+    .venv-engine/bin/python bench/capture_cost.py [--steps 24] [--out /tmp/kvdbg-capture-cost]
+        [--sizes small,medium,mid,large]
 
 Runs vLLM in this process (CPU_ATTN) with kvdbg's plugin, once per snapshot
 size, capturing layer 1 of 2 on every decode step through the background
 writer (the default settings, but no count or byte cap):
 
     small   the engine stage's tiny model (2 KV heads of 64, float16), one request: ~55 KB per snapshot
-    large   8 KV heads of 128, float16, 4 requests of 3 100 tokens: ~50 MB per snapshot
+    medium  8 KV heads of 128, float16, one request of 250 tokens: ~1.2 MB per snapshot
+    mid     the same heads, 2 requests of 1 000 tokens: ~8.4 MB per snapshot
+    large   the same heads, 4 requests of 3 100 tokens: ~50 MB per snapshot
 
 The engine's thread is the main thread here. Every method the plugin wraps
 (the builder's ``build``, the impl's ``do_kv_cache_update`` and ``forward``)
@@ -54,7 +57,9 @@ threads; in vLLM's process they are bound to cores, and handing half of a
 54 KB copy to the other thread costs 2-25 us, depending on what else that
 core runs, against about 2 us for the whole copy on one thread. A large copy
 gains from the second thread. Taking the faster keeps the reference honest at
-both sizes.
+every size. The source of these copies is a buffer the hook reuses, warm in
+the caches; a capture reads the pages from the engine's cache, where they may
+be cold: from about a megabyte, reading them costs more than the reference.
 
 Also printed: the split by hook and the writer's count of written and dropped
 steps. Reads nothing but its own output; prints a table and a JSON line.
@@ -105,6 +110,10 @@ class Size:
 
 SIZES = {
     "small": Size("small", kv_heads=2, head_dim=64, prompts=[60], max_model_len=512, blocks=48, batched_tokens=64),
+    "medium": Size("medium", kv_heads=8, head_dim=128, prompts=[250], max_model_len=512, blocks=48,
+                   batched_tokens=512),
+    "mid": Size("mid", kv_heads=8, head_dim=128, prompts=[1000] * 2, max_model_len=2048, blocks=140,
+                batched_tokens=2048),
     "large": Size("large", kv_heads=8, head_dim=128, prompts=[3100] * 4, max_model_len=4096, blocks=520,
                   batched_tokens=4096),
 }
@@ -337,9 +346,9 @@ def install_bare_numpy(module, layer_suffix: str) -> None:
             used = (sl + page - 1) // page
             ids = np.unique(np.concatenate([row[:k] for row, k in zip(bt, used.tolist())]))
             tokens = int(qsl[-1])
-            kept = getattr(layer, "_bare_pages", None)
+            kept = getattr(layer, "_bare_np_pages", None)  # not the torch setting's buffer
             if kept is None or kept.shape[0] != len(ids):
-                kept = layer._bare_pages = np.empty((len(ids), *cache.shape[1:]), cache.dtype)
+                kept = layer._bare_np_pages = np.empty((len(ids), *cache.shape[1:]), cache.dtype)
             copied = (view(query)[:tokens].copy(), np.take(cache, ids, axis=0, out=kept))
         result = forward(self, layer, query, key, value, kv_cache, metadata, *args, **kwargs)
         if copied is not None:
@@ -563,7 +572,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24, help="decode steps per measured generate()")
     parser.add_argument("--out", default="/tmp/kvdbg-capture-cost")
-    parser.add_argument("--sizes", default="small,large")
+    parser.add_argument("--sizes", default="small,medium,mid,large")
     parser.add_argument("--size", help=argparse.SUPPRESS)  # one size in this process (a child of the run)
     args = parser.parse_args()
     if args.size:
