@@ -58,8 +58,7 @@ threads; in vLLM's process they are bound to cores, and handing half of a
 core runs, against about 2 us for the whole copy on one thread. A large copy
 gains from the second thread. Taking the faster keeps the reference honest at
 every size. The source of these copies is a buffer the hook reuses, warm in
-the caches; a capture reads the pages from the engine's cache, where they may
-be cold: from about a megabyte, reading them costs more than the reference.
+the caches; a capture reads the pages where they lie in the engine's cache.
 
 Also printed: the split by hook and the writer's count of written and dropped
 steps. Reads nothing but its own output; prints a table and a JSON line.
