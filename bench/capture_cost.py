@@ -191,6 +191,20 @@ def install_outer(module, ledger: Ledger) -> None:
         setattr(cls, attr, make(wrapped, hook))
 
 
+def _originals(module) -> tuple:
+    """vLLM's three methods as they stand now (inside the timers): what a setting's hooks call through."""
+    return tuple(getattr(module, cls_name).__dict__[attr] for cls_name, attr in HOOKS)
+
+
+def _install(module, hooks) -> None:
+    """Put a setting's hooks (``build``, ``do_kv_cache_update``, ``forward``) in place; remove_bare takes
+    them out."""
+    for (cls_name, attr), hook in zip(HOOKS, hooks):
+        cls = getattr(module, cls_name)
+        hook._bench_bare = cls.__dict__[attr]
+        setattr(cls, attr, hook)
+
+
 def install_empty(module, layer_suffix: str, nbytes: int = 0) -> None:
     """Hooks at the same three points that only ask whether the layer is the captured one, then call through:
     what any capture made of Python hooks pays before it copies a byte.
@@ -207,8 +221,7 @@ def install_empty(module, layer_suffix: str, nbytes: int = 0) -> None:
     half = nbytes // 2
     first, second = (dst[:half], src[:half]), (dst[half:], src[half:])
 
-    builder_cls, impl_cls = (getattr(module, name) for name, _ in HOOKS[:2])
-    build, update, forward = (getattr(module, c).__dict__[a] for c, a in HOOKS)
+    build, update, forward = _originals(module)
 
     @functools.wraps(build)
     def empty_build(self, *args, **kwargs):
@@ -235,10 +248,7 @@ def install_empty(module, layer_suffix: str, nbytes: int = 0) -> None:
                 np.copyto(*second)
         return result
 
-    builder_cls.build, impl_cls.do_kv_cache_update, impl_cls.forward = empty_build, empty_update, empty_forward
-    empty_build._bench_bare = build
-    empty_update._bench_bare = update
-    empty_forward._bench_bare = forward
+    _install(module, (empty_build, empty_update, empty_forward))
 
 
 def install_bare(module, layer_suffix: str) -> None:
@@ -255,8 +265,7 @@ def install_bare(module, layer_suffix: str) -> None:
 
     import torch
 
-    builder_cls, impl_cls = (getattr(module, name) for name, _ in HOOKS[:2])
-    build, update, forward = (getattr(module, c).__dict__[a] for c, a in HOOKS)
+    build, update, forward = _originals(module)
 
     @functools.wraps(build)
     def bare_build(self, *args, **kwargs):
@@ -297,10 +306,7 @@ def install_bare(module, layer_suffix: str) -> None:
             copied += (output[:tokens].clone(),)
         return result
 
-    builder_cls.build, impl_cls.do_kv_cache_update, impl_cls.forward = bare_build, bare_update, bare_forward
-    bare_build._bench_bare = build
-    bare_update._bench_bare = update
-    bare_forward._bench_bare = forward
+    _install(module, (bare_build, bare_update, bare_forward))
 
 
 def install_bare_numpy(module, layer_suffix: str) -> None:
@@ -310,8 +316,7 @@ def install_bare_numpy(module, layer_suffix: str) -> None:
     import numpy as np
     import torch
 
-    builder_cls, impl_cls = (getattr(module, name) for name, _ in HOOKS[:2])
-    build, update, forward = (getattr(module, c).__dict__[a] for c, a in HOOKS)
+    build, update, forward = _originals(module)
 
     def view(t):
         return t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()
@@ -355,10 +360,7 @@ def install_bare_numpy(module, layer_suffix: str) -> None:
             copied += (view(output)[:tokens].copy(),)
         return result
 
-    builder_cls.build, impl_cls.do_kv_cache_update, impl_cls.forward = bare_build, bare_update, bare_forward
-    bare_build._bench_bare = build
-    bare_update._bench_bare = update
-    bare_forward._bench_bare = forward
+    _install(module, (bare_build, bare_update, bare_forward))
 
 
 def install_copy(module, layer_suffix: str, nbytes: int, one_thread: bool = False) -> None:
