@@ -40,6 +40,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from kvdbg.background import confine_torch_to_this_thread
 from kvdbg.capture_buffers import IDLE_RELEASE_SECONDS, HostBuffers
 from kvdbg.capture_config import (ENV_MAX, ENV_MAX_BYTES, ENV_QUEUE_BYTES, CaptureConfig, LayerFilter,
                                   auto_queue_bytes)
@@ -644,6 +645,8 @@ class Capturer:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
         except (AttributeError, OSError):
             pass
+        # No OpenMP team of the writer's own beside the engine's (kvdbg.background says what one costs).
+        logger.debug("kvdbg capture writer: %s", confine_torch_to_this_thread())
         while True:
             try:
                 # Idle with free page buffers: give them back to the system after a while.

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from kvdbg.backend_api import CommonMetadata
+from kvdbg.background import confine_torch_to_this_thread
 from kvdbg.backends.reference import BACKEND as REFERENCE
 from kvdbg.backends.reference import ReferenceBuilder, ReferenceImpl
 from kvdbg.cache import page_dim
@@ -497,6 +498,8 @@ class DeferredChecks:
         return job
 
     def _loop(self) -> None:
+        # Its host-side torch work makes no OpenMP team beside the engine's (see kvdbg.background).
+        logger.debug("kvdbg sentinel worker: %s", confine_torch_to_this_thread())
         while True:
             job = self._jobs.get()
             try:

@@ -1,0 +1,82 @@
+"""kvdbg's background threads run their torch work on their own thread: no OpenMP team beside the engine's."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from kvdbg.background import confine_torch_to_this_thread
+from kvdbg.capture import Capturer
+from kvdbg.format import LAYOUT_VLLM
+from tests.test_capture import Engine
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture
+def two_torch_threads():
+    """The process runs torch on two threads, as an engine on two cores does; restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def in_a_thread(work):
+    result = {}
+
+    def run():
+        result["value"] = work()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return result["value"]
+
+
+def parallel_work() -> None:
+    x = torch.randn(2_000_000)
+    (x * 2).sum()  # far past torch's grain size: split across the thread's OpenMP team, if it has one
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
+def test_a_confined_thread_makes_no_openmp_team_and_leaves_the_process_count_alone(two_torch_threads):
+    def unconfined():
+        parallel_work()
+        return os_threads()
+
+    def confined():
+        said = confine_torch_to_this_thread()
+        count = torch.get_num_threads()
+        parallel_work()
+        return said, count, os_threads()
+
+    with_team = in_a_thread(unconfined)
+    said, count, without_team = in_a_thread(confined)
+    assert count == 1, said
+    assert "alone (of 2)" in said
+    # The unconfined thread's parallel operator started a worker thread; the confined one's ran inline.
+    assert without_team == with_team - 1
+    assert torch.get_num_threads() == 2  # the process's count, which the engine's threads use, is unchanged
+
+
+def test_the_capture_writer_runs_torch_on_its_own_thread(tmp_path, two_torch_threads):
+    engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
+    capturer = Capturer(tmp_path, queue_bytes="auto")
+    seen = []
+    pending = capturer.begin(*engine.args(), step=0, rank=0)
+    # on_written runs in the thread that wrote the file: the writer's.
+    capturer.finish(pending, engine.output,
+                    on_written=lambda path: seen.append((path, threading.current_thread().name,
+                                                         torch.get_num_threads())))
+    assert capturer.flush(30)
+    [(path, thread, count)] = seen
+    assert path is not None and thread == "kvdbg-capture-writer"
+    assert count == 1
+    assert torch.get_num_threads() == 2
+    capturer.close()
