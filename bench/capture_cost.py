@@ -44,6 +44,9 @@ the JSON as ``first_burst_median_us``). Settings, in one process:
     copy of the bytes, in place  the forward hook copies the snapshot's bytes into a buffer made before,
                                  with torch (``copy_``)
     ... in place, one thread     the same with ``numpy.copyto``: one thread's plain copy
+    unwrapped, after capture     the timers alone again: the engine's whole step after kvdbg's writer has run in
+                                 the process, against the first setting's (a writer that made an OpenMP team of
+                                 its own once slowed every later step of the engine)
 
 and floors measured in a loop right after:
 
@@ -91,6 +94,7 @@ EMPTY = "empty hooks (no kvdbg)"
 IN_SITU = "copy of the bytes, in place"
 IN_SITU_ONE = "... in place, one thread"
 FLOOR = "empty hooks + copy in two"
+AFTER = "unwrapped, after capture"
 LAYER_SUFFIX = ".layers.1.self_attn.attn"  # the captured layer (KVDBG_CAPTURE_LAYERS below)
 HOOKS = (("CPUAttentionMetadataBuilder", "build"), ("CPUAttentionBackendImpl", "do_kv_cache_update"),
          ("CPUAttentionBackendImpl", "forward"))
@@ -474,7 +478,7 @@ def run_size(size: Size, steps: int, out: str) -> dict:
     results = {}
     snapshot_bytes = 0
     for setting in ("unwrapped (timers only)", "wrapped, nothing captured", "one layer captured", EMPTY, BARE,
-                    BARE_NP, FLOOR, IN_SITU, IN_SITU_ONE):
+                    BARE_NP, FLOOR, IN_SITU, IN_SITU_ONE, AFTER):
         if setting == EMPTY:
             install_empty(module, LAYER_SUFFIX)
         elif setting == BARE:
@@ -485,7 +489,7 @@ def run_size(size: Size, steps: int, out: str) -> dict:
             install_empty(module, LAYER_SUFFIX, snapshot_bytes)
         elif setting in (IN_SITU, IN_SITU_ONE):
             install_copy(module, LAYER_SUFFIX, snapshot_bytes, one_thread=setting == IN_SITU_ONE)
-        elif setting != "unwrapped (timers only)":
+        elif setting not in ("unwrapped (timers only)", AFTER):
             vllm_plugin.register()
             capturer = vllm_plugin.active_capturer()
             if setting == "wrapped, nothing captured":
@@ -631,6 +635,11 @@ def main() -> int:
         print(f"  ratio: bare copies / copy, in place          {row['bare_to_copy_in_engine']:7.2f}")
         print(f"  ratio: empty hooks / copy, in place          {row['empty_to_copy_in_engine']:7.2f}")
         print(f"  ratio: floor of capture by hooks / copy, in place {row['floor_to_copy_in_engine']:5.2f}")
+        steps = {name: row["settings"][name]["generate_wall_ms_per_step"]
+                 for name in ("unwrapped (timers only)", "one layer captured", AFTER)}
+        print(f"  the engine's whole step (wall, generate() per step): {steps['unwrapped (timers only)']:.2f} ms "
+              f"before any capture, {steps['one layer captured']:.2f} ms capturing, {steps[AFTER]:.2f} ms unwrapped "
+              "again after the capture settings")
         print(f"  in wall time (the writer's thread competes for the cores and the interpreter lock): kvdbg "
               f"{row['kvdbg_wall_us']:.1f} us, copy in place {row['copy_in_engine_wall_us']:.1f} us, ratio "
               f"{row['wall_ratio_to_copy_in_engine']:.2f}")
