@@ -19,9 +19,7 @@ own; ``torch.set_num_threads`` would change the process's, and MKL's).
 from __future__ import annotations
 
 import ctypes
-import logging
-
-logger = logging.getLogger("kvdbg.capture")
+import re
 
 
 def confine_torch_to_this_thread() -> str:
@@ -36,12 +34,35 @@ def confine_torch_to_this_thread() -> str:
     before = torch.get_num_threads()
     if before == 1:
         return "torch runs one thread here already"
-    try:
-        set_count = ctypes.CDLL(None).omp_set_num_threads  # the OpenMP runtime torch loaded (Linux, macOS)
-    except (AttributeError, OSError, TypeError):
+    tried = 0
+    for set_count in _omp_set_num_threads():
+        tried += 1
+        set_count(1)
+        if torch.get_num_threads() == 1:  # torch's runtime answered (another one only set its own count)
+            return f"torch's parallel operators run on this thread alone (of {before})"
+    if not tried:
         return f"no OpenMP runtime found; torch may use {before} threads here"
-    set_count(1)
-    after = torch.get_num_threads()
-    if after != 1:  # a runtime that is not torch's answered the call
-        return f"torch still uses {after} threads here (another OpenMP runtime answered)"
-    return f"torch's parallel operators run on this thread alone (of {before})"
+    return f"torch still uses {torch.get_num_threads()} threads here: none of the {tried} OpenMP runtime(s) " \
+           "found is torch's"
+
+
+_RUNTIME_NAMES = re.compile(r"/lib(?:g|i)?omp[^/]*\.(?:so|dylib)[^/]*$")
+
+
+def _omp_set_num_threads():
+    """``omp_set_num_threads`` of each OpenMP runtime loaded in the process: the global one first, then each
+    library file mapped that is one (a process can hold two, say torch's GNU one and a preloaded Intel one)."""
+    try:
+        yield ctypes.CDLL(None).omp_set_num_threads
+    except (AttributeError, OSError, TypeError):  # no global one (or no global namespace: Windows)
+        pass
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split(None, 5)[-1].strip() for line in maps if _RUNTIME_NAMES.search(line.strip())})
+    except OSError:  # not Linux
+        return
+    for path in paths:
+        try:
+            yield ctypes.CDLL(path).omp_set_num_threads  # already loaded: the same library, not a second copy
+        except (AttributeError, OSError):
+            continue

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from kvdbg import background
 from kvdbg.background import confine_torch_to_this_thread
 from kvdbg.capture import Capturer
 from kvdbg.format import LAYOUT_VLLM
@@ -80,3 +81,23 @@ def test_the_capture_writer_runs_torch_on_its_own_thread(tmp_path, two_torch_thr
     assert count == 1
     assert torch.get_num_threads() == 2
     capturer.close()
+
+
+def test_a_runtime_that_is_not_torchs_is_passed_over_and_said(monkeypatch, two_torch_threads):
+    calls = []
+
+    def not_torchs(count):
+        calls.append(count)  # another runtime's count changes; torch's does not
+
+    real = list(background._omp_set_num_threads())
+    monkeypatch.setattr(background, "_omp_set_num_threads", lambda: iter([not_torchs, *real]))
+    said, count = in_a_thread(lambda: (confine_torch_to_this_thread(), torch.get_num_threads()))
+    assert calls == [1] and count == 1 and "alone (of 2)" in said
+
+    monkeypatch.setattr(background, "_omp_set_num_threads", lambda: iter([not_torchs]))
+    said, count = in_a_thread(lambda: (confine_torch_to_this_thread(), torch.get_num_threads()))
+    assert count == 2 and said == "torch still uses 2 threads here: none of the 1 OpenMP runtime(s) found is torch's"
+
+    monkeypatch.setattr(background, "_omp_set_num_threads", lambda: iter(()))
+    said = in_a_thread(confine_torch_to_this_thread)
+    assert said == "no OpenMP runtime found; torch may use 2 threads here"
