@@ -60,7 +60,7 @@ from kvdbg.format import (
     LayerMeta,
     SnapshotMeta,
     parse_meta,
-    write_safetensors,
+    safetensors_header,
 )
 from kvdbg.snapshot import Snapshot, Step, dtype_name
 
@@ -423,26 +423,12 @@ def referenced_page_ids(block_table: np.ndarray, seq_lens: np.ndarray, slots: np
     return np.unique(ids)
 
 
-class _CountingSink:
-    def __init__(self) -> None:
-        self.size = 0
-
-    def write(self, data) -> int:
-        n = memoryview(data).nbytes
-        self.size += n
-        return n
-
-
 def snapshot_file_size(snapshot: Snapshot) -> int:
-    """The exact size in bytes that saving ``snapshot`` produces (a dry run of the writer)."""
-    entries = []
-    for name, t in snapshot.tensors().items():
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        entries.append((name, dtype_name(t.dtype), tuple(t.shape), raw))
-    sink = _CountingSink()
+    """The exact size in bytes that saving ``snapshot`` produces: its header, as the writer builds it, and its data."""
+    entries = [(name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
+               for name, t in snapshot.tensors().items()]
     metadata = {FORMAT_KEY: format_version(snapshot.meta), META_KEY: snapshot.meta.to_json()}
-    write_safetensors(sink, entries, metadata)
-    return sink.size
+    return 8 + len(safetensors_header(entries, metadata)) + sum(entry[3] for entry in entries)
 
 
 # --------------------------------------------------------------------------- before the cache update

@@ -628,18 +628,27 @@ def write_safetensors(fh, tensors: list[tuple[str, str, tuple[int, ...], Any]], 
     The safetensors library orders ``__metadata__`` keys differently from run to
     run; sorting everything here is what makes fixtures reproducible byte for byte.
     """
+    ordered = sorted(tensors, key=lambda t: t[0])
+    raw = safetensors_header([(name, dtype, shape, memoryview(buf).nbytes) for name, dtype, shape, buf in ordered],
+                             metadata)
+    fh.write(struct.pack("<Q", len(raw)))
+    fh.write(raw)
+    for _, _, _, buf in ordered:
+        fh.write(memoryview(buf).cast("B"))
+
+
+def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str]) -> bytes:
+    """The JSON header :func:`write_safetensors` writes, padded; ``tensors`` holds (name, dtype, shape, bytes).
+
+    A file is 8 bytes (the header's length), this header and the tensors' bytes.
+    """
     header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
     offset = 0
-    for name, dtype, shape, buf in sorted(tensors, key=lambda t: t[0]):
-        nbytes = memoryview(buf).nbytes
+    for name, dtype, shape, nbytes in sorted(tensors, key=lambda t: t[0]):
         header[name] = {"dtype": DTYPE_TO_ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned, as safetensors does
-    fh.write(struct.pack("<Q", len(raw)))
-    fh.write(raw)
-    for _, _, _, buf in sorted(tensors, key=lambda t: t[0]):
-        fh.write(memoryview(buf).cast("B"))
+    return raw + b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned, as safetensors does
 
 
 # --------------------------------------------------------------------------- small reads
