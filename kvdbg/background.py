@@ -6,9 +6,10 @@ engine's team usually has one thread per core already. A second team (say,
 capture's writer converting a step's pages) takes the process past one
 OpenMP thread per core, and from then on GNU OpenMP stops spinning while its
 threads wait for work: each of the engine's parallel regions then wakes its
-workers through the kernel. The engine's whole step was 2-3 times slower for
-the rest of the process on a 2-core vLLM (CPU) from the writer's first
-snapshot on, and capture's own hooks twice as slow.
+workers through the kernel. In vLLM's CPU build on 2 cores, a captured step
+then took 2.6 times as long as with the writer on its own thread, the
+engine stayed 1.7 times slower after capture ended, and capture's own hooks
+took 1.8 times as long (docs/capture.md, "Cost of capture").
 
 :func:`confine_torch_to_this_thread` sets the calling thread's OpenMP thread
 count to one: its parallel operators run inline, and no team is made. It
