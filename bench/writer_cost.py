@@ -23,7 +23,6 @@ three times per snapshot). Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -34,17 +33,6 @@ import timeit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
-
-def asdict_json(meta) -> str:
-    """The metadata's JSON as ``dataclasses.asdict`` builds it (the encoding before this revision)."""
-    from kvdbg.format import LAYER_FIELDS_WRITTEN_WHEN_SET, LayerMeta
-
-    record = dataclasses.asdict(meta)
-    for name in LAYER_FIELDS_WRITTEN_WHEN_SET:
-        if record["layer"][name] == LayerMeta.__dataclass_fields__[name].default:
-            del record["layer"][name]
-    return json.dumps(record, sort_keys=True, separators=(",", ":"))
 
 
 def main() -> int:
@@ -59,6 +47,7 @@ def main() -> int:
     from kvdbg.capture_prepare import check_metadata, snapshot_file_size
     from kvdbg.engine_layouts import CPU_ATTN_K_TRANSPOSED, vllm_to_cpu_attn
     from kvdbg.snapshot import save_snapshot
+    from tests.helpers import asdict_meta_json
 
     shutil.rmtree(args.out, ignore_errors=True)
     os.makedirs(args.out)
@@ -113,10 +102,10 @@ def main() -> int:
         meta = snapshot.meta
     medians = {name: statistics.median(values) / 1e3 for name, values in phases.items()}
     total = sum(medians.values())
-    assert meta is not None and meta.to_json() == asdict_json(meta)
+    assert meta is not None and meta.to_json() == asdict_meta_json(meta)
     n = 2000
     to_json_us = min(timeit.repeat(meta.to_json, number=n, repeat=5)) / n * 1e6
-    asdict_us = min(timeit.repeat(lambda: asdict_json(meta), number=n, repeat=5)) / n * 1e6
+    asdict_us = min(timeit.repeat(lambda: asdict_meta_json(meta), number=n, repeat=5)) / n * 1e6
     size = os.path.getsize(os.path.join(args.out, "s0000.safetensors"))
     print(f"the writer's work per {size:,}-byte snapshot (median over {args.snapshots}, wall time, this thread):")
     for name, value in medians.items():

@@ -45,3 +45,17 @@ def write_raw(path, tensors: dict[str, torch.Tensor], meta, *, fmt: str | None =
 
 def run_python(code: str) -> str:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+
+
+def asdict_meta_json(meta) -> str:
+    """A snapshot's metadata JSON as ``dataclasses.asdict`` builds it: how ``SnapshotMeta.to_json`` encoded it
+    until it stopped deep-copying (the test of the same bytes, and bench/writer_cost.py's reference)."""
+    import dataclasses
+
+    from kvdbg.format import LAYER_FIELDS_WRITTEN_WHEN_SET, LayerMeta
+
+    record = dataclasses.asdict(meta)
+    for name in LAYER_FIELDS_WRITTEN_WHEN_SET:
+        if record["layer"][name] == LayerMeta.__dataclass_fields__[name].default:
+            del record["layer"][name]
+    return json.dumps(record, sort_keys=True, separators=(",", ":"))

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import pytest
 import torch
 
 from kvdbg.errors import OptionError
-from kvdbg.format import LAYER_FIELDS_WRITTEN_WHEN_SET, LAYOUT_KV_PLANES, LAYOUT_VLLM, LayerMeta
+from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
 from kvdbg.snapshot import load_snapshot, referenced_pages, save_snapshot
 from kvdbg.synth import SynthSpec, synth_snapshot
-from tests.helpers import FIXTURES
+from tests.helpers import FIXTURES, asdict_meta_json
 
 
 def _assert_same(a, b):
@@ -130,22 +129,12 @@ def test_atomic_write_leaves_nothing_behind_on_failure(tmp_path):
         atomic_write(tmp_path, lambda fh: None)
 
 
-def _asdict_json(meta) -> str:
-    """The metadata JSON as ``dataclasses.asdict`` builds it (what SnapshotMeta.to_json wrote until it stopped
-    deep-copying)."""
-    record = dataclasses.asdict(meta)
-    for name in LAYER_FIELDS_WRITTEN_WHEN_SET:
-        if record["layer"][name] == LayerMeta.__dataclass_fields__[name].default:
-            del record["layer"][name]
-    return json.dumps(record, sort_keys=True, separators=(",", ":"))
-
-
 @pytest.mark.parametrize("name", sorted(n for n in os.listdir(FIXTURES) if n.endswith(".safetensors")))
 def test_metadata_json_is_the_same_bytes_as_asdict_gives(name):
     meta = load_snapshot(os.path.join(FIXTURES, name)).meta
-    assert meta.to_json() == _asdict_json(meta)
+    assert meta.to_json() == asdict_meta_json(meta)
     # Nested provenance, tuples and features set: the same too.
     richer = dataclasses.replace(
         meta, capture={**meta.capture, "nested": {"list": [1, 2.5, None], "tuple": (3, "x"), "flag": True}},
         layer=dataclasses.replace(meta.layer, chunk_lookback=64, mm_prefix=True))
-    assert richer.to_json() == _asdict_json(richer)
+    assert richer.to_json() == asdict_meta_json(richer)
