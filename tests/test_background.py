@@ -15,8 +15,8 @@ from kvdbg.format import LAYOUT_VLLM
 from tests.test_capture import Engine
 
 
-def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def os_threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
 @pytest.fixture
@@ -48,9 +48,11 @@ def parallel_work() -> None:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
 def test_a_confined_thread_makes_no_openmp_team_and_leaves_the_process_count_alone(two_torch_threads):
     def threads_made_by(work) -> int:
+        # New thread ids only: a thread ending meanwhile (the first thread's OpenMP worker leaves after
+        # its thread has ended, on its own time) must not count against the work measured.
         before = os_threads()
         work()
-        return os_threads() - before
+        return len(os_threads() - before)
 
     def unconfined():
         return threads_made_by(parallel_work)
