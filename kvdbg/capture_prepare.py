@@ -549,7 +549,7 @@ class CapturePlan:
         if self.copies is None:
             self.copies = StepCopies(self.kv_cache.device)
         pages = self.copies.gather(self.kv_cache, self.layout.page_dim, self.page_ids)
-        self.copies.close()  # marks the copies so far on this stream (the engine may switch before finish)
+        self.copies.mark()  # the copies so far are on this stream (the engine may switch before finish)
         return PendingCapture(plan=self, pages=pages)
 
 

@@ -34,9 +34,21 @@ def capture_one(directory, layer, backend, tensors, output) -> str:
     return capturer.written[0]
 
 
+@pytest.fixture(params=["current-stream", "side-stream"])
+def pages_path(request, monkeypatch):
+    """Both ways pages reach the host: a small step's on the engine's stream, a larger one's on the side stream."""
+    if request.param == "side-stream":
+        monkeypatch.setattr(capture_buffers, "SIDE_STREAM_MIN_BYTES", 0)
+    else:
+        def no_side_stream(device):
+            raise AssertionError("a small step's pages took the side stream")
+        monkeypatch.setattr(capture_buffers, "_side_stream", no_side_stream)
+    return request.param
+
+
 @pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_KV_PLANES])
 @pytest.mark.parametrize("metadata_on_device", [False, True], ids=["host-metadata", "device-metadata"])
-def test_a_cuda_step_gives_the_snapshot_a_host_step_gives(tmp_path, layout, metadata_on_device):
+def test_a_cuda_step_gives_the_snapshot_a_host_step_gives(tmp_path, layout, metadata_on_device, pages_path):
     engine = Engine(layout=layout, dtype="bfloat16")
     host = load_snapshot(capture_one(tmp_path / "host", *engine.args(), engine.output))
     device = load_snapshot(capture_one(tmp_path / "cuda", *on_device(engine, metadata_on_device=metadata_on_device)))
@@ -50,11 +62,12 @@ def test_pages_larger_than_a_slice_are_gathered_in_slices(tmp_path, monkeypatch)
     host = load_snapshot(capture_one(tmp_path / "host", *engine.args(), engine.output))
     page_bytes = engine.cache[0].numel() * engine.cache.element_size()
     monkeypatch.setattr(capture_buffers, "GATHER_CHUNK_BYTES", 2 * page_bytes)  # two pages a slice
+    monkeypatch.setattr(capture_buffers, "SIDE_STREAM_MIN_BYTES", 0)  # slices are the side stream's
     device = load_snapshot(capture_one(tmp_path / "cuda", *on_device(engine, metadata_on_device=False)))
     assert same_bytes(device.kv_cache, host.kv_cache)
 
 
-def test_the_engine_thread_does_not_wait_for_the_device(tmp_path):
+def test_the_engine_thread_does_not_wait_for_the_device(tmp_path, pages_path):
     engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
     layer, backend, tensors, output = on_device(engine, metadata_on_device=False)
     capturer = Capturer(tmp_path, queue_bytes="auto")
@@ -79,5 +92,28 @@ def test_the_engine_thread_does_not_wait_for_the_device(tmp_path):
     busy = start.elapsed_time(end) / 1e3
     assert returned < busy / 4, (returned, busy)
     assert capturer.close(60)
+    snap = load_snapshot(capturer.written[-1])
+    assert same_bytes(snap.kv_cache, before.index_select(0, snap.page_ids.long().cuda()).cpu())
+
+
+def test_copies_on_a_stream_the_engine_left_before_finish_are_waited_for(tmp_path, pages_path):
+    """begin on one stream, finish on another: the writer still waits for the first stream's copies."""
+    engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
+    layer, backend, tensors, output = on_device(engine, metadata_on_device=False)
+    capturer = Capturer(tmp_path, queue_bytes="auto")
+    capturer.finish(capturer.begin(layer, backend, tensors, step=0, rank=0), output)  # warm
+    assert capturer.flush(60)
+    tensors.kv_cache.clone().add_(0)
+    torch.cuda.synchronize()
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(first):
+        torch.cuda._sleep(int(1e9))  # the first stream is busy: its copies run well after finish returns
+        pending = capturer.begin(layer, backend, tensors, step=1, rank=0)
+        before = tensors.kv_cache.clone()
+        tensors.kv_cache.add_(1)
+    with torch.cuda.stream(second):  # idle: an event recorded only here would complete at once
+        capturer.finish(pending, output)
+    assert capturer.close(60)
+    torch.cuda.synchronize()
     snap = load_snapshot(capturer.written[-1])
     assert same_bytes(snap.kv_cache, before.index_select(0, snap.page_ids.long().cuda()).cpu())
