@@ -1,7 +1,7 @@
 """What capture costs the engine's thread per captured step on a GPU, against copying the snapshot to the host.
 
 Usage (a CUDA machine; torch only, no vLLM):
-    python bench/capture_cuda.py [--steps 40] [--sizes small,large] [--out /tmp/kvdbg-capture-cuda]
+    python bench/capture_cuda.py [--steps 40] [--sizes small,large] [--out /tmp/kvdbg-capture-cuda] [--phases]
     python bench/capture_cuda.py --device cpu --steps 5     # the same loop on CPU: a dry run of the script
 
 A torch loop stands in for the engine: a paged KV cache on the device in
@@ -17,7 +17,10 @@ and slots are given on the host, as an engine keeps them there.
 
 Engine-thread time per captured step is the wall time of ``begin`` plus
 ``finish``, median over a second burst of ``--steps`` steps of the same capture
-session (the first burst, whose host buffers are new, is reported apart); the floors are the
+session (the first burst, whose host buffers are new, is reported apart; a third
+burst waits for the writer to finish before each captured step, so its figure
+is the engine thread's own calls, and the difference from the second burst is
+what the writer's Python work costs them in the interpreter lock); the floors are the
 time to copy the snapshot's bytes from the device into pinned host memory and
 back to a synchronised host (one copy), and to copy each of its tensors the
 same way. Also printed: the engine step's wall time with and without capture
@@ -42,9 +45,44 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from kvdbg import capture  # noqa: E402
 from kvdbg.capture import CaptureBackend, CaptureLayer, Capturer, StepTensors  # noqa: E402
+from kvdbg.capture_prepare import CapturePlan, PendingCapture  # noqa: E402
 from kvdbg.format import LAYOUT_VLLM  # noqa: E402
 from kvdbg.snapshot import load_snapshot  # noqa: E402
+
+
+class Phases:
+    """``--phases``: the engine thread's wall time in each part of ``begin`` and ``finish``, second burst only.
+
+    Each part is wrapped in a timer (about a microsecond a call): the shape checks and small copies
+    (``plan``), the page gather (``gather``), the output's copy (``output``) and the hand-off to the writer.
+    """
+
+    PARTS = (("plan", capture, "plan_capture"), ("gather", CapturePlan, "gather"),
+             ("output", PendingCapture, "attach_output"), ("hand-off", Capturer, "_hand_to_writer"))
+
+    def __init__(self):
+        self.samples: dict[str, list[float]] = {name: [] for name, _, _ in self.PARTS}
+        self.recording = False
+        for name, owner, attr in self.PARTS:
+            setattr(owner, attr, self._timed(name, getattr(owner, attr)))
+
+    def _timed(self, name, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.recording:
+                    self.samples[name].append(time.perf_counter() - t0)
+        return timed
+
+    def medians_us(self) -> dict[str, float]:
+        medians = {name: statistics.median(v) * 1e6 for name, v in self.samples.items() if v}
+        for values in self.samples.values():
+            values.clear()
+        return medians
 
 
 @dataclass(frozen=True)
@@ -140,20 +178,29 @@ def median_s(fn, repeats: int, device: str) -> float:
     return statistics.median(samples)
 
 
-def run_size(size: Size, device: str, steps: int, out: str) -> dict:
+def run_size(size: Size, device: str, steps: int, out: str, phases: Phases | None = None) -> dict:
     directory = os.path.join(out, size.name)
     shutil.rmtree(directory, ignore_errors=True)
-    engine = StandInEngine(size, device, 2 * steps + 2)
+    total = 3 * steps + 2
+    engine = StandInEngine(size, device, total)
     capturer = Capturer(directory, queue_bytes="auto")
     expected = {}
-    captured_s, plain_s, engine_thread_s, first_burst_s = [], [], [], []
-    for step in range(2 * steps + 2):
+    captured_s, plain_s, engine_thread_s, first_burst_s, idle_writer_s = [], [], [], [], []
+    for step in range(total):
         if step == steps:
             # A second burst of the same capture session: the writer has given the first burst's pinned
             # buffers back to the pool (within its budget), so this one copies into memory already pinned.
             capturer.flush(600)
         capture = step % 2 == 0 or step < 2  # alternate: steps without capture give the engine's own time
+        idle_writer = capture and step >= 2 * steps + 2
+        if idle_writer:
+            # A third burst: the writer has written everything before each captured step, so the engine's
+            # thread runs its calls alone; the difference from the second burst is the writer's share of
+            # the interpreter (its Python work holds the GIL the engine's calls give up and take back).
+            capturer.flush(600)
         tensors, output = engine.step_tensors()
+        if phases is not None:
+            phases.recording = capture and steps + 2 <= step < 2 * steps + 2
         sync(device)
         started = time.perf_counter()
         spent = 0.0
@@ -161,7 +208,7 @@ def run_size(size: Size, device: str, steps: int, out: str) -> dict:
             t0 = time.perf_counter()
             pending = capturer.begin(engine.layer, engine.backend, tensors, step=step, rank=0)
             spent += time.perf_counter() - t0
-        if capture and step >= 2 * steps - 2:  # kept to check the files: the cache as the step found it
+        if capture and 2 * steps - 2 <= step < 2 * steps + 2:  # kept to check the files: the cache as the step found it
             expected[step] = (engine.cache.clone(), None)
         engine.update_and_attend(tensors, output)
         if capture:
@@ -174,10 +221,14 @@ def run_size(size: Size, device: str, steps: int, out: str) -> dict:
         wall = time.perf_counter() - started
         if 2 <= step < steps and capture:
             first_burst_s.append(spent)
-        if step >= steps + 2:
+        if idle_writer:
+            idle_writer_s.append(spent)
+        elif steps + 2 <= step < 2 * steps + 2:
             (captured_s if capture else plain_s).append(wall)
             if capture:
                 engine_thread_s.append(spent)
+    if phases is not None:
+        phases.recording = False
     drained = capturer.close(600)
     written = sorted(capturer.written)
     verified = 0
@@ -208,6 +259,8 @@ def run_size(size: Size, device: str, steps: int, out: str) -> dict:
         "first_burst_us": statistics.median(first_burst_s) * 1e6,
         "engine_thread_us": per_step * 1e6, "engine_thread_p90_us": sorted(engine_thread_s)[
             int(0.9 * (len(engine_thread_s) - 1))] * 1e6,
+        "engine_thread_idle_writer_us": statistics.median(idle_writer_s) * 1e6,
+        "phases_us": phases.medians_us() if phases is not None else None,
         "copy_bytes_us": copy_bytes * 1e6, "copy_tensors_us": copy_tensors * 1e6,
         "ratio_to_copy_bytes": per_step / copy_bytes, "ratio_to_copy_tensors": per_step / copy_tensors,
         "step_with_capture_ms": statistics.median(captured_s) * 1e3,
@@ -221,11 +274,14 @@ def main() -> int:
     parser.add_argument("--sizes", default="small,large")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="/tmp/kvdbg-capture-cuda")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time each part of begin and finish (second burst; adds a timer per part)")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device here (use --device cpu for a dry run)", file=sys.stderr)
         return 2
-    rows = [run_size(SIZES[name], args.device, args.steps, args.out) for name in args.sizes.split(",")]
+    phases = Phases() if args.phases else None
+    rows = [run_size(SIZES[name], args.device, args.steps, args.out, phases) for name in args.sizes.split(",")]
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"capture through the background writer, {where}, torch {torch.__version__}; medians over the steps")
     for r in rows:
@@ -234,6 +290,11 @@ def main() -> int:
         print(f"  engine thread per captured step     {r['engine_thread_us']:10.1f} us (p90 "
               f"{r['engine_thread_p90_us']:.1f}; a later burst of the session)")
         print(f"  the same, first burst               {r['first_burst_us']:10.1f} us (its host buffers are new)")
+        print(f"  the same, the writer idle           {r['engine_thread_idle_writer_us']:10.1f} us (third burst: "
+              f"written out before each step)")
+        if r["phases_us"]:
+            print("  parts, second burst (medians)       " + ", ".join(f"{name} {us:.1f}"
+                                                                  for name, us in r["phases_us"].items()) + " us")
         print(f"  copy of the bytes to the host       {r['copy_bytes_us']:10.1f} us")
         print(f"  copy of the tensors to the host     {r['copy_tensors_us']:10.1f} us")
         print(f"  ratio to the copy of the bytes      {r['ratio_to_copy_bytes']:10.2f}")
