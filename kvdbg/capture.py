@@ -87,8 +87,11 @@ __all__ = [
     "temp_file_prefix",
 ]
 
-# Scheduling priority of the background writer thread (Linux): lowest, so it only uses idle CPU.
-WRITER_NICENESS = 19
+# Niceness the background writer thread adds to the engine thread's (Linux; at most 19): it yields the
+# cores to the engine's threads. Not the lowest (19): on a machine with no idle core, a writer that the
+# scheduler preempts while it holds the interpreter lock keeps the engine's thread waiting for that lock
+# until its next slice, which at 19 comes rarely (docs/capture.md, "The writer's priority").
+WRITER_NICENESS_ADDED = 10
 # How long close() waits for the writer at interpreter exit.
 EXIT_FLUSH_SECONDS = 30.0
 
@@ -179,6 +182,11 @@ class EngineTime:
             parts.append(f"{_ms(self.other_ns)} in {self.other_calls:,} other hook call(s) "
                          f"({self.other_ns / self.other_calls / 1e3:,.1f} us each)")
         return "engine's thread: " + ", ".join(parts)
+
+
+def writer_niceness(engine_niceness: int) -> int:
+    """The writer's niceness for an engine thread at ``engine_niceness``: lower priority, never higher."""
+    return min(19, engine_niceness + WRITER_NICENESS_ADDED)
 
 
 def _ms(ns: int) -> str:
@@ -642,7 +650,8 @@ class Capturer:
     def _write_loop(self) -> None:
         assert self._queue is not None
         try:  # Linux: the writer yields the CPU to the engine's threads (on other systems this is a no-op)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+            me = threading.get_native_id()  # a new thread starts at the niceness of the engine's that made it
+            os.setpriority(os.PRIO_PROCESS, me, writer_niceness(os.getpriority(os.PRIO_PROCESS, me)))
         except (AttributeError, OSError):
             pass
         # No OpenMP team of the writer's own beside the engine's (kvdbg.background says what one costs).

@@ -10,9 +10,17 @@ import torch
 
 from kvdbg import background
 from kvdbg.background import confine_torch_to_this_thread
-from kvdbg.capture import Capturer
+from kvdbg.capture import Capturer, writer_niceness
 from kvdbg.format import LAYOUT_VLLM
 from tests.test_capture import Engine
+
+
+def niceness() -> int | None:
+    """The calling thread's niceness (Linux), else None."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (AttributeError, OSError):
+        return None
 
 
 def os_threads() -> set[str]:
@@ -79,11 +87,13 @@ def test_the_capture_writer_runs_torch_on_its_own_thread(tmp_path, two_torch_thr
     # on_written runs in the thread that wrote the file: the writer's.
     capturer.finish(pending, engine.output,
                     on_written=lambda path: seen.append((path, threading.current_thread().name,
-                                                         torch.get_num_threads())))
+                                                         torch.get_num_threads(), niceness())))
     assert capturer.flush(30)
-    [(path, thread, count)] = seen
+    [(path, thread, count, nice)] = seen
     assert path is not None and thread == "kvdbg-capture-writer"
     assert count == 1
+    if nice is not None:  # ten below the engine's thread in priority, at most the lowest (19)
+        assert nice == min(19, niceness() + 10) == writer_niceness(niceness())
     assert torch.get_num_threads() == 2
     capturer.close()
 
@@ -106,3 +116,10 @@ def test_a_runtime_that_is_not_torchs_is_passed_over_and_said(monkeypatch, two_t
     monkeypatch.setattr(background, "_omp_set_num_threads", lambda: iter(()))
     said = in_a_thread(confine_torch_to_this_thread)
     assert said == "no OpenMP runtime found; torch may use 2 threads here"
+
+
+def test_the_writer_yields_to_the_engine_but_never_outranks_it():
+    assert writer_niceness(0) == 10
+    assert writer_niceness(5) == 15
+    assert writer_niceness(15) == 19 and writer_niceness(19) == 19  # the lowest priority there is
+    assert writer_niceness(-5) == 5  # an engine given a higher priority keeps its lead over the writer

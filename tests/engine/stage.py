@@ -405,7 +405,7 @@ def range_under_load(out: str, model_dir: str, log) -> list[str]:
     capture_dir = os.path.join(out, "plain", "range_under_load")
     env = dict(CLEAN_ENV, KVDBG_CAPTURE_DIR=capture_dir,
                KVDBG_CAPTURE_STEPS=f"{RANGE_STEPS[0]}-{RANGE_STEPS[1]}")
-    # Load: two busy processes at normal priority, against the writer's lowest priority, while the engine
+    # Load: two busy processes at normal priority, against the writer's niceness of 10, while the engine
     # decodes 6 requests; they stop once the engine has served, so the shutdown's drain is what writes.
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     t0 = time.monotonic()
