@@ -365,21 +365,28 @@ def test_ctrl_c_loses_only_the_files_in_flight_and_resume_finishes(tmp_path):
 
 
 def test_a_killed_worker_s_file_is_replayed_again(tmp_path):
-    """#27 on CPU: the worker holding a file is killed; its file goes to a fresh worker, nothing is lost."""
+    """#27 on CPU: the worker holding a file is killed; its file goes to a fresh worker, nothing is lost.
+
+    The first worker is killed on its first file: the pool restarts its slot in the same place, and the
+    first free worker in order then is the fresh one. (Killed on a later file, the worker holding it is
+    either one, and the other may be free first and take the file back: nothing to assert about which.)
+    """
     paths = small_directory(str(tmp_path / "d"), 6)
     killed = []
 
-    def kill_the_third(event):
-        if isinstance(event, Started) and event.index == 2 and event.attempt == 1:
+    def kill_the_first(event):
+        if isinstance(event, Started) and event.index == 0 and event.attempt == 1:
             os.kill(event.placement.pid, signal.SIGKILL)
             killed.append(event.placement.pid)
 
-    fleet = run_fleet(paths, QUICK, jobs=2, on_event=kill_the_third)
+    fleet = run_fleet(paths, QUICK, jobs=2, on_event=kill_the_first)
     assert killed and [r.path for r in fleet.rows] == paths
     assert [r.result.status for r in fleet.rows] == [STATUS_PASS] * 6
-    assert fleet.rows[2].attempts == 2 and fleet.rows[2].placement.pid != killed[0]
-    assert [(w.index, w.retried, w.how) for w in fleet.lost] == [(2, True, "killed by SIGKILL")]
-    assert sum(d.files for d in fleet.devices) == 6 and fleet.devices[0].workers == 3  # two, and the fresh one
+    other = fleet.rows[1].placement.pid  # the second worker's first file
+    assert fleet.rows[0].attempts == 2 and fleet.rows[0].placement.pid not in (killed[0], other)
+    assert [(w.index, w.retried, w.how) for w in fleet.lost] == [(0, True, "killed by SIGKILL")]
+    # The killed worker finished nothing: the rows name the second worker and the fresh one.
+    assert sum(d.files for d in fleet.devices) == 6 and fleet.devices[0].workers == 2
 
 
 def test_a_file_that_kills_every_worker_is_reported_after_one_retry(tmp_path):
