@@ -412,7 +412,7 @@ class Capturer:
 
     def save_pre_update(self, layer: CaptureLayer, *, key: torch.Tensor, value: torch.Tensor,
                         slot_mapping: torch.Tensor, kv_cache: torch.Tensor, step: int | None = None,
-                        rank: int | None = None, check_written: bool = False) -> PreUpdate | None:
+                        rank: int | None = None, check_written: bool = False, ready: Any = None) -> PreUpdate | None:
         """Copy the step's new K/V and the pages they will overwrite; call it before the engine's cache update.
 
         With ``check_written`` the writer reads the slots the update wrote back
@@ -424,7 +424,7 @@ class Capturer:
             if _stream_capturing(kv_cache) or not self.wants(layer.name, step, rank):
                 return None
             return save_pre_update(layer, key=key, value=value, slot_mapping=slot_mapping, kv_cache=kv_cache,
-                                   step=step, buffers=self._buffers, check_written=check_written)
+                                   step=step, buffers=self._buffers, check_written=check_written, ready=ready)
         except Exception as exc:
             # The forward of this step will try again without the saved pages, so no step is lost yet.
             self.report(exc, f"layer {getattr(layer, 'name', layer)} step {step} (before the cache update)")

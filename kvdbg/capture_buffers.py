@@ -277,6 +277,39 @@ class StepCopies:
         self.pooled.clear()
 
 
+class HostCopiesReady:
+    """One event after host copies issued on a device stream; :meth:`synchronize` waits for it, once.
+
+    ``HostCopiesReady(device)`` right after :func:`copies_to_host` (it records on
+    the current stream). The vLLM plugin copies a step's metadata to the host when
+    the builder builds and waits for this event only when a hook first reads the
+    copies: the device has usually passed the build by then, where a read of the
+    device tensors in the hook would wait for every kernel queued before it.
+    """
+
+    __slots__ = ("_event",)
+
+    def __init__(self, device: torch.device):
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(device))
+
+    def synchronize(self) -> None:
+        event = self._event
+        if event is not None:
+            event.synchronize()
+            self._event = None  # later readers of the same copies pay nothing
+
+    def query(self) -> bool:
+        """Whether the copies are complete, without waiting."""
+        return self._event is None or self._event.query()
+
+
+def copies_to_host(tensors: "list[torch.Tensor | None]") -> "list[torch.Tensor | None]":
+    """Host copies of device tensors, issued on the current stream and not waited for (pinned memory from
+    torch's caching host allocator): read them only after a :class:`HostCopiesReady` recorded after them."""
+    return [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+
+
 # A CPU gather of at least RUNS_MIN_BYTES whose pages form at most MAX_RUNS runs of consecutive ids is
 # copied run by run (below that, the calls a run costs are more than index_select's slower copy saves).
 MAX_RUNS = 16
@@ -315,4 +348,5 @@ def _side_stream(device: torch.device):
         return stream
 
 
-__all__ = ["GATHER_CHUNK_BYTES", "IDLE_RELEASE_SECONDS", "SIDE_STREAM_MIN_BYTES", "HostBuffers", "StepCopies"]
+__all__ = ["GATHER_CHUNK_BYTES", "IDLE_RELEASE_SECONDS", "SIDE_STREAM_MIN_BYTES", "HostBuffers", "HostCopiesReady",
+           "StepCopies", "copies_to_host"]

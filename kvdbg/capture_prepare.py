@@ -285,6 +285,9 @@ class StepTensors:
     # True when block_table, seq_lens, query_start_loc, slot_mapping and causal are copies the caller
     # made for capture (nothing else writes them): they are kept as they are, not copied again.
     metadata_copied: bool = False
+    # With host copies still in flight from a device (e.g. a HostCopiesReady): waited for (synchronize())
+    # before they are read, instead of a read of device metadata that would wait for the engine's stream.
+    metadata_ready: Any = None
 
 
 # --------------------------------------------------------------------------- engine facts
@@ -468,16 +471,20 @@ class PreUpdate:
 
 def save_pre_update(layer: CaptureLayer, *, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
                     kv_cache: torch.Tensor, step: int | None = None, buffers: HostBuffers | None = None,
-                    check_written: bool = False) -> PreUpdate:
+                    check_written: bool = False, ready: Any = None) -> PreUpdate:
     """Copy the step's new K/V and the pages they will overwrite; call it before the cache update.
 
     Only copies (engine's thread); the pages are converted when the snapshot is
     built. With ``check_written`` the snapshot's builder reads the slots the
     update wrote back from the pages the forward's capture copies, and refuses
     the step unless they hold ``key``/``value`` (:class:`WrittenKVMismatch`).
+    ``ready``: ``slot_mapping`` is a host copy still in flight, complete once
+    ``ready.synchronize()`` returns (see :class:`StepTensors` ``metadata_ready``).
     """
     _require(layer, CaptureLayer, "layer")
     layout = _layout_for(layer, kv_cache)
+    if ready is not None:
+        ready.synchronize()
     page_size = kv_cache.shape[layout.token_dim]
     num_blocks = kv_cache.shape[layout.page_dim]
     copies = StepCopies(kv_cache.device, buffers)
@@ -672,6 +679,8 @@ def plan_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTens
         raise CaptureInputError(f"num_gpu_blocks is {backend.num_gpu_blocks} but kv_cache holds {tensor_blocks} pages")
 
     # The metadata that decides which pages to copy: read now, on the host.
+    if t.metadata_ready is not None:
+        t.metadata_ready.synchronize()
     copies = StepCopies(kv_cache.device, buffers)
     own = _keep_on_host if t.metadata_copied else _copy_now
     bt, sl, qsl = own(t.block_table, copies), own(t.seq_lens, copies), own(t.query_start_loc, copies)
