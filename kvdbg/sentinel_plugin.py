@@ -99,8 +99,9 @@ class SentinelHooks:
             if kv_layout is None:
                 return
             target = state.capture_layer(impl, layer, kv_layout, getattr(layer, "dtype", key.dtype))
-            pre = self.capturer.save_pre_update(target, key=key, value=value, slot_mapping=slot_mapping,
-                                                kv_cache=kv_cache, step=step, check_written=True)
+            slots, ready = state.host_slots(slot_mapping)
+            pre = self.capturer.save_pre_update(target, key=key, value=value, slot_mapping=slots,
+                                                kv_cache=kv_cache, step=step, check_written=True, ready=ready)
             if pre is not None:
                 self._pre[name] = pre
         except Exception as exc:

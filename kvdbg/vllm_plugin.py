@@ -268,10 +268,28 @@ def _builder_facts(builder: Any) -> _BuilderFacts:
 
 
 @dataclass(slots=True)
+class _HostMetadata:
+    """Host copies of a device build's metadata, issued on the engine's stream when the builder built.
+
+    Capture reads these, after ``ready``, instead of the device tensors: a read of those in a layer's hook
+    would wait for every kernel the engine queued before it, where the build's copies are usually done.
+    """
+
+    block_table: "torch.Tensor"
+    seq_lens: "torch.Tensor"
+    query_start_loc: "torch.Tensor"
+    slot_mapping: "torch.Tensor | None"  # the step's tokens; only for a backend that updates inside forward
+    causal: Any
+    ready: Any  # HostCopiesReady
+
+
+@dataclass(slots=True)
 class _EngineContext:
     """The engine-level metadata of one build, copied before the builder restricts anything.
 
     Made on every build of a captured step, so its constant part is the builder's :class:`_BuilderFacts`.
+    On a device, ``host`` holds host copies for capture; the tensors here are device clones when the
+    sentinel may check the step (its checks run on the device), else the host copies again.
     """
 
     owner_id: int
@@ -282,6 +300,7 @@ class _EngineContext:
     causal: Any
     facts: _BuilderFacts
     refused: str | None = None  # why this batch's mask cannot be stored (a feature of the step, not the layer)
+    host: _HostMetadata | None = None
 
     @property
     def builder(self) -> str:
@@ -321,6 +340,9 @@ class _PluginState:
         # (vLLM may compute the FP8 scales in the first forward; a new cache layout or dtype is a new layer).
         self._layers: dict[str, tuple[tuple, "CaptureLayer"]] = {}
         self._side_table: OrderedDict[int, tuple[Any, _EngineContext]] = OrderedDict()
+        # Host copies of device slot mappings made at build time, by the device tensor's identity (data_ptr,
+        # shape, stride, dtype): do_kv_cache_update gets the builder's tensor, not its metadata.
+        self._host_slots: OrderedDict[tuple, tuple["torch.Tensor", Any]] = OrderedDict()
         # Per layer name: what its builder declared, and the layout (or refusal) read from it.
         self._builders: dict[int, Any] = {}  # kept alive so that their ids stay theirs
         self._declared: dict[str, _Declared] = {}
@@ -609,6 +631,10 @@ class _PluginState:
             if metadata is None or common is None or (not self.capturer.active and self.sentinel is None):
                 return False
             self.declare(builder)
+            slot_mapping = common.slot_mapping
+            if self._host_slots and slot_mapping is not None:
+                # This build's buffer may be an earlier build's (runners reuse theirs): never read a stale copy.
+                self._host_slots.pop(_tensor_key(slot_mapping), None)
             names = self._selected_layers(builder)
             # The step each layer's next forward will be: nothing is kept for a build no capture will use.
             for_capture = names is None or any(self.capturer.selects(n, self._forward_counts.get(n, 0))
@@ -624,26 +650,53 @@ class _PluginState:
                 facts = self._builder_facts[id(builder)] = _builder_facts(builder)
                 if self._parallel is None:
                     self._parallel = _parallel_facts(getattr(builder, "vllm_config", None))
-            slot_mapping = common.slot_mapping
-            # Clones are stream-ordered copies on the engine's device: no host sync
-            # here, and a later in-place update of the runner's buffers cannot reach them.
-            self._stash(metadata, _EngineContext(
-                id(metadata),
-                _rows(common.block_table_tensor, num_reqs).clone(),
-                _rows(common.seq_lens, num_reqs).clone(),
-                _rows(common.query_start_loc, num_reqs + 1).clone(),
-                # Only a backend that writes the new K/V inside forward needs them (the others' are saved before
-                # do_kv_cache_update).
-                None if slot_mapping is None or not self._update_in_forward
-                else slot_mapping[: int(common.num_actual_tokens)].clone(),
-                causal.clone() if hasattr(causal, "clone") else causal,
-                facts,
-                _step_refusal(common),
-            ))
+            rows = (_rows(common.block_table_tensor, num_reqs), _rows(common.seq_lens, num_reqs),
+                    _rows(common.query_start_loc, num_reqs + 1))
+            # Only a backend that writes the new K/V inside forward needs them (the others' are saved before
+            # do_kv_cache_update).
+            tokens = None if slot_mapping is None or not self._update_in_forward else int(common.num_actual_tokens)
+            host = self._copy_to_host(rows, slot_mapping, tokens, causal) if rows[0].is_cuda else None
+            if host is not None and self.sentinel is None:
+                bt, sl, qsl, slots, causal = (host.block_table, host.seq_lens, host.query_start_loc,
+                                              host.slot_mapping, host.causal)
+            else:
+                # Clones are stream-ordered copies on the engine's device: no host sync
+                # here, and a later in-place update of the runner's buffers cannot reach them.
+                bt, sl, qsl = (t.clone() for t in rows)
+                slots = None if tokens is None else slot_mapping[:tokens].clone()
+                causal = causal.clone() if hasattr(causal, "clone") else causal
+            self._stash(metadata, _EngineContext(id(metadata), bt, sl, qsl, slots, causal, facts,
+                                                 _step_refusal(common), host))
             return for_capture
         except Exception as exc:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
             return False
+
+    def _copy_to_host(self, rows: tuple, slot_mapping: Any, tokens: int | None, causal: Any) -> _HostMetadata:
+        """Host copies of a device build's metadata and of its whole slot mapping, issued on the engine's
+        stream with one event after them: no hook of the step then reads device metadata (see _HostMetadata).
+
+        The slot mapping is copied whole, as the builder has it, because do_kv_cache_update is given that
+        tensor (found again in :meth:`host_slots`).
+        """
+        from kvdbg.capture_buffers import HostCopiesReady, copies_to_host
+
+        tensor_causal = causal if hasattr(causal, "clone") else None
+        bt, sl, qsl, slots, host_causal = copies_to_host([*rows, slot_mapping, tensor_causal])
+        ready = HostCopiesReady(rows[0].device)
+        if slots is not None:
+            self._host_slots[_tensor_key(slot_mapping)] = (slots, ready)
+            while len(self._host_slots) > _HOST_SLOTS_KEPT:
+                self._host_slots.popitem(last=False)
+        return _HostMetadata(bt, sl, qsl, None if tokens is None or slots is None else slots[:tokens],
+                             causal if tensor_causal is None else host_causal, ready)
+
+    def host_slots(self, slot_mapping: Any) -> tuple[Any, Any]:
+        """``(slots, ready)`` for the slot mapping a hook was given: the host copy made when it was built, and
+        what to wait for before reading it; on the host, or with no such copy, the tensor itself and None."""
+        if slot_mapping is None or slot_mapping.is_cpu or not self._host_slots:
+            return slot_mapping, None
+        return self._host_slots.get(_tensor_key(slot_mapping), (slot_mapping, None))
 
     def _sentinel_checks(self, builder: Any) -> bool:
         """Whether the sentinel checks the next step of any of this builder's layers (it has its own layer filter)."""
@@ -771,8 +824,9 @@ class _PluginState:
                 return False
             # The forward's rule for the model dtype, without its output buffer.
             target = self.capture_layer(impl, layer, kv_layout, getattr(layer, "dtype", key.dtype))
-            pre = self.capturer.save_pre_update(target, key=key, value=value, slot_mapping=slot_mapping,
-                                                kv_cache=kv_cache, step=step, check_written=True)
+            slots, ready = self.host_slots(slot_mapping)
+            pre = self.capturer.save_pre_update(target, key=key, value=value, slot_mapping=slots,
+                                                kv_cache=kv_cache, step=step, check_written=True, ready=ready)
             if pre is None:
                 return False
             self._pre_updates[name] = pre
@@ -844,14 +898,17 @@ class _PluginState:
         from kvdbg.capture import StepTensors
 
         info = self._info(impl)
-        # The context's tensors are the clones after_build made: capture keeps them without copying again.
-        tensors = StepTensors(query=query, kv_cache=kv_cache, block_table=ctx.block_table, seq_lens=ctx.seq_lens,
-                              query_start_loc=ctx.query_start_loc, causal=ctx.causal, pre_update=pre,
-                              metadata_copied=True)
+        # The context's tensors are the copies after_build made: capture keeps them without copying again
+        # (on a device, its host copies, read once the build's event is passed).
+        host = ctx.host
+        meta = ctx if host is None else host
+        tensors = StepTensors(query=query, kv_cache=kv_cache, block_table=meta.block_table, seq_lens=meta.seq_lens,
+                              query_start_loc=meta.query_start_loc, causal=meta.causal, pre_update=pre,
+                              metadata_copied=True, metadata_ready=None if host is None else host.ready)
         if pre is not None:
             how = "pre"
-        elif info is not None and info.update_in_forward and key is not None and ctx.slot_mapping is not None:
-            tensors.key, tensors.value, tensors.slot_mapping = key, value, ctx.slot_mapping
+        elif info is not None and info.update_in_forward and key is not None and meta.slot_mapping is not None:
+            tensors.key, tensors.value, tensors.slot_mapping = key, value, meta.slot_mapping
             how = "forward"
         else:
             how = "absent"
@@ -926,6 +983,15 @@ class _PluginState:
             self.capturer.finish(pending, output if output is not None else result)
         except Exception as exc:  # finish does not raise; this guards the engine against a kvdbg bug anyway
             self.capturer.report(exc, "after forward", step_lost=True)
+
+
+# Host slot mappings kept for do_kv_cache_update (one per KV-cache group of the latest builds).
+_HOST_SLOTS_KEPT = 16
+
+
+def _tensor_key(t: Any) -> tuple:
+    """A device tensor's identity for :meth:`_PluginState.host_slots`: the same memory, seen the same way."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 def _rows(t: Any, n: int) -> Any:
