@@ -25,7 +25,7 @@ def paged_attention(query, k_pages, v_pages, block_table, seq_lens, query_start_
     """[tokens, Hq, D] float32 attention of each request's query block over its paged K/V."""
     page_size = k_pages.shape[2]
     num_heads, num_kv_heads = query.shape[1], k_pages.shape[1]
-    out = torch.zeros(query.shape, dtype=torch.float32)
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     qsl = query_start_loc.tolist()
     for r, length in enumerate(seq_lens.tolist()):
         start, end = qsl[r], qsl[r + 1]
@@ -37,8 +37,8 @@ def paged_attention(query, k_pages, v_pages, block_table, seq_lens, query_start_
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         q = query[start:end].float() * q_scale
-        pos = torch.arange(length - (end - start), length).unsqueeze(1)
-        keys = torch.arange(length).unsqueeze(0)
+        pos = torch.arange(length - (end - start), length, device=query.device).unsqueeze(1)
+        keys = torch.arange(length, device=query.device).unsqueeze(0)
         visible = keys <= pos if causal else keys < length
         if window is not None:
             visible &= keys > pos - window
