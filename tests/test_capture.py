@@ -203,6 +203,46 @@ def test_pre_update_restores_pages_the_cache_update_overwrote(tmp_path, layout):
     assert got.meta.capture["pre_update_pages_restored"] == len(pre.page_ids)
 
 
+class CopyInFlight:
+    """A host copy still in flight from a device, as after ``to("cpu", non_blocking=True)``: the host tensors
+    hold garbage until ``synchronize()``, which lands the values (once; a second call counts but copies nothing)."""
+
+    def __init__(self, **sources):
+        self.sources = sources
+        self.hosts = {name: torch.full_like(t, 10_000) for name, t in sources.items()}  # past any page or length
+        self.calls = 0
+
+    def synchronize(self):
+        if self.calls == 0:
+            for name, host in self.hosts.items():
+                host.copy_(self.sources[name])
+        self.calls += 1
+
+
+def test_metadata_in_flight_is_read_only_after_its_event(tmp_path):
+    """Host copies issued ahead (the vLLM plugin's, at build time) are waited for before capture reads them:
+    before the cache update for the slots, and before the forward for the block table and lengths."""
+    engine = Engine()
+    t = engine.tensors
+    before = engine.cache.clone()
+    capturer = Capturer(tmp_path)
+    slots = CopyInFlight(slot_mapping=t.slot_mapping)
+    pre = capturer.save_pre_update(engine.layer, key=t.key, value=t.value, slot_mapping=slots.hosts["slot_mapping"],
+                                   kv_cache=engine.cache, step=7, ready=slots)
+    assert pre is not None and slots.calls == 1
+    engine.cache.index_fill_(0, pre.page_ids, 3.0)  # the engine's cache update
+    meta = CopyInFlight(block_table=t.block_table, seq_lens=t.seq_lens, query_start_loc=t.query_start_loc)
+    path = capturer.capture(*engine.args(key=None, value=None, slot_mapping=None, pre_update=pre,
+                                         metadata_copied=True, metadata_ready=meta, **meta.hosts),
+                            output=engine.output, **STEP)
+    assert meta.calls == 1
+    got, want = load_snapshot(path), engine.snap
+    for name in ("block_table", "seq_lens", "query_start_loc", "slot_mapping"):
+        assert torch.equal(getattr(got.steps[0], name), getattr(want.steps[0], name)), name
+    assert torch.equal(got.page_ids.long(), want.page_ids.long())
+    assert same_bytes(got.kv_cache, before.index_select(0, got.page_ids.long()))
+
+
 def _cache_update(engine, layout, key, value, slot_mapping):
     """The engine's cache update: each token's K and V into its slot, through kvdbg's views of the layout."""
     page_size = engine.snap.meta.backend.page_size
