@@ -306,8 +306,9 @@ class HostCopiesReady:
 
 def copies_to_host(tensors: "list[torch.Tensor | None]") -> "list[torch.Tensor | None]":
     """Host copies of device tensors, issued on the current stream and not waited for (pinned memory from
-    torch's caching host allocator): read them only after a :class:`HostCopiesReady` recorded after them."""
-    return [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+    torch's caching host allocator): read them only after a :class:`HostCopiesReady` recorded after them.
+    A tensor already on the host is cloned (``to`` would hand back the tensor itself)."""
+    return [None if t is None else t.clone() if t.is_cpu else t.to("cpu", non_blocking=True) for t in tensors]
 
 
 # A CPU gather of at least RUNS_MIN_BYTES whose pages form at most MAX_RUNS runs of consecutive ids is

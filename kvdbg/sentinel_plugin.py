@@ -99,7 +99,7 @@ class SentinelHooks:
             if kv_layout is None:
                 return
             target = state.capture_layer(impl, layer, kv_layout, getattr(layer, "dtype", key.dtype))
-            slots, ready = state.host_slots(slot_mapping)
+            slots, ready = state.host_slots(name, slot_mapping)
             pre = self.capturer.save_pre_update(target, key=key, value=value, slot_mapping=slots,
                                                 kv_cache=kv_cache, step=step, check_written=True, ready=ready)
             if pre is not None:

@@ -343,6 +343,11 @@ class _PluginState:
         # Host copies of device slot mappings made at build time, by the device tensor's identity (data_ptr,
         # shape, stride, dtype): do_kv_cache_update gets the builder's tensor, not its metadata.
         self._host_slots: OrderedDict[tuple, tuple["torch.Tensor", Any]] = OrderedDict()
+        # Per layer name: the identity of the slot mapping its builder's latest copying build was given, and
+        # the layer's forward count then. A copy is taken only for that tensor, before that forward: a runner
+        # may rewrite the same buffer without a build (a drafter's own slot mapping) or hand the update a
+        # longer view of it (padding).
+        self._slots_layers: dict[str, tuple[tuple, int]] = {}
         # Per layer name: what its builder declared, and the layout (or refusal) read from it.
         self._builders: dict[int, Any] = {}  # kept alive so that their ids stay theirs
         self._declared: dict[str, _Declared] = {}
@@ -655,7 +660,7 @@ class _PluginState:
             # Only a backend that writes the new K/V inside forward needs them (the others' are saved before
             # do_kv_cache_update).
             tokens = None if slot_mapping is None or not self._update_in_forward else int(common.num_actual_tokens)
-            host = self._copy_to_host(rows, slot_mapping, tokens, causal) if rows[0].is_cuda else None
+            host = self._copy_to_host(builder, rows, slot_mapping, tokens, causal) if rows[0].is_cuda else None
             if host is not None and self.sentinel is None:
                 bt, sl, qsl, slots, causal = (host.block_table, host.seq_lens, host.query_start_loc,
                                               host.slot_mapping, host.causal)
@@ -672,12 +677,13 @@ class _PluginState:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
             return False
 
-    def _copy_to_host(self, rows: tuple, slot_mapping: Any, tokens: int | None, causal: Any) -> _HostMetadata:
+    def _copy_to_host(self, builder: Any, rows: tuple, slot_mapping: Any, tokens: int | None,
+                      causal: Any) -> _HostMetadata:
         """Host copies of a device build's metadata and of its whole slot mapping, issued on the engine's
         stream with one event after them: no hook of the step then reads device metadata (see _HostMetadata).
 
         The slot mapping is copied whole, as the builder has it, because do_kv_cache_update is given that
-        tensor (found again in :meth:`host_slots`).
+        tensor (found again in :meth:`host_slots`, for the builder's layers' next forwards only).
         """
         from kvdbg.capture_buffers import HostCopiesReady, copies_to_host
 
@@ -685,18 +691,30 @@ class _PluginState:
         bt, sl, qsl, slots, host_causal = copies_to_host([*rows, slot_mapping, tensor_causal])
         ready = HostCopiesReady(rows[0].device)
         if slots is not None:
-            self._host_slots[_tensor_key(slot_mapping)] = (slots, ready)
+            key = _tensor_key(slot_mapping)
+            self._host_slots[key] = (slots, ready)
             while len(self._host_slots) > _HOST_SLOTS_KEPT:
                 self._host_slots.popitem(last=False)
+            counts = self._forward_counts
+            for name in getattr(builder, "layer_names", None) or ():  # a builder that names none: device reads
+                self._slots_layers[name] = (key, counts.get(name, 0))
         return _HostMetadata(bt, sl, qsl, None if tokens is None or slots is None else slots[:tokens],
                              causal if tensor_causal is None else host_causal, ready)
 
-    def host_slots(self, slot_mapping: Any) -> tuple[Any, Any]:
-        """``(slots, ready)`` for the slot mapping a hook was given: the host copy made when it was built, and
-        what to wait for before reading it; on the host, or with no such copy, the tensor itself and None."""
+    def host_slots(self, name: str, slot_mapping: Any) -> tuple[Any, Any]:
+        """``(slots, ready)`` for the slot mapping layer ``name``'s cache update was given: the host copy made
+        when its builder built it, and what to wait for before reading it; on the host, or with no such copy,
+        the tensor itself and None (read from the device: slower, never stale).
+
+        The copy is taken only when that build was the layer's builder's latest copying one, was given this
+        very tensor (the same memory, seen the same way), and the layer has run no forward since.
+        """
         if slot_mapping is None or slot_mapping.is_cpu or not self._host_slots:
             return slot_mapping, None
-        return self._host_slots.get(_tensor_key(slot_mapping), (slot_mapping, None))
+        key = _tensor_key(slot_mapping)
+        if self._slots_layers.get(name) != (key, self._forward_counts.get(name, 0)):
+            return slot_mapping, None
+        return self._host_slots.get(key, (slot_mapping, None))
 
     def _sentinel_checks(self, builder: Any) -> bool:
         """Whether the sentinel checks the next step of any of this builder's layers (it has its own layer filter)."""
@@ -824,7 +842,7 @@ class _PluginState:
                 return False
             # The forward's rule for the model dtype, without its output buffer.
             target = self.capture_layer(impl, layer, kv_layout, getattr(layer, "dtype", key.dtype))
-            slots, ready = self.host_slots(slot_mapping)
+            slots, ready = self.host_slots(name, slot_mapping)
             pre = self.capturer.save_pre_update(target, key=key, value=value, slot_mapping=slots,
                                                 kv_cache=kv_cache, step=step, check_written=True, ready=ready)
             if pre is None:

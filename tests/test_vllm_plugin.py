@@ -483,6 +483,108 @@ def test_later_builds_do_not_leak_into_an_earlier_capture(standins, tmp_path):
     assert torch.equal(snap.steps[0].block_table, engine_table)
 
 
+class SeenOnDevice:
+    """A host tensor as the plugin sees a device one: its identity (memory, shape, strides, dtype, a CUDA
+    device) and ``to("cpu")``. The device's registry of build-time host copies runs on CPU with it."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.is_cpu, self.is_cuda = t, False, True
+        self.shape, self.dtype, self.device = t.shape, t.dtype, torch.device("cuda", 0)
+
+    def data_ptr(self):
+        return self.t.data_ptr()
+
+    def stride(self):
+        return self.t.stride()
+
+    def to(self, device, non_blocking=False):
+        return self.t.clone()
+
+
+class Builder:
+    def __init__(self, *layer_names):
+        self.layer_names = list(layer_names)
+
+
+@pytest.fixture
+def slots_registry(monkeypatch):
+    """A plugin state whose builds copy their slot mappings as on a device (the event stood in)."""
+    from kvdbg import capture_buffers
+
+    class Ready:
+        def __init__(self, device):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(capture_buffers, "HostCopiesReady", Ready)
+    state = vllm_plugin._PluginState(capturer=None)
+    rows = (torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
+
+    def build(builder, slot_mapping):  # what after_build does with a device build's slot mapping
+        state._host_slots.pop(vllm_plugin._tensor_key(slot_mapping), None)
+        state._copy_to_host(builder, rows, slot_mapping, None, False)
+
+    return state, build
+
+
+def test_a_build_time_copy_of_the_slots_serves_only_its_layers_next_update(slots_registry):
+    """The copy is taken for the tensor the build was given, for the builder's layers, before their next forward."""
+    state, build = slots_registry
+    drafter, target = Builder("drafter.attn"), Builder("model.layers.0.attn")
+    buffer = torch.full((8,), -1, dtype=torch.int64)
+    buffer[:2] = torch.tensor([100, 101])
+    build(drafter, SeenOnDevice(buffer[:2]))
+    slots, ready = state.host_slots("drafter.attn", SeenOnDevice(buffer[:2]))
+    assert slots.tolist() == [100, 101] and ready is not None  # the fast path: no device read
+    given = SeenOnDevice(buffer[:2])
+    assert state.host_slots("model.layers.0.attn", given) == (given, None)  # another builder's layer
+    state._forward_counts["drafter.attn"] = 1  # the drafter's forward ran: the copy was for it only
+    assert state.host_slots("drafter.attn", given) == (given, None)
+
+
+def test_a_slot_mapping_rewritten_without_a_build_is_read_from_the_device(slots_registry):
+    """A drafter's first pass builds with the target's slot mapping and hands its update a view of its own
+    buffer, which an earlier build registered: that older copy is never taken."""
+    state, build = slots_registry
+    drafter = Builder("drafter.attn")
+    buffer = torch.full((8,), -1, dtype=torch.int64)
+    buffer[:2] = torch.tensor([100, 101])
+    build(drafter, SeenOnDevice(buffer[:2]))  # step 0: built with its own buffer
+    state._forward_counts["drafter.attn"] = 1
+    build(drafter, SeenOnDevice(torch.tensor([200, 201])))  # step 1: built with the target's tensor
+    buffer[:2] = torch.tensor([200, 201])  # and its own buffer rewritten, no build seeing it
+    given = SeenOnDevice(buffer[:2])
+    assert state.host_slots("drafter.attn", given) == (given, None)
+
+
+def test_a_longer_view_of_a_built_buffer_is_read_from_the_device(slots_registry):
+    """Built with ``buffer[:5]``, the update handed ``buffer[:8]`` (padding): an earlier build's copy of
+    ``buffer[:8]`` is never taken."""
+    state, build = slots_registry
+    drafter = Builder("drafter.attn")
+    buffer = torch.arange(100, 108, dtype=torch.int64)
+    build(drafter, SeenOnDevice(buffer[:8]))  # step 0: eight requests
+    state._forward_counts["drafter.attn"] = 1
+    buffer[:] = torch.tensor([200, 201, 202, 203, 204, -1, -1, -1])
+    build(drafter, SeenOnDevice(buffer[:5]))  # step 1: five requests, padded to eight for the graph
+    given = SeenOnDevice(buffer[:8])
+    assert state.host_slots("drafter.attn", given) == (given, None)
+    slots, _ = state.host_slots("drafter.attn", SeenOnDevice(buffer[:5]))
+    assert slots.tolist() == [200, 201, 202, 203, 204]
+
+
+def test_a_causal_tensor_on_the_host_is_copied_at_build_not_kept(slots_registry):
+    """A runner that keeps a per-request causal tensor on the host and rewrites it: the build's copy holds."""
+    state, build = slots_registry
+    causal = torch.tensor([True, False])
+    host = state._copy_to_host(Builder("a"), (torch.zeros(2, 3, dtype=torch.int32),) * 3,
+                               SeenOnDevice(torch.tensor([1, 2])), None, causal)
+    causal.fill_(False)
+    assert host.causal.tolist() == [True, False]
+
+
 def run_filtered(monkeypatch, directory, steps=4, **env):
     enable(monkeypatch, directory, **env)
     engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(100, 60))
