@@ -135,6 +135,32 @@ def test_a_slot_mapping_buffer_reused_by_a_build_that_copied_nothing_is_read_fro
     # Step 1 is not captured: its build copies nothing and must forget step 0's copy of the same buffer.
     later = common_on(slots + 1)
     engine.builder.build(0, later)
-    assert state.host_slots(later.slot_mapping) == (later.slot_mapping, None)
+    assert state.host_slots(engine.names[0], later.slot_mapping) == (later.slot_mapping, None)
     (snap,) = snapshots(tmp_path)
     assert torch.equal(snap.steps[0].slot_mapping, slots.cpu())
+
+
+def test_a_slot_mapping_the_update_gets_but_no_build_saw_is_read_from_the_device(standins, tmp_path):
+    """A drafter's first pass: built with the target's slot mapping, its update handed a view of its own buffer,
+    rewritten since an earlier build copied it. The step's own slots are saved, and they read back."""
+    from vllm.forward_context import set_forward_context
+
+    enable(standins, tmp_path, KVDBG_CAPTURE_BACKENDS="FLEX_ATTENTION")
+    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, query_len=1, seq_lens=(40, 17))
+    on_device(engine)
+    buffer = torch.full((8,), -1, dtype=torch.int64, device="cuda")
+    first = device_common(engine)
+    buffer[:2] = first.slot_mapping
+    first.slot_mapping = buffer[:2]
+    want = [first.slot_mapping.tolist()]
+    engine.step(common=first, inputs=tuple(t.cuda() for t in engine.inputs()))  # built and updated with the buffer
+    second = device_common(engine)  # the target's slot mapping, a tensor of its own
+    buffer[:2] = second.slot_mapping  # the drafter's buffer rewritten; no build sees it
+    want.append(second.slot_mapping.tolist())
+    metadata = engine.builder.build(0, second)
+    name, layer = engine.names[0], engine.layers[0]
+    with set_forward_context({name: metadata}, {name: layer}, {name: buffer[:2]}):
+        layer.forward(*(t.cuda() for t in engine.inputs()))
+    snaps = snapshots(tmp_path)
+    assert [snap.steps[0].slot_mapping.tolist() for snap in snaps] == want
+    assert all("read back" in snap.meta.capture["kv_layout_read_back"] for snap in snaps)
