@@ -352,7 +352,7 @@ class _PluginState:
         self._builders: dict[int, Any] = {}  # kept alive so that their ids stay theirs
         self._declared: dict[str, _Declared] = {}
         self._layouts: dict[str, tuple[tuple, Any]] = {}
-        self._builder_layers: dict[int, tuple[tuple, list[str] | None]] = {}
+        self._builder_layers: dict[int, tuple[Any, Any, list[str] | None]] = {}
         self._builder_facts: dict[int, _BuilderFacts] = {}  # per builder (kept alive in _builders)
         self._layout_fast: dict[str, tuple] = {}  # per layer: what engine_layout last checked, and its answer
         self._step_constants: dict[str, tuple] = {}  # per layer: (key, CaptureBackend, provenance) of step_capture
@@ -726,13 +726,15 @@ class _PluginState:
     def _selected_layers(self, builder: Any) -> "list[str] | None":
         """The builder's layers the layer filter selects (None: it names none), kept per builder and configuration:
         a model has dozens of layers and a build runs on every step."""
-        key = (id(builder), id(self.capturer.config))
-        hit = self._builder_layers.get(id(builder))
-        if hit is not None and hit[0] == key:
-            return hit[1]
+        # Held and compared by identity, not by id(): a configuration replaced twice may be freed and
+        # its id given to the next one, and a builder's id to a later builder (with other layers).
+        config = self.capturer.config
         names = getattr(builder, "layer_names", None)
+        hit = self._builder_layers.get(id(builder))
+        if hit is not None and hit[0] is config and hit[1] is names:
+            return hit[2]
         selected = [n for n in names if self.capturer.layer_selected(n)] if names else None
-        self._builder_layers[id(builder)] = (key, selected)
+        self._builder_layers[id(builder)] = (config, names, selected)
         return selected
 
     def _stash(self, metadata: Any, ctx: _EngineContext) -> None:

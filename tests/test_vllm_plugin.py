@@ -608,6 +608,25 @@ def test_filters(standins, tmp_path, env, expected):
         assert not (tmp_path / "snaps").exists()
 
 
+def test_a_layer_filter_changed_between_steps_takes_effect_at_the_next_build(standins, tmp_path):
+    """The builder's selected layers are kept per configuration: each change of the filter applies to the next
+    step, however often the configuration was replaced (a freed configuration's id may be given to the next)."""
+    enable(standins, tmp_path, KVDBG_CAPTURE_LAYERS="*.layers.0.*")
+    engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(100, 60))
+    capturer = vllm_plugin.active_capturer()
+    engine.step()
+    expected = [("0", 0)]
+    for step in range(1, 7):
+        layer = str(step % 2)
+        capturer.select_layers(f"*.layers.{layer}.*")
+        capturer.reconfigure(max_snapshots=100 + step)  # a second replacement between the same two builds
+        engine.step()
+        expected.append((layer, step))
+    assert sorted((s.meta.layer.name.split(".")[2], s.meta.capture["step"]) for s in snapshots(tmp_path)) \
+        == sorted(expected)
+    assert not capturer.failures and not capturer.dropped
+
+
 def test_byte_budget_too_small_writes_nothing_and_the_engine_runs_on(standins, tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
     enable(standins, tmp_path / "snaps", KVDBG_CAPTURE_MAX_BYTES="2K")
