@@ -95,6 +95,8 @@ WRITER_NICENESS_ADDED = 10
 # How long close() waits for the writer at interpreter exit.
 EXIT_FLUSH_SECONDS = 30.0
 
+# A step without a number whose call before the cache update was counted as not written (its begin is not).
+_BEFORE_UPDATE = object()
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 _HOST = _SAFE_NAME.sub("_", socket.gethostname()) or "host"
 # Temp files of capture writes: <prefix><host>-<pid>-<random>.tmp. A process killed mid-write
@@ -207,10 +209,14 @@ class Capturer:
             self.config = dataclasses.replace(config, **fields) if fields else config
         else:
             self.config = CaptureConfig(directory=config, **fields)
-        # Budget state: files written, bytes written (reserved before each write), steps with the writer.
+        # Budget state: files written, their bytes, bytes reserved by writes under way, steps with the writer,
+        # and of those the steps given up at close (counted as dropped; the writer releases them unwritten).
         self.written: list[str] = []
         self.bytes_written = 0
+        self._bytes_reserved = 0
         self._in_flight = 0
+        self._writing = 0
+        self._given_up = 0
         self._queued_bytes = 0
         self._queue_budget: int | None = None
         self._queue_budget_why = ""
@@ -307,26 +313,36 @@ class Capturer:
         A step the filters select while capture is off is counted once in
         ``dropped["off"]``: it was asked for and will not be written.
         """
+        return self._wants(layer_name, step, rank, before_update=False)
+
+    def _wants(self, layer_name: str, step: int | None, rank: int | None, *, before_update: bool) -> bool:
         if not self._filtered_in(layer_name, step, rank):
             return False
         if self._refused and layer_name in self._refused:
-            self._count_unserved(layer_name, step, "refused")
+            self._count_unserved(layer_name, step, "refused", before_update)
             return False
         config = self.config
         if self.active and config.max_snapshots is not None \
                 and len(self.written) + self._in_flight >= config.max_snapshots:
             if self._in_flight:  # the steps with the writer take the last places
-                self._count_unserved(layer_name, step, "max_snapshots")
+                self._count_unserved(layer_name, step, "max_snapshots", before_update)
                 return False
             self.disable(f"wrote {len(self.written)} snapshots, the limit ({ENV_MAX}={config.max_snapshots})")
         if not self.active:
-            self._count_unserved(layer_name, step, "off")
+            self._count_unserved(layer_name, step, "off", before_update)
             return False
         return True
 
-    def _count_unserved(self, layer_name: str, step: int | None, reason: str) -> None:
-        # Once per step, whichever of the engine's hooks asks first.
-        if self._off_seen.get(layer_name, self) != step:
+    def _count_unserved(self, layer_name: str, step: int | None, reason: str, before_update: bool = False) -> None:
+        # Once per step, whichever of the engine's hooks asks first. A step without a number is told from the
+        # next by the pair of calls one step makes: the one before the cache update, then begin's.
+        seen = self._off_seen.get(layer_name, self)
+        if step is None:
+            self._off_seen[layer_name] = _BEFORE_UPDATE if before_update else self
+            if seen is _BEFORE_UPDATE and not before_update:  # the same step's begin, after its pre-update
+                return
+            self._drop(reason)
+        elif seen != step:
             self._off_seen[layer_name] = step
             self._drop(reason)
 
@@ -374,13 +390,14 @@ class Capturer:
 
     def _fits(self, size: int, layer_name: str, step: int | None, *, exact: bool) -> bool:
         max_bytes = self.config.max_bytes
-        if max_bytes is None or self.bytes_written + size <= max_bytes:
+        if max_bytes is None or self.bytes_written + self._bytes_reserved + size <= max_bytes:
             return True
         self._drop("max_bytes")
         self._note_once(
             "budget:bytes",
             f"kvdbg capture skipped layer {layer_name} step {step}: the snapshot "
-            f"{'takes' if exact else 'would take at least'} {size} bytes, over the {max_bytes - self.bytes_written} "
+            f"{'takes' if exact else 'would take at least'} {size} bytes, over the "
+            f"{max_bytes - self.bytes_written - self._bytes_reserved} "
             f"bytes left of {ENV_MAX_BYTES}={max_bytes}; smaller steps may still be captured",
         )
         return False
@@ -421,7 +438,7 @@ class Capturer:
         ``key``/``value``: the engine's thread copies, never compares.
         """
         try:
-            if _stream_capturing(kv_cache) or not self.wants(layer.name, step, rank):
+            if _stream_capturing(kv_cache) or not self._wants(layer.name, step, rank, before_update=True):
                 return None
             return save_pre_update(layer, key=key, value=value, slot_mapping=slot_mapping, kv_cache=kv_cache,
                                    step=step, buffers=self._buffers, check_written=check_written, ready=ready)
@@ -559,15 +576,14 @@ class Capturer:
                     return None
                 if not self._fits(size, layer_name, pending.step_index, exact=True):
                     return None
-                self.bytes_written += size  # reserved now, so concurrent writes cannot overrun the budget
+                self._bytes_reserved += size  # now, so that concurrent writes cannot overrun the budget
             try:
                 path = self._write(snapshot, pending, directory)
-            except BaseException:
+            finally:
                 with self._lock:
-                    self.bytes_written -= size
-                raise
+                    self._bytes_reserved -= size
             with self._lock:
-                self.bytes_written += os.path.getsize(path) - size
+                self.bytes_written += os.path.getsize(path)
                 self.written.append(path)
             count, lines = len(self.written), self.config.info_snapshot_lines
             if count <= lines:
@@ -668,6 +684,19 @@ class Capturer:
                 continue
             pending, directory, where, nbytes, on_written = item
             path = None
+            with self._lock:
+                given_up = self._given_up > 0
+                if given_up:  # close counted it as dropped ("still waiting at shutdown")
+                    self._given_up -= 1
+                else:
+                    self._writing += 1
+            if given_up:
+                pending.release()
+                _tell(on_written, None)
+                with self._lock:
+                    self._in_flight -= 1
+                    self._queued_bytes -= nbytes
+                continue
             try:
                 try:
                     # The engine's next step of this size then finds memory already touched.
@@ -686,6 +715,7 @@ class Capturer:
                 pending.release()
                 _tell(on_written, path)
                 with self._lock:
+                    self._writing -= 1
                     self._in_flight -= 1
                     self._queued_bytes -= nbytes
 
@@ -706,7 +736,7 @@ class Capturer:
     @property
     def requested(self) -> int:
         """Steps asked for (through the filters) so far: written, dropped, or with the writer."""
-        return len(self.written) + sum(self.dropped.values()) + self._in_flight
+        return len(self.written) + sum(self.dropped.values()) + self._in_flight - self._given_up
 
     def summary(self) -> str:
         """One line: what was captured, what was dropped and why."""
@@ -716,8 +746,9 @@ class Capturer:
         if dropped:
             line += " (" + ", ".join(f"{count} {DROP_REASONS.get(reason, reason)}"
                                      for reason, count in sorted(self.dropped.items()) if count) + ")"
-        if self._in_flight:
-            line += f"; {self._in_flight} still with the writer"
+        waiting = self._in_flight - self._given_up
+        if waiting:
+            line += f"; {waiting} still with the writer" if not self._closed else f"; {waiting} being written"
         if self.disabled_reason:
             line += f"; capture turned off: {self.disabled_reason}"
         spent = self.engine_time.describe()
@@ -730,17 +761,22 @@ class Capturer:
 
         The engine's shutdown calls it (the vLLM plugin wraps the worker's
         ``shutdown``), and an exit handler calls it for capturers that were not
-        closed. Steps still waiting after ``timeout`` are counted as dropped.
+        closed. Steps the writer has not started after ``timeout`` are given
+        up: counted as dropped, and released unwritten; the line names a
+        write still under way, which ends whole or leaves only a temporary
+        file. Steps handed over later queue behind them and are written.
         Said once per capturer, and only when a step was ever requested.
         Returns whether everything handed over was written.
         """
         drained = self.flush(timeout)
         if self._closed:
             return drained
-        self._closed = True
+        with self._lock:
+            self._closed = True
+            if not drained:
+                self._given_up = self._in_flight - self._writing
+                self._drop("exit", self._given_up)
         _OPEN.discard(self)
-        if not drained:
-            self._drop("exit", self._in_flight)
         if self.requested or self.failures:
             level = logging.WARNING if sum(self.dropped.values()) else logging.INFO
             logger.log(level, "%s", self.summary())

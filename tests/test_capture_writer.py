@@ -44,11 +44,13 @@ def step_bytes(engine: Engine) -> int:
 
 @pytest.fixture
 def slow_disk(monkeypatch):
-    """The "disk" accepts writes only once the returned event is set."""
+    """The "disk" accepts writes only once the returned event is set (its ``writing`` event: a write began)."""
     disk = threading.Event()
+    disk.writing = threading.Event()
     real_write = snapshot_module.write_safetensors
 
     def slow_write(*args, **kwargs):
+        disk.writing.set()
         disk.wait(20)
         return real_write(*args, **kwargs)
 
@@ -103,13 +105,42 @@ def test_close_waits_a_bounded_time_and_counts_what_is_left(tmp_path, slow_disk,
     engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
     capturer = Capturer(tmp_path, queue_bytes="auto")
     capture_steps(capturer, engine, range(3))
+    assert slow_disk.writing.wait(10)  # the writer is inside the first step's write
     started = time.monotonic()
     assert not capturer.close(0.2)
     assert time.monotonic() - started < 5
-    assert capturer.dropped == {"exit": 3}
-    assert caplog.records[-1].getMessage().endswith("dropped 3 (3 still waiting at shutdown); 3 still with the writer")
+    # The two steps not started are given up; the one being written is said as such, not as dropped.
+    assert capturer.dropped == {"exit": 2} and capturer.requested == 3
+    assert caplog.records[-1].getMessage().endswith(
+        "captured 0 snapshot(s), 0 bytes, into " f"{tmp_path}; dropped 2 (2 still waiting at shutdown); 1 being written")
     assert not capturer.close(0.1)  # said once
-    assert sum("dropped 3" in r.getMessage() for r in caplog.records) == 1
+    assert sum("dropped 2" in r.getMessage() for r in caplog.records) == 1
+    # The write under way ends whole; the given-up steps are never written: no step is both written and dropped.
+    slow_disk.set()
+    assert capturer.flush(10)
+    assert len(files(tmp_path)) == 1 == len(capturer.written)
+    assert capturer.dropped == {"exit": 2} and capturer.requested == 3
+    assert capturer.bytes_written == os.path.getsize(tmp_path / files(tmp_path)[0]) and capturer._queued_bytes == 0
+
+
+def test_steps_without_a_number_are_each_counted_when_not_written(tmp_path):
+    """The exit line's count does not fold steps given no number into one (the API's default)."""
+    engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
+    capturer = Capturer(tmp_path, max_snapshots=1, queue_bytes=0)
+    paths = [capturer.capture(*engine.args(), output=engine.output) for _ in range(4)]
+    assert paths[0] is not None and paths[1:] == [None] * 3
+    assert capturer.dropped == {"off": 3} and capturer.requested == 4
+    # A step's two calls (before the cache update, then begin) are one step: counted once.
+    capturer = Capturer(tmp_path / "pairs", queue_bytes=0)
+    capturer.disable("off for this test")
+    t = engine.tensors
+    for _ in range(3):
+        assert capturer.save_pre_update(engine.layer, key=t.key, value=t.value, slot_mapping=t.slot_mapping,
+                                        kv_cache=t.kv_cache) is None
+        assert capturer.begin(*engine.args()) is None
+    assert capturer.dropped == {"off": 3}
+    assert capturer.begin(*engine.args()) is None  # a step with no call before its cache update
+    assert capturer.dropped == {"off": 4}
 
 
 def test_the_count_budget_counts_what_is_in_flight_and_the_rest_as_dropped(tmp_path):
