@@ -772,9 +772,12 @@ def build_snapshot(pending: PendingCapture) -> Snapshot:
     plan = pending.plan
     if plan.copies is not None:
         plan.copies.wait()
+    pre = plan.pre_update
+    if pre is not None and pre.copies is not None:
+        # Its K/V are read below, and it may have been copied on another stream than the forward's pages.
+        pre.copies.wait()
     layout = plan.layout
     pages = layout.convert(pending.pages)
-    pre = plan.pre_update
     read_back = None
     if pre is not None and pre.check_written:
         read_back = _read_back(plan, pages, pre)  # before the restore: these pages are as the update left them

@@ -286,6 +286,46 @@ def test_the_writer_reads_the_written_slots_back_and_refuses_a_layer_that_does_n
     capturer.close(10)
 
 
+class PreCopiesInFlight:
+    """A pre-update's copies still in flight (as on another stream than the forward's): its K/V hold garbage until
+    ``wait()``, which lands them; the other methods pass through to the real copies."""
+
+    def __init__(self, pre):
+        self.real, self.pre = pre.copies, pre
+        self.kv = (pre.key.clone(), pre.value.clone())
+        pre.key.fill_(-7.0)
+        pre.value.fill_(-7.0)
+        self.waited = 0
+
+    def wait(self):
+        if not self.waited:
+            self.pre.key.copy_(self.kv[0])
+            self.pre.value.copy_(self.kv[1])
+        self.waited += 1
+        self.real.wait()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_the_read_back_waits_for_the_pre_update_copies_it_reads(tmp_path):
+    """The written slots are compared with the K/V the update was given only once those copies have landed."""
+    engine = Engine(layout=LAYOUT_VLLM)
+    t = engine.tensors
+    capturer = Capturer(tmp_path, queue_bytes="auto")
+    pre = capturer.save_pre_update(engine.layer, key=t.key, value=t.value, slot_mapping=t.slot_mapping,
+                                   kv_cache=engine.cache, step=3, rank=0, check_written=True)
+    pre.copies = in_flight = PreCopiesInFlight(pre)
+    _cache_update(engine, LAYOUT_VLLM, t.key, t.value, t.slot_mapping)
+    capturer.capture(*engine.args(key=None, value=None, slot_mapping=None, pre_update=pre), output=engine.output,
+                     step=3, rank=0)
+    assert capturer.close(10)
+    assert in_flight.waited and not capturer.dropped and not capturer.layer_refused(engine.layer.name)
+    got = load_snapshot(capturer.written[0])
+    assert got.meta.capture["kv_layout_read_back"].startswith("passed")
+    assert same_bytes(got.steps[0].key, engine.snap.steps[0].key)
+
+
 @pytest.mark.parametrize("layout", [LAYOUT_VLLM, LAYOUT_KV_PLANES])
 def test_an_engine_under_inference_mode_is_captured_by_the_background_writer(tmp_path, layout):
     # The copies made in the engine's thread are then inference tensors, which the writer updates in place
