@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -212,17 +213,19 @@ class SentinelHooks:
             logger.log(level, "%s", message)
 
     def close(self, state=None, timeout: float = COLLECT_SECONDS) -> None:
-        """Collect the device checks still out, let the writer drain, and say the one exit line."""
+        """Collect the device checks still out, let the writer drain, and say the one exit line: all of it
+        within ``timeout`` seconds (a check not back by then is counted as an error)."""
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + timeout
         try:
             for name in list(self._waiting):
                 if state is not None:
-                    self._collect(state, name, timeout)
+                    self._collect(state, name, max(0.0, deadline - time.monotonic()))
                 else:
                     self._waiting.pop(name)
-            self.capturer.close(timeout)
+            self.capturer.close(max(0.0, deadline - time.monotonic()))
             c = self.sentinel.counts
             level = logging.WARNING if c["failed"] or c["errors"] else logging.INFO
             logger.log(level, "%s", self.sentinel.summary())

@@ -448,9 +448,11 @@ class _PluginState:
             limit = float(grace) - 1 if grace.replace(".", "", 1).isdigit() else 4.0
             from kvdbg.capture import EXIT_FLUSH_SECONDS
 
-            if self.sentinel is not None:
-                self.sentinel.close(self, max(0.5, min(EXIT_FLUSH_SECONDS, limit) / 2))
-            self.capturer.close(max(0.5, min(EXIT_FLUSH_SECONDS, limit)))
+            total = max(1.0, min(EXIT_FLUSH_SECONDS, limit))
+            deadline = time.monotonic() + total
+            if self.sentinel is not None:  # half the time for its checks and its writer, the rest for capture's
+                self.sentinel.close(self, total / 2)
+            self.capturer.close(max(0.0, deadline - time.monotonic()))
         except Exception as exc:  # shutting down must go on whatever happens here
             logger.debug("kvdbg capture: draining at shutdown failed: %s", exc)
 
