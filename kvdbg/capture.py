@@ -28,6 +28,7 @@ import atexit
 import dataclasses
 import itertools
 import logging
+import operator
 import os
 import queue
 import re
@@ -438,6 +439,7 @@ class Capturer:
         ``key``/``value``: the engine's thread copies, never compares.
         """
         try:
+            step = _step_number(step)
             if _stream_capturing(kv_cache) or not self._wants(layer.name, step, rank, before_update=True):
                 return None
             return save_pre_update(layer, key=key, value=value, slot_mapping=slot_mapping, kv_cache=kv_cache,
@@ -455,6 +457,7 @@ class Capturer:
         budget or malformed. ``info`` is merged into the snapshot's provenance.
         """
         try:
+            step = _step_number(step)
             if _stream_capturing(getattr(tensors, "kv_cache", None)):
                 return None
             if rank is not None or self.config.rank is not None:
@@ -781,6 +784,18 @@ class Capturer:
             level = logging.WARNING if sum(self.dropped.values()) else logging.INFO
             logger.log(level, "%s", self.summary())
         return drained
+
+
+def _step_number(step: Any) -> int | None:
+    """The step as a Python int (a numpy or torch integer is one too); CaptureInputError for anything else."""
+    if step is None:
+        return None
+    if not isinstance(step, bool):
+        try:
+            return operator.index(step)
+        except TypeError:
+            pass
+    raise CaptureInputError(f"step must be an integer or None, got {step!r}")
 
 
 def _tell(on_written: Callable[[str | None], None] | None, path: str | None) -> None:

@@ -26,6 +26,7 @@ No torch here: ``kvdbg --help`` and the vLLM plugin's configuration import this.
 from __future__ import annotations
 
 import bisect
+import operator
 import re
 from dataclasses import dataclass
 from typing import Iterable
@@ -134,7 +135,11 @@ class IntRanges:
         return cls(tuple((_checked(v, what), int(v)) for v in value))
 
     def __contains__(self, value: object) -> bool:
-        if not isinstance(value, int) or isinstance(value, bool):
+        if isinstance(value, bool):
+            return False
+        try:
+            value = operator.index(value)  # numpy's and torch's integers too
+        except TypeError:
             return False
         i = bisect.bisect_right(self._starts, value) - 1  # the last range starting at or before value
         if i < 0:

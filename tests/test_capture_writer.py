@@ -350,3 +350,17 @@ def test_the_pool_keeps_no_more_free_bytes_than_it_is_told():
     # 1 + 2 + 3 units are over the 3 allowed: the oldest go first.
     assert [b.numel() for b in pool._free] == [3 * POOLED_MIN_BYTES]
     assert pool.trim() == 3 * POOLED_MIN_BYTES and pool.free_bytes == 0
+
+
+def test_a_numpy_or_torch_step_number_is_filtered_and_recorded_as_an_int(tmp_path):
+    import numpy as np
+    import torch
+
+    engine = Engine(layout=LAYOUT_VLLM, dtype="bfloat16")
+    capturer = Capturer(tmp_path, steps="3-4", queue_bytes=0)
+    paths = [capturer.capture(*engine.args(), output=engine.output, step=step, rank=0)
+             for step in (np.int64(3), torch.tensor(4), np.int32(5))]
+    assert paths[2] is None and [load_snapshot(p).meta.capture["step"] for p in paths[:2]] == [3, 4]
+    assert capturer.requested == 2 and not capturer.dropped
+    assert capturer.capture(*engine.args(), output=engine.output, step="3", rank=0) is None
+    assert capturer.failures == {"input:CaptureInputError": 1} and capturer.dropped == {"input": 1}
