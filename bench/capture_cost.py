@@ -544,8 +544,12 @@ def run_size(size: Size, steps: int, out: str) -> dict:
     copy_torch, copy_one, copy_tensors, count = floors(typical)
     copy_bytes = min(copy_torch, copy_one)
     # The hooks' own timers cost the same in every setting: what kvdbg (or a bare capture) adds is the
-    # setting's time less the timers-only run's.
-    timers = results["unwrapped (timers only)"]["median_us"] * 1e3
+    # setting's time less the timers-only run's. Two runs measure the timers alone, the first and the last;
+    # the lower is taken (the first has been seen at three times the last on a busy machine, which would make
+    # every difference below it negative).
+    timer_runs = ("unwrapped (timers only)", AFTER)
+    timers_from = min(timer_runs, key=lambda name: results[name]["median_us"])
+    timers = results[timers_from]["median_us"] * 1e3
     captured = results["one layer captured"]["median_us"] * 1e3 - timers
     bare = results[BARE]["median_us"] * 1e3 - timers
     bare_np = results[BARE_NP]["median_us"] * 1e3 - timers
@@ -555,22 +559,29 @@ def run_size(size: Size, steps: int, out: str) -> dict:
     in_situ_one = results[IN_SITU_ONE]["median_us"] * 1e3 - timers
     in_situ = min(in_situ_torch, in_situ_one)  # the faster way is the reference (see the module's notes)
 
+    timers_wall = min(results[name]["wall_median_us"] for name in timer_runs) * 1e3
+
     def wall(setting: str) -> float:
-        return (results[setting]["wall_median_us"] - results["unwrapped (timers only)"]["wall_median_us"]) * 1e3
+        return results[setting]["wall_median_us"] * 1e3 - timers_wall
+
+    def ratio(part: float, whole: float) -> float | None:
+        """None where the reference is not above the timers' noise (a ratio to it would say nothing)."""
+        return part / whole if whole > 0 else None
 
     captured_wall, in_situ_wall = wall("one layer captured"), min(wall(IN_SITU), wall(IN_SITU_ONE))
     return {"size": size.name, "snapshot_bytes": snapshot_bytes, "settings": results,
+            "timers_us": timers / 1e3, "timers_from": timers_from,
             "copy_bytes_us": copy_bytes / 1e3, "copy_bytes_torch_us": copy_torch / 1e3,
             "copy_bytes_one_thread_us": copy_one / 1e3, "copy_tensors_us": copy_tensors / 1e3, "tensors": count,
             "kvdbg_us": captured / 1e3, "bare_us": bare / 1e3, "bare_numpy_us": bare_np / 1e3,
             "empty_hooks_us": empty / 1e3, "floor_us": floor / 1e3, "copy_in_engine_us": in_situ / 1e3,
-            "empty_to_copy_in_engine": empty / in_situ, "floor_to_copy_in_engine": floor / in_situ,
+            "empty_to_copy_in_engine": ratio(empty, in_situ), "floor_to_copy_in_engine": ratio(floor, in_situ),
             "copy_in_engine_torch_us": in_situ_torch / 1e3, "copy_in_engine_one_thread_us": in_situ_one / 1e3,
-            "ratio_to_copy_bytes": captured / copy_bytes, "ratio_to_copy_in_engine": captured / in_situ,
-            "ratio_to_bare": captured / bare, "bare_to_copy_bytes": bare / copy_bytes,
-            "bare_to_copy_in_engine": bare / in_situ, "ratio_to_copy_tensors": captured / copy_tensors,
+            "ratio_to_copy_bytes": ratio(captured, copy_bytes), "ratio_to_copy_in_engine": ratio(captured, in_situ),
+            "ratio_to_bare": ratio(captured, bare), "bare_to_copy_bytes": ratio(bare, copy_bytes),
+            "bare_to_copy_in_engine": ratio(bare, in_situ), "ratio_to_copy_tensors": ratio(captured, copy_tensors),
             "kvdbg_wall_us": captured_wall / 1e3, "copy_in_engine_wall_us": in_situ_wall / 1e3,
-            "wall_ratio_to_copy_in_engine": captured_wall / in_situ_wall}
+            "wall_ratio_to_copy_in_engine": ratio(captured_wall, in_situ_wall)}
 
 
 def main() -> int:
@@ -618,7 +629,9 @@ def main() -> int:
         print(f"  {'copy of the bytes (loop)':<28}{row['copy_bytes_torch_us']:>10.1f} us   torch's copy_, repeated")
         print(f"  {'... one thread (loop)':<28}{row['copy_bytes_one_thread_us']:>10.1f} us   numpy's copyto, repeated")
         print(f"  {'copy of the tensors (loop)':<28}{row['copy_tensors_us']:>10.1f} us")
-        print("  less the timers-only run (what each adds to the engine's thread):")
+        first, last = (row["settings"][name]["median_us"] for name in ("unwrapped (timers only)", AFTER))
+        print(f"  less the timers alone, {row['timers_us']:.1f} us (the lower of the first run's {first:.1f} and the "
+              f"last's {last:.1f}):\n  what each adds to the engine's thread")
         print(f"    kvdbg                       {row['kvdbg_us']:>10.1f} us")
         print(f"    bare copies                 {row['bare_us']:>10.1f} us   each tensor copied once by a torch call")
         print(f"    bare copies, numpy          {row['bare_numpy_us']:>10.1f} us   the same by numpy calls")
@@ -628,13 +641,13 @@ def main() -> int:
         print(f"    ... in place, one thread    {row['copy_in_engine_one_thread_us']:>10.1f} us")
         print("  ratios to the faster copy of the bytes "
               f"({row['copy_bytes_us']:.1f} us in the loop, {row['copy_in_engine_us']:.1f} us in place):")
-        print(f"  ratio: kvdbg / copy of the bytes (loop)      {row['ratio_to_copy_bytes']:7.2f}")
-        print(f"  ratio: kvdbg / copy of the bytes, in place   {row['ratio_to_copy_in_engine']:7.2f}")
-        print(f"  ratio: kvdbg / bare copies                   {row['ratio_to_bare']:7.2f}")
-        print(f"  ratio: bare copies / copy of the bytes (loop) {row['bare_to_copy_bytes']:6.2f}")
-        print(f"  ratio: bare copies / copy, in place          {row['bare_to_copy_in_engine']:7.2f}")
-        print(f"  ratio: empty hooks / copy, in place          {row['empty_to_copy_in_engine']:7.2f}")
-        print(f"  ratio: floor of capture by hooks / copy, in place {row['floor_to_copy_in_engine']:5.2f}")
+        print(f"  ratio: kvdbg / copy of the bytes (loop)      {_shown(row['ratio_to_copy_bytes'], 7)}")
+        print(f"  ratio: kvdbg / copy of the bytes, in place   {_shown(row['ratio_to_copy_in_engine'], 7)}")
+        print(f"  ratio: kvdbg / bare copies                   {_shown(row['ratio_to_bare'], 7)}")
+        print(f"  ratio: bare copies / copy of the bytes (loop) {_shown(row['bare_to_copy_bytes'], 6)}")
+        print(f"  ratio: bare copies / copy, in place          {_shown(row['bare_to_copy_in_engine'], 7)}")
+        print(f"  ratio: empty hooks / copy, in place          {_shown(row['empty_to_copy_in_engine'], 7)}")
+        print(f"  ratio: floor of capture by hooks / copy, in place {_shown(row['floor_to_copy_in_engine'], 5)}")
         steps = {name: row["settings"][name]["generate_wall_ms_per_step"]
                  for name in ("unwrapped (timers only)", "one layer captured", AFTER)}
         print(f"  the engine's whole step (wall, generate() per step): {steps['unwrapped (timers only)']:.2f} ms "
@@ -642,9 +655,13 @@ def main() -> int:
               "again after the capture settings")
         print(f"  in wall time (the writer's thread competes for the cores and the interpreter lock): kvdbg "
               f"{row['kvdbg_wall_us']:.1f} us, copy in place {row['copy_in_engine_wall_us']:.1f} us, ratio "
-              f"{row['wall_ratio_to_copy_in_engine']:.2f}")
+              f"{_shown(row['wall_ratio_to_copy_in_engine'], 0).strip()}")
     print(json.dumps(rows))
     return 0
+
+
+def _shown(value: float | None, width: int) -> str:
+    return f"{value:{width}.2f}" if value is not None else f"{'n/a':>{width}} (the reference is within the timers' noise)"
 
 
 if __name__ == "__main__":
