@@ -24,6 +24,8 @@ WIDTHS = (60, 80, 120)
 FIXTURE_FILES = sorted(p.name for p in FIXTURES.glob("*.safetensors"))
 # A digit or a decimal point right before an ellipsis: a number rich cut to fit.
 CUT_NUMBER = re.compile(r"[0-9.]…")
+# rich's default box: the character a table's line starts with, and the one it must end with.
+BOX_CLOSES = {"┏": "┓", "┃": "┃", "┡": "┩", "│": "│", "└": "┘", "┣": "┫", "├": "┤"}
 
 
 def assert_uncut(text: str, width: int) -> None:
@@ -31,6 +33,10 @@ def assert_uncut(text: str, width: int) -> None:
     assert not cut, f"numbers cut at {width} columns:\n" + "\n".join(cut)
     too_wide = [line for line in text.splitlines() if len(line.rstrip()) > width]
     assert not too_wide, f"lines wider than {width} columns:\n" + "\n".join(too_wide)
+    # rich crops a table wider than the console at its width: a row that starts a box and does not close it.
+    cropped = [line for line in text.splitlines()
+               if line.strip() and line.lstrip()[0] in BOX_CLOSES and line.rstrip()[-1] != BOX_CLOSES[line.lstrip()[0]]]
+    assert not cropped, f"tables cropped at {width} columns:\n" + "\n".join(cropped)
 
 
 def render(renderable, width: int) -> str:
@@ -181,3 +187,21 @@ def test_fit_table_drops_the_least_important_column_and_names_it():
     assert "7.81e-03" in narrow and "0.999998" not in narrow
     assert "hidden at 40 columns: cosine" in " ".join(narrow.split())
     assert_uncut(narrow, 40)
+
+
+def test_a_table_of_rank_rows_is_never_cropped():
+    """The replay DIR table with its ranks column, at the widths where rich's own squeeze left it a column wide."""
+    from rich.text import Text
+
+    from kvdbg.render.fit import Column, FitTable
+
+    table = FitTable([Column("file", priority=10, min_width=14), Column("layer", whole=True, justify="left"),
+                      Column("step", whole=True, justify="left"), Column("ranks", whole=True, justify="left"),
+                      Column("verdict", whole=True, justify="left", priority=9),
+                      Column("worst backend / why", priority=8), Column("max abs", whole=True, priority=7)])
+    table.add_row("model.layers.11.self_attn.attn-step123-rank0-0000.safetensors", "layers.0", "0", "0-7",
+                  Text("PASS"), "captured", "1.91e-03")
+    for width in (60, 70, 79, 80, 81, 120):
+        text = render(table, width)
+        assert_uncut(text, width)
+        assert "1.91e-03" in text and "captured" in text

@@ -59,6 +59,7 @@ class FitTable:
             caption = f"{caption}\n{note}" if caption else note
         table = Table(title=self.title, title_justify="left", caption=caption, caption_justify="left",
                       show_header=self.show_header)
+        widths = _text_widths(self, keep, width)
         for i in keep:
             col = self.columns[i]
             if col.whole:
@@ -66,8 +67,10 @@ class FitTable:
                 table.add_column(col.header, justify=col.justify or "right", width=_cell_width(self, i),
                                  overflow="fold", style=col.style)
             else:
+                # Its width is decided here, not by rich: rich's own squeeze can leave a table a column or two
+                # wider than the terminal, which it then crops (the right border and the last column's end).
                 table.add_column(col.header, justify=col.justify or "left", overflow="fold", style=col.style,
-                                 min_width=_text_min(self, i))
+                                 min_width=_text_min(self, i), width=widths.get(i))
         for row in self.rows:
             table.add_row(*(row[i] if i < len(row) else "" for i in keep))
         return table
@@ -96,6 +99,26 @@ def _header_word(t: FitTable, i: int) -> int:
 def _text_min(t: FitTable, i: int) -> int:
     """A text column wraps down to this: its longest header word, or less when its cells are all shorter."""
     return max(_header_word(t, i), min(_cell_width(t, i), t.columns[i].min_width))
+
+
+def _text_widths(t: FitTable, keep: list[int], width: int) -> dict[int, int]:
+    """Widths for the text columns when the table at its natural width would not fit ``width`` (none when it
+    fits): the widest text column narrows first, one character at a time, none below its minimum."""
+    text = [i for i in keep if not t.columns[i].whole]
+    natural = {i: max(_cell_width(t, i), len(t.columns[i].header) if t.show_header else 0) for i in text}
+    fixed = sum(_cell_width(t, i) for i in keep if t.columns[i].whole)
+    excess = fixed + sum(natural.values()) + 1 + 3 * len(keep) - width
+    if excess <= 0:
+        return {}
+    widths = dict(natural)
+    floor = {i: _text_min(t, i) for i in text}
+    while excess > 0:
+        widest = max((i for i in text if widths[i] > floor[i]), key=lambda i: (widths[i], -i), default=None)
+        if widest is None:  # fit() already dropped what it could; rich folds the rest
+            break
+        widths[widest] -= 1
+        excess -= 1
+    return widths
 
 
 def _needed(t: FitTable, keep: list[int]) -> int:
