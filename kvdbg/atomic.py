@@ -2,15 +2,74 @@
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import os
 import tempfile
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 from kvdbg.errors import OptionError
 
 
 TEMP_PREFIX = ".kvdbg-"
 TEMP_SUFFIX = ".tmp"
+# What a directory given as an input is read for (kvdbg.batch's pattern; kept here so that no writer imports it).
+SNAPSHOT_PATTERN = "*.safetensors"
+
+# The running command's inputs, which no write replaces, --force or not: files by (device, inode), and
+# directories, whose snapshots (at any depth) are inputs too.
+_input_files: set[tuple[int, int]] = set()
+_input_dirs: list[str] = []
+
+
+@contextlib.contextmanager
+def inputs_protected(paths: Iterable[str | os.PathLike]) -> Iterator[None]:
+    """While the block runs, :func:`atomic_write` refuses to replace any of ``paths`` (the command's inputs)
+    or a snapshot inside one that is a directory, even with ``overwrite``. Paths that do not exist are skipped."""
+    added_files, added_dirs = [], []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError, TypeError):
+            continue
+        if os.path.isdir(path):
+            added_dirs.append(os.path.realpath(path))
+        else:
+            added_files.append((st.st_dev, st.st_ino))
+    _input_files.update(added_files)
+    _input_dirs.extend(added_dirs)
+    try:
+        yield
+    finally:
+        _input_files.difference_update(added_files)
+        for directory in added_dirs:
+            _input_dirs.remove(directory)
+
+
+def _is_input(path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if (st.st_dev, st.st_ino) in _input_files:
+        return True
+    if _input_dirs and fnmatch.fnmatch(os.path.basename(path), SNAPSHOT_PATTERN):
+        real = os.path.realpath(path)
+        return any(os.path.commonpath([real, d]) == d for d in _input_dirs)
+    return False
+
+
+def check_output(path: str | os.PathLike, *, overwrite: bool, what: str = "", exists: str = "") -> None:
+    """Refuse what :func:`atomic_write` would refuse to replace: an input of the running command, always;
+    without ``overwrite``, a file that exists (``exists``: the message's remedy, "pass --force" by default).
+    Commands call it before their work too, so that a refusal costs none."""
+    path = os.fspath(path)
+    label = f"{what} {path}" if what else path
+    if (_input_files or _input_dirs) and _is_input(path):
+        raise OptionError(f"{label} is an input of this command, which it never replaces (--force or not): "
+                          "write elsewhere")
+    if not overwrite and os.path.exists(path):
+        raise OptionError(f"{label} already exists; {exists or 'pass --force to replace it'}")
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, overwrite: bool = False,
@@ -28,8 +87,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
     label = f"{what} {path}" if what else path
     if os.path.isdir(path):
         raise OptionError(f"{label} is a directory; give a file name")
-    if os.path.exists(path) and not overwrite:
-        raise OptionError(f"{label} already exists; pass --force to replace it")
+    check_output(path, overwrite=overwrite, what=what)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise OptionError(f"cannot write {label}: directory {directory} does not exist")

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 
 from kvdbg._version import __version__
 from kvdbg.batch import BatchOptions, BatchResult, batch_verdict, replay_file
+from kvdbg.atomic import check_output
 from kvdbg.errors import KvdbgError, OptionError
 from kvdbg.results import (FileKey, ResultsError, ResultsWriter, Row, check_same_options, end_record, now,
                            options_record, read_results, row_record, run_record)
@@ -102,8 +103,12 @@ def run_fleet(paths: list[str], options: BatchOptions, *, jobs: int | None = Non
     cluster started on this machine). ``on_event`` sees every executor event (a test kills a worker on one)."""
     if resume and not results:
         raise OptionError("--resume needs --results FILE (the file whose rows it keeps)")
-    if results and os.path.exists(results) and not resume and not overwrite:
-        raise ResultsError(f"--results {results} already exists: --resume continues it, --force starts it over")
+    if results:
+        try:
+            check_output(results, overwrite=resume or overwrite, what="--results",
+                         exists="--resume continues it, --force starts it over")
+        except OptionError as exc:
+            raise ResultsError(str(exc)) from None
     started = time.perf_counter()
     executor, info, device_kind = _executor(options, jobs=jobs, ray=ray, use_ray=use_ray, replay=replay)
     try:

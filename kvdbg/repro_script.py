@@ -32,6 +32,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from kvdbg.atomic import check_output
 from kvdbg.errors import OptionError
 
 if TYPE_CHECKING:
@@ -92,8 +93,7 @@ def check_targets(script: str, *, data: str = "auto", overwrite: bool = False, a
         if os.path.isdir(target):
             raise OptionError(f"--emit-script: {target} is a directory")
         # In auto mode the data may go to a file: an existing one is refused before the work, not after.
-        if os.path.exists(target) and not overwrite:
-            raise OptionError(f"--emit-script: {target} already exists; pass --force to replace it")
+        check_output(target, overwrite=overwrite, what="--emit-script:")
 
 
 def emit_repro_script(snapshot: "Snapshot", backend: str, script: str, *, step: int = 0, data: str = "auto",

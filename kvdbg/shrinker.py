@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 
+from kvdbg.atomic import check_output
 from kvdbg.backend_api import ReplayOptions
 from kvdbg.backends import DEFAULT_ORDER
 from kvdbg.cache import apply_step_update, kv_head_dim, working_cache
@@ -419,9 +420,8 @@ def shrink(snapshot: "Snapshot", backend: str | None = None, *, device: str = "c
     import os
 
     started = time.perf_counter()
-    if output_path is not None and os.path.exists(output_path) and not overwrite:
-        # Refuse before minutes of replays, not after.
-        raise OptionError(f"{output_path} already exists; pass --force to replace it")
+    if output_path is not None:  # refused before minutes of replays, not after
+        check_output(output_path, overwrite=overwrite)
     say = progress or (lambda message: None)
     signature = failure_signature(snapshot, backend, device=device, progress=progress)
     shrinker = _Shrinker(signature, device, progress)

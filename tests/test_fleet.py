@@ -262,7 +262,7 @@ def test_existing_results_need_resume_or_force(tmp_path):
     assert invoke("replay", tmp_path / "d", "--results", results).exit_code == 0
     res = invoke("replay", tmp_path / "d", "--results", results)
     assert res.exit_code == 2
-    assert res.output.strip() == (f"Error: --results {results} already exists: --resume continues it, --force "
+    assert res.output.strip() == (f"Error: --results {results} already exists; --resume continues it, --force "
                                   "starts it over")
     assert invoke("replay", tmp_path / "d", "--results", results, "--force").exit_code == 0
     assert len(rows(str(results))) == 2  # started over

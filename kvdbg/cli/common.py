@@ -31,14 +31,31 @@ def guarded(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from kvdbg.atomic import inputs_protected
+
         try:
-            return fn(*args, **kwargs)
+            with inputs_protected(_input_paths()):
+                return fn(*args, **kwargs)
         except KvdbgError as exc:
             raise BadInput(str(exc)) from None
         except MemoryError:
             raise BadInput("out of memory while reading the input; is the snapshot consistent?") from None
 
     return wrapper
+
+
+def _input_paths() -> list[str]:
+    """The running command's positional arguments that are paths: its inputs (every output is an option)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return []
+    paths = []
+    for param in ctx.command.params:
+        if isinstance(param, click.Argument):
+            value = ctx.params.get(param.name)
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            paths.extend(v for v in values if isinstance(v, (str, os.PathLike)))
+    return paths
 
 
 def console(*, stderr: bool = False):
@@ -393,9 +410,11 @@ def picture_file_options(what: str):
 
 def check_picture_paths(svg_path: str | None, png_path: str | None, *, force: bool) -> None:
     """Refuse, before any work, a picture file that exists (without --force), or PNG without matplotlib."""
+    from kvdbg.atomic import check_output
+
     for option, path in (("--svg", svg_path), ("--png", png_path)):
-        if path and os.path.exists(path) and not force:
-            raise OptionError(f"{option} {path} already exists; pass --force to replace it")
+        if path:
+            check_output(path, overwrite=force, what=option)
     if png_path:
         from kvdbg.render.canvas import require_raster
 
