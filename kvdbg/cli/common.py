@@ -23,7 +23,9 @@ class BadInput(click.ClickException):
     exit_code = EXIT_BAD_INPUT
 
     def show(self, file=None) -> None:
-        click.echo(f"Error: {self.format_message()}", err=True)
+        from kvdbg.render.util import printable
+
+        click.echo(f"Error: {printable(self.format_message())}", err=True)
 
 
 def guarded(fn: Callable) -> Callable:
@@ -65,7 +67,11 @@ def console(*, stderr: bool = False):
     # (layer names, paths, notes), printed as given: no markup ("[x]" would vanish) and no
     # emoji codes (":x:" would change), which also spares parsing every cell and loading
     # rich's emoji table.
-    return Console(stderr=stderr, width=output_width(), highlight=False, markup=False, emoji=False)
+    from kvdbg.render.util import show_controls
+
+    out = Console(stderr=stderr, width=output_width(), highlight=False, markup=False, emoji=False)
+    show_controls(out)  # a snapshot's names are shown, never acted on by the terminal
+    return out
 
 
 # Piped output (`| less`, a file, CI logs) has no terminal to measure: it is laid out for

@@ -43,8 +43,11 @@ def _terminal_html(*renderables) -> str:
     """What the terminal would show, as HTML with inline styles (rich's own export)."""
     from rich.console import Console
 
+    from kvdbg.render.util import show_controls
+
     console = Console(record=True, width=TERMINAL_WIDTH, file=io.StringIO(), color_system="truecolor",
                       highlight=False, markup=False, emoji=False)
+    show_controls(console)
     for renderable in renderables:
         console.print(renderable)
     return console.export_html(inline_styles=True, code_format='<pre class="term">{code}</pre>')

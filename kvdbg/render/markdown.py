@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from kvdbg.render.util import printable
+
 # Backslash-escaping every ASCII punctuation character that can start inline markup
 # keeps cell text literal; pipes would otherwise split table cells.
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|~#!&])")
@@ -11,13 +13,13 @@ _MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|~#!&])")
 
 def md_escape(text: object) -> str:
     """Text safe inside a Markdown paragraph or table cell: markup characters escaped, one line."""
-    s = " ".join(str(text).split())  # a newline would end the table row
+    s = printable(" ".join(str(text).split()))  # a newline would end the table row; controls are written out
     return _MD_SPECIAL.sub(r"\\\1", s)
 
 
 def md_code(text: object) -> str:
     """An inline code span; a backtick fence one longer than any run inside it, pipes escaped for tables."""
-    s = " ".join(str(text).split())
+    s = printable(" ".join(str(text).split()))
     longest = max((len(m) for m in re.findall(r"`+", s)), default=0)
     fence = "`" * (longest + 1)
     pad = " " if s.startswith("`") or s.endswith("`") else ""

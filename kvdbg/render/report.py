@@ -247,11 +247,14 @@ def render_svgs(r: BugReport, *, width: int = 120) -> dict[str, str]:
     from rich.console import Console
 
     from kvdbg.render.info import render_info
+    from kvdbg.render.util import show_controls
     from kvdbg.render.pagemap import render_page_map
     from kvdbg.render.replay import render_replay
 
     def record(*renderables, title: str) -> str:
-        console = Console(record=True, width=width, file=io.StringIO(), color_system="truecolor")
+        console = Console(record=True, width=width, file=io.StringIO(), color_system="truecolor", highlight=False,
+                          markup=False, emoji=False)  # the snapshot's text as given: no markup, no emoji codes
+        show_controls(console)
         for renderable in renderables:
             console.print(renderable)
         return self_contained_svg(console.export_svg(title=title))
