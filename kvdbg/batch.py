@@ -10,7 +10,8 @@ The exit code over all files (:func:`batch_exit_code`):
 code  when
 ====  ==========================================================================
 2     any file is bad input (unreadable, not a snapshot, a backend named with
-      --backend cannot run on it, --step out of its range)
+      --backend cannot run on it, --step out of its range), or files grouped
+      as the ranks of one step are not every rank of it or do not agree
 1     otherwise, any file fails (its own exit code is 1), or kvdbg raised on it
       (a bug: the row names the exception; replay that file alone for the trace)
 3     otherwise, no file verified anything (every file's own exit code is 3)
@@ -20,7 +21,10 @@ code  when
 
 The tensor-parallel ranks of one captured step (kvdbg.ranks) are replayed
 file by file and shown as one row (:class:`StepRow`) whose verdict is the
-worst of theirs: the step fails if any rank's heads fail.
+worst of theirs: the step fails if any rank's heads fail. A row that joins
+files which ``kvdbg merge`` would refuse (a rank missing, a rank beyond
+``tp_size``, head counts, batches or dtypes that differ: kvdbg.ranks.check_step)
+is bad input, its reason on one line: what was not replayed is never a pass.
 
 Nothing here imports torch at module level: the parent of a ``--jobs N`` run
 only schedules; each worker process imports torch once and replays its files.
@@ -34,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 from kvdbg.errors import KvdbgError, OptionError
-from kvdbg.ranks import RankInfo, group_by_step, rank_info
+from kvdbg.ranks import MergeError, RankInfo, StepFacts, check_step, group_by_step, rank_info
 
 SNAPSHOT_GLOB = "*.safetensors"
 
@@ -85,9 +89,10 @@ class FileResult:
     comparisons: list[dict[str, Any]] = field(default_factory=list)  # one summary per comparison
     seconds: float = 0.0
     rank: RankInfo | None = None  # set for one tensor-parallel rank's share of a step (kvdbg.ranks)
+    step_facts: StepFacts | None = None  # set with rank: what the other ranks of its step must share
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key != "step_facts"}  # digests: not for users
 
 
 # How bad a status is, for the row of several files: its worst member's.
@@ -99,6 +104,7 @@ class StepRow:
     """One row of the summary: one snapshot, or every tensor-parallel rank of one step (ordered by rank)."""
 
     files: list[FileResult]
+    problem: str | None = None  # why the files are not every rank of one step (the row is then bad input)
 
     @property
     def tp_ranks(self) -> list[int]:
@@ -106,10 +112,16 @@ class StepRow:
 
     @property
     def exit_code(self) -> int:
+        if self.problem is not None:
+            from kvdbg.verdict import EXIT_BAD_INPUT
+
+            return EXIT_BAD_INPUT
         return self.files[0].exit_code if len(self.files) == 1 else batch_exit_code(self.files)
 
     @property
     def status(self) -> str:
+        if self.problem is not None:
+            return STATUS_BAD_INPUT
         statuses = {f.status for f in self.files}
         if statuses == {STATUS_UNVERIFIED}:
             return STATUS_UNVERIFIED
@@ -145,6 +157,8 @@ class StepRow:
 
     @property
     def summary(self) -> str:
+        if self.problem is not None:
+            return self.problem
         if len(self.files) == 1:
             return self.files[0].summary
         bad = [f for f in self.files if f.status == self.status]
@@ -159,8 +173,24 @@ class StepRow:
 
 
 def step_rows(files: list[FileResult]) -> list[StepRow]:
-    """The summary's rows: the ranks of one step together, every other file alone (kvdbg.ranks.group_by_step)."""
-    return [StepRow(group) for group in group_by_step(files, lambda f: f.rank)]
+    """The summary's rows: the ranks of one step together, every other file alone (kvdbg.ranks.group_by_step).
+
+    A row of several files is held to ``kvdbg merge``'s rule (kvdbg.ranks.check_step); one it refuses keeps its
+    files together, with the reason as the row's ``problem``.
+    """
+    return [StepRow(group, _step_problem(group) if len(group) > 1 else None)
+            for group in group_by_step(files, lambda f: f.rank)]
+
+
+def _step_problem(group: list[FileResult]) -> str | None:
+    facts = [f.step_facts for f in group]
+    if any(fact is None for fact in facts):
+        return "what the rank files hold was not recorded with their rows, so whether they are one step is unknown"
+    try:
+        check_step([os.path.basename(f.path) for f in group], [f.rank for f in group], facts)
+    except MergeError as exc:
+        return _one_line(str(exc))
+    return None
 
 
 @dataclass
@@ -273,13 +303,18 @@ def _replay_file(path: str, options: BatchOptions) -> FileResult:
     comparisons, findings, verdict = report.comparisons, report.findings, report.verdict
     counted = result.counted
     rank = rank_info(snap.meta.layer.name, snap.meta.capture)
+    facts = None
+    if rank.is_shard:
+        from kvdbg.merge import step_facts
+
+        facts = step_facts(snap)
     return FileResult(
         path=path, status=verdict.status, exit_code=verdict.exit_code, layer=snap.meta.layer.name,
         steps=[s.step for s in result.steps], worst=worst_comparison(comparisons, counted),
         error_findings=sorted({f.code for f in findings if f.severity == "error" and f.backend in counted}),
         summary=verdict.summary,
         comparisons=[_comparison_record(c, c.actual in counted) for c in comparisons if c.heads],
-        rank=rank if rank.is_shard else None)
+        rank=rank if rank.is_shard else None, step_facts=facts)
 
 
 def worst_comparison(comparisons, counted) -> Worst | None:
@@ -387,8 +422,13 @@ def batch_exit_code(files: list[FileResult]) -> int:
 
 
 def batch_verdict(files: list[FileResult]) -> tuple[int, str]:
-    """(exit code, one summary line) over all files."""
+    """(exit code, one summary line) over all files, and over the rows of a step's ranks (bad input if refused)."""
+    from kvdbg.verdict import EXIT_BAD_INPUT
+
     code = batch_exit_code(files)
+    refused = [row for row in step_rows(files) if row.problem is not None]
+    if refused:
+        code = EXIT_BAD_INPUT
     by_status: dict[str, list[str]] = {}
     for f in files:
         by_status.setdefault(f.status, []).append(os.path.basename(f.path))
@@ -401,6 +441,11 @@ def batch_verdict(files: list[FileResult]) -> tuple[int, str]:
     parts = [f"{len(by_status[s])} {label}" + (f" ({names(s)})" if s not in (STATUS_PASS,) else "")
              for s, label in ((STATUS_FAIL, "fail"), (STATUS_CRASHED, "crashed"), (STATUS_BAD_INPUT, "bad input"),
                               (STATUS_UNVERIFIED, "verified nothing"), (STATUS_PASS, "pass")) if s in by_status]
+    if refused:
+        shown = [os.path.basename(row.files[0].path) for row in refused[:4]]
+        more = len(refused) - len(shown)
+        parts.insert(0, f"{len(refused)} step(s) whose rank files are not every rank of one step or do not agree "
+                        f"({', '.join(shown)}{f', … {more} more' if more else ''})")
     head = {0: "PASS", 1: "FAIL", 2: "BAD INPUT", 3: "NOTHING VERIFIED"}[code]
     return code, f"{head}: {len(files)} snapshot(s): " + "; ".join(parts)
 

@@ -18,24 +18,27 @@ The merged file's metadata is rank 0's with ``layer.num_heads`` and
 ``tp_rank`` null, ``merged_from`` (per rank: file, tp_rank, global rank, pid,
 the query and KV heads it gave) and ``merged_by``. Anything that is not the
 same step (another layer, step, engine, batch, page, dtype, scale, ...) is
-refused with a :class:`MergeError` naming the field, as is a tensor kvdbg does
-not know how to join: nothing is ever joined by guess.
+refused with a :class:`MergeError` naming the field (:func:`kvdbg.ranks.check_step`,
+the rule ``kvdbg replay DIR`` holds its rows to as well), as is a tensor kvdbg
+does not know how to join: nothing is ever joined by guess. That covers a
+tensor each rank stores in another legal dtype (uint8 and float8_e4m3fn, say):
+``torch.cat`` would turn one rank's raw FP8 bytes into numbers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from kvdbg._version import __version__
 from kvdbg.cache import kv_head_dim
-from kvdbg.errors import SnapshotError
 from kvdbg.format import LAYER_VALUE_TENSORS
-from kvdbg.ranks import RankInfo, rank_info
-from kvdbg.snapshot import Snapshot, Step
+from kvdbg.ranks import MergeError, RankInfo, StepFacts, check_step, rank_info
+from kvdbg.snapshot import Snapshot, Step, dtype_name
 
 # Per-step tensors every rank holds identically (the engine-level metadata of the batch).
 SHARED_STEP_TENSORS = ("block_table", "seq_lens", "query_start_loc", "slot_mapping")
@@ -45,10 +48,6 @@ KV_HEAD_TENSORS = ("key", "value")  # [T, Hkv_rank, D]: joined along the KV head
 # capture fields that may differ between the ranks of one step (everything else must agree)
 PER_RANK_CAPTURE = frozenset({"rank", "rank_source", "tp_rank", "pid", "time", "device", "gpu", "gpu_error",
                               "kv_cache_engine_shape", "kv_cache_engine_stride"})
-
-
-class MergeError(SnapshotError):
-    """The files are not the ranks of one step (the message names the field), or cannot be joined safely."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,24 +82,16 @@ def plan_merge(snapshots: Sequence[Snapshot], *, total_kv_heads: int | None = No
         if info.tp_size is None or info.tp_rank is None:
             raise MergeError(f"{label}: capture.tp_size and capture.tp_rank are not recorded, so which heads it holds "
                              "is unknown (captured by a kvdbg that did not record them, or without tensor parallelism)")
-    first, base = snapshots[0], infos[0]
-    for label, snap, info in zip(labels[1:], snapshots[1:], infos[1:]):
-        _same(label, "layer.name", base.layer, info.layer)
-        _same(label, "capture.step", base.step, info.step)
-        _same(label, "capture.engine_instance", base.engine_instance, info.engine_instance)
-        _same(label, "capture.dp_rank", base.dp_rank, info.dp_rank)
-        _same(label, "capture.tp_size", base.tp_size, info.tp_size)
-        _same_meta(label, first, snap)
-    tp_size = base.tp_size
-    ranks = sorted(info.tp_rank for info in infos)
-    if ranks != list(range(tp_size)):
-        missing = sorted(set(range(tp_size)) - set(ranks))
-        repeated = sorted({r for r in ranks if ranks.count(r) > 1})
-        what = (f"tp_rank {', '.join(map(str, repeated))} given twice" if repeated else
-                f"tp_rank {', '.join(map(str, missing))} missing")
-        raise MergeError(f"capture.tp_rank: the files are not every rank of one step ({what}; capture.tp_size is "
-                         f"{tp_size})")
-    layer = first.meta.layer
+    for label, snap in zip(labels, snapshots):
+        known = {"kv_cache", "page_ids", *LAYER_VALUE_TENSORS} | {
+            snap.meta.step_prefix(i) + name for i in range(snap.meta.num_steps)
+            for name in (*SHARED_STEP_TENSORS, *QUERY_HEAD_TENSORS, *KV_HEAD_TENSORS)}
+        unknown = sorted(set(snap.tensors()) - known)
+        if unknown:
+            raise MergeError(f"{label}: tensor {unknown[0]!r} is not one kvdbg merge knows how to join across ranks")
+    check_step(labels, infos, [step_facts(s) for s in snapshots])
+    tp_size = infos[0].tp_size
+    layer = snapshots[0].meta.layer
     recorded = {info.total_num_kv_heads for info in infos} - {None}
     if len(recorded) > 1:
         raise MergeError(f"capture.total_num_kv_heads differs between the files: {sorted(recorded)}")
@@ -126,46 +117,30 @@ def plan_merge(snapshots: Sequence[Snapshot], *, total_kv_heads: int | None = No
     return shares
 
 
-def _same(label: str, field: str, want: Any, got: Any) -> None:
-    if want != got:
-        raise MergeError(f"{label}: {field} is {got!r} but the first file's is {want!r}: not the same step")
+def step_facts(snapshot: Snapshot) -> StepFacts:
+    """What ``snapshot`` must share with the other ranks of its step (compared by kvdbg.ranks.check_step).
+
+    Every metadata field but the per-rank ones (PER_RANK_CAPTURE), every
+    tensor's dtype, and a digest of each tensor every rank holds identically.
+    """
+    meta = snapshot.meta
+    heads = ("num_heads", "num_kv_heads")  # per rank, listed last: a field that differs is named before them
+    fields = {f"layer.{f.name}": getattr(meta.layer, f.name) for f in dataclasses.fields(meta.layer)
+              if f.name not in heads}
+    fields.update({f"layer.{name}": getattr(meta.layer, name) for name in heads})
+    fields.update({f"backend.{f.name}": getattr(meta.backend, f.name) for f in dataclasses.fields(meta.backend)})
+    fields.update(kv_layout=meta.kv_layout, num_steps=meta.num_steps)
+    fields.update({f"capture.{key}": value for key, value in sorted(meta.capture.items())
+                   if key not in PER_RANK_CAPTURE})
+    tensors = snapshot.tensors()
+    shared = ["page_ids", *(meta.step_prefix(i) + name for i in range(meta.num_steps) for name in SHARED_STEP_TENSORS)]
+    return StepFacts(fields=fields, dtypes={name: dtype_name(t.dtype) for name, t in tensors.items()},
+                     digests={name: _digest(tensors[name]) for name in shared if name in tensors})
 
 
-def _same_meta(label: str, first: Snapshot, other: Snapshot) -> None:
-    a, b = first.meta, other.meta
-    for field in dataclasses.fields(a.layer):
-        if field.name in ("num_heads", "num_kv_heads"):
-            continue
-        _same(label, f"layer.{field.name}", getattr(a.layer, field.name), getattr(b.layer, field.name))
-    _same(label, "layer.num_heads", a.layer.num_heads, b.layer.num_heads)
-    _same(label, "layer.num_kv_heads", a.layer.num_kv_heads, b.layer.num_kv_heads)
-    for field in dataclasses.fields(a.backend):
-        _same(label, f"backend.{field.name}", getattr(a.backend, field.name), getattr(b.backend, field.name))
-    _same(label, "kv_layout", a.kv_layout, b.kv_layout)
-    _same(label, "num_steps", a.num_steps, b.num_steps)
-    for key in sorted((set(a.capture) | set(b.capture)) - PER_RANK_CAPTURE):
-        _same(label, f"capture.{key}", a.capture.get(key), b.capture.get(key))
-    known = {"kv_cache", "page_ids", *LAYER_VALUE_TENSORS} | {a.step_prefix(i) + name for i in range(a.num_steps)
-                                         for name in (*SHARED_STEP_TENSORS, *QUERY_HEAD_TENSORS, *KV_HEAD_TENSORS)}
-    for snap in (first, other):
-        unknown = sorted(set(snap.tensors()) - known)
-        if unknown:
-            raise MergeError(f"{_label(snap, 0)}: tensor {unknown[0]!r} is not one kvdbg merge knows how to join "
-                             "across ranks")
-    for name in LAYER_VALUE_TENSORS:
-        if (getattr(first, name) is None) != (getattr(other, name) is None):
-            raise MergeError(f"{label}: tensor {name!r} is in one file and not in the other")
-    if not torch.equal(first.page_ids, other.page_ids):
-        raise MergeError(f"{label}: page_ids differ from the first file's: not the same step")
-    for i, (sa, sb) in enumerate(zip(first.steps, other.steps)):
-        for name in SHARED_STEP_TENSORS:
-            ta, tb = getattr(sa, name), getattr(sb, name)
-            if (ta is None) != (tb is None) or (ta is not None and (ta.dtype != tb.dtype or not torch.equal(ta, tb))):
-                raise MergeError(f"{label}: {a.step_prefix(i)}{name} differs from the first file's: not the same "
-                                 "step")
-        for name in (*QUERY_HEAD_TENSORS, *KV_HEAD_TENSORS):
-            if (getattr(sa, name) is None) != (getattr(sb, name) is None):
-                raise MergeError(f"{label}: {a.step_prefix(i)}{name} is in one file and not in the other")
+def _digest(tensor: torch.Tensor) -> str:
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return f"{list(tensor.shape)} {hashlib.sha256(data).hexdigest()}"
 
 
 def merge_ranks(snapshots: Sequence[Snapshot], *, total_kv_heads: int | None = None) -> Snapshot:
@@ -218,4 +193,4 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                                      b.contiguous().view(torch.uint8))
 
 
-__all__ = ["MergeError", "RankShare", "kv_head_assignment", "merge_ranks", "plan_merge"]
+__all__ = ["MergeError", "RankShare", "kv_head_assignment", "merge_ranks", "plan_merge", "step_facts"]

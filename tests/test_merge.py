@@ -169,3 +169,45 @@ def test_merge_never_clobbers(tmp_path):
     assert res.exit_code == 0 and "merged 2 ranks of model.layers.0.self_attn.attn step 5: 4 query heads, " \
         "2 KV heads" in res.output
     assert load_snapshot(out).meta.layer.num_heads == 4
+
+
+def _cache_as_float8(shard: Snapshot) -> Snapshot:
+    return dataclasses.replace(shard, kv_cache=shard.kv_cache.view(torch.float8_e4m3fn))
+
+
+def _query_as_bfloat16(shard: Snapshot) -> Snapshot:
+    shard.steps[0].query = shard.steps[0].query.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    return shard
+
+
+@pytest.mark.parametrize("retype, says", [
+    (_cache_as_float8, "tensor 'kv_cache' is stored as float8_e4m3fn but the first file's as uint8"),
+    (_query_as_bfloat16, "tensor 'query' is stored as bfloat16 but the first file's as uint8"),
+])
+def test_ranks_storing_a_tensor_in_another_dtype_are_refused(tmp_path, retype, says):
+    """Each dtype is legal for an FP8 layer, but torch.cat of two would turn one rank's raw FP8 bytes into numbers."""
+    full = synth_snapshot(SynthSpec(seq_lens=(20, 45), num_heads=4, num_kv_heads=2, head_size=16, fp8=True))
+    shards = split_into_ranks(full, 2)
+    assert shards[1].kv_cache.dtype == shards[1].steps[0].query.dtype == torch.uint8
+    shards[1] = retype(shards[1])
+    paths = write_shards(tmp_path, shards)
+    res = CliRunner().invoke(cli, ["merge", *paths, "-o", str(tmp_path / "m.safetensors")])
+    assert res.exit_code == 2 and says in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    assert "rank1" in res.output and not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_huge_claimed_tp_size_is_refused_in_one_short_line(tmp_path):
+    """tp_size is the file's claim: the missing ranks are counted, not listed, and no range of it is built."""
+    full = synth_snapshot(SynthSpec(seq_lens=(20,), num_heads=4, num_kv_heads=2, head_size=16))
+    shards = split_into_ranks(full, 2)
+    for shard in shards:
+        shard.meta.capture["tp_size"] = 10**7
+    paths = write_shards(tmp_path, shards)
+    res = CliRunner().invoke(cli, ["merge", *paths, "-o", str(tmp_path / "m.safetensors")])
+    assert res.exit_code == 2 and len(res.output) < 200, res.output[:300]
+    assert "(tp_rank 2, 3, 4, 5, 6, … (9999998 in all) missing; capture.tp_size is 10000000)" in res.output
+    shards[1].meta.capture.update(tp_size=2, tp_rank=7)
+    shards[0].meta.capture.update(tp_size=2)
+    with pytest.raises(MergeError, match=r"\(tp_rank 7 not below capture.tp_size; tp_rank 1 missing; "
+                                         r"capture.tp_size is 2\)"):
+        merge_ranks(shards)
