@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 import sys
 from array import array
@@ -30,6 +31,12 @@ FORMAT_VERSIONS_READ = (FORMAT_VERSION, FORMAT_VERSION_MASKS)
 # safetensors refuses headers above 100 MB; so do we, before reading one.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_META_BYTES = 1024 * 1024
+# Bounds on the layer's shape that no real model comes near (the most query heads of a released model is 128,
+# DeepSeek-V3 and Llama 3.1 405B; the widest head 576, MLA's 512 + 64). Every head costs a replay memory
+# whether or not the file holds any data for it, so a few-KB file declaring 2**25 heads of zero tokens would
+# otherwise ask for gigabytes.
+MAX_HEADS = 4096
+MAX_HEAD_SIZE = 4096
 
 # The KV page layouts a snapshot may store, named in the file as these strings (``kv_layout``).
 # vLLM's packed cache: per (page, KV head) a [page_size, 2*D] slot of token rows [K | V], the
@@ -225,14 +232,17 @@ def _get(obj: Mapping[str, Any], path: str, key: str, kind: str, *, required: bo
             raise _field_error(where, "a non-negative integer" if nonneg else "a positive integer", value)
         if value > 2**40:
             raise _field_error(where, "an integer below 2**40", value)
-    elif kind in ("scale", "opt_float"):
-        if value is None and kind == "opt_float":
+    elif kind in ("scale", "opt_nonneg_float"):
+        if value is None and kind == "opt_nonneg_float":
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _field_error(where, "a number", value)
         value = float(value)
+        # json.loads reads NaN and Infinity: a scale or cap of either poisons every logit.
         if kind == "scale" and (not math.isfinite(value) or value <= 0):
             raise _field_error(where, "a finite positive number", value)
+        if kind == "opt_nonneg_float" and (not math.isfinite(value) or value < 0):
+            raise _field_error(where, "a finite non-negative number or null", value)
     elif kind == "opt_str":
         if value is not None and not isinstance(value, str):
             raise _field_error(where, "a string or null", value)
@@ -268,7 +278,7 @@ def parse_meta(raw: str) -> SnapshotMeta:
         q_scale=_get(lo, "layer", "q_scale", "scale", required=False, default=1.0),
         k_scale=_get(lo, "layer", "k_scale", "scale", required=False, default=1.0),
         v_scale=_get(lo, "layer", "v_scale", "scale", required=False, default=1.0),
-        logits_soft_cap=_get(lo, "layer", "logits_soft_cap", "opt_float", required=False),
+        logits_soft_cap=_get(lo, "layer", "logits_soft_cap", "opt_nonneg_float", required=False),
         has_sinks=_get(lo, "layer", "has_sinks", "bool", required=False, default=False),
         has_alibi=_get(lo, "layer", "has_alibi", "bool", required=False, default=False),
         kv_sharing_target=_get(lo, "layer", "kv_sharing_target", "opt_str", required=False),
@@ -284,6 +294,9 @@ def parse_meta(raw: str) -> SnapshotMeta:
         layer = _replace(layer, kv_cache_dtype="fp8_e4m3")
     if layer.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise _field_error("layer.kv_cache_dtype", f"one of {', '.join(KV_CACHE_DTYPES)}", layer.kv_cache_dtype)
+    for name, limit in (("num_heads", MAX_HEADS), ("num_kv_heads", MAX_HEADS), ("head_size", MAX_HEAD_SIZE)):
+        if getattr(layer, name) > limit:
+            raise _field_error(f"layer.{name}", f"at most {limit} (no real model has more)", getattr(layer, name))
     if layer.num_heads % layer.num_kv_heads:
         raise SnapshotError(
             f"meta field layer.num_heads ({layer.num_heads}) must be a multiple of "
@@ -377,14 +390,45 @@ class Header:
         return self.tensors.get(self.meta.step_prefix(step) + name)
 
 
+def _open_regular(path: str):
+    """Open ``path`` for reading in binary mode, refusing anything but a regular file before reading a byte.
+
+    Every snapshot reader comes through here. A named pipe would block ``open()`` until a writer appears (and
+    a character device never ends), so the path is stat'ed first and opened non-blocking; the open file is
+    stat'ed again, so a path swapped for a pipe in between is refused too.
+    """
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(path)
+    if not stat.S_ISREG(mode):
+        raise SnapshotError(f"{path}: not a regular file ({_file_type(mode)}); a snapshot is a .safetensors file")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise SnapshotError(f"{path}: not a regular file ({_file_type(mode)}); a snapshot is a .safetensors file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_type(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
 def read_raw_header(path: str | os.PathLike) -> tuple[int, int, dict[str, str], dict[str, TensorEntry]]:
     """Read and check a safetensors header. Returns (file_size, data_start, metadata, tensors)."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as fh:
+        with _open_regular(path) as fh:
             file_size = os.fstat(fh.fileno()).st_size
-            if not os.path.isfile(path):
-                raise SnapshotError(f"{path}: not a regular file")
             prefix = fh.read(8)
             if len(prefix) < 8:
                 raise SnapshotError(

@@ -489,6 +489,20 @@ def _outputs_meta(path: str, metadata: dict[str, str]) -> dict:
         raise SnapshotError(f"{path}: __metadata__[{OUTPUTS_KEY!r}] is not JSON") from None
     if not isinstance(meta, dict):
         raise SnapshotError(f"{path}: __metadata__[{OUTPUTS_KEY!r}] is not a JSON object")
+    # The fields save_outputs writes; absent or null in a file of an older kvdbg, never another type.
+    scalar = (str, int, float, bool, type(None))
+    for key, what, valid in (
+            ("snapshot", "a string", lambda v: isinstance(v, str)),
+            ("kernels", "an object of strings (backend -> kernel)",
+             lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
+            ("layer", "an object of plain values", lambda v: isinstance(v, dict)
+             and all(isinstance(x, scalar) for x in v.values())),
+            ("steps", "an object of objects (step -> lengths)",
+             lambda v: isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()))):
+        value = meta.get(key)
+        if value is not None and not valid(value):
+            shown = json.dumps(value)[:60] if isinstance(value, scalar) else type(value).__name__
+            raise SnapshotError(f"{path}: __metadata__[{OUTPUTS_KEY!r}] field {key} must be {what}, got {shown}")
     return meta
 
 

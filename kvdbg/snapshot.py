@@ -302,6 +302,7 @@ def check_values(meta: SnapshotMeta, page_ids: torch.Tensor, steps: list[Step]) 
                     f"{prefix}block_table[{r}, {c}] = {int(bt[r, c])} is not among the {len(ids)} "
                     "stored pages (page_ids)"
                 )
+            _check_reads_within_stored(meta, prefix, bt, sl, qlens, live, len(ids))
         if step.slot_mapping is not None:
             slots = step.slot_mapping.to(torch.int64)
             bad = (slots < -1) | (slots >= total * ps)
@@ -319,6 +320,67 @@ def check_values(meta: SnapshotMeta, page_ids: torch.Tensor, steps: list[Step]) 
                     f"{prefix}slot_mapping[{t}] = {int(slots[t])} writes page {int(pages[t])}, which is not "
                     "among the stored pages (page_ids)"
                 )
+
+
+def pages_before_window(layer, seq_lens: torch.Tensor, query_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[num_reqs] how many leading pages of each request hold only keys outside every query token's window.
+
+    ::
+
+        keys    0 ........ first ............... L-q ...... L-1
+        pages   [ 0 ][ 0 ][ 0 ][ 7 ][ 3 ][ 9 ][ 4 ]
+                 <- before ->   window of the first query token p = L-q
+
+    The first query token sees keys from ``first = L - q - w + 1`` on (from its chunk's
+    ``lookback``-th predecessor with chunk_lookback); later tokens see less of the past. vLLM's
+    sliding-window managers free those pages and put the null block (engine page 0) in their entries,
+    so one page legitimately fills all of them. 0 without a window.
+    """
+    lengths = seq_lens.to(torch.int64)
+    if layer.sliding_window is None:
+        return torch.zeros_like(lengths)
+    first_query = lengths - query_lens.to(torch.int64)
+    if layer.chunk_lookback is not None:
+        chunk = layer.sliding_window // (layer.chunk_lookback + 1)
+        first_key = (torch.div(first_query, chunk, rounding_mode="floor") - layer.chunk_lookback) * chunk
+    else:
+        first_key = first_query - layer.sliding_window + 1
+    return first_key.clamp(min=0) // page_size
+
+
+# A request's live entries past its window name distinct pages in vLLM, all of them stored. An engine bug may
+# map a page again (a finding for `kvdbg map` and replay, never refused for that alone); the entries beyond the
+# stored pages are allowed up to what replaying them would cost at most (K and V in float64), so that a file of
+# a few MB mapping one page a million times cannot ask a replay for gigabytes.
+REPEATED_READS_BYTES = 2 * 1024**3
+
+
+def _check_reads_within_stored(meta: SnapshotMeta, prefix: str, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                               query_lens: torch.Tensor, live: torch.Tensor, num_stored: int) -> None:
+    """Refuse a table whose requests read far more pages than the snapshot stores (see REPEATED_READS_BYTES).
+
+    Pages shared between requests (prefix caching) count once per request, and the entries before a
+    sliding window (the null block, or a freed page since reused) are not counted.
+    """
+    layer = meta.layer
+    cols = torch.arange(block_table.shape[1], device=block_table.device).unsqueeze(0)
+    counted = live & (cols >= pages_before_window(layer, seq_lens, query_lens, meta.backend.page_size).unsqueeze(1))
+    if layer.rswa_window is not None:
+        # R-SWA frees the pages between each request's visible prefix and its window; the prefix
+        # lengths are not stored, so any null-block entry may be one of those.
+        counted &= block_table != 0
+    reads = counted.sum(dim=1)
+    beyond = (reads - num_stored).clamp(min=0)
+    token_bytes = 2 * layer.num_kv_heads * layer.head_size * 8
+    cost = int(beyond.sum()) * meta.backend.page_size * token_bytes
+    if cost > REPEATED_READS_BYTES:
+        (r,) = _first_index(beyond > 0)
+        raise SnapshotError(
+            f"{prefix}block_table[{r}] maps {int(reads[r])} live pages (seq_lens[{r}] = {int(seq_lens[r])}) "
+            f"but page_ids stores only {num_stored}: its requests map stored pages again so often that replaying "
+            f"them would take over {REPEATED_READS_BYTES // 1024**3} GiB; a request's pages are its own blocks in "
+            "vLLM, so the table is not one it gives"
+        )
 
 
 def check_layer_values(meta: SnapshotMeta, tensors: dict[str, torch.Tensor]) -> None:

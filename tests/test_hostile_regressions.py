@@ -176,3 +176,92 @@ def test_terabyte_tensor_is_rejected_before_any_allocation(tmp_path, small_parts
         assert "kv_cache" in stderr, stderr
         baseline = 50 if args[0] == "info" else torch_mb  # info never imports torch
         assert peak_mb < baseline + 150, (args, peak_mb, torch_mb)
+
+
+def _aliased_table_parts(width, *, table, page_ids, sliding_window=None, seq_lens=None, num_reqs=1):
+    """One-token-per-request causal snapshot over ``width`` table columns of 16-token pages."""
+    ps, hq, hkv, d = 16, 4, 1, 64
+    layer = {"name": "l", "num_heads": hq, "num_kv_heads": hkv, "head_size": d, "scale": 0.125, "causal": True,
+             "dtype": "bfloat16", "sliding_window": sliding_window}
+    meta = {"layer": layer, "backend": {"name": "FLEX_ATTENTION", "page_size": ps, "max_model_len": width * ps,
+                                        "num_gpu_blocks": 10}, "kv_layout": "pages,heads,tokens,2*dim"}
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"kv_cache": torch.randn(len(page_ids), hkv, ps, 2 * d, generator=gen).to(torch.bfloat16),
+               "page_ids": torch.tensor(page_ids, dtype=torch.int32),
+               "block_table": torch.tensor(table, dtype=torch.int32).reshape(num_reqs, width),
+               "seq_lens": torch.tensor(seq_lens or [width * ps] * num_reqs, dtype=torch.int32),
+               "query_start_loc": torch.arange(num_reqs + 1, dtype=torch.int32),
+               "query": torch.randn(num_reqs, hq, d, generator=gen).to(torch.bfloat16)}
+    return tensors, meta
+
+
+def test_one_stored_page_mapped_by_every_entry_is_refused(tmp_path):
+    # The reviewer's file mapped one stored page 2**20 times (seq_len 2**24): 4 MB on disk, 11 GB in replay and
+    # a DefaultCPUAllocator traceback in `attention`. 2**18 entries of this layer's pages would cost a replay
+    # 4 GiB in float64, over the bound.
+    width = 2**18
+    tensors, meta = _aliased_table_parts(width, table=[5] * width, page_ids=[5])
+    path = write_raw(tmp_path / "alias.safetensors", tensors, meta)
+    assert os.path.getsize(path) < 2 * 1024**2
+    assert invoke("info", path).exit_code == 0  # the header alone is fine
+    for args in (["info", "--check", path], ["replay", path, "--backend", "reference"], ["map", path],
+                 ["attention", path]):
+        assert_one_line_error(invoke(*args), f"block_table[0] maps {width} live pages", "page_ids stores only 1",
+                              "over 2 GiB")
+
+
+def test_a_page_mapped_again_is_the_engine_bug_it_shows_not_bad_input(tmp_path):
+    # An engine that maps a page twice, or leaves the null block in live entries, is what kvdbg is for: the
+    # snapshot loads, and replay and map say what is wrong (here: the null block read as live).
+    tensors, meta = _aliased_table_parts(64, table=[5] * 64, page_ids=[5])
+    path = write_raw(tmp_path / "again.safetensors", tensors, meta)
+    result = invoke("info", "--check", path)
+    assert result.exit_code == 1 and "page_mapped_twice" in result.output
+    table = [0] * 62 + [5, 6]  # no window: 62 live entries of the null block
+    tensors, meta = _aliased_table_parts(64, table=table, page_ids=[0, 5, 6])
+    result = invoke("replay", write_raw(tmp_path / "nowin.safetensors", tensors, meta), "--backend", "flex")
+    assert result.exit_code == 1 and "live_page_zero" in result.output
+
+
+def test_shared_prefix_and_null_blocks_before_the_window_still_load(tmp_path):
+    from kvdbg.snapshot import load_snapshot
+
+    # Prefix caching: three requests read the same two stored pages.
+    tensors, meta = _aliased_table_parts(2, table=[5, 6] * 3, page_ids=[5, 6], num_reqs=3)
+    load_snapshot(write_raw(tmp_path / "shared.safetensors", tensors, meta))
+    # vLLM's sliding-window manager: 62 entries before the window hold the null block, page 0.
+    table = [0] * 62 + [5, 6]
+    tensors, meta = _aliased_table_parts(64, table=table, page_ids=[0, 5, 6], sliding_window=16)
+    path = write_raw(tmp_path / "window.safetensors", tensors, meta)
+    load_snapshot(path)
+    assert invoke("replay", path, "--backend", "reference").exit_code in (0, 1, 3)
+    # Before a long window too, however many entries: they are not counted against the stored pages.
+    width = 2**18
+    table = [0] * (width - 2) + [5, 6]
+    tensors, meta = _aliased_table_parts(width, table=table, page_ids=[0, 5, 6], sliding_window=16)
+    assert invoke("info", "--check", write_raw(tmp_path / "long.safetensors", tensors, meta)).exit_code == 0
+
+
+@pytest.mark.parametrize("field", ["kernels", "layer", "steps", "snapshot"])
+def test_diff_of_outputs_files_with_wrong_metadata_types(tmp_path, field):
+    from safetensors import safe_open
+
+    from kvdbg.format import OUTPUTS_KEY, write_safetensors
+    from kvdbg.snapshot import dtype_name
+
+    good = tmp_path / "a.safetensors"
+    result = invoke("replay", os.path.join(FIXTURES, "causal_gqa.safetensors"), "--backend", "reference",
+                    "-o", good)
+    assert result.exit_code in (0, 1), result.output
+    with safe_open(good, "pt") as fh:
+        meta = json.loads(fh.metadata()[OUTPUTS_KEY])
+        tensors = {name: fh.get_tensor(name) for name in fh.keys()}
+    meta[field] = [1]
+    bad = tmp_path / "b.safetensors"
+    with open(bad, "wb") as out:
+        write_safetensors(out, [(n, dtype_name(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy())
+                                for n, t in tensors.items()], {OUTPUTS_KEY: json.dumps(meta)})
+    # Before the fix: TypeError ('<' between int and str) or AttributeError ('list' has no 'get').
+    for a, b in ((bad, good), (good, bad)):
+        assert_one_line_error(invoke("diff", a, b), f"field {field} must be", str(bad))
+    assert invoke("diff", good, good).exit_code == 0

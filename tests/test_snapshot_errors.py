@@ -176,3 +176,68 @@ def test_load_snapshot_raises_snapshot_error(tmp_path, small_parts):
     with pytest.raises(SnapshotError, match=r"query_start_loc decreases at index 2"):
         load_snapshot(p)
     assert torch.is_tensor(load_snapshot(p, validate_values=False).kv_cache)
+
+
+@pytest.mark.parametrize("command", ["info", "map", "replay", "diff"])
+def test_named_pipe_is_refused_without_blocking(tmp_path, command):
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import FIXTURES
+
+    pipe = tmp_path / "pipe.safetensors"
+    os.mkfifo(pipe)
+    args = [str(pipe)] + ([os.path.join(FIXTURES, "dflash.safetensors")] if command == "diff" else [])
+    # Opening a pipe for reading waits for a writer: before the fix this blocked until the timeout.
+    proc = subprocess.run([sys.executable, "-m", "kvdbg", command, *args], capture_output=True, text=True,
+                          timeout=60)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("Error: ") and "not a regular file (a named pipe)" in lines[0], lines[0]
+
+
+def test_character_device_is_refused():
+    assert_bad(run_info("/dev/null"), "/dev/null: not a regular file (a character device)")
+
+
+@pytest.mark.parametrize("field,value", [("num_heads", 2**25), ("num_kv_heads", 2**13), ("head_size", 2**20)])
+def test_huge_layer_shape_with_empty_tensors_is_refused(tmp_path, field, value):
+    # A 2 KB file: zero pages and zero tokens, so every declared dimension matches the tensors; before the
+    # fix num_heads = num_kv_heads = 2**25 made `replay --backend reference` take 5 GB.
+    layer = {"num_heads": 8, "num_kv_heads": 8, "head_size": 64}
+    layer[field] = value
+    if field == "num_kv_heads":
+        layer["num_heads"] = 4096  # within the bound, so the KV head count is the field refused
+    hq, hkv, d = layer["num_heads"], layer["num_kv_heads"], layer["head_size"]
+    meta = {"layer": {"name": "l", "scale": 0.125, "causal": True, "dtype": "bfloat16", **layer},
+            "backend": {"name": "FLEX_ATTENTION", "page_size": 16, "max_model_len": 64, "num_gpu_blocks": 4},
+            "kv_layout": "pages,heads,tokens,2*dim"}
+    tensors = {"kv_cache": torch.zeros(0, hkv, 16, 2 * d, dtype=torch.bfloat16),
+               "page_ids": torch.zeros(0, dtype=torch.int32), "block_table": torch.zeros(1, 1, dtype=torch.int32),
+               "seq_lens": torch.zeros(1, dtype=torch.int32), "query_start_loc": torch.zeros(2, dtype=torch.int32),
+               "query": torch.zeros(0, hq, d, dtype=torch.bfloat16)}
+    p = write_raw(tmp_path / "h.safetensors", tensors, meta)
+    assert_bad(run_info(p), f"meta field layer.{field} must be at most 4096", str(value))
+    result = CliRunner().invoke(cli, ["replay", p, "--backend", "reference"])
+    assert_bad(result, f"layer.{field}")
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", -2.0, "text"])
+def test_soft_cap_must_be_finite(tmp_path, small_parts, value):
+    tensors, meta = small_parts
+    meta["layer"]["logits_soft_cap"] = value
+    raw = json.dumps(meta).replace('"NaN"', "NaN").replace('"Infinity"', "Infinity").replace('"-Infinity"',
+                                                                                              "-Infinity")
+    p = write_raw(tmp_path / "c.safetensors", tensors, raw)
+    assert_bad(run_info(p), "meta field layer.logits_soft_cap must be")
+    # attention used to end in "ValueError: cannot convert float NaN to integer"
+    assert_bad(CliRunner().invoke(cli, ["attention", p]), "layer.logits_soft_cap")
+
+
+@pytest.mark.parametrize("value", [None, 0, 30.0])
+def test_soft_cap_null_zero_or_positive_loads(tmp_path, small_parts, value):
+    tensors, meta = small_parts
+    meta["layer"]["logits_soft_cap"] = value
+    snap = load_snapshot(write_raw(tmp_path / "c.safetensors", tensors, meta))
+    assert snap.meta.layer.logits_soft_cap == value
