@@ -62,6 +62,20 @@ class SynthSpec:
     extra_layer: dict = field(default_factory=dict)  # e.g. {"mm_prefix": True} to exercise rejections
 
 
+# Bounds on what one spec may ask for, so that a mistyped option is refused at once rather than allocating
+# gigabytes. The largest benchmark snapshot (bench/scaling.py's 8192 MiB row: 64 x 32768 tokens, Hkv 8, D 128,
+# bf16) is 8 GiB of KV cache; building it peaks at about four times that (float32 draws, then their casts).
+MAX_REQUESTS, MAX_TOKENS, MAX_STEPS = 4096, 2**22, 64
+MAX_HEADS = 1024  # query or KV heads (models have up to 128)
+MAX_HEAD_SIZE = 1024  # vLLM's largest is 576 (MLA)
+MAX_STALE_TAIL = 65536  # block-table columns (a 1M-token max_model_len in pages of 16)
+MAX_GPU_BLOCKS = 2**24  # the engine's page count: a random permutation of it is drawn (8 bytes a page)
+MAX_PAGES = 2**22  # pages stored (held in Python lists while the block tables are made)
+MAX_ENGINE_INT = 2**40  # --max-model-len, --max-decode-query-len: the format's bound on integers
+MAX_SEED = 2**63 - 1
+MAX_KV_BYTES = 8 * 2**30
+MAX_STEP_BYTES = 2**30  # queries, new K/V, slot mappings and block tables of every step
+
 _FEATURE_FIELDS = ("sinks", "alibi_slopes", "alibi_sqrt", "logits_soft_cap", "attn_type", "kv_sharing_target",
                    "chunk_lookback")
 
@@ -89,6 +103,10 @@ def _check(spec: SynthSpec) -> None:
         if getattr(spec, name) <= 0:
             option = f"--{name.replace('_', '-')}"  # the CLI's name
             raise bad(f"{option} must be positive, got {getattr(spec, name)}")
+    for name, limit in (("num_heads", MAX_HEADS), ("num_kv_heads", MAX_HEADS), ("head_size", MAX_HEAD_SIZE),
+                        ("stale_tail", MAX_STALE_TAIL)):
+        if getattr(spec, name) > limit:
+            raise bad(f"--{name.replace('_', '-')} must be at most {limit}, got {_shown_int(getattr(spec, name))}")
     if spec.num_heads % spec.num_kv_heads:
         raise bad(f"--num-heads {spec.num_heads} must be a multiple of --num-kv-heads {spec.num_kv_heads}")
     if spec.dtype not in MODEL_DTYPES:
@@ -97,6 +115,8 @@ def _check(spec: SynthSpec) -> None:
         raise bad(f"--layout must be one of {', '.join(LAYOUTS)}, got {spec.layout}")
     if spec.sliding_window is not None and spec.sliding_window <= 0:
         raise bad(f"--window must be positive, got {spec.sliding_window}")
+    if spec.sliding_window is not None and spec.sliding_window > MAX_ENGINE_INT:
+        raise bad(f"--window must be at most 2**40 (the format's bound), got {_shown_int(spec.sliding_window)}")
     if spec.fp8_storage not in ("uint8", "float8_e4m3fn"):
         raise bad(f"--fp8-storage must be uint8 or float8_e4m3fn, got {spec.fp8_storage}")
     for name in ("q_scale", "k_scale", "v_scale"):
@@ -105,6 +125,15 @@ def _check(spec: SynthSpec) -> None:
             raise bad(f"--{name.replace('_', '-')} must be a finite positive number, got {value}")
     if spec.shared_prefix_pages < 0 or spec.stale_tail < 0:
         raise bad("--shared-prefix-pages and --stale-tail must be >= 0")
+    if not 0 <= spec.seed <= MAX_SEED:
+        raise bad(f"--seed must be from 0 to 2**63 - 1, got {_shown_int(spec.seed)}")
+    # None is "auto"; 0 has no meaning (the format stores positive integers), so it is refused, not defaulted.
+    for name, limit in (("num_gpu_blocks", MAX_GPU_BLOCKS), ("max_model_len", MAX_ENGINE_INT),
+                        ("max_decode_query_len", MAX_ENGINE_INT)):
+        value = getattr(spec, name)
+        if value is not None and not 0 < value <= limit:
+            raise bad(f"--{name.replace('_', '-')} must be a positive integer up to {limit} (or left out: "
+                      f"automatic), got {_shown_int(value)}")
     if spec.shared_prefix_pages:
         for i, (length, q) in enumerate(zip(spec.seq_lens, qlens)):
             if length - q < spec.shared_prefix_pages * spec.page_size:
@@ -114,9 +143,54 @@ def _check(spec: SynthSpec) -> None:
                 )
     if spec.page_zero_request is not None and not 0 <= spec.page_zero_request < len(spec.seq_lens):
         raise bad(f"--page-zero-request {spec.page_zero_request} is not a request index")
-    if len(spec.seq_lens) > 4096 or max(spec.seq_lens) > 2**22 or spec.steps > 64:
+    if len(spec.seq_lens) > MAX_REQUESTS or max(spec.seq_lens) > MAX_TOKENS or spec.steps > MAX_STEPS:
         raise bad("synthetic snapshots are limited to 4096 requests, 4M tokens per request and 64 steps")
+    pages = _stored_pages(spec)[0]
+    if pages > MAX_PAGES:
+        raise bad(f"synthetic snapshots are limited to {MAX_PAGES} pages; these options need {pages} (a larger "
+                  "--page-size, fewer or shorter --seq-lens, fewer --steps)")
+    kv_bytes, step_bytes = synth_bytes(spec)
+    if kv_bytes > MAX_KV_BYTES or step_bytes > MAX_STEP_BYTES:
+        raise bad(f"synthetic snapshots are limited to {_size(MAX_KV_BYTES)} of KV cache and {_size(MAX_STEP_BYTES)} "
+                  f"of step data; these options need {_size(kv_bytes)} and {_size(step_bytes)} (fewer or shorter "
+                  "--seq-lens, fewer heads, a smaller --head-size, --page-size, --stale-tail or --steps)")
     _check_features(spec, qlens)
+
+
+def _shown_int(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} digits)"
+
+
+def _size(nbytes: int) -> str:
+    if nbytes < 2**30:
+        return f"{nbytes / 2**20:.3g} MiB"
+    return f"{nbytes / 2**30:.3g} GiB"
+
+
+def _stored_pages(spec: SynthSpec) -> tuple[int, list[int]]:
+    """(pages stored, pages of each request at its last step), as synth_snapshot counts them."""
+    qlens = spec.query_lens or (spec.query_len,) * len(spec.seq_lens)
+    grows = spec.attn_type != CROSS_ATTN_TYPE
+    final_lens = [length + (spec.steps - 1) * q * grows for length, q in zip(spec.seq_lens, qlens)]
+    pages_per_req = [_cdiv(n, spec.page_size) for n in final_lens]
+    shared = spec.shared_prefix_pages
+    return shared + sum(max(n - shared, 0) for n in pages_per_req), pages_per_req
+
+
+def synth_bytes(spec: SynthSpec) -> tuple[int, int]:
+    """Bytes of the KV cache and of all the steps' tensors ``spec`` makes, as stored; computed from the
+    options alone (checked before anything is allocated). Call it on a spec whose counts are positive."""
+    pages, pages_per_req = _stored_pages(spec)
+    qlens = list(spec.query_lens or (spec.query_len,) * len(spec.seq_lens))
+    model_bytes = 1 if spec.fp8 else torch_dtype(spec.dtype).itemsize
+    kv_bytes = 2 * pages * spec.num_kv_heads * spec.page_size * spec.head_size * model_bytes
+    tokens, requests = sum(qlens), len(qlens)
+    table = requests * (max(pages_per_req) + spec.stale_tail) * 4 + (2 * requests + 1) * 4
+    query = tokens * spec.num_heads * spec.head_size * model_bytes
+    new_kv = (2 * tokens * spec.num_kv_heads * spec.head_size * torch_dtype(spec.dtype).itemsize + tokens * 8
+              if spec.new_kv else 0)
+    return kv_bytes, spec.steps * (table + query + new_kv)
 
 
 def _check_features(spec: SynthSpec, qlens) -> None:
@@ -197,7 +271,9 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
     pages_per_req = [_cdiv(n, ps) for n in final_lens]
     shared = spec.shared_prefix_pages
     needed = shared + sum(n - shared for n in pages_per_req)
-    num_gpu_blocks = spec.num_gpu_blocks or (2 * needed + 8 if spec.shuffle else needed + 1)
+    num_gpu_blocks = spec.num_gpu_blocks
+    if num_gpu_blocks is None:
+        num_gpu_blocks = 2 * needed + 8 if spec.shuffle else needed + 1
     if num_gpu_blocks < needed + 1:
         raise OptionError(f"--num-gpu-blocks {num_gpu_blocks} is too small for the {needed} pages needed (+ null page 0)")
 
@@ -281,13 +357,16 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
         **{**_feature_fields(spec), **spec.extra_layer},
     )
     backend_name = spec.backend or ("FLASHINFER_TS" if spec.layout == LAYOUT_VLLM else "FLEX_ATTENTION")
-    max_model_len = spec.max_model_len or max(32768, 1 << (max(final_lens) - 1).bit_length())
+    max_model_len = spec.max_model_len
+    if max_model_len is None:
+        max_model_len = max(32768, 1 << (max(final_lens) - 1).bit_length())
     backend = BackendMeta(
         name=backend_name,
         page_size=ps,
         max_model_len=max_model_len,
         num_gpu_blocks=num_gpu_blocks,
-        max_decode_query_len=spec.max_decode_query_len or max(max(qlens), 1),
+        max_decode_query_len=(spec.max_decode_query_len if spec.max_decode_query_len is not None
+                              else max(max(qlens), 1)),
     )
     # Feature fields at their defaults are left out, so specs without them keep their bytes.
     defaults = SynthSpec()
@@ -328,4 +407,4 @@ def _cumsum(values):
         yield total
 
 
-__all__ = ["SynthSpec", "alibi_slopes", "synth_snapshot", "LAYOUT_KV_PLANES", "LAYOUT_VLLM"]
+__all__ = ["SynthSpec", "alibi_slopes", "synth_bytes", "synth_snapshot", "LAYOUT_KV_PLANES", "LAYOUT_VLLM"]
