@@ -164,7 +164,7 @@ def test_svg_images_are_valid_and_output_refuses_overwrite(make_snapshot, tmp_pa
     before = out.read_text()
     res = invoke(path, "--backend", "flex", "-o", str(out))
     assert res.exit_code == 2
-    assert res.output.strip() == f"Error: {out} already exists; pass --force to replace it"
+    assert res.output.strip() == f"Error: -o {out} already exists; pass --force to replace it"
     res = invoke(path, "--backend", "flex", "--svg", str(svg))
     assert res.exit_code == 2 and "info.svg already exists" in res.output
     assert invoke(path, "--backend", "flex", "-o", str(out), "--svg", str(svg), "--force").exit_code == 1
@@ -223,3 +223,33 @@ def test_report_parses_the_snapshot_once_and_digests_what_it_loaded(make_snapsho
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the file changed after loading
     with pytest.raises(SnapshotError, match="changed while the report was made"):
         build_report(snap, ["flex"])
+
+
+@pytest.mark.parametrize("under", ["a_file", "missing_parent_of_a_file"])
+def test_svg_directory_that_cannot_be_made_is_refused_before_the_replay(make_snapshot, tmp_path, monkeypatch, under):
+    """--svg under a regular file: one line naming --svg, exit 2, and no replay spent first."""
+    import kvdbg.report
+
+    path, _ = make_snapshot(seq_lens=(20, 40))
+    (tmp_path / "a_file").write_text("not a directory")
+    svg = tmp_path / "a_file" / "figs" if under == "a_file" else tmp_path / "a_file" / "deeper" / "figs"
+    replayed = []
+    monkeypatch.setattr(kvdbg.report, "build_report", lambda *a, **k: replayed.append(1))
+    res = invoke(path, "--backend", "reference", "--svg", str(svg))
+    assert res.exit_code == 2 and not replayed
+    assert res.output.strip() == f"Error: --svg {svg}: cannot write the directory (Not a directory)"
+
+
+def test_svg_directory_made_for_a_bad_snapshot_is_not_left_behind(tmp_path):
+    svg = tmp_path / "figs"
+    res = invoke(str(tmp_path / "missing.safetensors"), "--svg", str(svg))
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1
+    assert not svg.exists()
+
+
+def test_svg_directory_is_made_with_its_parents(make_snapshot, tmp_path):
+    path, _ = make_snapshot(seq_lens=(20, 40), engine_output="reference")
+    svg = tmp_path / "new" / "figs"
+    assert invoke(path, "--backend", "reference", "-o", str(tmp_path / "r.md"), "--svg", str(svg)).exit_code == 0
+    assert {"info.svg", "map.svg", "replay.svg", "errors.svg"} <= {p.name for p in svg.iterdir()}
+    assert not [p for p in svg.iterdir() if p.name.startswith(".")]  # the write probe is gone

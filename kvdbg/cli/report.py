@@ -55,6 +55,7 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
         from kvdbg.sweeper import parse_knobs
 
         knobs = parse_knobs(sweep_knobs)
+    made_svg_dir = False
     if svg_dir is not None:
         if os.path.exists(svg_dir) and not os.path.isdir(svg_dir):
             raise OptionError(f"--svg {svg_dir} is not a directory")
@@ -63,11 +64,19 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
                  if os.path.exists(p := os.path.join(svg_dir, f"{stem}.{ext}"))]
         if taken and not force:
             raise OptionError(f"{taken[0]} already exists; pass --force to replace it")
+        made_svg_dir = _svg_directory(svg_dir)
+    from kvdbg.atomic import check_output
+
     for option, path in (("-o", output), ("--html", html_path)):
-        if path is not None and os.path.exists(path) and not force:
-            raise OptionError(f"{path} already exists; pass --force to replace it")
+        if path is not None:
+            check_output(path, overwrite=force, what=option)  # an input of the command is refused, --force or not
     progress = progress_printer()
-    result = build_report(snapshot, list(backends) or None, device=device, progress=progress)
+    try:
+        result = build_report(snapshot, list(backends) or None, device=device, progress=progress)
+    except BaseException:
+        if made_svg_dir:
+            _remove_if_empty(svg_dir)  # a bad snapshot leaves nothing behind
+        raise
     if knobs is not None:
         from kvdbg.backend_api import ReplayOptions
         from kvdbg.snapshot import load_snapshot
@@ -82,7 +91,6 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
 
         result.pictures = build_pictures(result, progress=progress)
     if svg_dir is not None:
-        os.makedirs(svg_dir, exist_ok=True)
         for stem, svg in render_svgs(result).items():
             write_text_atomic(os.path.join(svg_dir, f"{stem}.svg"), svg, overwrite=force)
         _pictures(result, svg_dir, force)
@@ -100,6 +108,31 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
 
 
 PICTURES = ("errors", "attention", "window")
+
+
+def _svg_directory(svg_dir: str) -> bool:
+    """Create ``svg_dir`` (with its parents) and make sure a file can be written in it, before the replay, so
+    that a directory that cannot be made costs no work; True when this created it."""
+    import tempfile
+
+    existed = os.path.isdir(svg_dir)
+    try:
+        os.makedirs(svg_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".kvdbg-probe-", dir=svg_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        if not existed:
+            _remove_if_empty(svg_dir)
+        raise OptionError(f"--svg {svg_dir}: cannot write the directory ({exc.strerror or exc})") from None
+    return not existed
+
+
+def _remove_if_empty(directory: str) -> None:
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass
 
 
 def _pictures(result, svg_dir: str, force: bool) -> None:
