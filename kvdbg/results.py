@@ -38,7 +38,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 from kvdbg._version import __version__
-from kvdbg.batch import STATUS_CRASHED, BatchOptions, FileResult, Worst
+from kvdbg.batch import (STATUS_BAD_INPUT, STATUS_CRASHED, STATUS_FAIL, STATUS_PASS, STATUS_UNVERIFIED,
+                         BatchOptions, FileResult, Worst)
 from kvdbg.errors import OptionError
 
 RESULTS_VERSION = 1
@@ -158,24 +159,109 @@ def row_record(row: Row, signature: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def row_from_record(record: dict[str, Any], where: str) -> Row:
-    """A row read back; ``where`` ("FILE line N") prefixes the one-line error naming a bad field."""
-    try:
-        worst = record["worst"]
-        result = FileResult(
-            path=record["path"], status=record["status"], exit_code=int(record["exit_code"]),
-            layer=record.get("layer"), steps=list(record.get("steps") or []),
-            worst=Worst(**worst) if worst is not None else None,
-            error_findings=list(record.get("error_findings") or []), summary=record.get("verdict") or "",
-            comparisons=list(record.get("comparisons") or []), seconds=float(record.get("seconds") or 0.0))
-        files = [FileKey(str(f["path"]), int(f["size"]), int(f["mtime_ns"])) for f in record["files"]]
-        placement = record.get("placement")
-        return Row(path=record["path"], files=files, result=result, ranks=list(record.get("ranks") or []),
-                   step=record.get("engine_step"), placement=Placement(**placement) if placement else None,
-                   attempts=record.get("attempts"), finished=record.get("finished") or "")
-    except KeyError as exc:
-        raise ResultsError(f"{where}: row record has no field {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
-        raise ResultsError(f"{where}: malformed row record ({exc})") from None
+    """A row read back; ``where`` ("FILE line N") prefixes the one-line error naming a bad field.
+
+    Every field is checked against what :func:`row_record` writes, so that a file edited by hand or damaged
+    is refused here, naming the field, rather than failing later in whatever reads the row."""
+    def get(obj: dict[str, Any], key: str, kind: str, prefix: str = "") -> Any:
+        return _field(obj, key, kind, where, "row", prefix)
+
+    status = get(record, "status", "str")
+    if status not in STATUSES:
+        raise _field_error(where, "row", "status", f"one of {', '.join(STATUSES)}", status)
+    exit_code = get(record, "exit_code", "int")
+    if exit_code not in ROW_EXIT_CODES:
+        raise _field_error(where, "row", "exit_code", "0, 1, 2 or 3", exit_code)
+    worst = get(record, "worst", "object?")
+    if worst is not None:
+        worst = Worst(**{name: get(worst, name, kind, "worst.") for name, kind in WORST_FIELDS.items()})
+    comparisons = get(record, "comparisons", "[object]?") or []
+    for number, comparison in enumerate(comparisons):
+        for name, kind in COMPARISON_FIELDS.items():
+            get(comparison, name, kind, f"comparisons[{number}].")
+    result = FileResult(
+        path=get(record, "path", "str"), status=status, exit_code=exit_code, layer=get(record, "layer", "str?"),
+        steps=get(record, "steps", "[count]?") or [], worst=worst,
+        error_findings=get(record, "error_findings", "[str]?") or [], summary=get(record, "verdict", "str?") or "",
+        comparisons=comparisons, seconds=float(get(record, "seconds", "number?") or 0.0))
+    files = get(record, "files", "[object]")
+    if not files:
+        raise ResultsError(f"{where}: row record field files is empty (a row names at least one file)")
+    keys = [FileKey(*(get(f, name, kind, f"files[{number}].") for name, kind in FILE_KEY_FIELDS.items()))
+            for number, f in enumerate(files)]
+    placement = get(record, "placement", "object?")
+    if placement is not None:
+        placement = Placement(**{name: get(placement, name, kind, "placement.")
+                                 for name, kind in PLACEMENT_FIELDS.items() if name in placement or kind[-1] != "?"})
+    return Row(path=result.path, files=keys, result=result, ranks=get(record, "ranks", "[int]?") or [],
+               step=get(record, "engine_step", "int?"), placement=placement,
+               attempts=get(record, "attempts", "count?"), finished=get(record, "finished", "str?") or "")
+
+
+# --------------------------------------------------------------------------- the fields a reader checks
+
+STATUSES = (STATUS_PASS, STATUS_FAIL, STATUS_UNVERIFIED, STATUS_BAD_INPUT, STATUS_CRASHED)
+ROW_EXIT_CODES = (0, 1, 2, 3)  # a file's own verdict (kvdbg.verdict); 130 is the run's, never a row's
+
+# Kinds: "str", "int", "count" (>= 0), "bool", "number" (finite), "object"; "[kind]" a list of them;
+# a trailing "?" allows null or the field's absence.
+WORST_FIELDS = {"actual": "str", "expected": "str", "step": "count", "passed": "bool", "max_abs": "number?",
+                "failed_heads": "count", "heads": "count", "counted": "bool"}
+COMPARISON_FIELDS = {"actual": "str", "expected": "str", "step": "count?", "passed": "bool?", "counted": "bool?",
+                     "max_abs": "number?", "failed_heads": "count?", "heads": "count?", "not_compared": "count?",
+                     "failed_head_ids": "[count]?", "query_heads": "count?", "actual_nonfinite": "count?",
+                     "unwritten": "count?", "expected_nonfinite": "count?"}
+FILE_KEY_FIELDS = {"path": "str", "size": "int", "mtime_ns": "int"}  # -1: the file could not be stat'ed
+PLACEMENT_FIELDS = {"device": "str", "pid": "int?", "node_ip": "str?", "node_id": "str?", "kvdbg": "str?"}
+OPTIONS_FIELDS = {"backends": "[str]?", "steps": "str?", "device": "str?", "device_kind": "str?", "exact": "bool?",
+                  "compile": "bool?", "atol": "number?", "rtol": "number?"}
+RUN_FIELDS = {"kvdbg": "str?", "started": "str?", "resumed": "bool?", "planned": "count?", "skipped": "count?",
+              "executor": "object?"}
+END_FIELDS = {"finished": "str?", "rows": "count?", "exit_code": "int?", "interrupted": "bool?"}
+
+_KINDS = {
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "count": ("a non-negative integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "number": ("a finite number",
+               lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+    "object": ("an object", lambda v: isinstance(v, dict)),
+}
+
+
+def _field(obj: dict[str, Any], key: str, kind: str, where: str, record: str, prefix: str = "") -> Any:
+    """``obj[key]`` checked against ``kind``; a one-line ResultsError naming the line and the field otherwise."""
+    name = prefix + key
+    if key not in obj:
+        if kind.endswith("?"):
+            return None
+        raise ResultsError(f"{where}: {record} record has no field {name!r}")
+    return _checked(obj[key], kind, where, record, name)
+
+
+def _checked(value: Any, kind: str, where: str, record: str, name: str) -> Any:
+    if kind.endswith("?"):
+        if value is None:
+            return None
+        kind = kind[:-1]
+    if kind.startswith("["):
+        if not isinstance(value, list):
+            raise _field_error(where, record, name, f"a list of {_KINDS[kind[1:-1]][0].split(' ', 1)[1]}s", value)
+        return [_checked(item, kind[1:-1], where, record, f"{name}[{i}]") for i, item in enumerate(value)]
+    expected, fits = _KINDS[kind]
+    if not fits(value):
+        raise _field_error(where, record, name, expected, value)
+    return value
+
+
+def _field_error(where: str, record: str, name: str, expected: str, value: Any) -> ResultsError:
+    if isinstance(value, (str, int, float, bool, type(None))):
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 40 else shown[:40] + "…"
+    else:
+        shown = "a list" if isinstance(value, list) else "an object"
+    return ResultsError(f"{where}: {record} record field {name} must be {expected}, got {shown}")
 
 
 def died_result(path: str, how: str, *, retried: bool) -> FileResult:
@@ -283,17 +369,21 @@ def read_results(path: str) -> ResultsFile:
         where = f"{path} line {number}"
         try:
             record = json.loads(line)
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nested thousands deep
             raise ResultsError(f"{where}: not a JSON line (is {path} a kvdbg results file?)") from None
         kind = record.get("record") if isinstance(record, dict) else None
         if number == 1 and kind != RECORD_RUN:
             raise ResultsError(f"{path}: not a kvdbg results file (line 1 is not a run record)")
         if kind == RECORD_RUN:
-            if record.get("version") != RESULTS_VERSION:
+            if type(record.get("version")) is not int or record["version"] != RESULTS_VERSION:
                 raise ResultsError(f"{where}: results format version {record.get('version')!r}; this kvdbg reads "
                                    f"version {RESULTS_VERSION}")
             if not isinstance(record.get("options"), dict):
                 raise ResultsError(f"{where}: run record has no options")
+            for name, field_kind in RUN_FIELDS.items():
+                _field(record, name, field_kind, where, "run")
+            for name, field_kind in OPTIONS_FIELDS.items():
+                _field(record["options"], name, field_kind, where, "run", "options.")
             runs.append(record)
             last_end = None
         elif kind == RECORD_ROW:
@@ -304,6 +394,8 @@ def read_results(path: str) -> ResultsFile:
                 del latest[key]  # re-inserted below: the order is that of the latest rows
             latest[key] = row
         elif kind == RECORD_END:
+            for name, field_kind in END_FIELDS.items():
+                _field(record, name, field_kind, where, "end")
             ends.append(record)
             last_end = record
         else:
