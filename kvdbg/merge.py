@@ -134,8 +134,18 @@ def step_facts(snapshot: Snapshot) -> StepFacts:
                    if key not in PER_RANK_CAPTURE})
     tensors = snapshot.tensors()
     shared = ["page_ids", *(meta.step_prefix(i) + name for i in range(meta.num_steps) for name in SHARED_STEP_TENSORS)]
+    # As JSON has them (a tuple is a list): a results file keeps them, and a resumed run compares them with new ones.
+    fields = {key: _as_json(value) for key, value in fields.items()}
     return StepFacts(fields=fields, dtypes={name: dtype_name(t.dtype) for name, t in tensors.items()},
                      digests={name: _digest(tensors[name]) for name in shared if name in tensors})
+
+
+def _as_json(value):
+    if isinstance(value, (list, tuple)):
+        return [_as_json(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _as_json(v) for k, v in value.items()}
+    return value
 
 
 def _digest(tensor: torch.Tensor) -> str:

@@ -41,6 +41,7 @@ from kvdbg._version import __version__
 from kvdbg.batch import (STATUS_BAD_INPUT, STATUS_CRASHED, STATUS_FAIL, STATUS_PASS, STATUS_UNVERIFIED,
                          BatchOptions, FileResult, Worst)
 from kvdbg.errors import OptionError
+from kvdbg.ranks import RankInfo, StepFacts
 
 RESULTS_VERSION = 1
 RECORD_RUN, RECORD_ROW, RECORD_END = "run", "row", "end"
@@ -143,6 +144,9 @@ def row_record(row: Row, signature: dict[str, Any] | None) -> dict[str, Any]:
         "layer": r.layer,
         "engine_step": row.step,
         "ranks": list(row.ranks),
+        # What replay DIR and triage check a step's rank files against each other with (kvdbg.ranks.check_step).
+        "rank": asdict(r.rank) if r.rank is not None else None,
+        "step_facts": asdict(r.step_facts) if r.step_facts is not None else None,
         "status": r.status,
         "exit_code": r.exit_code,
         "verdict": r.summary,
@@ -179,11 +183,23 @@ def row_from_record(record: dict[str, Any], where: str) -> Row:
     for number, comparison in enumerate(comparisons):
         for name, kind in COMPARISON_FIELDS.items():
             get(comparison, name, kind, f"comparisons[{number}].")
+    rank = get(record, "rank", "object?")
+    if rank is not None:
+        rank = RankInfo(**{name: get(rank, name, kind, "rank.") for name, kind in RANK_FIELDS.items()})
+    facts = get(record, "step_facts", "object?")
+    if facts is not None:
+        fields = get(facts, "fields", "object", "step_facts.")
+        dtypes, digests = (get(facts, name, "object", "step_facts.") for name in ("dtypes", "digests"))
+        for prefix, mapping in (("step_facts.dtypes.", dtypes), ("step_facts.digests.", digests)):
+            for name in mapping:
+                get(mapping, name, "str", prefix)
+        facts = StepFacts(fields=fields, dtypes=dtypes, digests=digests)
     result = FileResult(
         path=get(record, "path", "str"), status=status, exit_code=exit_code, layer=get(record, "layer", "str?"),
         steps=get(record, "steps", "[count]?") or [], worst=worst,
         error_findings=get(record, "error_findings", "[str]?") or [], summary=get(record, "verdict", "str?") or "",
-        comparisons=comparisons, seconds=float(get(record, "seconds", "number?") or 0.0))
+        comparisons=comparisons, seconds=float(get(record, "seconds", "number?") or 0.0),
+        rank=rank if rank is not None and rank.is_shard else None, step_facts=facts)
     files = get(record, "files", "[object]")
     if not files:
         raise ResultsError(f"{where}: row record field files is empty (a row names at least one file)")
@@ -212,6 +228,8 @@ COMPARISON_FIELDS = {"actual": "str", "expected": "str", "step": "count?", "pass
                      "failed_head_ids": "[count]?", "query_heads": "count?", "actual_nonfinite": "count?",
                      "unwritten": "count?", "expected_nonfinite": "count?"}
 FILE_KEY_FIELDS = {"path": "str", "size": "int", "mtime_ns": "int"}  # -1: the file could not be stat'ed
+RANK_FIELDS = {"layer": "str", "step": "int?", "tp_rank": "int?", "tp_size": "int?", "engine_instance": "str?",
+               "dp_rank": "int?", "rank": "int?", "total_num_kv_heads": "int?"}
 PLACEMENT_FIELDS = {"device": "str", "pid": "int?", "node_ip": "str?", "node_id": "str?", "kvdbg": "str?"}
 OPTIONS_FIELDS = {"backends": "[str]?", "steps": "str?", "device": "str?", "device_kind": "str?", "exact": "bool?",
                   "compile": "bool?", "atol": "number?", "rtol": "number?"}

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from kvdbg.batch import (STATUS_BAD_INPUT, STATUS_CRASHED, STATUS_FAIL, STATUS_PASS, STATUS_UNVERIFIED,
-                         FileResult)
+                         FileResult, step_rows)
 from kvdbg.ranges import IntRanges
 from kvdbg.results import WORKER_DIED, Row
 
@@ -154,6 +154,11 @@ class Triage:
     options: dict[str, Any]  # the run's options record (kvdbg.results.options_record): for example commands
 
     def command(self, group: Group) -> str:
+        if group.signature.parts and group.signature.parts[0].startswith(NOT_ONE_STEP):
+            # One rank's file replays on its own; what is wrong is the set: merge names it.
+            key = group.example.result.rank.step_key()  # a refused step's files all have one (kvdbg.batch)
+            step = [r.path for r in group.rows if r.result.rank is not None and r.result.rank.step_key() == key]
+            return shlex.join(["kvdbg", "merge", *step, "-o", "merged.safetensors"])
         return example_command(group.example.path, self.options)
 
     def headline(self) -> str:
@@ -178,12 +183,21 @@ class Triage:
         return {"headline": self.headline(), "total": self.total, "passed": self.passed, "groups": out}
 
 
+NOT_ONE_STEP = "not every rank of one step, or the ranks disagree: "
+
+
 def triage(rows: Iterable[Row], options: dict[str, Any]) -> Triage:
     rows = list(rows)
+    # The rank files of one step that are not every rank of it, or disagree, are bad input whatever each
+    # file's own verdict (as `kvdbg replay DIR` shows them: kvdbg.batch.step_rows).
+    refused = {id(f): step.problem for step in step_rows([row.result for row in rows]) if step.problem is not None
+               for f in step.files}
     by_key: dict[str, Group] = {}
     passed = 0
     for row in rows:
-        sig = signature(row.result)
+        problem = refused.get(id(row.result))
+        sig = signature(row.result) if problem is None else \
+            Signature(KIND_BAD_INPUT, (NOT_ONE_STEP + normalise(problem),))
         if sig is None:
             passed += 1
             continue

@@ -80,3 +80,26 @@ def test_rank_rows_without_recorded_facts_do_not_pass():
     [row] = step_rows(files)
     assert row.status == STATUS_BAD_INPUT and row.exit_code == 2 and "was not recorded" in row.summary
     assert batch_verdict(files)[0] == 2
+
+
+def test_a_results_file_keeps_what_the_ranks_are_checked_with(tmp_path):
+    """triage (and --resume) read the rows back: a refused step stays bad input, with merge as its example."""
+    write_shards(tmp_path / "d", _two_of_four())
+    results = tmp_path / "r.jsonl"
+    res = CliRunner().invoke(cli, ["replay", str(tmp_path / "d"), "--backend", "reference", "--results",
+                                   str(results)])
+    assert res.exit_code == 2, res.output
+    res = CliRunner().invoke(cli, ["triage", str(results), "--json"])
+    assert res.exit_code == 2, res.output
+    data = json.loads(res.output)
+    [group] = data["groups"]
+    assert group["kind"] == "bad input" and group["key"].startswith("bad input: not every rank of one step")
+    assert group["example"]["command"].startswith("kvdbg merge ") and group["example"]["command"].endswith(
+        "-o merged.safetensors")
+    assert data["verdict"]["exit_code"] == 2
+    # A complete step read back still passes.
+    write_shards(tmp_path / "e", split_into_ranks(_full(num_heads=8, num_kv_heads=4), 4))
+    results = tmp_path / "e.jsonl"
+    assert CliRunner().invoke(cli, ["replay", str(tmp_path / "e"), "--backend", "reference", "--results",
+                                    str(results)]).exit_code == 0
+    assert CliRunner().invoke(cli, ["triage", str(results)]).exit_code == 0
