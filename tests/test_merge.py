@@ -164,7 +164,7 @@ def test_merge_never_clobbers(tmp_path):
     res = CliRunner().invoke(cli, ["merge", *paths, "-o", str(out)])
     assert res.exit_code == 2 and "already exists; pass --force" in res.output and out.read_bytes() == b"mine"
     res = CliRunner().invoke(cli, ["merge", *paths, "-o", paths[0], "--force"])
-    assert res.exit_code == 2 and "is one of the files to merge" in res.output
+    assert res.exit_code == 2 and "is an input of this command" in res.output
     res = CliRunner().invoke(cli, ["merge", *paths, "-o", str(out), "--force"])
     assert res.exit_code == 0 and "merged 2 ranks of model.layers.0.self_attn.attn step 5: 4 query heads, " \
         "2 KV heads" in res.output

@@ -5,7 +5,6 @@ from __future__ import annotations
 import click
 
 from kvdbg.cli.common import console, emit_json, force_option, guarded, json_option, output_option
-from kvdbg.errors import OptionError
 
 
 @click.command()
@@ -32,15 +31,11 @@ def merge(snapshots, output, kv_heads, force, as_json):
       kvdbg merge snaps/*layers.1.*-step5-rank*.safetensors -o step5.safetensors
       kvdbg replay step5.safetensors
     """
-    import os
-
+    from kvdbg.atomic import check_output
     from kvdbg.merge import merge_ranks
     from kvdbg.snapshot import load_snapshot, save_snapshot
 
-    for path in snapshots:
-        if os.path.exists(output) and os.path.exists(path) and os.path.samefile(output, path):
-            raise OptionError(f"-o {output} is one of the files to merge; merge never overwrites its input "
-                              "(--force or not): choose another output path")
+    check_output(output, overwrite=force, what="-o")  # never one of the files to merge, --force or not
     loaded = [load_snapshot(path) for path in dict.fromkeys(snapshots)]
     merged = merge_ranks(loaded, total_kv_heads=kv_heads)
     path = save_snapshot(merged, output, overwrite=force)

@@ -49,13 +49,12 @@ def shrink(snapshot, output, backend, device, same_heads, force, emit_script, sc
     """
     import os
 
+    from kvdbg.atomic import check_output
     from kvdbg.shrinker import shrink as run_shrink
     from kvdbg.snapshot import load_snapshot
     from kvdbg.verdict import EXIT_OK
 
-    if os.path.exists(output) and os.path.exists(snapshot) and os.path.samefile(output, snapshot):
-        raise OptionError(f"-o {output} is the input snapshot itself; shrink never overwrites its input "
-                          "(--force or not): choose another output path")
+    check_output(output, overwrite=force, what="-o")  # never the input snapshot, --force or not
     if emit_script is not None:
         from kvdbg.repro_script import SUPPORTED, check_targets
 
