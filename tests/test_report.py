@@ -15,7 +15,7 @@ from kvdbg.cli import cli
 from kvdbg.render.markdown import md_code, md_escape, md_table
 from kvdbg.report import file_sha256
 
-from tests.helpers import run_python
+from tests.helpers import FIXTURES, run_python
 
 REPLAY_HEADERS = ["backend", "engine name", "status", "what ran", "vs reference", "max abs", "worst heads", "findings"]
 
@@ -241,10 +241,19 @@ def test_svg_directory_that_cannot_be_made_is_refused_before_the_replay(make_sna
 
 
 def test_svg_directory_made_for_a_bad_snapshot_is_not_left_behind(tmp_path):
-    svg = tmp_path / "figs"
+    svg = tmp_path / "figs" / "a" / "b"
     res = invoke(str(tmp_path / "missing.safetensors"), "--svg", str(svg))
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1
-    assert not svg.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nor the parents it made
+
+
+def test_a_refused_output_makes_no_svg_directory(tmp_path):
+    existing = tmp_path / "r.md"
+    existing.write_text("mine\n")
+    res = invoke(os.path.join(FIXTURES, "causal_gqa.safetensors"), "-o", str(existing), "--svg",
+                 str(tmp_path / "new" / "figs"))
+    assert res.exit_code == 2 and "already exists" in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.md"] and existing.read_text() == "mine\n"
 
 
 def test_svg_directory_is_made_with_its_parents(make_snapshot, tmp_path):

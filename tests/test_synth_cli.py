@@ -132,6 +132,10 @@ def test_synth_old_spellings_make_the_same_bytes(tmp_path):
     assert res.exit_code == 0, res.output
     assert new.read_bytes() == old.read_bytes()
     assert load_snapshot(new).meta.kv_layout == "2,pages,tokens,heads,dim"
+    # OUT names an output, not an input: an old script that makes the file again replaces it with --force.
+    res = CliRunner().invoke(cli, ["synth", str(old), *common, "--head-dim", "16", "--layout", "kv-planes",
+                                   "--force"])
+    assert res.exit_code == 0, res.output
     shown = CliRunner().invoke(cli, ["synth", "--help"]).output
     assert "--head-dim" not in shown and "[OUT]" not in shown
     assert "--head-size" in shown and "kv-planes" in shown

@@ -47,13 +47,14 @@ def guarded(fn: Callable) -> Callable:
 
 
 def _input_paths() -> list[str]:
-    """The running command's positional arguments that are paths: its inputs (every output is an option)."""
+    """The running command's positional arguments that are paths: its inputs (every output is an option, but
+    a positional one kept for old scripts, marked :class:`HiddenOutputArgument`)."""
     ctx = click.get_current_context(silent=True)
     if ctx is None:
         return []
     paths = []
     for param in ctx.command.params:
-        if isinstance(param, click.Argument):
+        if isinstance(param, click.Argument) and not getattr(param, "output", False):
             value = ctx.params.get(param.name)
             values = value if isinstance(value, (tuple, list)) else (value,)
             paths.extend(v for v in values if isinstance(v, (str, os.PathLike)))
@@ -207,6 +208,12 @@ class HiddenArgument(click.Argument):
 
     def get_usage_pieces(self, ctx) -> list[str]:
         return []
+
+
+class HiddenOutputArgument(HiddenArgument):
+    """A hidden positional argument that names an output (``kvdbg synth OUT``): not one of the command's inputs."""
+
+    output = True
 
 
 # ----------------------------------------------------------------------------- index ranges

@@ -55,7 +55,12 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
         from kvdbg.sweeper import parse_knobs
 
         knobs = parse_knobs(sweep_knobs)
-    made_svg_dir = False
+    from kvdbg.atomic import check_output
+
+    for option, path in (("-o", output), ("--html", html_path)):
+        if path is not None:
+            check_output(path, overwrite=force, what=option)  # an input of the command is refused, --force or not
+    made = []
     if svg_dir is not None:
         if os.path.exists(svg_dir) and not os.path.isdir(svg_dir):
             raise OptionError(f"--svg {svg_dir} is not a directory")
@@ -64,18 +69,12 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
                  if os.path.exists(p := os.path.join(svg_dir, f"{stem}.{ext}"))]
         if taken and not force:
             raise OptionError(f"{taken[0]} already exists; pass --force to replace it")
-        made_svg_dir = _svg_directory(svg_dir)
-    from kvdbg.atomic import check_output
-
-    for option, path in (("-o", output), ("--html", html_path)):
-        if path is not None:
-            check_output(path, overwrite=force, what=option)  # an input of the command is refused, --force or not
+        made = _svg_directory(svg_dir)
     progress = progress_printer()
     try:
         result = build_report(snapshot, list(backends) or None, device=device, progress=progress)
     except BaseException:
-        if made_svg_dir:
-            _remove_if_empty(svg_dir)  # a bad snapshot leaves nothing behind
+        _remove_if_empty(made)  # a bad snapshot leaves no directory behind
         raise
     if knobs is not None:
         from kvdbg.backend_api import ReplayOptions
@@ -110,29 +109,33 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
 PICTURES = ("errors", "attention", "window")
 
 
-def _svg_directory(svg_dir: str) -> bool:
+def _svg_directory(svg_dir: str) -> list[str]:
     """Create ``svg_dir`` (with its parents) and make sure a file can be written in it, before the replay, so
-    that a directory that cannot be made costs no work; True when this created it."""
+    that a directory that cannot be made costs no work; the directories this created, deepest first."""
     import tempfile
 
-    existed = os.path.isdir(svg_dir)
+    made, path = [], os.path.abspath(svg_dir)
+    while not os.path.exists(path):
+        made.append(path)
+        path = os.path.dirname(path)
     try:
         os.makedirs(svg_dir, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".kvdbg-probe-", dir=svg_dir)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        if not existed:
-            _remove_if_empty(svg_dir)
+        _remove_if_empty(made)
         raise OptionError(f"--svg {svg_dir}: cannot write the directory ({exc.strerror or exc})") from None
-    return not existed
+    return made
 
 
-def _remove_if_empty(directory: str) -> None:
-    try:
-        os.rmdir(directory)
-    except OSError:
-        pass
+def _remove_if_empty(made: list[str]) -> None:
+    """Remove the directories _svg_directory made, deepest first, while they are empty."""
+    for directory in made:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
 
 
 def _pictures(result, svg_dir: str, force: bool) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from kvdbg.cli.common import (AliasedOption, BadInput, HiddenArgument, backend_name, console, emit_json, force_option,
-                              guarded, json_option, output_option)
+from kvdbg.cli.common import (AliasedOption, BadInput, HiddenOutputArgument, backend_name, console, emit_json,
+                              force_option, guarded, json_option, output_option)
 from kvdbg.errors import KvdbgError, OptionError
 from kvdbg.format import ATTN_TYPES, LAYOUT_KV_PLANES, LAYOUT_VLLM
 from kvdbg.ranges import IntListParam
@@ -38,7 +38,7 @@ def _kvdbg_backend(ctx, param, value):
 
 
 @click.command()
-@click.argument("out", cls=HiddenArgument, required=False, type=click.Path(dir_okay=False))
+@click.argument("out", cls=HiddenOutputArgument, required=False, type=click.Path(dir_okay=False))
 @output_option("Where to write the snapshot (required).")
 @click.option("--seq-lens", type=IntListParam(), default="9,77,200,333", show_default=True,
               help="Comma-separated sequence length of each request at the first step (query included).")
