@@ -11,7 +11,7 @@ code  when
 ====  ==========================================================================
 2     any file is bad input (unreadable, not a snapshot, a backend named with
       --backend cannot run on it, --step out of its range), or files grouped
-      as the ranks of one step are not every rank of it or do not agree
+      as the ranks of one step do not agree or are not ranks of it
 1     otherwise, any file fails (its own exit code is 1), or kvdbg raised on it
       (a bug: the row names the exception; replay that file alone for the trace)
 3     otherwise, no file verified anything (every file's own exit code is 3)
@@ -22,9 +22,11 @@ code  when
 The tensor-parallel ranks of one captured step (kvdbg.ranks) are replayed
 file by file and shown as one row (:class:`StepRow`) whose verdict is the
 worst of theirs: the step fails if any rank's heads fail. A row that joins
-files which ``kvdbg merge`` would refuse (a rank missing, a rank beyond
-``tp_size``, head counts, batches or dtypes that differ: kvdbg.ranks.check_step)
-is bad input, its reason on one line: what was not replayed is never a pass.
+files which ``kvdbg merge`` would refuse (a rank beyond ``tp_size`` or given
+twice, head counts, batches or dtypes that differ: kvdbg.ranks.check_step) is
+bad input, its reason on one line. A row of some ranks of a step (a capture
+filtered to them) is judged on the heads it holds, and says how many of the
+step's ranks it holds.
 
 Nothing here imports torch at module level: the parent of a ``--jobs N`` run
 only schedules; each worker process imports torch once and replays its files.
@@ -104,11 +106,20 @@ class StepRow:
     """One row of the summary: one snapshot, or every tensor-parallel rank of one step (ordered by rank)."""
 
     files: list[FileResult]
-    problem: str | None = None  # why the files are not every rank of one step (the row is then bad input)
+    problem: str | None = None  # why the files are not ranks of one step (the row is then bad input)
 
     @property
     def tp_ranks(self) -> list[int]:
         return [f.rank.tp_rank for f in self.files if f.rank is not None]
+
+    @property
+    def tp_size(self) -> int | None:
+        return self.files[0].rank.tp_size if self.files[0].rank is not None else None
+
+    @property
+    def partial(self) -> bool:
+        """Some ranks of the step are not here (say, a capture filtered to them): the row judges their heads only."""
+        return self.tp_size is not None and len(self.tp_ranks) < self.tp_size
 
     @property
     def exit_code(self) -> int:
@@ -162,11 +173,16 @@ class StepRow:
         if len(self.files) == 1:
             return self.files[0].summary
         bad = [f for f in self.files if f.status == self.status]
-        return "; ".join(f"tp_rank {f.rank.tp_rank}: {f.summary}" for f in bad)
+        text = "; ".join(f"tp_rank {f.rank.tp_rank}: {f.summary}" for f in bad)
+        if self.partial:
+            text += (f"; {len(self.tp_ranks)} of the step's {self.tp_size} ranks are here: the others' heads were "
+                     "not replayed")
+        return text
 
     def to_json(self) -> dict[str, Any]:
         worst = self.worst
-        return {"files": [f.path for f in self.files], "tp_ranks": self.tp_ranks, "status": self.status,
+        return {"files": [f.path for f in self.files], "tp_ranks": self.tp_ranks, "tp_size": self.tp_size,
+                "status": self.status,
                 "exit_code": self.exit_code, "layer": self.layer, "steps": self.steps,
                 "worst": None if worst is None else asdict(worst), "error_findings": self.error_findings,
                 "summary": self.summary}
@@ -187,7 +203,8 @@ def _step_problem(group: list[FileResult]) -> str | None:
     if any(fact is None for fact in facts):
         return "what the rank files hold was not recorded with their rows, so whether they are one step is unknown"
     try:
-        check_step([os.path.basename(f.path) for f in group], [f.rank for f in group], facts)
+        # Some ranks only (a capture filtered to them) is not a refusal: the row says which ranks it judges.
+        check_step([os.path.basename(f.path) for f in group], [f.rank for f in group], facts, complete=False)
     except MergeError as exc:
         return _one_line(str(exc))
     return None
@@ -444,7 +461,7 @@ def batch_verdict(files: list[FileResult]) -> tuple[int, str]:
     if refused:
         shown = [os.path.basename(row.files[0].path) for row in refused[:4]]
         more = len(refused) - len(shown)
-        parts.insert(0, f"{len(refused)} step(s) whose rank files are not every rank of one step or do not agree "
+        parts.insert(0, f"{len(refused)} step(s) whose rank files do not agree or are not ranks of one step "
                         f"({', '.join(shown)}{f', … {more} more' if more else ''})")
     head = {0: "PASS", 1: "FAIL", 2: "BAD INPUT", 3: "NOTHING VERIFIED"}[code]
     return code, f"{head}: {len(files)} snapshot(s): " + "; ".join(parts)

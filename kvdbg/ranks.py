@@ -118,12 +118,15 @@ def group_by_step(items: Iterable[T], info: Callable[[T], RankInfo | None]) -> l
     return out
 
 
-def check_step(labels: Sequence[str], infos: Sequence[RankInfo], facts: Sequence[StepFacts]) -> None:
-    """MergeError naming the field unless the files are every rank of one step.
+def check_step(labels: Sequence[str], infos: Sequence[RankInfo], facts: Sequence[StepFacts], *,
+               complete: bool = True) -> None:
+    """MergeError naming the field unless the files are every rank of one step (with ``complete=False``:
+    some ranks of one step).
 
     The files must agree on the step (layer, step, engine, data-parallel rank,
     tp_size) and on every :class:`StepFacts` entry, compared with the first
-    file's; then their ``tp_rank`` values must be ``0 .. tp_size-1``, once each.
+    file's; then their ``tp_rank`` values must be ``0 .. tp_size-1``, once each
+    (at most once each, without ``complete``).
     """
     base = infos[0]
     for label, info in zip(labels[1:], infos[1:]):
@@ -148,11 +151,12 @@ def check_step(labels: Sequence[str], infos: Sequence[RankInfo], facts: Sequence
             if other.digests.get(name) != digest:
                 verb = "differ" if name == "page_ids" else "differs"
                 raise MergeError(f"{label}: {name} {verb} from the first file's: not the same step")
-    check_ranks(infos)
+    check_ranks(infos, complete=complete)
 
 
-def check_ranks(infos: Sequence[RankInfo]) -> None:
-    """MergeError unless the files' ``tp_rank`` values are ``0 .. tp_size-1`` (the first file's), once each."""
+def check_ranks(infos: Sequence[RankInfo], *, complete: bool = True) -> None:
+    """MergeError unless the files' ``tp_rank`` values are ``0 .. tp_size-1`` (the first file's), once each
+    (``complete=False``: some of them, at most once each)."""
     tp_size = infos[0].tp_size
     ranks = [info.tp_rank for info in infos]
     # The count first: no range of a claimed tp_size (10**9, say) is built before it matches the files given.
@@ -166,6 +170,8 @@ def check_ranks(infos: Sequence[RankInfo]) -> None:
         present = {r for r in counts if 0 <= r < tp_size}
         beyond = sorted(set(counts) - present)
         parts = [f"tp_rank {_listed(beyond, len(beyond))} not below capture.tp_size"] if beyond else []
+        if not complete and not parts:
+            return
         if tp_size > len(present):
             missing = (r for r in range(tp_size) if r not in present)  # lazy: only the first few are listed
             parts.append(f"tp_rank {_listed(missing, tp_size - len(present))} missing")

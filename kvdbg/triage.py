@@ -183,12 +183,12 @@ class Triage:
         return {"headline": self.headline(), "total": self.total, "passed": self.passed, "groups": out}
 
 
-NOT_ONE_STEP = "not every rank of one step, or the ranks disagree: "
+NOT_ONE_STEP = "rank files that disagree or are not ranks of one step: "
 
 
 def triage(rows: Iterable[Row], options: dict[str, Any]) -> Triage:
     rows = list(rows)
-    # The rank files of one step that are not every rank of it, or disagree, are bad input whatever each
+    # The rank files of one step that disagree, or are not ranks of it, are bad input whatever each
     # file's own verdict (as `kvdbg replay DIR` shows them: kvdbg.batch.step_rows).
     refused = {id(f): step.problem for step in step_rows([row.result for row in rows]) if step.problem is not None
                for f in step.files}

@@ -42,8 +42,6 @@ def _rank_seven():
 
 
 @pytest.mark.parametrize("make, says", [
-    (_two_of_four, "capture.tp_rank: the files are not every rank of one step (tp_rank 2, 3 missing; "
-                   "capture.tp_size is 4)"),
     (_other_heads, "rank1-0001.safetensors: layer.head_size is 32 but the first file's is 16: not the same step"),
     (_other_batch, "rank1-0001.safetensors: seq_lens differs from the first file's: not the same step"),
     (_rank_seven, "capture.tp_rank: the files are not every rank of one step (tp_rank 7 not below "
@@ -59,8 +57,8 @@ def test_a_group_merge_refuses_is_one_bad_input_row(tmp_path, make, says):
     assert "step_facts" not in data["files"][0]
     [row] = data["rows"]
     assert (row["status"], row["exit_code"]) == (STATUS_BAD_INPUT, 2) and row["summary"].endswith(says), row
-    assert data["verdict"]["summary"].startswith("BAD INPUT: 2 snapshot(s): 1 step(s) whose rank files are not "
-                                                 "every rank of one step or do not agree (")
+    assert data["verdict"]["summary"].startswith("BAD INPUT: 2 snapshot(s): 1 step(s) whose rank files do not "
+                                                 "agree or are not ranks of one step (")
     table = CliRunner().invoke(cli, ["replay", str(tmp_path / "d"), "--backend", "reference"], env={"COLUMNS": "200"})
     assert table.exit_code == 2 and "BAD INPUT" in table.output and "PASS" not in table.output.split("By cause")[0]
 
@@ -84,7 +82,7 @@ def test_rank_rows_without_recorded_facts_do_not_pass():
 
 def test_a_results_file_keeps_what_the_ranks_are_checked_with(tmp_path):
     """triage (and --resume) read the rows back: a refused step stays bad input, with merge as its example."""
-    write_shards(tmp_path / "d", _two_of_four())
+    write_shards(tmp_path / "d", _rank_seven())
     results = tmp_path / "r.jsonl"
     res = CliRunner().invoke(cli, ["replay", str(tmp_path / "d"), "--backend", "reference", "--results",
                                    str(results)])
@@ -93,7 +91,8 @@ def test_a_results_file_keeps_what_the_ranks_are_checked_with(tmp_path):
     assert res.exit_code == 2, res.output
     data = json.loads(res.output)
     [group] = data["groups"]
-    assert group["kind"] == "bad input" and group["key"].startswith("bad input: not every rank of one step")
+    assert group["kind"] == "bad input" and group["key"].startswith(
+        "bad input: rank files that disagree or are not ranks of one step")
     assert group["example"]["command"].startswith("kvdbg merge ") and group["example"]["command"].endswith(
         "-o merged.safetensors")
     assert data["verdict"]["exit_code"] == 2
@@ -103,3 +102,20 @@ def test_a_results_file_keeps_what_the_ranks_are_checked_with(tmp_path):
     assert CliRunner().invoke(cli, ["replay", str(tmp_path / "e"), "--backend", "reference", "--results",
                                     str(results)]).exit_code == 0
     assert CliRunner().invoke(cli, ["triage", str(results)]).exit_code == 0
+
+
+def test_some_ranks_of_a_step_are_judged_on_their_heads_and_say_so(tmp_path):
+    """A capture filtered to some ranks (KVDBG_CAPTURE_RANKS=0-1 on four) is not bad input: the row holds the
+    heads it has, names how many of the step's ranks are here, and a real failure elsewhere still shows."""
+    write_shards(tmp_path / "d", _two_of_four())
+    res = CliRunner().invoke(cli, ["replay", str(tmp_path / "d"), "--backend", "reference", "--json"])
+    assert res.exit_code == 0, res.output
+    [row] = json.loads(res.output)["rows"]
+    assert (row["status"], row["tp_ranks"], row["tp_size"]) == (STATUS_PASS, [0, 1], 4)
+    assert row["summary"].endswith("2 of the step's 4 ranks are here: the others' heads were not replayed")
+    table = CliRunner().invoke(cli, ["replay", str(tmp_path / "d"), "--backend", "reference"], env={"COLUMNS": "120"})
+    assert "0,1 of 4" in table.output
+    # merge still wants every rank
+    res = CliRunner().invoke(cli, ["merge", *sorted(str(p) for p in (tmp_path / "d").iterdir()), "-o",
+                                   str(tmp_path / "m.safetensors")])
+    assert res.exit_code == 2 and "tp_rank 2, 3 missing" in res.output

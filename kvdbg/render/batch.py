@@ -104,7 +104,7 @@ def render_batch(result: BatchResult) -> Group:
     table = FitTable(columns, title=title, caption=caption)
     for name, row in zip(names, rows):
         label, style = STATUS_TEXT[row.status]
-        ranks = [_ranks(row.tp_ranks)] if grouped else []
+        ranks = [_ranks(row.tp_ranks) + (f" of {row.tp_size}" if row.partial else "")] if grouped else []
         if row.status in (STATUS_BAD_INPUT, STATUS_CRASHED):
             table.add_row(name, short_layer(row.layer), "-", *ranks, Text(label, style=style),
                           Text(_why(row), style="red"), "-")
