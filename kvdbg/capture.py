@@ -662,8 +662,9 @@ class Capturer:
                             "for the disk (%s)", os.getpid(), self.queue_budget() // 1024**2, self._queue_budget_why)
             self._queued_bytes += nbytes
             self._in_flight += 1
-        # The directory is taken now: a later change of it applies to later steps only.
-        self._queue.put((pending, self.config.directory, where, nbytes, on_written))
+            # The directory is taken now: a later change of it applies to later steps only. Queued under the
+            # lock, so that the steps close() gives up are the first the writer takes after it, in order.
+            self._queue.put((pending, self.config.directory, where, nbytes, on_written))
         return True
 
     def _write_loop(self) -> None:
