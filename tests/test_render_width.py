@@ -25,7 +25,7 @@ FIXTURE_FILES = sorted(p.name for p in FIXTURES.glob("*.safetensors"))
 # A digit or a decimal point right before an ellipsis: a number rich cut to fit.
 CUT_NUMBER = re.compile(r"[0-9.]…")
 # rich's default box: the character a table's line starts with, and the one it must end with.
-BOX_CLOSES = {"┏": "┓", "┃": "┃", "┡": "┩", "│": "│", "└": "┘", "┣": "┫", "├": "┤"}
+BOX_CLOSES = {"┏": "┓", "┃": "┃", "┡": "┩", "│": "│", "└": "┘", "┌": "┐", "┣": "┫", "├": "┤"}
 
 
 def assert_uncut(text: str, width: int) -> None:

@@ -133,17 +133,14 @@ class _ChecksNeverBack:
 
 def test_closing_with_checks_still_out_keeps_to_its_one_time_limit(sentinel_env, caplog):
     """vLLM kills a worker past its shutdown grace: the checks still out share the sentinel's time, not one each."""
-    import time
-
     monkeypatch, _ = sentinel_env
     vllm_plugin.register()
     StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=1, query_len=1).step()
     hooks = _hooks()
     hooks._deferred = never = _ChecksNeverBack()
     hooks._waiting = {f"model.layers.{i}.self_attn.attn": None for i in range(5)}
-    started = time.monotonic()
     with caplog.at_level(logging.INFO, logger="kvdbg"):
         hooks.close(vllm_plugin._state, 0.6)
-    assert sum(never.timeouts) <= 0.6 + 1e-6 and time.monotonic() - started < 2.5
+    assert sum(never.timeouts) <= 0.6 + 1e-6  # one deadline for all five (before: 0.6 s each, 3 s in all)
     assert hooks.sentinel.counts["errors"] == 5  # each check not back is counted, and the line is still said
     assert any("kvdbg sentinel in pid" in r.getMessage() for r in caplog.records)
