@@ -126,7 +126,14 @@ def test_complete_adds_the_output_or_names_what_is_wrong():
     with pytest.raises(CaptureInputError, match=r"output has shape \[2, 4, 16\], expected \[>= 3"):
         complete_capture(pending, engine.output[:2])
     flat = engine.output.reshape(engine.output.shape[0], -1)  # [tokens, Hq*D], as vLLM's buffer is
+    with pytest.raises(CaptureInputError, match=r"output has shape \[\d+, 63\], expected \[>= 3, 4, 16\]"):
+        complete_capture(pending, flat[:, :63])
     snapshot = complete_capture(pending, flat)
+    assert snapshot.steps[0].output.shape == (pending.num_tokens, 4, 16)
+    assert same_bytes(snapshot.steps[0].output, engine.output[: pending.num_tokens])
+    # A runner's padded buffer: the rows past the step's tokens are not kept.
+    padded = torch.cat([flat, torch.full_like(flat[:2], float("nan"))])
+    snapshot = complete_capture(prepare_capture(*engine.args()), padded)
     assert same_bytes(snapshot.steps[0].output, engine.output[: pending.num_tokens])
 
 
