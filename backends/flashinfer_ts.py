@@ -1085,5 +1085,6 @@ BACKEND = BackendSpec(
     summary="FlashInfer prims_ts paged decode (uniform query blocks, dense or causal, page-restricted windows)",
     capabilities=CAPABILITIES,
     environment_reason=_plan_reason,
+    kernel_refusals=lambda meta: _plan_violations(meta, installed_api()),
     create=create,
 )

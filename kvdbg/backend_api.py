@@ -195,6 +195,10 @@ class BackendSpec:
     # A column that runs whichever backend the snapshot names (vLLM's own code) takes its engine name from
     # the snapshot; None: always ``engine_name``.
     engine_name_of: Callable[["SnapshotMeta"], str] | None = None
+    # The real kernel's own refusal of ``meta``, as findings (FlashInfer's plan() preconditions): when the
+    # backend is unavailable for that reason, the replay reports them, so that a snapshot of this backend
+    # whose kernel would refuse it never passes. [] where the kernel takes it, or nothing says.
+    kernel_refusals: Callable[["SnapshotMeta"], list["Finding"]] = lambda meta: []
 
     def engine_name_for(self, meta: "SnapshotMeta") -> str:
         """The engine backend this column runs for ``meta`` (what verdict.counted_backends matches)."""

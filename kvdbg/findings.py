@@ -186,8 +186,10 @@ def _precondition(name: str, title: str, rule: str, source: str, fires: str, act
     """A prims_ts BatchDecodePagedTSWrapper precondition: an error wherever kvdbg finds it broken."""
     if source.startswith("plan"):
         means = (f"The layer breaks a precondition of FlashInfer's prims_ts decode kernel ({rule}): "
-                 f"flashinfer-python's {source} refuses the plan, so FLASHINFER_TS cannot run this layer and "
-                 "kvdbg reports it unavailable (`kvdbg window` checks the rules it can see).")
+                 f"flashinfer-python's {source} refuses the plan, so FLASHINFER_TS cannot run this layer. "
+                 "kvdbg's flashinfer_ts column is unavailable, and this finding is its error: a snapshot "
+                 "captured from FLASHINFER_TS fails, whatever its output (`kvdbg window` checks the rules it "
+                 "can see).")
     else:
         means = (f"The batch breaks a precondition of FlashInfer's prims_ts decode kernel ({rule}). {_PRIMS_TS} "
                  f"the real kernel's output is undefined (flashinfer-python's {source} refuses the input when "

@@ -62,6 +62,9 @@ class BackendStatus:
     available: bool
     reason: str | None = None
     info: RunInfo | None = None
+    # An unavailable backend whose real kernel refuses the snapshot: that refusal, as findings (judged as
+    # any other finding of this backend: they fail a replay of a snapshot captured from it).
+    findings: list[Finding] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "engine_name": self.engine_name, "available": self.available,
@@ -86,7 +89,8 @@ class ReplayResult:
 
     @property
     def findings(self) -> list[Finding]:
-        return [f for s in self.steps for f in s.findings] + \
+        return [f for st in self.backends for f in st.findings] + \
+            [f for s in self.steps for f in s.findings] + \
             [f for s in self.steps for run in s.runs.values() for f in run.findings]
 
     def judge(self, *, atol: float | None = None, rtol: float | None = None, requests: list[int] | None = None,
@@ -272,7 +276,8 @@ def load_backends(names: Iterable[str], meta: "SnapshotMeta", options: ReplayOpt
                 instances[name], specs[name] = inst, spec
                 statuses.append(BackendStatus(name, spec.engine_name_for(meta), True, None, inst.describe()))
                 continue
-        statuses.append(BackendStatus(name, spec.engine_name_for(meta), False, reason))
+        statuses.append(BackendStatus(name, spec.engine_name_for(meta), False, reason,
+                                      findings=list(spec.kernel_refusals(meta))))
     for st in statuses:
         # Without the reference nothing can be judged: a layer feature it cannot model is refused, never ignored.
         if not st.available and (st.name in required or st.name == "reference"):

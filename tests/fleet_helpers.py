@@ -16,7 +16,7 @@ from kvdbg.batch import replay_file
 
 # The causes planted by mixed_directory, by the kind of group kvdbg.triage must put them in.
 CAUSES = ("flex_null_page", "wrong_capture", "poisoned_page", "corrupt", "pass")
-SMALL = dict(seq_lens=(40, 70), num_heads=8, num_kv_heads=2, head_size=32)
+SMALL = dict(seq_lens=(40, 70), num_heads=8, num_kv_heads=2, head_size=64)  # a head size prims_ts plans
 
 
 def _snapshot(spec, *, rank: int | None = None, step: int | None = None):

@@ -154,7 +154,9 @@ def test_groups_match_the_causes_built_in(mixed, mixed_run):
     assert flex["kind"] == "fail" and "error finding live_page_zero" in flex["parts"]
     assert "flex vs reference: all 8 heads, outside tolerance" in flex["parts"]
     capture = found[expected["wrong_capture"]]
-    assert capture["parts"] == ["captured vs reference: all 8 heads, outside tolerance"]
+    # The engine's output is off: the reference and the emulated FLASHINFER_TS (its own backend) both say so.
+    assert sorted(capture["parts"]) == ["captured vs reference: all 8 heads, outside tolerance",
+                                        "flashinfer_ts vs captured: all 8 heads, outside tolerance"]
     poisoned = found[expected["poisoned_page"]]
     assert "error finding nonfinite_kv" in poisoned["parts"] and "NaN/Inf expected" in poisoned["key"]
     corrupt = found[expected["corrupt"]]

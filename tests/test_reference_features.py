@@ -289,8 +289,9 @@ def _with_engine_output(snap: Snapshot, output: torch.Tensor) -> Snapshot:
 @pytest.mark.parametrize("features", [dict(sinks="auto"), dict(alibi_slopes="auto"), dict(logits_soft_cap=2.0)],
                          ids=["sinks", "alibi", "soft_cap"])
 def test_a_captured_feature_replays_against_the_reference(features, tmp_path):
+    # Captured from TRITON_ATTN, which takes these features (and head size 16, which prims_ts would refuse).
     spec = SynthSpec(seq_lens=(9, 60, 41), query_len=2, num_heads=4, num_kv_heads=2, head_size=16,
-                     dtype="bfloat16", new_kv=False, **features)
+                     dtype="bfloat16", new_kv=False, backend="TRITON_ATTN", **features)
     right = synth_snapshot(spec)
     save_snapshot(_with_engine_output(right, naive_attention(right)), tmp_path / "right.safetensors")
     result = CliRunner().invoke(cli, ["replay", str(tmp_path / "right.safetensors"), "--json"])

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from kvdbg.cli import cli, main
 from kvdbg.fixtures_path import fixture_path
+from kvdbg.format import LAYOUT_KV_PLANES
 from kvdbg.snapshot import load_snapshot, save_snapshot
 from kvdbg.synth import SynthSpec, synth_snapshot
 from kvdbg.verdict import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_NOTHING_VERIFIED, EXIT_OK
@@ -80,8 +81,9 @@ def test_nan_in_pages_before_the_window_is_read_by_no_correct_backend(tmp_path):
 
 
 def test_soft_capped_layer_is_verified_against_the_captured_output(tmp_path):
+    # Captured from TRITON_ATTN, which takes float32 and a soft cap (prims_ts would refuse float32).
     spec = SynthSpec(seq_lens=(40, 200), query_len=2, dtype="float32", extra_layer={"logits_soft_cap": 2.0},
-                     engine_output="reference")
+                     engine_output="reference", backend="TRITON_ATTN")
     path = str(save_snapshot(synth_snapshot(spec), tmp_path / "capped.safetensors"))
     code, data = replay(path)
     assert code == EXIT_OK, data["verdict"]
@@ -205,9 +207,11 @@ def test_head_dim_the_kernel_rejects_is_never_an_emulated_pass(tmp_path):
     status = {b["name"]: b for b in data["backends"]}["flashinfer_ts"]
     assert not status["available"] and "head_dim 7" in status["reason"]
     assert not any(c["actual"] == "flashinfer_ts" for c in data["comparisons"])
-    # The snapshot's own backend is FLASHINFER_TS, which refuses the layer: flex (a what-if here) passes,
-    # but nothing about FLASHINFER_TS was verified -- never exit 0. Named, flex is judged.
-    assert code == EXIT_NOTHING_VERIFIED and "what-if column(s) flex pass too" in data["verdict"]["summary"]
+    # The snapshot's own backend is FLASHINFER_TS, whose kernel refuses the layer: its error finding fails the
+    # replay, whatever flex (a what-if here) does -- never exit 0. Named, flex is judged.
+    assert code == EXIT_FINDING and "what-if column(s) flex pass too" in data["verdict"]["summary"]
+    assert [(f["code"], f["backend"]) for f in data["findings"] if f["severity"] == "error"] == [
+        ("head_dim_unsupported", "flashinfer_ts")]
     code, data = replay(path, "--backend", "flex")
     assert code == EXIT_OK
     res = CliRunner().invoke(cli, ["replay", path, "--backend", "flashinfer_ts"])
@@ -275,3 +279,27 @@ def test_a_what_if_column_that_fails_is_named_but_does_not_set_the_exit_code(tmp
     assert {"seq_len_over_max_kv_len", "table_too_narrow"} <= {f["code"] for f in data["findings"]}
     code, data = replay(path, "--backend", "flashinfer_ts")  # named, it is judged
     assert code == EXIT_FINDING
+
+
+@pytest.mark.parametrize("refused", [dict(page_size=256), dict(head_size=96)], ids=["page size", "head size"])
+def test_a_snapshot_its_own_kernel_refuses_never_passes(tmp_path, refused):
+    """A FLASHINFER_TS capture whose layer prims_ts plan() refuses: the engine's output may agree with the
+    reference, but the real kernel would not have run it. The refusal is the snapshot's own backend's error
+    finding (as `kvdbg window` says), in replay and report alike."""
+    code_name = "page_size_unsupported" if "page_size" in refused else "head_dim_unsupported"
+    spec = SynthSpec(seq_lens=(9, 77, 300), engine_output="reference", backend="FLASHINFER_TS", **refused)
+    path = str(save_snapshot(synth_snapshot(spec), tmp_path / "refused.safetensors"))
+    code, data = replay(path)
+    assert code == EXIT_FINDING, data["verdict"]
+    assert comparisons(data)[("captured", "reference")]["passed"] is True
+    found = [f for f in data["findings"] if f["code"] == code_name]
+    assert [(f["backend"], f["severity"]) for f in found] == [("flashinfer_ts", "error")]
+    status = {b["name"]: b for b in data["backends"]}["flashinfer_ts"]
+    assert not status["available"] and "plan() rejects" in status["reason"]
+    res = CliRunner().invoke(cli, ["report", path, "-o", str(tmp_path / "r.md")])
+    assert res.exit_code == EXIT_FINDING and code_name in (tmp_path / "r.md").read_text()
+    # Captured from FLEX_ATTENTION, the same layer is fine: FLASHINFER_TS's refusal is a what-if.
+    flex = str(save_snapshot(synth_snapshot(dataclasses.replace(spec, backend="FLEX_ATTENTION", layout=LAYOUT_KV_PLANES)),
+                             tmp_path / "flex.safetensors"))
+    code, data = replay(flex)
+    assert code == EXIT_OK and data["verdict"]["what_if_failures"] == ["flashinfer_ts"], data["verdict"]
