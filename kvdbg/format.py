@@ -50,6 +50,23 @@ LAYOUT_KV_PLANES = "2,pages,tokens,heads,dim"
 LAYOUTS = (LAYOUT_VLLM, LAYOUT_KV_PLANES)
 
 MODEL_DTYPES = ("float16", "bfloat16", "float32")
+
+# A backend name as vLLM spells it: an enum member's name (FLASHINFER_TS, FLEX_ATTENTION, CPU_ATTN, ...).
+# A snapshot's backend.name is read in that spelling (see canonical_backend_name), so that every
+# comparison with an engine name (which column is the snapshot's own, and so counted) holds whatever
+# case a writer used; "flex", kvdbg's name for FLEX_ATTENTION, is that backend too.
+_BACKEND_NAME_ALIASES = {"FLEX": "FLEX_ATTENTION"}
+
+
+def canonical_backend_name(name: str) -> str:
+    """vLLM's spelling of an engine backend name: upper case, ``_`` for ``-``, ``flex`` as FLEX_ATTENTION.
+
+    A name that is not a plain identifier (letters, digits, ``_`` and ``-``) is kept as written.
+    """
+    key = name.strip().replace("-", "_").upper()
+    if not key or not key.replace("_", "").isalnum() or not key.isascii():
+        return name
+    return _BACKEND_NAME_ALIASES.get(key, key)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 # safetensors dtype tag -> (bytes per element, kvdbg/torch name)
@@ -304,7 +321,7 @@ def parse_meta(raw: str) -> SnapshotMeta:
         )
     _check_layer_features(layer)
     backend = BackendMeta(
-        name=_get(bo, "backend", "name", "str"),
+        name=canonical_backend_name(_get(bo, "backend", "name", "str")),
         page_size=_get(bo, "backend", "page_size", "pos_int"),
         max_model_len=_get(bo, "backend", "max_model_len", "pos_int"),
         num_gpu_blocks=_get(bo, "backend", "num_gpu_blocks", "pos_int"),

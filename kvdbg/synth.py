@@ -11,7 +11,7 @@ from kvdbg._version import __version__
 from kvdbg.cache import join_kv, quantize_fp8
 from kvdbg.errors import OptionError
 from kvdbg.format import (ATTN_TYPES, CROSS_ATTN_TYPE, ENCODER_SELF_ATTN_TYPES, LAYOUT_KV_PLANES, LAYOUT_VLLM,
-                          LAYOUTS, MODEL_DTYPES, BackendMeta, LayerMeta, SnapshotMeta)
+                          LAYOUTS, MODEL_DTYPES, BackendMeta, LayerMeta, SnapshotMeta, canonical_backend_name)
 from kvdbg.snapshot import Snapshot, Step, torch_dtype, validate
 
 @dataclass(frozen=True)
@@ -356,7 +356,8 @@ def synth_snapshot(spec: SynthSpec) -> Snapshot:
         v_scale=spec.v_scale,
         **{**_feature_fields(spec), **spec.extra_layer},
     )
-    backend_name = spec.backend or ("FLASHINFER_TS" if spec.layout == LAYOUT_VLLM else "FLEX_ATTENTION")
+    backend_name = canonical_backend_name(spec.backend) if spec.backend else \
+        ("FLASHINFER_TS" if spec.layout == LAYOUT_VLLM else "FLEX_ATTENTION")
     max_model_len = spec.max_model_len
     if max_model_len is None:
         max_model_len = max(32768, 1 << (max(final_lens) - 1).bit_length())

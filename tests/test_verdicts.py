@@ -303,3 +303,30 @@ def test_a_snapshot_its_own_kernel_refuses_never_passes(tmp_path, refused):
                              tmp_path / "flex.safetensors"))
     code, data = replay(flex)
     assert code == EXIT_OK and data["verdict"]["what_if_failures"] == ["flashinfer_ts"], data["verdict"]
+
+
+@pytest.mark.parametrize("written", ["flex", "Flex_Attention", "flex-attention"])
+def test_the_snapshots_backend_is_its_own_in_any_spelling(tmp_path, written):
+    """vLLM spells FLEX_ATTENTION so; a file that names it otherwise is read as that backend, so its column is
+    judged as the engine's and a failure there is not turned into a what-if."""
+    spec = SynthSpec(seq_lens=(40, 70), use_page_zero=True, page_zero_request=1, engine_output="reference",
+                     backend="FLEX_ATTENTION", layout=LAYOUT_KV_PLANES)
+    snap = synth_snapshot(spec)
+    snap = dataclasses.replace(snap, meta=dataclasses.replace(
+        snap.meta, backend=dataclasses.replace(snap.meta.backend, name=written)))
+    path = str(save_snapshot(snap, tmp_path / "spelled.safetensors"))
+    assert load_snapshot(path).meta.backend.name == "FLEX_ATTENTION"
+    code, data = replay(path)
+    assert code == EXIT_FINDING and "flex" not in data["verdict"]["what_if_failures"], data["verdict"]
+    assert "live_page_zero" in data["verdict"]["summary"]
+
+
+def test_backend_names_are_read_in_vllms_spelling():
+    from kvdbg.format import canonical_backend_name
+
+    assert canonical_backend_name("cpu_attn") == "CPU_ATTN"
+    assert canonical_backend_name(" flashinfer-ts ") == "FLASHINFER_TS"
+    assert canonical_backend_name("FLASHINFER") == "FLASHINFER"  # vLLM's other FlashInfer backend, not prims_ts
+    assert canonical_backend_name("flex") == "FLEX_ATTENTION"
+    for kept in ("my backend", "ünïcode", ""):
+        assert canonical_backend_name(kept) == kept
