@@ -482,13 +482,48 @@ def run_replay(snapshot: "Snapshot", setup: ReplaySetup, *, progress: Callable[[
         results.append(StepReplay(step=step, common=common, runs=runs,
                                   captured_output=None if captured is None else captured.to(device),
                                   findings=found))
-    for st in statuses:  # report what the backends say after running (e.g. compiled or not)
-        if st.available and results:
-            last_run = results[-1].runs.get(st.name)
-            if last_run is not None and last_run.info is not None:
-                st.info = last_run.info
+    for st in statuses:  # report what the backends say after running (e.g. compiled or not), on every step
+        if st.available:
+            ran = [(s.step, s.runs[st.name].info) for s in results
+                   if st.name in s.runs and s.runs[st.name].info is not None]
+            if ran:
+                st.info = steps_run_info(ran)
     return ReplayResult(path=snapshot.path, meta=snapshot.meta, options=options, backends=statuses, steps=results,
                         named=setup.named)
+
+
+def steps_run_info(ran: list[tuple[int, RunInfo]]) -> RunInfo:
+    """One backend's RunInfo over the steps it ran (``(step, info)`` in order): the steps' own where they agree.
+
+    A backend may choose its kernel per step (an emulation by batch size, flex compiled or eager by size):
+    then the kernel names each one with its steps, ``emulated`` holds when any step was emulated and
+    ``compiled`` only when every step was compiled, and a note that not every step has says which steps.
+    """
+    infos = [info for _, info in ran]
+    last = infos[-1]
+    if all(info == last for info in infos):
+        return last
+    by_kernel: dict[str, list[int]] = {}
+    for step, info in ran:
+        by_kernel.setdefault(info.kernel, []).append(step)
+    kernel = last.kernel if len(by_kernel) == 1 else "; ".join(
+        f"{name} ({_steps_text(steps)})" for name, steps in by_kernel.items())
+    by_note: dict[str, list[int]] = {}
+    for step, info in ran:
+        for note in info.notes:
+            by_note.setdefault(note, []).append(step)
+    notes = [note if len(steps) == len(ran) else f"{_steps_text(steps)}: {note}" for note, steps in by_note.items()]
+
+    def joined(values: list[str]) -> str:
+        return "/".join(dict.fromkeys(values))
+
+    return replace(last, kernel=kernel, device=joined([i.device for i in infos]),
+                   dtype=joined([i.dtype for i in infos]), emulated=any(i.emulated for i in infos),
+                   compiled=all(i.compiled for i in infos), notes=notes)
+
+
+def _steps_text(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
 
 
 def save_outputs(result: ReplayResult, path: str, *, overwrite: bool = False) -> str:
@@ -525,5 +560,6 @@ __all__ = [
     "save_outputs",
     "BackendRun", "BackendStatus", "ReplayContext", "ReplayReport", "ReplayResult", "ReplaySetup", "StepReplay",
     "backend_key", "common_metadata", "input_findings", "load_backends", "prepare_replay", "replay",
+    "steps_run_info",
     "resolve_device", "run_backend", "run_replay",
 ]

@@ -173,3 +173,23 @@ def test_outputs_file_keeps_its_metadata_key(tmp_path):
     with safe_open(str(out), framework="pt") as f:
         meta = json.loads(f.metadata()["kvdbg.replay"])
     assert "kernels" in meta and "steps" in meta
+
+
+def test_a_backend_that_chose_its_kernel_per_step_says_so_for_each():
+    from kvdbg.backend_api import RunInfo
+    from kvdbg.runner import steps_run_info
+
+    triton = RunInfo("flashinfer_ts", "prims_ts contract, emulated in Triton", "cuda", "bfloat16", emulated=True,
+                     notes=["one note every step has"])
+    loop = RunInfo("flashinfer_ts", "prims_ts contract, emulated in torch", "cuda", "bfloat16", emulated=True,
+                   notes=["one note every step has", "torch loop chosen by size (2 requests)"])
+    assert steps_run_info([(0, triton), (1, triton)]) == triton
+    merged = steps_run_info([(0, triton), (1, loop), (2, loop)])
+    assert merged.kernel == ("prims_ts contract, emulated in Triton (step 0); "
+                             "prims_ts contract, emulated in torch (steps 1, 2)")
+    assert merged.notes == ["one note every step has", "steps 1, 2: torch loop chosen by size (2 requests)"]
+    compiled = RunInfo("flex", "flex_attention (compiled)", "cuda", "bfloat16", compiled=True)
+    eager = RunInfo("flex", "flex_attention (eager)", "cuda", "bfloat16")
+    mixed = steps_run_info([(0, compiled), (1, eager)])
+    assert not mixed.compiled and not mixed.emulated  # compiled only when every step was
+    assert steps_run_info([(0, compiled), (1, compiled)]).compiled
