@@ -87,6 +87,7 @@ class FileResult:
     steps: list[int] = field(default_factory=list)
     worst: Worst | None = None
     error_findings: list[str] = field(default_factory=list)  # distinct codes of counted error findings
+    error_finding_count: int = 0  # counted error findings (the file's verdict's error_findings)
     summary: str = ""  # the file's verdict line, or the one-line reason it was not replayed
     comparisons: list[dict[str, Any]] = field(default_factory=list)  # one summary per comparison
     seconds: float = 0.0
@@ -226,7 +227,11 @@ class BatchResult:
         from kvdbg.verdict import simple_verdict
 
         status = {0: "pass", 3: "unverified"}.get(self.exit_code, "fail")
-        return simple_verdict(status, self.exit_code, self.summary)
+        # The files' own counts, summed (each file's verdict's).
+        counted = [c for f in self.files for c in f.comparisons if c.get("counted")]
+        return simple_verdict(status, self.exit_code, self.summary, comparisons=len(counted),
+                              failed_comparisons=sum(not c.get("passed") for c in counted),
+                              error_findings=sum(f.error_finding_count for f in self.files))
 
     @property
     def counts(self) -> dict[str, int]:
@@ -329,7 +334,7 @@ def _replay_file(path: str, options: BatchOptions) -> FileResult:
         path=path, status=verdict.status, exit_code=verdict.exit_code, layer=snap.meta.layer.name,
         steps=[s.step for s in result.steps], worst=worst_comparison(comparisons, counted),
         error_findings=sorted({f.code for f in findings if f.severity == "error" and f.backend in counted}),
-        summary=verdict.summary,
+        error_finding_count=verdict.error_findings, summary=verdict.summary,
         comparisons=[_comparison_record(c, c.actual in counted) for c in comparisons if c.heads],
         rank=rank if rank.is_shard else None, step_facts=facts)
 

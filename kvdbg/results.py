@@ -152,6 +152,7 @@ def row_record(row: Row, signature: dict[str, Any] | None) -> dict[str, Any]:
         "verdict": r.summary,
         "worst": asdict(r.worst) if r.worst is not None else None,
         "error_findings": list(r.error_findings),
+        "error_finding_count": r.error_finding_count,
         "signature": signature,
         "seconds": r.seconds,
         "steps": list(r.steps),
@@ -198,6 +199,9 @@ def row_from_record(record: dict[str, Any], where: str) -> Row:
         path=get(record, "path", "str"), status=status, exit_code=exit_code, layer=get(record, "layer", "str?"),
         steps=get(record, "steps", "[count]?") or [], worst=worst,
         error_findings=get(record, "error_findings", "[str]?") or [], summary=get(record, "verdict", "str?") or "",
+        # Results written before the count was kept: each file's distinct codes, a lower bound.
+        error_finding_count=get(record, "error_finding_count", "count?") or len(get(record, "error_findings",
+                                                                                    "[str]?") or []),
         comparisons=comparisons, seconds=float(get(record, "seconds", "number?") or 0.0),
         rank=rank if rank is not None and rank.is_shard else None, step_facts=facts)
     files = get(record, "files", "[object]")

@@ -124,9 +124,11 @@ def replay_verdict(comparisons: Iterable, findings: Iterable, counted: Iterable[
                    f"PASS: {len(compared)} comparison(s) agree within tolerance, no error finding{aside}", what_if)
 
 
-def simple_verdict(status: str, exit_code: int, summary: str) -> Verdict:
-    """A command's closing verdict when it is not a replay: status pass/fail/unverified and one line."""
-    return Verdict(status, exit_code, 0, 0, int(status == "fail"), summary)
+def simple_verdict(status: str, exit_code: int, summary: str, *, comparisons: int = 0, failed_comparisons: int = 0,
+                   error_findings: int = 0) -> Verdict:
+    """A command's closing verdict when it is not one replay: status pass/fail/unverified, one line, and the
+    counts the command really has (0 where it makes no comparison or finding of that kind)."""
+    return Verdict(status, exit_code, comparisons, failed_comparisons, error_findings, summary)
 
 
 def map_verdict(maps: Iterable) -> Verdict:
@@ -142,7 +144,7 @@ def map_verdict(maps: Iterable) -> Verdict:
         codes = ", ".join(sorted({a.code for a in errors}))
         return simple_verdict("fail", EXIT_FINDING,
                               f"FAIL: {len(errors)} harmful paging anomal{'y' if len(errors) == 1 else 'ies'} "
-                              f"({codes}) in {where}")
+                              f"({codes}) in {where}", error_findings=len(errors))
     tail = f"; {others} note(s) or warning(s)" if others else ""
     return simple_verdict("pass", EXIT_OK, f"PASS: no harmful paging anomaly in {where}{tail}")
 

@@ -55,6 +55,15 @@ def test_directory_gives_one_sorted_row_per_snapshot_and_exit_1(capture_dir):
     assert table.rstrip().splitlines()[-1].startswith("FAIL: 3 snapshot(s): 1 fail (a_null_page.safetensors); 2 pass")
 
 
+def test_the_closing_counts_are_the_files_own_summed(capture_dir):
+    batch = json.loads(invoke(str(capture_dir), "--backend", "flex", "--json").output)
+    singles = [json.loads(invoke(f["path"], "--backend", "flex", "--json").output)["verdict"] for f in batch["files"]]
+    verdict = batch["verdict"]
+    assert verdict["comparisons"] == sum(v["comparisons"] for v in singles) > 0
+    assert verdict["failed_comparisons"] == sum(v["failed_comparisons"] for v in singles) > 0
+    assert verdict["error_findings"] == sum(v["error_findings"] for v in singles) == 1  # live_page_zero, once
+
+
 def test_each_row_matches_the_single_file_replay(capture_dir):
     """A row's verdict is exactly `kvdbg replay FILE`'s, and the single-file output is today's full output."""
     batch = json.loads(invoke(str(capture_dir), "--backend", "flex", "--json").output)

@@ -166,7 +166,8 @@ def window_verdict(analysis):
 
     if analysis.findings:
         codes = ", ".join(sorted({f.code for f in analysis.findings}))
-        return simple_verdict("fail", EXIT_FINDING, f"FAIL: {len(analysis.findings)} finding(s) ({codes})")
+        return simple_verdict("fail", EXIT_FINDING, f"FAIL: {len(analysis.findings)} finding(s) ({codes})",
+                              error_findings=sum(f.severity == "error" for f in analysis.findings))
     extra = analysis.visibility.worst_extra
     return simple_verdict("pass", EXIT_OK, "PASS: the kernel sees every key of every exact window"
                           + (f" (and up to {extra} extra)" if extra else "") + "; every precondition holds")
