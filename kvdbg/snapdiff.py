@@ -18,6 +18,7 @@ expected side: exit 1 when they differ beyond tolerance, 0 when not.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -276,7 +277,8 @@ def _token_rows(ta: "torch.Tensor", tb: "torch.Tensor", scale_a: float, scale_b:
     """[T] bool rows that differ (bitwise when both are stored alike) and the max abs of finite differences."""
     import torch
 
-    a, b = ta.reshape(ta.shape[0], -1), tb.reshape(tb.shape[0], -1)
+    # The width spelled out, not -1: a step of no tokens has rows of some width all the same.
+    a, b = ta.reshape(ta.shape[0], math.prod(ta.shape[1:])), tb.reshape(tb.shape[0], math.prod(tb.shape[1:]))
     if a.dtype == b.dtype and scale_a == scale_b:
         rows = (_bits(a) != _bits(b)).any(dim=1)
     else:
@@ -605,19 +607,30 @@ def diff_verdict(result: SnapDiff):
         aside = ""
     compared = [c for c in result.outputs if c.heads]
     failed = [c for c in compared if not c.passed]
+    counts = {"comparisons": len(compared), "failed_comparisons": len(failed)}
     if failed:
         heads = sum(len(c.failed) for c in failed)
         total = sum(len(c.heads) for c in compared)
-        worst = max((c.max_abs for c in failed if c.max_abs == c.max_abs), default=float("nan"))
         names = ", ".join(dict.fromkeys(f"step {c.step} {c.expected.removeprefix('A ')}" for c in failed))
-        worst_text = f", max abs {worst:.2e}" if worst == worst else ""
-        return simple_verdict("fail", EXIT_FINDING, f"DIFFER: outputs differ beyond tolerance on {heads} of {total} "
-                                                    f"heads ({names}{worst_text}){aside}")
+        # Elements outside the tolerance, apart from those with no finite value on a side (NaN, inf or a token
+        # not written), which fail whatever the tolerance: the line says which of the two made heads differ.
+        beyond = sum(h.failing - h.not_compared for c in failed for h in c.failed)
+        in_a = sum(c.counts()["expected_nonfinite"] for c in failed)
+        in_b = sum(c.counts()["actual_nonfinite"] + c.counts()["unwritten"] for c in failed)
+        causes = []
+        if beyond:
+            worst = max((c.max_abs for c in failed if c.max_abs == c.max_abs), default=float("nan"))
+            causes.append(f"{beyond} element(s) beyond tolerance" + (f", max abs {worst:.2e}" if worst == worst else ""))
+        if in_a or in_b:
+            causes.append("no finite value in " + " and ".join(
+                f"{side} on {n} element(s)" for side, n in (("A", in_a), ("B", in_b)) if n) + " (NaN, inf or unwritten)")
+        return simple_verdict("fail", EXIT_FINDING, f"DIFFER: outputs differ on {heads} of {total} heads ({names}: "
+                                                    f"{'; '.join(causes)}){aside}", **counts)
     if not compared:
         return simple_verdict("unverified", EXIT_NOTHING_VERIFIED,
-                              f"NOTHING VERIFIED: no output held by both files{aside}")
+                              f"NOTHING VERIFIED: no output held by both files{aside}", **counts)
     total = sum(len(c.heads) for c in compared)
-    return simple_verdict("pass", EXIT_OK, f"SAME: outputs agree within tolerance ({total} heads){aside}")
+    return simple_verdict("pass", EXIT_OK, f"SAME: outputs agree within tolerance ({total} heads){aside}", **counts)
 
 
 __all__ = ["FieldDiff", "KIND_OUTPUTS", "KIND_SNAPSHOT", "NotComparable", "PageDiff", "SnapDiff", "StepDiff",

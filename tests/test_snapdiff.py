@@ -111,11 +111,42 @@ def test_planted_output_difference_fails_exactly_that_head(tmp_path):
     assert failing == [(1, 3)]
     query = [t for t in data["steps"][0]["tensors"] if t["name"] == "query"][0]
     assert query["first_tokens"] == [qsl[1]] and query["tokens_differ"] == 1
-    assert data["verdict"]["summary"].startswith("DIFFER: outputs differ beyond tolerance on 1 of 16 heads "
-                                                 "(step 0 captured, max abs 5.0")
-    assert data["verdict"]["summary"].endswith("; inputs differ: query")
+    summary = data["verdict"]["summary"]
+    assert summary.startswith("DIFFER: outputs differ on 1 of 16 heads (step 0 captured: ")
+    assert "element(s) beyond tolerance, max abs 5.0" in summary and "finite" not in summary
+    assert summary.endswith("; inputs differ: query")
+    assert (data["verdict"]["comparisons"], data["verdict"]["failed_comparisons"]) == (1, 1)
+    assert data["verdict"]["error_findings"] == 0  # a diff makes no findings
     text = run(pa, pb).output
     assert "1 of 4 token(s) differ (max abs 2.5" in " ".join(text.split())
+
+
+def test_a_head_that_differs_only_by_nan_says_so(tmp_path):
+    a, b = base(), clone(base())
+    b.steps[0].output[0, 2, 5] = float("nan")
+    pa, pb = save_pair(tmp_path, a, b)
+    res = run(pa, pb)
+    assert res.exit_code == 1
+    last = " ".join(res.output.split()).rsplit("DIFFER:", 1)[1]
+    assert last.startswith(" outputs differ on 1 of 16 heads (step 0 captured: no finite value in B on 1 "
+                           "element(s) (NaN, inf or unwritten))"), last
+    assert "beyond tolerance" not in last and "max abs" not in last
+    res = run(pb, pb)  # the same NaN on both sides still verifies nothing there: it fails, and says why
+    assert res.exit_code == 1 and "no finite value in A on 1 element(s) and B on 1 element(s)" in \
+        " ".join(res.output.split())
+
+
+def test_a_step_of_no_query_tokens_verifies_nothing(tmp_path):
+    snap = base()
+    step = snap.steps[0]
+    empty = dataclasses.replace(step, query_start_loc=torch.zeros_like(step.query_start_loc),
+                                **{k: getattr(step, k)[:0] for k in ("query", "key", "value", "slot_mapping",
+                                                                    "output")})
+    path = save_snapshot(dataclasses.replace(snap, steps=[empty]), tmp_path / "empty.safetensors")
+    for args in ((path, path), (path, path, "--json")):
+        res = run(*args)
+        assert res.exit_code == 3 and "Traceback" not in res.output, res.output
+    assert strict(res.output)["verdict"]["summary"].startswith("NOTHING VERIFIED: no output held by both files")
 
 
 def test_lengths_and_scales_are_named(tmp_path):

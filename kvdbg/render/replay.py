@@ -122,7 +122,7 @@ def render_findings(findings) -> FitTable | None:
         return None
     backends = sorted({f.backend for f, _, _ in merged})
     title = f"findings ({len(merged)}" + (f", all {backends[0]})" if len(backends) == 1 else ")")
-    table = FitTable([Column("severity", priority=10), Column("backend", priority=8),
+    table = FitTable([Column("severity", priority=10), Column("backend", whole=True, justify="left", priority=8),
                       Column("step", priority=5, min_width=4), Column("req", whole=True, priority=7),
                       Column("code", whole=True, justify="left", priority=6),
                       Column("message", priority=9)], title=title,
@@ -170,8 +170,8 @@ def render_comparison(comp: Comparison, *, full: bool = False, starts: dict[int,
     ``starts`` maps a step to its query_start_loc, so the worst token is given as the
     request's own token index (0 .. q-1) rather than the batch-wide row.
     """
-    if not comp.heads:
-        verdict = Text("nothing compared (no head selected)", style="yellow")
+    if not comp.heads:  # no query token in the step, or --request/--head left none
+        verdict = Text("nothing compared (no query token or head selected)", style="yellow")
     elif comp.passed:
         verdict = Text("PASS", style="bold green")
     else:
@@ -181,8 +181,8 @@ def render_comparison(comp: Comparison, *, full: bool = False, starts: dict[int,
               f"{counts['unwritten']} unwritten" if counts["unwritten"] else "",
               f"{counts['expected_nonfinite']} {comp.expected} NaN/inf" if counts["expected_nonfinite"] else ""]
     title = Text.assemble(f"step {comp.step}: {comp.actual} vs {comp.expected} — ", verdict,
-                          f"  (max abs {_fmt(comp.max_abs)}"
-                          + "".join(f", {c}" for c in causes if c) + ")")
+                          f"  (max abs {_fmt(comp.max_abs)}" + "".join(f", {c}" for c in causes if c) + ")"
+                          if comp.heads else "")
     table = FitTable([Column("req", whole=True, priority=10), Column("head", whole=True, priority=10),
                       Column("status", priority=10, min_width=4), Column("max abs", whole=True, priority=9),
                       Column("mean abs", whole=True, priority=4), Column("max rel", whole=True, priority=5),
