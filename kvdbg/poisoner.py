@@ -161,6 +161,12 @@ class BackendPoison:
     reason: str | None = None  # why it did not run
     baseline_nonfinite: int = 0  # (token, head) outputs already non-finite or unwritten unpoisoned
     regions: list[RegionResult] = field(default_factory=list)
+    outputs: int = 0  # (token, head) outputs of the step: a read shows only in those finite unpoisoned
+
+    @property
+    def observed(self) -> bool:
+        """It ran and some output was finite unpoisoned: a poisoned read could show there."""
+        return self.ran and self.baseline_nonfinite < self.outputs
 
     @property
     def reads_poisoned(self) -> bool:
@@ -172,7 +178,8 @@ class BackendPoison:
 
     def to_json(self) -> dict:
         return {"backend": self.backend, "step": self.step, "ran": self.ran, "reason": self.reason,
-                "baseline_nonfinite": self.baseline_nonfinite, "reads_poisoned": self.reads_poisoned,
+                "baseline_nonfinite": self.baseline_nonfinite, "outputs": self.outputs, "observed": self.observed,
+                "reads_poisoned": self.reads_poisoned,
                 "loads_masked": self.loads_masked,
                 "regions": [r.to_json() for r in self.regions]}
 
@@ -380,7 +387,8 @@ def poison(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
                 why = base_run.not_applicable or base_run.error or "produced no output"
                 results.append(BackendPoison(name, step, False, f"did not run step {step}: {why}"))
                 continue
-            record = BackendPoison(name, step, True, baseline_nonfinite=int(baseline.sum()))
+            record = BackendPoison(name, step, True, baseline_nonfinite=int(baseline.sum()),
+                                   outputs=baseline.numel())
             for region in regions:
                 if not region.runs:
                     record.regions.append(RegionResult(region.name, 0, "empty"))

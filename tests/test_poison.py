@@ -259,3 +259,19 @@ def test_bisection_names_a_group_no_half_of_which_reads_alone():
     result = RegionResult("stale_tail", 2, "reads poisoned", [(0, 0, 0)])
     _bisect(snap, 0, Region("stale_tail", runs), target, ~target, run_with, result, budget=8)
     assert [c.run for c in result.culprits] == runs and result.bisect_runs == 2 and result.bisect_complete
+
+
+def test_a_backend_whose_every_output_was_already_unwritten_verifies_nothing(tmp_path):
+    """Both requests break prims_ts preconditions (past max_kv_len, a table too narrow), so the emulation leaves
+    every output unwritten before any poison: no read could show, and that is no PASS."""
+    from kvdbg.snapshot import save_snapshot
+    from kvdbg.synth import SynthSpec, synth_snapshot
+
+    spec = SynthSpec(seq_lens=(1000, 900), query_len=4, causal=True, sliding_window=256, num_heads=2, num_kv_heads=1)
+    path = str(save_snapshot(synth_snapshot(spec), tmp_path / "blind.safetensors"))
+    res = CliRunner().invoke(cli, ["poison", path, "--backend", "flashinfer_ts", "--json"])
+    assert res.exit_code == 3, res.output
+    data = json.loads(res.output)
+    (record,) = [b for s in data["steps"] for b in s["results"]]
+    assert record["ran"] and not record["observed"] and record["baseline_nonfinite"] == record["outputs"] == 16
+    assert "no read could show" in data["verdict"]["summary"]

@@ -63,7 +63,9 @@ def poison_verdict(result):
     from kvdbg.verdict import EXIT_FINDING, EXIT_NOTHING_VERIFIED, EXIT_OK
 
     records = [b for s in result.steps for b in s.backends]
-    ran = [b for b in records if b.ran]
+    # A backend whose every output was already non-finite or unwritten unpoisoned shows no read: it ran, but
+    # it verified nothing.
+    ran = [b for b in records if b.observed]
     readers = sorted({b.backend for b in ran if b.reads_poisoned})
     if readers:
         regions = sorted({r.region for b in ran if b.backend in readers for r in b.regions
@@ -74,11 +76,17 @@ def poison_verdict(result):
     if not poisoned:
         return simple_verdict("unverified", EXIT_NOTHING_VERIFIED,
                               "NOTHING VERIFIED: no slot to poison (every stored slot is one a backend must read)")
+    blind = sorted({b.backend for b in records if b.ran and not b.observed} - {b.backend for b in ran})
+    blind_text = (f"every output of {', '.join(blind)} was already non-finite or unwritten before any poison, so "
+                  "no read could show") if blind else ""
     if not ran:
-        return simple_verdict("unverified", EXIT_NOTHING_VERIFIED, "NOTHING VERIFIED: no backend ran")
+        return simple_verdict("unverified", EXIT_NOTHING_VERIFIED,
+                              f"NOTHING VERIFIED: {blind_text or 'no backend ran'}")
     names = sorted({b.backend for b in ran})
     skipped = sorted({b.backend for b in records if not b.ran})
     tail = f"; not run: {', '.join(skipped)}" if skipped else ""
+    if blind_text:
+        tail += f"; {blind_text}"
     failed = sorted({f"{b.backend} with {r.region}" for b in ran for r in b.regions if r.status == "not run"})
     if failed:
         tail += f"; not verified (the backend failed): {', '.join(failed)}"
