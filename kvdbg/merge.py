@@ -168,6 +168,13 @@ def merge_ranks(snapshots: Sequence[Snapshot], *, total_kv_heads: int | None = N
             if not _same_bytes(snap.kv_cache, source.kv_cache):
                 raise MergeError(f"{_label(snap, 0)}: kv_cache differs from {_label(source, 0)}'s, though both hold "
                                  f"the replicated KV head {share.kv_heads[0]}")
+            # So must the step's new K/V of that head, which the merged file takes from one of them only.
+            for i, (mine, theirs) in enumerate(zip(snap.steps, source.steps)):
+                for name in KV_HEAD_TENSORS:
+                    a, b = getattr(mine, name), getattr(theirs, name)
+                    if (a is None) != (b is None) or a is not None and not _same_bytes(a, b):
+                        raise MergeError(f"{_label(snap, 0)}: step {i} {name} differs from {_label(source, 0)}'s, "
+                                         f"though both hold the replicated KV head {share.kv_heads[0]}")
     kv_cache = torch.cat([snap.kv_cache for _, snap in givers], dim=kv_dim)
     steps = []
     for i in range(meta.num_steps):

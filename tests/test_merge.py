@@ -146,6 +146,12 @@ def test_a_missing_rank_and_unrecorded_facts_are_refused():
     with pytest.raises(MergeError, match=r"total_num_kv_heads is not recorded .*\(--kv-heads\)"):
         merge_ranks(replicated)
     assert merge_ranks(replicated, total_kv_heads=1).meta.layer.num_kv_heads == 1
+    # The new K/V of a replicated head too: the merged file would keep one rank's and hide the other's.
+    for name in ("key", "value"):
+        changed = [replicated[0], dataclasses.replace(replicated[1], steps=[
+            dataclasses.replace(replicated[1].steps[0], **{name: getattr(replicated[1].steps[0], name) + 1})])]
+        with pytest.raises(MergeError, match=f"step 0 {name} differs from .* replicated KV head 0"):
+            merge_ranks(changed, total_kv_heads=1)
     replicated[1].kv_cache.view(torch.uint8)[0] ^= 1
     with pytest.raises(MergeError, match="kv_cache differs from .* replicated KV head 0"):
         merge_ranks(replicated, total_kv_heads=1)
