@@ -262,3 +262,16 @@ def test_svg_directory_is_made_with_its_parents(make_snapshot, tmp_path):
     assert invoke(path, "--backend", "reference", "-o", str(tmp_path / "r.md"), "--svg", str(svg)).exit_code == 0
     assert {"info.svg", "map.svg", "replay.svg", "errors.svg"} <= {p.name for p in svg.iterdir()}
     assert not [p for p in svg.iterdir() if p.name.startswith(".")]  # the write probe is gone
+
+
+def test_the_reproducing_command_gives_the_reports_verdict(make_snapshot):
+    """Without --backend the report runs the defaults, whose what-if columns do not count: the command it prints
+    names none, since naming one judges it (here flashinfer_ts, which fails on this FLEX_ATTENTION capture)."""
+    path, _ = make_snapshot(seq_lens=(1000, 200, 70), query_len=4, num_heads=4, num_kv_heads=1, head_size=64,
+                            sliding_window=256, backend="FLEX_ATTENTION", engine_output="reference")
+    res = invoke(path)
+    assert res.exit_code == 0, res.output
+    command = parse(res.output)["fences"][0].splitlines()[1]
+    assert command == f"kvdbg replay {os.path.basename(path)}"
+    replayed = CliRunner().invoke(cli, ["replay", path])
+    assert replayed.exit_code == res.exit_code and "what-if column(s) flashinfer_ts fail" in replayed.output
