@@ -47,6 +47,31 @@ def test_control_characters_in_a_layer_name_are_written_out(tmp_path):
     assert "\x1b" not in report.read_text() and "evil\\x1b]0;PWNED" in report.read_text()
 
 
+def test_invisible_formatting_is_written_out_and_tables_keep_their_width(tmp_path):
+    """A right-to-left override can turn the rest of a line around, and it and the line separator take no
+    column: shown raw, they made rows 82 characters wide at 80 columns."""
+    path = renamed(tmp_path / "s.safetensors", "a \u202eRLO b \u2028ls c")
+    out = run("info", path)
+    assert "\u202e" not in out and "\u2028" not in out and "a \\u202eRLO b \\u2028ls c" in out
+    assert_uncut(out, 80)
+
+
+def test_the_html_report_writes_controls_out_and_quotes_its_check_line(tmp_path):
+    path = renamed(tmp_path / "it's.safetensors", HOSTILE + "\u202e")
+    page = tmp_path / "r.html"
+    run("report", path, "--backend", "reference", "-o", str(tmp_path / "r.md"), "--html", str(page))
+    text = page.read_text()
+    assert not {c for c in text if ord(c) < 32 and c not in "\n\t" or c in "\x9b\u202e"}
+    assert "evil\\x1b]0;PWNED" in text
+    # The check line is shell-quoted as the Markdown report's: the name's quote does not end the string.
+    import html
+    import shlex
+
+    check = next(line for line in html.unescape(text).splitlines() if "sha256sum -c" in line)
+    words = shlex.split(check.rsplit(">", 1)[-1].split("|")[0])  # the line opens the page's <pre> block
+    assert words[0] == "echo" and words[1].endswith("  it's.safetensors")
+
+
 def test_control_characters_in_a_file_name_are_written_out(tmp_path):
     directory = tmp_path / "d"
     directory.mkdir()

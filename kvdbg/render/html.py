@@ -8,10 +8,18 @@ same offline, attached to an issue or opened from a CI artefact.
 
 from __future__ import annotations
 
+import html
 import io
-from html import escape
+import shlex
 
+from kvdbg.render.util import printable
 from kvdbg.report import BugReport
+
+
+def _text(text: str) -> str:
+    """Text from the snapshot or the run, for the page: control and invisible formatting characters written out
+    (as the terminal and the Markdown report show them), then HTML-escaped."""
+    return html.escape(printable(str(text)))
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif; margin: 2em auto;
@@ -54,12 +62,12 @@ def _terminal_html(*renderables) -> str:
 
 
 def _facts(rows: list[tuple[str, str]]) -> str:
-    body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(v)}</td></tr>" for k, v in rows)
+    body = "".join(f"<tr><th>{_text(k)}</th><td>{_text(v)}</td></tr>" for k, v in rows)
     return f'<table class="facts">{body}</table>'
 
 
 def _figure(ident: str, svg: str, caption: str) -> str:
-    return f'<figure id="{ident}">{svg}<figcaption>{escape(caption)}</figcaption></figure>'
+    return f'<figure id="{ident}">{svg}<figcaption>{_text(caption)}</figcaption></figure>'
 
 
 def render_html(r: BugReport) -> str:
@@ -78,8 +86,8 @@ def render_html(r: BugReport) -> str:
     name = r.path.rsplit("/", 1)[-1]
     v = r.verdict
     status = {"fail": "fail", "pass": "pass"}.get(v.status, "unverified")
-    parts = [f"<h1>kvdbg report: {escape(name)}</h1>",
-             f'<p class="verdict {status}" id="verdict">{escape(v.summary)} (<code>kvdbg replay</code> exits '
+    parts = [f"<h1>kvdbg report: {_text(name)}</h1>",
+             f'<p class="verdict {status}" id="verdict">{_text(v.summary)} (<code>kvdbg replay</code> exits '
              f"{v.exit_code})</p>",
              '<nav><a href="#heads">which heads</a><a href="#attention">where the attention went</a>'
              '<a href="#window">window</a><a href="#replay">replay</a><a href="#map">map</a>'
@@ -117,7 +125,7 @@ def render_html(r: BugReport) -> str:
                                  f"{a.chosen}."))
             parts.append(_terminal_html(AttentionText(a)))
         else:
-            parts.append(f"<p>Not drawn: {escape(pictures.attention_reason)}</p>")
+            parts.append(f"<p>Not drawn: {_text(pictures.attention_reason)}</p>")
         parts.append('<h2 id="window">The window: what each backend sees of the request</h2>')
         if pictures.window is not None:
             parts.append(_figure("window-picture", svg_text(layout(pictures.window)),
@@ -125,7 +133,7 @@ def render_html(r: BugReport) -> str:
                                  "FLASHINFER_TS's kernel and flex."))
             parts.append(_terminal_html(render_window(pictures.window_analysis)))
         else:
-            parts.append(f"<p>Not drawn: {escape(pictures.window_reason)}</p>")
+            parts.append(f"<p>Not drawn: {_text(pictures.window_reason)}</p>")
     parts.append('<h2 id="replay">Replay</h2>' + _terminal_html(render_replay(r.replay)))
     parts.append('<h2 id="map">Page map</h2>' + _terminal_html(*(render_page_map(m) for m in r.page_maps)))
     parts.append('<h2 id="info">Snapshot summary</h2>' + _terminal_html(render_info(r.summary)))
@@ -135,15 +143,15 @@ def render_html(r: BugReport) -> str:
         ("CUDA available", "yes" if env.cuda_available else "no"),
         ("GPUs", "; ".join(f"{n} (compute capability {c})" for n, c in env.gpus) or "none"),
         *[(k, val) for k, val in env.packages.items()], ("kvdbg", env.kvdbg)]))
-    check = f"echo '{r.sha256}  {name}' | sha256sum -c -"
+    check = f"echo {shlex.quote(r.sha256 + '  ' + name)} | sha256sum -c -"  # as the Markdown report quotes it
     parts.append('<h2 id="reproduce">Reproduce</h2>'
-                 f"<p>With the snapshot saved as <code>{escape(name)}</code>:</p>"
-                 f'<pre class="cmd">{escape(check)}\n{escape(r.command)}</pre>')
-    parts.append(f'<p class="verdict {status}">{escape(v.summary)} (exit {v.exit_code})</p>')
+                 f"<p>With the snapshot saved as <code>{_text(name)}</code>:</p>"
+                 f'<pre class="cmd">{_text(check)}\n{_text(r.command)}</pre>')
+    parts.append(f'<p class="verdict {status}">{_text(v.summary)} (exit {v.exit_code})</p>')
     body = "\n".join(parts)
     return scrub_paths(f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
                        f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-                       f"<title>kvdbg report: {escape(name)}</title>\n<style>{STYLE}</style>\n</head>\n"
+                       f"<title>kvdbg report: {_text(name)}</title>\n<style>{STYLE}</style>\n</head>\n"
                        f"<body>\n{body}\n</body>\n</html>\n")
 
 

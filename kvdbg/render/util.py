@@ -31,14 +31,22 @@ def verdict_line(verdict):
 # C0 controls but newline and tab, DEL, and C1 controls: a terminal acts on them (ESC starts a colour, a window
 # title, a cursor move). A snapshot is a file from someone else's bug report: its names and notes, and the file
 # names of a directory, are shown as text, never acted on.
-_CONTROLS = dict.fromkeys([*range(0x00, 0x09), *range(0x0B, 0x20), 0x7F, *range(0x80, 0xA0)])
+_CONTROLS = dict.fromkeys([*range(0x00, 0x09), *range(0x0B, 0x20), 0x7F, *range(0x80, 0xA0),
+                           # Invisible formatting: bidirectional marks, embeddings, overrides and isolates (which
+                           # can reverse how the rest of a line reads), zero-width characters, the line and
+                           # paragraph separators, and the byte-order mark. They take no column, so a table
+                           # measured with them in would also come out wider than the terminal.
+                           0x061C, *range(0x200B, 0x2010), *range(0x2028, 0x202F), *range(0x2060, 0x2065),
+                           *range(0x2066, 0x206A), 0xFEFF])
 
 
 def printable(text: str) -> str:
-    """``text`` with every control character but newline and tab written out as ``\\xNN``."""
+    """``text`` with every control character but newline and tab written out as ``\\xNN`` (``\\uNNNN`` past
+    0xFF: the invisible formatting characters)."""
     if text.translate(_CONTROLS) == text:
         return text
-    return "".join(f"\\x{ord(c):02x}" if ord(c) in _CONTROLS else c for c in text)
+    return "".join((f"\\x{ord(c):02x}" if ord(c) <= 0xFF else f"\\u{ord(c):04x}") if ord(c) in _CONTROLS else c
+                   for c in text)
 
 
 def _printable_cells(renderable):
