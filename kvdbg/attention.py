@@ -224,6 +224,15 @@ def attention_picture(snapshot: "Snapshot", choice: Choice, report: "ReplayRepor
     logits = (keys @ q) * layer.scale
     if layer.logits_soft_cap:
         logits = torch.tanh(logits / layer.logits_soft_cap) * layer.logits_soft_cap
+    # The layer's own terms, as the reference applies them: the ALiBi bias after the soft cap, and the head's
+    # sink logit in the softmax's denominator (it takes weight from every key, and holds no value).
+    if layer.has_alibi and snapshot.alibi_slopes is not None:
+        from kvdbg.backends.reference import _alibi_offsets
+
+        distance = position - torch.arange(length, dtype=torch.float64)
+        logits = logits + float(snapshot.alibi_slopes[head]) * _alibi_offsets(distance, layer.alibi_sqrt,
+                                                                               torch.float64)
+    sink = float(snapshot.sinks[head]) if layer.has_sinks and snapshot.sinks is not None else None
 
     # Who attends to which keys: kvdbg.picture's grids, one row per query token.
     exact = exact_visible_range(length, qlen, token, layer.sliding_window, layer.causal)
@@ -256,7 +265,7 @@ def attention_picture(snapshot: "Snapshot", choice: Choice, report: "ReplayRepor
     edges = [x for spans in attended_by.values() for a, b in spans for x in (a, b)] + \
         [x for a, b in null_block + hidden for x in (a, b)] + list(exact)
     span = (max(0, min(edges)), min(length, max(edges))) if edges else (0, length)
-    ref_w = _softmax(logits, attended_by.get("reference", [exact]), length)
+    ref_w = _softmax(logits, attended_by.get("reference", [exact]), length, sink)
     for name in names:
         rule = MODELLED.get(name)
         status = runs.get(name)
@@ -271,7 +280,7 @@ def attention_picture(snapshot: "Snapshot", choice: Choice, report: "ReplayRepor
         reason = _not_run(status, name, starts[request] + token)
         if reason:
             col.note = reason
-        w = ref_w if name == "reference" else _softmax(logits, attended_by[name], length)
+        w = ref_w if name == "reference" else _softmax(logits, attended_by[name], length, sink)
         col.weights = [float(x) for x in w[span[0]:span[1]]]
         keys_all = torch.arange(length)
         inside = (keys_all >= exact[0]) & (keys_all < exact[1])
@@ -343,7 +352,8 @@ def _overlap(intervals, exact) -> int:
     return sum(max(0, min(hi, exact[1]) - max(lo, exact[0])) for lo, hi in intervals)
 
 
-def _softmax(logits, attended, length):
+def _softmax(logits, attended, length, sink: float | None = None):
+    """The weights of the attended keys; ``sink``: a logit that joins the denominator with no key (sinks)."""
     import torch
 
     mask = torch.zeros(length, dtype=torch.bool)
@@ -353,7 +363,11 @@ def _softmax(logits, attended, length):
     if not bool(mask.any()):
         return out
     picked = logits[mask]
-    out[mask] = torch.softmax(picked, dim=0)
+    if sink is None:
+        out[mask] = torch.softmax(picked, dim=0)
+    else:
+        with_sink = torch.softmax(torch.cat([picked, picked.new_tensor([sink])]), dim=0)
+        out[mask] = with_sink[:-1]
     return out
 
 

@@ -153,6 +153,25 @@ def test_prefix_page0_flex_gives_the_null_block_no_weight():
     assert "null block (engine page 0) at keys 32..47" in svg
 
 
+@pytest.mark.parametrize("feature", [dict(alibi_slopes="auto"), dict(alibi_slopes="auto", alibi_sqrt=True),
+                                     dict(sinks="auto")], ids=["alibi", "alibi sqrt", "sinks"])
+def test_the_weights_are_the_layers_own_with_alibi_and_sinks(tmp_path, feature):
+    """The picture's logits once lacked the ALiBi bias and the sink term: every weight was wrong, and the
+    reference's own column 'did not reproduce its output' (exit 1) on a snapshot whose replay passes."""
+    from kvdbg.snapshot import save_snapshot
+    from kvdbg.synth import SynthSpec, synth_snapshot
+
+    spec = SynthSpec(seq_lens=(40, 77), num_heads=4, num_kv_heads=1, engine_output="reference", **feature)
+    path = str(save_snapshot(synth_snapshot(spec), tmp_path / "feature.safetensors"))
+    assert CliRunner().invoke(cli, ["replay", path]).exit_code == 0
+    p = api.attention(path)
+    ref = p.column("reference")
+    assert ref.reproduces and ref.output_diff <= ref.output_allowed
+    total = sum(ref.weights)
+    assert total == pytest.approx(1.0) if "sinks" not in feature else 0.0 < total < 1.0  # the sink takes a share
+    assert run("attention", path).exit_code == 0
+
+
 def test_attention_options_and_files(tmp_path):
     res = run("attention", PAGE0, "--step", "0", "--request", "0", "--head", "3", "--token", "0",
               "--png", tmp_path / "a.png", "--svg", tmp_path / "a.svg")
