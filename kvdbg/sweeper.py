@@ -715,6 +715,9 @@ def sweep_verdict(result: SweepResult) -> "Verdict":
     input_errors = [row for row in result.rows if row.input_errors]
     verified = [cell for row in result.rows for cell in row.cells.values()
                 if cell.counted and cell.judged and cell.column != "reference"]
+    # The captured configuration's own cells: a variant agreeing with a baseline that compared nothing says nothing.
+    base_verified = [cell for cell in base.cells.values() if cell.counted and cell.judged and cell.column != "reference"]
+    counts = {"comparisons": len(verified), "failed_comparisons": len(failing)}
     skipped = [row.variant.name for row in result.rows[1:] if row.variant.unavailable_here]
     flip_text = "; ".join(_flip_phrase(row, cell, base) for row, cell in counted_flips)
     aside = ""
@@ -725,7 +728,8 @@ def sweep_verdict(result: SweepResult) -> "Verdict":
         aside += f"; not run here: {', '.join(skipped)}"
     if failing or input_errors:
         base_failing = sorted({c.column for r, c in failing if r is base})
-        parts = [f"baseline fails ({', '.join(base_failing)})" if base_failing else "baseline passes"]
+        parts = [f"baseline fails ({', '.join(base_failing)})" if base_failing else
+                 "baseline passes" if base_verified else "the baseline compared no counted cell"]
         if counted_flips:
             steady = [c.name for c in result.columns if c.counted and c.name not in {x.column for _, x in flips}
                       and any(r.cells[c.name].judged for r in result.rows)]
@@ -738,17 +742,22 @@ def sweep_verdict(result: SweepResult) -> "Verdict":
         broken = [row.variant.name for row in result.rows if row.error]
         if broken:
             parts.append(f"could not replay: {', '.join(broken)}")
-        return simple_verdict("fail", EXIT_FINDING, "FAIL: " + "; ".join(parts) + aside)
+        return simple_verdict("fail", EXIT_FINDING, "FAIL: " + "; ".join(parts) + aside, **counts)
     broken = [row.variant.name for row in result.rows if row.error]
     if broken:
-        return simple_verdict("fail", EXIT_FINDING, f"FAIL: could not replay: {', '.join(broken)}{aside}")
+        return simple_verdict("fail", EXIT_FINDING, f"FAIL: could not replay: {', '.join(broken)}{aside}", **counts)
     if not verified:
         return simple_verdict("unverified", EXIT_NOTHING_VERIFIED,
                               "NOTHING VERIFIED: no counted backend and no captured output was compared in any "
-                              f"row{aside}")
+                              f"row{aside}", **counts)
+    if not base_verified:
+        return simple_verdict("unverified", EXIT_NOTHING_VERIFIED,
+                              "NOTHING VERIFIED: the baseline (the snapshot as captured) compared no counted cell, "
+                              f"so no variant can agree or disagree with it ({len(verified)} counted cell(s) of "
+                              f"variants pass){aside}", **counts)
     ran = sum(1 for row in result.rows[1:] if row.variant.skipped is None)
     return simple_verdict("pass", EXIT_OK, f"PASS: the baseline and its {ran} variant(s) agree "
-                                           f"({len(verified)} counted cell(s) pass){aside}")
+                                           f"({len(verified)} counted cell(s) pass){aside}", **counts)
 
 
 def _flip_phrase(row: SweepRow, cell: Cell, base: SweepRow) -> str:

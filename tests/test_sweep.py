@@ -226,6 +226,22 @@ def test_only_the_reference_and_no_engine_output_verifies_nothing():
     assert res.output.rstrip().splitlines()[-1].startswith("NOTHING VERIFIED")
 
 
+def test_a_baseline_that_compared_nothing_is_never_agreed_with(tmp_path):
+    """A ragged batch FLASHINFER_TS's builder does not run, with no captured output: only the variants that even
+    out the queries compare anything. 'The baseline and its variants agree' would be a claim that did not happen."""
+    from kvdbg.snapshot import save_snapshot
+    from kvdbg.synth import SynthSpec, synth_snapshot
+
+    for window, code in ((4096, 3), (64, 1)):
+        spec = SynthSpec(seq_lens=(300, 200), query_lens=(8, 4), causal=False, sliding_window=window)
+        path = str(save_snapshot(synth_snapshot(spec), tmp_path / f"ragged{window}.safetensors"))
+        res = run(path, "--vary", "query-len", "--json")
+        verdict = strict(res.output)["verdict"]
+        assert res.exit_code == code, verdict
+        assert "variant(s) agree" not in verdict["summary"] and "baseline passes" not in verdict["summary"]
+        assert verdict["comparisons"] > 0  # the variants' cells, counted as they are
+
+
 # --------------------------------------------------------------------------- options
 
 
