@@ -72,6 +72,20 @@ def check_output(path: str | os.PathLike, *, overwrite: bool, what: str = "", ex
         raise OptionError(f"{label} already exists; {exists or 'pass --force to replace it'}")
 
 
+def check_distinct_outputs(outputs: Iterable[tuple[str, str | os.PathLike | None]]) -> None:
+    """Refuse two of a command's outputs (``(option, path)``; None: not asked for) that name one file: the
+    second would replace the first (with --force), or be refused after the first was written (without)."""
+    seen: dict[str, str] = {}
+    for option, path in outputs:
+        if path is None:
+            continue
+        key = os.path.normcase(os.path.realpath(os.fspath(path)))
+        if key in seen:
+            raise OptionError(f"{option} {os.fspath(path)} is the file {seen[key]} writes too; give each output "
+                              "its own name")
+        seen[key] = option
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, overwrite: bool = False,
                  what: str = "", temp_prefix: str = TEMP_PREFIX) -> str:
     """Write ``path`` through ``write(fh)`` into a temp file beside it, then move it into place.

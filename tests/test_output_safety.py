@@ -43,6 +43,25 @@ def test_an_input_is_never_replaced(tmp_path, args, force):
     assert sorted(os.listdir(tmp_path)) == ["in.safetensors"]  # no temporary file left beside it
 
 
+@pytest.mark.parametrize("args", [
+    ["report", "{s}", "-o", "{o}", "--html", "{o}"],
+    ["report", "{s}", "-o", "{d}/map.svg", "--svg", "{d}"],
+    ["replay", "{s}", "-o", "{o}", "--picture", "--svg", "{o}"],
+    ["window", "{s}", "--svg", "{o}", "--png", "{o}"],
+    ["attention", "{s}", "--svg", "{o}", "--png", "{d}/./out"],
+], ids=["report-o-html", "report-o-svg-dir", "replay-o-svg", "window-svg-png", "attention-svg-png"])
+@pytest.mark.parametrize("force", [True, False], ids=["force", "no-force"])
+def test_two_outputs_of_one_command_never_name_one_file(tmp_path, args, force):
+    """With --force the second replaced the first; without, it was refused after the first was written."""
+    snapshot = tmp_path / "in.safetensors"
+    shutil.copy(FIXTURE, snapshot)
+    argv = [a.format(s=snapshot, d=tmp_path, o=tmp_path / "out") for a in args] + (["--force"] if force else [])
+    res = CliRunner().invoke(cli, argv, catch_exceptions=False)
+    assert res.exit_code == 2, res.output
+    assert "writes too; give each output its own name" in res.output and len(res.output.strip().splitlines()) == 1
+    assert sorted(os.listdir(tmp_path)) == ["in.safetensors"]  # nothing written
+
+
 def test_an_output_beside_the_inputs_is_replaced_with_force(tmp_path):
     shutil.copy(FIXTURE, tmp_path / "in.safetensors")
     results = tmp_path / "results.jsonl"

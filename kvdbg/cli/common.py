@@ -423,8 +423,9 @@ def picture_file_options(what: str):
 
 def check_picture_paths(svg_path: str | None, png_path: str | None, *, force: bool) -> None:
     """Refuse, before any work, a picture file that exists (without --force), or PNG without matplotlib."""
-    from kvdbg.atomic import check_output
+    from kvdbg.atomic import check_distinct_outputs, check_output
 
+    check_distinct_outputs((("--svg", svg_path or None), ("--png", png_path or None)))
     for option, path in (("--svg", svg_path), ("--png", png_path)):
         if path:
             check_output(path, overwrite=force, what=option)

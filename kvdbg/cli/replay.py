@@ -97,6 +97,9 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
     if given:
         raise OptionError(f"{given[0]} needs snapshots to replay: name a directory or files")
     snapshot = paths[0] if paths else None
+    from kvdbg.atomic import check_distinct_outputs
+
+    check_distinct_outputs((("-o", output), ("--svg", svg_path or None), ("--png", png_path or None)))
     check_picture_paths(svg_path, png_path, force=force)
     from kvdbg import api
     from kvdbg.render.replay import render_replay

@@ -55,8 +55,13 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
         from kvdbg.sweeper import parse_knobs
 
         knobs = parse_knobs(sweep_knobs)
-    from kvdbg.atomic import check_output
+    from kvdbg.atomic import check_distinct_outputs, check_output
 
+    # Every file the report writes, told apart before any is written (the --svg directory's own files too).
+    pictures = [] if svg_dir is None else [
+        (f"--svg ({stem}.{ext})", os.path.join(svg_dir, f"{stem}.{ext}"))
+        for stem in ("info", "map", "replay", *PICTURES) for ext in ("svg", "png")]
+    check_distinct_outputs([("-o", output), ("--html", html_path), *pictures])
     for option, path in (("-o", output), ("--html", html_path)):
         if path is not None:
             check_output(path, overwrite=force, what=option)  # an input of the command is refused, --force or not
