@@ -78,3 +78,27 @@ def test_info_prints_user_text_verbatim(tmp_path):
     result = CliRunner().invoke(cli, ["info", path], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert notes in result.output
+
+
+def test_info_check_counts_its_errors_in_the_verdict():
+    res = CliRunner().invoke(cli, ["info", os.path.join(FIXTURES, "prefix_page0.safetensors"), "--check", "--json"])
+    data = json.loads(res.output)
+    assert res.exit_code == 1 and data["check_errors"]
+    assert data["verdict"]["error_findings"] == len(data["check_errors"])  # map's count, not lost on the way
+
+
+def test_info_check_without_torch_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('no torch in this environment')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    path = os.path.join(FIXTURES, "causal_gqa.safetensors")
+    done = subprocess.run([sys.executable, "-m", "kvdbg", "info", path, "--check"], env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("Error: --check reads the pages with torch") and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    plain = subprocess.run([sys.executable, "-m", "kvdbg", "info", path], env=env, capture_output=True, text=True)
+    assert plain.returncode == 0, plain.stderr  # the header alone needs no torch

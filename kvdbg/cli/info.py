@@ -7,6 +7,7 @@ import sys
 import click
 
 from kvdbg.cli.common import console, emit_json, full_option, guarded, json_option, print_verdict, simple_verdict
+from kvdbg.errors import OptionError
 
 
 @click.command()
@@ -34,15 +35,21 @@ def info(snapshot: str, full: bool, check: bool, as_json: bool) -> None:
     summary = summarize(snapshot)
     checked = None
     if check:
-        from kvdbg.pagemap import page_map
-        from kvdbg.verdict import map_verdict
-        from kvdbg.snapshot import load_snapshot
+        import dataclasses
 
+        from kvdbg.verdict import map_verdict
+
+        try:  # torch reads the pages: the header alone needs none, so it may be missing where info still works
+            from kvdbg.pagemap import page_map
+            from kvdbg.snapshot import load_snapshot
+        except ImportError as exc:
+            raise OptionError(f"--check reads the pages with torch, which does not import here ({exc}); "
+                              "kvdbg info without --check needs no torch") from None
         snap = load_snapshot(snapshot)
         maps = [page_map(snap, step=s) for s in range(len(snap.steps))]
         checked = [a for m in maps for a in m.anomalies if a.severity == "error"]
         verdict = map_verdict(maps)
-        verdict = simple_verdict(verdict.status, verdict.exit_code, verdict.summary.replace(
+        verdict = dataclasses.replace(verdict, summary=verdict.summary.replace(
             "PASS:", "PASS: checked every page id, length and offset, and the live pages;", 1))
     else:
         verdict = simple_verdict("pass", EXIT_OK, "OK: header read; ids, lengths and page contents not checked "
