@@ -276,3 +276,20 @@ def test_signature_from_the_last_step_equals_the_whole_replays(source, monkeypat
         assert len(calls) == 1  # nothing else was replayed
     monkeypatch.setattr(shrinker, "_last_step_signature", lambda *args: None)
     assert shrinker.failure_signature(snap) == quick
+
+
+def test_a_shrink_that_removed_nothing_never_says_smaller(tmp_path):
+    from kvdbg.render.shrink import size_change
+    from kvdbg.snapshot import save_snapshot
+    from kvdbg.synth import SynthSpec, synth_snapshot
+
+    assert size_change(6692, 6884) == "not smaller: nothing could be removed, and the shrink's notes add 192 B"
+    assert size_change(100, 100) == "not smaller: nothing could be removed"
+    assert size_change(1000, 500) == "2.0× smaller" and size_change(1000, 990) == "10 B smaller"
+    spec = SynthSpec(seq_lens=(10,), use_page_zero=True, page_zero_request=0, num_heads=2, num_kv_heads=1)
+    path = str(save_snapshot(synth_snapshot(spec), tmp_path / "one.safetensors"))
+    res = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1"}).invoke(
+        cli, ["shrink", path, "-o", str(tmp_path / "s.safetensors")])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())  # long temporary paths wrap the lines
+    assert "× smaller" not in text and text.count("not smaller: nothing could be removed") == 2

@@ -67,6 +67,10 @@ def shrink(snapshot, output, backend, device, same_heads, force, emit_script, sc
                         output_path=output, same_heads=same_heads, overwrite=force)
     kept = len(result.failing_heads_after)
     summary = f"DONE: {result.backend} still fails on {kept} (request, head) pair(s) in {result.output_path or 'the output'}"
+    if result.output_bytes >= result.input_bytes:
+        from kvdbg.render.shrink import size_change
+
+        summary += f" ({size_change(result.input_bytes, result.output_bytes)})"
     script = None
     if emit_script is not None:
         from kvdbg.repro_script import emit_repro_script, run_script

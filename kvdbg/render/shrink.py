@@ -11,11 +11,21 @@ from kvdbg.render.util import elide, human_bytes
 from kvdbg.shrinker import ShrinkResult
 
 
+def size_change(input_bytes: int, output_bytes: int) -> str:
+    """How the file's size changed, said as it is: smaller by a ratio, or not smaller at all."""
+    if output_bytes >= input_bytes:
+        return (f"not smaller: nothing could be removed, and the shrink's notes add "
+                f"{human_bytes(output_bytes - input_bytes)}" if output_bytes > input_bytes else
+                "not smaller: nothing could be removed")
+    ratio = input_bytes / output_bytes if output_bytes else float("inf")
+    return f"{ratio:.1f}× smaller" if ratio >= 1.05 else f"{human_bytes(input_bytes - output_bytes)} smaller"
+
+
 def render_shrink(r: ShrinkResult) -> Group:
-    ratio = r.input_bytes / r.output_bytes if r.output_bytes else float("inf")
     head = Text(f"shrunk {r.input_path or '<memory>'} → {r.output_path or '<memory>'}: "
-                f"{human_bytes(r.input_bytes)} → {human_bytes(r.output_bytes)} ({ratio:.1f}× smaller) "
-                f"in {r.seconds:.1f} s, {r.replays} replays", style="bold")
+                f"{human_bytes(r.input_bytes)} → {human_bytes(r.output_bytes)} "
+                f"({size_change(r.input_bytes, r.output_bytes)}) in {r.seconds:.1f} s, {r.replays} replays",
+                style="bold")
     passes = FitTable([Column("pass", priority=10), Column("candidates", whole=True, priority=7),
                        Column("removed", priority=8), Column("tensor bytes after", whole=True, priority=9)],
                       title="passes")
