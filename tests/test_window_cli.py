@@ -163,3 +163,47 @@ def test_window_snapshot_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "request 1 of 2" in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "HEAVY []"
+
+
+def _synth(tmp_path, name, **fields):
+    from kvdbg.snapshot import save_snapshot
+    from kvdbg.synth import SynthSpec, synth_snapshot
+
+    return str(save_snapshot(synth_snapshot(SynthSpec(**fields)), tmp_path / name))
+
+
+@pytest.mark.parametrize("fields, reason", [
+    (dict(query_len=8, max_decode_query_len=4), "exceeds max_decode_query_len 4"),
+    (dict(query_lens=(8, 4)), "query lengths 4..8 are not one uniform block"),
+], ids=["prefill-shaped", "ragged"])
+def test_a_batch_flashinfer_ts_never_runs_is_not_applicable_as_replay_says(tmp_path, fields, reason):
+    path = _synth(tmp_path, "batch.safetensors", seq_lens=(300, 200), causal=False, sliding_window=64, **fields)
+    res = run(path, "--json")
+    data = json.loads(res.output)
+    replayed = CliRunner().invoke(cli, ["replay", path, "--backend", "flashinfer_ts"])
+    assert res.exit_code == replayed.exit_code == 3, (data["verdict"], replayed.output)
+    assert reason in data["verdict"]["summary"] and reason in data["source"]["not_applicable"]
+    # With the engine's own FLASHINFER_TS output, the engine did run it: judged, as replay judges it.
+    owned = _synth(tmp_path, "owned.safetensors", seq_lens=(300, 200), causal=False, sliding_window=64,
+                   engine_output="reference", backend="FLASHINFER_TS", **fields)
+    assert run(owned).exit_code == CliRunner().invoke(cli, ["replay", owned]).exit_code == 1
+
+
+def test_lengths_replay_refuses_are_refused_here_too(tmp_path):
+    from tests.helpers import FIXTURES
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source = f"{FIXTURES}/dflash.safetensors"
+    with safe_open(source, "pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    for name, index, value, message in (("seq_lens", 0, 20000, "seq_lens[0] = 20000 needs 1250 pages"),
+                                        ("query_start_loc", 1, 20, "query_start_loc decreases at index 2")):
+        changed = dict(tensors, **{name: tensors[name].clone()})
+        changed[name].view(-1)[index] = value
+        path = str(tmp_path / f"{name}.safetensors")
+        save_file(changed, path, metadata=metadata)
+        for command in (["window", path], ["replay", path]):
+            res = CliRunner().invoke(cli, command)
+            assert res.exit_code == 2 and message in res.output and len(res.output.strip().splitlines()) == 1, \
+                (command, res.output)

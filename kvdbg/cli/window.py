@@ -100,7 +100,12 @@ def window(snapshot, request, step, seq_len, window, query_len, page_size, mask,
         if source is None:
             raise
         raise OptionError(f"{source_label(source)}: {exc}".replace("--", "")) from None
-    verdict = window_verdict(analysis)
+    if source is not None and source.non_uniform and not source.not_applicable:
+        from kvdbg.findings import Finding
+
+        analysis.findings.append(Finding(code="non_uniform_query_blocks", backend="flashinfer_ts",
+                                         message=source.non_uniform))
+    verdict = window_verdict(analysis, source)
     drawn = None
     if picture or svg_path or png_path:
         drawn = draw_picture(analysis, source, snapshot, svg_path=svg_path, png_path=png_path, force=force)
@@ -161,8 +166,14 @@ def source_label(source) -> str:
     return f"{source.path}: step {source.step} of {source.num_steps}, {which}"
 
 
-def window_verdict(analysis):
-    from kvdbg.verdict import EXIT_FINDING, EXIT_OK
+def window_verdict(analysis, source=None):
+    from kvdbg.verdict import EXIT_FINDING, EXIT_NOTHING_VERIFIED, EXIT_OK
+
+    if source is not None and source.not_applicable:
+        # As `kvdbg replay` judges the step: a batch vLLM never runs through FLASHINFER_TS says nothing about it.
+        return simple_verdict("unverified", EXIT_NOTHING_VERIFIED,
+                              f"NOTHING VERIFIED: FLASHINFER_TS does not run step {source.step}: "
+                              f"{source.not_applicable}")
 
     if analysis.findings:
         codes = ", ".join(sorted({f.code for f in analysis.findings}))
