@@ -24,6 +24,7 @@ from kvdbg.format import LAYOUT_VLLM
 from kvdbg.ts_window import (
     cdiv,
     restrict_to_window,
+    ts_batch_not_run,
     ts_mask_type,
     ts_max_kv_len,
     ts_table_width,
@@ -842,15 +843,7 @@ class FlashInferTSInstance:
             return None
         if md.overflow is not None:
             return None
-        lens = common.query_lens.to("cpu").tolist()
-        lo, hi = (min(lens), max(lens)) if lens else (0, 0)
-        if md.noop_reason is not None:
-            return (f"not a draft-block batch ({md.noop_reason}); vLLM builds FLASHINFER_TS metadata for such "
-                    "prefill-shaped batches and never runs it")
-        if lo != hi or md.num_tokens != md.num_reqs * md.query_len:
-            return (f"query lengths {lo}..{hi} are not one uniform block: FLASHINFER_TS runs only batches where "
-                    f"every request brings the same number of query tokens (at most {self.builder.query_len})")
-        return None
+        return ts_batch_not_run(common.query_lens.to("cpu").tolist(), self.builder.query_len)
 
     def written_tokens(self, common: CommonMetadata, md: FlashInferTSMetadata) -> "torch.Tensor":
         """[num_tokens] bool: the tokens whose output this backend produced (emulated or real).

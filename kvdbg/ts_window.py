@@ -14,8 +14,35 @@ from kvdbg.errors import OptionError
 from kvdbg.findings import Finding
 from kvdbg.ts_contract import BACKEND as TS_BACKEND, check_plan, check_request
 
+
+def ts_batch_not_run(query_lens: list[int], max_decode_query_len: int) -> str | None:
+    """Why FLASHINFER_TS never runs a batch of these query lengths (None: it runs it), one line.
+
+    It runs uniform draft blocks only: the builder plans ``sum // num_reqs`` tokens per request and makes a
+    no-op of a batch past ``max_decode_query_len`` (or of one that rounds down to none); vLLM builds such
+    prefill-shaped and mixed batches' metadata and never runs them. One rule for `kvdbg replay` (the
+    flashinfer_ts column) and `kvdbg window SNAP` (which reads the lengths without torch).
+    """
+    n, tokens = len(query_lens), sum(query_lens)
+    q = tokens // n if n else 0
+    noop = None
+    if q > max_decode_query_len:
+        noop = (f"query_len {q} ({tokens} tokens over {n} requests) exceeds max_decode_query_len "
+                f"{max_decode_query_len}: the builder treats it as a batch it never runs")
+    elif q == 0 and tokens > 0:
+        noop = f"{tokens} tokens over {n} requests round down to 0 tokens per request"
+    if noop is not None:
+        return (f"not a draft-block batch ({noop}); vLLM builds FLASHINFER_TS metadata for such prefill-shaped "
+                "batches and never runs it")
+    lo, hi = (min(query_lens), max(query_lens)) if query_lens else (0, 0)
+    if lo != hi or tokens != n * q:
+        return (f"query lengths {lo}..{hi} are not one uniform block: FLASHINFER_TS runs only batches where "
+                f"every request brings the same number of query tokens (at most {max_decode_query_len})")
+    return None
+
 __all__ = [
     "cdiv",
+    "ts_batch_not_run",
     "WindowRestriction",
     "restrict_to_window",
     "ts_table_width",

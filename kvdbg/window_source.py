@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 from kvdbg.errors import OptionError, SnapshotError
 from kvdbg.format import CROSS_ATTN_TYPE, read_header, read_index_tensor
+from kvdbg.ts_window import ts_batch_not_run
 
 
 @dataclass(frozen=True)
@@ -106,20 +107,7 @@ def _not_applicable(header, prefix: str, starts: list[int]) -> str | None:
     meta = header.meta
     if meta.backend.name == "FLASHINFER_TS" and prefix + "output" in header.tensors:
         return None  # the engine ran it and kept its output: the findings say what went wrong
-    lens = [b - a for a, b in zip(starts, starts[1:])]
-    limit = meta.backend.max_decode_query_len
-    quotient = starts[-1] // len(lens)  # the query length FLASHINFER_TS's builder plans with
-    if quotient > limit:
-        return (f"not a draft-block batch (query_len {quotient}, {starts[-1]} tokens over {len(lens)} requests, "
-                f"exceeds max_decode_query_len {limit}); vLLM builds FLASHINFER_TS metadata for such "
-                "prefill-shaped batches and never runs it")
-    if quotient == 0 and starts[-1] > 0:
-        return (f"not a draft-block batch ({starts[-1]} tokens over {len(lens)} requests round down to 0 tokens "
-                "per request); vLLM never runs it through FLASHINFER_TS")
-    if min(lens) != max(lens):
-        return (f"query lengths {min(lens)}..{max(lens)} are not one uniform block: FLASHINFER_TS runs only batches "
-                f"where every request brings the same number of query tokens (at most {limit})")
-    return None
+    return ts_batch_not_run([b - a for a, b in zip(starts, starts[1:])], meta.backend.max_decode_query_len)
 
 
 def _non_uniform(starts: list[int]) -> str | None:
