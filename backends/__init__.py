@@ -10,7 +10,7 @@ import importlib
 
 from kvdbg.errors import OptionError
 
-# --backend name -> module defining BACKEND (a kvdbg.backend_api.BackendSpec)
+# --backend name -> module defining BACKEND (a kvdbg.backends.base.BackendSpec)
 BACKEND_MODULES = {
     "reference": "kvdbg.backends.reference",
     "flex": "kvdbg.backends.flex",

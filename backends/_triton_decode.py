@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvdbg.ts_contract import FP8_P_STREAMS, FP8_P_TILE
-from kvdbg.ts_planner import DecodeProfile
+from kvdbg.ts.contract import FP8_P_STREAMS, FP8_P_TILE
+from kvdbg.ts.planner import DecodeProfile
 
 
 @triton.jit

@@ -29,7 +29,7 @@ import torch
 from kvdbg.errors import BackendUnavailable
 
 if TYPE_CHECKING:
-    from kvdbg.format import SnapshotMeta
+    from kvdbg.snapshot.format import SnapshotMeta
 
 REGISTRY_MODULE = "vllm.v1.attention.backends.registry"
 

@@ -11,7 +11,7 @@ does the same, with vLLM's own functions, for a cache of the stored pages::
 
 What each ``(block, head)`` slot holds is the backend's: token rows of
 ``[K | V]`` for the standard content, and for CPU_ATTN's vec/vec16 kernels K
-transposed then V (``kvdbg.cache.CPU_ATTN_K_TRANSPOSED``). FP8 caches are
+transposed then V (``kvdbg.snapshot.layout.CPU_ATTN_K_TRANSPOSED``). FP8 caches are
 copied as bytes.
 """
 
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvdbg.cache import CPU_ATTN_K_TRANSPOSED, join_kv
+from kvdbg.snapshot.layout import CPU_ATTN_K_TRANSPOSED, join_kv
 from kvdbg.errors import BackendUnavailable
 
 if TYPE_CHECKING:
-    from kvdbg.format import SnapshotMeta
+    from kvdbg.snapshot.format import SnapshotMeta
 
 # What a (block, head) slot of the cache holds, per backend whose content is not the standard [K | V] rows.
 SLOT_CONTENT = {"CPU_ATTN": CPU_ATTN_K_TRANSPOSED}

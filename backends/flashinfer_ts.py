@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from kvdbg.backend_api import BackendSpec, Capabilities, unsupported_by, CommonMetadata, Finding, ReplayOptions, RunInfo
-from kvdbg.cache import FP8_MAX, as_fp8, quantize_fp8, split_kv
+from kvdbg.backends.base import BackendSpec, Capabilities, unsupported_by, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.snapshot.layout import FP8_MAX, as_fp8, quantize_fp8, split_kv
 from kvdbg.errors import BackendUnavailable
-from kvdbg.format import LAYOUT_VLLM
-from kvdbg.ts_window import (
+from kvdbg.snapshot.format import LAYOUT_VLLM
+from kvdbg.ts.window import (
     cdiv,
     restrict_to_window,
     ts_batch_not_run,
@@ -31,9 +31,9 @@ from kvdbg.ts_window import (
     ts_window_left,
     visibility_table,
 )
-from kvdbg.ts_planner import B200_SMS, DecodeProfile, fp8_decode_profile, window_first_tiles
-from kvdbg.ts_window_torch import restrict_to_window_tensors
-from kvdbg.ts_contract import (
+from kvdbg.ts.planner import B200_SMS, DecodeProfile, fp8_decode_profile, window_first_tiles
+from kvdbg.ts.window_torch import restrict_to_window_tensors
+from kvdbg.ts.contract import (
     FP8_P_STREAMS,
     FP8_P_TILE,
     PRECONDITIONS,
@@ -48,7 +48,7 @@ from kvdbg.ts_contract import (
 )
 
 if TYPE_CHECKING:
-    from kvdbg.format import SnapshotMeta
+    from kvdbg.snapshot.format import SnapshotMeta
 
 NAME = "flashinfer_ts"
 ENGINE_NAME = "FLASHINFER_TS"
@@ -62,7 +62,7 @@ TRITON_ABOVE_REQUESTS = 256
 # The FP8 kernel scales unnormalised probabilities by 448 (e4m3's largest finite value) and rounds them to
 # e4m3 before the P.V product (fmha_decode helpers_softmax). It streams keys in tiles of FP8_P_TILE through
 # one or two K/V instances, each with its own running max, merged at the end; how many depends on the
-# profile the planner picks (kvdbg.ts_planner). kvdbg models that at split count 1.
+# profile the planner picks (kvdbg.ts.planner). kvdbg models that at split count 1.
 FP8_P_SCALE = FP8_MAX
 FP8_P_CAVEAT = ("P rounded to e4m3 at 448x per 128-key tile against its K/V instance's running max, with the "
                 "planner's profile (one instance for a Keeps tile at head_dim 192/256, else two, tiles dealt in "

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from kvdbg.backend_api import BackendSpec, Capabilities, CommonMetadata, Finding, ReplayOptions, RunInfo
-from kvdbg.cache import as_fp8, dequantize_fp8, finite_pages, kv_views
-from kvdbg.pagemap import hazard_finding, paging_hazards, physical_to_logical
-from kvdbg.snapshot import live_mask, live_page_counts
+from kvdbg.backends.base import BackendSpec, Capabilities, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.snapshot.layout import as_fp8, dequantize_fp8, finite_pages, kv_views
+from kvdbg.snapshot.pagemap import hazard_finding, paging_hazards, physical_to_logical
+from kvdbg.snapshot.store import live_mask, live_page_counts
 
 if TYPE_CHECKING:
-    from kvdbg.format import SnapshotMeta
+    from kvdbg.snapshot.format import SnapshotMeta
 
 # vLLM's direct build uses 16-token query blocks on torch >= 2.9 and KV blocks of one page.
 Q_BLOCK_SIZE = 16

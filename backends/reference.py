@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvdbg.backend_api import BackendSpec, Capabilities, CommonMetadata, Finding, ReplayOptions, RunInfo
-from kvdbg.cache import as_fp8, dequantize_fp8, finite_pages, kv_head_dim, kv_views, page_dim, split_kv
+from kvdbg.backends.base import BackendSpec, Capabilities, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.snapshot.layout import as_fp8, dequantize_fp8, finite_pages, kv_head_dim, kv_views, page_dim, split_kv
 from kvdbg.errors import SnapshotError
-from kvdbg.format import ATTN_TYPES
+from kvdbg.snapshot.format import ATTN_TYPES
 
 if TYPE_CHECKING:
-    from kvdbg.format import SnapshotMeta
+    from kvdbg.snapshot.format import SnapshotMeta
 
 # Bytes of gathered K/V + scores one chunk may hold. Requests are grouped up to it,
 # and a request too long for it alone is cut along its KV length into blocks merged

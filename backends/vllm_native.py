@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvdbg.backend_api import BackendSpec, Capabilities, CommonMetadata, Finding, ReplayOptions, RunInfo
-from kvdbg.cache import dequantize_fp8, kv_views
+from kvdbg.backends.base import BackendSpec, Capabilities, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.snapshot.layout import dequantize_fp8, kv_views
 from kvdbg.errors import BackendUnavailable
 
 from ._vllm_engine import (LayerValues, MinimalEngine, backend_class, platform_reason, registered, validation_reasons,
@@ -50,7 +50,7 @@ from ._vllm_engine import (LayerValues, MinimalEngine, backend_class, platform_r
 from ._vllm_kv_cache import SLOT_CONTENT, allocate, check_view, choose_layout, place_pages, renumber
 
 if TYPE_CHECKING:
-    from kvdbg.format import SnapshotMeta
+    from kvdbg.snapshot.format import SnapshotMeta
 
 NAME = "vllm"
 FLEX = "FLEX_ATTENTION"

@@ -22,8 +22,8 @@ SMALL = dict(seq_lens=(9, 77, 200, 333), engine_output="reference", backend="FLA
 
 def make_small(directory: str, count: int, *, prefix: str = "small", **spec) -> list[str]:
     """``count`` small captures in ``directory`` (made once: files already there are kept)."""
-    from kvdbg.snapshot import save_snapshot
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.snapshot.store import save_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
     os.makedirs(directory, exist_ok=True)
     out = []

@@ -426,7 +426,7 @@ def floors(path: str) -> tuple[float, float, float, int]:
     import numpy as np
     import torch
 
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.snapshot.store import load_snapshot
 
     snap = load_snapshot(path)
     tensors = [t.clone() for t in snap.tensors().values()]  # in memory, as the engine's are
@@ -459,8 +459,8 @@ def run_size(size: Size, steps: int, out: str) -> dict:
     from vllm import LLM, SamplingParams
 
     from kvdbg import vllm_plugin
-    from kvdbg.capture import EngineTime
-    from kvdbg.ranges import IntRanges
+    from kvdbg.capture.capturer import EngineTime
+    from kvdbg.util.ranges import IntRanges
 
     llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, block_size=32,
               max_model_len=size.max_model_len, num_gpu_blocks_override=size.blocks, seed=0,

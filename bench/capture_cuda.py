@@ -46,10 +46,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from kvdbg import capture  # noqa: E402
-from kvdbg.capture import CaptureBackend, CaptureLayer, Capturer, StepTensors  # noqa: E402
-from kvdbg.capture_prepare import CapturePlan, PendingCapture  # noqa: E402
-from kvdbg.format import LAYOUT_VLLM  # noqa: E402
-from kvdbg.snapshot import load_snapshot  # noqa: E402
+from kvdbg.capture.capturer import CaptureBackend, CaptureLayer, Capturer, StepTensors  # noqa: E402
+from kvdbg.capture.prepare import CapturePlan, PendingCapture  # noqa: E402
+from kvdbg.snapshot.format import LAYOUT_VLLM  # noqa: E402
+from kvdbg.snapshot.store import load_snapshot  # noqa: E402
 
 
 class Phases:

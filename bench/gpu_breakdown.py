@@ -23,10 +23,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvdbg.backend_api import ReplayOptions
-from kvdbg.cache import kv_views, working_cache
-from kvdbg.runner import common_metadata, load_backends
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.backends.base import ReplayOptions
+from kvdbg.snapshot.cache import working_cache
+from kvdbg.snapshot.layout import kv_views
+from kvdbg.replayer.runner import common_metadata, load_backends
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 
 def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:

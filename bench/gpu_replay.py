@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from kvdbg.backend_api import ReplayOptions
-from kvdbg.cache import working_cache
-from kvdbg.runner import common_metadata, load_backends, run_backend
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.backends.base import ReplayOptions
+from kvdbg.snapshot.cache import working_cache
+from kvdbg.replayer.runner import common_metadata, load_backends, run_backend
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 
 def copy_bandwidth(device: str, nbytes: int = 4 << 30, iters: int = 10) -> float:

@@ -15,10 +15,10 @@ import statistics
 import time
 
 import kvdbg.backends.reference as reference_module
-from kvdbg.backend_api import ReplayOptions
-from kvdbg.cache import working_cache
-from kvdbg.runner import common_metadata, load_backends, run_backend
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.backends.base import ReplayOptions
+from kvdbg.snapshot.cache import working_cache
+from kvdbg.replayer.runner import common_metadata, load_backends, run_backend
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 
 def best_time(snap, repeat: int) -> float:

@@ -52,8 +52,8 @@ def child(argv: list[str], env: dict[str, str]) -> tuple[float, float, int, str]
 
 SYNTH = """
 import sys
-from kvdbg.snapshot import save_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.store import save_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 mib, query_len = int(sys.argv[2]), int(sys.argv[3])
 spec = SynthSpec(seq_lens=(mib * 4,) * 64, query_len=query_len, num_heads=32, num_kv_heads=8,
                  head_size=128, dtype="bfloat16")

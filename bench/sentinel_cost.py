@@ -42,7 +42,7 @@ def main() -> int:
     parser.add_argument("--out", default="/tmp/kvdbg-sentinel-cost")
     args = parser.parse_args()
 
-    from kvdbg.sentinel_config import DEFAULT_RATE
+    from kvdbg.sentinel.config import DEFAULT_RATE
     from tests.engine.tiny_model import TinyModel, write_model
 
     rate = DEFAULT_RATE if args.rate is None else args.rate

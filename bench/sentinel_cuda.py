@@ -11,7 +11,7 @@ layer. The engine's thread never waits for the device within a step.
 
 With the sentinel on, each (layer, step) is drawn at the rate; a drawn step's
 query and output rows are copied on the engine's stream and
-:class:`kvdbg.sentinel.DeferredChecks` checks it in its worker thread on a
+:class:`kvdbg.sentinel.checker.DeferredChecks` checks it in its worker thread on a
 side stream; the engine collects the verdict before that layer's next cache
 update (as the vLLM plugin does). Rounds of ``--steps`` steps alternate off
 and on; printed: the median step time of each, their ratio, and the same at
@@ -34,10 +34,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kvdbg.capture_prepare import CaptureLayer  # noqa: E402
-from kvdbg.format import LAYOUT_VLLM  # noqa: E402
-from kvdbg.sentinel import DeferredChecks, Sentinel, StepInputs  # noqa: E402
-from kvdbg.sentinel_config import DEFAULT_RATE, SentinelConfig  # noqa: E402
+from kvdbg.capture.prepare import CaptureLayer  # noqa: E402
+from kvdbg.snapshot.format import LAYOUT_VLLM  # noqa: E402
+from kvdbg.sentinel.checker import DeferredChecks, Sentinel, StepInputs  # noqa: E402
+from kvdbg.sentinel.config import DEFAULT_RATE, SentinelConfig  # noqa: E402
 
 
 class StandIn:

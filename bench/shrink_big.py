@@ -16,9 +16,9 @@ import sys
 import tempfile
 import time
 
-from kvdbg.shrinker import failure_signature, observe, same_failure, shrink
-from kvdbg.snapshot import load_snapshot, save_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.moves.shrinker import failure_signature, observe, same_failure, shrink
+from kvdbg.snapshot.store import load_snapshot, save_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 SPEC = SynthSpec(seq_lens=tuple(1900 + 7 * i for i in range(32)), num_heads=32, num_kv_heads=8, head_size=128,
                  dtype="bfloat16", steps=3, use_page_zero=True, page_zero_request=13, seed=7)

@@ -26,7 +26,7 @@ import tempfile
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 
-from kvdbg.format import read_header  # noqa: E402  (header only: no torch)
+from kvdbg.snapshot.format import read_header  # noqa: E402  (header only: no torch)
 
 STEP_DATA = ("query", "key", "value", "output")
 HEADS = ["--num-heads", "32", "--num-kv-heads", "8", "--head-size", "128", "--dtype", "bfloat16"]

@@ -7,13 +7,13 @@ first use so that ``kvdbg --help``, ``info`` and ``window`` stay instant.
 from kvdbg._version import __version__
 
 _LAZY = {
-    "Snapshot": "kvdbg.snapshot",
-    "Step": "kvdbg.snapshot",
-    "save_snapshot": "kvdbg.snapshot",
-    "load_snapshot": "kvdbg.snapshot",
-    "open_snapshot": "kvdbg.format",
-    "SynthSpec": "kvdbg.synth",
-    "synth_snapshot": "kvdbg.synth",
+    "Snapshot": "kvdbg.snapshot.store",
+    "Step": "kvdbg.snapshot.store",
+    "save_snapshot": "kvdbg.snapshot.store",
+    "load_snapshot": "kvdbg.snapshot.store",
+    "open_snapshot": "kvdbg.snapshot.format",
+    "SynthSpec": "kvdbg.moves.synth",
+    "synth_snapshot": "kvdbg.moves.synth",
     "SnapshotError": "kvdbg.errors",
     "KvdbgError": "kvdbg.errors",
     # the main job and the debugging moves (kvdbg.api: torch is imported by each call, not here)
@@ -26,9 +26,9 @@ _LAZY = {
     "diff": "kvdbg.api",
     "attention": "kvdbg.api",
     "error_pictures": "kvdbg.api",
-    "Capturer": "kvdbg.capture",
-    "Finding": "kvdbg.findings",
-    "CODES": "kvdbg.findings",
+    "Capturer": "kvdbg.capture.capturer",
+    "Finding": "kvdbg.judge.findings",
+    "CODES": "kvdbg.judge.findings",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -19,22 +19,22 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvdbg.pagemap import PageMap
-    from kvdbg.runner import ReplayReport
-    from kvdbg.snapshot import Snapshot
+    from kvdbg.snapshot.pagemap import PageMap
+    from kvdbg.replayer.runner import ReplayReport
+    from kvdbg.snapshot.store import Snapshot
 
 
 def load(snapshot: "str | Snapshot") -> "Snapshot":
     """A Snapshot: ``snapshot`` itself, or the file at that path, memory-mapped."""
     if isinstance(snapshot, str):
-        from kvdbg.snapshot import load_snapshot
+        from kvdbg.snapshot.store import load_snapshot
 
         return load_snapshot(snapshot)
     return snapshot
 
 
 def _options(device: str, compile: bool | None, exact: bool):
-    from kvdbg.backend_api import ReplayOptions
+    from kvdbg.backends.base import ReplayOptions
 
     return ReplayOptions(device=device, exact=exact, compile=compile)
 
@@ -69,7 +69,7 @@ def replay(snapshot: "str | Snapshot", backends: Iterable[str] | None = None, *,
     findings). ``atol``/``rtol`` None: the default tolerance of the dtype.
     """
     from kvdbg.backends import resolve_backend
-    from kvdbg.runner import replay as run_replay
+    from kvdbg.replayer.runner import replay as run_replay
 
     snap = load(snapshot)
     named = list(dict.fromkeys(resolve_backend(b) for b in backends)) if backends is not None else []
@@ -93,7 +93,7 @@ def attention(snapshot: "str | Snapshot", backends: Iterable[str] | None = None,
     that replay (``report``, when the caller has one, else replayed here: the
     step alone when step, request, head and token are all given).
     """
-    from kvdbg.attention import attention_picture, choose
+    from kvdbg.moves.attention import attention_picture, choose
 
     snap = load(snapshot)
     if report is None:
@@ -112,21 +112,21 @@ def _named(backends: Iterable[str]) -> list[str]:
 
 def error_pictures(report: "ReplayReport"):
     """A judged replay's request x head error maps and its error over steps (`replay --picture`)."""
-    from kvdbg.errormap import error_pictures as build
+    from kvdbg.judge.errormap import error_pictures as build
 
     return build(report)
 
 
 def page_map(snapshot: "str | Snapshot", *, step: int = 0, request: int | None = None) -> "PageMap":
     """Physical-to-logical page map of one step, with its anomalies: `kvdbg map`."""
-    from kvdbg.pagemap import page_map as build
+    from kvdbg.snapshot.pagemap import page_map as build
 
     return build(load(snapshot), step, request)
 
 
 def window(seq_len: int, window: int | None, **kwargs: Any):
     """The FLASHINFER_TS window restriction and per-token visibility: `kvdbg window` (no torch)."""
-    from kvdbg.ts_window import analyze_window
+    from kvdbg.ts.window import analyze_window
 
     return analyze_window(seq_len, window, **kwargs)
 
@@ -134,7 +134,7 @@ def window(seq_len: int, window: int | None, **kwargs: Any):
 def shrink(snapshot: "str | Snapshot", backend: str | None = None, **kwargs: Any):
     """The smallest snapshot that still fails the same way: `kvdbg shrink`."""
     from kvdbg.backends import resolve_backend
-    from kvdbg.shrinker import shrink as run
+    from kvdbg.moves.shrinker import shrink as run
 
     return run(load(snapshot), None if backend is None else resolve_backend(backend), **kwargs)
 
@@ -143,7 +143,7 @@ def poison(snapshot: "str | Snapshot", backends: Iterable[str] | None = None, *,
            compile: bool | None = None, **kwargs: Any):
     """Replay with NaN in every slot a correct backend must not read: `kvdbg poison`."""
     from kvdbg.backends import resolve_backend
-    from kvdbg.poisoner import poison as run
+    from kvdbg.moves.poisoner import poison as run
 
     names = None if backends is None else [resolve_backend(b) for b in backends]
     return run(load(snapshot), names, _options(device, compile, False), required=names or (), **kwargs)
@@ -153,8 +153,8 @@ def sweep(snapshot: "str | Snapshot", knobs: "str | Iterable[str]", backends: It
           device: str = "cpu", compile: bool | None = None, **kwargs: Any):
     """The snapshot replayed with one knob changed at a time (placement, kv-dtype, ...): `kvdbg sweep`."""
     from kvdbg.backends import resolve_backend
-    from kvdbg.sweeper import parse_knobs
-    from kvdbg.sweeper import sweep as run
+    from kvdbg.moves.sweeper import parse_knobs
+    from kvdbg.moves.sweeper import sweep as run
 
     names = None if backends is None else [resolve_backend(b) for b in backends]
     return run(load(snapshot), parse_knobs(knobs), names, _options(device, compile, False),
@@ -163,7 +163,7 @@ def sweep(snapshot: "str | Snapshot", knobs: "str | Iterable[str]", backends: It
 
 def diff(path_a: str, path_b: str, **kwargs: Any):
     """Two snapshots of one step, or two saved-output files: what differs: `kvdbg diff`."""
-    from kvdbg.snapdiff import diff_files
+    from kvdbg.moves.snapdiff import diff_files
 
     return diff_files(path_a, path_b, **kwargs)
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from kvdbg.snapshot import save_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.store import save_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 from tests.helpers import FIXTURES, ROOT, run_python, write_raw  # noqa: F401  (re-exported)
 

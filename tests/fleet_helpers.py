@@ -12,15 +12,15 @@ import signal
 import time
 from dataclasses import replace
 
-from kvdbg.batch import replay_file
+from kvdbg.replayer.batch import replay_file
 
-# The causes planted by mixed_directory, by the kind of group kvdbg.triage must put them in.
+# The causes planted by mixed_directory, by the kind of group kvdbg.fleet.triage must put them in.
 CAUSES = ("flex_null_page", "wrong_capture", "poisoned_page", "corrupt", "pass")
 SMALL = dict(seq_lens=(40, 70), num_heads=8, num_kv_heads=2, head_size=64)  # a head size prims_ts plans
 
 
 def _snapshot(spec, *, rank: int | None = None, step: int | None = None):
-    from kvdbg.synth import synth_snapshot
+    from kvdbg.moves.synth import synth_snapshot
 
     snap = synth_snapshot(spec)
     if rank is not None or step is not None:
@@ -32,8 +32,8 @@ def _snapshot(spec, *, rank: int | None = None, step: int | None = None):
 def write_cause(directory: str, cause: str, seed: int, name: str | None = None, seq_lens=None) -> str:
     """One snapshot failing (or passing) for ``cause``; returns its path. ``seq_lens`` for longer requests
     (passing snapshots only)."""
-    from kvdbg.snapshot import save_snapshot
-    from kvdbg.synth import SynthSpec
+    from kvdbg.snapshot.store import save_snapshot
+    from kvdbg.moves.synth import SynthSpec
 
     path = os.path.join(directory, name or f"{cause}_{seed}.safetensors")
     if cause == "flex_null_page":  # vLLM's null block in a live table entry: flex reads it, the reference does not
@@ -150,7 +150,7 @@ def env_replay(path, options):
     """No replay at all (no torch): notes beside the file the CUDA_VISIBLE_DEVICES and the device this worker
     was given (``PATH.PID.where``), and returns a passing row. For testing the scheduler of several GPUs on a
     machine that has none."""
-    from kvdbg.batch import FileResult
+    from kvdbg.replayer.batch import FileResult
 
     with open(f"{path}.{os.getpid()}.where", "w", encoding="utf-8") as fh:
         json.dump({"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "device": options.device}, fh)

@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from kvdbg.format import FORMAT_KEY, META_KEY, write_safetensors
-from kvdbg.snapshot import dtype_name
+from kvdbg.snapshot.format import FORMAT_KEY, META_KEY, write_safetensors
+from kvdbg.snapshot.store import dtype_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Float outputs of kernels are compared within a few ulps of their dtype, never bit for bit: another CPU
@@ -52,7 +52,7 @@ def asdict_meta_json(meta) -> str:
     until it stopped deep-copying (the test of the same bytes, and bench/writer_cost.py's reference)."""
     import dataclasses
 
-    from kvdbg.format import LAYER_FIELDS_WRITTEN_WHEN_SET, LayerMeta
+    from kvdbg.snapshot.format import LAYER_FIELDS_WRITTEN_WHEN_SET, LayerMeta
 
     record = dataclasses.asdict(meta)
     for name in LAYER_FIELDS_WRITTEN_WHEN_SET:

@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-from kvdbg import background
-from kvdbg.background import confine_torch_to_this_thread
-from kvdbg.capture import Capturer, writer_niceness
-from kvdbg.format import LAYOUT_VLLM
+from kvdbg.util import background
+from kvdbg.util.background import confine_torch_to_this_thread
+from kvdbg.capture.capturer import Capturer, writer_niceness
+from kvdbg.snapshot.format import LAYOUT_VLLM
 from tests.test_capture import Engine
 
 

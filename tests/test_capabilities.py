@@ -1,4 +1,4 @@
-"""Backend capabilities: declared on each backend, checked in one place (kvdbg.backend_api.unsupported_by)."""
+"""Backend capabilities: declared on each backend, checked in one place (kvdbg.backends.base.unsupported_by)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from kvdbg.backend_api import Capabilities, unsupported_by
+from kvdbg.backends.base import Capabilities, unsupported_by
 from kvdbg.backends import backend_names, get_backend
-from kvdbg.format import LAYOUT_KV_PLANES
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.format import LAYOUT_KV_PLANES
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 SNAP = synth_snapshot(SynthSpec(query_len=2))
 

@@ -1,4 +1,4 @@
-"""kvdbg.capture: engine tensors -> snapshot, budgets, filters, and never raising into the engine."""
+"""kvdbg.capture.capturer: engine tensors -> snapshot, budgets, filters, and never raising into the engine."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from kvdbg.capture import (
+from kvdbg.capture.capturer import (
     CaptureBackend,
     CaptureInputError,
     CaptureLayer,
@@ -20,10 +20,10 @@ from kvdbg.capture import (
     infer_kv_layout,
     snapshot_file_size,
 )
-from kvdbg.cache import split_kv
-from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
-from kvdbg.snapshot import load_snapshot, referenced_pages
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.layout import split_kv
+from kvdbg.snapshot.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
+from kvdbg.snapshot.store import load_snapshot, referenced_pages
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 PAD_ROWS = 3  # CUDA-graph padding: rows past query_start_loc[-1] that must not be stored
 

@@ -1,4 +1,4 @@
-"""kvdbg.capture_config: the KVDBG_CAPTURE_* variables, parsed once into a frozen configuration."""
+"""kvdbg.capture.config: the KVDBG_CAPTURE_* variables, parsed once into a frozen configuration."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from kvdbg import vllm_plugin
-from kvdbg.capture import Capturer
-from kvdbg.capture_config import ENV_DIR, CaptureConfig, LayerFilter, auto_queue_bytes, available_memory
+from kvdbg.capture.capturer import Capturer
+from kvdbg.capture.config import ENV_DIR, CaptureConfig, LayerFilter, auto_queue_bytes, available_memory
 from kvdbg.errors import OptionError
 from tests.helpers import run_python
 
@@ -122,7 +122,7 @@ def test_the_auto_queue_budget_is_a_quarter_of_available_memory_within_the_byte_
 
 
 def test_reading_the_configuration_needs_no_torch():
-    out = run_python("import sys, kvdbg.capture_config as c; "
+    out = run_python("import sys, kvdbg.capture.config as c; "
                      "c.CaptureConfig.from_env({'KVDBG_CAPTURE_DIR': 'x', 'KVDBG_CAPTURE_STEPS': '1-'}); "
                      "print('torch' in sys.modules)")
     assert out.strip() == "False"

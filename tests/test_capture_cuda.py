@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from kvdbg import capture_buffers
-from kvdbg.capture import Capturer
-from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
-from kvdbg.snapshot import load_snapshot
+from kvdbg.capture import buffers as capture_buffers
+from kvdbg.capture.capturer import Capturer
+from kvdbg.snapshot.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
+from kvdbg.snapshot.store import load_snapshot
 from tests.test_capture import Engine, same_bytes
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvdbg.capture_prepare import CaptureInputError, CaptureLayer, complete_capture, prepare_capture
-from kvdbg.runner import replay
-from kvdbg.shrinker import select_kv_heads
-from kvdbg.snapshot import load_snapshot, save_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.capture.prepare import CaptureInputError, CaptureLayer, complete_capture, prepare_capture
+from kvdbg.replayer.runner import replay
+from kvdbg.moves.shrinker import select_kv_heads
+from kvdbg.snapshot.store import load_snapshot, save_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 from kvdbg.vllm_plugin import _PluginState
 from tests.test_capture import Engine
 

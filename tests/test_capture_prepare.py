@@ -1,4 +1,4 @@
-"""kvdbg.capture_prepare: one step -> what a snapshot holds, as pure functions that raise typed errors."""
+"""kvdbg.capture.prepare: one step -> what a snapshot holds, as pure functions that raise typed errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from kvdbg.capture_prepare import (
+from kvdbg.capture.prepare import (
     CaptureInputError,
     CapturePlan,
     PendingCapture,
@@ -19,8 +19,8 @@ from kvdbg.capture_prepare import (
     save_pre_update,
     snapshot_file_size,
 )
-from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM, parse_meta
-from kvdbg.snapshot import save_snapshot
+from kvdbg.snapshot.format import LAYOUT_KV_PLANES, LAYOUT_VLLM, parse_meta
+from kvdbg.snapshot.store import save_snapshot
 from tests.test_capture import PAD_ROWS, Engine, page_dim, same_bytes
 
 
@@ -170,7 +170,7 @@ def test_an_undeclared_layout_is_inferred_from_the_shape_and_said_so(layout):
 
 
 def test_the_page_buffers_are_reused_by_identity_among_free_buffers_of_other_sizes():
-    from kvdbg.capture_buffers import POOLED_MIN_BYTES, HostBuffers
+    from kvdbg.capture.buffers import POOLED_MIN_BYTES, HostBuffers
 
     pool = HostBuffers()
     small = torch.zeros(POOLED_MIN_BYTES, dtype=torch.uint8)
@@ -186,8 +186,8 @@ def test_the_page_buffers_are_reused_by_identity_among_free_buffers_of_other_siz
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("ids", [[3, 4, 5, 9, 10, 20], [7], list(range(0, 40, 2))])
 def test_a_pooled_gather_copies_runs_of_pages_or_selects_them_alike(dim, ids, monkeypatch):
-    from kvdbg import capture_buffers
-    from kvdbg.capture_buffers import MAX_RUNS, HostBuffers, StepCopies, _runs
+    from kvdbg.capture import buffers as capture_buffers
+    from kvdbg.capture.buffers import MAX_RUNS, HostBuffers, StepCopies, _runs
 
     monkeypatch.setattr(capture_buffers, "POOLED_MIN_BYTES", 1)  # pool (and so copy by runs) even these pages
     monkeypatch.setattr(capture_buffers, "RUNS_MIN_BYTES", 1)
@@ -206,7 +206,7 @@ def test_a_pooled_gather_copies_runs_of_pages_or_selects_them_alike(dim, ids, mo
 
 @pytest.mark.parametrize("pinned", [False, True])
 def test_a_kept_page_buffer_fits_the_next_steps_whose_sequences_grew(pinned):
-    from kvdbg.capture_buffers import POOLED_MIN_BYTES, HostBuffers, _headroom
+    from kvdbg.capture.buffers import POOLED_MIN_BYTES, HostBuffers, _headroom
 
     if pinned and not torch.cuda.is_available():
         # The size rule alone: pinned buffers are made to the power of two the caching host allocator uses.

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from kvdbg.capture import CaptureBackend, CaptureLayer, Capturer, StepTensors
-from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
-from kvdbg.runner import replay
-from kvdbg.snapshot import Snapshot, load_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.capture.capturer import CaptureBackend, CaptureLayer, Capturer, StepTensors
+from kvdbg.snapshot.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
+from kvdbg.replayer.runner import replay
+from kvdbg.snapshot.store import Snapshot, load_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 from tests.helpers import assert_close_ulps
 
 

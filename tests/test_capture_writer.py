@@ -16,11 +16,11 @@ import time
 
 import pytest
 
-from kvdbg import capture as capture_module
-from kvdbg import snapshot as snapshot_module
-from kvdbg.capture import TEMP_PREFIX, Capturer, stale_temp_files
-from kvdbg.format import LAYOUT_VLLM
-from kvdbg.snapshot import load_snapshot
+from kvdbg.capture import capturer as capture_module
+from kvdbg.snapshot import store as snapshot_module
+from kvdbg.capture.capturer import TEMP_PREFIX, Capturer, stale_temp_files
+from kvdbg.snapshot.format import LAYOUT_VLLM
+from kvdbg.snapshot.store import load_snapshot
 from tests.test_capture import Engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -220,8 +220,8 @@ def test_a_read_only_directory_is_one_line(tmp_path, caplog):
 CHILD_KILLED_MID_WRITE = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {root!r})
-    from kvdbg import snapshot as snapshot_module
-    from kvdbg.capture import Capturer
+    from kvdbg.snapshot import store as snapshot_module
+    from kvdbg.capture.capturer import Capturer
     from tests.test_capture import Engine
 
     real_write = snapshot_module.write_safetensors
@@ -273,7 +273,7 @@ CHILD_EXITS = textwrap.dedent("""
     import logging, sys
     sys.path.insert(0, {root!r})
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from kvdbg.capture import Capturer
+    from kvdbg.capture.capturer import Capturer
     from tests.test_capture import Engine
 
     engine = Engine(layout="pages,heads,tokens,2*dim", dtype="bfloat16")
@@ -313,7 +313,7 @@ def test_several_processes_write_one_directory_without_collisions(tmp_path):
 
 
 def test_page_buffers_come_back_for_the_next_burst_within_the_budget_and_go_when_idle(tmp_path, monkeypatch):
-    from kvdbg import capture_buffers
+    from kvdbg.capture import buffers as capture_buffers
 
     monkeypatch.setattr(capture_buffers, "POOLED_MIN_BYTES", 1)  # this engine's pages are small: pool them all
     monkeypatch.setattr(capture_module, "IDLE_RELEASE_SECONDS", 0.3)
@@ -341,7 +341,7 @@ def test_page_buffers_come_back_for_the_next_burst_within_the_budget_and_go_when
 def test_the_pool_keeps_no_more_free_bytes_than_it_is_told():
     import torch
 
-    from kvdbg.capture_buffers import POOLED_MIN_BYTES, HostBuffers
+    from kvdbg.capture.buffers import POOLED_MIN_BYTES, HostBuffers
 
     pool = HostBuffers(keep_bytes=3 * POOLED_MIN_BYTES)
     buffers = [torch.empty(POOLED_MIN_BYTES * (i + 1), dtype=torch.uint8) for i in range(3)]

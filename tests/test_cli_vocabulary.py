@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from kvdbg.cli import COMMANDS, cli
 from kvdbg.cli.common import Indices, progress_printer, within
 from kvdbg.errors import OptionError
-from kvdbg.ranges import parse_ranges
+from kvdbg.util.ranges import parse_ranges
 
 from tests.helpers import FIXTURES, ROOT
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kvdbg.backend_api import ReplayOptions
-from kvdbg.compare import DEFAULT_TOLERANCES, compare, compare_step, default_tolerance
-from kvdbg.runner import replay
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.backends.base import ReplayOptions
+from kvdbg.judge.compare import DEFAULT_TOLERANCES, compare, compare_step, default_tolerance
+from kvdbg.replayer.runner import replay
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 QSL = torch.tensor([0, 2, 5, 6])  # three requests with 2, 3 and 1 query tokens
 SEQ_LENS = torch.tensor([10, 40, 7])

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvdbg import capture_prepare as capture_module
-from kvdbg.capture import Capturer, PreUpdate
-from kvdbg.cache import quantize_fp8
-from kvdbg.engine_layouts import (
+from kvdbg.capture import prepare as capture_module
+from kvdbg.capture.capturer import Capturer, PreUpdate
+from kvdbg.snapshot.layout import quantize_fp8
+from kvdbg.capture.engine_layouts import (
     CPU_ATTN_K_TRANSPOSED,
     LayerCacheDeclaration,
     LayoutError,
@@ -25,8 +25,8 @@ from kvdbg.engine_layouts import (
     vllm_layout,
     vllm_to_cpu_attn,
 )
-from kvdbg.format import LAYOUT_VLLM
-from kvdbg.snapshot import load_snapshot
+from kvdbg.snapshot.format import LAYOUT_VLLM
+from kvdbg.snapshot.store import load_snapshot
 from tests.test_capture import Engine
 
 

@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvdbg.cli import cli
-from kvdbg.findings import CODES, SEVERITIES, Finding, UnknownCode, lookup, markdown
-from kvdbg.pagemap import PagingHazard
+from kvdbg.judge.findings import CODES, SEVERITIES, Finding, UnknownCode, lookup, markdown
+from kvdbg.snapshot.pagemap import PagingHazard
 
 from tests.helpers import run_python
 
@@ -21,7 +21,8 @@ PRODUCT = sorted(p for d in ("kvdbg", "backends") for p in (ROOT / d).rglob("*.p
 # Calls that build a finding, and the argument that holds its code: (keyword, position).
 PRODUCERS = {"Finding": ("code", None), "_broken": (None, 0), "_finding": (None, 1)}
 # Producer calls whose code is not a literal: wrappers that pass on a code their callers give as a literal.
-PASSED_ON = {("pagemap.py", "hazard_finding"), ("ts_contract.py", "_broken"), ("flashinfer_ts.py", "_finding")}
+PASSED_ON = {("kvdbg/snapshot/pagemap.py", "hazard_finding"), ("kvdbg/ts/contract.py", "_broken"),
+             ("backends/flashinfer_ts.py", "_finding")}
 
 
 def _literals(node) -> set[str] | None:
@@ -50,7 +51,7 @@ def produced_codes() -> tuple[set[str], set[tuple[str, str]]]:
                     call.args[position] if len(call.args) > position else None)
                 found = _literals(arg) if arg is not None else None
                 if found is None:
-                    dynamic.add((path.name, fn.name))
+                    dynamic.add((path.relative_to(ROOT).as_posix(), fn.name))
                 else:
                     codes |= found
     # A paging hazard names its code by kind (PagingHazard.code): both kinds, as map and flex report them.
@@ -92,7 +93,7 @@ def test_every_code_is_explained_in_full():
 
 
 def test_prims_ts_rules_live_in_the_registry():
-    from kvdbg.ts_contract import PRECONDITIONS, check_plan
+    from kvdbg.ts.contract import PRECONDITIONS, check_plan
 
     assert PRECONDITIONS["table_too_narrow"] == (lookup("table_too_narrow").rule, lookup("table_too_narrow").source)
     (f,) = check_plan(head_dim=None, page_size=12, q_dtype=None, kv_dtype=None, mask_type="dense", window_left=-1)
@@ -101,10 +102,10 @@ def test_prims_ts_rules_live_in_the_registry():
 
 def test_map_and_flex_name_a_hidden_null_block_alike():
     """One condition, one code: `kvdbg map` and the flex backend report page 0 under the same code."""
-    from kvdbg.backend_api import ReplayOptions
-    from kvdbg.pagemap import find_anomalies
-    from kvdbg.runner import replay
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.backends.base import ReplayOptions
+    from kvdbg.snapshot.pagemap import find_anomalies
+    from kvdbg.replayer.runner import replay
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
     snap = synth_snapshot(SynthSpec(seq_lens=(40, 70), use_page_zero=True, page_zero_request=1, num_heads=2,
                                     num_kv_heads=1, head_size=16))
@@ -183,14 +184,14 @@ print("HEAVY=" + ",".join(m for m in ("torch", "numpy") if m in sys.modules))
 
 def test_docs_findings_md_is_generated_from_the_registry():
     doc = (ROOT / "docs" / "findings.md").read_text()
-    assert doc == markdown(), "docs/findings.md is out of date: python -m kvdbg.findings --markdown > docs/findings.md"
+    assert doc == markdown(), "docs/findings.md is out of date: python -m kvdbg.judge.findings --markdown > docs/findings.md"
     for name in CODES:
         assert f"\n## {name}\n" in doc
 
 
 def test_findings_tables_point_to_explain(tmp_path):
-    from kvdbg.snapshot import save_snapshot
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.snapshot.store import save_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
     path = str(save_snapshot(synth_snapshot(SynthSpec(seq_lens=(40, 70), use_page_zero=True, page_zero_request=1,
                                                       num_heads=2, num_kv_heads=1, head_size=16)),

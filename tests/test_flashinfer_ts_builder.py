@@ -8,14 +8,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvdbg.backend_api import ReplayOptions
+from kvdbg.backends.base import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
-from kvdbg.cache import split_kv, working_cache
-from kvdbg.format import LAYOUT_VLLM
-from kvdbg.ts_window import restrict_to_window
-from kvdbg.runner import common_metadata, replay
-from kvdbg.snapshot import with_meta
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.cache import working_cache
+from kvdbg.snapshot.layout import split_kv
+from kvdbg.snapshot.format import LAYOUT_VLLM
+from kvdbg.ts.window import restrict_to_window
+from kvdbg.replayer.runner import common_metadata, replay
+from kvdbg.snapshot.store import with_meta
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 
 def _snap(**kw):

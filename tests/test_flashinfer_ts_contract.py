@@ -11,13 +11,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvdbg.backend_api import ReplayOptions
+from kvdbg.backends.base import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
-from kvdbg.cache import working_cache
+from kvdbg.snapshot.cache import working_cache
 from kvdbg.errors import BackendUnavailable
-from kvdbg.runner import common_metadata, replay
-from kvdbg.synth import LAYOUT_KV_PLANES, SynthSpec, synth_snapshot
-from kvdbg.ts_contract import api_for_version
+from kvdbg.replayer.runner import common_metadata, replay
+from kvdbg.moves.synth import LAYOUT_KV_PLANES, SynthSpec, synth_snapshot
+from kvdbg.ts.contract import api_for_version
 
 from tests.helpers import ROOT
 

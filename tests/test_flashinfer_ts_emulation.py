@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdbg.backend_api import ReplayOptions
+from kvdbg.backends.base import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
-from kvdbg.cache import split_kv, working_cache
-from kvdbg.format import LAYOUT_VLLM
-from kvdbg.ts_window import exact_visible_range, visibility_table
-from kvdbg.runner import common_metadata
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.cache import working_cache
+from kvdbg.snapshot.layout import split_kv
+from kvdbg.snapshot.format import LAYOUT_VLLM
+from kvdbg.ts.window import exact_visible_range, visibility_table
+from kvdbg.replayer.runner import common_metadata
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 
 def exact_attention(snap, cache) -> torch.Tensor:

@@ -7,15 +7,16 @@ import math
 import pytest
 import torch
 
-from kvdbg import ts_contract as contract
-from kvdbg.backend_api import ReplayOptions
+from kvdbg.ts import contract
+from kvdbg.backends.base import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
-from kvdbg.cache import split_kv, working_cache
-from kvdbg.compare import default_tolerance
+from kvdbg.snapshot.cache import working_cache
+from kvdbg.snapshot.layout import split_kv
+from kvdbg.judge.compare import default_tolerance
 from kvdbg.errors import BackendUnavailable
-from kvdbg.format import LAYOUT_VLLM
-from kvdbg.runner import common_metadata, replay
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.format import LAYOUT_VLLM
+from kvdbg.replayer.runner import common_metadata, replay
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 from tests.helpers import assert_close_ulps
 
@@ -191,7 +192,7 @@ def test_fp8_emulation_is_the_p_rounding_model_within_flashinfer_tolerance(seed,
 ])
 def test_fp8_head_dim_256_is_the_p_rounding_model_of_its_profile(seed, lens, sq, hq, hkv, mask_type, window_left,
                                                                  instances, tokens_per_cta):
-    from kvdbg.ts_planner import DecodeProfile
+    from kvdbg.ts.planner import DecodeProfile
 
     q, k, v, seq_lens, table = _fp8_case(seed, lens, sq, hq, hkv, d=256)
     scales = dict(bmm1_scale=0.006, bmm2_scale=0.7)
@@ -210,7 +211,7 @@ def test_fp8_head_dim_256_is_the_p_rounding_model_of_its_profile(seed, lens, sq,
 
 def test_the_replay_rounds_p_with_the_profile_the_planner_picks():
     """Through the builder: head_dim 256 with 64 query heads per KV head plans a Keeps tile (one instance)."""
-    from kvdbg.ts_planner import fp8_decode_profile
+    from kvdbg.ts.planner import fp8_decode_profile
 
     snap = synth_snapshot(SynthSpec(seq_lens=(700, 300), num_heads=64, num_kv_heads=1, head_size=256, fp8=True,
                                     causal=False, q_scale=0.05, k_scale=0.03, v_scale=0.04))
@@ -229,8 +230,8 @@ def test_the_replay_rounds_p_with_the_profile_the_planner_picks():
 
 
 def test_fp8_fixture_emulation_is_the_p_rounding_model():
-    from kvdbg.fixtures_path import fixture_path
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.util.fixtures_path import fixture_path
+    from kvdbg.snapshot.store import load_snapshot
 
     snap = load_snapshot(fixture_path("fp8_dense"))
     inst = ts.create(snap.meta, ReplayOptions(force_emulation=True))

@@ -20,11 +20,11 @@ prims_ts = pytest.importorskip("flashinfer.attention.prims_ts")
 
 import flashinfer  # noqa: E402
 
-from kvdbg.backend_api import ReplayOptions  # noqa: E402
+from kvdbg.backends.base import ReplayOptions  # noqa: E402
 from kvdbg.backends import flashinfer_ts as ts  # noqa: E402
-from kvdbg.cache import working_cache  # noqa: E402
-from kvdbg.runner import common_metadata  # noqa: E402
-from kvdbg.synth import SynthSpec, synth_snapshot  # noqa: E402
+from kvdbg.snapshot.cache import working_cache  # noqa: E402
+from kvdbg.replayer.runner import common_metadata  # noqa: E402
+from kvdbg.moves.synth import SynthSpec, synth_snapshot  # noqa: E402
 
 CASES = {
     "causal_q1": dict(seq_lens=(40, 77), causal=True),

@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
 
 from kvdbg.backends import flashinfer_ts as ts  # noqa: E402
 from kvdbg.backends._triton_decode import triton_decode  # noqa: E402
-from kvdbg.cache import split_kv  # noqa: E402
-from kvdbg.format import LAYOUT_VLLM  # noqa: E402
+from kvdbg.snapshot.layout import split_kv  # noqa: E402
+from kvdbg.snapshot.format import LAYOUT_VLLM  # noqa: E402
 
 
 def _case(batch, sq, hq, hkv, d, ps, lens, fp8, seed):
@@ -67,7 +67,7 @@ def test_triton_matches_torch_emulation(mask_type, window_left, sq, hq, hkv, d, 
 @pytest.mark.parametrize("instances,tokens_per_cta,sq,hq,hkv", [(1, 2, 2, 8, 1), (1, 1, 1, 16, 1), (2, 2, 4, 8, 2)])
 def test_triton_fp8_follows_the_planners_profile(mask_type, window_left, instances, tokens_per_cta, sq, hq, hkv):
     """head_dim 256: a Keeps profile (one K/V instance) and a Swaps one (two, dealt from the window's first tile)."""
-    from kvdbg.ts_planner import DecodeProfile
+    from kvdbg.ts.planner import DecodeProfile
 
     profile = DecodeProfile(keeps=instances == 1, tile_q=64 if instances == 1 else 8,
                             q_tokens_per_cta=tokens_per_cta, kv_instances=instances, why="test")
@@ -96,10 +96,10 @@ def _assert_fp8_close(actual, expected, v, *, bmm2_scale):
 
 
 def test_replay_on_cuda_says_triton_and_matches_torch(monkeypatch):
-    from kvdbg.fixtures_path import fixture_path
-    from kvdbg.backend_api import ReplayOptions
-    from kvdbg.runner import replay
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.util.fixtures_path import fixture_path
+    from kvdbg.backends.base import ReplayOptions
+    from kvdbg.replayer.runner import replay
+    from kvdbg.snapshot.store import load_snapshot
 
     snap = load_snapshot(fixture_path("dflash"))
     by_size = replay(snap, ["flashinfer_ts"], ReplayOptions(device="cuda")).steps[0].runs["flashinfer_ts"]
@@ -139,10 +139,10 @@ def test_dense_request_shorter_than_its_block_is_written_like_the_torch_emulatio
 
 
 def test_fp8_replay_on_cuda_rounds_p_like_the_torch_emulation(monkeypatch):
-    from kvdbg.backend_api import ReplayOptions
-    from kvdbg.fixtures_path import fixture_path
-    from kvdbg.runner import replay
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.backends.base import ReplayOptions
+    from kvdbg.util.fixtures_path import fixture_path
+    from kvdbg.replayer.runner import replay
+    from kvdbg.snapshot.store import load_snapshot
 
     snap = load_snapshot(fixture_path("fp8_dense"))
     monkeypatch.setenv("KVDBG_EMULATION", "triton")

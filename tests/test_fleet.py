@@ -13,12 +13,12 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from kvdbg.batch import STATUS_PASS, BatchOptions, find_snapshots
+from kvdbg.replayer.batch import STATUS_PASS, BatchOptions, find_snapshots
 from kvdbg.cli import cli
 from kvdbg.errors import BackendUnavailable, OptionError
-from kvdbg.fleet import run_fleet
-from kvdbg.results import ResultsError, read_results
-from kvdbg.workers import Started, WorkerSlot, default_per_gpu, plan_workers, visible_gpus
+from kvdbg.fleet.runs import run_fleet
+from kvdbg.fleet.results import ResultsError, read_results
+from kvdbg.fleet.workers import Started, WorkerSlot, default_per_gpu, plan_workers, visible_gpus
 
 from tests.fleet_helpers import (dying_replay, env_replay, mixed_directory, rows, small_directory, verdicts,
                                  wait_for_rows, write_cause)
@@ -77,9 +77,9 @@ def test_visible_devices_are_kept_as_written():
 def test_three_gpus_each_get_their_workers_pinned(tmp_path, monkeypatch, parent_env):
     """The scheduler of several GPUs on a machine with none: torch's count is replaced by 3, and the replay by
     one that only notes what its worker sees (tests.fleet_helpers.env_replay)."""
-    import kvdbg.workers
+    import kvdbg.fleet.workers
 
-    monkeypatch.setattr(kvdbg.workers, "cuda_count", lambda: 3)
+    monkeypatch.setattr(kvdbg.fleet.workers, "cuda_count", lambda: 3)
     if parent_env is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
@@ -512,9 +512,9 @@ def test_the_progress_bar_shows_count_rate_eta_and_failures():
 
     from rich.console import Console
 
-    from kvdbg.batch import FileResult
+    from kvdbg.replayer.batch import FileResult
     from kvdbg.render.progress import FleetBar
-    from kvdbg.results import Row
+    from kvdbg.fleet.results import Row
 
     out = io.StringIO()
     bar = FleetBar(Console(file=out, force_terminal=True, width=100, color_system=None))

@@ -15,9 +15,9 @@ import signal
 import pytest
 import torch
 
-from kvdbg.batch import BatchOptions, find_snapshots
-from kvdbg.fleet import run_fleet
-from kvdbg.workers import Started
+from kvdbg.replayer.batch import BatchOptions, find_snapshots
+from kvdbg.fleet.runs import run_fleet
+from kvdbg.fleet.workers import Started
 
 from tests.fleet_helpers import mixed_directory, pinned_replay, small_directory
 

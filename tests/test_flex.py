@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import kvdbg.backends.flex as flex_module
-from kvdbg.backend_api import ReplayOptions
-from kvdbg.compare import compare_step
-from kvdbg.format import LAYOUT_KV_PLANES
-from kvdbg.runner import common_metadata, replay
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.backends.base import ReplayOptions
+from kvdbg.judge.compare import compare_step
+from kvdbg.snapshot.format import LAYOUT_KV_PLANES
+from kvdbg.replayer.runner import common_metadata, replay
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 from tests.helpers import assert_close_ulps
 
 SPECS = {
@@ -179,7 +179,9 @@ def _whole_cache_eager(snap, md):
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    from kvdbg.cache import kv_views, working_cache
+    from kvdbg.snapshot.cache import working_cache
+
+    from kvdbg.snapshot.layout import kv_views
 
     layer = snap.meta.layer
     k, v = kv_views(snap.meta, working_cache(snap))
@@ -234,7 +236,7 @@ def test_eager_reads_only_the_pages_each_query_block_lists_as_the_compiled_kerne
     """Drop one page from one query block's list: eager must lose exactly the keys compiled loses."""
     from dataclasses import replace
 
-    from kvdbg.cache import working_cache
+    from kvdbg.snapshot.cache import working_cache
 
     snap = synth_snapshot(SynthSpec(query_lens=(3, 20, 2), seq_lens=(40, 77, 90), new_kv=False))
     md = flex_module.FlexBuilder(snap.meta).build(common_metadata(snap, 0))
@@ -266,7 +268,7 @@ def test_eager_reads_only_the_pages_each_query_block_lists_as_the_compiled_kerne
 
 
 def test_finite_page_flags_see_nan_and_inf_but_not_an_overflowing_sum():
-    from kvdbg.cache import finite_pages
+    from kvdbg.snapshot.layout import finite_pages
 
     k = torch.ones(6, 2, 16, 8)
     v = torch.ones(6, 2, 16, 8)

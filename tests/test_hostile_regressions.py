@@ -43,8 +43,8 @@ def test_window_huge_query_len_is_an_option_error():
 
 def _snap_with_bad_pages(tmp_path, *, nan=False, inf=False, zero=False, zero_tail=False, fp8=False):
     """Small causal snapshot; request 0's second page poisoned, request 1's first page wiped."""
-    from kvdbg.snapshot import save_snapshot
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.snapshot.store import save_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
     snap = synth_snapshot(SynthSpec(seq_lens=(20, 40), num_heads=4, num_kv_heads=2, head_size=16, new_kv=False,
                                     stale_tail=1, fp8=fp8, q_scale=0.05 if fp8 else 1.0))
@@ -110,8 +110,8 @@ def test_replay_reports_nonfinite_pages_before_the_backends(tmp_path):
 
 def test_live_page_scan_is_chunked(tmp_path, monkeypatch):
     """The scan must visit every live page even when one chunk holds a single page."""
-    import kvdbg.pagemap as pagemap
-    from kvdbg.snapshot import load_snapshot
+    import kvdbg.snapshot.pagemap as pagemap
+    from kvdbg.snapshot.store import load_snapshot
 
     path, snap = _snap_with_bad_pages(tmp_path, nan=True, zero=True)
     monkeypatch.setattr(pagemap, "SCAN_BUDGET_BYTES", 1)
@@ -122,7 +122,7 @@ def test_live_page_scan_is_chunked(tmp_path, monkeypatch):
 
 def _terabyte_header_file(tmp_path, small_parts, *, consistent_offsets: bool):
     """A small file whose header declares a 1 TiB kv_cache."""
-    from kvdbg.format import ST_DTYPES
+    from kvdbg.snapshot.format import ST_DTYPES
 
     tensors, meta = small_parts
     path = write_raw(tmp_path / "tb.safetensors", tensors, meta)
@@ -166,7 +166,7 @@ def test_terabyte_tensor_is_rejected_before_any_allocation(tmp_path, small_parts
 
     # What merely loading torch and the replay code costs on this machine (a CUDA build maps far more
     # than a CPU one): the file may add only a little on top of it.
-    _, torch_mb, _ = probe([sys.executable, "-c", "import torch, kvdbg.runner, kvdbg.pagemap"])
+    _, torch_mb, _ = probe([sys.executable, "-c", "import torch, kvdbg.replayer.runner, kvdbg.snapshot.pagemap"])
     for args in (["info", path], ["info", "--check", path], ["replay", path, "--backend", "reference"],
                  ["map", path]):
         code, peak_mb, stderr = probe([*kvdbg, *args])
@@ -224,7 +224,7 @@ def test_a_page_mapped_again_is_the_engine_bug_it_shows_not_bad_input(tmp_path):
 
 
 def test_shared_prefix_and_null_blocks_before_the_window_still_load(tmp_path):
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.snapshot.store import load_snapshot
 
     # Prefix caching: three requests read the same two stored pages.
     tensors, meta = _aliased_table_parts(2, table=[5, 6] * 3, page_ids=[5, 6], num_reqs=3)
@@ -246,8 +246,8 @@ def test_shared_prefix_and_null_blocks_before_the_window_still_load(tmp_path):
 def test_diff_of_outputs_files_with_wrong_metadata_types(tmp_path, field):
     from safetensors import safe_open
 
-    from kvdbg.format import OUTPUTS_KEY, write_safetensors
-    from kvdbg.snapshot import dtype_name
+    from kvdbg.snapshot.format import OUTPUTS_KEY, write_safetensors
+    from kvdbg.snapshot.store import dtype_name
 
     good = tmp_path / "a.safetensors"
     result = invoke("replay", os.path.join(FIXTURES, "causal_gqa.safetensors"), "--backend", "reference",

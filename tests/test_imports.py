@@ -144,7 +144,7 @@ def test_the_graph_sees_project_modules_and_function_level_imports():
     graph = import_graph()
     assert "kvdbg.backends.flex" in graph and "kvdbg.cli.replay" in graph
     # A function-level import (the replay command loads the replay core only when run).
-    assert "kvdbg.runner" in graph["kvdbg.cli.replay"]
+    assert "kvdbg.replayer.runner" in graph["kvdbg.cli.replay"]
     # The backend registry loads its modules by name through importlib.
     assert "kvdbg.backends.flashinfer_ts" in graph["kvdbg.backends"]
 
@@ -165,3 +165,63 @@ def test_no_import_cycle_among_project_modules():
         steps = " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(path, path[1:]))
         lines.append(f"{', '.join(component)}\n    e.g. {steps} -> {path[-1]}")
     assert not cycles, "import cycles among project modules:\n  " + "\n  ".join(lines)
+
+
+# The packages from the bottom up: a module may import its own package and any package of a lower rank,
+# never one of its rank or above (docs/architecture.md draws the same). The root package ``kvdbg`` names
+# the public API lazily (its table of names is not an import at start-up) and is left out.
+LAYERS = (
+    ("kvdbg.errors", "kvdbg._version", "kvdbg.fixtures"),
+    ("kvdbg.util",),
+    ("kvdbg.judge",),
+    ("kvdbg.ts",),
+    ("kvdbg.snapshot",),
+    ("kvdbg.backends",),
+    ("kvdbg.replayer",),
+    ("kvdbg.moves", "kvdbg.capture"),
+    ("kvdbg.sentinel", "kvdbg.fleet"),
+    ("kvdbg.vllm_plugin",),
+    ("kvdbg.api", "kvdbg.render"),
+    ("kvdbg.cli",),
+    ("kvdbg.__main__",),
+)
+RANK = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}
+
+
+def package_of(module: str) -> str | None:
+    """The layer package ``module`` belongs to (the longest prefix in LAYERS); None for the root package."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in RANK:
+            return ".".join(parts[:n])
+    return None
+
+
+def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    bad = []
+    for module, targets in sorted(graph.items()):
+        source = package_of(module)
+        for target, line in sorted(targets.items()):
+            into = package_of(target)
+            if None in (source, into) or source == into:
+                continue
+            if RANK[into] >= RANK[source]:
+                bad.append(f"{module} (line {line}) imports {target}: {source} may not import {into}")
+    return bad
+
+
+def test_every_module_belongs_to_a_layer():
+    assert [m for m in import_graph() if m != "kvdbg" and package_of(m) is None] == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"kvdbg.snapshot.store": {"kvdbg.replayer.runner": 12}, "kvdbg.replayer.runner": {},
+             "kvdbg.moves.shrinker": {"kvdbg.capture.prepare": 3}, "kvdbg.capture.prepare": {}}
+    assert upward_imports(graph) == [
+        "kvdbg.moves.shrinker (line 3) imports kvdbg.capture.prepare: kvdbg.moves may not import kvdbg.capture",
+        "kvdbg.snapshot.store (line 12) imports kvdbg.replayer.runner: kvdbg.snapshot may not import kvdbg.replayer",
+    ]
+
+
+def test_imports_run_one_way_lower_packages_never_import_higher_ones():
+    assert upward_imports(import_graph()) == []

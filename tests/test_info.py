@@ -69,8 +69,8 @@ def test_version_and_module_entry_point():
 
 def test_info_prints_user_text_verbatim(tmp_path):
     """Notes and names are data: rich markup or emoji codes in them are printed as written."""
-    from kvdbg.snapshot import save_snapshot
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.snapshot.store import save_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
     notes = "[bold]kept[/bold] :smile: [red]"
     path = str(tmp_path / "notes.safetensors")

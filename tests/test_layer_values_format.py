@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from kvdbg.snapshot import load_snapshot, save_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.store import load_snapshot, save_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 from tests.helpers import write_raw
 from tests.test_snapshot_errors import assert_bad, run_info
 
@@ -116,7 +116,7 @@ def test_a_flag_without_its_values_loads_but_cannot_be_replayed(tmp_path):
 def test_a_mask_an_older_reader_would_misread_raises_the_format_to_1_1(tmp_path):
     """chunk_lookback, mm_prefix and rswa_window change which keys a token sees: a reader of format "1" would
     ignore them, so such a file says "1.1", which that reader refuses; this reader reads both."""
-    from kvdbg.format import read_header
+    from kvdbg.snapshot.format import read_header
 
     plain = save_snapshot(synth_snapshot(SynthSpec(sliding_window=64)), tmp_path / "plain.safetensors")
     chunked = save_snapshot(synth_snapshot(SynthSpec(sliding_window=64, chunk_lookback=1)),
@@ -130,7 +130,7 @@ def test_a_mask_an_older_reader_would_misread_raises_the_format_to_1_1(tmp_path)
 
 
 def test_diff_names_the_heads_whose_values_differ(tmp_path):
-    from kvdbg.snapdiff import diff_snapshots
+    from kvdbg.moves.snapdiff import diff_snapshots
 
     a = synth_snapshot(SynthSpec(sinks="auto"))
     b = synth_snapshot(SynthSpec(sinks="auto"))

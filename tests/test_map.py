@@ -8,9 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 from kvdbg.cli import cli
-from kvdbg.pagemap import find_anomalies, page_map
-from kvdbg.snapshot import save_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.pagemap import find_anomalies, page_map
+from kvdbg.snapshot.store import save_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 LENS = (40, 77, 200, 333)
 
@@ -155,7 +155,7 @@ def test_physical_to_logical_follows_vllms_rule():
     """The one map both `kvdbg map` and the flex backend use: the docstring's example, entry for entry."""
     import torch
 
-    from kvdbg.pagemap import physical_to_logical
+    from kvdbg.snapshot.pagemap import physical_to_logical
 
     table = torch.tensor([[7, 3, 0, 3, 9], [1, 2, -1, 0, 0]], dtype=torch.int32)
     seq_lens = torch.tensor([64, 20])  # 4 live pages, then 2 of 16 tokens

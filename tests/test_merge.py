@@ -11,11 +11,11 @@ import torch
 from click.testing import CliRunner
 
 from kvdbg import api
-from kvdbg.cache import kv_head_dim
+from kvdbg.snapshot.layout import kv_head_dim
 from kvdbg.cli import cli
-from kvdbg.merge import MergeError, kv_head_assignment, merge_ranks
-from kvdbg.snapshot import Snapshot, Step, load_snapshot, save_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.merge import MergeError, kv_head_assignment, merge_ranks
+from kvdbg.snapshot.store import Snapshot, Step, load_snapshot, save_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 from tests.helpers import assert_close_ulps
 
 ENGINE = "1764633600123456789"

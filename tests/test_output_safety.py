@@ -8,7 +8,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from kvdbg.atomic import inputs_protected, write_text_atomic
+from kvdbg.util.atomic import inputs_protected, write_text_atomic
 from kvdbg.cli import cli
 from kvdbg.errors import OptionError
 from tests.helpers import FIXTURES

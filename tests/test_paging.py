@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdbg.errors import OptionError
-from kvdbg.ts_window import (
+from kvdbg.ts.window import (
     analyze_window,
     cdiv,
     exact_visible_range,
@@ -22,7 +22,7 @@ from kvdbg.ts_window import (
     ts_window_left,
     visibility_table,
 )
-from kvdbg.ts_contract import check_plan, check_request
+from kvdbg.ts.contract import check_plan, check_request
 
 
 def test_cdiv():
@@ -134,7 +134,7 @@ def test_restriction_properties(seq_len, window, query_len, page_size):
 def test_torch_twin_matches_scalar_rule():
     import torch
 
-    from kvdbg.ts_window_torch import restrict_to_window_tensors
+    from kvdbg.ts.window_torch import restrict_to_window_tensors
 
     gen = torch.Generator().manual_seed(0)
     cases = 0
@@ -214,7 +214,7 @@ def test_strip_marks_the_old_edge():
 
 
 def test_pure_modules_never_import_torch():
-    code = ("import sys, kvdbg.ts_window, kvdbg.ts_contract, kvdbg.render.window, kvdbg.cli.window; "
+    code = ("import sys, kvdbg.ts.window, kvdbg.ts.contract, kvdbg.render.window, kvdbg.cli.window; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

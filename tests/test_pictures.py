@@ -12,13 +12,14 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from kvdbg import api
-from kvdbg.cache import apply_step_update, kv_views, replay_cache
+from kvdbg.snapshot.cache import apply_step_update, replay_cache
+from kvdbg.snapshot.layout import kv_views
 from kvdbg.cli import cli
-from kvdbg.errormap import FAR, Cell, ErrorMap, ErrorPictures, error_pictures, grade
+from kvdbg.judge.errormap import FAR, Cell, ErrorMap, ErrorPictures, error_pictures, grade
 from kvdbg.render.attention import AttentionText, attention_drawing
 from kvdbg.render.canvas import svg_text
 from kvdbg.render.errormap import ErrorMapText, error_drawing, map_lines
-from kvdbg.snapshot import load_snapshot
+from kvdbg.snapshot.store import load_snapshot
 
 from tests.helpers import FIXTURES
 
@@ -158,8 +159,8 @@ def test_prefix_page0_flex_gives_the_null_block_no_weight():
 def test_the_weights_are_the_layers_own_with_alibi_and_sinks(tmp_path, feature):
     """The picture's logits once lacked the ALiBi bias and the sink term: every weight was wrong, and the
     reference's own column 'did not reproduce its output' (exit 1) on a snapshot whose replay passes."""
-    from kvdbg.snapshot import save_snapshot
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.snapshot.store import save_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
     spec = SynthSpec(seq_lens=(40, 77), num_heads=4, num_kv_heads=1, engine_output="reference", **feature)
     path = str(save_snapshot(synth_snapshot(spec), tmp_path / "feature.safetensors"))

@@ -12,9 +12,9 @@ import torch
 from click.testing import CliRunner
 
 from kvdbg.cli import cli
-from kvdbg.poisoner import REGIONS, poison, poison_regions
-from kvdbg.snapshot import Snapshot, Step, load_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.moves.poisoner import REGIONS, poison, poison_regions
+from kvdbg.snapshot.store import Snapshot, Step, load_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 from tests.helpers import FIXTURES
 
@@ -149,7 +149,7 @@ def _register_whole_row(monkeypatch):
     import types
 
     from kvdbg import backends
-    from kvdbg.backend_api import BackendSpec, Capabilities
+    from kvdbg.backends.base import BackendSpec, Capabilities
 
     module = types.ModuleType("kvdbg_test_whole_row")
     module.BACKEND = BackendSpec(name="whole_row", engine_name="WHOLE_ROW", summary="reads the whole table row",
@@ -247,7 +247,7 @@ def test_backend_asked_by_name_that_cannot_run_exits_2():
 
 def test_bisection_names_a_group_no_half_of_which_reads_alone():
     """A read that needs two slots at once cannot be halved: the pair is named, not lost."""
-    from kvdbg.poisoner import Region, RegionResult, SlotRun, _bisect
+    from kvdbg.moves.poisoner import Region, RegionResult, SlotRun, _bisect
 
     snap = synth_snapshot(SynthSpec(seq_lens=(40,), query_len=1, causal=True))
     runs = [SlotRun(page=5, stored=0, lo=0, hi=1), SlotRun(page=6, stored=1, lo=3, hi=4)]
@@ -264,8 +264,8 @@ def test_bisection_names_a_group_no_half_of_which_reads_alone():
 def test_a_backend_whose_every_output_was_already_unwritten_verifies_nothing(tmp_path):
     """Both requests break prims_ts preconditions (past max_kv_len, a table too narrow), so the emulation leaves
     every output unwritten before any poison: no read could show, and that is no PASS."""
-    from kvdbg.snapshot import save_snapshot
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.snapshot.store import save_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
     spec = SynthSpec(seq_lens=(1000, 900), query_len=4, causal=True, sliding_window=256, num_heads=2, num_kv_heads=1)
     path = str(save_snapshot(synth_snapshot(spec), tmp_path / "blind.safetensors"))

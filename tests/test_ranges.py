@@ -1,4 +1,4 @@
-"""kvdbg.ranges: one grammar for integer sets and lists, for CLI options and capture variables."""
+"""kvdbg.util.ranges: one grammar for integer sets and lists, for CLI options and capture variables."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvdbg.errors import OptionError
-from kvdbg.ranges import (
+from kvdbg.util.ranges import (
     MAX_VALUE,
     IntListParam,
     IntRanges,
@@ -162,4 +162,4 @@ def test_click_types():
 
 
 def test_importing_the_grammar_needs_no_torch():
-    assert run_python("import sys, kvdbg.ranges; print('torch' in sys.modules)").strip() == "False"
+    assert run_python("import sys, kvdbg.util.ranges; print('torch' in sys.modules)").strip() == "False"

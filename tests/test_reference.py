@@ -12,12 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvdbg.backends.reference as reference_module
-from kvdbg.backend_api import ReplayOptions
-from kvdbg.cache import apply_step_update
-from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
-from kvdbg.runner import replay
-from kvdbg.snapshot import Snapshot, load_snapshot, save_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.backends.base import ReplayOptions
+from kvdbg.snapshot.cache import apply_step_update
+from kvdbg.snapshot.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
+from kvdbg.replayer.runner import replay
+from kvdbg.snapshot.store import Snapshot, load_snapshot, save_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 from tests.helpers import assert_close_ulps
 
 
@@ -155,7 +155,7 @@ def test_reference_chunking_does_not_change_results(monkeypatch):
 
 
 def _reference_metadata(snap: Snapshot, exact: bool = True):
-    from kvdbg.runner import common_metadata
+    from kvdbg.replayer.runner import common_metadata
 
     inst = reference_module.BACKEND.create(snap.meta, ReplayOptions(exact=exact))
     return inst.builder.build(common_metadata(snap, 0))

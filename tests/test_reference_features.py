@@ -12,11 +12,11 @@ import torch
 from click.testing import CliRunner
 
 import kvdbg.backends.reference as reference_module
-from kvdbg.backend_api import ReplayOptions
+from kvdbg.backends.base import ReplayOptions
 from kvdbg.cli import cli
-from kvdbg.runner import replay
-from kvdbg.snapshot import Snapshot, save_snapshot
-from kvdbg.synth import SynthSpec, alibi_slopes, synth_snapshot
+from kvdbg.replayer.runner import replay
+from kvdbg.snapshot.store import Snapshot, save_snapshot
+from kvdbg.moves.synth import SynthSpec, alibi_slopes, synth_snapshot
 from tests.test_reference import _page_tensors
 
 
@@ -189,7 +189,7 @@ def test_a_sink_is_counted_once_when_kv_blocks_are_merged(exact, monkeypatch):
     snap = synth_snapshot(spec)
     whole = reference(snap, exact)
     monkeypatch.setattr(reference_module, "CHUNK_BUDGET_BYTES", 16 * 1024)
-    from kvdbg.runner import common_metadata
+    from kvdbg.replayer.runner import common_metadata
 
     md = reference_module.BACKEND.create(snap.meta, ReplayOptions(exact=exact)).builder.build(
         common_metadata(snap, 0))

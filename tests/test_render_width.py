@@ -52,9 +52,9 @@ def run_cli(width: int, *args: str):
 @pytest.fixture(scope="module")
 def replays():
     """Each fixture replayed once through every backend (the slow part), rendered at every width below."""
-    from kvdbg.backend_api import ReplayOptions
-    from kvdbg.runner import replay
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.backends.base import ReplayOptions
+    from kvdbg.replayer.runner import replay
+    from kvdbg.snapshot.store import load_snapshot
 
     return {name: replay(load_snapshot(FIXTURES / name), None, ReplayOptions(device="cpu")).judge()
             for name in FIXTURE_FILES}
@@ -106,8 +106,8 @@ def test_window_numbers_are_never_cut(args, width):
 @pytest.fixture(scope="module")
 def poisoned():
     """dflash poisoned through flex and flashinfer_ts (a finding with culprits), prefix_page0 (two steps)."""
-    from kvdbg.poisoner import poison
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.moves.poisoner import poison
+    from kvdbg.snapshot.store import load_snapshot
 
     return [poison(load_snapshot(FIXTURES / "dflash.safetensors"), ["flex", "flashinfer_ts"]),
             poison(load_snapshot(FIXTURES / "prefix_page0.safetensors"), ["reference", "flashinfer_ts"])]
@@ -133,9 +133,9 @@ def test_report_svg_tables_are_never_cut(replays, name, width):
     """`report` is Markdown (no width); its SVGs are the tables drawn at a width: the same rule holds."""
     from kvdbg.render.info import render_info
     from kvdbg.render.pagemap import render_page_map
-    from kvdbg.pagemap import page_map
-    from kvdbg.snapshot import load_snapshot
-    from kvdbg.info import summarize
+    from kvdbg.snapshot.pagemap import page_map
+    from kvdbg.snapshot.store import load_snapshot
+    from kvdbg.snapshot.info import summarize
 
     snap = load_snapshot(FIXTURES / name)
     text = render(render_info(summarize(FIXTURES / name)), width)
@@ -146,8 +146,8 @@ def test_report_svg_tables_are_never_cut(replays, name, width):
 @pytest.fixture(scope="module")
 def shrunk(tmp_path_factory):
     """shrink on each failing fixture (prefix_page0, ts_causal_window), run once."""
-    from kvdbg.shrinker import shrink
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.moves.shrinker import shrink
+    from kvdbg.snapshot.store import load_snapshot
 
     out = {}
     for name in ("prefix_page0.safetensors", "ts_causal_window.safetensors"):

@@ -10,10 +10,10 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from kvdbg.batch import (STATUS_BAD_INPUT, STATUS_CRASHED, STATUS_FAIL, STATUS_PASS, STATUS_UNVERIFIED, BatchOptions,
+from kvdbg.replayer.batch import (STATUS_BAD_INPUT, STATUS_CRASHED, STATUS_FAIL, STATUS_PASS, STATUS_UNVERIFIED, BatchOptions,
                          FileResult, batch_exit_code, find_snapshots, replay_many)
 from kvdbg.cli import cli
-from kvdbg.snapshot import save_snapshot
+from kvdbg.snapshot.store import save_snapshot
 
 from tests.helpers import FIXTURES, assert_close_ulps
 
@@ -190,7 +190,7 @@ def test_the_ranks_of_a_step_are_one_row_with_one_verdict(tmp_path):
     """Tensor-parallel ranks of one step (same engine, layer, step) share a row; the step fails if any rank does."""
     import torch
 
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
     from tests.test_merge import split_into_ranks, write_shards
 
     directory = tmp_path / "captures"
@@ -223,7 +223,7 @@ def test_the_ranks_of_a_step_are_one_row_with_one_verdict(tmp_path):
 
 
 def test_shards_that_cannot_be_told_apart_are_not_grouped(tmp_path):
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
     from tests.test_merge import split_into_ranks, write_shards
 
     full = synth_snapshot(SynthSpec(seq_lens=(20,), num_heads=4, num_kv_heads=2, head_size=16,

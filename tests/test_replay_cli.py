@@ -176,8 +176,8 @@ def test_outputs_file_keeps_its_metadata_key(tmp_path):
 
 
 def test_a_backend_that_chose_its_kernel_per_step_says_so_for_each():
-    from kvdbg.backend_api import RunInfo
-    from kvdbg.runner import steps_run_info
+    from kvdbg.backends.base import RunInfo
+    from kvdbg.replayer.runner import steps_run_info
 
     triton = RunInfo("flashinfer_ts", "prims_ts contract, emulated in Triton", "cuda", "bfloat16", emulated=True,
                      notes=["one note every step has"])

@@ -7,10 +7,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvdbg.batch import STATUS_BAD_INPUT, STATUS_PASS, FileResult, batch_verdict, step_rows
+from kvdbg.replayer.batch import STATUS_BAD_INPUT, STATUS_PASS, FileResult, batch_verdict, step_rows
 from kvdbg.cli import cli
-from kvdbg.ranks import rank_info
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.ranks import rank_info
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 from tests.test_merge import split_into_ranks, write_shards
 
 

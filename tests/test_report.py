@@ -13,7 +13,7 @@ from markdown_it import MarkdownIt
 
 from kvdbg.cli import cli
 from kvdbg.render.markdown import md_code, md_escape, md_table
-from kvdbg.report import file_sha256
+from kvdbg.moves.report import file_sha256
 
 from tests.helpers import FIXTURES, run_python
 
@@ -189,7 +189,7 @@ def test_file_sha256_streams(tmp_path):
 def test_environment_reads_versions_without_importing_engines():
     out = run_python(
         "import sys, torch\n"
-        "from kvdbg.report import collect_environment\n"
+        "from kvdbg.moves.report import collect_environment\n"
         "e = collect_environment()\n"
         "print(e.torch == torch.__version__, 'vllm' in sys.modules, 'flashinfer' in sys.modules,"
         " sorted(e.packages)[:2], e.cuda_available == torch.cuda.is_available())\n")
@@ -197,11 +197,11 @@ def test_environment_reads_versions_without_importing_engines():
 
 
 def test_report_parses_the_snapshot_once_and_digests_what_it_loaded(make_snapshot, monkeypatch):
-    import kvdbg.format as fmt
-    import kvdbg.info as summary
+    import kvdbg.snapshot.format as fmt
+    import kvdbg.snapshot.info as summary
     from kvdbg.errors import SnapshotError
-    from kvdbg.report import build_report
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.moves.report import build_report
+    from kvdbg.snapshot.store import load_snapshot
 
     path, _ = make_snapshot(seq_lens=(30, 50), use_page_zero=True, page_zero_request=1)
     parsed, index_reads = [], []
@@ -228,13 +228,13 @@ def test_report_parses_the_snapshot_once_and_digests_what_it_loaded(make_snapsho
 @pytest.mark.parametrize("under", ["a_file", "missing_parent_of_a_file"])
 def test_svg_directory_that_cannot_be_made_is_refused_before_the_replay(make_snapshot, tmp_path, monkeypatch, under):
     """--svg under a regular file: one line naming --svg, exit 2, and no replay spent first."""
-    import kvdbg.report
+    import kvdbg.moves.report
 
     path, _ = make_snapshot(seq_lens=(20, 40))
     (tmp_path / "a_file").write_text("not a directory")
     svg = tmp_path / "a_file" / "figs" if under == "a_file" else tmp_path / "a_file" / "deeper" / "figs"
     replayed = []
-    monkeypatch.setattr(kvdbg.report, "build_report", lambda *a, **k: replayed.append(1))
+    monkeypatch.setattr(kvdbg.moves.report, "build_report", lambda *a, **k: replayed.append(1))
     res = invoke(path, "--backend", "reference", "--svg", str(svg))
     assert res.exit_code == 2 and not replayed
     assert res.output.strip() == f"Error: --svg {svg}: cannot write the directory (Not a directory)"

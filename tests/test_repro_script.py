@@ -12,12 +12,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvdbg.backend_api import ReplayOptions
+from kvdbg.backends.base import ReplayOptions
 from kvdbg.backends import get_backend
 from kvdbg.cli import cli
-from kvdbg.runner import common_metadata
-from kvdbg.repro_script import emit_repro_script, script_text
-from kvdbg.snapshot import load_snapshot
+from kvdbg.replayer.runner import common_metadata
+from kvdbg.moves.repro_script import emit_repro_script, script_text
+from kvdbg.snapshot.store import load_snapshot
 
 from tests.helpers import FIXTURES, assert_close_ulps
 

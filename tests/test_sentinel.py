@@ -9,13 +9,13 @@ import random
 import pytest
 import torch
 
-from kvdbg.cache import join_kv, quantize_fp8
-from kvdbg.capture_prepare import CaptureLayer
-from kvdbg.engine_layouts import vllm_to_cpu_attn
+from kvdbg.snapshot.layout import join_kv, quantize_fp8
+from kvdbg.capture.prepare import CaptureLayer
+from kvdbg.capture.engine_layouts import vllm_to_cpu_attn
 from kvdbg.errors import OptionError
-from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
-from kvdbg.sentinel import Sentinel, StepInputs, check_step, choose_pairs
-from kvdbg.sentinel_config import DEFAULT_RATE, SentinelConfig, parse_rate, sentinel_requested
+from kvdbg.snapshot.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
+from kvdbg.sentinel.checker import Sentinel, StepInputs, check_step, choose_pairs
+from kvdbg.sentinel.config import DEFAULT_RATE, SentinelConfig, parse_rate, sentinel_requested
 
 HQ, HKV, D, PS, PAGES = 4, 2, 16, 8, 40
 CPU_ATTN = "cpu_attn:pages,heads,[dim,tokens]k+[tokens,dim]v"

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from kvdbg.sentinel import DeferredChecks, Sentinel, check_step
-from kvdbg.sentinel_config import SentinelConfig
+from kvdbg.sentinel.checker import DeferredChecks, Sentinel, check_step
+from kvdbg.sentinel.config import SentinelConfig
 from tests.test_sentinel import ALL_PAIRS, CPU_ATTN, HQ, D, _layer, make_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -8,9 +8,12 @@ import os
 import pytest
 
 
-from kvdbg import api, vllm_plugin
-from kvdbg.sentinel_config import ENV_RATE
-from kvdbg.snapshot import load_snapshot
+from kvdbg import api
+
+
+from kvdbg import vllm_plugin
+from kvdbg.sentinel.config import ENV_RATE
+from kvdbg.snapshot.store import load_snapshot
 from tests.test_vllm_plugin import StandinEngine, clean, standins  # noqa: F401  (fixtures)
 
 SENTINEL_VARS = ("KVDBG_SENTINEL", "KVDBG_SENTINEL_DIR", "KVDBG_SENTINEL_LAYERS", "KVDBG_SENTINEL_PAIRS",

@@ -9,15 +9,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvdbg import cache as cache_module
-from kvdbg import runner, shrinker
-from kvdbg.backend_api import ReplayOptions
+from kvdbg.snapshot import cache as cache_module
+from kvdbg.replayer import runner
+from kvdbg.moves import shrinker
+from kvdbg.backends.base import ReplayOptions
 from kvdbg.cli import cli
-from kvdbg.runner import ReplayContext, backend_key, load_backends, prepare_replay, replay, run_replay
-from kvdbg.shrinker import (bake_step, ddmin, drop_pages, droppable_pages, observe, same_failure, select_kv_heads,
+from kvdbg.replayer.runner import ReplayContext, backend_key, load_backends, prepare_replay, replay, run_replay
+from kvdbg.moves.shrinker import (bake_step, ddmin, drop_pages, droppable_pages, observe, same_failure, select_kv_heads,
                           select_requests, shrink)
-from kvdbg.snapshot import load_snapshot, validate
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.store import load_snapshot, validate
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 from tests.helpers import FIXTURES
 
@@ -280,8 +281,8 @@ def test_signature_from_the_last_step_equals_the_whole_replays(source, monkeypat
 
 def test_a_shrink_that_removed_nothing_never_says_smaller(tmp_path):
     from kvdbg.render.shrink import size_change
-    from kvdbg.snapshot import save_snapshot
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.snapshot.store import save_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
     assert size_change(6692, 6884) == "not smaller: nothing could be removed, and the shrink's notes add 192 B"
     assert size_change(100, 100) == "not smaller: nothing could be removed"

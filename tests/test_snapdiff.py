@@ -10,9 +10,9 @@ import torch
 from click.testing import CliRunner
 
 from kvdbg.cli import cli
-from kvdbg.snapshot import Snapshot, save_snapshot
-from kvdbg.sweeper import relabel_pages
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.store import Snapshot, save_snapshot
+from kvdbg.moves.sweeper import relabel_pages
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 
 def run(*args):
@@ -219,7 +219,7 @@ def test_saved_outputs_are_compared_per_request_and_head(tmp_path):
 
 
 def test_pages_are_read_a_chunk_at_a_time(tmp_path, monkeypatch):
-    import kvdbg.snapdiff as snapdiff
+    import kvdbg.moves.snapdiff as snapdiff
 
     a, b = base(), reversed_placement(base())
     k, _ = b.kv_views()

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from kvdbg.cli import cli
 from kvdbg.errors import SnapshotError
-from kvdbg.snapshot import load_snapshot
+from kvdbg.snapshot.store import load_snapshot
 from tests.helpers import write_raw
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvdbg.errors import OptionError
-from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
-from kvdbg.snapshot import load_snapshot, referenced_pages, save_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.snapshot.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
+from kvdbg.snapshot.store import load_snapshot, referenced_pages, save_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 from tests.helpers import FIXTURES, asdict_meta_json
 
 
@@ -112,7 +112,7 @@ def test_synth_options_shape_the_snapshot():
 
 
 def test_atomic_write_leaves_nothing_behind_on_failure(tmp_path):
-    from kvdbg.atomic import atomic_write
+    from kvdbg.util.atomic import atomic_write
 
     target = tmp_path / "out.bin"
     target.write_bytes(b"keep me")

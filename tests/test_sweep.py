@@ -13,10 +13,10 @@ import torch
 from click.testing import CliRunner
 
 from kvdbg.cli import cli
-from kvdbg.snapshot import load_snapshot
-from kvdbg.sweeper import (free_page_id, parse_knobs, relabel_pages, retype_snapshot, shorten_queries, sweep,
+from kvdbg.snapshot.store import load_snapshot
+from kvdbg.moves.sweeper import (free_page_id, parse_knobs, relabel_pages, retype_snapshot, shorten_queries, sweep,
                          sweep_verdict)
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 from tests.helpers import FIXTURES, assert_close_ulps
 
@@ -156,7 +156,7 @@ class _ContiguousInstance:
 @pytest.fixture
 def contiguous_backend(monkeypatch):
     from kvdbg import backends
-    from kvdbg.backend_api import BackendSpec, Capabilities
+    from kvdbg.backends.base import BackendSpec, Capabilities
 
     module = types.ModuleType("kvdbg_test_contiguous")
     module.BACKEND = BackendSpec(name="contiguous", engine_name="CONTIGUOUS", summary="assumes contiguous pages",
@@ -229,8 +229,8 @@ def test_only_the_reference_and_no_engine_output_verifies_nothing():
 def test_a_baseline_that_compared_nothing_is_never_agreed_with(tmp_path):
     """A ragged batch FLASHINFER_TS's builder does not run, with no captured output: only the variants that even
     out the queries compare anything. 'The baseline and its variants agree' would be a claim that did not happen."""
-    from kvdbg.snapshot import save_snapshot
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.snapshot.store import save_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
     for window, code in ((4096, 3), (64, 1)):
         spec = SynthSpec(seq_lens=(300, 200), query_lens=(8, 4), causal=False, sliding_window=window)

@@ -11,9 +11,9 @@ import torch
 from click.testing import CliRunner
 
 from kvdbg.cli import cli
-from kvdbg.fixtures_path import FIXTURES as FIXTURE_NAMES
-from kvdbg.fixtures_path import default_fixture, fixture_path
-from kvdbg.snapshot import load_snapshot
+from kvdbg.util.fixtures_path import FIXTURES as FIXTURE_NAMES
+from kvdbg.util.fixtures_path import default_fixture, fixture_path
+from kvdbg.snapshot.store import load_snapshot
 from tests.helpers import FIXTURES, ROOT, assert_close_ulps
 
 
@@ -96,7 +96,7 @@ def test_synth_refuses_unbounded_options_at_once(tmp_path, args, message):
 
 def test_synth_bytes_are_what_it_writes():
     """The bytes bound is checked on synth_bytes, computed from the options: it is the size of the tensors made."""
-    from kvdbg.synth import SynthSpec, synth_bytes, synth_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_bytes, synth_snapshot
 
     for spec in (SynthSpec(), SynthSpec(fp8=True, query_len=4, steps=3, stale_tail=5),
                  SynthSpec(dtype="float32", shared_prefix_pages=2, seq_lens=(40, 80)),

@@ -8,9 +8,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvdbg.batch import STATUS_BAD_INPUT, STATUS_FAIL, STATUS_PASS, BatchOptions, FileResult, Worst
+from kvdbg.replayer.batch import STATUS_BAD_INPUT, STATUS_FAIL, STATUS_PASS, BatchOptions, FileResult, Worst
 from kvdbg.cli import cli
-from kvdbg.results import (FileKey, Placement, ResultsError, Row, end_record, options_record, read_results,
+from kvdbg.fleet.results import (FileKey, Placement, ResultsError, Row, end_record, options_record, read_results,
                            row_record, run_record)
 
 # Values a hand edit or a damaged disk may leave in any field.

@@ -1,4 +1,4 @@
-"""kvdbg.ts_planner: which profile prims_ts's planner picks for an FP8 plan, on shapes worked through by hand.
+"""kvdbg.ts.planner: which profile prims_ts's planner picks for an FP8 plan, on shapes worked through by hand.
 
 The vLLM 0.33 stage (tests/vllm033/test_vllm033_ts_planner.py) holds the same function to flashinfer 0.7.4's own
 planner on a grid of shapes; these cases say why each answer is what it is.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdbg.ts_planner import fp8_decode_profile, window_first_tiles
+from kvdbg.ts.planner import fp8_decode_profile, window_first_tiles
 
 
 def profile(head_dim, query_len, group, *, batch=8, kv_heads=8, max_kv_len=32768, window_left=-1):

@@ -14,11 +14,11 @@ import torch
 from click.testing import CliRunner
 
 from kvdbg.cli import cli, main
-from kvdbg.fixtures_path import fixture_path
-from kvdbg.format import LAYOUT_KV_PLANES
-from kvdbg.snapshot import load_snapshot, save_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
-from kvdbg.verdict import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_NOTHING_VERIFIED, EXIT_OK
+from kvdbg.util.fixtures_path import fixture_path
+from kvdbg.snapshot.format import LAYOUT_KV_PLANES
+from kvdbg.snapshot.store import load_snapshot, save_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
+from kvdbg.judge.verdict import EXIT_FINDING, EXIT_INTERRUPTED, EXIT_NOTHING_VERIFIED, EXIT_OK
 
 
 def replay(*args):
@@ -219,12 +219,12 @@ def test_head_dim_the_kernel_rejects_is_never_an_emulated_pass(tmp_path):
 
 
 def test_ctrl_c_exits_130(monkeypatch, capsys):
-    import kvdbg.info
+    import kvdbg.snapshot.info
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(kvdbg.info, "summarize", interrupted)
+    monkeypatch.setattr(kvdbg.snapshot.info, "summarize", interrupted)
     with pytest.raises(SystemExit) as exc:
         main(["info", fixture_path("causal_gqa.safetensors")])
     assert exc.value.code == EXIT_INTERRUPTED
@@ -241,8 +241,8 @@ def test_main_keeps_exit_codes_of_commands(capsys):
 
 
 def test_verdict_rule_in_one_place():
-    from kvdbg.compare import compare, default_tolerance
-    from kvdbg.verdict import replay_verdict
+    from kvdbg.judge.compare import compare, default_tolerance
+    from kvdbg.judge.verdict import replay_verdict
 
     qsl, lens = torch.tensor([0, 1]), torch.tensor([5])
     ok = compare(torch.ones(1, 1, 2), torch.ones(1, 1, 2), qsl, lens, default_tolerance("float32"))
@@ -322,7 +322,7 @@ def test_the_snapshots_backend_is_its_own_in_any_spelling(tmp_path, written):
 
 
 def test_backend_names_are_read_in_vllms_spelling():
-    from kvdbg.format import canonical_backend_name
+    from kvdbg.snapshot.format import canonical_backend_name
 
     assert canonical_backend_name("cpu_attn") == "CPU_ATTN"
     assert canonical_backend_name(" flashinfer-ts ") == "FLASHINFER_TS"

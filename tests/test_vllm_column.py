@@ -18,11 +18,11 @@ from click.testing import CliRunner
 
 from kvdbg.backends import DEFAULT_ORDER, get_backend, resolve_backend, vllm_flex
 from kvdbg.backends._vllm_kv_cache import place_pages, renumber
-from kvdbg.cache import CPU_ATTN_K_TRANSPOSED, join_kv, split_kv
+from kvdbg.snapshot.layout import CPU_ATTN_K_TRANSPOSED, join_kv, split_kv
 from kvdbg.cli import cli
-from kvdbg.fixtures_path import fixture_path
-from kvdbg.synth import SynthSpec, synth_snapshot
-from kvdbg.verdict import counted_backends
+from kvdbg.util.fixtures_path import fixture_path
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
+from kvdbg.judge.verdict import counted_backends
 
 no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
                              reason="vLLM is installed here: the engine stage checks the column that runs")
@@ -176,7 +176,7 @@ def _meta(**features):
                                       dict(kv_sharing_target="model.layers.0.self_attn.attn", new_kv=False)])
 def test_features_the_column_hands_to_vllm_are_left_for_vllm_to_accept(features):
     """Nothing the column hands vLLM's Attention is refused by kvdbg: vLLM's own checks say, in its words."""
-    from kvdbg.backend_api import unsupported_by
+    from kvdbg.backends.base import unsupported_by
     from kvdbg.backends.vllm_native import CAPABILITIES
 
     assert unsupported_by(CAPABILITIES, _meta(**features)) is None
@@ -191,7 +191,7 @@ def test_features_the_column_hands_to_vllm_are_left_for_vllm_to_accept(features)
     (dict(sliding_window=16, extra_layer={"rswa_window": 8}), "Reference Sliding Window Attention"),
 ])
 def test_what_the_column_cannot_hand_to_vllm_is_refused_by_name(features, why):
-    from kvdbg.backend_api import unsupported_by
+    from kvdbg.backends.base import unsupported_by
     from kvdbg.backends.vllm_native import CAPABILITIES
 
     reason = unsupported_by(CAPABILITIES, _meta(**features))
@@ -200,7 +200,7 @@ def test_what_the_column_cannot_hand_to_vllm_is_refused_by_name(features, why):
 
 @no_vllm
 def test_a_layer_with_sinks_and_alibi_replays_and_the_column_says_only_that_vllm_is_absent(tmp_path):
-    from kvdbg.snapshot import save_snapshot
+    from kvdbg.snapshot.store import save_snapshot
 
     snap = synth_snapshot(SynthSpec(seq_lens=(9, 40), num_heads=4, num_kv_heads=2, backend="CPU_ATTN", sinks="auto",
                                     alibi_slopes="auto", logits_soft_cap=30.0, engine_output="reference"))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvdbg import vllm_plugin
-from kvdbg.snapshot import load_snapshot
+from kvdbg.snapshot.store import load_snapshot
 from tests.helpers import ROOT
 
 STANDINS = Path(__file__).parent / "vllm_standins"
@@ -266,7 +266,7 @@ def test_import_and_register_without_the_variable_touch_nothing():
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVDBG_")}
     env["PYTHONPATH"] = os.pathsep.join([str(STANDINS), ROOT])
     code = ("import sys, kvdbg.vllm_plugin as p; p.register(); "
-            "print(sorted(m for m in ('torch', 'vllm', 'kvdbg.capture') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'vllm', 'kvdbg.capture.capturer') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 
@@ -401,7 +401,7 @@ def test_flex_attention_found_through_the_registry(standins, tmp_path):
 
 
 def test_each_layer_is_described_once_and_again_when_its_scales_change(standins, tmp_path, monkeypatch):
-    from kvdbg import capture
+    from kvdbg.capture import capturer as capture
 
     built = []
 
@@ -446,7 +446,7 @@ def test_the_hooks_account_for_the_engine_time_of_copied_steps_apart_from_the_ot
 
 
 def test_the_account_says_nothing_when_no_hook_was_timed():
-    from kvdbg.capture import EngineTime
+    from kvdbg.capture.capturer import EngineTime
 
     account = EngineTime()
     assert account.describe() == ""
@@ -509,7 +509,7 @@ class Builder:
 @pytest.fixture
 def slots_registry(monkeypatch):
     """A plugin state whose builds copy their slot mappings as on a device (the event stood in)."""
-    from kvdbg import capture_buffers
+    from kvdbg.capture import buffers as capture_buffers
 
     class Ready:
         def __init__(self, device):
@@ -654,7 +654,7 @@ def test_metadata_from_an_unwrapped_build_is_reported_once(standins, tmp_path, c
 
 
 def test_a_capture_bug_turns_capture_off_without_touching_the_engine(standins, tmp_path, caplog, monkeypatch):
-    from kvdbg import capture
+    from kvdbg.capture import capturer as capture
 
     def broken(*args, **kwargs):
         raise RuntimeError("bug inside kvdbg")
@@ -778,7 +778,7 @@ def test_cpu_attn_layout_follows_the_kernel_variant_and_amx_is_refused_once(stan
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from kvdbg.engine_layouts import CPU_ATTN_K_TRANSPOSED
+    from kvdbg.capture.engine_layouts import CPU_ATTN_K_TRANSPOSED
 
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
     enable(standins, tmp_path)

@@ -166,8 +166,8 @@ def test_window_snapshot_does_not_import_torch():
 
 
 def _synth(tmp_path, name, **fields):
-    from kvdbg.snapshot import save_snapshot
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.snapshot.store import save_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
     return str(save_snapshot(synth_snapshot(SynthSpec(**fields)), tmp_path / name))
 

@@ -12,15 +12,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvdbg.backend_api import ReplayOptions
+from kvdbg.backends.base import ReplayOptions
 from kvdbg.backends import get_backend
 from kvdbg.cli import cli
-from kvdbg.ts_window import analyze_window
-from kvdbg.picture import EXTRA, LOADED, MISSED, SEEN, cell_kind, picture
+from kvdbg.ts.window import analyze_window
+from kvdbg.moves.picture import EXTRA, LOADED, MISSED, SEEN, cell_kind, picture
 from kvdbg.render.drawing import COLORS, layout, png_bytes, svg_text
 from kvdbg.render.picture import picture_lines
-from kvdbg.runner import common_metadata
-from kvdbg.window_source import step_tables, window_source
+from kvdbg.replayer.runner import common_metadata
+from kvdbg.moves.window_source import step_tables, window_source
 
 from tests.helpers import FIXTURES, ROOT
 

@@ -8,12 +8,12 @@ import hashlib
 import pytest
 import torch
 
-from kvdbg.backend_api import ReplayOptions
-from kvdbg.cache import working_cache
-from kvdbg.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
-from kvdbg.runner import replay
-from kvdbg.snapshot import load_snapshot, save_snapshot
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.backends.base import ReplayOptions
+from kvdbg.snapshot.cache import working_cache
+from kvdbg.snapshot.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
+from kvdbg.replayer.runner import replay
+from kvdbg.snapshot.store import load_snapshot, save_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 BACKENDS = ["reference", "flashinfer_ts"]
 

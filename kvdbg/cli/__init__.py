@@ -110,7 +110,7 @@ def main(argv=None):
     """The console script: click's own handling, except that Ctrl-C exits 130 (as a shell expects), not 1."""
     import sys
 
-    from kvdbg.verdict import EXIT_INTERRUPTED
+    from kvdbg.judge.verdict import EXIT_INTERRUPTED
 
     try:
         code = cli.main(args=argv, prog_name="kvdbg", standalone_mode=False)

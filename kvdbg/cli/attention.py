@@ -76,7 +76,7 @@ def attention(snapshot, step, request, head, token, backend, device, svg_path, p
 def attention_verdict(picture):
     """FAIL when a column weights keys outside the exact mask, skips exact keys, or does not reproduce its output."""
     from kvdbg.cli.common import simple_verdict
-    from kvdbg.verdict import EXIT_FINDING, EXIT_OK
+    from kvdbg.judge.verdict import EXIT_FINDING, EXIT_OK
 
     problems = []
     for c in picture.columns:

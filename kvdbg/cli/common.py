@@ -12,9 +12,9 @@ from typing import Any, Callable
 import click
 
 from kvdbg.errors import KvdbgError, OptionError
-from kvdbg.ranges import IntRanges, IntRangesParam
-from kvdbg.verdict import simple_verdict  # noqa: F401  (re-exported for the commands)
-from kvdbg.verdict import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK  # noqa: F401  (the one definition)
+from kvdbg.util.ranges import IntRanges, IntRangesParam
+from kvdbg.judge.verdict import simple_verdict  # noqa: F401  (re-exported for the commands)
+from kvdbg.judge.verdict import EXIT_BAD_INPUT, EXIT_FINDING, EXIT_OK  # noqa: F401  (the one definition)
 
 
 class BadInput(click.ClickException):
@@ -33,7 +33,7 @@ def guarded(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from kvdbg.atomic import inputs_protected
+        from kvdbg.util.atomic import inputs_protected
 
         try:
             with inputs_protected(_input_paths()):
@@ -168,7 +168,7 @@ def backend_name(name: str, option: str = "--backend") -> str:
 # One factory per option that more than one command takes, so that an option means the same
 # thing wherever it appears; README.md's "Options" table lists them with their commands. Rules:
 #
-# - Selectors are singular and take index ranges in kvdbg.ranges' grammar: --step, --request,
+# - Selectors are singular and take index ranges in kvdbg.util.ranges' grammar: --step, --request,
 #   --head ("0-3,7", "2-"); `within` turns them into the indices below a count.
 #   A command that acts on one value only (map --step, window --request) says so in its help and
 #   refuses a range with a one-line error (exit 2).
@@ -219,10 +219,10 @@ class HiddenOutputArgument(HiddenArgument):
 # ----------------------------------------------------------------------------- index ranges
 
 class Indices(IntRangesParam):
-    """Indices in kvdbg.ranges' grammar (``0-3,7``, ``2-``) → an IntRanges; with ``one``, one index → an int.
+    """Indices in kvdbg.util.ranges' grammar (``0-3,7``, ``2-``) → an IntRanges; with ``one``, one index → an int.
 
     ``one`` names what the command takes one of, for the error when given more
-    (``"map shows one step"``). The parsing itself is kvdbg.ranges', the one range grammar.
+    (``"map shows one step"``). The parsing itself is kvdbg.util.ranges', the one range grammar.
     """
 
     def __init__(self, one: str | None = None):
@@ -378,7 +378,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print machin
 def default_snapshot() -> str:
     """The bundled dflash fixture, the snapshot of `replay` and `poison` when none is given."""
     try:
-        from kvdbg.fixtures_path import default_fixture
+        from kvdbg.util.fixtures_path import default_fixture
     except ImportError:
         from importlib import resources
 
@@ -423,7 +423,7 @@ def picture_file_options(what: str):
 
 def check_picture_paths(svg_path: str | None, png_path: str | None, *, force: bool) -> None:
     """Refuse, before any work, a picture file that exists (without --force), or PNG without matplotlib."""
-    from kvdbg.atomic import check_distinct_outputs, check_output
+    from kvdbg.util.atomic import check_distinct_outputs, check_output
 
     check_distinct_outputs((("--svg", svg_path or None), ("--png", png_path or None)))
     for option, path in (("--svg", svg_path), ("--png", png_path)):
@@ -441,7 +441,7 @@ def write_pictures(make_drawing: Callable[[], Any], svg_path: str | None, png_pa
     if not svg_path and not png_path:
         return []
     check_picture_paths(svg_path, png_path, force=force)
-    from kvdbg.atomic import atomic_write, write_text_atomic
+    from kvdbg.util.atomic import atomic_write, write_text_atomic
     from kvdbg.render.canvas import png_bytes, svg_text
 
     drawing = make_drawing()

@@ -40,7 +40,7 @@ def diff(a, b, atol, rtol, full, as_json):
       kvdbg replay snap.safetensors -o a.safetensors   # on one machine / build
       kvdbg diff a.safetensors b.safetensors --json
     """
-    from kvdbg.snapdiff import diff_files, diff_verdict
+    from kvdbg.moves.snapdiff import diff_files, diff_verdict
 
     result = diff_files(a, b, atol=atol, rtol=rtol, progress=progress_printer("comparing"))
     verdict = diff_verdict(result)

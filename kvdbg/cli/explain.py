@@ -24,7 +24,7 @@ def explain(code: str | None, as_json: bool) -> None:
       kvdbg explain live_page_zero
       kvdbg explain --json
     """
-    from kvdbg.findings import CODES, UnknownCode, lookup
+    from kvdbg.judge.findings import CODES, UnknownCode, lookup
 
     if code is None:
         if as_json:

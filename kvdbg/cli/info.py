@@ -29,19 +29,19 @@ def info(snapshot: str, full: bool, check: bool, as_json: bool) -> None:
     Example:
       kvdbg info snapshot.safetensors --json
     """
-    from kvdbg.info import summarize
-    from kvdbg.verdict import EXIT_OK
+    from kvdbg.snapshot.info import summarize
+    from kvdbg.judge.verdict import EXIT_OK
 
     summary = summarize(snapshot)
     checked = None
     if check:
         import dataclasses
 
-        from kvdbg.verdict import map_verdict
+        from kvdbg.judge.verdict import map_verdict
 
         try:  # torch reads the pages: the header alone needs none, so it may be missing where info still works
-            from kvdbg.pagemap import page_map
-            from kvdbg.snapshot import load_snapshot
+            from kvdbg.snapshot.pagemap import page_map
+            from kvdbg.snapshot.store import load_snapshot
         except ImportError as exc:
             raise OptionError(f"--check reads the pages with torch, which does not import here ({exc}); "
                               "kvdbg info without --check needs no torch") from None

@@ -35,10 +35,10 @@ def map_(snapshot: str, step: int | None, request, full: bool, as_json: bool) ->
       kvdbg map snapshot.safetensors
       kvdbg map snapshot.safetensors --step 1 --request 0-3 --full --json
     """
-    from kvdbg.pagemap import page_map
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.snapshot.pagemap import page_map
+    from kvdbg.snapshot.store import load_snapshot
 
-    from kvdbg.verdict import map_verdict
+    from kvdbg.judge.verdict import map_verdict
 
     snap = load_snapshot(snapshot)
     step = step or 0

@@ -31,9 +31,9 @@ def merge(snapshots, output, kv_heads, force, as_json):
       kvdbg merge snaps/*layers.1.*-step5-rank*.safetensors -o step5.safetensors
       kvdbg replay step5.safetensors
     """
-    from kvdbg.atomic import check_output
-    from kvdbg.merge import merge_ranks
-    from kvdbg.snapshot import load_snapshot, save_snapshot
+    from kvdbg.util.atomic import check_output
+    from kvdbg.snapshot.merge import merge_ranks
+    from kvdbg.snapshot.store import load_snapshot, save_snapshot
 
     check_output(output, overwrite=force, what="-o")  # never one of the files to merge, --force or not
     loaded = [load_snapshot(path) for path in dict.fromkeys(snapshots)]

@@ -36,9 +36,9 @@ def poison(snapshot, backend, step, device, as_json):
       kvdbg poison                              # the bundled dflash fixture
       kvdbg poison snapshot.safetensors --backend flex --step 1 --json
     """
-    from kvdbg.backend_api import ReplayOptions
-    from kvdbg.poisoner import poison as run_poison
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.backends.base import ReplayOptions
+    from kvdbg.moves.poisoner import poison as run_poison
+    from kvdbg.snapshot.store import load_snapshot
 
     backends = list(backend)
     snap = load_snapshot(snapshot or default_snapshot())
@@ -60,7 +60,7 @@ def poison(snapshot, backend, step, device, as_json):
 
 def poison_verdict(result):
     """Fail when a backend weights a poisoned slot; unverified when nothing was poisoned or nothing ran."""
-    from kvdbg.verdict import EXIT_FINDING, EXIT_NOTHING_VERIFIED, EXIT_OK
+    from kvdbg.judge.verdict import EXIT_FINDING, EXIT_NOTHING_VERIFIED, EXIT_OK
 
     records = [b for s in result.steps for b in s.backends]
     # A backend whose every output was already non-finite or unwritten unpoisoned shows no read: it ran, but

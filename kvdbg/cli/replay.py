@@ -97,13 +97,13 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
     if given:
         raise OptionError(f"{given[0]} needs snapshots to replay: name a directory or files")
     snapshot = paths[0] if paths else None
-    from kvdbg.atomic import check_distinct_outputs
+    from kvdbg.util.atomic import check_distinct_outputs
 
     check_distinct_outputs((("-o", output), ("--svg", svg_path or None), ("--png", png_path or None)))
     check_picture_paths(svg_path, png_path, force=force)
     from kvdbg import api
     from kvdbg.render.replay import render_replay
-    from kvdbg.runner import save_outputs as write_outputs
+    from kvdbg.replayer.runner import save_outputs as write_outputs
 
     snap = api.load(snapshot or default_snapshot())
     num_heads, num_steps = snap.meta.layer.num_heads, len(snap.steps)
@@ -146,10 +146,10 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
 
 def replay_several(paths, *, backends, steps, device, exact, compile_, atol, rtol, jobs, recursive, as_json,
                    results, resume, ray, force, full, single_only) -> None:
-    """`kvdbg replay DIR|FILES...`: one summary row per snapshot (kvdbg.batch), the failing ones grouped by cause
-    (kvdbg.triage), one exit code over all; run by kvdbg.fleet on workers, GPUs or a Ray cluster."""
-    from kvdbg.batch import BatchOptions, find_snapshots
-    from kvdbg.fleet import run_fleet
+    """`kvdbg replay DIR|FILES...`: one summary row per snapshot (kvdbg.replayer.batch), the failing ones grouped by cause
+    (kvdbg.fleet.triage), one exit code over all; run by kvdbg.fleet.runs on workers, GPUs or a Ray cluster."""
+    from kvdbg.replayer.batch import BatchOptions, find_snapshots
+    from kvdbg.fleet.runs import run_fleet
 
     given = [name for name, value in single_only.items() if value]
     if given:

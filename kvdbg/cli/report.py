@@ -47,15 +47,15 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
       kvdbg report snapshot.safetensors -o report.md --html report.html
     """
     from kvdbg.render.report import render_markdown, render_svgs
-    from kvdbg.report import build_report, write_text_atomic
+    from kvdbg.moves.report import build_report, write_text_atomic
 
     backends = backend
     knobs = None
     if sweep_knobs is not None:
-        from kvdbg.sweeper import parse_knobs
+        from kvdbg.moves.sweeper import parse_knobs
 
         knobs = parse_knobs(sweep_knobs)
-    from kvdbg.atomic import check_distinct_outputs, check_output
+    from kvdbg.util.atomic import check_distinct_outputs, check_output
 
     # Every file the report writes, told apart before any is written (the --svg directory's own files too).
     pictures = [] if svg_dir is None else [
@@ -82,16 +82,16 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
         _remove_if_empty(made)  # a bad snapshot leaves no directory behind
         raise
     if knobs is not None:
-        from kvdbg.backend_api import ReplayOptions
-        from kvdbg.snapshot import load_snapshot
-        from kvdbg.sweeper import sweep, sweep_verdict
+        from kvdbg.backends.base import ReplayOptions
+        from kvdbg.snapshot.store import load_snapshot
+        from kvdbg.moves.sweeper import sweep, sweep_verdict
 
         swept = sweep(load_snapshot(snapshot), knobs, list(backends) or None, ReplayOptions(device=device),
                       required=list(backends), progress=progress)
         result.sweep = (swept, sweep_verdict(swept))
     text = render_markdown(result)
     if svg_dir is not None or html_path is not None:
-        from kvdbg.report import build_pictures
+        from kvdbg.moves.report import build_pictures
 
         result.pictures = build_pictures(result, progress=progress)
     if svg_dir is not None:
@@ -147,12 +147,12 @@ def _pictures(result, svg_dir: str, force: bool) -> None:
     """The pictures as SVG, and as PNG with the plot extra (without it, one line on stderr says which extra)."""
     import importlib.util
 
-    from kvdbg.atomic import atomic_write
+    from kvdbg.util.atomic import atomic_write
     from kvdbg.render.attention import attention_drawing
     from kvdbg.render.canvas import PLOT_EXTRA, png_bytes, svg_text
     from kvdbg.render.drawing import layout
     from kvdbg.render.errormap import error_drawing
-    from kvdbg.report import write_text_atomic
+    from kvdbg.moves.report import write_text_atomic
 
     pictures = result.pictures
     drawings = {"errors": error_drawing(pictures.errors)}

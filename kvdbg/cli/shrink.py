@@ -49,14 +49,14 @@ def shrink(snapshot, output, backend, device, same_heads, force, emit_script, sc
     """
     import os
 
-    from kvdbg.atomic import check_output
-    from kvdbg.shrinker import shrink as run_shrink
-    from kvdbg.snapshot import load_snapshot
-    from kvdbg.verdict import EXIT_OK
+    from kvdbg.util.atomic import check_output
+    from kvdbg.moves.shrinker import shrink as run_shrink
+    from kvdbg.snapshot.store import load_snapshot
+    from kvdbg.judge.verdict import EXIT_OK
 
     check_output(output, overwrite=force, what="-o")  # never the input snapshot, --force or not
     if emit_script is not None:
-        from kvdbg.repro_script import SUPPORTED, check_targets
+        from kvdbg.moves.repro_script import SUPPORTED, check_targets
 
         if backend is not None and backend not in SUPPORTED:
             raise OptionError(f"--emit-script writes out {' and '.join(SUPPORTED)} only, not {backend}")
@@ -73,7 +73,7 @@ def shrink(snapshot, output, backend, device, same_heads, force, emit_script, sc
         summary += f" ({size_change(result.input_bytes, result.output_bytes)})"
     script = None
     if emit_script is not None:
-        from kvdbg.repro_script import emit_repro_script, run_script
+        from kvdbg.moves.repro_script import emit_repro_script, run_script
 
         if progress:
             progress(f"writing {emit_script}")

@@ -46,9 +46,9 @@ def sweep(snapshot, vary, backend, step, device, atol, rtol, as_json):
       kvdbg sweep snapshot.safetensors --vary kv-dtype,window \\
         --backend flashinfer_ts --json
     """
-    from kvdbg.backend_api import ReplayOptions
-    from kvdbg.snapshot import load_snapshot
-    from kvdbg.sweeper import parse_knobs, sweep as run_sweep, sweep_verdict
+    from kvdbg.backends.base import ReplayOptions
+    from kvdbg.snapshot.store import load_snapshot
+    from kvdbg.moves.sweeper import parse_knobs, sweep as run_sweep, sweep_verdict
 
     knobs = parse_knobs(list(vary) if vary else None)
     backends = list(backend)

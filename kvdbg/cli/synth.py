@@ -7,8 +7,8 @@ import click
 from kvdbg.cli.common import (AliasedOption, BadInput, HiddenOutputArgument, backend_name, console, emit_json,
                               force_option, guarded, json_option, output_option)
 from kvdbg.errors import KvdbgError, OptionError
-from kvdbg.format import ATTN_TYPES, LAYOUT_KV_PLANES, LAYOUT_VLLM
-from kvdbg.ranges import IntListParam
+from kvdbg.snapshot.format import ATTN_TYPES, LAYOUT_KV_PLANES, LAYOUT_VLLM
+from kvdbg.util.ranges import IntListParam
 
 class HeadValuesParam(click.ParamType):
     """'auto' or comma-separated numbers, one per query head (the count is checked against --num-heads)."""
@@ -114,8 +114,8 @@ def synth(out, output, seq_lens, query_len, query_lens, num_heads, num_kv_heads,
       kvdbg synth -o gpt_oss.safetensors --sinks auto --window 128 \\
         --engine-output reference
     """
-    from kvdbg.snapshot import save_snapshot
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.snapshot.store import save_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
     if out is not None and output is not None and out != output:
         raise OptionError(f"two output files ({out} and -o {output}): give one, with -o")

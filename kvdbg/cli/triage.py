@@ -35,9 +35,9 @@ def triage(results, full, as_json):
       kvdbg triage results.jsonl
       kvdbg triage results.jsonl --json | jq '.groups[0].example'
     """
-    from kvdbg.batch import BatchResult, batch_verdict
-    from kvdbg.results import read_results
-    from kvdbg.triage import triage as group_rows
+    from kvdbg.replayer.batch import BatchResult, batch_verdict
+    from kvdbg.fleet.results import read_results
+    from kvdbg.fleet.triage import triage as group_rows
 
     found = read_results(results)
     rows = sorted(found.rows, key=lambda r: r.path)  # as a directory's files are replayed: by name

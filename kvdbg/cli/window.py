@@ -66,7 +66,7 @@ def window(snapshot, request, step, seq_len, window, query_len, page_size, mask,
       kvdbg window snapshot.safetensors --request 1 --step 0
       kvdbg window snapshot.safetensors --picture --svg window.svg
     """
-    from kvdbg.ts_window import analyze_window
+    from kvdbg.ts.window import analyze_window
 
     source = None
     hand = [name for name, value in zip(HAND_OPTIONS, (seq_len, window, query_len, page_size, mask, max_model_len,
@@ -74,7 +74,7 @@ def window(snapshot, request, step, seq_len, window, query_len, page_size, mask,
     if snapshot is not None:
         if hand:
             raise OptionError(f"{hand[0]} cannot be combined with SNAPSHOT, which gives it (give one or the other)")
-        from kvdbg.window_source import window_source
+        from kvdbg.moves.window_source import window_source
 
         source = window_source(snapshot, step=step, request=request)
         seq_len, window, query_len, page_size = source.seq_len, source.window, source.query_len, source.page_size
@@ -101,7 +101,7 @@ def window(snapshot, request, step, seq_len, window, query_len, page_size, mask,
             raise
         raise OptionError(f"{source_label(source)}: {exc}".replace("--", "")) from None
     if source is not None and source.non_uniform and not source.not_applicable:
-        from kvdbg.findings import Finding
+        from kvdbg.judge.findings import Finding
 
         analysis.findings.append(Finding(code="non_uniform_query_blocks", backend="flashinfer_ts",
                                          message=source.non_uniform))
@@ -137,15 +137,15 @@ def window(snapshot, request, step, seq_len, window, query_len, page_size, mask,
 
 def draw_picture(analysis, source, snapshot, *, svg_path, png_path, force):
     """The grids of the analysed request (flex's only with a snapshot: it needs the block table); files written."""
-    from kvdbg.atomic import atomic_write, write_text_atomic
-    from kvdbg.picture import picture
+    from kvdbg.util.atomic import atomic_write, write_text_atomic
+    from kvdbg.moves.picture import picture
 
     from kvdbg.cli.common import check_picture_paths
 
     check_picture_paths(svg_path, png_path, force=force)
     tables = None
     if source is not None:
-        from kvdbg.window_source import step_tables
+        from kvdbg.moves.window_source import step_tables
 
         tables = step_tables(snapshot, source.step)
     drawn = picture(analysis, tables, None if source is None else source.request)
@@ -167,7 +167,7 @@ def source_label(source) -> str:
 
 
 def window_verdict(analysis, source=None):
-    from kvdbg.verdict import EXIT_FINDING, EXIT_NOTHING_VERIFIED, EXIT_OK
+    from kvdbg.judge.verdict import EXIT_FINDING, EXIT_NOTHING_VERIFIED, EXIT_OK
 
     if source is not None and source.not_applicable:
         # As `kvdbg replay` judges the step: a batch vLLM never runs through FLASHINFER_TS says nothing about it.

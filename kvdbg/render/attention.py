@@ -14,7 +14,7 @@ import math
 
 from rich.text import Text
 
-from kvdbg.attention import AttentionPicture, ColumnWeights
+from kvdbg.moves.attention import AttentionPicture, ColumnWeights
 from kvdbg.render.canvas import CHAR_W, FAINT, INK, LINE_H, MARGIN, Drawing, Label, Line, Rect, wrap
 from kvdbg.render.fit import Column, FitTable
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import textwrap
 
-from kvdbg.picture import EXTRA, LOADED, MEANING, MISSED, NONE, SEEN, Picture, cell_kind, merged_rows, row_groups
+from kvdbg.moves.picture import EXTRA, LOADED, MEANING, MISSED, NONE, SEEN, Picture, cell_kind, merged_rows, row_groups
 from kvdbg.render.canvas import CHAR_W, FAINT, LINE_H, MARGIN, Drawing, Label, Rect
 from kvdbg.render.canvas import png_bytes as drawing_png
 from kvdbg.render.canvas import svg_text as drawing_svg

@@ -13,7 +13,7 @@ import math
 
 from rich.text import Text
 
-from kvdbg.errormap import (ABOVE, BELOW, CAUSES, EXACT, EXPECTED_NONFINITE, FAR, GRADES, NONFINITE, SMALL, TINY,
+from kvdbg.judge.errormap import (ABOVE, BELOW, CAUSES, EXACT, EXPECTED_NONFINITE, FAR, GRADES, NONFINITE, SMALL, TINY,
                             UNWRITTEN, Cell, ErrorMap, ErrorPictures, StepSeries)
 from kvdbg.render.canvas import CHAR_W, FAINT, INK, LINE_H, MARGIN, Drawing, Label, Line, Rect, stack
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
-from kvdbg.findings import CODES, SEVERITY_STYLES, TOPICS, Code
+from kvdbg.judge.findings import CODES, SEVERITY_STYLES, TOPICS, Code
 from kvdbg.render.fit import Column, FitTable
 
 

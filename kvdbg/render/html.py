@@ -13,7 +13,7 @@ import io
 import shlex
 
 from kvdbg.render.util import printable
-from kvdbg.report import BugReport
+from kvdbg.moves.report import BugReport
 
 
 def _text(text: str) -> str:
@@ -71,7 +71,7 @@ def _figure(ident: str, svg: str, caption: str) -> str:
 
 
 def render_html(r: BugReport) -> str:
-    """The whole report as one HTML document (``r.pictures`` must be built: kvdbg.report.build_pictures)."""
+    """The whole report as one HTML document (``r.pictures`` must be built: kvdbg.moves.report.build_pictures)."""
     from kvdbg.render.attention import AttentionText, attention_drawing
     from kvdbg.render.canvas import svg_text
     from kvdbg.render.drawing import layout

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from kvdbg.render.fit import Column, FitTable
 from kvdbg.render.util import human_bytes
-from kvdbg.info import InfoSummary, layer_features
+from kvdbg.snapshot.info import InfoSummary, layer_features
 
 MAX_REQUEST_ROWS = 32
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
-from kvdbg.findings import SEVERITY_STYLES, explain_hint
-from kvdbg.pagemap import PageMap, PhysicalEntry
+from kvdbg.judge.findings import SEVERITY_STYLES, explain_hint
+from kvdbg.snapshot.pagemap import PageMap, PhysicalEntry
 from kvdbg.render.fit import Column, FitTable
 from kvdbg.render.util import elide
 

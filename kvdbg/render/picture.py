@@ -1,4 +1,4 @@
-"""`kvdbg window --picture`: the query x key grids of kvdbg.picture as terminal text (no torch).
+"""`kvdbg window --picture`: the query x key grids of kvdbg.moves.picture as terminal text (no torch).
 
 Each grid row is one query token (rows are merged when the block is long),
 each column a run of keys: an overview of the whole request scaled to the
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from rich.text import Text
 
-from kvdbg.picture import EXTRA, LOADED, MEANING, MISSED, NONE, SEEN, Picture, cell_kind, merged_rows, row_groups
+from kvdbg.moves.picture import EXTRA, LOADED, MEANING, MISSED, NONE, SEEN, Picture, cell_kind, merged_rows, row_groups
 
 SYMBOL = {SEEN: "█", "partial": "▒", EXTRA: "+", MISSED: "!", LOADED: "░", NONE: "·"}
 STYLE = {SEEN: "green", "partial": "green", EXTRA: "bold yellow", MISSED: "bold red", LOADED: "dim", NONE: "dim"}

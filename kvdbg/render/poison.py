@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
-from kvdbg.poisoner import REGION_MEANING, BackendPoison, PoisonResult, RegionResult
+from kvdbg.moves.poisoner import REGION_MEANING, BackendPoison, PoisonResult, RegionResult
 from kvdbg.render.fit import Column, FitTable
 
 STATUS_STYLES = {"reads poisoned": "bold red", "loads masked": "yellow", "clean": "green", "empty": "dim",

@@ -6,11 +6,11 @@ pipe gets the summary alone. Notes (a worker that died) print above the bar.
 
 from __future__ import annotations
 
-from kvdbg.batch import STATUS_PASS
+from kvdbg.replayer.batch import STATUS_PASS
 
 
 class FleetBar:
-    """A kvdbg.fleet.Progress drawn with rich on stderr; the bar leaves no trace once the run ends."""
+    """A kvdbg.fleet.runs.Progress drawn with rich on stderr; the bar leaves no trace once the run ends."""
 
     def __init__(self, console):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn

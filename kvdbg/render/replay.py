@@ -7,12 +7,12 @@ from typing import Any
 from rich.console import Group
 from rich.text import Text
 
-from kvdbg.compare import Comparison, HeadDiff
-from kvdbg.findings import SEVERITY_STYLES, explain_hint, severity_rank
+from kvdbg.judge.compare import Comparison, HeadDiff
+from kvdbg.judge.findings import SEVERITY_STYLES, explain_hint, severity_rank
 from kvdbg.render.fit import Column, FitTable
 from kvdbg.render.util import verdict_line
-from kvdbg.runner import ReplayReport, ReplayResult
-from kvdbg.verdict import Verdict
+from kvdbg.replayer.runner import ReplayReport, ReplayResult
+from kvdbg.judge.verdict import Verdict
 
 MAX_FAILING_ROWS = 32
 MAX_PASSING_ROWS = 8

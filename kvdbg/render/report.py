@@ -6,11 +6,11 @@ import io
 import re
 import shlex
 
-from kvdbg.info import layer_features
-from kvdbg.findings import explain_command
+from kvdbg.snapshot.info import layer_features
+from kvdbg.judge.findings import explain_command
 from kvdbg.render.markdown import md_code, md_escape, md_table
 from kvdbg.render.util import human_bytes
-from kvdbg.report import BugReport
+from kvdbg.moves.report import BugReport
 
 MAX_TABLE_ROWS = 32
 

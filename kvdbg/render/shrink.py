@@ -8,7 +8,7 @@ from rich.text import Text
 
 from kvdbg.render.fit import Column, FitTable
 from kvdbg.render.util import elide, human_bytes
-from kvdbg.shrinker import ShrinkResult
+from kvdbg.moves.shrinker import ShrinkResult
 
 
 def size_change(input_bytes: int, output_bytes: int) -> str:

@@ -8,7 +8,7 @@ from rich.console import Group
 from rich.text import Text
 
 from kvdbg.render.fit import Column, FitTable
-from kvdbg.snapdiff import FIRST_LISTED, KIND_SNAPSHOT, SnapDiff, StepDiff, TensorDiff
+from kvdbg.moves.snapdiff import FIRST_LISTED, KIND_SNAPSHOT, SnapDiff, StepDiff, TensorDiff
 
 PROVENANCE_SHOWN = 6
 

@@ -6,7 +6,7 @@ from rich.console import Group
 from rich.text import Text
 
 from kvdbg.render.fit import Column, FitTable
-from kvdbg.sweeper import KNOB_MEANING, Cell, SweepResult, SweepRow
+from kvdbg.moves.sweeper import KNOB_MEANING, Cell, SweepResult, SweepRow
 
 FLIP_MARK = "▶"
 CELL_STYLES = {"pass": "green", "fail": "bold red", "n/a": "dim", "moves": "cyan", "baseline": "dim"}

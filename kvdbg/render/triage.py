@@ -1,4 +1,4 @@
-"""The failing rows grouped by cause (kvdbg.triage), where a run's files ran, and the JSON of both.
+"""The failing rows grouped by cause (kvdbg.fleet.triage), where a run's files ran, and the JSON of both.
 
 `kvdbg replay DIR` prints these under its per-file table; `kvdbg triage RESULTS`
 prints them from a results file. Text wraps to the console's width; the example
@@ -14,7 +14,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from kvdbg.triage import KIND_BAD_INPUT, KIND_FAIL, Triage
+from kvdbg.fleet.triage import KIND_BAD_INPUT, KIND_FAIL, Triage
 
 KIND_STYLE = {KIND_FAIL: "bold red", KIND_BAD_INPUT: "bold red", "crashed": "bold red", "worker died": "bold red",
               "unverified": "yellow"}

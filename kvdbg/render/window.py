@@ -6,8 +6,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from kvdbg.findings import SEVERITY_STYLES, explain_hint
-from kvdbg.ts_window import STRIP_LETTERS, WindowAnalysis
+from kvdbg.judge.findings import SEVERITY_STYLES, explain_hint
+from kvdbg.ts.window import STRIP_LETTERS, WindowAnalysis
 from kvdbg.render.fit import Column, FitTable
 
 # Long query blocks show this many tokens at each end unless --full.

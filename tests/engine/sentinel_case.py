@@ -93,7 +93,7 @@ def _failed_heads(data: dict) -> list[tuple[int, int]]:
 
 def sentinel_runs(out: str, model_dir: str, log, env_base: dict) -> list[str]:
     """The clean run and the fault run; the problems found (empty: both passed)."""
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.snapshot.store import load_snapshot
 
     from tests.engine.sentinel_faults import CORRUPTED_HEAD
 

@@ -190,7 +190,7 @@ def batch_kind(query_lens: list[int]) -> str:
 
 def replay_one(backend: str, case: str, path: str, out: str) -> Outcome:
     import torch  # noqa: F401  (loaded once per stage process, not per snapshot)
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.snapshot.store import load_snapshot
 
     outcome = Outcome(backend, case, path)
     snap = load_snapshot(path)
@@ -262,7 +262,7 @@ def vllm_column_problems(data: dict, backend: str, variant: str | None) -> list[
 
 def case_checks(backend: str, case: str, paths: list[str], record: dict) -> list[str]:
     """The case really produced the batches it is named after (else a pass would prove nothing)."""
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.snapshot.store import load_snapshot
 
     problems = [f"{backend}/{case}: capture failure {kind} x{count}"
                 for kind, count in record.get("failures", {}).items() if case not in FAULT_CASES]
@@ -331,7 +331,7 @@ def declared_layout_checks(backend: str, case: str, snaps: list) -> list[str]:
     """Every snapshot's pages were read through the layout vLLM declared, and its written slots read back so."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from kvdbg.cache import CPU_ATTN_K_TRANSPOSED
+    from kvdbg.snapshot.layout import CPU_ATTN_K_TRANSPOSED
 
     # The engine resolves the backend's most preferred layout (it serves every layer here): read it from vLLM.
     expected = AttentionBackendEnum[backend].get_class().supported_kv_cache_layouts()[0].name
@@ -400,7 +400,7 @@ RANGE_STEPS = (4, 15)  # both layers: 24 snapshots, within the default KVDBG_CAP
 
 def range_under_load(out: str, model_dir: str, log) -> list[str]:
     """Steps 4-15 of both layers, asked with the default settings while the machine is busy: all 24 arrive."""
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.snapshot.store import load_snapshot
 
     capture_dir = os.path.join(out, "plain", "range_under_load")
     env = dict(CLEAN_ENV, KVDBG_CAPTURE_DIR=capture_dir,
@@ -459,7 +459,7 @@ def tensor_parallel(out: str, model_dir: str, log) -> list[str]:
     import torch
 
     from kvdbg import api
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.snapshot.store import load_snapshot
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -536,10 +536,10 @@ def killed_mid_write(out: str, model_dir: str, log) -> list[str]:
 
     import torch
 
-    from kvdbg.capture import TEMP_PREFIX, CaptureBackend, CaptureLayer, Capturer, StepTensors, stale_temp_files, \
+    from kvdbg.capture.capturer import TEMP_PREFIX, CaptureBackend, CaptureLayer, Capturer, StepTensors, stale_temp_files, \
         temp_file_prefix
-    from kvdbg.format import LAYOUT_VLLM
-    from kvdbg.snapshot import load_snapshot
+    from kvdbg.snapshot.format import LAYOUT_VLLM
+    from kvdbg.snapshot.store import load_snapshot
 
     capture_dir = os.path.join(out, "plain", "killed")
     os.makedirs(capture_dir)

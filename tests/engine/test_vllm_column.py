@@ -18,12 +18,13 @@ import torch
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
-from kvdbg.backend_api import ReplayOptions  # noqa: E402
+from kvdbg.backends.base import ReplayOptions  # noqa: E402
 from kvdbg.backends._vllm_kv_cache import allocate, place_pages  # noqa: E402
-from kvdbg.cache import CPU_ATTN_K_TRANSPOSED, quantize_fp8  # noqa: E402
-from kvdbg.compare import compare_step  # noqa: E402
-from kvdbg.runner import replay  # noqa: E402
-from kvdbg.synth import SynthSpec, synth_snapshot  # noqa: E402
+from kvdbg.snapshot.layout import quantize_fp8  # noqa: E402
+from kvdbg.snapshot.layout import CPU_ATTN_K_TRANSPOSED
+from kvdbg.judge.compare import compare_step  # noqa: E402
+from kvdbg.replayer.runner import replay  # noqa: E402
+from kvdbg.moves.synth import SynthSpec, synth_snapshot  # noqa: E402
 
 
 def _cpu_attn_spec(block_size: int, heads: int, head_size: int, dtype: torch.dtype):
@@ -82,7 +83,7 @@ def test_cpu_attn_fp8_write_rounds_toward_zero_where_kvdbg_rounds_to_nearest():
     place_pages(ours, nearest_k, nearest_v, torch.arange(2), CPU_ATTN_K_TRANSPOSED)
     assert not torch.equal(ours, theirs)
     # Decode vLLM's bytes through kvdbg's layout: each is the largest e4m3 magnitude not above |x / scale|.
-    from kvdbg.cache import split_kv
+    from kvdbg.snapshot.layout import split_kv
 
     written_k, _ = split_kv(theirs, CPU_ATTN_K_TRANSPOSED, 32, fp8=True)
     exact = keys.float() / 0.5
@@ -184,7 +185,7 @@ def test_vllm_flex_runs_flex_on_a_cpu_attn_capture_as_a_what_if():
 
 
 def test_shrink_keeps_the_vllm_columns_failure():
-    from kvdbg.shrinker import shrink
+    from kvdbg.moves.shrinker import shrink
 
     # vLLM's FLEX_ATTENTION treats page 0 as the null block: a request that reads page 0 fails against the
     # exact reference, in vLLM's own code as in kvdbg's flex.
@@ -198,7 +199,7 @@ def test_shrink_keeps_the_vllm_columns_failure():
 
 
 def test_sweep_judges_the_vllm_column_in_every_variant():
-    from kvdbg.sweeper import sweep, sweep_verdict
+    from kvdbg.moves.sweeper import sweep, sweep_verdict
 
     # Without new K/V: the kv-dtype knob's FP8 rows would otherwise hold vLLM's truncating FP8 write of the
     # step's tokens against the reference's rounding to nearest (test_cpu_attn_fp8_write_rounds_toward_zero...).
@@ -214,7 +215,7 @@ def test_sweep_judges_the_vllm_column_in_every_variant():
 
 @pytest.mark.parametrize("backend, page_size", [("CPU_ATTN", 32), ("FLEX_ATTENTION", 16)])
 def test_poison_finds_the_vllm_column_reading_no_slot_it_must_not(backend, page_size):
-    from kvdbg.poisoner import poison
+    from kvdbg.moves.poisoner import poison
 
     snap = _snap(backend, page_size=page_size, sliding_window=40, stale_tail=2, shared_prefix_pages=1,
                  seq_lens=(60, 77, 200))
@@ -258,7 +259,7 @@ def test_cpu_attn_runs_each_layer_feature_as_the_reference_models_it(feature):
 
 def test_the_impl_holds_the_snapshots_values():
     from kvdbg.backends.vllm_native import BACKEND
-    from kvdbg.runner import common_metadata
+    from kvdbg.replayer.runner import common_metadata
 
     snap = _snap("CPU_ATTN", sinks=(0.5, -1.0, 2.0, 0.25, 0.0, 1.5, -0.5, 3.0), alibi_slopes="auto",
                  dtype="bfloat16")

@@ -31,10 +31,10 @@ import time
 
 import torch
 
-from kvdbg.backend_api import ReplayOptions
-from kvdbg.compare import compare, compare_step, default_tolerance
-from kvdbg.runner import replay
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.backends.base import ReplayOptions
+from kvdbg.judge.compare import compare, compare_step, default_tolerance
+from kvdbg.replayer.runner import replay
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 
 def random_spec(rng: random.Random, index: int, backend: str = "FLEX_ATTENTION") -> tuple[SynthSpec, str | None]:

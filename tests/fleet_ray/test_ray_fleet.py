@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from kvdbg.batch import STATUS_PASS, BatchOptions, find_snapshots
-from kvdbg.fleet import run_fleet
-from kvdbg.results import read_results
+from kvdbg.replayer.batch import STATUS_PASS, BatchOptions, find_snapshots
+from kvdbg.fleet.runs import run_fleet
+from kvdbg.fleet.results import read_results
 
 from tests.fleet_helpers import mixed_directory, rows, small_directory, verdicts, wait_for_rows, write_cause
 from tests.helpers import ROOT

@@ -596,7 +596,7 @@ def classify(exit_code: int, exception, stderr: str, stdout: str) -> str | None:
         return "traceback"
     if "Traceback (most recent call last)" in stderr + stdout:
         return "traceback"
-    if exit_code in (0, 1, 3):  # 3: a replay that could compare nothing (kvdbg.verdict)
+    if exit_code in (0, 1, 3):  # 3: a replay that could compare nothing (kvdbg.judge.verdict)
         return None
     if exit_code != 2:
         return "bad_exit"
@@ -686,8 +686,8 @@ class Job:
 
 def make_seeds(out_dir: str) -> list[str]:
     """The fixtures plus a few small synthetic snapshots (fast to replay, every feature covered)."""
-    from kvdbg.snapshot import save_snapshot
-    from kvdbg.synth import SynthSpec, synth_snapshot
+    from kvdbg.snapshot.store import save_snapshot
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
     from tests.helpers import FIXTURES
 
     seeds = sorted(os.path.join(FIXTURES, f) for f in os.listdir(FIXTURES) if f.endswith(".safetensors"))
@@ -720,7 +720,7 @@ def run(count: int, seed: int, out_dir: str, *, jobs: int = 2, timeout: float = 
     import kvdbg.cli.map  # noqa: F401
     import kvdbg.cli.replay  # noqa: F401
     import kvdbg.cli.window  # noqa: F401
-    import kvdbg.runner  # noqa: F401
+    import kvdbg.replayer.runner  # noqa: F401
     import kvdbg.render.info  # noqa: F401
     import kvdbg.render.pagemap  # noqa: F401
     import kvdbg.render.replay  # noqa: F401

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdbg.backend_api import ReplayOptions
-from kvdbg.compare import compare_step
-from kvdbg.runner import replay
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.backends.base import ReplayOptions
+from kvdbg.judge.compare import compare_step
+from kvdbg.replayer.runner import replay
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -86,7 +86,7 @@ def test_the_column_is_counted_and_a_wrong_cache_fails():
 
 
 def test_poison_finds_no_slot_vllms_kernel_must_not_read():
-    from kvdbg.poisoner import poison
+    from kvdbg.moves.poisoner import poison
 
     snap = _snapshot("dense_page0")
     result = poison(snap, ["reference", "vllm"], _options(), required=["vllm"])
@@ -100,7 +100,7 @@ def test_poison_finds_no_slot_vllms_kernel_must_not_read():
 def test_shrink_keeps_a_failure_of_the_column():
     """A NaN key that request 1 sees makes its heads of that KV group non-finite (never a pass): shrink, driving
     vLLM's kernel on every candidate, keeps that request and KV head."""
-    from kvdbg.shrinker import shrink
+    from kvdbg.moves.shrinker import shrink
 
     snap = _snapshot("mixed_bf16")
     keys, _ = snap.kv_views()

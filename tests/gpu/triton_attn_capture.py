@@ -263,8 +263,8 @@ class Case:
 
 
 def run_case(ops: VllmOps, case: Case, out_dir: str, device: str, standin: bool) -> dict:
-    from kvdbg.capture import CaptureBackend, CaptureLayer, Capturer, StepTensors
-    from kvdbg.engine_layouts import LayoutError, check_written_kv
+    from kvdbg.capture.capturer import CaptureBackend, CaptureLayer, Capturer, StepTensors
+    from kvdbg.capture.engine_layouts import LayoutError, check_written_kv
 
     member = ops.KVCacheLayout[case.layout]
     raw, views, spec = allocate(ops, member, case.kv_cache_dtype, device)
@@ -348,7 +348,7 @@ def run_case(ops: VllmOps, case: Case, out_dir: str, device: str, standin: bool)
 
 
 def target_layout(target):
-    from kvdbg.engine_layouts import engine_layout
+    from kvdbg.capture.engine_layouts import engine_layout
 
     return engine_layout(target.kv_layout)
 

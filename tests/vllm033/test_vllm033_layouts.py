@@ -43,7 +43,7 @@ from click.testing import CliRunner
 
 from kvdbg import vllm_plugin
 from kvdbg.cli import cli
-from kvdbg.engine_layouts import (
+from kvdbg.capture.engine_layouts import (
     LayerCacheDeclaration,
     LayoutError,
     check_written_kv,
@@ -51,7 +51,7 @@ from kvdbg.engine_layouts import (
     strides_follow,
     vllm_layout,
 )
-from kvdbg.snapshot import load_snapshot
+from kvdbg.snapshot.store import load_snapshot
 
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.forward_context import set_forward_context

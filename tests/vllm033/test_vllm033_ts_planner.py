@@ -1,4 +1,4 @@
-"""kvdbg's reading of prims_ts's decode planner (kvdbg.ts_planner) against flashinfer-python 0.7.4's own planner.
+"""kvdbg's reading of prims_ts's decode planner (kvdbg.ts.planner) against flashinfer-python 0.7.4's own planner.
 
 ``make_decode_config`` is pure Python over CuTe DSL types; it asks the device only for its SM count, which these
 tests pin to a B200's (flashinfer's own fallback) so that the plans are the ones a B200 makes.
@@ -12,7 +12,7 @@ import cutlass  # flashinfer-python 0.7.4 requires nvidia-cutlass-dsl: the stage
 import flashinfer.attention.prims_ts.kernels.fmha_decode.fmha_decode_config as config
 import pytest
 
-from kvdbg import ts_planner
+from kvdbg.ts import planner as ts_planner
 
 
 class _B200:

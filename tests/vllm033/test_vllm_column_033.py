@@ -18,17 +18,17 @@ import torch
 from click.testing import CliRunner
 
 from kvdbg.backends._vllm_kv_cache import allocate, choose_layout, place_pages, supported_layouts
-from kvdbg.cache import CPU_ATTN_K_TRANSPOSED
+from kvdbg.snapshot.layout import CPU_ATTN_K_TRANSPOSED
 from kvdbg.cli import cli
-from kvdbg.synth import SynthSpec, synth_snapshot
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
 
 BACKENDS = ["FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION", "CPU_ATTN"]
 OTHER_COLUMNS = "reference,flex,flashinfer_ts"
 
 
 def _snapshot(tmp_path, backend: str) -> str:
-    from kvdbg.runner import replay
-    from kvdbg.snapshot import save_snapshot
+    from kvdbg.replayer.runner import replay
+    from kvdbg.snapshot.store import save_snapshot
 
     snap = synth_snapshot(SynthSpec(seq_lens=(9, 77, 40), query_lens=(1, 1, 3), page_size=32, dtype="float16",
                                     backend=backend))
@@ -182,8 +182,8 @@ def _record_kernel_calls(monkeypatch):
 
 
 def test_triton_attn_hands_the_snapshots_sinks_alibi_and_soft_cap_to_its_kernel(monkeypatch):
-    from kvdbg.backend_api import ReplayOptions
-    from kvdbg.runner import replay
+    from kvdbg.backends.base import ReplayOptions
+    from kvdbg.replayer.runner import replay
 
     calls = _record_kernel_calls(monkeypatch)
     sinks = (0.5, -1.0, 2.0, 0.25, 0.0, 1.5, -0.5, 3.0)  # exact in bfloat16: handed in the model dtype
@@ -204,8 +204,8 @@ def test_triton_attn_hands_the_snapshots_sinks_alibi_and_soft_cap_to_its_kernel(
 
 
 def test_float32_sinks_the_model_dtype_would_round_reach_the_kernel_unrounded(monkeypatch):
-    from kvdbg.backend_api import ReplayOptions
-    from kvdbg.runner import replay
+    from kvdbg.backends.base import ReplayOptions
+    from kvdbg.replayer.runner import replay
 
     calls = _record_kernel_calls(monkeypatch)
     snap = synth_snapshot(SynthSpec(seq_lens=(9, 40), num_heads=8, num_kv_heads=2, head_size=64, page_size=16,
@@ -228,8 +228,8 @@ def test_float32_sinks_the_model_dtype_would_round_reach_the_kernel_unrounded(mo
 ])
 def test_a_feature_vllm_0_33_refuses_for_the_backend_makes_the_column_unavailable(monkeypatch, backend, features,
                                                                                   reason):
-    from kvdbg.backend_api import ReplayOptions
-    from kvdbg.runner import replay
+    from kvdbg.backends.base import ReplayOptions
+    from kvdbg.replayer.runner import replay
 
     _record_kernel_calls(monkeypatch)
     snap = synth_snapshot(SynthSpec(seq_lens=(9, 40), num_heads=8, num_kv_heads=2, head_size=64, page_size=16,

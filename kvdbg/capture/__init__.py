@@ -1,0 +1,22 @@
+"""Capture from a live engine: its variables (``config``), the engine's cache layouts it accepts
+(``engine_layouts``), what the engine's thread copies (``buffers``), the pure building of a snapshot from
+those copies (``prepare``) and the never-raising shell with its writer thread (``capturer``).
+
+May import :mod:`kvdbg.errors`, :mod:`kvdbg.util`, :mod:`kvdbg.judge`, :mod:`kvdbg.snapshot`; never
+replay, backends or vLLM (the plugin, :mod:`kvdbg.vllm_plugin`, hands it plain tensors).
+
+``kvdbg.capture`` was one module before it was a package: its API (``Capturer``, ``CaptureLayer``,
+``CaptureBackend``, ``StepTensors``, ``capture_step``) is re-exported here, loaded on first use.
+"""
+
+_REEXPORTS = {name: "kvdbg.capture.capturer" for name in
+              ("Capturer", "CaptureLayer", "CaptureBackend", "StepTensors", "capture_step")}
+
+
+def __getattr__(name: str):
+    module = _REEXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvdbg.capture' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

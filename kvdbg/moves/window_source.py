@@ -1,0 +1,138 @@
+"""`kvdbg window SNAP`: one request's window parameters read from a snapshot's header and lengths (no torch)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+from kvdbg.errors import OptionError, SnapshotError
+from kvdbg.snapshot.format import CROSS_ATTN_TYPE, read_header, read_index_tensor
+from kvdbg.ts.window import ts_batch_not_run
+
+
+@dataclass(frozen=True)
+class WindowSource:
+    """Where `kvdbg window` took L, W, q, page size and mask from."""
+
+    path: str
+    step: int
+    num_steps: int
+    request: int
+    num_reqs: int
+    longest: bool  # the request was chosen as the longest of its step
+    seq_len: int
+    query_len: int
+    window: int | None
+    page_size: int
+    causal: bool
+    max_model_len: int
+    max_decode_query_len: int
+    # Why FLASHINFER_TS does not run this step, as `kvdbg replay` judges it (None: it does): a prefill-shaped or
+    # ragged batch vLLM builds its metadata for and never runs, in a snapshot with no output of its own from it.
+    not_applicable: str | None = None
+    # A batch of unequal query lengths the engine's own FLASHINFER_TS ran: replay's non_uniform_query_blocks.
+    non_uniform: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def window_source(path: str | os.PathLike, step: int | None = None, request: int | None = None) -> WindowSource:
+    """Read one request of one step (default: step 0, the longest request) from ``path``'s header and lengths.
+
+    Only the header and the step's ``seq_lens`` and ``query_start_loc`` are read,
+    with the standard library: no KV page is touched and torch is never imported.
+    """
+    header = read_header(path)
+    meta = header.meta
+    num_steps = meta.num_steps
+    step = 0 if step is None else step
+    if not 0 <= step < num_steps:
+        raise OptionError(f"--step {step} is out of range: the snapshot has {num_steps} step(s)")
+    prefix = meta.step_prefix(step)
+    seq_lens = read_index_tensor(header, prefix + "seq_lens")
+    starts = read_index_tensor(header, prefix + "query_start_loc")
+    if not seq_lens:
+        raise OptionError(f"step {step} of the snapshot has no request")
+    _check_lengths(header, prefix, seq_lens, starts)
+    longest = request is None
+    if request is None:
+        request = max(range(len(seq_lens)), key=lambda r: (seq_lens[r], -r))
+    if not 0 <= request < len(seq_lens):
+        raise OptionError(f"--request {request} is out of range: step {step} has {len(seq_lens)} request(s)")
+    return WindowSource(
+        path=header.path, step=step, num_steps=num_steps, request=request, num_reqs=len(seq_lens), longest=longest,
+        seq_len=int(seq_lens[request]), query_len=int(starts[request + 1] - starts[request]),
+        window=meta.layer.sliding_window, page_size=meta.backend.page_size, causal=meta.layer.causal,
+        max_model_len=meta.backend.max_model_len, max_decode_query_len=meta.backend.max_decode_query_len,
+        not_applicable=_not_applicable(header, prefix, starts), non_uniform=_non_uniform(starts))
+
+
+def _check_lengths(header, prefix: str, seq_lens: list[int], starts: list[int]) -> None:
+    """The rules `kvdbg replay` holds this step's lengths to (kvdbg.snapshot.store's validation), in plain Python:
+    window reads no page, but it never analyses lengths a replay would refuse as bad input."""
+    meta = header.meta
+    ps, max_model_len = meta.backend.page_size, meta.backend.max_model_len
+    table = header.tensors[prefix + "block_table"]
+    width = table.shape[1] if len(table.shape) == 2 else 0
+    query = header.tensors.get(prefix + "query")
+    for r, length in enumerate(seq_lens):
+        if length < 0:
+            raise SnapshotError(f"{prefix}seq_lens[{r}] = {length} is negative")
+        if length > width * ps:
+            raise SnapshotError(f"{prefix}seq_lens[{r}] = {length} needs {-(-length // ps)} pages of {ps} tokens, "
+                                f"but {prefix}block_table has only {width} columns")
+        if length > max_model_len:
+            raise SnapshotError(f"{prefix}seq_lens[{r}] = {length} exceeds backend.max_model_len ({max_model_len})")
+    if len(starts) != len(seq_lens) + 1:
+        raise SnapshotError(f"{prefix}query_start_loc has {len(starts)} entries, expected {len(seq_lens) + 1}")
+    if starts[0] != 0:
+        raise SnapshotError(f"{prefix}query_start_loc[0] = {starts[0]}, expected 0")
+    for r in range(len(seq_lens)):
+        if starts[r + 1] < starts[r]:
+            raise SnapshotError(f"{prefix}query_start_loc decreases at index {r + 1} ({starts[r]} -> "
+                                f"{starts[r + 1]})")
+    tokens = query.shape[0] if query is not None and query.shape else 0
+    if starts[-1] != tokens:
+        raise SnapshotError(f"{prefix}query_start_loc[-1] = {starts[-1]} but {prefix}query has {tokens} tokens")
+    if meta.layer.attn_type != CROSS_ATTN_TYPE:
+        for r, length in enumerate(seq_lens):
+            if starts[r + 1] - starts[r] > length:
+                raise SnapshotError(f"{prefix}seq_lens[{r}] = {length} is shorter than the request's "
+                                    f"{starts[r + 1] - starts[r]} query tokens")
+
+
+def _not_applicable(header, prefix: str, starts: list[int]) -> str | None:
+    """FLASHINFER_TS's rule for the batches it runs (backends.flashinfer_ts ``not_applicable``), from lengths."""
+    meta = header.meta
+    if meta.backend.name == "FLASHINFER_TS" and prefix + "output" in header.tensors:
+        return None  # the engine ran it and kept its output: the findings say what went wrong
+    return ts_batch_not_run([b - a for a, b in zip(starts, starts[1:])], meta.backend.max_decode_query_len)
+
+
+def _non_uniform(starts: list[int]) -> str | None:
+    lens = [b - a for a, b in zip(starts, starts[1:])]
+    if min(lens) == max(lens):
+        return None
+    q = starts[-1] // len(lens)
+    return (f"query lens {lens[:16]} are not uniform: the kernel views the flat query as {len(lens)} blocks of {q}, "
+            "so some requests get other requests' tokens (kvdbg replay names them)")
+
+
+def step_tables(path: str | os.PathLike, step: int):
+    """The step's block table (engine ids), lengths and stored page ids, for the flex picture (no torch)."""
+    from kvdbg.moves.picture import StepTables
+
+    header = read_header(path)
+    prefix = header.meta.step_prefix(step)
+    entry = header.tensors[prefix + "block_table"]
+    flat = read_index_tensor(header, prefix + "block_table")
+    width = entry.shape[1] if len(entry.shape) == 2 else 0
+    rows = [flat[r * width:(r + 1) * width] for r in range(entry.shape[0])] if width else [[] for _ in range(
+        entry.shape[0] if entry.shape else 0)]
+    return StepTables(block_table=rows, seq_lens=read_index_tensor(header, prefix + "seq_lens"),
+                      query_start_loc=read_index_tensor(header, prefix + "query_start_loc"),
+                      page_ids=read_index_tensor(header, "page_ids"))
+
+
+__all__ = ["WindowSource", "step_tables", "window_source"]

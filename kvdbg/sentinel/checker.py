@@ -1,0 +1,514 @@
+"""The sentinel: on a sample of steps, check a layer's attention output against the exact reference.
+
+On a sampled step the engine hands :meth:`Sentinel.check` what its backend
+read and wrote: the query, the layer's cache *after* the step's update (what
+the kernel read), the engine-level block table, seq lens and query start
+locations, and the output. Two checks run:
+
+- the whole output (the step's real tokens) for NaN/inf: one reduction;
+- a few random (request, head) pairs against :mod:`kvdbg.backends.reference`,
+  computed from the same cache pages through the block table, and compared
+  with :func:`kvdbg.judge.compare.compare` under the tolerance replay uses for the
+  captured output (:func:`kvdbg.judge.compare.default_tolerance` for the model
+  dtype; the FP8 one for an FP8 cache)::
+
+      pair (r, h):  the last <= 16 query rows of request r, head h    [q', 1, D]
+                    pages block_table[r, :cdiv(L_r, page)]   read through the layer's engine layout,
+                                                             KV head h // group only
+                    -> a one-head, few-request problem for the reference (sinks, ALiBi, soft cap and
+                       the window as the layer has them)
+
+A layer the reference cannot model is said once and never checked. The
+shell (:class:`Sentinel`) samples steps, dedupes disagreements by
+:attr:`SentinelFinding.signature` and rate-limits them; the vLLM plugin
+captures the step through :class:`kvdbg.capture.capturer.Capturer` with
+:meth:`SentinelFinding.text` as the snapshot's notes. On CUDA the check runs
+in a worker thread on its own stream (:class:`DeferredChecks`), so the
+engine's thread launches nothing but a few copies and never waits for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvdbg.backends.base import CommonMetadata
+from kvdbg.util.background import confine_torch_to_this_thread
+from kvdbg.backends.reference import BACKEND as REFERENCE
+from kvdbg.backends.reference import ReferenceBuilder, ReferenceImpl
+from kvdbg.snapshot.layout import page_dim
+from kvdbg.capture.prepare import CaptureLayer, resolve_kv_layout
+from kvdbg.judge.compare import HeadDiff, Tolerance, compare, default_tolerance
+from kvdbg.snapshot.format import LAYOUT_VLLM, BackendMeta, SnapshotMeta
+from kvdbg.sentinel.config import ENV_INTERVAL, ENV_MAX, SentinelConfig
+
+logger = logging.getLogger("kvdbg.sentinel")
+
+__all__ = ["CheckResult", "DeferredChecks", "PairResult", "Sentinel", "SentinelFinding", "StepInputs", "check_step",
+           "unchecked_reason"]
+
+# Query rows of one request held to the reference per pair (its last ones): the whole output is still
+# checked for NaN/inf, but a long prefill costs no more than a short one.
+MAX_QUERY_ROWS = 16
+
+# Backends whose forward leaves rows of the output unwritten by design (a decode-only kernel skips a
+# prefill's tokens, a ragged leftover is dropped): their output cannot be held to the reference row by row.
+UNCHECKED_BACKENDS = {
+    "FLASHINFER_TS": "its builder drops ragged and over-long query blocks, so rows of its output are not written "
+                     "by design",
+}
+
+
+@dataclass
+class StepInputs:
+    """What one layer's backend read and wrote on one step (engine tensors; nothing is copied here)."""
+
+    query: torch.Tensor  # [num_tokens(+padding), Hq, D] or [num_tokens, Hq * D]
+    kv_cache: torch.Tensor  # the layer's whole cache in its engine layout, after the step's update
+    block_table: torch.Tensor  # [num_reqs, width] engine page ids
+    seq_lens: torch.Tensor  # [num_reqs]
+    query_start_loc: torch.Tensor  # [num_reqs + 1]
+    causal: bool
+    output: torch.Tensor  # [num_tokens(+padding), Hq, D] or [num_tokens, Hq * D]
+    max_model_len: int | None = None
+
+
+@dataclass
+class PairResult:
+    """One (request, head) pair held to the reference."""
+
+    request: int
+    head: int
+    diff: HeadDiff | None  # None: within the tolerance everywhere (the statistics were not computed)
+
+    @property
+    def passed(self) -> bool:
+        return self.diff is None or self.diff.passed
+
+
+@dataclass
+class NonFinite:
+    """NaN/inf in the output: how many elements and tokens, and the first (request, head, token)."""
+
+    elements: int
+    tokens: int
+    request: int
+    head: int
+    token: int
+
+
+@dataclass
+class CheckResult:
+    """One checked step of one layer."""
+
+    layer: str
+    step: int | None
+    tolerance: Tolerance
+    pairs: list[PairResult] = field(default_factory=list)
+    nonfinite: NonFinite | None = None
+    num_tokens: int = 0
+
+    @property
+    def failed_pairs(self) -> list[PairResult]:
+        return [p for p in self.pairs if not p.passed]
+
+    @property
+    def passed(self) -> bool:
+        return self.nonfinite is None and not self.failed_pairs
+
+    def finding(self) -> "SentinelFinding | None":
+        return None if self.passed else SentinelFinding(self)
+
+
+@dataclass(frozen=True)
+class SentinelFinding:
+    """A step whose output is non-finite or disagrees with the reference: what the snapshot's notes and the log say."""
+
+    result: CheckResult
+
+    @property
+    def kind(self) -> str:
+        return "nonfinite" if self.result.nonfinite is not None else "mismatch"
+
+    @property
+    def first(self) -> tuple[int, int]:
+        """The first failing (request, head)."""
+        bad = self.result.nonfinite
+        if bad is not None:
+            return bad.request, bad.head
+        pair = self.result.failed_pairs[0]
+        return pair.request, pair.head
+
+    @property
+    def signature(self) -> tuple[str, str, int]:
+        """(kind, layer, first failing head): a fault repeating on every step is captured once."""
+        return self.kind, self.result.layer, self.first[1]
+
+    def text(self) -> str:
+        """One paragraph for the snapshot's notes: what was found, against what, and what to run."""
+        r = self.result
+        where = f"layer {r.layer} step {r.step}"
+        parts = []
+        if r.nonfinite is not None:
+            bad = r.nonfinite
+            parts.append(f"the output holds {bad.elements} NaN/inf value(s) in {bad.tokens} of the step's "
+                         f"{r.num_tokens} token(s), first at request {bad.request} head {bad.head} (token {bad.token})")
+        failed = r.failed_pairs
+        if failed:
+            worst = failed[0].diff
+            shown = ", ".join(f"({p.request}, {p.head})" for p in failed[:8])
+            parts.append(
+                f"{len(failed)} of {len(r.pairs)} sampled (request, head) pairs disagree with the exact reference "
+                f"({shown}); request {failed[0].request} head {failed[0].head}: max |a - e| {worst.max_abs:.4g} at "
+                f"query position {worst.worst_position}, {worst.failing} element(s) outside {r.tolerance.rule} "
+                f"({r.tolerance.source})"
+                + (f", {worst.actual_nonfinite} non-finite in the output" if worst.actual_nonfinite else "")
+                + (f", {worst.expected_nonfinite} non-finite in the reference (the pages it reads hold NaN/inf)"
+                   if worst.expected_nonfinite else ""))
+        elif r.pairs:
+            parts.append(f"the {len(r.pairs)} sampled (request, head) pairs agree with the reference")
+        return (f"kvdbg sentinel, {where}: " + "; ".join(parts) + ". The reference was computed from the cache "
+                "after the step's update, with the block table and seq lens the engine built; `kvdbg replay` on "
+                "this file compares the captured output with it.")
+
+
+def unchecked_reason(layer: CaptureLayer, backend_name: str | None = None) -> str | None:
+    """Why the sentinel cannot hold this layer to the reference (None when it can)."""
+    if backend_name in UNCHECKED_BACKENDS:
+        return f"backend {backend_name}: {UNCHECKED_BACKENDS[backend_name]}"
+    meta = SnapshotMeta(layer=layer.meta(causal=layer.attn_type == "decoder"),
+                        backend=BackendMeta(backend_name or "engine", 1, 1, 1), kv_layout=LAYOUT_VLLM)
+    return REFERENCE.unsupported_reason(meta)
+
+
+# --------------------------------------------------------------------------- the check
+
+
+def _rows(t: torch.Tensor, num_tokens: int, num_heads: int, head_size: int) -> torch.Tensor:
+    return t[:num_tokens].reshape(num_tokens, num_heads, head_size)
+
+
+def choose_pairs(query_lens: list[int], num_heads: int, count: int, rng: random.Random) -> list[tuple[int, int]]:
+    """Up to ``count`` distinct (request, head) pairs, uniform over requests with query tokens and heads."""
+    requests = [r for r, q in enumerate(query_lens) if q > 0]
+    total = len(requests) * num_heads
+    if total == 0:
+        return []
+    picks = rng.sample(range(total), min(count, total))
+    return sorted((requests[i // num_heads], i % num_heads) for i in picks)
+
+
+def _nonfinite(rows: torch.Tensor, qsl: list[int]) -> NonFinite | None:
+    bad = ~torch.isfinite(rows)
+    if not bool(bad.any()):
+        return None
+    per_token_head = bad.any(dim=-1)  # [T, Hq]
+    token, head = (int(i) for i in per_token_head.nonzero()[0].tolist())
+    request = max(r for r in range(len(qsl) - 1) if qsl[r] <= token)
+    return NonFinite(elements=int(bad.sum()), tokens=int(per_token_head.any(dim=-1).sum()), request=request,
+                     head=head, token=token)
+
+
+def check_step(layer: CaptureLayer, inputs: StepInputs, *, pairs: list[tuple[int, int]] | int = 4,
+               rng: random.Random | None = None, step: int | None = None) -> CheckResult:
+    """The non-finite check of the whole output and ``pairs`` (request, head) pairs against the reference.
+
+    ``pairs`` is a list of pairs, or how many to draw with ``rng``. Raises only
+    on inputs that contradict each other (a kvdbg or engine bug the caller reports).
+    """
+    hq, d = layer.num_heads, layer.head_size
+    qsl = inputs.query_start_loc.to("cpu", torch.int64).tolist()
+    seq_lens = inputs.seq_lens.to("cpu", torch.int64).tolist()
+    num_tokens = qsl[-1]
+    tolerance = default_tolerance(layer.dtype, fp8=layer.kv_cache_dtype.startswith("fp8"))
+    result = CheckResult(layer=layer.name, step=step, tolerance=tolerance, num_tokens=num_tokens)
+    if num_tokens == 0:
+        return result
+    output = _rows(inputs.output, num_tokens, hq, d)
+    result.nonfinite = _nonfinite(output, qsl)
+    query_lens = [qsl[r + 1] - qsl[r] for r in range(len(qsl) - 1)]
+    if isinstance(pairs, int):
+        pairs = choose_pairs(query_lens, hq, pairs, rng or random.Random())
+    query = _rows(inputs.query, num_tokens, hq, d)
+    # One reference call for all pairs; a layer with per-head values (sinks, ALiBi) needs one per head.
+    per_head = any(getattr(layer, name, None) is not None for name in ("sinks", "alibi_slopes"))
+    groups: dict[int | None, list[tuple[int, int]]] = {}
+    for pair in pairs:
+        groups.setdefault(pair[1] if per_head else None, []).append(pair)
+    for group in groups.values():
+        expected, actual, mini_qsl, mini_lens = _reference_pairs(layer, inputs, query, output, group, qsl, seq_lens)
+        ok = _within(actual, expected, mini_qsl, tolerance)
+        if all(ok):  # the usual case: the per-element statistics are not needed
+            result.pairs += [PairResult(r, h, None) for r, h in group]
+            continue
+        comparison = compare(actual, expected, mini_qsl, mini_lens, tolerance, actual_name="engine",
+                             expected_name="reference", step=0 if step is None else step)
+        result.pairs += [PairResult(r, h, diff) for (r, h), diff in zip(group, comparison.heads)]
+    result.pairs.sort(key=lambda p: (p.request, p.head))
+    return result
+
+
+def _within(actual: torch.Tensor, expected: torch.Tensor, qsl: torch.Tensor, tolerance: Tolerance) -> list[bool]:
+    """Per mini-request: every element finite on both sides and within the tolerance (compare()'s rule)."""
+    a, e = actual.float(), expected.float()
+    good = torch.isfinite(a) & torch.isfinite(e) & ((a - e).abs() <= tolerance.atol + tolerance.rtol * e.abs())
+    per_token = good.reshape(good.shape[0], -1).all(dim=1).cpu()
+    bounds = qsl.tolist()
+    return [bool(per_token[bounds[i]:bounds[i + 1]].all()) for i in range(len(bounds) - 1)]
+
+
+def _one_head_per_page(pages: torch.Tensor, layout: str, kv_heads: torch.Tensor) -> torch.Tensor:
+    """Pages of a snapshot ``layout`` with one KV head each: page ``i`` keeps its KV head ``kv_heads[i]``."""
+    index = torch.arange(kv_heads.numel(), device=pages.device)
+    if page_dim(layout) == 0:  # [pages, Hkv, page, 2*D]
+        return pages[index, kv_heads].unsqueeze(1)
+    # [2, pages, page, Hkv, D]: the two indexed dimensions come first, [pages, 2, page, D]
+    return pages[:, index, :, kv_heads].permute(1, 0, 2, 3).unsqueeze(3)
+
+
+def _reference_pairs(layer: CaptureLayer, inputs: StepInputs, query: torch.Tensor, output: torch.Tensor,
+                     pairs: list[tuple[int, int]], qsl: list[int], seq_lens: list[int]):
+    """(reference, engine output, query_start_loc, seq_lens) of ``pairs``, each pair one request of one head.
+
+    The mini-problem has one query head and one KV head: pair ``i`` is request
+    ``i``, reading its own copies of the pages its request reads, cut to the
+    pair's KV head. Outputs are ``[T, 1, D]``.
+    """
+    layout = resolve_kv_layout(layer.kv_layout, inputs.kv_cache, layer.num_kv_heads, layer.head_size)
+    page_size = inputs.kv_cache.shape[layout.token_dim]
+    device = inputs.kv_cache.device
+    group = layer.num_heads // layer.num_kv_heads
+    id_lists, page_counts, kv_heads, tokens, heads = [], [], [], [], []
+    for r, head in pairs:
+        live = -(-seq_lens[r] // page_size)
+        id_lists.append(inputs.block_table[r, :live])
+        page_counts.append(live)
+        kv_heads += [head // group] * live
+        # The last rows of the request's query block: a prefill's cost stays that of a few decode tokens,
+        # and the rows kept are still the positions L - q' .. L - 1 the reference masks for.
+        tokens.append(torch.arange(max(qsl[r], qsl[r + 1] - MAX_QUERY_ROWS), qsl[r + 1], device=query.device))
+        heads.append(torch.full_like(tokens[-1], head))
+    # Few, large operations (a check's cost on a busy CPU is mostly per operation): every pair's pages in
+    # one gather, converted to the snapshot layout at once, then each page's one KV head picked.
+    ids = torch.cat(id_lists).to(device, torch.int64)
+    pages = layout.convert(inputs.kv_cache.index_select(layout.page_dim, ids))
+    pages = _one_head_per_page(pages, layout.snapshot_layout, torch.tensor(kv_heads, device=device))
+    table = torch.full((len(pairs), max(page_counts)), -1, dtype=torch.int64)
+    start = 0
+    for i, count in enumerate(page_counts):
+        table[i, :count] = torch.arange(start, start + count)
+        start += count
+    table = table.to(device)
+    token_index, head_index = torch.cat(tokens), torch.cat(heads)
+    rows = [len(t) for t in tokens]
+    mini_qsl = torch.tensor([0] + rows, device=device).cumsum(0)
+    mini_lens = torch.tensor([seq_lens[r] for r, _ in pairs], dtype=torch.int64, device=device)
+    mini_layer = dataclasses.replace(layer.meta(causal=bool(inputs.causal)), num_heads=1, num_kv_heads=1)
+    meta = SnapshotMeta(layer=mini_layer, backend=BackendMeta("sentinel", page_size, inputs.max_model_len or
+                                                              max(seq_lens), start),
+                        kv_layout=layout.snapshot_layout)
+    extra = {}
+    for name in ("sinks", "alibi_slopes"):
+        values = getattr(layer, name, None)
+        if values is not None:  # the layer's learned value of this group's one head
+            extra[name] = torch.tensor([float(values[pairs[0][1]])], dtype=torch.float32, device=device)
+    common = CommonMetadata(
+        block_table=table, block_table_engine=table, seq_lens=mini_lens, query_start_loc=mini_qsl,
+        num_reqs=len(pairs), num_actual_tokens=int(token_index.numel()),
+        max_query_len=max(rows), max_seq_len=max(seq_lens[r] for r, _ in pairs),
+        causal=bool(inputs.causal), sliding_window=mini_layer.sliding_window, page_size=page_size,
+        num_pages=start, null_page=None, **extra)
+    compute = torch.float32
+    md = ReferenceBuilder(meta, compute).build(common)
+    q = query[token_index, head_index].unsqueeze(1)
+    expected = torch.empty((q.shape[0], 1, layer.head_size), dtype=compute, device=device)
+    ReferenceImpl(meta, compute).forward(q.to(device), pages, md, expected)
+    return expected, output[token_index, head_index].unsqueeze(1), mini_qsl, mini_lens
+
+
+# --------------------------------------------------------------------------- the shell
+
+
+class Sentinel:
+    """Sampling, the once-only lines, dedupe and rate limit around :func:`check_step`. Never raises into the engine."""
+
+    def __init__(self, config: SentinelConfig, *, clock=time.monotonic):
+        self.config = config
+        self.seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self._rng = random.Random(self.seed)
+        self._pair_rng = random.Random(self.seed + 1)
+        self._clock = clock
+        self._drawn: dict[str, tuple[int | None, bool]] = {}
+        self._layer_cache: dict[str, bool] = {}
+        self._unchecked: dict[str, str | None] = {}
+        self._signatures: set[tuple] = set()
+        self._last_capture: float | None = None
+        self.counts: Counter[str] = Counter()
+        self.findings: list[SentinelFinding] = []
+
+    @classmethod
+    def from_env(cls, environ=None) -> "Sentinel":
+        return cls(SentinelConfig.from_env(environ))
+
+    def describe(self) -> str:
+        return self.config.describe(self.seed)
+
+    # ---------------------------------------------------------------- sampling
+
+    def layer_selected(self, layer_name: str) -> bool:
+        hit = self._layer_cache.get(layer_name)
+        if hit is None:
+            hit = self._layer_cache[layer_name] = bool(self.config.layers(layer_name))
+        return hit
+
+    def sampled(self, layer_name: str, step: int | None) -> bool:
+        """Whether this step of this layer is checked: drawn once per (layer, step), whichever hook asks first."""
+        drawn = self._drawn.get(layer_name)
+        if drawn is not None and drawn[0] == step:
+            return drawn[1]
+        hit = self.layer_selected(layer_name) and self._rng.random() < self.config.rate
+        self._drawn[layer_name] = (step, hit)
+        return hit
+
+    # ---------------------------------------------------------------- checking
+
+    def can_check(self, layer: CaptureLayer, backend_name: str | None = None) -> bool:
+        """False (said once per layer) when the reference cannot model the layer or the backend."""
+        key = layer.name
+        if key not in self._unchecked:
+            reason = unchecked_reason(layer, backend_name)
+            self._unchecked[key] = reason
+            if reason is not None:
+                logger.warning("kvdbg sentinel cannot check layer %s: %s; its steps are not checked", layer.name,
+                               reason)
+        return self._unchecked[key] is None
+
+    def check(self, layer: CaptureLayer, inputs: StepInputs, step: int | None) -> CheckResult:
+        result = check_step(layer, inputs, pairs=self.config.pairs, rng=self._pair_rng, step=step)
+        self.record(result)
+        return result
+
+    def record(self, result: CheckResult) -> None:
+        self.counts["checked"] += 1
+        self.counts["pairs"] += len(result.pairs)
+        if not result.passed:
+            self.counts["failed"] += 1
+            self.findings.append(result.finding())
+
+    # ---------------------------------------------------------------- capture policy
+
+    def admit(self, finding: SentinelFinding) -> bool:
+        """Whether this finding's step is captured: new signature, under the cap, past the interval."""
+        config = self.config
+        if finding.signature in self._signatures:
+            self.counts["duplicate"] += 1
+            return False
+        if config.max_snapshots is not None and self.counts["captured"] >= config.max_snapshots:
+            self.counts["over_max"] += 1
+            return False
+        now = self._clock()
+        if self._last_capture is not None and now - self._last_capture < config.interval:
+            self.counts["too_soon"] += 1
+            return False
+        self._signatures.add(finding.signature)
+        self._last_capture = now
+        self.counts["captured"] += 1
+        return True
+
+    def summary(self) -> str:
+        c = self.counts
+        line = (f"kvdbg sentinel in pid {os.getpid()}: checked {c['checked']} step(s) ({c['pairs']} (request, head) "
+                f"pairs), {c['failed']} wrong, {c['captured']} captured")
+        skipped = [(c["duplicate"], "already captured with the same signature"),
+                   (c["over_max"], f"past {ENV_MAX}={self.config.max_snapshots}"),
+                   (c["too_soon"], f"within {ENV_INTERVAL}={self.config.interval:g}s of the last capture"),
+                   (c["errors"], "the check failed (see the warning)")]
+        shown = [f"{n} {why}" for n, why in skipped if n]
+        if shown:
+            line += "; not captured: " + ", ".join(shown)
+        unchecked = sorted(name for name, reason in self._unchecked.items() if reason is not None)
+        if unchecked:
+            line += f"; {len(unchecked)} layer(s) not checkable"
+        return line
+
+
+# --------------------------------------------------------------------------- the device path
+
+
+@dataclass
+class _Job:
+    layer: CaptureLayer
+    inputs: StepInputs
+    step: int | None
+    ready: Any  # torch.cuda.Event recorded on the engine's stream after the forward
+    done: threading.Event = field(default_factory=threading.Event)
+    result: CheckResult | None = None
+    error: BaseException | None = None
+
+
+class DeferredChecks:
+    """Checks of device steps in a worker thread on its own CUDA stream, collected on a later hook.
+
+    The engine's thread records an event after the forward and copies the
+    step's query and output rows (device-to-device, on its stream); the worker
+    waits for the event on a side stream and runs :func:`check_step` there, so
+    its host syncs block only the worker. The engine collects the result at
+    that layer's next hook (:meth:`collect`), before the next cache update can
+    change the pages the check read, by when it has long finished.
+    """
+
+    def __init__(self, sentinel: Sentinel, device: torch.device):
+        self.sentinel = sentinel
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[str, _Job] = {}
+        self._thread = threading.Thread(target=self._loop, name="kvdbg-sentinel", daemon=True)
+        self._thread.start()
+
+    def submit(self, layer: CaptureLayer, inputs: StepInputs, step: int | None) -> StepInputs:
+        """Hand a step to the worker; returns the inputs it checks (query and output are copies)."""
+        ready = torch.cuda.Event()
+        kept = dataclasses.replace(inputs, query=inputs.query.clone(), output=inputs.output.clone())
+        ready.record()
+        for t in (kept.query, kept.output, kept.kv_cache, kept.block_table, kept.seq_lens, kept.query_start_loc):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(self.stream)  # the allocator keeps them until the side stream is done
+        job = _Job(layer, kept, step, ready)
+        self._pending[layer.name] = job
+        self._jobs.put(job)
+        return kept
+
+    def collect(self, layer_name: str, timeout: float | None = None) -> "_Job | None":
+        """The finished job of this layer's last submitted step, waiting for it if needed (None if none)."""
+        job = self._pending.pop(layer_name, None)
+        if job is None:
+            return None
+        job.done.wait(timeout)
+        return job
+
+    def _loop(self) -> None:
+        # Its host-side torch work makes no OpenMP team beside the engine's (see kvdbg.util.background).
+        logger.debug("kvdbg sentinel worker: %s", confine_torch_to_this_thread())
+        while True:
+            job = self._jobs.get()
+            try:
+                with torch.cuda.stream(self.stream):
+                    self.stream.wait_event(job.ready)
+                    job.result = check_step(job.layer, job.inputs, pairs=self.sentinel.config.pairs,
+                                            rng=self.sentinel._pair_rng, step=job.step)
+                    self.stream.synchronize()
+            except BaseException as exc:  # reported by the engine's thread when it collects the job
+                job.error = exc
+            finally:
+                job.done.set()

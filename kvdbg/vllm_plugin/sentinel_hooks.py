@@ -1,0 +1,250 @@
+"""The sentinel inside the vLLM plugin: sampled steps are checked after the forward and captured when wrong.
+
+:mod:`kvdbg.vllm_plugin` calls two hooks around each wrapped backend:
+
+- before ``do_kv_cache_update`` of a sampled step, the step's new K/V and
+  the pages they overwrite are saved (the capture path's cheap pre-update copy);
+  on CUDA, the check of this layer's previous sampled step is collected here,
+  before the update can change what it read;
+- after ``forward``, :class:`kvdbg.sentinel.checker.Sentinel` checks the output (on CPU
+  in the engine's thread, on CUDA in :class:`kvdbg.sentinel.checker.DeferredChecks`).
+
+A wrong step that the sentinel admits (new signature, under its cap and
+interval) is captured through the sentinel's own :class:`kvdbg.capture.capturer.Capturer`
+(the background writer): the cache after the update with the saved pages
+restored is the state the step started from. One warning names the file and
+the first failing (request, head); at exit one line counts what was checked.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvdbg.capture.capturer import Capturer
+from kvdbg.capture.config import ENV_DIR as ENV_CAPTURE_DIR
+from kvdbg.capture.config import CaptureConfig
+from kvdbg.sentinel.checker import DeferredChecks, Sentinel, SentinelFinding, StepInputs
+
+if TYPE_CHECKING:
+    from kvdbg.capture.capturer import CaptureLayer, PreUpdate
+    from kvdbg.capture.engine_layouts import EngineLayout
+
+logger = logging.getLogger("kvdbg.sentinel")
+
+# How long shutdown waits for the check of a last sampled device step.
+COLLECT_SECONDS = 5.0
+
+
+@dataclass
+class _Waiting:
+    """A device step handed to the worker: what capturing it needs if it turns out wrong."""
+
+    impl: Any
+    layer: Any
+    target: "CaptureLayer"
+    kv_layout: "EngineLayout"
+    ctx: Any
+    pre: "PreUpdate | None"
+    key: Any
+    value: Any
+    inputs: StepInputs  # query and output are the worker's copies
+    step: int
+
+
+class SentinelHooks:
+    """The sentinel's state in one engine process: the sampler, its capturer, saved pages, device checks."""
+
+    def __init__(self, sentinel: Sentinel, capturer: Capturer):
+        self.sentinel = sentinel
+        self.capturer = capturer
+        self._pre: dict[str, "PreUpdate"] = {}
+        self._waiting: dict[str, _Waiting] = {}
+        self._deferred: DeferredChecks | None = None
+        self._said: set[str] = set()
+        self._closed = False
+        atexit.register(self.close)
+
+    @classmethod
+    def from_env(cls, engine: str | None = None) -> "SentinelHooks":
+        sentinel = Sentinel.from_env()
+        # Its own capturer: no filters (the sentinel chooses the steps) and no count cap (the sentinel's
+        # KVDBG_SENTINEL_MAX is), the background writer and byte budget of capture's defaults.
+        config = CaptureConfig.from_env({**os.environ, ENV_CAPTURE_DIR: sentinel.config.directory})
+        capturer = Capturer(config, layers=None, steps=None, ranks=None, max_snapshots=None, info_snapshot_lines=0,
+                            engine=engine)
+        return cls(sentinel, capturer)
+
+    def describe(self) -> str:
+        return self.sentinel.describe()
+
+    # ---------------------------------------------------------------- hooks
+
+    def before_cache_update(self, state, impl: Any, layer: Any, key, value, kv_cache, slot_mapping) -> None:
+        try:
+            name = getattr(layer, "layer_name", None)
+            if name is None:
+                return
+            if self._waiting and name in self._waiting:
+                self._collect(state, name)
+            step = state._forward_counts.get(name, 0)  # the forward this update belongs to comes next
+            if not self.sentinel.sampled(name, step):  # first: the cost of a step not drawn is this lookup
+                return
+            if key is None or value is None or slot_mapping is None or _graph_capturing(kv_cache):
+                return
+            kv_layout = state.engine_layout(impl, layer, state._info(impl), kv_cache)
+            if kv_layout is None:
+                return
+            target = state.capture_layer(impl, layer, kv_layout, getattr(layer, "dtype", key.dtype))
+            slots, ready = state.host_slots(name, slot_mapping)
+            pre = self.capturer.save_pre_update(target, key=key, value=value, slot_mapping=slots,
+                                                kv_cache=kv_cache, step=step, check_written=True, ready=ready)
+            if pre is not None:
+                self._pre[name] = pre
+        except Exception as exc:
+            self._failed(exc, "before the cache update")
+
+    def after_forward(self, state, impl: Any, layer: Any, query, key, value, kv_cache, metadata, output) -> None:
+        try:
+            name = getattr(layer, "layer_name", None)
+            if metadata is None or name is None:
+                return
+            if self._waiting and name in self._waiting:  # a layer with no cache update of its own (KV sharing)
+                self._collect(state, name)
+            step = state._forward_counts.get(name, 0) - 1  # the plugin counted this forward before it ran
+            if not self.sentinel.sampled(name, step):
+                return
+            pre = self._pre.pop(name, None)
+            if pre is not None and pre.step != step:
+                pre = None
+            if _graph_capturing(query):
+                return
+            ctx = state._lookup(metadata)
+            if ctx is None:
+                self._say_once("metadata", "kvdbg sentinel: a sampled step's metadata was not built by a wrapped "
+                               "builder; such steps are not checked")
+                return
+            if ctx.refused is not None:  # a mask the reference cannot be given either (capture says it once)
+                self._say_once(f"refused:{ctx.refused.split(' ')[0]}", f"kvdbg sentinel: steps whose mask a "
+                               f"snapshot cannot hold are not checked ({ctx.refused})")
+                return
+            causal = _causal(ctx.causal)
+            if causal is None:
+                self._say_once("causal", "kvdbg sentinel: a batch mixing causal and non-causal requests is not "
+                               "checked")
+                return
+            kv_layout = state.engine_layout(impl, layer, state._info(impl), kv_cache)
+            if kv_layout is None:
+                return
+            info = state._info(impl)
+            target = state.capture_layer(impl, layer, kv_layout, output.dtype)
+            if not self.sentinel.can_check(target, info.backend_name if info else None):
+                return
+            inputs = StepInputs(query=query, kv_cache=kv_cache, block_table=ctx.block_table, seq_lens=ctx.seq_lens,
+                                query_start_loc=ctx.query_start_loc, causal=causal, output=output,
+                                max_model_len=ctx.max_model_len)
+            if getattr(kv_cache, "is_cuda", False):
+                if self._deferred is None:
+                    self._deferred = DeferredChecks(self.sentinel, kv_cache.device)
+                kept = self._deferred.submit(target, inputs, step)
+                self._waiting[name] = _Waiting(impl, layer, target, kv_layout, ctx, pre, key, value, kept, step)
+                return
+            result = self.sentinel.check(target, inputs, step)
+            finding = result.finding()
+            if finding is not None:
+                self._capture(state, finding, _Waiting(impl, layer, target, kv_layout, ctx, pre, key, value, inputs,
+                                                       step))
+        except Exception as exc:
+            self._failed(exc, "after the forward")
+
+    # ---------------------------------------------------------------- capture
+
+    def _collect(self, state, name: str, timeout: float | None = None) -> None:
+        waiting = self._waiting.pop(name)
+        job = self._deferred.collect(name, timeout) if self._deferred is not None else None
+        if job is None or not job.done.is_set():
+            self.sentinel.counts["errors"] += 1
+            return
+        if job.error is not None:
+            self._failed(job.error, "in the device check")
+            return
+        self.sentinel.record(job.result)
+        finding = job.result.finding()
+        if finding is not None:
+            self._capture(state, finding, waiting)
+
+    def _capture(self, state, finding: SentinelFinding, w: _Waiting) -> None:
+        if not self.sentinel.admit(finding):
+            logger.debug("kvdbg sentinel: %s step %s is wrong again (%s); not captured", w.target.name, w.step,
+                         finding.kind)
+            return
+        backend, tensors, provenance = state.step_capture(w.impl, w.ctx, w.inputs.query, w.key, w.value,
+                                                          w.inputs.kv_cache, w.pre, w.layer, w.kv_layout)
+        provenance["captured_by"] = f"the sentinel ({finding.kind})"
+        pending = self.capturer.begin(w.target, backend, tensors, step=w.step, info=provenance,
+                                      notes=finding.text())
+        if pending is None:
+            self._announce(finding, None)
+            return
+        self.capturer.finish(pending, w.inputs.output, on_written=lambda path: self._announce(finding, path))
+
+    def _announce(self, finding: SentinelFinding, path: str | None) -> None:
+        request, head = finding.first
+        r = finding.result
+        what = "NaN/inf in the output" if finding.kind == "nonfinite" else "output disagrees with the exact reference"
+        where = f"snapshot {path}" if path else "its snapshot was not written (see the capture line above)"
+        logger.warning("kvdbg sentinel: layer %s step %s is wrong (%s): first failing request %d head %d; %s",
+                       r.layer, r.step, what, request, head, where)
+
+    # ---------------------------------------------------------------- failures and the end
+
+    def _failed(self, exc: BaseException, where: str) -> None:
+        self.sentinel.counts["errors"] += 1
+        self._say_once(f"error:{type(exc).__name__}", f"kvdbg sentinel: a check failed {where}: {exc} (further "
+                       "failures of this kind are counted in the exit line)", level=logging.WARNING)
+
+    def _say_once(self, key: str, message: str, level: int = logging.INFO) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            logger.log(level, "%s", message)
+
+    def close(self, state=None, timeout: float = COLLECT_SECONDS) -> None:
+        """Collect the device checks still out, let the writer drain, and say the one exit line: all of it
+        within ``timeout`` seconds (a check not back by then is counted as an error)."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + timeout
+        try:
+            for name in list(self._waiting):
+                if state is not None:
+                    self._collect(state, name, max(0.0, deadline - time.monotonic()))
+                else:
+                    self._waiting.pop(name)
+            self.capturer.close(max(0.0, deadline - time.monotonic()))
+            c = self.sentinel.counts
+            level = logging.WARNING if c["failed"] or c["errors"] else logging.INFO
+            logger.log(level, "%s", self.sentinel.summary())
+        except Exception as exc:  # shutting down goes on whatever happens here
+            logger.debug("kvdbg sentinel: closing failed: %s", exc)
+
+
+def _graph_capturing(t: Any) -> bool:
+    import torch
+
+    return bool(getattr(t, "is_cuda", False)) and torch.cuda.is_current_stream_capturing()
+
+
+def _causal(flag: Any) -> bool | None:
+    """The batch's mask as one bool; None when a per-request tensor mixes both."""
+    if hasattr(flag, "numel"):
+        values = {bool(v) for v in flag.reshape(-1).tolist()}
+        return values.pop() if len(values) == 1 else None
+    return bool(flag)
+
+
+__all__ = ["SentinelHooks"]
