@@ -51,6 +51,7 @@ def cycles_per_us() -> float:
 
 def run(busy_us: float, steps: int, layers: int, out: str, clock: float) -> dict:
     from kvdbg import vllm_plugin
+    from kvdbg.vllm_plugin import state as plugin_state
     from tests.test_vllm_plugin import StandinEngine
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -62,7 +63,7 @@ def run(busy_us: float, steps: int, layers: int, out: str, clock: float) -> dict
     spent: dict[str, list[float]] = {name: [] for name in HOOKS}
     busy_after = [0, 0]
     recording = [False]
-    originals = {name: getattr(vllm_plugin._PluginState, name) for name in HOOKS}
+    originals = {name: getattr(plugin_state._PluginState, name) for name in HOOKS}
     cycles = int(busy_us * clock)
 
     def timed(name, original):
@@ -81,7 +82,7 @@ def run(busy_us: float, steps: int, layers: int, out: str, clock: float) -> dict
         return hook
 
     for name in HOOKS:
-        setattr(vllm_plugin._PluginState, name, timed(name, originals[name]))
+        setattr(plugin_state._PluginState, name, timed(name, originals[name]))
     try:
         engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, query_len=1, seq_lens=(60,),
                                layers=layers, num_blocks=64, num_heads=8, num_kv_heads=2, head_size=64)
@@ -102,7 +103,7 @@ def run(busy_us: float, steps: int, layers: int, out: str, clock: float) -> dict
         written, dropped = len(capturer.written), sum(capturer.dropped.values())
     finally:
         for name in HOOKS:
-            setattr(vllm_plugin._PluginState, name, originals[name])
+            setattr(plugin_state._PluginState, name, originals[name])
         vllm_plugin.unregister()
     # One build per step and one update and forward of the captured layer: their sum per step.
     per_step = [sum(parts) for parts in zip(*(spent[name] for name in HOOKS))]

@@ -15,6 +15,12 @@ import pytest
 import torch
 
 from kvdbg import vllm_plugin
+
+from kvdbg.vllm_plugin import state as plugin_state
+
+from kvdbg.vllm_plugin import records
+
+from kvdbg.vllm_plugin import vllm_facts
 from kvdbg.snapshot.store import load_snapshot
 from tests.helpers import ROOT
 
@@ -519,11 +525,11 @@ def slots_registry(monkeypatch):
             pass
 
     monkeypatch.setattr(capture_buffers, "HostCopiesReady", Ready)
-    state = vllm_plugin._PluginState(capturer=None)
+    state = plugin_state._PluginState(capturer=None)
     rows = (torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
 
     def build(builder, slot_mapping):  # what after_build does with a device build's slot mapping
-        state._host_slots.pop(vllm_plugin._tensor_key(slot_mapping), None)
+        state._host_slots.pop(vllm_facts._tensor_key(slot_mapping), None)
         state._copy_to_host(builder, rows, slot_mapping, None, False)
 
     return state, build
@@ -784,8 +790,8 @@ def test_cpu_attn_layout_follows_the_kernel_variant_and_amx_is_refused_once(stan
     enable(standins, tmp_path)
     state = vllm_plugin._state
     spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
-    state._declared["l"] = vllm_plugin._Declared(spec, KVCacheLayout.LBHNC, None, 1, "CPUAttentionMetadataBuilder")
-    info = vllm_plugin._ImplInfo("CPU_ATTN", False, "test")
+    state._declared["l"] = records._Declared(spec, KVCacheLayout.LBHNC, None, 1, "CPUAttentionMetadataBuilder")
+    info = records._ImplInfo("CPU_ATTN", False, "test")
     impl = SimpleNamespace(kv_cache_dtype="auto", num_kv_heads=2, head_size=16)
     cache = torch.zeros(4, 2, 32, 32, dtype=torch.bfloat16)
 
@@ -939,7 +945,7 @@ class _Mode:
     (_Mode("FULL", "FULL", "FULL"), "cudagraph_mode is FULL: every batch of up to 512 tokens run as full CUDA graphs"),
 ])
 def test_full_cuda_graphs_are_said_with_what_they_hide_and_what_to_do(mode, says):
-    line = vllm_plugin.cudagraph_note(mode, 512)
+    line = vllm_facts.cudagraph_note(mode, 512)
     if says is None:
         assert line is None
         return
@@ -967,10 +973,10 @@ def test_a_step_recorded_into_a_cuda_graph_is_said_once_and_not_counted(standins
     caplog.set_level(logging.DEBUG, logger="kvdbg.capture")
     enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="0")
     engine = StandinEngine("FLASHINFER_TS", layers=2)
-    monkeypatch.setattr(vllm_plugin, "_graph_capturing", lambda t: True)
+    monkeypatch.setattr(vllm_facts, "_graph_capturing", lambda t: True)
     engine.step()
     engine.step()
-    monkeypatch.setattr(vllm_plugin, "_graph_capturing", lambda t: False)
+    monkeypatch.setattr(vllm_facts, "_graph_capturing", lambda t: False)
     engine.step()
     said = [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()]
     assert len(said) == 1 and "a CUDA graph is being recorded through layer model.layers.0.self_attn.attn" in said[0]

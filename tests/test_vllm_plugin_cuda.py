@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from kvdbg import vllm_plugin
+
+from kvdbg.vllm_plugin import state as plugin_state
 from tests.test_vllm_plugin import StandinEngine, clean, enable, snapshots, standins  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -51,7 +53,7 @@ class BusyHooks:
         self.on = False
         self.still_busy: dict[str, list[bool]] = collections.defaultdict(list)
         for name in HOOKS:
-            monkeypatch.setattr(vllm_plugin._PluginState, name, self._wrap(name, getattr(vllm_plugin._PluginState,
+            monkeypatch.setattr(plugin_state._PluginState, name, self._wrap(name, getattr(plugin_state._PluginState,
                                                                                          name)))
 
     def _wrap(self, name, original):

@@ -29,6 +29,7 @@ from kvdbg.capture.capturer import Capturer
 from kvdbg.capture.config import ENV_DIR as ENV_CAPTURE_DIR
 from kvdbg.capture.config import CaptureConfig
 from kvdbg.sentinel.checker import DeferredChecks, Sentinel, SentinelFinding, StepInputs
+from kvdbg.vllm_plugin import vllm_facts
 
 if TYPE_CHECKING:
     from kvdbg.capture.capturer import CaptureLayer, PreUpdate
@@ -94,7 +95,7 @@ class SentinelHooks:
             step = state._forward_counts.get(name, 0)  # the forward this update belongs to comes next
             if not self.sentinel.sampled(name, step):  # first: the cost of a step not drawn is this lookup
                 return
-            if key is None or value is None or slot_mapping is None or _graph_capturing(kv_cache):
+            if key is None or value is None or slot_mapping is None or vllm_facts._graph_capturing(kv_cache):
                 return
             kv_layout = state.engine_layout(impl, layer, state._info(impl), kv_cache)
             if kv_layout is None:
@@ -121,7 +122,7 @@ class SentinelHooks:
             pre = self._pre.pop(name, None)
             if pre is not None and pre.step != step:
                 pre = None
-            if _graph_capturing(query):
+            if vllm_facts._graph_capturing(query):
                 return
             ctx = state._lookup(metadata)
             if ctx is None:
@@ -231,12 +232,6 @@ class SentinelHooks:
             logger.log(level, "%s", self.sentinel.summary())
         except Exception as exc:  # shutting down goes on whatever happens here
             logger.debug("kvdbg sentinel: closing failed: %s", exc)
-
-
-def _graph_capturing(t: Any) -> bool:
-    import torch
-
-    return bool(getattr(t, "is_cuda", False)) and torch.cuda.is_current_stream_capturing()
 
 
 def _causal(flag: Any) -> bool | None:

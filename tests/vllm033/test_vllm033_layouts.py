@@ -42,6 +42,8 @@ import torch
 from click.testing import CliRunner
 
 from kvdbg import vllm_plugin
+
+from kvdbg.vllm_plugin import vllm_facts
 from kvdbg.cli import cli
 from kvdbg.capture.engine_layouts import (
     LayerCacheDeclaration,
@@ -420,7 +422,7 @@ def test_fp8_per_tensor_is_read(kv_cache_dtype):
 def test_cudagraph_modes_are_said_as_vllm_defines_them():
     from vllm.config import CUDAGraphMode
 
-    said = {mode.name: vllm_plugin.cudagraph_note(mode, 512) for mode in CUDAGraphMode}
+    said = {mode.name: vllm_facts.cudagraph_note(mode, 512) for mode in CUDAGraphMode}
     assert said["NONE"] is None and said["PIECEWISE"] is None
     assert "uniform decode batches of up to 512 tokens" in said["FULL_DECODE_ONLY"]
     assert "uniform decode batches of up to 512 tokens" in said["FULL_AND_PIECEWISE"]

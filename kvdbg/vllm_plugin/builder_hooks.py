@@ -1,0 +1,151 @@
+"""Every build of the metadata builder: keep the step's engine-level metadata (host copies for capture,
+device clones for the sentinel) for the forwards of its layers, and decide there whether a step is wanted."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvdbg.vllm_plugin import vllm_facts
+from kvdbg.vllm_plugin.records import _EngineContext, _HostMetadata, _builder_facts
+from kvdbg.vllm_plugin.vllm_facts import (
+    _ENGINE_ATTR, _HOST_SLOTS_KEPT, _SIDE_TABLE_SIZE, _parallel_facts, _rows, _step_refusal,
+    _tensor_key
+)
+
+logger = logging.getLogger("kvdbg.capture")
+
+
+class BuilderHooks:
+    """The plugin state's hooks in ``builder.build`` (mixed into ``_PluginState``)."""
+
+    # ---------------------------------------------------------------- builder
+
+    def after_build(self, builder: Any, common: Any, metadata: Any) -> bool:
+        """Keep copies of the step's metadata for the forwards of its layers; whether it did for a capture
+        (not only for the sentinel)."""
+        try:
+            if metadata is None or common is None or (not self.capturer.active and self.sentinel is None):
+                return False
+            self.declare(builder)
+            slot_mapping = common.slot_mapping
+            if self._host_slots and slot_mapping is not None:
+                # This build's buffer may be an earlier build's (runners reuse theirs): never read a stale copy.
+                self._host_slots.pop(_tensor_key(slot_mapping), None)
+            names = self._selected_layers(builder)
+            # The step each layer's next forward will be: nothing is kept for a build no capture will use.
+            for_capture = names is None or any(self.capturer.selects(n, self._forward_counts.get(n, 0))
+                                               for n in names)
+            if not for_capture and not self._sentinel_checks(builder):
+                return False
+            if vllm_facts._graph_capturing(common.seq_lens):
+                return False
+            num_reqs = int(common.num_reqs)
+            causal = common.causal
+            facts = self._builder_facts.get(id(builder))
+            if facts is None:
+                facts = self._builder_facts[id(builder)] = _builder_facts(builder)
+                if self._parallel is None:
+                    self._parallel = _parallel_facts(getattr(builder, "vllm_config", None))
+            rows = (_rows(common.block_table_tensor, num_reqs), _rows(common.seq_lens, num_reqs),
+                    _rows(common.query_start_loc, num_reqs + 1))
+            # Only a backend that writes the new K/V inside forward needs them (the others' are saved before
+            # do_kv_cache_update).
+            tokens = None if slot_mapping is None or not self._update_in_forward else int(common.num_actual_tokens)
+            host = self._copy_to_host(builder, rows, slot_mapping, tokens, causal) if rows[0].is_cuda else None
+            if host is not None and self.sentinel is None:
+                bt, sl, qsl, slots, causal = (host.block_table, host.seq_lens, host.query_start_loc,
+                                              host.slot_mapping, host.causal)
+            else:
+                # Clones are stream-ordered copies on the engine's device: no host sync
+                # here, and a later in-place update of the runner's buffers cannot reach them.
+                bt, sl, qsl = (t.clone() for t in rows)
+                slots = None if tokens is None else slot_mapping[:tokens].clone()
+                causal = causal.clone() if hasattr(causal, "clone") else causal
+            self._stash(metadata, _EngineContext(id(metadata), bt, sl, qsl, slots, causal, facts,
+                                                 _step_refusal(common), host))
+            return for_capture
+        except Exception as exc:
+            self.capturer.report(exc, f"{type(builder).__name__}.build")
+            return False
+
+    def _copy_to_host(self, builder: Any, rows: tuple, slot_mapping: Any, tokens: int | None,
+                      causal: Any) -> _HostMetadata:
+        """Host copies of a device build's metadata and of its whole slot mapping, issued on the engine's
+        stream with one event after them: no hook of the step then reads device metadata (see _HostMetadata).
+
+        The slot mapping is copied whole, as the builder has it, because do_kv_cache_update is given that
+        tensor (found again in :meth:`host_slots`, for the builder's layers' next forwards only).
+        """
+        from kvdbg.capture.buffers import HostCopiesReady, copies_to_host
+
+        tensor_causal = causal if hasattr(causal, "clone") else None
+        bt, sl, qsl, slots, host_causal = copies_to_host([*rows, slot_mapping, tensor_causal])
+        ready = HostCopiesReady(rows[0].device)
+        if slots is not None:
+            key = _tensor_key(slot_mapping)
+            self._host_slots[key] = (slots, ready)
+            while len(self._host_slots) > _HOST_SLOTS_KEPT:
+                self._host_slots.popitem(last=False)
+            counts = self._forward_counts
+            for name in getattr(builder, "layer_names", None) or ():  # a builder that names none: device reads
+                self._slots_layers[name] = (key, counts.get(name, 0))
+        return _HostMetadata(bt, sl, qsl, None if tokens is None or slots is None else slots[:tokens],
+                             causal if tensor_causal is None else host_causal, ready)
+
+    def host_slots(self, name: str, slot_mapping: Any) -> tuple[Any, Any]:
+        """``(slots, ready)`` for the slot mapping layer ``name``'s cache update was given: the host copy made
+        when its builder built it, and what to wait for before reading it; on the host, or with no such copy,
+        the tensor itself and None (read from the device: slower, never stale).
+
+        The copy is taken only when that build was the layer's builder's latest copying one, was given this
+        very tensor (the same memory, seen the same way), and the layer has run no forward since.
+        """
+        if slot_mapping is None or slot_mapping.is_cpu or not self._host_slots:
+            return slot_mapping, None
+        key = _tensor_key(slot_mapping)
+        if self._slots_layers.get(name) != (key, self._forward_counts.get(name, 0)):
+            return slot_mapping, None
+        return self._host_slots.get(key, (slot_mapping, None))
+
+    def _sentinel_checks(self, builder: Any) -> bool:
+        """Whether the sentinel checks the next step of any of this builder's layers (it has its own layer filter)."""
+        if self.sentinel is None:
+            return False
+        names = getattr(builder, "layer_names", None) or ()
+        return any(self.sentinel.sentinel.sampled(n, self._forward_counts.get(n, 0)) for n in names)
+
+    def _selected_layers(self, builder: Any) -> "list[str] | None":
+        """The builder's layers the layer filter selects (None: it names none), kept per builder and configuration:
+        a model has dozens of layers and a build runs on every step."""
+        # Held and compared by identity, not by id(): a configuration replaced twice may be freed and
+        # its id given to the next one, and a builder's id to a later builder (with other layers).
+        config = self.capturer.config
+        names = getattr(builder, "layer_names", None)
+        hit = self._builder_layers.get(id(builder))
+        if hit is not None and hit[0] is config and hit[1] is names:
+            return hit[2]
+        selected = [n for n in names if self.capturer.layer_selected(n)] if names else None
+        self._builder_layers[id(builder)] = (config, names, selected)
+        return selected
+
+    def _stash(self, metadata: Any, ctx: _EngineContext) -> None:
+        try:
+            setattr(metadata, _ENGINE_ATTR, ctx)
+            return
+        except (AttributeError, TypeError):  # frozen dataclass or __slots__: keep it beside
+            pass
+        self._side_table[id(metadata)] = (metadata, ctx)
+        while len(self._side_table) > _SIDE_TABLE_SIZE:
+            self._side_table.popitem(last=False)
+
+    def _lookup(self, metadata: Any) -> _EngineContext | None:
+        ctx = getattr(metadata, _ENGINE_ATTR, None)
+        # A copy of a metadata object (e.g. update_block_table) carries the attribute
+        # of the original, whose block table is another group's: refuse it.
+        if isinstance(ctx, _EngineContext) and ctx.owner_id == id(metadata):
+            return ctx
+        entry = self._side_table.get(id(metadata))
+        if entry is not None and entry[0] is metadata:
+            return entry[1]
+        return None

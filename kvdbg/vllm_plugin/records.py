@@ -1,0 +1,102 @@
+"""The records the plugin's hooks hand each other: what a builder and an impl declared, and the engine-level
+metadata of one build (host copies for capture, device clones for the sentinel)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch and the capture modules load only once capture is switched on
+    import torch
+
+
+
+logger = logging.getLogger("kvdbg.capture")
+
+
+@dataclass
+class _ImplInfo:
+    backend_name: str
+    update_in_forward: bool  # the backend writes the step's K/V inside forward (older vLLM backends)
+    update_source: str
+
+
+@dataclass(frozen=True)
+class _BuilderFacts:
+    """What one metadata builder's configuration says about every batch it builds (read once per builder)."""
+
+    max_model_len: int | None
+    max_decode_query_len: int | None
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    spec_block_size: int | None
+    builder: str
+
+
+def _builder_facts(builder: Any) -> _BuilderFacts:
+    vllm_config = getattr(builder, "vllm_config", None)
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    return _BuilderFacts(
+        max_model_len=getattr(getattr(vllm_config, "model_config", None), "max_model_len", None),
+        max_decode_query_len=getattr(builder, "query_len", None),
+        max_num_seqs=getattr(scheduler_config, "max_num_seqs", None),
+        max_num_batched_tokens=getattr(scheduler_config, "max_num_batched_tokens", None),
+        spec_block_size=getattr(getattr(builder, "kv_cache_spec", None), "block_size", None),
+        builder=type(builder).__name__,
+    )
+
+
+@dataclass(slots=True)
+class _HostMetadata:
+    """Host copies of a device build's metadata, issued on the engine's stream when the builder built.
+
+    Capture reads these, after ``ready``, instead of the device tensors: a read of those in a layer's hook
+    would wait for every kernel the engine queued before it, where the build's copies are usually done.
+    """
+
+    block_table: "torch.Tensor"
+    seq_lens: "torch.Tensor"
+    query_start_loc: "torch.Tensor"
+    slot_mapping: "torch.Tensor | None"  # the step's tokens; only for a backend that updates inside forward
+    causal: Any
+    ready: Any  # HostCopiesReady
+
+
+@dataclass(slots=True)
+class _EngineContext:
+    """The engine-level metadata of one build, copied before the builder restricts anything.
+
+    Made on every build of a captured step, so its constant part is the builder's :class:`_BuilderFacts`.
+    On a device, ``host`` holds host copies for capture; the tensors here are device clones when the
+    sentinel may check the step (its checks run on the device), else the host copies again.
+    """
+
+    owner_id: int
+    block_table: "torch.Tensor"
+    seq_lens: "torch.Tensor"
+    query_start_loc: "torch.Tensor"
+    slot_mapping: "torch.Tensor | None"
+    causal: Any
+    facts: _BuilderFacts
+    refused: str | None = None  # why this batch's mask cannot be stored (a feature of the step, not the layer)
+    host: _HostMetadata | None = None
+
+    @property
+    def builder(self) -> str:
+        return self.facts.builder
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.facts.max_model_len
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """What the engine declared, through one metadata builder, about the caches of that builder's layers."""
+
+    spec: Any  # builder.kv_cache_spec
+    layout: Any  # the resolved KVCacheLayout member, or None
+    missing: str | None  # why the layout is unknown, when it is
+    decode_context_parallel_size: int
+    builder: str

@@ -1,0 +1,227 @@
+"""The plugin's state in one process: the classes it patched, the layers and builders it saw, the CUDA
+graph notes it gave. Its hooks are mixed in by role from ``layers``, ``builder_hooks`` and
+``step_hooks``; the patches themselves are in ``wrappers``."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from kvdbg.vllm_plugin.builder_hooks import BuilderHooks
+from kvdbg.vllm_plugin.layers import LayerHooks
+from kvdbg.vllm_plugin.step_hooks import StepHooks
+from kvdbg.vllm_plugin.records import _BuilderFacts, _Declared, _EngineContext, _ImplInfo
+from kvdbg.vllm_plugin.vllm_facts import (
+    ATTENTION_LAYER_CLASSES, CUDAGRAPH_ADVICE, WORKER_MODULE, _is_mla, _max_graph_size, _resolve_backend,
+    cudagraph_note
+)
+from kvdbg.vllm_plugin.wrappers import _wrap_build, _wrap_cache_update, _wrap_forward, _wrap_layer_init, _wrap_shutdown
+
+if TYPE_CHECKING:  # torch and the capture modules load only once capture is switched on
+    import torch
+
+    from kvdbg.capture.capturer import CaptureLayer, Capturer, PreUpdate
+    from kvdbg.vllm_plugin.sentinel_hooks import SentinelHooks
+
+logger = logging.getLogger("kvdbg.capture")
+
+
+class _PluginState(LayerHooks, BuilderHooks, StepHooks):
+    def __init__(self, capturer: "Capturer", requested: list[str] | None = None):
+        self.capturer = capturer
+        self.requested = list(requested or [])
+        self.auto = not self.requested  # wrap the backend of each layer as it is built
+        self.wrapped: list[str] = []
+        self.missing: list[str] = []
+        self.watching: list[str] = []  # layer classes whose constructor is wrapped
+        self._backends_seen: set[str] = set()
+        self._refusals_said: set[str] = set()
+        self._patches: list[tuple[type, str, bool, Any]] = []
+        self._impl_info: dict[type, _ImplInfo] = {}
+        self._forward_counts: dict[str, int] = {}
+        self._pre_updates: dict[str, "PreUpdate"] = {}
+        # Per layer name: the inputs it was built from and the CaptureLayer, rebuilt only when they change
+        # (vLLM may compute the FP8 scales in the first forward; a new cache layout or dtype is a new layer).
+        self._layers: dict[str, tuple[tuple, "CaptureLayer"]] = {}
+        self._side_table: OrderedDict[int, tuple[Any, _EngineContext]] = OrderedDict()
+        # Host copies of device slot mappings made at build time, by the device tensor's identity (data_ptr,
+        # shape, stride, dtype): do_kv_cache_update gets the builder's tensor, not its metadata.
+        self._host_slots: OrderedDict[tuple, tuple["torch.Tensor", Any]] = OrderedDict()
+        # Per layer name: the identity of the slot mapping its builder's latest copying build was given, and
+        # the layer's forward count then. A copy is taken only for that tensor, before that forward: a runner
+        # may rewrite the same buffer without a build (a drafter's own slot mapping) or hand the update a
+        # longer view of it (padding).
+        self._slots_layers: dict[str, tuple[tuple, int]] = {}
+        # Per layer name: what its builder declared, and the layout (or refusal) read from it.
+        self._builders: dict[int, Any] = {}  # kept alive so that their ids stay theirs
+        self._declared: dict[str, _Declared] = {}
+        self._layouts: dict[str, tuple[tuple, Any]] = {}
+        self._builder_layers: dict[int, tuple[Any, Any, list[str] | None]] = {}
+        self._builder_facts: dict[int, _BuilderFacts] = {}  # per builder (kept alive in _builders)
+        self._layout_fast: dict[str, tuple] = {}  # per layer: what engine_layout last checked, and its answer
+        self._step_constants: dict[str, tuple] = {}  # per layer: (key, CaptureBackend, provenance) of step_capture
+        self._update_in_forward = False  # whether any wrapped backend writes the new K/V inside forward
+        self._checked: dict[str, tuple] = {}  # per layer: (layout, the cache tensor it was checked on, its data_ptr)
+        self._records: dict[str, tuple[tuple, dict[str, Any]]] = {}  # per layer: its declaration's provenance
+        self._graphs_said = False
+        self._parallel: dict[str, Any] | None = None  # this process's place among the engine's ranks, read once
+        self.sentinel: "SentinelHooks | None" = None  # the sampled check of the engine's own attention
+
+    # ---------------------------------------------------------------- patching
+
+    def wrap_backend(self, name: str, *, backend_cls: type | None = None, layer_name: str | None = None) -> None:
+        """Wrap the impl and builder of backend ``name`` (``backend_cls`` when the layer gave it; else looked up)."""
+        try:
+            if backend_cls is not None:
+                impl_cls, builder_cls = backend_cls.get_impl_cls(), backend_cls.get_builder_cls()
+                source = f"the backend of layer {layer_name}"
+            else:
+                impl_cls, builder_cls, backend_cls, source = _resolve_backend(name)
+        except Exception as exc:
+            if isinstance(exc, (ImportError, LookupError)):
+                self.missing.append(name)
+            logger.warning("kvdbg capture: backend %s not wrapped: %s", name, exc)
+            return
+        if _is_mla(backend_cls, impl_cls):
+            logger.warning("kvdbg capture: backend %s not wrapped: it is an MLA backend, whose cache holds one "
+                           "compressed latent vector per token instead of K and V; a snapshot cannot hold it", name)
+            return
+        if backend_cls is not None and hasattr(backend_cls, "forward_includes_kv_cache_update"):
+            info = _ImplInfo(name, bool(backend_cls.forward_includes_kv_cache_update),
+                             f"{backend_cls.__name__}.forward_includes_kv_cache_update")
+        elif hasattr(impl_cls, "forward_includes_kv_cache_update"):
+            info = _ImplInfo(name, bool(impl_cls.forward_includes_kv_cache_update),
+                             f"{impl_cls.__name__}.forward_includes_kv_cache_update")
+        else:
+            info = _ImplInfo(name, False, "not declared; new K/V are taken only from do_kv_cache_update")
+        self._impl_info[impl_cls] = info
+        self._update_in_forward = any(i.update_in_forward for i in self._impl_info.values())
+        self._patch(impl_cls, "forward", _wrap_forward)
+        if hasattr(impl_cls, "do_kv_cache_update"):
+            self._patch(impl_cls, "do_kv_cache_update", _wrap_cache_update)
+        self._patch(builder_cls, "build", _wrap_build)
+        self.wrapped.append(name)
+        if self.auto:
+            logger.info("kvdbg capture: wrapping %s (%s, %s), %s", name, impl_cls.__name__, builder_cls.__name__,
+                        source)
+        else:
+            logger.debug("kvdbg capture: wrapped %s (%s, %s) found via %s", name, impl_cls.__name__,
+                         builder_cls.__name__, source)
+
+    def _patch(self, cls: type, attr: str, make_wrapper) -> None:
+        current = getattr(cls, attr)
+        if getattr(current, "_kvdbg_original", None) is not None:
+            return  # two names resolving to one class: wrap it once
+        had_own = attr in cls.__dict__
+        original = cls.__dict__[attr] if had_own else current
+        setattr(cls, attr, make_wrapper(self, current))
+        self._patches.append((cls, attr, had_own, original))
+
+    def watch_layers(self) -> None:
+        """Wrap the attention layers' constructors: each new layer's backend is wrapped (auto) or named."""
+        found: set[str] = set()
+        for module_name, class_name in ATTENTION_LAYER_CLASSES:
+            if class_name in found:
+                continue
+            try:
+                layer_cls = getattr(importlib.import_module(module_name), class_name)
+            except Exception:  # another vLLM version keeps it elsewhere, or has none
+                continue
+            found.add(class_name)
+            self._patch(layer_cls, "__init__", _wrap_layer_init)
+            self.watching.append(f"{module_name}.{class_name}")
+        if not self.watching:
+            logger.debug("kvdbg capture: no attention layer class found in %s; the backend in use is not reported",
+                         ", ".join(m for m, _ in ATTENTION_LAYER_CLASSES))
+
+    def watch_shutdown(self) -> None:
+        """Wrap the worker's shutdown: the writer drains there and says its one line, before vLLM kills the process."""
+        try:
+            wrapper_cls = importlib.import_module(WORKER_MODULE).WorkerWrapperBase
+        except Exception:  # another vLLM version: the exit handler still drains, if the process exits normally
+            logger.debug("kvdbg capture: no %s.WorkerWrapperBase; capture drains at interpreter exit only",
+                         WORKER_MODULE)
+            return
+        self._patch(wrapper_cls, "shutdown", _wrap_shutdown)
+
+    def before_shutdown(self) -> None:
+        try:
+            # vLLM sends SIGTERM to workers still running after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (default 5):
+            # drain within that, leaving a second for the rest of the shutdown.
+            grace = os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "5").strip()
+            limit = float(grace) - 1 if grace.replace(".", "", 1).isdigit() else 4.0
+            from kvdbg.capture.capturer import EXIT_FLUSH_SECONDS
+
+            total = max(1.0, min(EXIT_FLUSH_SECONDS, limit))
+            deadline = time.monotonic() + total
+            if self.sentinel is not None:  # half the time for its checks and its writer, the rest for capture's
+                self.sentinel.close(self, total / 2)
+            self.capturer.close(max(0.0, deadline - time.monotonic()))
+        except Exception as exc:  # shutting down must go on whatever happens here
+            logger.debug("kvdbg capture: draining at shutdown failed: %s", exc)
+
+    def after_layer_init(self, layer: Any) -> None:
+        try:
+            backend = getattr(layer, "attn_backend", None)
+            name = backend.get_name() if backend is not None and hasattr(backend, "get_name") else None
+            if name is None or name in self._backends_seen:
+                return
+            self._backends_seen.add(name)
+            layer_name = getattr(layer, "layer_name", "?")
+            if name in self.wrapped:
+                logger.debug("kvdbg capture: layer %s uses %s, which is wrapped", layer_name, name)
+                return
+            if self.auto:
+                self.wrap_backend(name, backend_cls=backend, layer_name=layer_name)
+                return
+            from kvdbg.capture.config import ENV_BACKENDS
+
+            if _is_mla(backend, None):
+                logger.warning("kvdbg capture: this engine's attention backend %s (layer %s) is an MLA backend, "
+                               "whose cache holds one compressed latent vector per token instead of K and V; "
+                               "nothing is captured from it", name, layer_name)
+            else:
+                logger.warning("kvdbg capture: this engine's attention backend is %s, which is not wrapped "
+                               "(%s=%s); nothing is captured from it. Set %s=%s, or unset it to wrap every "
+                               "layer's backend", name, ENV_BACKENDS, ",".join(self.requested), ENV_BACKENDS, name)
+        except Exception as exc:  # reporting must never stop a model from loading
+            logger.debug("kvdbg capture: could not tell the backend of a layer: %s", exc)
+
+    def note_cudagraphs(self, vllm_config: Any) -> None:
+        """Say once per process when full CUDA graphs hide steps from Python, which ones, and what to do."""
+        if self._graphs_said or vllm_config is None:
+            return
+        try:
+            compilation = getattr(vllm_config, "compilation_config", None)
+            mode = getattr(compilation, "cudagraph_mode", None)
+            if mode is None:
+                return
+            if getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
+                return
+            line = cudagraph_note(mode, _max_graph_size(compilation))
+            if line is not None:
+                self._graphs_said = True
+                logger.warning("kvdbg capture: %s", line)
+        except Exception as exc:  # telling must never cost the engine
+            logger.debug("kvdbg capture: could not read the CUDA graph mode: %s", exc)
+
+    def note_graph_recording(self, layer_name: str | None) -> None:
+        if self._graphs_said:
+            return
+        self._graphs_said = True
+        logger.warning("kvdbg capture: a CUDA graph is being recorded through layer %s: the steps replayed from it "
+                       "run without Python, so kvdbg cannot see or capture them; to capture them, %s", layer_name,
+                       CUDAGRAPH_ADVICE)
+
+    def restore(self) -> None:
+        for cls, attr, had_own, original in reversed(self._patches):
+            if had_own:
+                setattr(cls, attr, original)
+            else:
+                delattr(cls, attr)
+        self._patches.clear()

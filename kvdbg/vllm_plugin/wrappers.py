@@ -1,0 +1,102 @@
+"""The patches the plugin puts on vLLM's classes: each wraps one method, times itself into the
+capturer's engine time, and calls the plugin state's hook; a hook that fails never fails the engine."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+from kvdbg.vllm_plugin.vllm_facts import _clock
+
+if TYPE_CHECKING:  # torch and the capture modules load only once capture is switched on
+    from kvdbg.vllm_plugin.state import _PluginState
+
+logger = logging.getLogger("kvdbg.capture")
+
+
+# The hooks time themselves (wall time: what the engine waited, the interpreter lock included) into the
+# capturer's EngineTime, which the exit line reports: the calls that copied for a step apart from the others.
+
+
+def _wrap_forward(state: _PluginState, original):
+    @functools.wraps(original)
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        start = _clock()
+        output = kwargs.get("output", args[0] if args else None)
+        pending = state.before_forward(self, layer, query, key, value, kv_cache, attn_metadata, output)
+        spent = _clock() - start
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        account = state.capturer.engine_time
+        if pending is not None:
+            start = _clock()
+            state.after_forward(pending, output, result)
+            account.captured_ns += spent + _clock() - start
+            account.steps += 1
+        else:
+            account.other_ns += spent
+            account.other_calls += 1
+        if state.sentinel is not None:
+            state.sentinel.after_forward(state, self, layer, query, key, value, kv_cache, attn_metadata,
+                                         output if output is not None else result)
+        return result
+
+    forward._kvdbg_original = original
+    return forward
+
+
+def _account(state: _PluginState, copied: bool, ns: int) -> None:
+    account = state.capturer.engine_time
+    if copied:
+        account.captured_ns += ns
+    else:
+        account.other_ns += ns
+        account.other_calls += 1
+
+
+def _wrap_layer_init(state: _PluginState, original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        state.after_layer_init(self)
+
+    __init__._kvdbg_original = original
+    return __init__
+
+
+def _wrap_cache_update(state: _PluginState, original):
+    @functools.wraps(original)
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
+        start = _clock()
+        copied = state.before_cache_update(self, layer, key, value, kv_cache, slot_mapping)
+        _account(state, copied, _clock() - start)
+        if state.sentinel is not None:
+            state.sentinel.before_cache_update(state, self, layer, key, value, kv_cache, slot_mapping)
+        return original(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
+
+    do_kv_cache_update._kvdbg_original = original
+    return do_kv_cache_update
+
+
+def _wrap_shutdown(state: _PluginState, original):
+    @functools.wraps(original)
+    def shutdown(self, *args, **kwargs):
+        state.before_shutdown()
+        return original(self, *args, **kwargs)
+
+    shutdown._kvdbg_original = original
+    return shutdown
+
+
+def _wrap_build(state: _PluginState, original):
+    @functools.wraps(original)
+    def build(self, *args, **kwargs):
+        metadata = original(self, *args, **kwargs)
+        start = _clock()
+        common = kwargs.get("common_attn_metadata", args[1] if len(args) > 1 else None)
+        copied = state.after_build(self, common, metadata)
+        _account(state, copied, _clock() - start)
+        return metadata
+
+    build._kvdbg_original = original
+    return build
