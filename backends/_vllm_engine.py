@@ -227,7 +227,7 @@ class MinimalEngine:
     """
 
     def __init__(self, cls: type, meta: "SnapshotMeta", device: str, num_blocks: int, max_seqs: int,
-                 max_tokens: int, values: LayerValues | None = None):
+                 max_tokens: int, values: LayerValues | None = None, layout: tuple[Any, str] | None = None):
         _quiet_vllm()
         layer, backend = meta.layer, meta.backend
         self.cls, self.meta, self.device = cls, meta, torch.device(device)
@@ -237,6 +237,9 @@ class MinimalEngine:
         self.values = values
         self.sinks_dtype: torch.dtype | None = None
         self.num_blocks, self.max_seqs, self.max_tokens = num_blocks, max_seqs, max_tokens
+        # (the KVCacheLayout the cache is viewed with, why): recorded on the config as the engine core would
+        self.chosen_layout = layout
+        self.resolved_layout = None
         self._tmp = tempfile.TemporaryDirectory(prefix="kvdbg-vllm-")
         weakref.finalize(self, self._tmp.cleanup)
         hf_config = {
@@ -291,6 +294,10 @@ class MinimalEngine:
             self.layer.to(self.device)
             _set_scales(self.layer, layer)
             self.spec = self._kv_cache_spec(cache)
+            if self.chosen_layout is not None:
+                from ._vllm_kv_cache import resolve_engine_layout
+
+                self.resolved_layout = resolve_engine_layout(self.config, cls, self.spec, meta, *self.chosen_layout)
             self.builder = cls.get_builder_cls()(self.spec, [layer.name], self.config, self.device)
 
     @property

@@ -77,6 +77,39 @@ def choose_layout(cls: type, meta: "SnapshotMeta") -> tuple[Any, str]:
     return candidates[0], f"vLLM's first choice for {cls.get_name()}"
 
 
+def resolve_engine_layout(config: Any, cls: type, spec: Any, meta: "SnapshotMeta", chosen: Any, source: str) -> Any:
+    """Resolve the model's KV-cache layout on ``config`` as vLLM's engine core does before any builder runs.
+
+    vLLM >= 0.33 resolves one layout per model (``resolve_kv_cache_layout``:
+    the workers report their backends' supported layouts, the engine core
+    picks, ``cache_config.kv_cache_layout`` records it) and the builders of
+    some backends (FLASHINFER) read it back; a config left unresolved makes
+    them fail. The layout the engine recorded in the snapshot is adopted as a
+    worker adopts the engine core's; otherwise vLLM resolves it. Either way it
+    must be the layout kvdbg views the cache with (``chosen``); where vLLM
+    resolves another (``VLLM_KV_CACHE_LAYOUT``, a connector's preference) the
+    column is unavailable with both names. Returns the layout recorded, or
+    None for a vLLM that resolves no layout.
+    """
+    try:
+        from vllm.v1.attention.backends.utils import record_kv_cache_layout, resolve_kv_cache_layout
+    except ImportError:  # vLLM before one resolved layout per model: each builder asks nothing
+        return None
+    cache_config = config.cache_config
+    if not hasattr(cache_config, "kv_cache_layout"):
+        return None
+    captured = meta.capture.get(CAPTURED_LAYOUT_KEY) if isinstance(meta.capture, dict) else None
+    if captured == chosen.name:
+        record_kv_cache_layout(cache_config, chosen.name)
+    reported = [[layout.name for layout in supported_layouts(cls)]]  # one worker, the column's one backend
+    resolved = resolve_kv_cache_layout(config, reported, [spec])
+    if resolved != chosen:
+        raise BackendUnavailable(f"vLLM resolves the KV-cache layout {resolved.name} here (VLLM_KV_CACHE_LAYOUT "
+                                 f"or a KV connector's preference), but the cache is viewed as {chosen.name} "
+                                 f"({source})")
+    return resolved
+
+
 def allocate(spec: Any, layout: Any, num_blocks: int, layer_name: str, device) -> torch.Tensor:
     """The layer's logical ``[blocks, heads, tokens, content]`` cache, allocated and viewed as vLLM does."""
     from vllm.v1.kv_cache_interface import KVCacheTensor, compute_layout_strides, create_kv_cache_views

@@ -201,7 +201,8 @@ class VllmInstance:
             # vLLM's SchedulerConfig refuses fewer batched tokens than sequences.
             tokens = max(MIN_TOKENS, num_tokens, seqs, engine.max_tokens if engine else 0)
             kept = values if values is not None else (engine.values if engine else None)
-            self.engine = MinimalEngine(self.cls, self.meta, self.options.device, num_blocks, seqs, tokens, kept)
+            self.engine = MinimalEngine(self.cls, self.meta, self.options.device, num_blocks, seqs, tokens, kept,
+                                        layout=(self.layout, self.layout_source))
             self._pin_kernel_variant(self.engine)
         return self.engine
 

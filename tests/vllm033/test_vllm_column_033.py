@@ -238,3 +238,46 @@ def test_a_feature_vllm_0_33_refuses_for_the_backend_makes_the_column_unavailabl
     status = next(st for st in result.backends if st.name == "vllm")
     assert not status.available and reason in status.reason and "\n" not in status.reason, status.reason
     assert not any(f.backend == "vllm" for f in result.findings)
+
+
+def _column_engine(meta, layout):
+    from kvdbg.backends._vllm_engine import MinimalEngine
+
+    return MinimalEngine(_backend_class(meta.backend.name), meta, "cpu", 16, 4, 64, layout=layout)
+
+
+def test_the_columns_engine_config_holds_the_layout_vllms_engine_core_resolves():
+    """The builders of some backends (FLASHINFER's) read the model's resolved layout from the config; vLLM 0.33's
+    engine core resolves it before any builder runs, so the column's config must hold that resolution."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+
+    meta = synth_snapshot(SynthSpec(seq_lens=(5, 40), page_size=16, backend="TRITON_ATTN")).meta
+    cls = _backend_class("TRITON_ATTN")
+    engine = _column_engine(meta, choose_layout(cls, meta))
+    # What the engine core resolves for a fresh config of this layer: the worker's report is vLLM's own.
+    unresolved = _column_engine(meta, None)
+    assert unresolved.config.cache_config.kv_cache_layout is None
+    expected = resolve_kv_cache_layout(unresolved.config, [[m.name for m in get_supported_kv_cache_layouts([cls])]],
+                                       [unresolved.spec])
+    assert engine.resolved_layout == expected == choose_layout(cls, meta)[0]
+    with set_current_vllm_config(engine.config):
+        assert engine.config.cache_config.get_resolved_kv_cache_layout() == expected
+
+
+def test_the_layout_the_engine_recorded_is_the_one_the_columns_config_resolves(monkeypatch):
+    from dataclasses import replace
+
+    from kvdbg.errors import BackendUnavailable
+
+    meta = synth_snapshot(SynthSpec(seq_lens=(5,), page_size=16, backend="TRITON_ATTN")).meta
+    cls = _backend_class("TRITON_ATTN")
+    last = supported_layouts(cls)[-1]
+    assert last != supported_layouts(cls)[0]
+    captured = replace(meta, capture={"kv_cache_layout": last.name})
+    engine = _column_engine(captured, choose_layout(cls, captured))
+    assert engine.config.cache_config.kv_cache_layout == last.name and engine.resolved_layout == last
+    # A layout forced on vLLM that is not the one the cache is viewed with: the column says so, never mixes them.
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", supported_layouts(cls)[0].name)
+    with pytest.raises(BackendUnavailable, match=f"resolves the KV-cache layout {supported_layouts(cls)[0].name}"):
+        _column_engine(meta, (last, "a test's choice"))
