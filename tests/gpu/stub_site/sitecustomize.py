@@ -5,7 +5,8 @@ vLLM runs some of its work in a child interpreter (its model registry inspects a
 subprocess), and that child imports vLLM's CUDA platform, which imports a compiled module that is not carried.
 The parent's stand-ins do not reach a child, so they are installed here, at interpreter start, when
 KVDBG_GPU_VLLM_SO_MODULES names the list; the first stand-in imported also answers vLLM's import-time capability
-queries (no CUTLASS GEMM). kvdbg itself never does this.
+queries (no CUTLASS GEMM) and defines vLLM's cache write in plain torch (``_register_cache_write``: the only
+compiled op the FLASHINFER path calls). kvdbg itself never does this.
 """
 
 import importlib.abc
@@ -16,7 +17,8 @@ import types
 
 
 class EmptyCompiledModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Empty modules for the listed names: the TRITON_ATTN path calls none of them."""
+    """Empty modules for the listed names: the attention paths run call none of them, but for the cache write
+    (``_register_cache_write``)."""
 
     def __init__(self, names):
         self.names = names
@@ -30,6 +32,7 @@ class EmptyCompiledModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         if not _LIBRARIES:  # vLLM's CUDA platform imports one of them before anything asks
             _register_capability_queries()
+            _register_cache_write()
 
 
 # vLLM asks its compiled library at import time which CUTLASS GEMMs the GPU supports (a model's module does, in
@@ -48,6 +51,43 @@ def _register_capability_queries():
             continue
         library.define(f"{name}(int cuda_device_capability) -> bool")
         library.impl(name, lambda capability: False, "CompositeExplicitAutograd")
+    _LIBRARIES.append(library)
+
+
+def _reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+    """vLLM's cache write, in plain torch (the compiled op is not carried): token ``t`` of the step goes to block
+    ``slot // block_size``, row ``slot % block_size`` of the ``[blocks, block_size, heads, head_size]`` views;
+    slot -1 (a padded token) writes nothing; an FP8 cache stores ``x / scale`` saturated to e4m3."""
+    import torch
+
+    slots = slot_mapping.to(torch.int64)
+    count = slots.shape[0]
+    keep = slots >= 0
+    slots = slots[keep]
+    block_size = key_cache.shape[1]
+    blocks, rows = slots // block_size, slots % block_size
+    for new, cache, scale in ((key[:count][keep], key_cache, k_scale), (value[:count][keep], value_cache, v_scale)):
+        if kv_cache_dtype.startswith("fp8"):
+            quantized = (new.float() / scale.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            cache.view(torch.uint8)[blocks, rows] = quantized.view(torch.uint8)
+        else:
+            cache[blocks, rows] = new.to(cache.dtype)
+
+
+def _register_cache_write():
+    """``torch.ops._C_cache_ops.reshape_and_cache_flash``, which vLLM's FLASHINFER (and FLASH_ATTN) cache update
+    calls, as :func:`_reshape_and_cache_flash`; TRITON_ATTN writes with its own Triton kernel instead."""
+    import torch
+
+    try:
+        torch.ops._C_cache_ops.reshape_and_cache_flash
+        return  # the real op is there
+    except (AttributeError, RuntimeError):
+        pass
+    library = torch.library.Library("_C_cache_ops", "FRAGMENT")
+    library.define("reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+                   "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()")
+    library.impl("reshape_and_cache_flash", _reshape_and_cache_flash, "CompositeExplicitAutograd")
     _LIBRARIES.append(library)
 
 

@@ -1,0 +1,53 @@
+"""Pack FlashInfer's wheel for the GPU machine (tests/gpu/prepare_flashinfer_carry.sh): what its paged decode and
+prefill kernels need to JIT-build and run there, within the carry limit.
+
+Writes ``flashinfer-<version>-py.zip`` into OUT: every Python file of the wheel, its metadata, and
+``flashinfer/data`` less the subdirectories of ``data/csrc`` (the sources of kernel families these runs never
+build); left out whole: ``flashinfer/moe_ep`` and ``flashinfer/experimental/{b12x,cake_vsa_sm90_cute}``
+(MoE and experimental kernels, 5 MB). The run script extracts it (the JIT compiler reads headers from disk).
+
+Usage: python tests/gpu/flashinfer_carry.py WHEEL OUT
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zipfile
+
+LEFT_OUT = ("flashinfer/moe_ep/", "flashinfer/experimental/b12x/", "flashinfer/experimental/cake_vsa_sm90_cute/")
+
+
+def kept(name: str) -> bool:
+    if name.startswith(LEFT_OUT):
+        return False
+    if ".dist-info/" in name:
+        return name.endswith(("/METADATA", "/entry_points.txt", "/top_level.txt"))  # importlib.metadata's reads
+    if name.endswith(".py"):
+        return True
+    if name.startswith("flashinfer/data/csrc/"):
+        return "/" not in name[len("flashinfer/data/csrc/"):]  # the files of csrc itself, not its subfolders
+    return name.startswith("flashinfer/data/")
+
+
+def main(argv: list[str]) -> int:
+    wheel, out = argv
+    os.makedirs(out, exist_ok=True)
+    with zipfile.ZipFile(wheel) as src:
+        names = [n for n in src.namelist() if not n.endswith("/")]
+        version = next(n.split("/")[0][len("flashinfer_python-"):-len(".dist-info")] for n in names
+                       if n.startswith("flashinfer_python-") and n.split("/")[0].endswith(".dist-info"))
+        target = os.path.join(out, f"flashinfer-{version}-py.zip")
+        packed = 0
+        with zipfile.ZipFile(target + ".tmp", "w", zipfile.ZIP_DEFLATED) as dst:
+            for name in names:
+                if kept(name):
+                    dst.writestr(name, src.read(name))
+                    packed += 1
+    os.replace(target + ".tmp", target)
+    print(f"{target}: {os.path.getsize(target) / 1e6:.1f} MB; {packed} of {len(names)} files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
