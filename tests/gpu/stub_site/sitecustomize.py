@@ -32,6 +32,8 @@ class EmptyCompiledModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         if not _LIBRARIES:  # vLLM's CUDA platform imports one of them before anything asks
             _register_capability_queries()
+            _register_activation()
+            _register_weak_ref_tensor()
             _register_cache_write()
 
 
@@ -72,6 +74,40 @@ def _reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, k
             cache.view(torch.uint8)[blocks, rows] = quantized.view(torch.uint8)
         else:
             cache[blocks, rows] = new.to(cache.dtype)
+
+
+def _silu_and_mul(result, x):
+    import torch
+
+    d = x.shape[-1] // 2
+    result.copy_(torch.nn.functional.silu(x[..., :d]) * x[..., d:])
+
+
+def _register_activation():
+    """``torch.ops._C.silu_and_mul``, which ``SiluAndMul.__init__`` reads even when ``custom_ops=["none"]`` makes
+    its forward vLLM's native torch one: plain torch."""
+    import torch
+
+    if hasattr(torch.ops._C, "silu_and_mul"):
+        return
+    library = torch.library.Library("_C", "FRAGMENT")
+    library.define("silu_and_mul(Tensor(a!) result, Tensor input) -> ()")
+    library.impl("silu_and_mul", _silu_and_mul, "CompositeExplicitAutograd")
+    _LIBRARIES.append(library)
+
+
+def _register_weak_ref_tensor():
+    """``torch.ops._C.weak_ref_tensor``, which vLLM's CUDA-graph wrapper applies to a captured graph's outputs (a
+    tensor on the same memory that does not keep it alive): here a view, which keeps it alive -- the graph's
+    output buffers then live as long as the engine, which a test engine can afford."""
+    import torch
+
+    if hasattr(torch.ops._C, "weak_ref_tensor"):
+        return
+    library = torch.library.Library("_C", "FRAGMENT")
+    library.define("weak_ref_tensor(Tensor(a) input) -> Tensor(a)")
+    library.impl("weak_ref_tensor", lambda tensor: tensor.view(tensor.shape), "CompositeImplicitAutograd")
+    _LIBRARIES.append(library)
 
 
 def _register_cache_write():

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# On the GPU machine (torch + Triton, no vLLM, no network), from the repository root, with .gpu-carry/ carried
+# (tests/gpu/prepare_vllm_column_carry.sh, plus the engine's wheels: tests/gpu/prepare_engine_carry.sh): a whole
+# vLLM 0.33 engine serves tiny random models with kvdbg's plugin capturing, then every snapshot is replayed
+# (tests/gpu/engine_stage.py says what is stood in for). Arguments go to engine_stage.py after OUT.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+CARRY=.gpu-carry
+SITE=/tmp/kvdbg-engine-site
+OUT=${1:?usage: run_engine_stage.sh OUT [engine_stage.py options]}
+shift
+python3 -m pip install -q --no-deps --no-build-isolation -e .
+python3 -m pip install -q --no-deps --no-index --no-compile --target "$SITE" "$CARRY"/wheels/*.whl \
+  "$CARRY"/engine-wheels/*.whl
+ZIP=$(ls "$CARRY"/vllm-*-py.zip)
+export PYTHONPATH="$PWD/tests/gpu/stub_site:$PWD/$ZIP:$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export VLLM_CONFIGURE_LOGGING=${VLLM_CONFIGURE_LOGGING:-1} KVDBG_GPU_VLLM_SO_MODULES="$PWD/$CARRY/vllm-so-modules.txt"
+python3 tests/gpu/engine_stage.py "$OUT" "$@"
