@@ -45,7 +45,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from kvdbg import capture  # noqa: E402
+from kvdbg.capture import capturer as capture  # noqa: E402
 from kvdbg.capture.capturer import CaptureBackend, CaptureLayer, Capturer, StepTensors  # noqa: E402
 from kvdbg.capture.prepare import CapturePlan, PendingCapture  # noqa: E402
 from kvdbg.snapshot.format import LAYOUT_VLLM  # noqa: E402

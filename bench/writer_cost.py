@@ -44,7 +44,7 @@ def main() -> int:
     import torch
 
     from kvdbg.capture.capturer import Capturer, CaptureBackend, CaptureLayer, StepTensors
-    from kvdbg.capture.prepare import check_metadata, snapshot_file_size
+    from kvdbg.capture.build import check_metadata, snapshot_file_size
     from kvdbg.capture.engine_layouts import CPU_ATTN_K_TRANSPOSED, vllm_to_cpu_attn
     from kvdbg.snapshot.store import save_snapshot
     from tests.helpers import asdict_meta_json

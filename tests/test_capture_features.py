@@ -9,12 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvdbg.capture.prepare import CaptureInputError, CaptureLayer, complete_capture, prepare_capture
+from kvdbg.capture.build import complete_capture
+from kvdbg.capture.prepare import CaptureInputError, CaptureLayer, prepare_capture
 from kvdbg.replayer.runner import replay
 from kvdbg.moves.shrinker import select_kv_heads
 from kvdbg.snapshot.store import load_snapshot, save_snapshot
 from kvdbg.moves.synth import SynthSpec, synth_snapshot
-from kvdbg.vllm_plugin import _PluginState
+from kvdbg.vllm_plugin.state import _PluginState
 from tests.test_capture import Engine
 
 

@@ -8,16 +8,14 @@ import os
 import pytest
 import torch
 
+from kvdbg.capture.build import build_snapshot, complete_capture, snapshot_file_size
 from kvdbg.capture.prepare import (
     CaptureInputError,
     CapturePlan,
     PendingCapture,
-    build_snapshot,
-    complete_capture,
     plan_capture,
     prepare_capture,
     save_pre_update,
-    snapshot_file_size,
 )
 from kvdbg.snapshot.format import LAYOUT_KV_PLANES, LAYOUT_VLLM, parse_meta
 from kvdbg.snapshot.store import save_snapshot

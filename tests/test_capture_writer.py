@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from kvdbg.capture import capturer as capture_module
+from kvdbg.capture import temp_files as temp_files_module
+from kvdbg.capture import writer as writer_module
 from kvdbg.snapshot import store as snapshot_module
 from kvdbg.capture.capturer import TEMP_PREFIX, Capturer, stale_temp_files
 from kvdbg.snapshot.format import LAYOUT_VLLM
@@ -255,7 +256,7 @@ def test_a_capture_killed_mid_write_leaves_only_a_temp_file_which_the_next_run_r
     assert f"-{child.pid}-" in left[0]
     assert stale_temp_files(str(directory)) == [str(directory / left[0])]
     # Temp files this run does not own stay: a live process's (its own parent's), another host's, other tools'.
-    alive = f"{TEMP_PREFIX}{capture_module._HOST}-{os.getppid()}-abc123.tmp"
+    alive = f"{TEMP_PREFIX}{temp_files_module._HOST}-{os.getppid()}-abc123.tmp"
     elsewhere = f"{TEMP_PREFIX}otherhost-{child.pid}-abc123.tmp"
     for name in (alive, elsewhere, ".kvdbg-q1w2e3.tmp"):
         (directory / name).write_bytes(b"x")
@@ -316,7 +317,7 @@ def test_page_buffers_come_back_for_the_next_burst_within_the_budget_and_go_when
     from kvdbg.capture import buffers as capture_buffers
 
     monkeypatch.setattr(capture_buffers, "POOLED_MIN_BYTES", 1)  # this engine's pages are small: pool them all
-    monkeypatch.setattr(capture_module, "IDLE_RELEASE_SECONDS", 0.3)
+    monkeypatch.setattr(writer_module, "IDLE_RELEASE_SECONDS", 0.3)
     engine = Engine(layout=LAYOUT_VLLM)
     size = step_bytes(engine)
     capturer = Capturer(tmp_path, queue_bytes=3 * size)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvdbg.capture import prepare as capture_module
+from kvdbg.capture import build as capture_module
 from kvdbg.capture.capturer import Capturer, PreUpdate
 from kvdbg.snapshot.layout import quantize_fp8
 from kvdbg.capture.engine_layouts import (

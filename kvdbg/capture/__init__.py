@@ -1,6 +1,8 @@
 """Capture from a live engine: its variables (``config``), the engine's cache layouts it accepts
-(``engine_layouts``), what the engine's thread copies (``buffers``), the pure building of a snapshot from
-those copies (``prepare``) and the never-raising shell with its writer thread (``capturer``).
+(``engine_layouts``), the layer, backend and step it hands over (``inputs``), what the engine's thread
+copies (``prepare``, into ``buffers``), the pure building of a snapshot from those copies (``build``), and
+the never-raising shell (``capturer``) with its writing half: the writer thread and the writes (``writer``),
+their temporary files (``temp_files``).
 
 May import :mod:`kvdbg.errors`, :mod:`kvdbg.util`, :mod:`kvdbg.judge`, :mod:`kvdbg.snapshot`; never
 replay, backends or vLLM (the plugin, :mod:`kvdbg.vllm_plugin`, hands it plain tensors).

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvdbg.vllm_plugin import _PluginState
+from kvdbg.vllm_plugin.state import _PluginState
 
 LAYOUT = "pages,heads,tokens,2*dim"
 
