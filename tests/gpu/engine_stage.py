@@ -158,7 +158,7 @@ def one_run(out: str, model: str, mode: str, capture: bool = True) -> int:
     try:
         record = engine_run(model_dir, model, mode, out)
     except Exception as exc:  # say where the engine stopped
-        tail = traceback.format_exc().strip().splitlines()[-15:]
+        tail = traceback.format_exc().strip().splitlines()[-40:]
         record = {"model": model, "mode": mode, "problems": [f"engine stopped: {exc!r}"[:400]], "trace": tail}
     print("ENGINE-RECORD " + json.dumps(record), flush=True)
     return 0
@@ -189,7 +189,7 @@ def main() -> int:
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ENGINE-RECORD ")]
                 record = json.loads(lines[-1][len("ENGINE-RECORD "):]) if lines else {
                     "model": model, "mode": mode, "problems": [f"engine process exit {proc.returncode}"],
-                    "trace": proc.stderr.strip().splitlines()[-15:]}
+                    "trace": proc.stderr.strip().splitlines()[-40:]}
                 record["kvdbg_log"] = [ln for ln in proc.stderr.splitlines() if "kvdbg" in ln][-12:]
             except subprocess.TimeoutExpired:
                 record = {"model": model, "mode": mode, "problems": [f"engine run over {args.timeout:.0f} s"]}
