@@ -116,7 +116,7 @@ def main() -> None:
     row("forward", gpu_time(lambda: ts.impl.forward(query, cache, md, out), args.iters))
     row("forward, host side only (launches, no wait)", host_time(lambda: ts.impl.forward(query, cache, md, out),
                                                                  args.iters))
-    from kvdbg.backends import _triton_decode
+    from kvdbg.backends.flashinfer_ts import triton_decode as _triton_decode
     from kvdbg.backends.flashinfer_ts import undefined_codes
 
     k_cache, v_cache = ts.impl.last_views[:2]

@@ -1,4 +1,4 @@
-"""Tile choices of the Triton prims_ts emulation (backends/_triton_decode.py) on one GPU.
+"""Tile choices of the Triton prims_ts emulation (backends/flashinfer_ts/triton_decode.py) on one GPU.
 
 Usage: python bench/ts_triton_tiles.py [--requests 64] [--seq-len 8192]
 Prints each (block_n, num_warps, num_stages) time and its fraction of the
@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from kvdbg.backends._triton_decode import triton_decode
+from kvdbg.backends.flashinfer_ts.triton_decode import triton_decode
 
 
 def timed(fn, iters=20):

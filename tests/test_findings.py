@@ -22,7 +22,7 @@ PRODUCT = sorted(p for d in ("kvdbg", "backends") for p in (ROOT / d).rglob("*.p
 PRODUCERS = {"Finding": ("code", None), "_broken": (None, 0), "_finding": (None, 1)}
 # Producer calls whose code is not a literal: wrappers that pass on a code their callers give as a literal.
 PASSED_ON = {("kvdbg/snapshot/pagemap.py", "hazard_finding"), ("kvdbg/ts/contract.py", "_broken"),
-             ("backends/flashinfer_ts.py", "_finding")}
+             ("backends/flashinfer_ts/instance.py", "_finding")}
 
 
 def _literals(node) -> set[str] | None:

@@ -13,6 +13,7 @@ import torch
 
 from kvdbg.backends.base import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
+from kvdbg.backends.flashinfer_ts import gate as ts_gate
 from kvdbg.snapshot.cache import working_cache
 from kvdbg.errors import BackendUnavailable
 from kvdbg.replayer.runner import common_metadata, replay
@@ -193,7 +194,7 @@ def test_gate_flashinfer_missing():
 def test_gate_version_0_7_0_post1_is_too_old(monkeypatch):
     log = []
     _fake_flashinfer(monkeypatch, "0.7.0.post1", log)
-    monkeypatch.setattr(ts, "_probe_device", lambda device: ((10, 0), None))
+    monkeypatch.setattr(ts_gate, "_probe_device", lambda device: ((10, 0), None))
     gate = ts.kernel_gate("cuda")
     assert not gate.available
     assert "0.7.0.post1 is too old" in gate.reason and "cutlass-dsl 4.8" in gate.reason
@@ -228,7 +229,7 @@ def test_gate_no_cuda(monkeypatch):
 def test_gate_hopper_is_refused(monkeypatch):
     log = []
     _fake_flashinfer(monkeypatch, "0.7.1", log)
-    monkeypatch.setattr(ts, "_probe_device", lambda device: ((9, 0), None))
+    monkeypatch.setattr(ts_gate, "_probe_device", lambda device: ((9, 0), None))
     gate = ts.kernel_gate("cuda")
     assert not gate.available and gate.capability == (9, 0)
     assert gate.reason.startswith("compute capability 9.0 (Hopper") and "10.0, 10.3, 10.7" in gate.reason
@@ -237,7 +238,7 @@ def test_gate_hopper_is_refused(monkeypatch):
 def test_gate_blackwell_calls_the_wrapper_through_replay(monkeypatch):
     log = []
     _fake_flashinfer(monkeypatch, "0.7.1", log)
-    monkeypatch.setattr(ts, "_probe_device", lambda device: ((10, 0), None))
+    monkeypatch.setattr(ts_gate, "_probe_device", lambda device: ((10, 0), None))
     snap = synth_snapshot(SynthSpec(seq_lens=(40, 77), head_size=64))
     result = replay(snap, ["flashinfer_ts"])
     run = result.steps[0].runs["flashinfer_ts"]
@@ -250,7 +251,7 @@ def test_gate_blackwell_calls_the_wrapper_through_replay(monkeypatch):
 def test_force_emulation_and_plan_rejection_fall_back_with_the_reason(monkeypatch):
     log = []
     _fake_flashinfer(monkeypatch, "0.7.1", log)
-    monkeypatch.setattr(ts, "_probe_device", lambda device: ((10, 0), None))
+    monkeypatch.setattr(ts_gate, "_probe_device", lambda device: ((10, 0), None))
     snap = synth_snapshot(SynthSpec(seq_lens=(40,), head_size=64))
     inst = ts.create(snap.meta, ReplayOptions(force_emulation=True))
     assert inst.describe().emulated and "emulation requested" in inst.describe().notes[0]

@@ -10,6 +10,7 @@ import torch
 from kvdbg.ts import contract
 from kvdbg.backends.base import ReplayOptions
 from kvdbg.backends import flashinfer_ts as ts
+from kvdbg.backends.flashinfer_ts import gate as ts_gate
 from kvdbg.snapshot.cache import working_cache
 from kvdbg.snapshot.layout import split_kv
 from kvdbg.judge.compare import default_tolerance
@@ -386,8 +387,8 @@ def _run_real(monkeypatch, version, wrapper_cls):
         made.append(wrapper_cls(kv_layout))
         return made[-1]
 
-    monkeypatch.setattr(ts, "_import_prims_ts", lambda: (factory, version))
-    monkeypatch.setattr(ts, "_probe_device", lambda device: ((10, 0), None))
+    monkeypatch.setattr(ts_gate, "_import_prims_ts", lambda: (factory, version))
+    monkeypatch.setattr(ts_gate, "_probe_device", lambda device: ((10, 0), None))
     gate = ts.kernel_gate("cuda")
     assert gate.available
     snap = synth_snapshot(SynthSpec(seq_lens=(40, 77), query_len=2, causal=False, num_heads=4, num_kv_heads=2,
@@ -434,7 +435,7 @@ def test_unknown_newer_version_uses_the_newest_mapping_and_says_so(monkeypatch):
 
 
 def test_0_7_0_post1_refusal_names_its_compact_stride_requirement(monkeypatch):
-    monkeypatch.setattr(ts, "_import_prims_ts", lambda: (object, "0.7.0.post1"))
+    monkeypatch.setattr(ts_gate, "_import_prims_ts", lambda: (object, "0.7.0.post1"))
     gate = ts.kernel_gate("cpu")
     assert not gate.available and "0.7.0.post1 is too old" in gate.reason
     assert "compact" in gate.reason and "2*D" in gate.reason

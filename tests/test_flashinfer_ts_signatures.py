@@ -22,6 +22,7 @@ import flashinfer  # noqa: E402
 
 from kvdbg.backends.base import ReplayOptions  # noqa: E402
 from kvdbg.backends import flashinfer_ts as ts  # noqa: E402
+from kvdbg.backends.flashinfer_ts import gate as ts_gate  # noqa: E402
 from kvdbg.snapshot.cache import working_cache  # noqa: E402
 from kvdbg.replayer.runner import common_metadata  # noqa: E402
 from kvdbg.moves.synth import SynthSpec, synth_snapshot  # noqa: E402
@@ -53,8 +54,8 @@ def _recorded_calls(monkeypatch, spec_kwargs):
 
         return types.SimpleNamespace(plan=plan, run=run)
 
-    monkeypatch.setattr(ts, "_import_prims_ts", lambda: (make, flashinfer.__version__))
-    monkeypatch.setattr(ts, "_probe_device", lambda device: ((10, 0), None))
+    monkeypatch.setattr(ts_gate, "_import_prims_ts", lambda: (make, flashinfer.__version__))
+    monkeypatch.setattr(ts_gate, "_probe_device", lambda device: ((10, 0), None))
     gate = ts.kernel_gate("cuda")
     assert gate.available, gate.reason
     snap = synth_snapshot(SynthSpec(num_heads=4, num_kv_heads=2, head_size=64, page_size=16, **spec_kwargs))

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from kvdbg.backends import flashinfer_ts as ts  # noqa: E402
-from kvdbg.backends._triton_decode import triton_decode  # noqa: E402
+from kvdbg.backends.flashinfer_ts.triton_decode import triton_decode  # noqa: E402
 from kvdbg.snapshot.layout import split_kv  # noqa: E402
 from kvdbg.snapshot.format import LAYOUT_VLLM  # noqa: E402
 
