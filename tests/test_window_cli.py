@@ -207,3 +207,34 @@ def test_lengths_replay_refuses_are_refused_here_too(tmp_path):
             res = CliRunner().invoke(cli, command)
             assert res.exit_code == 2 and message in res.output and len(res.output.strip().splitlines()) == 1, \
                 (command, res.output)
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_a_table_naming_a_page_that_is_not_stored_is_refused_as_replay_refuses_it(tmp_path, step):
+    """Issue 44: window said PASS (exit 0) on a file whose live block-table entry names a page the file does not
+    store, which replay refuses (exit 2). Both hold the file to kvdbg.snapshot.rules now: same line, exit 2;
+    every step, as a replay loads them all (window analyses step 0)."""
+    from kvdbg import open_snapshot
+    from kvdbg.snapshot.format import read_index_tensor
+    from tests.nan_snapshot import with_index_entry
+    from tests.helpers import FIXTURES
+
+    header = open_snapshot(f"{FIXTURES}/prefix_page0.safetensors")
+    assert 12 not in read_index_tensor(header, "page_ids") and 12 < header.meta.backend.num_gpu_blocks
+    # Request 0 (100 tokens, then 101: live columns 0..6) reads engine page 12 at column 2.
+    path = with_index_entry(tmp_path / "unstored.safetensors", f"step.{step}.block_table", 2, 12)
+    message = f"Error: {path}: step.{step}.block_table[0, 2] = 12 is not among the 21 stored pages (page_ids)"
+    for command in (["window", path], ["window", path, "--picture"], ["replay", path]):
+        res = CliRunner().invoke(cli, command)
+        assert res.exit_code == 2 and res.output.strip() == message, (command, res.output)
+    # Still without torch: the rule is plain Python over the index tensors.
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['kvdbg', 'window', {path!r}]\n"
+            "try:\n"
+            "    runpy.run_module('kvdbg', run_name='__main__')\n"
+            "except SystemExit as exc:\n"
+            "    print('EXIT', exc.code)\n"
+            "print('HEAVY', [m for m in ('torch', 'numpy', 'safetensors') if m in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-2:] == ["EXIT 2", "HEAVY []"], out
+    assert out.stderr.strip() == message

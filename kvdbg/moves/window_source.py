@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
+from array import array
 from dataclasses import asdict, dataclass
 
 from kvdbg.errors import OptionError, SnapshotError
-from kvdbg.snapshot.format import CROSS_ATTN_TYPE, read_header, read_index_tensor
+from kvdbg.snapshot import rules
+from kvdbg.snapshot.format import LAYER_VALUE_TENSORS, read_header, read_index_tensor
+from kvdbg.snapshot.rules import StepValues
 from kvdbg.ts.window import ts_batch_not_run
 
 
@@ -40,8 +44,9 @@ class WindowSource:
 def window_source(path: str | os.PathLike, step: int | None = None, request: int | None = None) -> WindowSource:
     """Read one request of one step (default: step 0, the longest request) from ``path``'s header and lengths.
 
-    Only the header and the step's ``seq_lens`` and ``query_start_loc`` are read,
-    with the standard library: no KV page is touched and torch is never imported.
+    Only the header and the index tensors (page ids, every step's block table, lengths and slots) are read,
+    with the standard library: no KV page is touched and torch is never imported. The file is held to the
+    rules a replay loads it under (kvdbg.snapshot.rules): what a replay refuses is refused here, in its words.
     """
     header = read_header(path)
     meta = header.meta
@@ -54,7 +59,7 @@ def window_source(path: str | os.PathLike, step: int | None = None, request: int
     starts = read_index_tensor(header, prefix + "query_start_loc")
     if not seq_lens:
         raise OptionError(f"step {step} of the snapshot has no request")
-    _check_lengths(header, prefix, seq_lens, starts)
+    _check_values(header)
     longest = request is None
     if request is None:
         request = max(range(len(seq_lens)), key=lambda r: (seq_lens[r], -r))
@@ -68,38 +73,45 @@ def window_source(path: str | os.PathLike, step: int | None = None, request: int
         not_applicable=_not_applicable(header, prefix, starts), non_uniform=_non_uniform(starts))
 
 
-def _check_lengths(header, prefix: str, seq_lens: list[int], starts: list[int]) -> None:
-    """The rules `kvdbg replay` holds this step's lengths to (kvdbg.snapshot.store's validation), in plain Python:
-    window reads no page, but it never analyses lengths a replay would refuse as bad input."""
+def _check_values(header) -> None:
+    """Hold the file to the rules `kvdbg replay` loads it under (kvdbg.snapshot.rules, shared with
+    kvdbg.snapshot.store's validation), over every step as a replay does, from the index tensors alone: window
+    reads no page, but it never analyses a file a replay would refuse as bad input, and says why in the same
+    words (the path first, as load_snapshot says it)."""
     meta = header.meta
-    ps, max_model_len = meta.backend.page_size, meta.backend.max_model_len
-    table = header.tensors[prefix + "block_table"]
-    width = table.shape[1] if len(table.shape) == 2 else 0
-    query = header.tensors.get(prefix + "query")
-    for r, length in enumerate(seq_lens):
-        if length < 0:
-            raise SnapshotError(f"{prefix}seq_lens[{r}] = {length} is negative")
-        if length > width * ps:
-            raise SnapshotError(f"{prefix}seq_lens[{r}] = {length} needs {-(-length // ps)} pages of {ps} tokens, "
-                                f"but {prefix}block_table has only {width} columns")
-        if length > max_model_len:
-            raise SnapshotError(f"{prefix}seq_lens[{r}] = {length} exceeds backend.max_model_len ({max_model_len})")
-    if len(starts) != len(seq_lens) + 1:
-        raise SnapshotError(f"{prefix}query_start_loc has {len(starts)} entries, expected {len(seq_lens) + 1}")
-    if starts[0] != 0:
-        raise SnapshotError(f"{prefix}query_start_loc[0] = {starts[0]}, expected 0")
-    for r in range(len(seq_lens)):
-        if starts[r + 1] < starts[r]:
-            raise SnapshotError(f"{prefix}query_start_loc decreases at index {r + 1} ({starts[r]} -> "
-                                f"{starts[r + 1]})")
-    tokens = query.shape[0] if query is not None and query.shape else 0
-    if starts[-1] != tokens:
-        raise SnapshotError(f"{prefix}query_start_loc[-1] = {starts[-1]} but {prefix}query has {tokens} tokens")
-    if meta.layer.attn_type != CROSS_ATTN_TYPE:
-        for r, length in enumerate(seq_lens):
-            if starts[r + 1] - starts[r] > length:
-                raise SnapshotError(f"{prefix}seq_lens[{r}] = {length} is shorter than the request's "
-                                    f"{starts[r + 1] - starts[r]} query tokens")
+    steps = []
+    for step in range(meta.num_steps):
+        prefix = meta.step_prefix(step)
+        table = header.tensors[prefix + "block_table"]
+        query = header.tensors[prefix + "query"]
+        steps.append(StepValues(
+            block_table=read_index_tensor(header, prefix + "block_table"),
+            width=table.shape[1] if len(table.shape) == 2 else 0,
+            seq_lens=read_index_tensor(header, prefix + "seq_lens"),
+            query_start_loc=read_index_tensor(header, prefix + "query_start_loc"),
+            num_tokens=query.shape[0] if query.shape else 0,
+            slot_mapping=read_index_tensor(header, prefix + "slot_mapping")
+            if prefix + "slot_mapping" in header.tensors else None))
+    try:
+        rules.check_values(meta, read_index_tensor(header, "page_ids"), steps)
+        rules.check_layer_values({name: _read_float32(header, name) for name in LAYER_VALUE_TENSORS
+                                  if name in header.tensors})
+    except SnapshotError as exc:
+        raise SnapshotError(f"{header.path}: {exc}") from None
+
+
+def _read_float32(header, name: str) -> list[float]:
+    """A small float32 tensor (the layer's sinks or ALiBi slopes: one value per head), with the standard library."""
+    entry = header.tensors[name]
+    values = array("f")
+    if values.itemsize * entry.numel != entry.nbytes:
+        raise SnapshotError(f"tensor {name!r}: cannot read {entry.dtype} on this platform")
+    with open(header.path, "rb") as fh:
+        fh.seek(header.data_start + entry.begin)
+        values.frombytes(fh.read(entry.nbytes))
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()
 
 
 def _not_applicable(header, prefix: str, starts: list[int]) -> str | None:

@@ -1,7 +1,8 @@
-"""The snapshot model: the file format and its checks (``format``, no torch), the K/V layouts of the
-page tensor (``layout``), loading and saving (``store``), the working cache a replay writes into
-(``cache``), page maps (``pagemap``), tensor-parallel ranks and their merge (``ranks``, ``merge``), the
-header summary (``info``).
+"""The snapshot model: the file format and its checks (``format``, no torch), the value rules of ids,
+lengths and layer values (``rules``, no torch: ``store`` validates with them, and so does `kvdbg window
+SNAP`), the K/V layouts of the page tensor (``layout``), loading and saving (``store``), the working cache
+a replay writes into (``cache``), page maps (``pagemap``), tensor-parallel ranks and their merge (``ranks``,
+``merge``), the header summary (``info``).
 
 May import :mod:`kvdbg.errors`, :mod:`kvdbg.util`, :mod:`kvdbg.judge`, :mod:`kvdbg.ts`.
 

@@ -17,10 +17,10 @@ import torch
 from kvdbg.util.atomic import TEMP_PREFIX, atomic_write
 from kvdbg.snapshot.layout import kv_views, page_dim, stored_index
 from kvdbg.errors import OptionError, SnapshotError
+from kvdbg.snapshot import rules
+from kvdbg.snapshot.rules import StepValues
 from kvdbg.snapshot.format import (
-    CROSS_ATTN_TYPE,
     DTYPE_TO_ST,
-    ENCODER_SELF_ATTN_TYPES,
     FORMAT_KEY,
     LAYER_VALUE_TENSORS,
     format_version,
@@ -212,185 +212,26 @@ def _entries(tensors: dict[str, torch.Tensor]) -> dict[str, TensorEntry]:
     return out
 
 
-def _first_index(mask: torch.Tensor) -> tuple[int, ...]:
-    return tuple(int(i) for i in mask.nonzero()[0])
-
-
 def check_values(meta: SnapshotMeta, page_ids: torch.Tensor, steps: list[Step]) -> None:
-    """Check ids, lengths and offsets; raise SnapshotError naming the first bad entry."""
-    backend = meta.backend
-    ps, total = backend.page_size, backend.num_gpu_blocks
-    ids = page_ids.to(torch.int64)
-    if len(ids):
-        bad = (ids < 0) | (ids >= total)
-        if bad.any():
-            (i,) = _first_index(bad)
-            raise SnapshotError(
-                f"page_ids[{i}] = {int(ids[i])} is outside the engine's cache of {total} pages "
-                "(backend.num_gpu_blocks)"
-            )
-        uniq = torch.unique(ids)
-        if len(uniq) != len(ids):
-            sorted_ids, _ = torch.sort(ids)
-            dup = int(sorted_ids[1:][sorted_ids[1:] == sorted_ids[:-1]][0])
-            raise SnapshotError(f"page_ids lists page {dup} more than once")
-    for step_no, step in enumerate(steps):
-        prefix = meta.step_prefix(step_no)
-        bt = step.block_table.to(torch.int64)
-        sl = step.seq_lens.to(torch.int64)
-        qsl = step.query_start_loc.to(torch.int64)
-        width = bt.shape[1]
-        if len(sl) and (sl < 0).any():
-            (r,) = _first_index(sl < 0)
-            raise SnapshotError(f"{prefix}seq_lens[{r}] = {int(sl[r])} is negative")
-        too_long = sl > width * ps
-        if too_long.any():
-            (r,) = _first_index(too_long)
-            need = (int(sl[r]) + ps - 1) // ps
-            raise SnapshotError(
-                f"{prefix}seq_lens[{r}] = {int(sl[r])} needs {need} pages of {ps} tokens, "
-                f"but {prefix}block_table has only {width} columns"
-            )
-        over_model = sl > backend.max_model_len
-        if over_model.any():
-            (r,) = _first_index(over_model)
-            raise SnapshotError(
-                f"{prefix}seq_lens[{r}] = {int(sl[r])} exceeds backend.max_model_len ({backend.max_model_len})"
-            )
-        if int(qsl[0]) != 0:
-            raise SnapshotError(f"{prefix}query_start_loc[0] = {int(qsl[0])}, expected 0")
-        steps_back = qsl[1:] < qsl[:-1]
-        if steps_back.any():
-            (r,) = _first_index(steps_back)
-            raise SnapshotError(
-                f"{prefix}query_start_loc decreases at index {r + 1} ({int(qsl[r])} -> {int(qsl[r + 1])})"
-            )
-        if int(qsl[-1]) != step.num_tokens:
-            raise SnapshotError(
-                f"{prefix}query_start_loc[-1] = {int(qsl[-1])} but {prefix}query has {step.num_tokens} tokens"
-            )
-        qlens = qsl[1:] - qsl[:-1]
-        attn_type = meta.layer.attn_type
-        # Cross-attention queries (decoder tokens) attend to the encoder's keys: as many or as few as there are.
-        short = qlens > sl if attn_type != CROSS_ATTN_TYPE else torch.zeros_like(sl, dtype=torch.bool)
-        if short.any():
-            (r,) = _first_index(short)
-            raise SnapshotError(
-                f"{prefix}seq_lens[{r}] = {int(sl[r])} is shorter than the request's {int(qlens[r])} query tokens"
-            )
-        if attn_type in ENCODER_SELF_ATTN_TYPES:
-            context = sl != qlens
-            if context.any():
-                (r,) = _first_index(context)
-                raise SnapshotError(
-                    f"{prefix}seq_lens[{r}] = {int(sl[r])} but the request has {int(qlens[r])} query tokens: "
-                    f"layer.attn_type {attn_type!r} attends over the step's own tokens only, so they must be equal"
-                )
-        if bt.numel():
-            outside = (bt < 0) | (bt >= total)
-            if outside.any():
-                r, c = _first_index(outside)
-                raise SnapshotError(
-                    f"{prefix}block_table[{r}, {c}] = {int(bt[r, c])} is outside the engine's cache of "
-                    f"{total} pages (backend.num_gpu_blocks)"
-                )
-            live = live_mask(bt, sl, ps)
-            missing = live & (stored_index(ids, bt) < 0)
-            if missing.any():
-                r, c = _first_index(missing)
-                raise SnapshotError(
-                    f"{prefix}block_table[{r}, {c}] = {int(bt[r, c])} is not among the {len(ids)} "
-                    "stored pages (page_ids)"
-                )
-            _check_reads_within_stored(meta, prefix, bt, sl, qlens, live, len(ids))
-        if step.slot_mapping is not None:
-            slots = step.slot_mapping.to(torch.int64)
-            bad = (slots < -1) | (slots >= total * ps)
-            if bad.any():
-                (t,) = _first_index(bad)
-                raise SnapshotError(
-                    f"{prefix}slot_mapping[{t}] = {int(slots[t])} is outside the engine's cache of "
-                    f"{total * ps} slots"
-                )
-            pages = slots // ps
-            missing = (slots >= 0) & (stored_index(ids, pages) < 0)
-            if missing.any():
-                (t,) = _first_index(missing)
-                raise SnapshotError(
-                    f"{prefix}slot_mapping[{t}] = {int(slots[t])} writes page {int(pages[t])}, which is not "
-                    "among the stored pages (page_ids)"
-                )
+    """Check ids, lengths and offsets; raise SnapshotError naming the first bad entry.
 
-
-def pages_before_window(layer, seq_lens: torch.Tensor, query_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[num_reqs] how many leading pages of each request hold only keys outside every query token's window.
-
-    ::
-
-        keys    0 ........ first ............... L-q ...... L-1
-        pages   [ 0 ][ 0 ][ 0 ][ 7 ][ 3 ][ 9 ][ 4 ]
-                 <- before ->   window of the first query token p = L-q
-
-    The first query token sees keys from ``first = L - q - w + 1`` on (from its chunk's
-    ``lookback``-th predecessor with chunk_lookback); later tokens see less of the past. vLLM's
-    sliding-window managers free those pages and put the null block (engine page 0) in their entries,
-    so one page legitimately fills all of them. 0 without a window.
+    The rules are kvdbg.snapshot.rules' (plain Python, shared with `kvdbg window SNAP`, which holds a file
+    to them without torch); here the index tensors are handed over as lists.
     """
-    lengths = seq_lens.to(torch.int64)
-    if layer.sliding_window is None:
-        return torch.zeros_like(lengths)
-    first_query = lengths - query_lens.to(torch.int64)
-    if layer.chunk_lookback is not None:
-        chunk = layer.sliding_window // (layer.chunk_lookback + 1)
-        first_key = (torch.div(first_query, chunk, rounding_mode="floor") - layer.chunk_lookback) * chunk
-    else:
-        first_key = first_query - layer.sliding_window + 1
-    return first_key.clamp(min=0) // page_size
-
-
-# A request's live entries past its window name distinct pages in vLLM, all of them stored. An engine bug may
-# map a page again (a finding for `kvdbg map` and replay, never refused for that alone); the entries beyond the
-# stored pages are allowed up to what replaying them would cost at most (K and V in float64), so that a file of
-# a few MB mapping one page a million times cannot ask a replay for gigabytes.
-REPEATED_READS_BYTES = 2 * 1024**3
-
-
-def _check_reads_within_stored(meta: SnapshotMeta, prefix: str, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                               query_lens: torch.Tensor, live: torch.Tensor, num_stored: int) -> None:
-    """Refuse a table whose requests read far more pages than the snapshot stores (see REPEATED_READS_BYTES).
-
-    Pages shared between requests (prefix caching) count once per request, and the entries before a
-    sliding window (the null block, or a freed page since reused) are not counted.
-    """
-    layer = meta.layer
-    cols = torch.arange(block_table.shape[1], device=block_table.device).unsqueeze(0)
-    counted = live & (cols >= pages_before_window(layer, seq_lens, query_lens, meta.backend.page_size).unsqueeze(1))
-    if layer.rswa_window is not None:
-        # R-SWA frees the pages between each request's visible prefix and its window; the prefix
-        # lengths are not stored, so any null-block entry may be one of those.
-        counted &= block_table != 0
-    reads = counted.sum(dim=1)
-    beyond = (reads - num_stored).clamp(min=0)
-    token_bytes = 2 * layer.num_kv_heads * layer.head_size * 8
-    cost = int(beyond.sum()) * meta.backend.page_size * token_bytes
-    if cost > REPEATED_READS_BYTES:
-        (r,) = _first_index(beyond > 0)
-        raise SnapshotError(
-            f"{prefix}block_table[{r}] maps {int(reads[r])} live pages (seq_lens[{r}] = {int(seq_lens[r])}) "
-            f"but page_ids stores only {num_stored}: its requests map stored pages again so often that replaying "
-            f"them would take over {REPEATED_READS_BYTES // 1024**3} GiB; a request's pages are its own blocks in "
-            "vLLM, so the table is not one it gives"
-        )
+    plain = []
+    for step in steps:
+        table = step.block_table
+        plain.append(StepValues(
+            block_table=table.reshape(-1).tolist(), width=int(table.shape[1]) if table.dim() == 2 else 0,
+            seq_lens=step.seq_lens.tolist(), query_start_loc=step.query_start_loc.tolist(),
+            num_tokens=step.num_tokens,
+            slot_mapping=None if step.slot_mapping is None else step.slot_mapping.reshape(-1).tolist()))
+    rules.check_values(meta, page_ids.reshape(-1).tolist(), plain)
 
 
 def check_layer_values(meta: SnapshotMeta, tensors: dict[str, torch.Tensor]) -> None:
-    """The layer's value tensors (``sinks``, ``alibi_slopes``) hold finite numbers; SnapshotError naming the entry."""
-    for name, values in tensors.items():
-        bad = ~torch.isfinite(values.to(torch.float64))
-        if bad.any():
-            (h,) = _first_index(bad)
-            raise SnapshotError(f"tensor {name!r}[{h}] = {float(values[h])} is not finite (one value per query "
-                                f"head; meta field layer.{LAYER_VALUE_TENSORS[name]})")
+    """The layer's value tensors (``sinks``, ``alibi_slopes``) hold finite numbers (kvdbg.snapshot.rules)."""
+    rules.check_layer_values({name: values.to(torch.float64).reshape(-1).tolist() for name, values in tensors.items()})
 
 
 def validate(snapshot: Snapshot) -> None:
