@@ -44,3 +44,12 @@ def _wide_output(monkeypatch):
     and 120 columns is tested in test_render_width.py.
     """
     monkeypatch.setenv("COLUMNS", "120")
+
+
+@pytest.fixture(scope="session")
+def nan_k_snapshot(tmp_path_factory):
+    """fixtures/prefix_page0 with one NaN in a live K slot (key 53 of request 0, KV head 0): made once per
+    session (tests/nan_snapshot.py says where and why)."""
+    from tests.nan_snapshot import nan_in_live_k
+
+    return nan_in_live_k(tmp_path_factory.mktemp("nan_k") / "nan_k.safetensors")

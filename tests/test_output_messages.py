@@ -321,3 +321,35 @@ def test_report_svg_writes_the_pictures_and_their_pngs(tmp_path):
         "window.png", "window.svg"]
     assert all((tmp_path / "svg" / f"{stem}.png").read_bytes()[:4] == b"\x89PNG"
                for stem in ("attention", "errors", "window"))
+
+
+# --------------------------------------------------------------------------- issue 44: a required -o
+
+
+def _commands_with_required_output() -> list[str]:
+    """Every command whose -o (kvdbg.cli.common.output_option) is required, read from the commands themselves."""
+    import click
+
+    from kvdbg.cli import COMMANDS
+
+    names = []
+    for name in sorted(COMMANDS):
+        command = cli.get_command(None, name)
+        if any(isinstance(p, click.Option) and p.name == "output" and p.required for p in command.params):
+            names.append(name)
+    return names
+
+
+def test_shrink_and_merge_are_the_commands_whose_output_is_required():
+    assert _commands_with_required_output() == ["merge", "shrink"]
+
+
+@pytest.mark.parametrize("command", _commands_with_required_output())
+def test_a_required_output_left_out_is_a_one_line_usage_error(command, tmp_path):
+    """Issue 44: click 8.3 took output_option's default=None for a value, so `shrink SNAP` ran on with no
+    path and died in check_output (TypeError traceback, exit 1)."""
+    snap = tmp_path / "in.safetensors"
+    shutil.copy(FIXTURES / "causal_gqa.safetensors", snap)
+    line = one_line_error(invoke(command, snap))
+    assert line == "Error: Missing option '-o' / '--output'."
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]  # nothing written

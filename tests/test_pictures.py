@@ -184,3 +184,47 @@ def test_attention_options_and_files(tmp_path):
         "Error: --token 5 is out of range: request 0 has 1 query token(s)")
     res = run("attention", PAGE0, "--head", "0-3")
     assert res.exit_code == 2 and "give one index" in res.output
+
+
+# --------------------------------------------------------------------------- issue 44: NaN in a live K slot
+
+
+def test_attention_draws_a_nan_key_and_never_passes(nan_k_snapshot, tmp_path):
+    """Issue 44: one NaN in a K slot request 0 reads crashed `kvdbg attention` (with or without --svg/--png) in
+    the renderer (ValueError: cannot convert float NaN to integer) and wrote no file. It draws now: the key is
+    named, its weights show as N (text) and crossed-out dark bars (SVG/PNG), and the verdict fails."""
+    from tests.nan_snapshot import NAN_KEY
+
+    svg, png = tmp_path / "nan.svg", tmp_path / "nan.png"
+    res = run("attention", nan_k_snapshot, "--svg", svg, "--png", png)
+    assert res.exit_code == 1, res.output
+    lines = res.output.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    text = " ".join(res.output.split())
+    # The default is the worst failing head: a head of KV head 0 in request 0, whose output is NaN.
+    assert "step 0, request 0, head 0 (kv head 0)" in text
+    assert f"NaN/Inf in K at key {NAN_KEY}: read by reference, flex (its weights are NaN)" in text
+    assert "NaN, as its output" in text  # Σw·v is NaN, and so is the output each backend wrote
+    assert any(set(line.split(maxsplit=1)[-1]) == {"N"} for line in lines if line.startswith("flex "))
+    assert text.endswith(f"FAIL: request 0, head 0, token 0 of step 0: reference attends key {NAN_KEY} whose K "
+                         f"holds NaN/Inf: its weights are NaN; flex attends key {NAN_KEY} whose K holds NaN/Inf: its "
+                         "weights are NaN (exit 1)")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    root = ET.parse(svg).getroot()
+    svg_words = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
+    assert f"NaN/Inf in K at key {NAN_KEY}" in svg_words
+    assert 'fill="#67000d"' in svg.read_text()  # the NaN bars, in the error map's NaN colour
+
+    data = json.loads(run("attention", nan_k_snapshot, "--json").output)
+    assert data["verdict"]["status"] == "fail" and data["nonfinite_k_keys"] == [[NAN_KEY, NAN_KEY + 1]]
+    for column in data["columns"]:
+        assert column["nonfinite_k_keys_read"] == [NAN_KEY] and column["nonfinite_k_count"] == 1
+        assert all(w is None for w in column["weights"])  # NaN weights: null in strict JSON, never 0
+
+
+def test_attention_on_a_head_that_does_not_read_the_nan_passes(nan_k_snapshot):
+    """KV head 1 (query heads 4..7) holds no NaN: its picture is the clean one, and the NaN is not blamed on it."""
+    res = run("attention", nan_k_snapshot, "--step", "0", "--request", "0", "--head", "4", "--token", "0")
+    assert res.exit_code == 0, res.output
+    assert "NaN" not in res.output and res.output.rstrip().endswith("(exit 0)")
+    assert "PASS: request 0, head 4, token 0 of step 0" in " ".join(res.output.split())

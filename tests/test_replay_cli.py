@@ -193,3 +193,41 @@ def test_a_backend_that_chose_its_kernel_per_step_says_so_for_each():
     mixed = steps_run_info([(0, compiled), (1, eager)])
     assert not mixed.compiled and not mixed.emulated  # compiled only when every step was
     assert steps_run_info([(0, compiled), (1, compiled)]).compiled
+
+
+# --------------------------------------------------------------------------- issue 44
+
+
+def test_a_fail_states_its_failing_heads_error_never_a_passing_heads(tmp_path):
+    """Issue 44: on ts_causal_window, flashinfer_ts's 4 failing heads are unwritten (no finite error), yet the
+    FAIL title read `FAIL: 4 of 12 heads (max abs 1.79e-03, 1024 unwritten)`: the error of a passing head. The
+    title, the error map's summary and the `replay DIR` row now take the error from the failing heads, and say
+    when those have none."""
+    import shutil
+
+    from tests.helpers import FIXTURES
+
+    path = f"{FIXTURES}/ts_causal_window.safetensors"
+    res = CliRunner().invoke(cli, ["replay", path, "--picture"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert res.exit_code == 1
+    text = " ".join(res.output.split())
+    assert ("step 0: flashinfer_ts vs reference — FAIL: 4 of 12 heads (failing heads: no finite error, "
+            "1024 unwritten)") in text
+    assert "flashinfer_ts vs reference, step 0: 4 of 12 heads fail, failing heads: no finite error" in text
+    # A passing comparison keeps its number.
+    assert "step 0: flex vs reference — PASS (max abs " in text
+
+    data = json.loads(invoke(path, "--json").output)
+    (comp,) = [c for c in data["comparisons"] if c["actual"] == "flashinfer_ts"]
+    assert comp["failed_max_abs"] is None and comp["max_abs"] == pytest.approx(1.79e-3, rel=0.05)
+
+    # `replay DIR`: the file's row is its worst comparison, with the failing heads' error (none: null, "nan").
+    folder = tmp_path / "snaps"
+    folder.mkdir()
+    shutil.copy(path, folder / "ts.safetensors")
+    shutil.copy(f"{FIXTURES}/causal_gqa.safetensors", folder / "gqa.safetensors")
+    files = {f["path"].rsplit("/", 1)[-1]: f for f in json.loads(invoke(str(folder), "--json").output)["files"]}
+    worst = files["ts.safetensors"]["worst"]
+    assert (worst["actual"], worst["passed"], worst["failed_heads"], worst["max_abs"]) == \
+        ("flashinfer_ts", False, 4, None)
+    assert files["gqa.safetensors"]["worst"]["passed"] and files["gqa.safetensors"]["worst"]["max_abs"] > 0

@@ -72,7 +72,9 @@ def test_failing_snapshot_report_tables_digest_and_exit_1(make_snapshot, tmp_pat
     out = tmp_path / "report.md"
     res = invoke(path, "--backend", "flex", "-o", str(out))
     assert res.exit_code == 1, res.output
-    assert res.output == ""  # the document went to the file
+    # The document went to the file; the terminal gets where, and the verdict line (issue 44).
+    assert " ".join(res.output.split()).startswith("report written to ")
+    assert " ".join(res.output.split()).endswith("(exit 1)") and "#" not in res.output
     doc = parse(out.read_text())
     assert doc["headings"][1:] == ["Environment", "Snapshot", "Step 0: 3 requests, 3 query tokens, table width 7",
                                    "Step 1: 3 requests, 3 query tokens, table width 7", "Paging and window",
@@ -275,3 +277,47 @@ def test_the_reproducing_command_gives_the_reports_verdict(make_snapshot):
     assert command == f"kvdbg replay {os.path.basename(path)}"
     replayed = CliRunner().invoke(cli, ["replay", path])
     assert replayed.exit_code == res.exit_code and "what-if column(s) flashinfer_ts fail" in replayed.output
+
+
+# --------------------------------------------------------------------------- issue 44
+
+
+def test_report_to_files_ends_on_its_verdict_line(tmp_path, monkeypatch):
+    """Issue 44: `report SNAP -o r.md --html r.html` printed nothing and exited 1; it says what it found now."""
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(cli, ["report", os.path.join(FIXTURES, "prefix_page0.safetensors"), "-o", "r.md",
+                                   "--html", "r.html"], env={"COLUMNS": "80", "NO_COLOR": "1"})
+    assert res.exit_code == 1, res.output
+    lines = res.output.splitlines()
+    assert lines[0] == "report written to r.md, r.html" and max(len(line) for line in lines) <= 80
+    assert " ".join(" ".join(lines[1:]).split()) == (
+        "FAIL: 2 of 2 comparison(s) failed (flex vs reference); 2 error finding(s) (live_page_zero) (exit 1)")
+    assert (tmp_path / "r.md").read_text().rstrip().splitlines()[-1].startswith(
+        "**Verdict:** FAIL: 2 of 2 comparison(s)")
+    assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_report_html_draws_a_nan_key(nan_k_snapshot, tmp_path):
+    """Issue 44: NaN in a live K slot crashed `report --html` in the attention picture; no file was written."""
+    from tests.nan_snapshot import NAN_KEY
+
+    page = tmp_path / "nan.html"
+    res = invoke(nan_k_snapshot, "-o", str(tmp_path / "nan.md"), "--html", str(page))
+    assert res.exit_code == 1, res.output
+    html = page.read_text()
+    assert '<figure id="attention-picture"><svg' in html
+    assert f"NaN/Inf in K at key {NAN_KEY}" in html
+    assert "nonfinite_kv" in (tmp_path / "nan.md").read_text()
+    assert "FAIL" in res.output.splitlines()[-1] and "PASS" not in res.output
+
+
+def test_a_failing_backend_row_states_its_failing_heads_error():
+    """Issue 44: flashinfer_ts's 4 failing heads on ts_causal_window are unwritten (no finite error); its row
+    quoted the largest error of a passing head (1.79e-03) as the FAIL's max abs."""
+    res = invoke(os.path.join(FIXTURES, "ts_causal_window.safetensors"))
+    assert res.exit_code == 1
+    row = dict(zip(REPLAY_HEADERS, next(r for r in table_with(parse(res.output), REPLAY_HEADERS)["rows"]
+                                        if r[0] == "flashinfer_ts")))
+    assert row["vs reference"] == "FAIL (4 of 12 heads)" and row["max abs"] == "no finite error"
+    flex = next(r for r in table_with(parse(res.output), REPLAY_HEADERS)["rows"] if r[0] == "flex")
+    assert flex[4].startswith("pass") and 1e-4 < float(flex[5]) < 1.6e-2  # a passing row keeps its number

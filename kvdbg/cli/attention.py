@@ -43,8 +43,12 @@ def attention(snapshot, step, request, head, token, backend, device, svg_path, p
     Without --step/--request/--head/--token, the snapshot is replayed and the
     worst failing head (else the worst head) and its worst token are shown.
 
-    Exit 1 when a column gives weight outside the exact mask or skips keys the
-    reference weights, or its weights do not reproduce its output; else 0.
+    A key whose K or V holds NaN/Inf is listed, marked N in the picture, and
+    named for every column that reads it (its weights, or its Σw·v, are NaN).
+
+    Exit 1 when a column reads a key holding NaN/Inf, gives weight outside the
+    exact mask or skips keys the reference weights, or its weights do not
+    reproduce its output; else 0.
 
     \b
     Examples:
@@ -74,23 +78,47 @@ def attention(snapshot, step, request, head, token, backend, device, svg_path, p
 
 
 def attention_verdict(picture):
-    """FAIL when a column weights keys outside the exact mask, skips exact keys, or does not reproduce its output."""
+    """FAIL when a column reads a key holding NaN/Inf, weights keys outside the exact mask, skips exact keys, or
+    does not reproduce its output. A NaN mass is a share of unknown size, never "none": it fails as well."""
     from kvdbg.cli.common import simple_verdict
     from kvdbg.judge.verdict import EXIT_FINDING, EXIT_OK
 
+    def some(mass: float, count: int) -> bool:
+        return mass > 0 or (mass != mass and count > 0)
+
+    def share(mass: float) -> str:
+        return "a NaN share" if mass != mass else f"{mass:.2e}"
+
     problems = []
+    if picture.query_nonfinite:
+        problems.append("the query token holds NaN/Inf: every logit is NaN")
     for c in picture.columns:
         if c.weights is None:
             continue
-        if c.forbidden_mass > 0:
-            problems.append(f"{c.backend} gives {c.forbidden_mass:.2e} of its weight to {c.forbidden_count} key(s) "
+        if c.nonfinite_k_count:
+            problems.append(f"{c.backend} attends {_keys(c.nonfinite_k_read, c.nonfinite_k_count)} whose K holds "
+                            "NaN/Inf: its weights are NaN")
+        if c.nonfinite_v_count:
+            problems.append(f"{c.backend} attends {_keys(c.nonfinite_v_read, c.nonfinite_v_count)} whose V holds "
+                            "NaN/Inf: its Σw·v is NaN")
+        if some(c.forbidden_mass, c.forbidden_count):
+            problems.append(f"{c.backend} gives {share(c.forbidden_mass)} of its weight to {c.forbidden_count} key(s) "
                             "outside the exact mask")
-        if c.missed_mass > 0:
-            problems.append(f"{c.backend} skips {c.missed_count} key(s) holding {c.missed_mass:.2e} of the "
+        if some(c.missed_mass, c.missed_count):
+            problems.append(f"{c.backend} skips {c.missed_count} key(s) holding {share(c.missed_mass)} of the "
                             "reference's weight")
         if c.reproduces is False:
-            problems.append(f"{c.backend}'s weights do not reproduce its output ({c.output_diff:.2e})")
+            diff = "nan" if c.output_diff is None or c.output_diff != c.output_diff else f"{c.output_diff:.2e}"
+            problems.append(f"{c.backend}'s weights do not reproduce its output ({diff})")
     where = f"request {picture.request}, head {picture.head}, token {picture.token} of step {picture.step}"
     if problems:
         return simple_verdict("fail", EXIT_FINDING, f"FAIL: {where}: " + "; ".join(problems))
     return simple_verdict("pass", EXIT_OK, f"PASS: {where}: every column weights exactly the keys of the exact mask")
+
+
+def _keys(first: list[int], count: int) -> str:
+    """``key 53`` / ``3 keys (53, 54, 60)`` / ``40 keys (53, 54, 55, 56, …)``."""
+    if count == 1 and first:
+        return f"key {first[0]}"
+    shown = ", ".join(map(str, first[:4]))
+    return f"{count} keys ({shown}{', …' if count > 4 else ''})"

@@ -357,9 +357,14 @@ def tolerance_options(of: str = ""):
 # ----------------------------------------------------------------------------- files and output
 
 def output_option(help: str, *, required: bool = False, hidden_aliases: tuple[str, ...] = ()):
-    """-o/--output: the file the command writes (written atomically; see --force)."""
+    """-o/--output: the file the command writes (written atomically; see --force).
+
+    No ``default`` is passed: click (8.3 on) counts an explicit ``default=None`` as a value given, so
+    ``required`` would never fire and the command would run with no output path. Left out, the value is
+    None when the option is absent, and a required one is click's one-line usage error (exit 2).
+    """
     return click.option("-o", "--output", *hidden_aliases, "output", cls=AliasedOption,
-                        hidden_aliases=hidden_aliases, required=required, default=None,
+                        hidden_aliases=hidden_aliases, required=required,
                         type=click.Path(dir_okay=False), metavar="FILE", help=help)
 
 

@@ -7,7 +7,8 @@ import sys
 
 import click
 
-from kvdbg.cli.common import backend_option, device_option, force_option, guarded, output_option, progress_printer
+from kvdbg.cli.common import (backend_option, console, device_option, force_option, guarded, output_option,
+                              print_verdict, progress_printer)
 from kvdbg.errors import OptionError
 
 
@@ -36,6 +37,10 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
     them), the snapshot's sha256 and summary, paging anomalies and the
     FLASHINFER_TS window restriction, the replay per backend (what ran,
     pass/fail, worst heads, findings), and the command that reproduces it.
+
+    The Markdown ends on the verdict. With -o it goes to the file, and the
+    terminal gets the files written and the verdict line, as every command
+    ends.
 
     Exit 0 when the replay is clean, 1 on a mismatch or an error finding, 2 on bad input.
 
@@ -102,11 +107,16 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
         from kvdbg.render.html import render_html
 
         write_text_atomic(html_path, render_html(result), overwrite=force)
+    verdict = result.verdict
     if output is None:
-        click.echo(text, nl=False)
+        click.echo(text, nl=False)  # the document ends on the verdict
     else:
         write_text_atomic(output, text, overwrite=force)
-    verdict = result.verdict
+        out = console()
+        written = [output] + ([html_path] if html_path is not None else []) + (
+            [svg_dir] if svg_dir is not None else [])
+        out.print(f"report written to {', '.join(written)}", style="dim")
+        print_verdict(out, verdict)
     if verdict.exit_code:
         sys.exit(verdict.exit_code)
 

@@ -125,6 +125,19 @@ class Comparison:
         return max(finite) if finite else float("nan")
 
     @property
+    def failed_max_abs(self) -> float:
+        """The largest finite error over the failing heads; NaN when none of them has an element compared."""
+        finite = [h.max_abs for h in self.failed if h.compared]
+        return max(finite) if finite else float("nan")
+
+    @property
+    def shown_max_abs(self) -> float:
+        """The error a row or title of this comparison states: a failing comparison's comes from its failing
+        heads (a passing head's error says nothing about the failure, and quoting it would make a failure whose
+        heads hold no finite number look measured); a passing one's from every head. NaN: none to state."""
+        return self.failed_max_abs if self.failed else self.max_abs
+
+    @property
     def nonfinite(self) -> int:
         """Elements not compared because a side holds no finite value there."""
         return sum(h.not_compared for h in self.heads)
@@ -142,7 +155,9 @@ class Comparison:
             "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol, "source": self.tolerance.source,
                           "rule": self.tolerance.rule},
             "passed": self.passed, "failed_heads": len(self.failed), "heads_compared": len(self.heads),
-            "max_abs": None if max_abs != max_abs else max_abs, "nonfinite": self.nonfinite, **self.counts(),
+            "max_abs": None if max_abs != max_abs else max_abs,
+            "failed_max_abs": None if not self.failed or self.failed_max_abs != self.failed_max_abs
+            else self.failed_max_abs, "nonfinite": self.nonfinite, **self.counts(),
             "heads": [h.to_json() for h in self.heads],
         }
 

@@ -80,12 +80,23 @@ class ErrorMap:
     def worst(self) -> Cell | None:
         return max(self.cells.values(), key=lambda c: c.rank, default=None)
 
+    @property
+    def failed_max_abs(self) -> float:
+        """The largest finite error over the failing cells; NaN when none of them holds one."""
+        finite = [c.max_abs for c in self.failed if c.max_abs == c.max_abs]
+        return max(finite) if finite else float("nan")
+
     def summary(self) -> str:
         steps = _steps_text(self.steps)
         failed = len(self.failed)
         verdict = f"{failed} of {len(self.cells)} heads fail" if failed else f"all {len(self.cells)} heads pass"
         what_if = "" if self.counted else " (what-if: does not set the exit code)"
-        return f"{self.title}, {steps}: {verdict}, max abs {_fmt(self.max_abs)}{what_if}"
+        # A failure's error comes from its failing heads, never from a passing one (kvdbg.judge.compare's rule).
+        if failed and self.failed_max_abs != self.failed_max_abs:
+            error = "failing heads: no finite error"
+        else:
+            error = f"max abs {_fmt(self.failed_max_abs if failed else self.max_abs)}"
+        return f"{self.title}, {steps}: {verdict}, {error}{what_if}"
 
     def to_json(self) -> dict[str, Any]:
         worst = self.worst()

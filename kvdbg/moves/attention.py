@@ -21,6 +21,11 @@ head, under the replay's own tolerance, and a column whose output the weights
 do not reproduce says so. The mass on keys the exact mask hides (weights a
 backend must not give) and the reference's mass on keys a backend skipped are
 numbers, with the keys that carry them.
+
+A key whose K holds NaN or Inf gives every column that attends to it NaN
+weights (its logit is NaN, and so is the softmax); one whose V does gives NaN
+to Σ w·v. The keys are listed, each column says which of them it reads, and
+the masses over NaN weights stay NaN: never a number that looks clean.
 """
 
 from __future__ import annotations
@@ -65,7 +70,17 @@ class ColumnWeights:
     output_allowed: float | None = None  # the replay's tolerance at the element closest to failing it
     reproduces: bool | None = None  # Σ w·v is the output the backend produced, within the replay's tolerance
     exact_output_diff: float | None = None  # max |Σ w_reference·v - the column's output|: its error at this token
+    output_nonfinite: bool = False  # Σ w·v holds NaN/Inf (reproduces then says whether the output does too)
+    nonfinite_k_read: list[int] = field(default_factory=list)  # attended keys whose K holds NaN/Inf (first ones)
+    nonfinite_v_read: list[int] = field(default_factory=list)  # attended keys whose V holds NaN/Inf (first ones)
+    nonfinite_k_count: int = 0
+    nonfinite_v_count: int = 0
     note: str = ""
+
+    @property
+    def reads_nonfinite(self) -> bool:
+        """It attends to a key holding NaN/Inf in K (its weights are NaN) or V (its Σ w·v is)."""
+        return bool(self.nonfinite_k_count or self.nonfinite_v_count)
 
     def to_json(self) -> dict[str, Any]:
         return {"backend": self.backend, "rule": self.rule, "attended": [list(x) for x in self.attended],
@@ -75,8 +90,10 @@ class ColumnWeights:
                 "missed_keys": [{"key": k, "reference_weight": w} for k, w in self.missed_keys],
                 "max_weight_diff": self.max_weight_diff, "output_diff": self.output_diff,
                 "output_allowed": self.output_allowed, "reproduces_output": self.reproduces,
-                "exact_output_diff": self.exact_output_diff, "note": self.note,
-                "weights": self.weights}
+                "exact_output_diff": self.exact_output_diff, "output_nonfinite": self.output_nonfinite,
+                "nonfinite_k_keys_read": self.nonfinite_k_read, "nonfinite_k_count": self.nonfinite_k_count,
+                "nonfinite_v_keys_read": self.nonfinite_v_read, "nonfinite_v_count": self.nonfinite_v_count,
+                "note": self.note, "weights": self.weights}
 
 
 @dataclass
@@ -104,6 +121,9 @@ class AttentionPicture:
     chosen: str  # why this token
     columns: list[ColumnWeights]
     notes: list[str] = field(default_factory=list)
+    nonfinite_k: list[tuple[int, int]] = field(default_factory=list)  # [lo, hi) keys whose K holds NaN/Inf
+    nonfinite_v: list[tuple[int, int]] = field(default_factory=list)  # [lo, hi) keys whose V holds NaN/Inf
+    query_nonfinite: bool = False  # the query token itself holds NaN/Inf: every logit is NaN
 
     def column(self, backend: str) -> ColumnWeights | None:
         return next((c for c in self.columns if c.backend == backend), None)
@@ -115,6 +135,8 @@ class AttentionPicture:
                 "causal": self.causal, "exact_keys": list(self.exact), "span": list(self.span), "focus": self.focus,
                 "null_block_keys": [list(x) for x in self.null_block], "hidden_keys": [list(x) for x in self.hidden],
                 "stale_table_columns": self.stale_entries, "chosen": self.chosen, "notes": self.notes,
+                "nonfinite_k_keys": [list(x) for x in self.nonfinite_k],
+                "nonfinite_v_keys": [list(x) for x in self.nonfinite_v], "query_nonfinite": self.query_nonfinite,
                 "columns": [c.to_json() for c in self.columns]}
 
 
@@ -224,6 +246,10 @@ def attention_picture(snapshot: "Snapshot", choice: Choice, report: "ReplayRepor
     q = dequantize_fp8(as_fp8(q), layer.q_scale, torch.float64) if layer.is_fp8 and q.dtype in (
         torch.uint8, torch.float8_e4m3fn) else q.to(torch.float64)
     logits = (keys @ q) * layer.scale
+    # NaN/Inf in the cache is what a user chases: which keys hold it, so that each column can say which it reads.
+    bad_k = ~torch.isfinite(keys).all(dim=1)
+    bad_v = ~torch.isfinite(values).all(dim=1)
+    query_nonfinite = not bool(torch.isfinite(q).all())
     if layer.logits_soft_cap:
         logits = torch.tanh(logits / layer.logits_soft_cap) * layer.logits_soft_cap
     # The layer's own terms, as the reference applies them: the ALiBi bias after the soft cap, and the head's
@@ -286,7 +312,13 @@ def attention_picture(snapshot: "Snapshot", choice: Choice, report: "ReplayRepor
         col.weights = [float(x) for x in w[span[0]:span[1]]]
         keys_all = torch.arange(length)
         inside = (keys_all >= exact[0]) & (keys_all < exact[1])
-        forbidden = (w > 0) & ~inside
+        attended = torch.zeros(length, dtype=torch.bool)
+        for lo, hi in attended_by[name]:
+            attended[lo:hi] = True
+        col.nonfinite_k_count, col.nonfinite_k_read = _listed(attended & bad_k)
+        col.nonfinite_v_count, col.nonfinite_v_read = _listed(attended & bad_v)
+        # A NaN weight is a weight given (of unknown size): outside the mask it is never "no weight".
+        forbidden = ((w > 0) | w.isnan()) & ~inside
         col.forbidden_mass = float(w[forbidden].sum()) if bool(forbidden.any()) else 0.0
         col.forbidden_count = int(sum(hi - lo for lo, hi in attended_by[name]) - _overlap(attended_by[name], exact))
         col.forbidden_keys = _top(w, forbidden)
@@ -301,7 +333,7 @@ def attention_picture(snapshot: "Snapshot", choice: Choice, report: "ReplayRepor
         diff = (w - ref_w).abs()
         col.max_weight_diff = float(diff.max()) if diff.numel() else 0.0
         if status is not None and not reason:
-            col.output_diff, col.output_allowed, col.reproduces = _output_check(
+            col.output_diff, col.output_allowed, col.reproduces, col.output_nonfinite = _output_check(
                 w, values, status, starts[request] + token, head, snapshot, report)
             if name != "reference":
                 col.exact_output_diff = _output_check(ref_w, values, status, starts[request] + token, head, snapshot,
@@ -313,7 +345,8 @@ def attention_picture(snapshot: "Snapshot", choice: Choice, report: "ReplayRepor
         snapshot=snapshot.path, step=step, request=request, head=head, kv_head=kv_head, token=token,
         position=position, seq_len=length, query_len=qlen, page_size=ps, window=layer.sliding_window,
         causal=layer.causal, exact=exact, span=span, focus=focus, null_block=null_block, hidden=hidden,
-        stale_entries=stale, chosen=choice.why, columns=columns, notes=notes)
+        stale_entries=stale, chosen=choice.why, columns=columns, notes=notes, nonfinite_k=_intervals(bad_k),
+        nonfinite_v=_intervals(bad_v), query_nonfinite=query_nonfinite)
 
 
 def _step_tables(snapshot: "Snapshot", step: int) -> StepTables:
@@ -385,9 +418,24 @@ def _top(weights, where, most: int = MAX_LISTED_KEYS) -> list[tuple[int, float]]
 
 
 def _focus(columns: list[ColumnWeights], exact: tuple[int, int]) -> int:
-    """The first key a column attends to outside the exact mask or skips inside it; else the window's edge."""
+    """The first key holding NaN/Inf that a column reads; else the first key a column attends to outside the exact
+    mask or skips inside it; else the window's edge."""
+    poisoned = [k for c in columns for k in c.nonfinite_k_read + c.nonfinite_v_read]
+    if poisoned:
+        return min(poisoned)
     keys = [k for c in columns for k, _ in c.forbidden_keys + c.missed_keys]
     return min(keys) if keys else exact[0]
+
+
+def _listed(where, most: int = MAX_LISTED_KEYS) -> tuple[int, list[int]]:
+    """How many keys ``where`` marks, and the first ``most`` of them."""
+    keys = where.nonzero().flatten()
+    return int(keys.numel()), [int(k) for k in keys[:most]]
+
+
+def _intervals(where) -> list[tuple[int, int]]:
+    """The [lo, hi) runs of keys ``where`` marks."""
+    return _merge([(int(k), int(k) + 1) for k in where.nonzero().flatten()])
 
 
 def _runs(report: "ReplayReport | None", step: int) -> dict[str, Any]:
@@ -415,9 +463,13 @@ def _not_run(run, name: str, token_row: int) -> str:
     return ""
 
 
-def _output_check(weights, values, run, row: int, head: int, snapshot, report) -> tuple[float, float, bool]:
-    """max |Σ w·v - output| over the head dimension, the replay's tolerance where it is tightest, and whether every
-    element is within it."""
+def _output_check(weights, values, run, row: int, head: int, snapshot, report) -> tuple[float, float, bool, bool]:
+    """max |Σ w·v - output| over the head dimension, the replay's tolerance where it is tightest, whether every
+    element is within it, and whether Σ w·v holds NaN/Inf.
+
+    An element that is NaN/Inf in both Σ w·v and the output agrees (the weights predict the NaN the backend
+    wrote); then the difference is NaN, since there is no number to state. One non-finite on one side only
+    differs."""
     import torch
 
     from kvdbg.judge.compare import default_tolerance
@@ -432,11 +484,15 @@ def _output_check(weights, values, run, row: int, head: int, snapshot, report) -
             if c.actual == run.backend and c.expected == "reference":
                 tol = c.tolerance
                 break
-    diff = (predicted - actual).abs()
-    allowed = tol.atol + tol.rtol * actual.abs()
+    predicted_bad, actual_bad = ~torch.isfinite(predicted), ~torch.isfinite(actual)
+    both_bad = predicted_bad & actual_bad
+    diff = torch.where(both_bad, torch.zeros_like(predicted), (predicted - actual).abs())
+    allowed = tol.atol + tol.rtol * actual.abs().nan_to_num(nan=0.0, posinf=0.0)
     closest = int((diff - allowed).nan_to_num(nan=float("inf")).argmax())
     ok = bool(torch.isfinite(diff).all() and (diff <= allowed).all())
-    return float(diff.max()), float(allowed[closest]), ok
+    nonfinite = bool(predicted_bad.any())
+    stated = float("nan") if nonfinite or bool(actual_bad.any()) else float(diff.max())
+    return stated, float(allowed[closest]), ok, nonfinite
 
 
 __all__ = ["AttentionPicture", "Choice", "ColumnWeights", "attention_picture", "choose"]

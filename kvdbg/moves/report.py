@@ -82,7 +82,7 @@ class BackendSummary:
     verdict: str  # "pass", "FAIL", "not compared"
     failed_heads: int
     heads_compared: int
-    max_abs: float
+    max_abs: float  # FAIL: over the failing heads only (NaN: none of them holds a finite error); else every head
     worst: list[tuple[int, int, int, float]]  # (step, request, head, max abs) of the worst failing heads
     finding_counts: dict[str, int]  # code -> count, errors and warnings
     error_findings: int
@@ -243,10 +243,17 @@ def backend_summaries(report: "ReplayReport") -> list[BackendSummary]:
             name=st.name, engine_name=st.engine_name, status=status, kernel=kernel,
             emulated=bool(st.info.emulated) if st.info else False, verdict=verdict,
             failed_heads=len(failed), heads_compared=sum(len(c.heads) for c in vs_ref),
-            max_abs=max((c.max_abs for c in vs_ref if c.max_abs == c.max_abs), default=float("nan")),
+            max_abs=_row_error([c for c in vs_ref if c.failed] if failed else vs_ref),
             worst=[(s, h.request, h.head, h.max_abs) for s, h in failed[:MAX_WORST_HEADS]],
             finding_counts=counts, error_findings=sum(f.severity == "error" for f in findings)))
     return out
+
+
+def _row_error(comparisons) -> float:
+    """The largest error the comparisons state (kvdbg.judge.compare.Comparison.shown_max_abs: a failing one's
+    from its failing heads); NaN when none states a finite one."""
+    finite = [e for c in comparisons if (e := c.shown_max_abs) == e]
+    return max(finite) if finite else float("nan")
 
 
 def reproduce_command(path: str, backends: Sequence[str], device: str = "cpu") -> str:

@@ -6,6 +6,9 @@ mass of each run of keys) and a zoom at one key per column around the focus
 else the window's edge), with page starts, the exact window's bounds and the
 null block marked. Keys a column must not read are drawn apart (red, and a
 ``+`` under them in text), keys it skips that the reference weights with ``!``.
+A NaN/Inf weight (a key whose K holds NaN/Inf, for every column that reads it)
+is ``N`` in text and a full-height dark bar crossed out in the drawing: never
+an empty cell, never a scale computed with it.
 """
 
 from __future__ import annotations
@@ -19,13 +22,52 @@ from kvdbg.render.canvas import CHAR_W, FAINT, INK, LINE_H, MARGIN, Drawing, Lab
 from kvdbg.render.fit import Column, FitTable
 
 LEVELS = " ▁▂▃▄▅▆▇█"
+NONFINITE_GLYPH = "N"  # as the error map marks a NaN/Inf cell
 ZOOM_KEYS_TEXT = 64
 
 
 def _fmt(value: float | None) -> str:
-    if value is None or value != value:
+    """Three significant digits; ``nan``/``inf`` as such (a NaN mass is not "no mass"); ``-`` for no value."""
+    if value is None:
         return "-"
+    if value != value or value in (math.inf, -math.inf):
+        return str(value)
     return "0" if value == 0 else f"{value:.2e}"
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+def _finite_max(values) -> float | None:
+    """The largest finite value (None when none is): the scale of a strip, which a NaN must not set."""
+    return max((v for v in values if _finite(v)), default=None)
+
+
+def _scale_text(top: float | None) -> str:
+    return "no finite weight" if top is None else _fmt(top)
+
+
+def _key_runs(runs: list[tuple[int, int]], most: int = 6) -> str:
+    text = ", ".join(str(a) if b - a == 1 else f"{a}..{b - 1}" for a, b in runs[:most])
+    return text + (", …" if len(runs) > most else "")
+
+
+def nonfinite_lines(p: AttentionPicture) -> list[str]:
+    """What holds NaN/Inf and which columns read it, one line each (empty when nothing does)."""
+    lines = []
+    if p.query_nonfinite:
+        lines.append("the query token holds NaN/Inf: every logit, and so every weight, is NaN")
+    for side, runs, effect in (("K", p.nonfinite_k, "its weights are NaN"),
+                               ("V", p.nonfinite_v, "its Σw·v is NaN")):
+        if not runs:
+            continue
+        count = sum(b - a for a, b in runs)
+        readers = [c.backend for c in p.columns if c.weights is not None and
+                   (c.nonfinite_k_count if side == "K" else c.nonfinite_v_count)]
+        who = (f"read by {', '.join(readers)} ({effect})" if readers else "read by no column shown")
+        lines.append(f"NaN/Inf in {side} at {'key' if count == 1 else f'{count} keys'} {_key_runs(runs)}: {who}")
+    return lines
 
 
 def _keys(pairs: list[tuple[int, float]], count: int, most: int = 4) -> str:
@@ -53,6 +95,7 @@ def header_lines(p: AttentionPicture) -> list[Text]:
                      if cols == list(range(cols[0], cols[-1] + 1)) else
                      "stale table entries past the live pages (never read): columns " + ", ".join(map(str, cols)))
     lines += [Text(m, style="yellow") for m in marks]
+    lines += [Text(m, style="bold red") for m in nonfinite_lines(p)]
     return lines
 
 
@@ -70,6 +113,10 @@ def weights_table(p: AttentionPicture) -> FitTable:
             continue
         if c.reproduces is None:
             check = Text("not checked", style="dim")
+        elif c.output_nonfinite:
+            # Σw·v is NaN: say whether the output the backend wrote is NaN there too, not a number.
+            check = Text("NaN, as its output" if c.reproduces else "NaN; output is not",
+                         style="bold red")
         else:
             check = Text(f"{'ok' if c.reproduces else 'DIFFERS'} {_fmt(c.output_diff)}",
                          style="green" if c.reproduces else "bold red")
@@ -121,7 +168,7 @@ def picture_lines(p: AttentionPicture, width: int) -> list[Text]:
     per = max(1, math.ceil(p.seq_len / avail))
     n = math.ceil(p.seq_len / per)
     masses = {c.backend: [_mass(c, p, i * per, (i + 1) * per) for i in range(n)] for c in cols}
-    top = max((m for ms in masses.values() for m in ms), default=0.0) or 1.0
+    top = _finite_max(m for ms in masses.values() for m in ms) or 1.0
     lines.append(Text(f"overview: keys 0..{p.seq_len - 1}, one column = {per} key{'s' if per > 1 else ''} "
                       "(its weight mass, scaled to the largest column)", style="italic"))
     lines.append(Text(" " * name_w + _ruler(0, per, n), style="dim"))
@@ -129,17 +176,24 @@ def picture_lines(p: AttentionPicture, width: int) -> list[Text]:
         text = Text(c.backend.ljust(name_w))
         for i, m in enumerate(masses[c.backend]):
             lo, hi = i * per, min(p.seq_len, (i + 1) * per)
-            bad = m > 0 and (_outside(p, lo) or _outside(p, hi - 1)) and _mass_outside(c, p, lo, hi) > 0
+            bad = not _finite(m) or (m > 0 and (_outside(p, lo) or _outside(p, hi - 1))
+                                     and _mass_outside(c, p, lo, hi) > 0)
             text.append(_level(m, top), style="bold red" if bad else "green")
         lines.append(text)
     # Zoom: one key per column.
     lo, hi = zoom_range(p, min(avail, ZOOM_KEYS_TEXT if avail < ZOOM_KEYS_TEXT else avail))
+    poisoned = [(a, b) for a, b in p.nonfinite_k + p.nonfinite_v if a < hi and b > lo]
+    shows_nan = bool(poisoned) or any(not _finite(w) for c in cols for w in c.weights)
     lines.append(Text(f"zoom: keys {lo}..{hi - 1}, one column = 1 key; | page start, [ ] the exact keys' bounds, "
-                      "0 null block; + weight it must not give, ! a key it skips", style="italic"))
+                      "0 null block; + weight it must not give, ! a key it skips"
+                      + (f"; {NONFINITE_GLYPH} a key holding NaN/Inf, a NaN/Inf weight" if shows_nan else ""),
+                      style="italic"))
     lines.append(Text(" " * name_w + _ruler(lo, 1, hi - lo, page=p.page_size), style="dim"))
     marks = []
     for k in range(lo, hi):
-        if k == p.exact[0]:
+        if any(a <= k < b for a, b in poisoned):
+            marks.append(NONFINITE_GLYPH)
+        elif k == p.exact[0]:
             marks.append("[")
         elif k == p.exact[1] - 1:
             marks.append("]")
@@ -151,7 +205,8 @@ def picture_lines(p: AttentionPicture, width: int) -> list[Text]:
             marks.append(" ")
     lines.append(Text(" " * name_w + "".join(marks), style="yellow"))
     ref = p.column("reference")
-    ztop = max((_weight(c, p, k) for c in cols for k in range(lo, hi)), default=0.0) or 1.0
+    zoom_top = _finite_max(_weight(c, p, k) for c in cols for k in range(lo, hi))
+    ztop = zoom_top or 1.0
     for c in cols:
         text = Text(c.backend.ljust(name_w))
         under = []
@@ -160,13 +215,13 @@ def picture_lines(p: AttentionPicture, width: int) -> list[Text]:
             bad = w > 0 and _outside(p, k)
             skipped = (c.backend != "reference" and ref is not None and _weight(ref, p, k) > 0
                        and not _attends(c, k))
-            text.append(_level(w, ztop), style="bold red" if bad else "green")
+            text.append(_level(w, ztop), style="bold red" if bad or not _finite(w) else "green")
             under.append("+" if bad else "!" if skipped else " ")
         lines.append(text)
         if any(ch != " " for ch in under):
             lines.append(Text(" " * name_w + "".join(under), style="bold red"))
-    lines.append(Text(f"a column's height: its weight, ▁..█ scaled to the largest ({_fmt(ztop)} in the zoom)",
-                      style="dim"))
+    lines.append(Text(f"a column's height: its weight, ▁..█ scaled to the largest ({_scale_text(zoom_top)} in the "
+                      "zoom)", style="dim"))
     lines += [Text(n, style="yellow") for n in p.notes]
     lines += [Text(f"{c.backend}: {c.note}", style="yellow") for c in p.columns if c.weights is not None and c.note]
     return lines
@@ -181,6 +236,8 @@ def _mass_outside(c: ColumnWeights, p: AttentionPicture, lo: int, hi: int) -> fl
 
 
 def _level(value: float, top: float) -> str:
+    if not _finite(value):
+        return NONFINITE_GLYPH
     if value <= 0:
         return "·"
     return LEVELS[max(1, min(len(LEVELS) - 1, math.ceil(value / top * (len(LEVELS) - 1))))]
@@ -221,6 +278,7 @@ REF_COLOR = (33, 113, 181)
 SEEN_COLOR = (65, 171, 93)
 BAD_COLOR = (215, 25, 28)
 SKIPPED_COLOR = (253, 174, 97)
+NONFINITE_COLOR = (103, 0, 13)  # the error map's NaN/Inf colour
 WINDOW_BAND = (235, 245, 235)
 NULL_BAND = (252, 220, 220)
 PAGE_LINE = (150, 150, 150)
@@ -239,7 +297,8 @@ def attention_drawing(p: AttentionPicture) -> Drawing:
     y += 2 * LINE_H + 4
     for line in header_lines(p)[1:]:
         for part in wrap(line.plain, chars):
-            d.labels.append(Label(MARGIN, y, part, INK if line.style != "yellow" else (166, 97, 26)))
+            color = {"yellow": (166, 97, 26), "bold red": NONFINITE_COLOR}.get(str(line.style), INK)
+            d.labels.append(Label(MARGIN, y, part, color))
             y += LINE_H
     y += 4
     for c in p.columns:
@@ -250,11 +309,17 @@ def attention_drawing(p: AttentionPicture) -> Drawing:
                     f"{_keys(c.forbidden_keys, c.forbidden_count)} key(s)")
             if c.backend != "reference":
                 text += f"; reference mass it skips {_fmt(c.missed_mass)} on {_keys(c.missed_keys, c.missed_count)}"
+            if c.reads_nonfinite:
+                text += "; reads NaN/Inf at " + ", ".join(
+                    f"{side} key(s) {', '.join(map(str, keys[:6]))}{', …' if count > 6 else ''}"
+                    for side, keys, count in (("K", c.nonfinite_k_read, c.nonfinite_k_count),
+                                              ("V", c.nonfinite_v_read, c.nonfinite_v_count)) if count)
             if c.reproduces is not None:
                 text += (f"; Σw·v vs its output {_fmt(c.output_diff)} "
                          f"{'(reproduces it)' if c.reproduces else '(DOES NOT reproduce it)'}")
         for part in wrap(text, chars):
-            bad = c.weights is not None and (c.forbidden_mass > 0 or c.missed_mass > 0)
+            bad = c.weights is not None and (c.forbidden_mass > 0 or c.missed_mass > 0 or c.reads_nonfinite
+                                             or not _finite(c.forbidden_mass) or not _finite(c.missed_mass))
             d.labels.append(Label(MARGIN, y, part, BAD_COLOR if bad else INK))
             y += LINE_H
     y += LINE_H // 2
@@ -267,11 +332,15 @@ def attention_drawing(p: AttentionPicture) -> Drawing:
     y += LINE_H
     y = _axis(d, left, y, 0, p.seq_len, PLOT_W, lambda k: left + k / p.seq_len * PLOT_W, ticks=5)
     masses = {c.backend: [_mass(c, p, int(i * per), int((i + 1) * per)) for i in range(bins)] for c in cols}
-    top = max((m for ms in masses.values() for m in ms), default=0.0) or 1.0
+    overview_top = _finite_max(m for ms in masses.values() for m in ms)
+    top = overview_top or 1.0
     for c in cols:
         _band(d, p, left, y, lambda k: left + k / p.seq_len * PLOT_W)
         d.labels.append(Label(MARGIN, y + STRIP_H / 2 - 5, c.backend))
         for i, m in enumerate(masses[c.backend]):
+            if not _finite(m):
+                _nonfinite_bar(d, left + i * bin_w, y, max(1.0, bin_w))
+                continue
             if m <= 0:
                 continue
             lo, hi = int(i * per), int((i + 1) * per)
@@ -291,7 +360,8 @@ def attention_drawing(p: AttentionPicture) -> Drawing:
         d.labels.append(Label(MARGIN, y, part))
         y += LINE_H
     y = _axis(d, left, y, lo, hi, PLOT_W, lambda k: left + (k - lo) * key_w, page=p.page_size)
-    ztop = max((_weight(c, p, k) for c in cols for k in range(lo, hi)), default=0.0) or 1.0
+    zoom_top = _finite_max(_weight(c, p, k) for c in cols for k in range(lo, hi))
+    ztop = zoom_top or 1.0
     ref = p.column("reference")
     for c in cols:
         _band(d, p, left, y, lambda k: left + (max(lo, min(hi, k)) - lo) * key_w)
@@ -299,7 +369,9 @@ def attention_drawing(p: AttentionPicture) -> Drawing:
         for k in range(lo, hi):
             x = left + (k - lo) * key_w
             w = _weight(c, p, k)
-            if w > 0:
+            if not _finite(w):
+                _nonfinite_bar(d, x + 0.5, y, max(1.0, key_w - 1))
+            elif w > 0:
                 bad = _outside(p, k)
                 h = max(1.0, w / ztop * (STRIP_H - 4))
                 d.rects.append(Rect(x + 0.5, y + STRIP_H - h, max(1.0, key_w - 1), h,
@@ -326,9 +398,14 @@ def attention_drawing(p: AttentionPicture) -> Drawing:
                              f"{_fmt(c.forbidden_mass)})", chars):
                 d.labels.append(Label(MARGIN, y, part, BAD_COLOR))
                 y += LINE_H
+    for line in nonfinite_lines(p):
+        for part in wrap(line + "; drawn as full-height dark bars, crossed out", chars):
+            d.labels.append(Label(MARGIN, y, part, NONFINITE_COLOR))
+            y += LINE_H
     y += 4
-    d.labels.append(Label(MARGIN, y, f"bar height: weight, scaled to the largest in the zoom ({_fmt(ztop)}) and in "
-                                     f"the overview ({_fmt(top)})"[:chars], FAINT))
+    d.labels.append(Label(MARGIN, y, f"bar height: weight, scaled to the largest finite one in the zoom "
+                                     f"({_scale_text(zoom_top)}) and in the overview ({_scale_text(overview_top)})"
+                                     [:chars], FAINT))
     y += LINE_H
     for note in p.notes:
         for part in wrap(note, chars):
@@ -336,6 +413,13 @@ def attention_drawing(p: AttentionPicture) -> Drawing:
             y += LINE_H
     d.height = int(y + MARGIN)
     return d
+
+
+def _nonfinite_bar(d: Drawing, x: float, y: float, w: float) -> None:
+    """A NaN/Inf weight: the strip's full height in the NaN colour, crossed out, so it reads without colour too."""
+    d.rects.append(Rect(x, y, w, STRIP_H, NONFINITE_COLOR))
+    d.lines.append(Line(((x, y + STRIP_H), (x + w, y)), (255, 255, 255)))
+    d.lines.append(Line(((x, y), (x + w, y + STRIP_H)), (255, 255, 255)))
 
 
 def _band(d: Drawing, p: AttentionPicture, left: float, y: float, x_of) -> None:
@@ -367,4 +451,5 @@ def _axis(d: Drawing, left: float, y: float, lo: int, hi: int, width: float, x_o
     return y + LINE_H
 
 
-__all__ = ["AttentionText", "attention_drawing", "header_lines", "picture_lines", "weights_table", "zoom_range"]
+__all__ = ["AttentionText", "attention_drawing", "header_lines", "nonfinite_lines", "picture_lines", "weights_table",
+           "zoom_range"]

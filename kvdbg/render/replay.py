@@ -152,6 +152,15 @@ def _num(value: float) -> float:
     return -1.0 if value != value else value
 
 
+def error_text(comp: Comparison) -> str:
+    """The error a comparison's title states: a FAIL's from its failing heads (never a passing head's), and when
+    those hold no finite number, that said in words."""
+    error = comp.shown_max_abs
+    if comp.failed and error != error:
+        return "failing heads: no finite error"
+    return f"max abs {_fmt(error)}"
+
+
 def _not_compared(h: HeadDiff) -> str:
     """Why elements of a head were not compared, by cause (a side may have several)."""
     parts = []
@@ -181,7 +190,7 @@ def render_comparison(comp: Comparison, *, full: bool = False, starts: dict[int,
               f"{counts['unwritten']} unwritten" if counts["unwritten"] else "",
               f"{counts['expected_nonfinite']} {comp.expected} NaN/inf" if counts["expected_nonfinite"] else ""]
     title = Text.assemble(f"step {comp.step}: {comp.actual} vs {comp.expected} — ", verdict,
-                          f"  (max abs {_fmt(comp.max_abs)}" + "".join(f", {c}" for c in causes if c) + ")"
+                          f"  ({error_text(comp)}" + "".join(f", {c}" for c in causes if c) + ")"
                           if comp.heads else "")
     table = FitTable([Column("req", whole=True, priority=10), Column("head", whole=True, priority=10),
                       Column("status", priority=10, min_width=4), Column("max abs", whole=True, priority=9),

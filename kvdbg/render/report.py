@@ -22,6 +22,11 @@ def _fmt(value: float) -> str:
     return fmt(value)
 
 
+def _row_error(failed: bool, value: float) -> str:
+    """A row's max abs: a failing row's comes from its failing heads; when they hold no finite number, say so."""
+    return "no finite error" if failed and value != value else _fmt(value)
+
+
 def _explain_line(codes) -> str:
     """The pointer to `kvdbg explain`, as a Markdown line."""
     command = explain_command(codes)
@@ -141,7 +146,8 @@ def _replay(r: BugReport) -> str:
         # An unavailable backend's reason is a paragraph: it gets its own list below the table.
         ran = "-" if b.status == "unavailable" else md_escape(b.kernel) + (" *(emulated)*" if b.emulated else "")
         rows.append([md_code(b.name), md_escape(b.engine_name or "-"), md_escape(b.status), ran, verdict,
-                     _fmt(b.max_abs) if b.verdict in ("FAIL", "pass") else "-", md_escape(worst), md_escape(findings)])
+                     _row_error(b.verdict == "FAIL", b.max_abs) if b.verdict in ("FAIL", "pass") else "-",
+                     md_escape(worst), md_escape(findings)])
     v = r.verdict
     verdict = {"fail": "**FAILED**", "pass": "**PASSED**"}.get(v.status, "**NOTHING VERIFIED**") + \
         f": {v.summary.split(': ', 1)[-1]} (`kvdbg replay` exits {v.exit_code})."
@@ -174,7 +180,8 @@ def _replay(r: BugReport) -> str:
     captured = [c for c in r.comparisons if c.expected == "captured" or c.actual == "captured"]
     if captured:
         crows = [[str(c.step), md_code(c.actual), md_code(c.expected),
-                  "pass" if c.passed else f"**FAIL** ({len(c.failed)} of {len(c.heads)} heads)", _fmt(c.max_abs)]
+                  "pass" if c.passed else f"**FAIL** ({len(c.failed)} of {len(c.heads)} heads)",
+                  _row_error(not c.passed, c.shown_max_abs)]
                  for c in captured]
         parts.append("### Against the engine's captured output\n\n"
                      + md_table(["step", "actual", "expected", "verdict", "max abs"], crows))

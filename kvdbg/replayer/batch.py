@@ -70,7 +70,9 @@ class Worst:
     expected: str
     step: int
     passed: bool
-    max_abs: float | None  # None: no element could be compared (every one non-finite or unwritten)
+    # A failing comparison's error is its failing heads' (never a passing head's); None: none of those heads (or,
+    # when it passes, none at all) has an element compared (every one non-finite or unwritten).
+    max_abs: float | None
     failed_heads: int
     heads: int
     counted: bool  # False: a what-if column (shown because nothing counted was compared)
@@ -347,12 +349,12 @@ def worst_comparison(comparisons, counted) -> Worst | None:
         return None
 
     def badness(c):
-        error = c.max_abs
+        error = c.shown_max_abs
         # Failing first; among those a comparison that could not be measured (NaN) first, then by error.
         return (not c.passed, error != error, -1.0 if error != error else error)
 
     c = max(pool, key=badness)
-    error = c.max_abs
+    error = c.shown_max_abs
     return Worst(c.actual, c.expected, c.step, c.passed, None if error != error else error, len(c.failed),
                  len(c.heads), c.actual in counted)
 
