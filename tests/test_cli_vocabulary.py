@@ -146,3 +146,17 @@ def test_no_history_names_in_product_code_docs_or_help():
         hits += [f"{' '.join(command)} --help: {line}" for line in help_text(*command).splitlines()
                  if HISTORY.search(line)]
     assert not hits, hits
+
+
+def test_help_groups_every_command_once_by_what_a_user_is_doing_with_an_example():
+    from kvdbg.cli import COMMANDS, GROUPS
+
+    grouped = [name for _, rows in GROUPS for name, _, _ in rows]
+    assert sorted(grouped) == sorted(COMMANDS) and len(grouped) == len(set(grouped))
+    text = CliRunner().invoke(cli, ["--help"], terminal_width=80).output
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert text.index("Start here") < text.index("Look:") < text.index("Dig into a failure:")
+    for title, rows in GROUPS:
+        assert f"{title}:" in text
+        for name, what, example in rows:
+            assert f"  {name:<11}{what}" in text and example in text and example.startswith(f"kvdbg {name} ")

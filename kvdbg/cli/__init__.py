@@ -33,9 +33,58 @@ def _one_line(exc: click.UsageError) -> click.UsageError:
     return exc
 
 
+# `kvdbg --help` lists the commands by what a user is doing, in the order they need them, each with what it
+# answers and one example. Every command of COMMANDS is in exactly one group (a test holds them equal).
+GROUPS = (
+    ("Start here: judge a snapshot, or a directory of them", (
+        ("replay", "the verdict: every backend against the exact reference",
+         "kvdbg replay snap.safetensors"),
+    )),
+    ("Look", (
+        ("info", "what the file holds, from its header (instant)", "kvdbg info snap.safetensors"),
+        ("map", "block tables, the physical-to-logical page map, anomalies", "kvdbg map snap.safetensors"),
+        ("window", "what FLASHINFER_TS's window restriction keeps",
+         "kvdbg window --seq-len 9000 --window 4096"),
+        ("explain", "what a finding code means and what to do", "kvdbg explain live_page_zero"),
+    )),
+    ("Dig into a failure", (
+        ("attention", "where one query token's attention went, per backend",
+         "kvdbg attention snap.safetensors"),
+        ("poison", "which slots a backend reads that it must not", "kvdbg poison snap.safetensors"),
+        ("sweep", "which knob (pages, dtype, window) flips the verdict", "kvdbg sweep snap.safetensors"),
+        ("diff", "two snapshots of one step, input by input", "kvdbg diff good.safetensors bad.safetensors"),
+    )),
+    ("Shrink and share", (
+        ("shrink", "the smallest snapshot that still fails", "kvdbg shrink snap.safetensors -o small.safetensors"),
+        ("report", "a Markdown or HTML bug report", "kvdbg report snap.safetensors -o bug.md"),
+    )),
+    ("Many captures (a fleet)", (
+        ("triage", "a results file's failures grouped by cause", "kvdbg triage results.jsonl"),
+        ("merge", "a step's tensor-parallel ranks as one snapshot",
+         "kvdbg merge r0.safetensors r1.safetensors -o all.safetensors"),
+    )),
+    ("Make", (
+        ("synth", "a deterministic synthetic snapshot", "kvdbg synth -o s.safetensors --seq-lens 9000,1200"),
+    )),
+)
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx):
-        return sorted(COMMANDS)
+        return [name for _, rows in GROUPS for name, _, _ in rows]
+
+    def format_commands(self, ctx, formatter):
+        """The commands by what a user is doing, each with its question and one example (no command is imported)."""
+        for title, rows in GROUPS:
+            with formatter.section(title):
+                for name, what, example in rows:
+                    formatter.write_text(f"{name:<11}{what}")
+                    with formatter.indentation(), formatter.indentation(), formatter.indentation(), \
+                            formatter.indentation(), formatter.indentation():
+                        formatter.write_text(example)
+        with formatter.section("Capture from a live engine"):
+            formatter.write_text("no command: set KVDBG_CAPTURE_DIR (or KVDBG_SENTINEL) in vLLM's environment; "
+                                 "see above")
 
     def make_context(self, info_name, args, parent=None, **extra):
         try:
@@ -74,35 +123,22 @@ def cli():
 
     A snapshot is one attention layer's decode step(s) captured into a single
     safetensors file: KV pages, block table, lengths, query and the engine's
-    output. kvdbg replays it through the FLASHINFER_TS and FLEX_ATTENTION
-    backends and an exact reference, and shows where they disagree.
+    output. kvdbg replays it through the engine's backends and an exact
+    reference, and shows where they disagree. Start with `kvdbg replay SNAP`
+    (its verdict names the failing backends and finding codes); `kvdbg
+    explain CODE` says what a finding means and what to do.
 
     Exit codes: 0 clean; 1 a mismatch or an error finding (warnings and notes
     do not count); 2 bad input; 3 nothing could be compared; 130 interrupted.
-
     An option means the same in every command that takes it; indices are
-    written as ranges (--request 0-3,7), and a command that takes one value
-    says so.
-
-    Every table command ends on its verdict line (also the "verdict" key of
-    --json). Tables fit the terminal; piped output is laid out for 80 columns
-    (COLUMNS=N overrides). Numbers are never cut: a table too wide leaves
-    whole columns out and says which.
+    ranges (--request 0-3,7). Every table has a --json twin.
 
     Capture from a live vLLM: install kvdbg into the engine's environment with
     no extra (pip install -e .; pip's --dry-run names kvdbg alone) and set
     KVDBG_CAPTURE_DIR. On a GPU, serve with --enforce-eager or piecewise CUDA
     graphs while capturing (full graphs hide decode steps). KVDBG_SENTINEL=0.01
-    (with KVDBG_SENTINEL_DIR) checks 1% of each layer's steps against the exact
-    reference inside the engine and captures the steps that are wrong
-    (KVDBG_SENTINEL_LAYERS selects layers). docs/capture.md.
-
-    \b
-    Examples:
-      kvdbg info snapshot.safetensors
-      kvdbg replay snapshot.safetensors --backend flex --request 0-3
-      kvdbg synth -o out.safetensors --seq-lens 9000,1200 --query-len 8 \\
-        --window 4096 --mask dense
+    checks 1% of each layer's steps against the exact reference inside the
+    engine and captures the wrong ones. docs/capture.md.
     """
 
 
