@@ -294,3 +294,29 @@ def test_matrix_reads_whole_at_common_widths(width):
     assert all(len(line) <= width for line in res.output.splitlines())
     assert "hidden at" not in res.output  # variant, reference and flex always fit
     assert "▶pass 2.6e-03" in res.output
+
+
+def test_report_names_its_own_option_for_an_unknown_knob():
+    from tests.helpers import FIXTURES
+
+    res = CliRunner().invoke(cli, ["report", os.path.join(FIXTURES, "dflash.safetensors"), "--sweep", "nosuch"])
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == [
+        "Error: --sweep: unknown knob 'nosuch' (choose from: placement, kv-dtype, scales, window, query-len, "
+        "flex-block, compile, device, all)"]
+
+
+def test_a_sweep_cell_quotes_its_failing_heads_error_never_a_passing_heads():
+    from kvdbg.judge.compare import Tolerance, compare
+    from kvdbg.moves.sweeper import _worst
+
+    expected = torch.zeros(1, 2, 4)
+    actual = expected.clone()
+    actual[0, 0] = 0.01  # head 0: off by 0.01, within tolerance
+    actual[0, 1] = float("nan")  # head 1: fails with no finite number to quote
+    comp = compare(actual, expected, torch.tensor([0, 1]), torch.tensor([3]), Tolerance(atol=0.1, rtol=0.0, source="test"))
+    assert [h.passed for h in comp.heads] == [True, False] and comp.max_abs == pytest.approx(0.01)
+    assert _worst([comp]) is None  # not 0.01: that is the passing head's
+    actual[0, 1] = 0.5
+    comp = compare(actual, expected, torch.tensor([0, 1]), torch.tensor([3]), Tolerance(atol=0.1, rtol=0.0, source="test"))
+    assert _worst([comp]) == pytest.approx(0.5)

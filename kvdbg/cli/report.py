@@ -59,7 +59,7 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
     if sweep_knobs is not None:
         from kvdbg.moves.sweeper import parse_knobs
 
-        knobs = parse_knobs(sweep_knobs)
+        knobs = parse_knobs(sweep_knobs, option="--sweep")
     from kvdbg.util.atomic import check_distinct_outputs, check_output
 
     # Every file the report writes, told apart before any is written (the --svg directory's own files too).

@@ -74,8 +74,9 @@ RETYPE_CHUNK_PAGES = 1024
 MODEL_DTYPE_LABEL = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
-def parse_knobs(value: str | Iterable[str] | None) -> list[str]:
-    """``"placement,kv-dtype"`` → the knobs in KNOBS order; None or "all" → every knob."""
+def parse_knobs(value: str | Iterable[str] | None, option: str = "--vary") -> list[str]:
+    """``"placement,kv-dtype"`` → the knobs in KNOBS order; None or "all" → every knob. ``option`` is the name the
+    user gave them under (``sweep --vary``, ``report --sweep``), for the error."""
     if value is None:
         return list(KNOBS)
     parts = value.split(",") if isinstance(value, str) else [p for v in value for p in v.split(",")]
@@ -90,10 +91,10 @@ def parse_knobs(value: str | Iterable[str] | None) -> list[str]:
         if key not in KNOBS:
             close = difflib.get_close_matches(key, KNOBS, n=1, cutoff=0.5)
             hint = f"; did you mean {close[0]}?" if close else ""
-            raise OptionError(f"--vary: unknown knob {part.strip()!r}{hint} (choose from: {', '.join(KNOBS)}, all)")
+            raise OptionError(f"{option}: unknown knob {part.strip()!r}{hint} (choose from: {', '.join(KNOBS)}, all)")
         wanted.append(key)
     if not wanted:
-        raise OptionError(f"--vary: give at least one knob ({', '.join(KNOBS)}, all)")
+        raise OptionError(f"{option}: give at least one knob ({', '.join(KNOBS)}, all)")
     return [k for k in KNOBS if k in wanted]
 
 
@@ -663,7 +664,8 @@ def _row(variant: Variant, result: "ReplayResult", comparisons: list["Comparison
 
 
 def _worst(comparisons) -> float | None:
-    values = [c.max_abs for c in comparisons if c.heads and c.max_abs == c.max_abs]
+    # a failing comparison's error is its failing heads' (a passing head's says nothing about the failure)
+    values = [c.shown_max_abs for c in comparisons if c.heads and c.shown_max_abs == c.shown_max_abs]
     return max(values) if values else None
 
 
