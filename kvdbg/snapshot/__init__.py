@@ -1,5 +1,5 @@
-"""The snapshot model: the file format and its checks (``format``, no torch), the value rules of ids,
-lengths and layer values (``rules``, no torch: ``store`` validates with them, and so does `kvdbg window
+"""The snapshot model: the metadata schema (``meta``) and the file with its checks (``format``), both
+without torch; the value rules of ids, lengths and layer values (``rules``, no torch: ``store`` validates with them, and so does `kvdbg window
 SNAP`), the K/V layouts of the page tensor (``layout``), loading and saving (``store``), the working cache
 a replay writes into (``cache``), page maps (``pagemap``), tensor-parallel ranks and their merge (``ranks``,
 ``merge``), the header summary (``info``).
