@@ -391,3 +391,16 @@ def read_index_tensor(header: Header, name: str) -> list[int]:
     if sys.byteorder != "little":
         values.byteswap()
     return values.tolist()
+
+
+# The file's names and the metadata's (kvdbg.snapshot.meta), re-exported.
+__all__ = ["ATTN_TYPES", "BackendMeta", "CROSS_ATTN_TYPE", "DTYPE_TO_ST", "ENCODER_SELF_ATTN_TYPES",
+           "FORMAT_KEY", "FORMAT_VERSION", "FORMAT_VERSIONS_READ", "FORMAT_VERSION_MASKS",
+           "FP8_STORAGE_DTYPES", "GLOBAL_TENSORS", "Header", "INDEX_DTYPES", "KV_CACHE_DTYPES",
+           "LAYER_FIELDS_WRITTEN_WHEN_SET", "LAYER_VALUE_TENSORS", "LAYOUTS", "LAYOUT_KV_PLANES",
+           "LAYOUT_VLLM", "LayerMeta", "MASK_FIELDS", "MAX_HEADER_BYTES", "MAX_HEADS", "MAX_HEAD_SIZE",
+           "MAX_META_BYTES", "META_KEY", "MODEL_DTYPES", "OUTPUTS_KEY", "STEP_TENSORS",
+           "STEP_TENSORS_REQUIRED", "STEP_TENSORS_UPDATE", "ST_DTYPES", "SnapshotMeta", "TensorEntry",
+           "canonical_backend_name", "check_structure", "format_version", "kv_cache_shape",
+           "kv_storage_dtypes", "open_snapshot", "parse_meta", "read_header", "read_index_tensor",
+           "read_raw_header", "safetensors_header", "step_prefix", "write_safetensors"]
