@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
-from array import array
 from dataclasses import asdict, dataclass
 
 from kvdbg.errors import OptionError, SnapshotError
 from kvdbg.snapshot import rules
-from kvdbg.snapshot.format import LAYER_VALUE_TENSORS, read_header, read_index_tensor
+from kvdbg.snapshot.format import LAYER_VALUE_TENSORS, read_header, read_index_tensor, read_small_tensor
 from kvdbg.snapshot.rules import StepValues
 from kvdbg.ts.window import ts_batch_not_run
 
@@ -94,24 +92,10 @@ def _check_values(header) -> None:
             if prefix + "slot_mapping" in header.tensors else None))
     try:
         rules.check_values(meta, read_index_tensor(header, "page_ids"), steps)
-        rules.check_layer_values({name: _read_float32(header, name) for name in LAYER_VALUE_TENSORS
+        rules.check_layer_values({name: read_small_tensor(header, name) for name in LAYER_VALUE_TENSORS
                                   if name in header.tensors})
     except SnapshotError as exc:
         raise SnapshotError(f"{header.path}: {exc}") from None
-
-
-def _read_float32(header, name: str) -> list[float]:
-    """A small float32 tensor (the layer's sinks or ALiBi slopes: one value per head), with the standard library."""
-    entry = header.tensors[name]
-    values = array("f")
-    if values.itemsize * entry.numel != entry.nbytes:
-        raise SnapshotError(f"tensor {name!r}: cannot read {entry.dtype} on this platform")
-    with open(header.path, "rb") as fh:
-        fh.seek(header.data_start + entry.begin)
-        values.frombytes(fh.read(entry.nbytes))
-    if sys.byteorder != "little":
-        values.byteswap()
-    return values.tolist()
 
 
 def _not_applicable(header, prefix: str, starts: list[int]) -> str | None:

@@ -375,13 +375,15 @@ def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...], int]], met
 # --------------------------------------------------------------------------- small reads
 
 
-_ARRAY_CODES = {"int32": "i", "int64": "q"}
+_ARRAY_CODES = {"int32": "i", "int64": "q", "float32": "f"}
 
 
-def read_index_tensor(header: Header, name: str) -> list[int]:
-    """Read a small int32/int64 tensor with the standard library (no torch), flattened."""
+def read_small_tensor(header: Header, name: str) -> list:
+    """Read a small int32/int64/float32 tensor with the standard library (no torch), flattened."""
     entry = header.tensors[name]
-    code = _ARRAY_CODES[entry.dtype]
+    code = _ARRAY_CODES.get(entry.dtype)
+    if code is None:
+        raise SnapshotError(f"tensor {name!r}: {entry.dtype} is read with torch, not here")
     values = array(code)
     if values.itemsize * entry.numel != entry.nbytes:  # platform without 4/8-byte codes
         raise SnapshotError(f"tensor {name!r}: cannot read {entry.dtype} on this platform")
@@ -391,6 +393,13 @@ def read_index_tensor(header: Header, name: str) -> list[int]:
     if sys.byteorder != "little":
         values.byteswap()
     return values.tolist()
+
+
+def read_index_tensor(header: Header, name: str) -> list[int]:
+    """Read a small int32/int64 tensor with the standard library (no torch), flattened."""
+    if header.tensors[name].dtype not in INDEX_DTYPES:
+        raise SnapshotError(f"tensor {name!r}: {header.tensors[name].dtype} is not an index dtype")
+    return read_small_tensor(header, name)
 
 
 # The file's names and the metadata's (kvdbg.snapshot.meta), re-exported.
@@ -403,4 +412,4 @@ __all__ = ["ATTN_TYPES", "BackendMeta", "CROSS_ATTN_TYPE", "DTYPE_TO_ST", "ENCOD
            "STEP_TENSORS_REQUIRED", "STEP_TENSORS_UPDATE", "ST_DTYPES", "SnapshotMeta", "TensorEntry",
            "canonical_backend_name", "check_structure", "format_version", "kv_cache_shape",
            "kv_storage_dtypes", "open_snapshot", "parse_meta", "read_header", "read_index_tensor",
-           "read_raw_header", "safetensors_header", "step_prefix", "write_safetensors"]
+           "read_raw_header", "read_small_tensor", "safetensors_header", "step_prefix", "write_safetensors"]
