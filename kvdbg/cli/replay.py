@@ -47,7 +47,8 @@ from kvdbg.errors import OptionError
               help="With --results: keep the rows FILE has (same path, size and time) and replay the other files.")
 @click.option("--ray", "ray", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
               help="Several snapshots: run each as a Ray task on the cluster at ADDRESS (default: RAY_ADDRESS, or "
-                   "the one started here), reading the files from a path every node shares. Needs kvdbg[ray].")
+                   "the one started here; local: a private cluster of this machine, for this run), reading the "
+                   "files from a path every node shares. Needs kvdbg[ray].")
 @json_option
 @guarded
 def replay(snapshot, backend, step, request, head, device, exact, compile_, atol, rtol, explain, full,
@@ -188,9 +189,10 @@ def replay_several(paths, *, backends, steps, device, exact, compile_, atol, rto
 
 
 def _check_ray_address(address: str) -> None:
-    """``--ray DIR`` takes DIR as the address (click's optional value): say so rather than replay nothing."""
+    """``--ray DIR`` takes DIR as the address (click's optional value): say so rather than replay nothing. Ray's
+    words (``auto``, ``local``) are addresses even where a file of that name exists."""
     import os
 
-    if os.path.exists(address):
+    if address not in ("auto", "local") and os.path.exists(address):
         raise OptionError(f"--ray took {address!r} as the cluster address, but it is a path: put the snapshots "
                           f"first (kvdbg replay {address} --ray) or give the address (--ray auto {address})")
