@@ -11,11 +11,24 @@ parent-death signal) and Ray's fate sharing takes its node down with it.
 
 Ray records the nodes under the host's own address (it turns 127.0.0.1 into
 it); the drivers connect through 127.0.0.1.
+
+**Token authentication, pinned.** Ray 2.60's ``ray start --head`` turns token
+authentication on by itself when ``~/.ray/auth_token`` exists (as on any
+machine where Ray ran before: a cluster ``ray.init`` starts writes it), while
+``ray start --address=...`` (the worker nodes) and a driver given an address
+never do: with that file the worker nodes and the drivers were refused
+(``InvalidAuthToken``) and never joined. So the cluster does not leave it to
+``~/.ray``: every node runs with ``RAY_AUTH_MODE=token`` and a token of its own
+(``RAY_AUTH_TOKEN``, which Ray prefers to any file), and :meth:`LocalCluster.drivers`
+(entered by ``with LocalCluster() as cluster``) gives the drivers of this
+process and its children the same. Nothing under ``~/.ray`` is read or written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -52,9 +65,12 @@ class LocalCluster:
         self.address = f"127.0.0.1:{self.port}"
         # Short: Ray puts its sockets below it, and a socket path holds at most 107 bytes.
         self.temp = tempfile.mkdtemp(prefix="kvr", dir="/tmp")
+        # What a driver of this cluster needs in its environment (see the module doc).
+        self.auth_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
         self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=ROOT,
                         # one thread per task, as the --jobs workers on these cores
-                        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+                        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **self.auth_env)
+        self.env.pop("RAY_AUTH_TOKEN_PATH", None)
         self.nodes: list[tuple[subprocess.Popen, str]] = []
 
     def _start_node(self, args: list[str], name: str) -> None:
@@ -143,8 +159,40 @@ class LocalCluster:
                 continue
         return found
 
+    @contextlib.contextmanager
+    def drivers(self):
+        """os.environ holds this cluster's token while inside: drivers started here (``python -m kvdbg``) or
+        in this process (run_fleet) are let in. This process's Ray, if imported, reads it again on the way
+        in and out (it caches the mode and the token)."""
+        saved = {name: os.environ.get(name) for name in (*self.auth_env, "RAY_AUTH_TOKEN_PATH")}
+        os.environ.update(self.auth_env)
+        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+        _reload_ray_auth()
+        try:
+            yield self
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            _reload_ray_auth()
+
     def __enter__(self) -> "LocalCluster":
-        return self.start()
+        self.start()
+        self._drivers = self.drivers()
+        self._drivers.__enter__()
+        return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        try:
+            self._drivers.__exit__(None, None, None)
+        finally:
+            self.stop()
+
+
+def _reload_ray_auth() -> None:
+    if "ray" in sys.modules:
+        from kvdbg.fleet.ray_executor import _reload_ray_auth as reload
+
+        reload()

@@ -16,7 +16,8 @@ def ray_cluster():
 
     cluster = LocalCluster(workers=2, cpus=1).start()
     try:
-        yield cluster
+        with cluster.drivers():  # the cluster's token for the drivers (this process's and the kvdbg it starts)
+            yield cluster
     finally:
         strays = cluster.stop()
         assert not strays, f"processes of the cluster left after its nodes stopped: {strays}"
