@@ -365,3 +365,46 @@ def test_a_numpy_or_torch_step_number_is_filtered_and_recorded_as_an_int(tmp_pat
     assert capturer.requested == 2 and not capturer.dropped
     assert capturer.capture(*engine.args(), output=engine.output, step="3", rank=0) is None
     assert capturer.failures == {"input:CaptureInputError": 1} and capturer.dropped == {"input": 1}
+
+
+def test_while_held_the_writer_finishes_its_step_and_starts_no_other(tmp_path, slow_disk):
+    """A CUDA graph being recorded (the vLLM plugin holds the writer): CUDA forbids, process-wide, what the
+    writer does for a step; the step under way is finished first, the next waits for the end of the hold."""
+    engine = Engine()
+    capturer = Capturer(str(tmp_path), queue_bytes=1 << 30)
+    capture_steps(capturer, engine, [0, 1])
+    assert slow_disk.writing.wait(10)  # step 0 is being written, step 1 waits in the queue
+    done = {}
+
+    def hold():
+        with capturer.held_writer(timeout=10) as idle:
+            done["idle"] = idle
+            done["files"] = files(tmp_path)
+            time.sleep(0.5)  # the graph's recording: the writer must not start step 1 meanwhile
+            done["files_after"] = files(tmp_path)
+            done["writing"] = capturer._writing
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    time.sleep(0.2)
+    assert "idle" not in done  # the hold waits for the step under way...
+    slow_disk.set()  # ...which finishes
+    holder.join(10)
+    assert done["idle"] is True and done["writing"] == 0
+    assert len(done["files"]) == 1 and done["files_after"] == done["files"]
+    assert capturer.flush(10) and len(files(tmp_path)) == 2  # released: the waiting step is written
+    capturer.close()
+
+
+def test_a_hold_waits_a_bounded_time_for_a_step_that_does_not_finish(tmp_path, slow_disk):
+    engine = Engine()
+    capturer = Capturer(str(tmp_path), queue_bytes=1 << 30)
+    capture_steps(capturer, engine, [0])
+    assert slow_disk.writing.wait(10)
+    began = time.monotonic()
+    with capturer.held_writer(timeout=0.3) as idle:
+        assert idle is False
+    assert time.monotonic() - began < 5
+    slow_disk.set()
+    assert capturer.flush(10) and len(files(tmp_path)) == 1
+    capturer.close()

@@ -160,6 +160,7 @@ class Capturer(CaptureWriter):
         self._in_flight = 0
         self._writing = 0
         self._given_up = 0
+        self._held = 0  # > 0 while the engine records a CUDA graph: the writer starts no step (held_writer)
         self._queued_bytes = 0
         self._queue_budget: int | None = None
         self._queue_budget_why = ""

@@ -8,6 +8,7 @@ and tells each step's ``on_written`` callback what became of it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -36,6 +37,9 @@ __all__ = ["CaptureWriter", "writer_niceness"]
 # scheduler preempts while it holds the interpreter lock keeps the engine's thread waiting for that lock
 # until its next slice, which at 19 comes rarely (docs/capture.md, "The writer's priority").
 WRITER_NICENESS_ADDED = 10
+# held_writer: how long the engine's thread waits for the step being written, and how often it looks.
+HOLD_WAIT_SECONDS = 30.0
+HELD_POLL_SECONDS = 0.002
 
 
 class _WriteFailed(Exception):
@@ -209,19 +213,31 @@ class CaptureWriter:
                 # Idle with free page buffers: give them back to the system after a while.
                 item = self._queue.get(timeout=IDLE_RELEASE_SECONDS if self._buffers.free_bytes else None)
             except queue.Empty:
-                released = self._buffers.trim()
+                with self._lock:
+                    if self._held:  # freeing pinned memory is a CUDA call: not while a graph is recorded
+                        continue
+                    self._writing += 1
+                try:
+                    released = self._buffers.trim()
+                finally:
+                    with self._lock:
+                        self._writing -= 1
                 if released:
                     logger.debug("kvdbg capture: idle for %.0f s, released %d bytes of free page buffers",
                                  IDLE_RELEASE_SECONDS, released)
                 continue
             pending, directory, where, nbytes, on_written = item
             path = None
-            with self._lock:
-                given_up = self._given_up > 0
-                if given_up:  # close counted it as dropped ("still waiting at shutdown")
-                    self._given_up -= 1
-                else:
-                    self._writing += 1
+            while True:
+                with self._lock:
+                    if not self._held:
+                        given_up = self._given_up > 0
+                        if given_up:  # close counted it as dropped ("still waiting at shutdown")
+                            self._given_up -= 1
+                        else:
+                            self._writing += 1
+                        break
+                time.sleep(HELD_POLL_SECONDS)
             if given_up:
                 pending.release()
                 _tell(on_written, None)
@@ -250,6 +266,27 @@ class CaptureWriter:
                     self._writing -= 1
                     self._in_flight -= 1
                     self._queued_bytes -= nbytes
+
+    @contextlib.contextmanager
+    def held_writer(self, timeout: float = HOLD_WAIT_SECONDS):
+        """No device work in the writer while inside: the step it is writing is finished first (at most
+        ``timeout`` seconds), and it starts no other until the block ends.
+
+        For a CUDA graph being recorded on the engine's thread: CUDA forbids, process-wide, calls such as
+        synchronising an event or freeing pinned memory while a stream captures (the capture then fails with
+        ``invalid argument`` or ``operation not permitted``), and the writer makes such calls for each step.
+        Steps handed to the writer meanwhile wait in its queue. Whether the writer was idle in time is yielded.
+        """
+        with self._lock:
+            self._held += 1
+        try:
+            deadline = time.monotonic() + timeout
+            while self._writing and time.monotonic() < deadline:
+                time.sleep(HELD_POLL_SECONDS)
+            yield not self._writing
+        finally:
+            with self._lock:
+                self._held -= 1
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the background writer has written (or dropped) everything handed to it.
