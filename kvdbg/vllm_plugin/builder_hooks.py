@@ -9,8 +9,8 @@ from typing import Any
 from kvdbg.vllm_plugin import vllm_facts
 from kvdbg.vllm_plugin.records import _EngineContext, _HostMetadata, _builder_facts
 from kvdbg.vllm_plugin.vllm_facts import (
-    _ENGINE_ATTR, _HOST_SLOTS_KEPT, _SIDE_TABLE_SIZE, _parallel_facts, _rows, _step_refusal,
-    _tensor_key
+    _ENGINE_ATTR, _HOST_SLOTS_KEPT, _SIDE_TABLE_SIZE, _parallel_facts, _requests_with_tokens, _rows,
+    _step_refusal, _tensor_key
 )
 
 logger = logging.getLogger("kvdbg.capture")
@@ -40,7 +40,7 @@ class BuilderHooks:
                 return False
             if vllm_facts._graph_capturing(common.seq_lens):
                 return False
-            num_reqs = int(common.num_reqs)
+            num_reqs = _requests_with_tokens(common)
             causal = common.causal
             facts = self._builder_facts.get(id(builder))
             if facts is None:
@@ -62,8 +62,12 @@ class BuilderHooks:
                 bt, sl, qsl = (t.clone() for t in rows)
                 slots = None if tokens is None else slot_mapping[:tokens].clone()
                 causal = causal.clone() if hasattr(causal, "clone") else causal
-            self._stash(metadata, _EngineContext(id(metadata), bt, sl, qsl, slots, causal, facts,
-                                                 _step_refusal(common), host))
+            ctx = _EngineContext(id(metadata), bt, sl, qsl, slots, causal, facts, _step_refusal(common), host)
+            self._stash(metadata, ctx)
+            if self._graph_layers:  # a full CUDA graph may run this step: its replay finds the context by layer
+                counts, builds = self._forward_counts, self._graph_builds
+                for name in names if names is not None else getattr(builder, "layer_names", None) or ():
+                    builds[name] = (counts.get(name, 0), ctx)
             return for_capture
         except Exception as exc:
             self.capturer.report(exc, f"{type(builder).__name__}.build")

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from kvdbg.vllm_plugin.builder_hooks import BuilderHooks
+from kvdbg.vllm_plugin.graph_hooks import GRAPH_WRAPPER, GraphHooks
 from kvdbg.vllm_plugin.layers import LayerHooks
 from kvdbg.vllm_plugin.step_hooks import StepHooks
 from kvdbg.vllm_plugin.records import _BuilderFacts, _Declared, _EngineContext, _ImplInfo
@@ -20,7 +21,9 @@ from kvdbg.vllm_plugin.vllm_facts import (
     ATTENTION_LAYER_CLASSES, CUDAGRAPH_ADVICE, WORKER_MODULE, _is_mla, _max_graph_size, _resolve_backend,
     cudagraph_note
 )
-from kvdbg.vllm_plugin.wrappers import _wrap_build, _wrap_cache_update, _wrap_forward, _wrap_layer_init, _wrap_shutdown
+from kvdbg.vllm_plugin.wrappers import (
+    _wrap_build, _wrap_cache_update, _wrap_forward, _wrap_graph_call, _wrap_layer_init, _wrap_shutdown
+)
 
 if TYPE_CHECKING:  # torch and the capture modules load only once capture is switched on
     import torch
@@ -31,7 +34,7 @@ if TYPE_CHECKING:  # torch and the capture modules load only once capture is swi
 logger = logging.getLogger("kvdbg.capture")
 
 
-class _PluginState(LayerHooks, BuilderHooks, StepHooks):
+class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
     def __init__(self, capturer: "Capturer", requested: list[str] | None = None):
         self.capturer = capturer
         self.requested = list(requested or [])
@@ -71,6 +74,16 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks):
         self._graphs_said = False
         self._parallel: dict[str, Any] | None = None  # this process's place among the engine's ranks, read once
         self.sentinel: "SentinelHooks | None" = None  # the sampled check of the engine's own attention
+        # Full CUDA graphs (graph_hooks): per graph size, its attention layers in order with the slot of each
+        # layer capture selects; per layer, the buffers the graphs copy into; per layer, the latest build's
+        # context and the step it was for; the size being recorded; the largest graph size the engine declares.
+        self.graphs_watched = False
+        self._graph_layers: dict[int, list[tuple[str, Any]]] = {}
+        self._graph_buffers: dict[str, Any] = {}
+        self._graph_builds: dict[str, tuple[int, _EngineContext]] = {}
+        self._recording: int | None = None
+        self._max_graph_tokens: int | None = None
+        self._forward_context = None
 
     # ---------------------------------------------------------------- patching
 
@@ -149,6 +162,28 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks):
             return
         self._patch(wrapper_cls, "shutdown", _wrap_shutdown)
 
+    def watch_graphs(self) -> None:
+        """Wrap vLLM's CUDA-graph wrapper: steps replayed from full graphs are captured (graph_hooks)."""
+        module_name, class_name = GRAPH_WRAPPER
+        try:
+            wrapper_cls = getattr(importlib.import_module(module_name), class_name)
+        except Exception:  # another vLLM version: full graphs hide their steps, as the note then says
+            logger.debug("kvdbg capture: no %s.%s; steps replayed from full CUDA graphs are not captured",
+                         module_name, class_name)
+            return
+        self._patch(wrapper_cls, "__call__", _wrap_graph_call)
+        self.graphs_watched = True
+
+    def held_writers(self):
+        """The writers (capture's, the sentinel's) do no device work while a CUDA graph is recorded."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.capturer.held_writer())
+        if self.sentinel is not None:
+            stack.enter_context(self.sentinel.capturer.held_writer())
+        return stack
+
     def before_shutdown(self) -> None:
         try:
             # vLLM sends SIGTERM to workers still running after VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (default 5):
@@ -194,19 +229,24 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks):
 
     def note_cudagraphs(self, vllm_config: Any) -> None:
         """Say once per process when full CUDA graphs hide steps from Python, which ones, and what to do."""
-        if self._graphs_said or vllm_config is None:
+        if vllm_config is None:
             return
         try:
             compilation = getattr(vllm_config, "compilation_config", None)
+            if self._max_graph_tokens is None:
+                self._max_graph_tokens = _max_graph_size(compilation)
+            if self._graphs_said:
+                return
             mode = getattr(compilation, "cudagraph_mode", None)
             if mode is None:
                 return
             if getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
                 return
-            line = cudagraph_note(mode, _max_graph_size(compilation))
-            if line is not None:
+            captured = self.graphs_watched and self.capturer.active
+            for level, line in cudagraph_note(mode, self._max_graph_tokens, captured=captured,
+                                              sentinel=self.sentinel is not None):
                 self._graphs_said = True
-                logger.warning("kvdbg capture: %s", line)
+                logger.log(level, "kvdbg capture: %s", line)
         except Exception as exc:  # telling must never cost the engine
             logger.debug("kvdbg capture: could not read the CUDA graph mode: %s", exc)
 

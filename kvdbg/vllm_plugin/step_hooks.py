@@ -7,6 +7,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kvdbg.vllm_plugin import vllm_facts
+from kvdbg.vllm_plugin.graph_hooks import GraphSlot
 from kvdbg.vllm_plugin.records import _EngineContext
 
 if TYPE_CHECKING:  # torch and the capture modules load only once capture is switched on
@@ -37,8 +38,8 @@ class StepHooks:
             if name is None:
                 return False
             step = self._forward_counts.get(name, 0)  # the forward this update belongs to comes next
-            if vllm_facts._graph_capturing(kv_cache):
-                if self.capturer.layer_selected(name):
+            if vllm_facts._graph_capturing(kv_cache):  # the forward records what the graph's steps need
+                if self._recording is None and self.capturer.layer_selected(name):
                     self.note_graph_recording(name)
                 return False
             if not self.capturer.wants(name, step):
@@ -72,9 +73,7 @@ class StepHooks:
             if name is None:
                 return None
             if vllm_facts._graph_capturing(query):
-                if self.capturer.layer_selected(name):
-                    self.note_graph_recording(name)
-                return None
+                return self.record_in_graph(impl, layer, query, kv_cache, output)
             step = self._forward_counts.get(name, 0)
             self._forward_counts[name] = step + 1
             pre = self._pre_updates.pop(name, None)
@@ -82,36 +81,42 @@ class StepHooks:
                 pre = None
             if not self.capturer.wants(name, step):
                 return None
-            kv_layout = self.engine_layout(impl, layer, self._info(impl), kv_cache)
-            if kv_layout is None:
-                self.capturer.skip(name, step)
-                return None
             ctx = self._lookup(metadata)
             if ctx is None:
-                from kvdbg.capture.capturer import CaptureInputError
-
-                raise CaptureInputError(
-                    f"the {type(metadata).__name__} it received was not returned by a wrapped builder's build(), "
-                    "so the engine-level metadata is unknown"
-                )
-            if ctx.refused is not None:
-                self.capturer.failures["step:mask"] += 1
-                self._say_refused(f"{ctx.builder} built a batch whose mask a snapshot cannot hold: {ctx.refused}; "
-                                  "such steps are not captured", key=f"step:{ctx.refused.split(' ')[0]}")
-                self.capturer.skip(name, step)
-                return None
-            if ctx.max_model_len is None:
-                from kvdbg.capture.capturer import CaptureInputError
-
-                raise CaptureInputError(f"{ctx.builder} has no vllm_config.model_config.max_model_len")
+                ctx = (f"the {type(metadata).__name__} it received was not returned by a wrapped builder's build(), "
+                       "so the engine-level metadata is unknown")
             model_dtype = output.dtype if output is not None else layer.dtype
-            target = self.capture_layer(impl, layer, kv_layout, model_dtype)
-            backend, tensors, provenance = self.step_capture(impl, ctx, query, key, value, kv_cache, pre, layer,
-                                                             kv_layout)
-            return self.capturer.begin(target, backend, tensors, step=step, info=provenance)
+            return self.start_capture(impl, layer, step, query, key, value, kv_cache, ctx, pre, model_dtype)
         except Exception as exc:
             self.capturer.report(exc, f"{type(impl).__name__}.forward", step_lost=True)
             return None
+
+    def start_capture(self, impl: Any, layer: Any, step: int, query, key, value, kv_cache,
+                      ctx: "_EngineContext | str", pre: "PreUpdate | None", model_dtype,
+                      notes: str = "") -> "PendingCapture | None":
+        """Begin capturing a step the filters want: its layout, its metadata (``ctx``, or why it is unknown),
+        its copies. From a forward, or from the buffers a CUDA graph's replay wrote (``graph_hooks``)."""
+        name = layer.layer_name
+        kv_layout = self.engine_layout(impl, layer, self._info(impl), kv_cache)
+        if kv_layout is None:
+            self.capturer.skip(name, step)
+            return None
+        from kvdbg.capture.capturer import CaptureInputError
+
+        if isinstance(ctx, str):
+            raise CaptureInputError(ctx)
+        if ctx.refused is not None:
+            self.capturer.failures["step:mask"] += 1
+            self._say_refused(f"{ctx.builder} built a batch whose mask a snapshot cannot hold: {ctx.refused}; "
+                              "such steps are not captured", key=f"step:{ctx.refused.split(' ')[0]}")
+            self.capturer.skip(name, step)
+            return None
+        if ctx.max_model_len is None:
+            raise CaptureInputError(f"{ctx.builder} has no vllm_config.model_config.max_model_len")
+        target = self.capture_layer(impl, layer, kv_layout, model_dtype)
+        backend, tensors, provenance = self.step_capture(impl, ctx, query, key, value, kv_cache, pre, layer,
+                                                         kv_layout)
+        return self.capturer.begin(target, backend, tensors, step=step, info=provenance, notes=notes)
 
     def step_capture(self, impl: Any, ctx: _EngineContext, query, key, value, kv_cache, pre: "PreUpdate | None",
                      layer: Any, kv_layout: "EngineLayout") -> tuple["CaptureBackend", "StepTensors", dict[str, Any]]:
@@ -145,8 +150,11 @@ class StepHooks:
                                                                                           kv_layout, how))
         return cached[1], tensors, cached[2]
 
-    def after_forward(self, pending: "PendingCapture", output, result) -> None:
+    def after_forward(self, pending: "PendingCapture | GraphSlot", output, result) -> None:
         try:
+            if type(pending) is GraphSlot:  # a graph is being recorded: its copy of the output
+                self.record_graph_output(pending, output if output is not None else result)
+                return
             self.capturer.finish(pending, output if output is not None else result)
         except Exception as exc:  # finish does not raise; this guards the engine against a kvdbg bug anyway
             self.capturer.report(exc, "after forward", step_lost=True)

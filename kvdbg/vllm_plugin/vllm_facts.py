@@ -180,16 +180,21 @@ def _spec_record(spec: Any) -> dict[str, Any] | None:
     return record
 
 
-def cudagraph_note(mode: Any, max_size: int | None) -> str | None:
-    """What a process running under ``mode`` (vLLM's CUDAGraphMode) keeps from kvdbg, or None when nothing.
+def cudagraph_note(mode: Any, max_size: int | None, *, captured: bool = False,
+                   sentinel: bool = False) -> list[tuple[int, str]]:
+    """What to say of a process running under ``mode`` (vLLM's CUDAGraphMode): (log level, line) pairs, none
+    when every step reaches Python.
 
     Full CUDA graphs replay the whole forward, attention included, without Python;
     piecewise graphs leave attention eager between their pieces::
 
         NONE, PIECEWISE        every step reaches Python
-        FULL_DECODE_ONLY       decode batches up to the largest graph size: hidden
-        FULL_AND_PIECEWISE     decode batches up to it: hidden; mixed and prefill batches: seen
-        FULL                   every batch up to it: hidden
+        FULL_DECODE_ONLY       decode batches up to the largest graph size: replayed
+        FULL_AND_PIECEWISE     decode batches up to it: replayed; mixed and prefill batches: seen
+        FULL                   every batch up to it: replayed
+
+    ``captured``: capture records its copies into those graphs (vLLM's graph wrapper is watched), so their
+    steps are captured. The sentinel's checks are not recorded into graphs: its steps there stay unchecked.
     """
     def full(part: Any) -> bool:
         return getattr(part, "name", str(part)) == "FULL"
@@ -199,13 +204,22 @@ def cudagraph_note(mode: Any, max_size: int | None) -> str | None:
     except Exception:
         decode = mixed = mode
     if not full(decode) and not full(mixed):
-        return None
+        return []
+    name = getattr(mode, "name", mode)
     bound = f"of up to {max_size} tokens" if max_size else "of the sizes vLLM records graphs for"
-    hidden = f"every batch {bound}" if full(mixed) else f"uniform decode batches {bound}"
+    replayed = f"every batch {bound}" if full(mixed) else f"uniform decode batches {bound}"
     seen = "only larger batches" if full(mixed) else "prefill and mixed batches (and larger decode batches)"
-    return (f"cudagraph_mode is {getattr(mode, 'name', mode)}: {hidden} run as full CUDA graphs, replayed without "
-            f"Python, so kvdbg cannot see or capture those steps; it sees {seen}. To capture decode steps, "
-            f"{CUDAGRAPH_ADVICE}")
+    lines = []
+    if captured:
+        lines.append((logging.INFO, f"cudagraph_mode is {name}: {replayed} run as full CUDA graphs; the copies "
+                                    "capture needs of each selected layer are recorded into them, so those steps "
+                                    "are captured too"))
+    if sentinel or not captured:
+        who = "the sentinel cannot check" if captured else "kvdbg cannot see or capture"
+        lines.append((logging.WARNING, f"cudagraph_mode is {name}: {replayed} run as full CUDA graphs, replayed "
+                                       f"without Python, so {who} those steps; it sees {seen}. To "
+                                       f"{'check' if captured else 'capture'} decode steps, {CUDAGRAPH_ADVICE}"))
+    return lines
 
 
 def _max_graph_size(compilation: Any) -> int | None:
@@ -217,6 +231,21 @@ def _max_graph_size(compilation: Any) -> int | None:
         return max(int(x) for x in sizes) if sizes else None
     except (TypeError, ValueError):
         return None
+
+
+def _requests_with_tokens(common: Any) -> int:
+    """The batch's requests, less the padding rows vLLM adds after them for a full CUDA graph's batch size
+    (rows of no tokens, read from the host copy of the query offsets; without one, every row)."""
+    num_reqs = int(common.num_reqs)
+    offsets = getattr(common, "query_start_loc_cpu", None)
+    if num_reqs == 0 or offsets is None or len(offsets) < num_reqs + 1:
+        return num_reqs
+    total = offsets[num_reqs]
+    if offsets[num_reqs - 1] != total:  # the last row has tokens: no padding (every eager step)
+        return num_reqs
+    import torch
+
+    return int(torch.searchsorted(offsets[: num_reqs + 1], total))  # the first row that ends where the batch does
 
 
 def _graph_capturing(t: Any) -> bool:

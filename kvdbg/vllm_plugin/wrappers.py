@@ -7,6 +7,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
+from kvdbg.vllm_plugin.graph_hooks import GraphSlot
 from kvdbg.vllm_plugin.vllm_facts import _clock
 
 if TYPE_CHECKING:  # torch and the capture modules load only once capture is switched on
@@ -28,7 +29,9 @@ def _wrap_forward(state: _PluginState, original):
         spent = _clock() - start
         result = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         account = state.capturer.engine_time
-        if pending is not None:
+        if type(pending) is GraphSlot:  # a graph is recorded (start-up): no step of its own
+            state.after_forward(pending, output, result)
+        elif pending is not None:
             start = _clock()
             state.after_forward(pending, output, result)
             account.captured_ns += spent + _clock() - start
@@ -100,3 +103,29 @@ def _wrap_build(state: _PluginState, original):
 
     build._kvdbg_original = original
     return build
+
+
+def _wrap_graph_call(state: _PluginState, original):
+    """vLLM's CUDAGraphWrapper.__call__: once per step and graph, not per layer (graph_hooks says why)."""
+
+    @functools.wraps(original)
+    def __call__(self, *args, **kwargs):
+        what = state.graph_call(self)
+        if what is None:
+            return original(self, *args, **kwargs)
+        kind, tokens = what
+        if kind == "record":
+            state.begin_graph_recording(tokens)
+            try:
+                with state.held_writers():
+                    return original(self, *args, **kwargs)
+            finally:
+                state.end_graph_recording()
+        result = original(self, *args, **kwargs)
+        start = _clock()
+        copied = state.after_graph_replay(tokens)
+        _account(state, copied, _clock() - start)
+        return result
+
+    __call__._kvdbg_original = original
+    return __call__

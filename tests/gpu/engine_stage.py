@@ -115,6 +115,13 @@ def engine_run(model_dir: str, model: str, mode: str, out: str) -> dict:
     return record
 
 
+def from_graph(path: str) -> bool:
+    """Whether the snapshot was captured from a step replayed as a full CUDA graph (its notes say so)."""
+    from kvdbg import api
+
+    return "full CUDA graph" in api.load(path).meta.notes
+
+
 def judge(path: str) -> list[str]:
     """The CPU stage's judgement of one snapshot, on the GPU: captured vs reference, vllm vs captured, no error."""
     from kvdbg import api
@@ -178,7 +185,7 @@ def main() -> int:
         return one_run(args.out, *args.one.split(":"), capture=not args.without_kvdbg)
     import subprocess
 
-    summary = {"runs": [], "snapshots": 0, "passed": 0, "problems": []}
+    summary = {"runs": [], "snapshots": 0, "passed": 0, "from_graphs": {}, "problems": []}
     for model in args.models.split(","):
         for mode in args.modes.split(","):
             started = time.monotonic()
@@ -200,13 +207,22 @@ def main() -> int:
             for case, info in record.get("cases", {}).items():
                 files = sorted(f for f in os.listdir(info["dir"]) if f.endswith(".safetensors")) \
                     if os.path.isdir(info["dir"]) else []
+                run = f"{model}/{mode}"
                 for name in files:
                     summary["snapshots"] += 1
+                    if from_graph(os.path.join(info["dir"], name)):
+                        summary["from_graphs"][run] = summary["from_graphs"].get(run, 0) + 1
                     problems = judge(os.path.join(info["dir"], name))
                     if problems:
                         summary["problems"] += [f"{model}/{mode}/{case}/{name}: {p}" for p in problems]
                     else:
                         summary["passed"] += 1
+    # Under full CUDA graphs, decode steps are replayed from graphs: some of each such run's snapshots must be.
+    for run in summary["runs"]:
+        name = f"{run['model']}/{run['mode']}"
+        if run["mode"] in ("FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE") and not args.without_kvdbg \
+                and not summary["from_graphs"].get(name):
+            summary["problems"].append(f"{name}: no snapshot was captured from a step replayed as a CUDA graph")
     print(json.dumps(summary, indent=1))
     return 0 if (summary["snapshots"] or args.without_kvdbg) and not summary["problems"] else 1
 

@@ -422,8 +422,8 @@ def test_fp8_per_tensor_is_read(kv_cache_dtype):
 def test_cudagraph_modes_are_said_as_vllm_defines_them():
     from vllm.config import CUDAGraphMode
 
-    said = {mode.name: vllm_facts.cudagraph_note(mode, 512) for mode in CUDAGraphMode}
-    assert said["NONE"] is None and said["PIECEWISE"] is None
+    said = {mode.name: " ".join(line for _, line in vllm_facts.cudagraph_note(mode, 512)) for mode in CUDAGraphMode}
+    assert said["NONE"] == "" and said["PIECEWISE"] == ""
     assert "uniform decode batches of up to 512 tokens" in said["FULL_DECODE_ONLY"]
     assert "uniform decode batches of up to 512 tokens" in said["FULL_AND_PIECEWISE"]
     assert "every batch of up to 512 tokens" in said["FULL"]

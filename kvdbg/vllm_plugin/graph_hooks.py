@@ -1,0 +1,178 @@
+"""Steps run as full CUDA graphs: what the graph must copy for capture, recorded into it, and the capture
+itself once vLLM has replayed it.
+
+A replayed graph runs no Python, so the per-layer hooks of ``step_hooks`` never see its steps. Two things
+still do: the metadata builder (vLLM builds every step in Python, graphs or not, so ``builder_hooks`` keeps
+the step's block table, lengths and query offsets as for any step) and vLLM's ``CUDAGraphWrapper.__call__``
+(once per step, wrapped here). So:
+
+- **while a graph is recorded** (once per batch size, at start-up), each attention layer's forward is also
+  recorded copying its query and its output into buffers of the plugin's (one per layer, as large as the
+  largest graph, allocated while the first graph is recorded, from the graph's pool). The copies run at
+  every replay: a few hundred kilobytes of device-to-device copies per layer, no Python. They are recorded
+  only for the layers the capture filter selects; the writer holds its device work meanwhile
+  (:meth:`~kvdbg.capture.writer.CaptureWriter.held_writer`: CUDA forbids, process-wide, what it does while a
+  stream captures);
+- **after each replay**, the step's layers are counted as if their forwards had run; for a step the filters
+  want, the capture is begun from those buffers and the layer's cache (it lives outside the graph), with the
+  metadata its build kept, and finished at once. Its copies are queued on the engine's stream after the
+  graph's work and before the next step's: nothing the next step overwrites is read late.
+
+Padding rows of a graph's batch (vLLM pads a batch up to the graph's size with requests of no tokens on the
+null block) are not requests: the builder hook keeps only the rows with tokens, and the query rows past the
+step's tokens are not stored.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("kvdbg.capture")
+
+# Where vLLM defines the wrapper that records and replays its CUDA graphs.
+GRAPH_WRAPPER = ("vllm.compilation.cuda_graph", "CUDAGraphWrapper")
+
+
+@dataclass(slots=True)
+class GraphSlot:
+    """One layer of one recorded graph: where the graph copies the layer's query and output, and what the
+    capture needs that the graph's Python no longer hands over (the impl, the layer, its cache tensor)."""
+
+    name: str
+    impl: Any
+    layer: Any
+    kv_cache: "torch.Tensor"
+    query: "torch.Tensor"
+    output: "torch.Tensor | None" = None
+
+
+class _GraphBuffers:
+    """A layer's buffers for its query and output: one each, rows for the largest graph; views per graph."""
+
+    __slots__ = ("query", "output")
+
+    def __init__(self, query: "torch.Tensor", output: "torch.Tensor | None" = None):
+        self.query, self.output = query, output
+
+
+class GraphHooks:
+    """The plugin state's hooks for full CUDA graphs (mixed into ``_PluginState``)."""
+
+    # ---------------------------------------------------------------- what a graph call is
+
+    def graph_call(self, wrapper: Any) -> tuple[str, int] | None:
+        """``("record", tokens)`` when this call of vLLM's graph wrapper records a graph, ``("replay", tokens)``
+        when it replays a full one (attention inside), None otherwise (no graph, or a piecewise one replayed:
+        attention then runs in Python between its pieces)."""
+        try:
+            context = self._forward_context
+            if context is None:
+                from vllm.forward_context import get_forward_context, is_forward_context_available
+
+                context = self._forward_context = (is_forward_context_available, get_forward_context)
+            available, get = context
+            if not available():
+                return None
+            forward = get()
+            mode = forward.cudagraph_runtime_mode
+            if mode is None or mode != wrapper.runtime_mode or getattr(mode, "name", "") == "NONE":
+                return None
+            batch = forward.batch_descriptor
+            if batch is None:
+                return None
+            entry = wrapper.concrete_cudagraph_entries.get(batch)
+            if entry is None or entry.cudagraph is None:
+                return "record", int(batch.num_tokens)
+            if getattr(mode, "name", "") != "FULL":
+                return None
+            return "replay", int(batch.num_tokens)
+        except Exception as exc:  # an unknown vLLM: say it once, capture what eager steps show
+            self.capturer.report(exc, "CUDAGraphWrapper.__call__")
+            return None
+
+    def begin_graph_recording(self, tokens: int) -> None:
+        """A graph of ``tokens`` is about to be recorded: its layers are learnt anew."""
+        self._graph_layers[tokens] = []
+        self._recording = tokens
+
+    def end_graph_recording(self) -> None:
+        self._recording = None
+
+    # ---------------------------------------------------------------- recording (inside the graph)
+
+    def record_in_graph(self, impl: Any, layer: Any, query, kv_cache, output) -> GraphSlot | None:
+        """Called for a layer's forward while a graph records: note the layer's place in the graph and, for a
+        layer capture selects, record the copy of its query (the output's follows the forward)."""
+        tokens = self._recording
+        name = getattr(layer, "layer_name", None)
+        if tokens is None or name is None:  # a graph recorded outside vLLM's wrapper: not replayed through it
+            if name is not None and self.capturer.layer_selected(name):
+                self.note_graph_recording(name)
+            return None
+        layers = self._graph_layers[tokens]
+        if not self.capturer.active or not self.capturer.layer_selected(name) or kv_cache is None:
+            layers.append((name, None))
+            return None
+        rows = int(query.shape[0])
+        buffers = self._graph_buffers.get(name)
+        if buffers is None or buffers.query.shape[0] < rows or buffers.query.shape[1:] != query.shape[1:] \
+                or buffers.query.dtype != query.dtype or buffers.query.device != query.device:
+            # Allocated while the graph records, from its pool; alive as long as the plugin, so never reused.
+            size = max(rows, self._max_graph_tokens or 0)
+            buffers = self._graph_buffers[name] = _GraphBuffers(query.new_empty((size, *query.shape[1:])))
+        buffers.query[:rows].copy_(query[:rows])
+        slot = GraphSlot(name, impl, layer, kv_cache, buffers.query[:rows])
+        layers.append((name, slot))
+        return slot
+
+    def record_graph_output(self, slot: GraphSlot, output) -> None:
+        """After the layer's forward, still recording: the copy of its output."""
+        if output is None:
+            return
+        rows = slot.query.shape[0]
+        buffers = self._graph_buffers[slot.name]
+        if buffers.output is None or buffers.output.shape[0] < rows or buffers.output.shape[1:] != output.shape[1:] \
+                or buffers.output.dtype != output.dtype:
+            size = max(rows, buffers.query.shape[0])
+            buffers.output = output.new_empty((size, *output.shape[1:]))
+        buffers.output[:rows].copy_(output[:rows])
+        slot.output = buffers.output[:rows]
+
+    # ---------------------------------------------------------------- after a replay
+
+    def after_graph_replay(self, tokens: int) -> bool:
+        """The graph of ``tokens`` was replayed (its work is queued): count its layers' forwards and capture the
+        steps wanted. Whether anything was copied."""
+        layers = self._graph_layers.get(tokens)
+        if not layers:
+            return False
+        counts = self._forward_counts
+        copied = False
+        for name, slot in layers:
+            step = counts.get(name, 0)
+            counts[name] = step + 1
+            self._pre_updates.pop(name, None)
+            if slot is None or not self.capturer.wants(name, step):
+                continue
+            try:
+                built = self._graph_builds.get(name)
+                if built is None or built[0] != step:
+                    from kvdbg.capture.capturer import CaptureInputError
+
+                    raise CaptureInputError("no build of the metadata builder was seen for this step of a CUDA "
+                                            "graph, so the step's block table and lengths are unknown")
+                pending = self.start_capture(slot.impl, slot.layer, step, slot.query, None, None, slot.kv_cache,
+                                             built[1], None, slot.output.dtype if slot.output is not None
+                                             else slot.layer.dtype,
+                                             notes=f"replayed from a full CUDA graph of {tokens} tokens")
+                if pending is not None:
+                    self.capturer.finish(pending, slot.output)
+                    copied = True
+            except Exception as exc:
+                self.capturer.report(exc, "after a CUDA graph's replay", step_lost=True)
+        return copied
