@@ -948,17 +948,14 @@ def test_full_cuda_graphs_are_said_with_what_they_hide_and_what_to_do(mode, says
     said = vllm_facts.cudagraph_note(mode, 512)
     if says is None:
         assert said == []
-        assert vllm_facts.cudagraph_note(mode, 512, captured=True, sentinel=True) == []
+        assert vllm_facts.cudagraph_note(mode, 512, recorded=True) == []
         return
     [(level, line)] = said
     assert level == logging.WARNING and says in line and "\n" not in line
     assert "--enforce-eager" in line and '''--compilation-config '{"cudagraph_mode": "PIECEWISE"}''' in line
-    # Capture records its copies into the graphs (vLLM's graph wrapper watched): one line at INFO says so...
-    [(level, line)] = vllm_facts.cudagraph_note(mode, 512, captured=True)
-    assert level == logging.INFO and "are captured too" in line and "cannot" not in line
-    # ...and the sentinel, which checks no step replayed from a graph, keeps its warning.
-    (_, first), (level, warning) = vllm_facts.cudagraph_note(mode, 512, captured=True, sentinel=True)
-    assert first == line and level == logging.WARNING and "the sentinel cannot check those steps" in warning
+    # The copies are recorded into the graphs (vLLM's graph wrapper watched): one line at INFO says so.
+    [(level, line)] = vllm_facts.cudagraph_note(mode, 512, recorded=True)
+    assert level == logging.INFO and "are captured and checked too" in line and "cannot" not in line
 
 
 def test_the_graph_line_is_said_once_per_process_at_the_first_build(standins, tmp_path, caplog):

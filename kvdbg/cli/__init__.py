@@ -135,8 +135,9 @@ def cli():
 
     Capture from a live vLLM: install kvdbg into the engine's environment with
     no extra (pip install -e .; pip's --dry-run names kvdbg alone) and set
-    KVDBG_CAPTURE_DIR. On a GPU, serve with --enforce-eager or piecewise CUDA
-    graphs while capturing (full graphs hide decode steps). KVDBG_SENTINEL=0.01
+    KVDBG_CAPTURE_DIR. Steps replayed from full CUDA graphs are captured too
+    (not yet run in a GPU engine: to rule graphs out, serve with
+    --enforce-eager or piecewise graphs). KVDBG_SENTINEL=0.01
     checks 1% of each layer's steps against the exact reference inside the
     engine and captures the wrong ones. docs/capture.md.
     """

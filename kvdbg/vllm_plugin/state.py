@@ -242,9 +242,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
                 return
             if getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
                 return
-            captured = self.graphs_watched and self.capturer.active
-            for level, line in cudagraph_note(mode, self._max_graph_tokens, captured=captured,
-                                              sentinel=self.sentinel is not None):
+            for level, line in cudagraph_note(mode, self._max_graph_tokens, recorded=self.graphs_watched):
                 self._graphs_said = True
                 logger.log(level, "kvdbg capture: %s", line)
         except Exception as exc:  # telling must never cost the engine

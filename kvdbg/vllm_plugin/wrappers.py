@@ -121,6 +121,7 @@ def _wrap_graph_call(state: _PluginState, original):
                     return original(self, *args, **kwargs)
             finally:
                 state.end_graph_recording()
+        state.before_graph_replay()
         result = original(self, *args, **kwargs)
         start = _clock()
         copied = state.after_graph_replay(tokens)
