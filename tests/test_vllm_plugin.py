@@ -1153,3 +1153,21 @@ def test_only_layers_capture_selects_get_graph_copies(standins, tmp_path, monkey
         ("model.layers.0.self_attn.attn", False), ("model.layers.1.self_attn.attn", True)]
     assert list(state._graph_buffers) == ["model.layers.1.self_attn.attn"]
 
+
+
+def test_a_cache_update_before_any_build_is_no_refusal(standins, tmp_path, caplog):
+    """vLLM's profiling and warm-up runs write the cache before any metadata is built: no layer is refused, no
+    failure counted, and the first real steps are captured."""
+    caplog.set_level(logging.INFO, logger="kvdbg.capture")
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="0")
+    engine = StandinEngine("FLASHINFER_TS", layers=2)
+    common = engine.common()
+    for layer in engine.layers:
+        key, value = engine.inputs()[1:]
+        layer.impl.do_kv_cache_update(layer, key.view(-1, engine.num_kv_heads, engine.head_size),
+                                      value.view(-1, engine.num_kv_heads, engine.head_size), layer.kv_cache,
+                                      common.slot_mapping)
+    capturer = vllm_plugin.active_capturer()
+    assert not capturer.failures and not [r for r in caplog.records if "refused" in r.getMessage()]
+    engine.step()
+    assert len(snapshots(tmp_path)) == 2 and not capturer.failures

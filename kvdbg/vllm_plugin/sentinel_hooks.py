@@ -95,7 +95,8 @@ class SentinelHooks:
             step = state._forward_counts.get(name, 0)  # the forward this update belongs to comes next
             if not self.sentinel.sampled(name, step):  # first: the cost of a step not drawn is this lookup
                 return
-            if key is None or value is None or slot_mapping is None or vllm_facts._graph_capturing(kv_cache):
+            if key is None or value is None or slot_mapping is None or vllm_facts._graph_capturing(kv_cache) \
+                    or name not in state._declared:  # no build yet (profiling, warm-up): no step to check
                 return
             kv_layout = state.engine_layout(impl, layer, state._info(impl), kv_cache)
             if kv_layout is None:
