@@ -67,10 +67,11 @@ class GraphHooks:
 
     # ---------------------------------------------------------------- what a graph call is
 
-    def graph_call(self, wrapper: Any) -> tuple[str, int] | None:
-        """``("record", tokens)`` when this call of vLLM's graph wrapper records a graph, ``("replay", tokens)``
-        when it replays a full one (attention inside), None otherwise (no graph, or a piecewise one replayed:
-        attention then runs in Python between its pieces)."""
+    def graph_call(self, wrapper: Any) -> tuple[str, Any] | None:
+        """What this call of vLLM's graph wrapper does, with the graph's batch descriptor (its key: a full graph
+        of N tokens for uniform decode batches and one for mixed batches are two graphs): ``"record"`` a full
+        graph (attention inside), ``"record_pieces"`` a piecewise one (attention runs in Python between its
+        pieces, also while they record), ``"replay"`` a full one; None: no graph, or piecewise pieces replayed."""
         try:
             context = self._forward_context
             if context is None:
@@ -87,20 +88,20 @@ class GraphHooks:
             batch = forward.batch_descriptor
             if batch is None:
                 return None
+            full = getattr(mode, "name", "") == "FULL"
             entry = wrapper.concrete_cudagraph_entries.get(batch)
             if entry is None or entry.cudagraph is None:
-                return "record", int(batch.num_tokens)
-            if getattr(mode, "name", "") != "FULL":
-                return None
-            return "replay", int(batch.num_tokens)
+                return ("record" if full else "record_pieces"), batch
+            return ("replay", batch) if full else None
         except Exception as exc:  # an unknown vLLM: say it once, capture what eager steps show
             self.capturer.report(exc, "CUDAGraphWrapper.__call__")
             return None
 
-    def begin_graph_recording(self, tokens: int) -> None:
-        """A graph of ``tokens`` is about to be recorded: its layers are learnt anew."""
-        self._graph_layers[tokens] = []
-        self._recording = tokens
+    def begin_graph_recording(self, batch: Any) -> None:
+        """A full graph for ``batch`` (vLLM's batch descriptor) is about to be recorded: its layers are learnt
+        anew."""
+        self._graph_layers[batch] = []
+        self._recording = batch
 
     def end_graph_recording(self) -> None:
         self._recording = None
@@ -110,13 +111,13 @@ class GraphHooks:
     def record_in_graph(self, impl: Any, layer: Any, query, kv_cache, output) -> GraphSlot | None:
         """Called for a layer's forward while a graph records: note the layer's place in the graph and, for a
         layer capture selects, record the copy of its query (the output's follows the forward)."""
-        tokens = self._recording
+        batch = self._recording
         name = getattr(layer, "layer_name", None)
-        if tokens is None or name is None:  # a graph recorded outside vLLM's wrapper: not replayed through it
+        if batch is None or name is None:  # a graph recorded outside vLLM's wrapper: not replayed through it
             if name is not None and self.capturer.layer_selected(name):
                 self.note_graph_recording(name)
             return None
-        layers = self._graph_layers[tokens]
+        layers = self._graph_layers[batch]
         captured = self.capturer.active and self.capturer.layer_selected(name)
         checked = self.sentinel is not None and self.sentinel.sentinel.layer_selected(name)
         if not (captured or checked) or kv_cache is None:
@@ -154,10 +155,10 @@ class GraphHooks:
         if self.sentinel is not None:
             self.sentinel.before_graph_replay(self)
 
-    def after_graph_replay(self, tokens: int) -> bool:
-        """The graph of ``tokens`` was replayed (its work is queued): count its layers' forwards, capture the
+    def after_graph_replay(self, batch: Any) -> bool:
+        """The full graph for ``batch`` was replayed (its work is queued): count its layers' forwards, capture the
         steps wanted and hand the sentinel those it samples. Whether anything was copied for a capture."""
-        layers = self._graph_layers.get(tokens)
+        layers = self._graph_layers.get(batch)
         if not layers:
             return False
         counts = self._forward_counts
@@ -183,7 +184,8 @@ class GraphHooks:
                 pending = self.start_capture(slot.impl, slot.layer, step, slot.query, None, None, slot.kv_cache,
                                              ctx, None, slot.output.dtype if slot.output is not None
                                              else slot.layer.dtype,
-                                             notes=f"replayed from a full CUDA graph of {tokens} tokens")
+                                             notes=f"replayed from a full CUDA graph of {batch.num_tokens} "
+                                                   "tokens")
                 if pending is not None:
                     self.capturer.finish(pending, slot.output)
                     copied = True
