@@ -1,0 +1,177 @@
+"""A FlashInfer dump session read whole: every call listed, each paged-attention ``run`` paired with its
+wrapper's ``__init__`` and latest ``plan`` (by the instance the records name), converted, and written.
+
+A run pairs with the ``plan`` of the same wrapper instance -- the record's ``(process_id, self_id)``, the key
+FlashInfer's own replay uses -- made last before it, in session order; an ``__init__`` of that key starts
+a new wrapper (an id the process reused), so a plan before it no longer counts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvdbg.errors import OptionError
+from kvdbg.importers.dumpdir import DumpCall, DumpError, read_session
+from kvdbg.importers.flashinfer_paged import from_wrapper, to_snapshot, wrapper_class
+
+IMPORTED, USED, SKIPPED, REFUSED = "imported", "used", "skipped", "refused"
+_ATTENTION_WORDS = ("attention", "decode", "prefill", "mla", "context", "fmha", "xqa")
+
+
+@dataclass
+class ImportItem:
+    """One dumped call and what became of it."""
+
+    call: str  # the call's directory name
+    function: str
+    status: str  # imported | used (a wrapper's __init__/plan a run read) | skipped | refused
+    reason: str = ""
+    output: str | None = None  # the snapshot written (imported)
+    snapshot: Any = field(default=None, repr=False)
+    facts: dict[str, Any] = field(default_factory=dict)  # requests, tokens, heads, layout, ... (imported)
+    used_by: str | None = None  # the run (its call directory) that read this __init__ or plan
+
+    def to_json(self) -> dict[str, Any]:
+        return {"call": self.call, "function": self.function, "status": self.status, "reason": self.reason,
+                "output": self.output, "used_by": self.used_by, **({"snapshot": self.facts} if self.facts else {})}
+
+
+@dataclass
+class ImportReport:
+    source: str
+    items: list[ImportItem]
+
+    def count(self, status: str) -> int:
+        return sum(1 for item in self.items if item.status == status)
+
+    @property
+    def imported(self) -> list[ImportItem]:
+        return [item for item in self.items if item.status == IMPORTED]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "calls": len(self.items),
+                "totals": {s: self.count(s) for s in (IMPORTED, USED, SKIPPED, REFUSED)},
+                "items": [item.to_json() for item in self.items]}
+
+
+def _skip_reason(function: str) -> str:
+    lowered = function.lower()
+    if any(word in lowered for word in _ATTENTION_WORDS):
+        return ("attention, but not a call kvdbg imports (it reads the paged decode and prefill wrappers' "
+                "plan + run)")
+    return "not paged attention"
+
+
+def _facts(snapshot) -> dict[str, Any]:
+    meta, step = snapshot.meta, snapshot.steps[0]
+    return {"requests": step.num_reqs, "tokens": step.num_tokens, "num_heads": meta.layer.num_heads,
+            "num_kv_heads": meta.layer.num_kv_heads, "head_size": meta.layer.head_size,
+            "page_size": meta.backend.page_size, "kv_layout": meta.capture.get("kv_layout"),
+            "causal": meta.layer.causal, "sliding_window": meta.layer.sliding_window,
+            "logits_soft_cap": meta.layer.logits_soft_cap, "sinks": meta.layer.has_sinks,
+            "dtype": meta.layer.dtype, "kv_cache_dtype": meta.layer.kv_cache_dtype,
+            "output": step.output is not None}
+
+
+def convert_session(path: str | os.PathLike, *, kv_layout: str | None = None) -> ImportReport:
+    """Read the dump at ``path`` (a session or one call) and convert its paged-attention runs (not written)."""
+    calls, only = read_session(path)
+    items: dict[str, ImportItem] = {}
+    inits: dict[Any, DumpCall] = {}
+    plans: dict[Any, DumpCall] = {}
+    for call in calls:
+        cls = wrapper_class(call.function)
+        method = call.function.partition(".")[2]
+        if cls is None:
+            items[call.name] = ImportItem(call.name, call.function, SKIPPED, _skip_reason(call.function))
+            continue
+        key = call.instance
+        if key is None:
+            items[call.name] = ImportItem(call.name, call.function, REFUSED,
+                                          "the record names no wrapper instance (self_id)")
+            continue
+        if method == "__init__":
+            inits[key] = call
+            plans.pop(key, None)
+            items[call.name] = ImportItem(call.name, call.function, SKIPPED, "wrapper never planned and run")
+        elif method == "plan":
+            plans[key] = call
+            items[call.name] = ImportItem(call.name, call.function, SKIPPED, "plan never run")
+        elif method == "run":
+            if only is not None and call.name != only:
+                continue
+            plan = plans.get(key)
+            if plan is None:
+                items[call.name] = ImportItem(call.name, call.function, REFUSED,
+                                              "no plan of this wrapper before the run in the dump (the plan "
+                                              "holds the page table)")
+                continue
+            init = inits.get(key)
+            try:
+                snapshot = to_snapshot(from_wrapper(init, plan, call, kv_layout),
+                                       layer_name=f"{call.function} ({call.name})")
+            except DumpError as exc:
+                if "refused:" in str(exc) and "pickle" in str(exc):
+                    raise  # a hostile file stops the import; it is never one call's problem
+                items[call.name] = ImportItem(call.name, call.function, REFUSED, str(exc))
+                continue
+            note = "" if snapshot.steps[0].output is not None else \
+                "no recorded output (the call did not complete, or ran under a CUDA graph not replayed yet)"
+            items[call.name] = ImportItem(call.name, call.function, IMPORTED, note, snapshot=snapshot,
+                                          facts=_facts(snapshot))
+            for used in (plan, init):
+                if used is not None:
+                    items[used.name] = ImportItem(used.name, used.function, USED, f"read for {call.name}",
+                                                  used_by=call.name)
+        else:
+            items[call.name] = ImportItem(call.name, call.function, SKIPPED, f"wrapper method {method} "
+                                          "(kvdbg reads __init__, plan and run)")
+    ordered = [items[c.name] for c in calls if c.name in items]
+    if only is not None:
+        ordered = [item for item in ordered if item.call == only]
+        if not ordered:
+            call = next(c for c in calls if c.name == only)
+            ordered = [ImportItem(call.name, call.function, SKIPPED, _skip_reason(call.function))]
+    return ImportReport(str(path), ordered)
+
+
+def snapshot_file_name(index: int, item: ImportItem) -> str:
+    """``003_BatchDecode.run_call0003.safetensors``: the index keeps names unique across processes."""
+    cls, _, method = item.function.partition(".")
+    sequence = item.call.rpartition("_call")[2]
+    sequence = sequence if sequence.isdigit() else str(index)
+    return f"{index:03d}_{cls.removesuffix('WithPagedKVCacheWrapper')}.{method}_call{sequence}.safetensors"
+
+
+def write_snapshots(report: ImportReport, output: str | os.PathLike, *, overwrite: bool = False) -> None:
+    """Write every imported snapshot: one to ``output`` (a file), several into ``output`` (a directory).
+
+    Every target is checked before the first is written, so a refusal leaves nothing half done; each file
+    is written atomically and an existing one is replaced only with ``overwrite``.
+    """
+    from kvdbg.snapshot.store import save_snapshot
+    from kvdbg.util.atomic import check_output
+
+    imported = report.imported
+    if not imported:
+        return
+    output = Path(output)
+    if len(imported) == 1 and not output.is_dir():
+        targets = [output]
+    else:
+        if output.exists() and not output.is_dir():
+            raise OptionError(f"-o {output}: the dump holds {len(imported)} paged-attention runs; give a directory "
+                              "to write one snapshot each into")
+        targets = [output / snapshot_file_name(i, item) for i, item in enumerate(imported)]
+    for target in targets:
+        check_output(target, overwrite=overwrite, what="-o")
+    if len(targets) > 1 or output.is_dir():
+        try:
+            output.mkdir(parents=False, exist_ok=True)
+        except OSError as exc:
+            raise OptionError(f"cannot create -o {output}: {exc.strerror or exc}") from None
+    for item, target in zip(imported, targets):
+        item.output = save_snapshot(item.snapshot, target, overwrite=overwrite)

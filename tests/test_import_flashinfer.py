@@ -1,0 +1,307 @@
+"""`kvdbg import`: FlashInfer level-10 dumps written by FlashInfer's own logging code, as snapshots.
+
+The dumps under tests/flashinfer_dumps/data were written by FlashInfer 0.7.2.post1's ``flashinfer_api``
+decorator (tests/flashinfer_dumps/make_dumps.py says how, and which outputs are computed rather than
+kernel-made). KVDBG_FLASHINFER_DUMPS points these tests at freshly written ones instead (the stage
+tests/flashinfer_dumps/run.sh does, with FlashInfer installed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvdbg.cli import cli
+from kvdbg.importers.dumpdir import DumpError, signature_parameters
+from kvdbg.snapshot.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
+from kvdbg.snapshot.store import load_snapshot
+from tests.helpers import ROOT
+
+DUMPS = Path(os.environ.get("KVDBG_FLASHINFER_DUMPS") or Path(ROOT) / "tests" / "flashinfer_dumps" / "data")
+
+
+def _strict(text: str):
+    return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+
+
+def run_cli(*args, env=None):
+    return CliRunner().invoke(cli, [str(a) for a in args], env=env)
+
+
+def calls(session: Path, function: str) -> list[Path]:
+    """``function``'s call directories in ``session``, in call order (``call0001`` first)."""
+    return sorted((p for p in session.iterdir() if p.is_dir() and f"_{function}_call" in p.name),
+                  key=lambda p: p.name.rpartition("_call")[2])
+
+
+@pytest.fixture
+def session(tmp_path) -> Path:
+    """A private copy of the torch.save session (tests may change it)."""
+    return Path(shutil.copytree(DUMPS / "torch", tmp_path / "dump"))
+
+
+def _import_json(*args) -> dict:
+    result = run_cli("import", *args, "--json")
+    assert result.exit_code == 0, result.output
+    return _strict(result.output)
+
+
+# ----------------------------------------------------------------------------- the session listing
+
+
+def test_a_session_lists_every_call_and_imports_each_paged_run(session, tmp_path):
+    out = tmp_path / "snaps"
+    data = _import_json(session, "-o", out)
+    assert data["totals"] == {"imported": 5, "used": 9, "skipped": 3, "refused": 0}
+    by_function = {}
+    for item in data["items"]:
+        by_function.setdefault(item["function"], []).append(item)
+    assert [i["status"] for i in by_function["rmsnorm"]] == ["skipped"]
+    assert by_function["rmsnorm"][0]["reason"] == "not paged attention"
+    # The wrapper planned and never run: its __init__ and plan are listed, nothing imported from them.
+    assert by_function["BatchDecodeWithPagedKVCacheWrapper.plan"][-1]["reason"] == "plan never run"
+    written = sorted(p.name for p in out.iterdir())
+    assert written == ["000_BatchPrefill.run_call0001.safetensors", "001_BatchDecode.run_call0001.safetensors",
+                       "002_BatchDecode.run_call0002.safetensors", "003_BatchDecode.run_call0003.safetensors",
+                       "004_BatchPrefill.run_call0002.safetensors"]
+    assert data["written"] is True
+
+
+def test_each_run_pairs_with_its_own_wrappers_latest_plan(session, tmp_path):
+    """A decode and a prefill wrapper interleave; the decode wrapper is planned twice: self_id decides."""
+    out = tmp_path / "snaps"
+    _import_json(session, "-o", out)
+    prefill = load_snapshot(out / "000_BatchPrefill.run_call0001.safetensors")
+    decode1 = load_snapshot(out / "001_BatchDecode.run_call0001.safetensors")
+    decode2 = load_snapshot(out / "002_BatchDecode.run_call0002.safetensors")
+    # make_dumps: decode plan 1 indptr [0,3,4,5] indices [7,2,9,0,4] last [5,16,3].
+    assert decode1.steps[0].seq_lens.tolist() == [37, 16, 3]
+    assert decode1.steps[0].block_table.tolist() == [[7, 2, 9], [0, 0, 0], [4, 0, 0]]
+    assert decode1.meta.layer.logits_soft_cap is None
+    # decode plan 2 (same wrapper, later): indptr [0,2,4] indices [11,6,3,7] last [9,2], soft cap 30.
+    assert decode2.steps[0].seq_lens.tolist() == [25, 18]
+    assert decode2.steps[0].block_table.tolist() == [[11, 6], [3, 7]]
+    assert decode2.meta.layer.logits_soft_cap == 30.0
+    # prefill: qo_indptr [0,4,5,12], pages [1,3,5] [6,8] [10], last [8,1,12], causal, window_left 15.
+    step = prefill.steps[0]
+    assert step.query_start_loc.tolist() == [0, 4, 5, 12]
+    assert step.seq_lens.tolist() == [40, 17, 12]
+    assert prefill.meta.layer.causal is True and prefill.meta.layer.sliding_window == 16
+    assert prefill.meta.backend.max_decode_query_len == 7
+
+
+def test_layouts_scale_sinks_and_provenance(session, tmp_path):
+    out = tmp_path / "snaps"
+    _import_json(session, "-o", out)
+    nhd = load_snapshot(out / "001_BatchDecode.run_call0001.safetensors")
+    hnd = load_snapshot(out / "003_BatchDecode.run_call0003.safetensors")
+    dense = load_snapshot(out / "004_BatchPrefill.run_call0002.safetensors")
+    assert nhd.meta.kv_layout == LAYOUT_KV_PLANES and hnd.meta.kv_layout == LAYOUT_VLLM
+    # NHD page 7 of the dumped K cache is stored page 7's K plane, token-major ([page_size, Hkv, D]).
+    run = calls(session, "BatchDecodeWithPagedKVCacheWrapper.run")[0]
+    k_cache = torch.load(run / "inputs.pt", weights_only=True)["arg_2__0"]
+    stored = nhd.page_ids.tolist().index(7)
+    assert torch.equal(nhd.kv_cache[0, stored], k_cache[7])
+    # HND (one 5-D tensor [P, 2, Hkv, page_size, D]): page 9's V is the second half of the stored rows.
+    run3 = calls(session, "BatchDecodeWithPagedKVCacheWrapper.run")[2]
+    kv = torch.load(run3 / "inputs.pt", weights_only=True)["arg_2"]
+    stored = hnd.page_ids.tolist().index(9)
+    assert torch.equal(hnd.kv_cache[stored, :, :, 64:], kv[9, 1])
+    layer = hnd.meta.layer
+    assert (layer.num_heads, layer.num_kv_heads, layer.head_size, layer.dtype) == (16, 4, 64, "bfloat16")
+    assert layer.scale == pytest.approx(0.11) and layer.sliding_window == 12 and layer.logits_soft_cap == 12.0
+    assert layer.has_sinks and torch.equal(hnd.sinks, torch.load(run3 / "inputs.pt", weights_only=True)["kwarg_sinks"])
+    assert nhd.meta.layer.scale == pytest.approx(1 / 8)  # sm_scale not given: 1/sqrt(head_dim)
+    assert dense.meta.layer.causal is False and dense.meta.layer.logits_soft_cap == 20.0
+    capture = hnd.meta.capture
+    assert capture["flashinfer"] == "0.7.2.post1" and capture["engine"] == "flashinfer 0.7.2.post1"
+    assert capture["function"] == "BatchDecodeWithPagedKVCacheWrapper.run"
+    assert capture["dump"] == str(run3) and capture["kv_layout"] == "HND" and capture["kv_layout_from"] == "__init__"
+    assert hnd.meta.backend.name == "FLASHINFER"
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+def _replay(path) -> tuple[int, dict]:
+    result = run_cli("replay", path, "--backend", "reference", "--json")
+    return result.exit_code, _strict(result.output)
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_every_imported_run_replays_pass_against_its_recorded_output(session, tmp_path, index):
+    out = tmp_path / "snaps"
+    _import_json(session, "-o", out)
+    path = sorted(out.iterdir())[index]
+    code, data = _replay(path)
+    assert code == 0, data["verdict"]
+    captured = [c for c in data["comparisons"] if c["actual"] == "captured"]
+    assert len(captured) == 1 and captured[0]["passed"] and captured[0]["heads_compared"] > 0
+
+
+def test_a_planted_wrong_output_fails_naming_the_request_and_head(session, tmp_path):
+    run = calls(session, "BatchDecodeWithPagedKVCacheWrapper.run")[2]  # HND, bf16, 4 requests, 16 heads
+    outputs = torch.load(run / "outputs.pt", weights_only=True)
+    outputs["result"][2, 5] += 0.5  # request 2 (one token each), head 5
+    torch.save(outputs, run / "outputs.pt")
+    snap = tmp_path / "one.safetensors"
+    result = run_cli("import", run, "-o", snap)
+    assert result.exit_code == 0, result.output
+    code, data = _replay(snap)
+    assert code == 1
+    captured = next(c for c in data["comparisons"] if c["actual"] == "captured")
+    assert [(h["request"], h["head"]) for h in captured["heads"] if not h["passed"]] == [(2, 5)]
+    text = run_cli("replay", snap, "--backend", "reference", env={"COLUMNS": "80", "NO_COLOR": "1"}).output
+    assert "captured vs reference — FAIL: 1 of 64 heads" in text
+
+
+def test_the_safetensors_form_imports_and_replays(tmp_path):
+    snap = tmp_path / "st.safetensors"
+    data = _import_json(DUMPS / "safetensors", "-o", snap)
+    assert data["totals"]["imported"] == 1
+    assert load_snapshot(snap).meta.kv_layout == LAYOUT_VLLM
+    assert _replay(snap)[0] == 0
+
+
+# ----------------------------------------------------------------------------- untrusted input
+
+
+class _CreatesAFile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("form", ["pickle", "torch.save"])
+def test_a_hostile_pickle_is_refused_without_running(session, tmp_path, form):
+    marker = tmp_path / "pwned"
+    run = calls(session, "BatchDecodeWithPagedKVCacheWrapper.run")[0]
+    payload = {"arg_1": _CreatesAFile(str(marker))}
+    with open(run / "inputs.pt", "wb") as fh:
+        if form == "pickle":
+            pickle.dump(payload, fh)
+        else:
+            torch.save(payload, fh)
+    assert not marker.exists()
+    result = run_cli("import", session, "-o", tmp_path / "snaps")
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "refused" in lines[0] and "inputs.pt" in lines[0]
+    assert "weights_only" in lines[0]
+    assert not marker.exists()
+    assert not (tmp_path / "snaps").exists()
+
+
+def test_a_pipe_instead_of_a_tensor_file_is_refused_not_waited_on(session, tmp_path):
+    run = calls(session, "BatchDecodeWithPagedKVCacheWrapper.run")[0]
+    (run / "inputs.pt").unlink()
+    os.mkfifo(run / "inputs.pt")
+    result = run_cli("import", run, "-o", tmp_path / "x.safetensors")
+    assert result.exit_code == 2 and "inputs.pt: not a regular file" in result.output
+
+
+def test_an_out_of_range_page_index_is_refused_naming_it(session, tmp_path):
+    plan = calls(session, "BatchDecodeWithPagedKVCacheWrapper.plan")[0]
+    inputs = torch.load(plan / "inputs.pt", weights_only=True)
+    inputs["arg_2"][1] = 99  # indices[1]; the cache holds 12 pages
+    torch.save(inputs, plan / "inputs.pt")
+    run = calls(session, "BatchDecodeWithPagedKVCacheWrapper.run")[0]
+    result = run_cli("import", run, "-o", tmp_path / "x.safetensors")
+    assert result.exit_code == 2
+    assert "indices[1] = 99 is outside the cache's 12 pages" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    # In a session the bad call is listed as refused and the others still import.
+    data = _import_json(session)
+    refused = [i for i in data["items"] if i["status"] == "refused"]
+    assert len(refused) == 1 and "indices[1] = 99" in refused[0]["reason"]
+    assert data["totals"]["imported"] == 4
+
+
+def test_malformed_metadata_is_one_line_naming_the_file(session, tmp_path):
+    run = calls(session, "BatchDecodeWithPagedKVCacheWrapper.run")[0]
+    (run / "metadata.jsonl").write_text('{"function_name": "BatchDecode')
+    result = run_cli("import", session)
+    assert result.exit_code == 2
+    assert result.output.startswith("Error: ") and "metadata.jsonl: last record is not JSON" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_without_the_constructor_the_layout_is_asked_for_never_guessed(session, tmp_path):
+    init = calls(session, "BatchDecodeWithPagedKVCacheWrapper.__init__")[1]  # the HND wrapper's
+    shutil.rmtree(init)
+    run = calls(session, "BatchDecodeWithPagedKVCacheWrapper.run")[2]
+    result = run_cli("import", run, "-o", tmp_path / "a.safetensors")
+    assert result.exit_code == 2 and "give --kv-layout" in result.output
+    result = run_cli("import", run, "-o", tmp_path / "b.safetensors", "--kv-layout", "HND")
+    assert result.exit_code == 0, result.output
+    assert load_snapshot(tmp_path / "b.safetensors").meta.capture["kv_layout_from"] == "--kv-layout"
+    result = run_cli("import", run, "-o", tmp_path / "c.safetensors", "--kv-layout", "NHD")
+    assert result.exit_code == 2 and "do not match plan's page_size 8" in result.output
+
+
+def test_a_dump_without_paged_attention_imports_nothing(session, tmp_path):
+    only = tmp_path / "norm"
+    only.mkdir()
+    shutil.copytree(calls(session, "rmsnorm")[0], only / calls(session, "rmsnorm")[0].name)
+    result = run_cli("import", only)
+    assert result.exit_code == 2
+    assert result.output.strip() == f"Error: nothing imported from {only}: no paged decode or prefill run among " \
+                                    "its 1 call(s) (rmsnorm)"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run_cli("import", empty)
+    assert result.exit_code == 2 and "no FlashInfer call directories" in result.output
+
+
+def test_outputs_are_never_clobbered(session, tmp_path):
+    run = calls(session, "BatchDecodeWithPagedKVCacheWrapper.run")[0]
+    target = tmp_path / "one.safetensors"
+    target.write_bytes(b"mine")
+    result = run_cli("import", run, "-o", target)
+    assert result.exit_code == 2 and "already exists" in result.output
+    assert target.read_bytes() == b"mine"
+    result = run_cli("import", run, "-o", target, "--force")
+    assert result.exit_code == 0 and load_snapshot(target).steps[0].num_reqs == 3
+    # Several runs into a directory that already holds one of the names: nothing is written.
+    out = tmp_path / "snaps"
+    out.mkdir()
+    (out / "002_BatchDecode.run_call0002.safetensors").write_bytes(b"mine")
+    result = run_cli("import", session, "-o", out)
+    assert result.exit_code == 2 and "already exists" in result.output
+    assert sorted(p.name for p in out.iterdir()) == ["002_BatchDecode.run_call0002.safetensors"]
+    # Several runs and -o an existing file: refused.
+    result = run_cli("import", session, "-o", target)
+    assert result.exit_code == 2 and "give a directory" in result.output
+
+
+def test_the_table_reads_whole_at_80_columns_without_color(session):
+    result = run_cli("import", session, env={"COLUMNS": "80", "NO_COLOR": "1"})
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "\x1b[" not in result.output
+    text = result.output
+    assert "BatchDecode.run #3" in text and "imported" in text and "not paged attention" in text
+    assert "read for #4" in text  # the prefill wrapper's plan, read by the run in row 4
+    assert "5 snapshot(s) to write: give -o to write them" in " ".join(text.split())
+
+
+def test_the_signature_reader_names_positional_parameters():
+    sig = ("(self, q: torch.Tensor, kv: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], "
+           "x: str = 'a,b', *args, k: Optional[float] = None) -> Union[torch.Tensor, Tuple[int, int]]")
+    assert signature_parameters(sig, "w") == (["self", "q", "kv", "x"], True)
+    assert signature_parameters("(a, b=(1, 2), **kwargs) -> None", "w") == (["a", "b"], False)
+    assert signature_parameters("(a, *, b) -> None", "w") == (["a"], False)
+    with pytest.raises(DumpError, match="function_signature"):
+        signature_parameters("<unavailable>", "w")
+    with pytest.raises(DumpError, match="not closed"):
+        signature_parameters("(a, b", "w")
