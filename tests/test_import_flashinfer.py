@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -305,3 +306,30 @@ def test_the_signature_reader_names_positional_parameters():
         signature_parameters("<unavailable>", "w")
     with pytest.raises(DumpError, match="not closed"):
         signature_parameters("(a, b", "w")
+
+
+def test_the_gpu_scripts_checks_pass_on_these_dumps(tmp_path, monkeypatch):
+    """tests/gpu/flashinfer_dump_gpu.py's import, replay and planted-output checks, over the committed dumps."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("flashinfer_dump_gpu",
+                                                  Path(ROOT) / "tests" / "gpu" / "flashinfer_dump_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    # (the safetensors session: one decode run, so that the test starts kvdbg four times, not eight)
+    checks = module.check_session(DUMPS / "safetensors", tmp_path / "w1", expect_runs=1)
+    assert [c.name for c in checks if not c.ok] == [], [c for c in checks if not c.ok]
+    assert [c.name for c in checks] == ["import", "replay 000_BatchDecode.run_call0001.safetensors",
+                                        "planted wrong output"]
+    # and it does fail when the dump's output is wrong to begin with (the safetensors form: its planting too)
+    from safetensors.torch import load_file, save_file
+
+    broken = Path(shutil.copytree(DUMPS / "safetensors", tmp_path / "broken"))
+    run = calls(broken, "BatchDecodeWithPagedKVCacheWrapper.run")[0]
+    outputs = load_file(run / "outputs.safetensors")
+    outputs["result"][0, 0] += 2.0
+    save_file(outputs, run / "outputs.safetensors")
+    checks = module.check_session(broken, tmp_path / "w2", expect_runs=1)
+    assert [c.name for c in checks if not c.ok] == ["replay 000_BatchDecode.run_call0001.safetensors",
+                                                     "planted wrong output"]
