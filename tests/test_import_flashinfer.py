@@ -333,3 +333,25 @@ def test_the_gpu_scripts_checks_pass_on_these_dumps(tmp_path, monkeypatch):
     checks = module.check_session(broken, tmp_path / "w2", expect_runs=1)
     assert [c.name for c in checks if not c.ok] == ["replay 000_BatchDecode.run_call0001.safetensors",
                                                      "planted wrong output"]
+
+
+def _shape_of_session(root: Path) -> list[tuple]:
+    """What FlashInfer wrote, less what changes from run to run (times, pids, ids, paths, values)."""
+    out = []
+    for call in sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.name.split("_pid")[1]):
+        record = json.loads((call / "metadata.jsonl").read_text().splitlines()[-1])
+        details = {k: (v["shape"], v["dtype"]) for k, v in record["tensor_details"].items()}
+        meta = {k: v for k, v in record["input_metadata"].items() if k != "arg_0"}
+        files = sorted(p.name for p in call.iterdir())
+        out.append((call.name.split("_pid")[1].split("_", 1)[1], record["function_name"], record["execution_status"],
+                    record["function_signature"], json.dumps(meta, sort_keys=True), details, files,
+                    record["versions"]["flashinfer"]))
+    return out
+
+
+@pytest.mark.skipif(not os.environ.get("KVDBG_FLASHINFER_DUMPS"),
+                    reason="the FlashInfer stage (tests/flashinfer_dumps/run.sh) writes fresh dumps to compare")
+@pytest.mark.parametrize("session_name", ["torch", "safetensors"])
+def test_the_committed_dumps_are_what_flashinfer_writes(session_name):
+    committed = Path(ROOT) / "tests" / "flashinfer_dumps" / "data" / session_name
+    assert _shape_of_session(DUMPS / session_name) == _shape_of_session(committed)
