@@ -171,6 +171,61 @@ def test_the_safetensors_form_imports_and_replays(tmp_path):
     assert _replay(snap)[0] == 0
 
 
+# ----------------------------------------------------------------------------- FP8 and the one-shot functions
+
+
+@pytest.fixture
+def more(tmp_path) -> Path:
+    return Path(shutil.copytree(DUMPS / "more", tmp_path / "more"))
+
+
+def test_fp8_and_the_one_shot_trtllm_functions_import_and_replay_pass(more, tmp_path):
+    out = tmp_path / "snaps"
+    data = _import_json(more, "-o", out)
+    assert [(i["function"], i["status"]) for i in data["items"]] == [
+        ("BatchDecodeWithPagedKVCacheWrapper.__init__", "used"), ("BatchDecodeWithPagedKVCacheWrapper.plan", "used"),
+        ("BatchDecodeWithPagedKVCacheWrapper.run", "imported"), ("trtllm_batch_decode_with_kv_cache", "imported"),
+        ("trtllm_batch_context_with_kv_cache", "imported")]
+    fp8, decode, context = (load_snapshot(p) for p in sorted(out.iterdir()))
+    layer = fp8.meta.layer
+    assert (layer.kv_cache_dtype, layer.k_scale, layer.v_scale, layer.q_scale) == ("fp8_e4m3", 0.25, 0.25, 1.0)
+    assert layer.dtype == "float16" and fp8.kv_cache.dtype == torch.float8_e4m3fn
+    # trtllm decode: HND [P, 2, Hkv, page, D]; bmm1_scale is the scale; a block table's stale tail is dropped.
+    assert decode.meta.layer.scale == pytest.approx(0.1) and decode.meta.layer.sliding_window == 21
+    assert decode.meta.layer.has_sinks and decode.meta.kv_layout == LAYOUT_VLLM
+    assert decode.steps[0].seq_lens.tolist() == [60, 17, 30]
+    assert decode.steps[0].block_table.tolist() == [[8, 2, 5, 3], [1, 0, 0, 0], [4, 6, 0, 0]]
+    assert decode.meta.capture["kv_layout_from"] == "the function's default"
+    assert context.meta.kv_layout == LAYOUT_KV_PLANES and context.meta.layer.causal
+    assert context.steps[0].query_start_loc.tolist() == [0, 6, 9]
+    for path in sorted(out.iterdir()):
+        code, replayed = _replay(path)
+        assert code == 0, (path.name, replayed["verdict"])
+
+
+def _set_recorded(call: Path, **values) -> None:
+    """Append a record to ``call``'s metadata.jsonl with these arguments changed (the last record is read)."""
+    record = json.loads((call / "metadata.jsonl").read_text().splitlines()[-1])
+    record["input_metadata"].update({f"kwarg_{k}": v for k, v in values.items()})
+    with open(call / "metadata.jsonl", "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def test_what_a_snapshot_cannot_hold_is_refused_naming_the_argument(more):
+    decode = calls(more, "trtllm_batch_decode_with_kv_cache")[0]
+    context = calls(more, "trtllm_batch_context_with_kv_cache")[0]
+    _set_recorded(decode, bmm2_scale=2.0)
+    inputs = torch.load(context / "inputs.pt", weights_only=True)
+    inputs["kwarg_mask"] = torch.ones(9, 40, dtype=torch.bool)
+    torch.save(inputs, context / "inputs.pt")
+    data = _import_json(more)
+    reasons = {i["function"]: i["reason"] for i in data["items"] if i["status"] == "refused"}
+    assert "bmm2_scale) 2.0 scales the output of a bfloat16 cache" in reasons["trtllm_batch_decode_with_kv_cache"]
+    assert "trtllm_batch_context_with_kv_cache.mask = a bool tensor of shape [9, 40]: a custom mask" in \
+        reasons["trtllm_batch_context_with_kv_cache"]
+    assert data["totals"] == {"imported": 1, "used": 2, "skipped": 0, "refused": 2}
+
+
 # ----------------------------------------------------------------------------- untrusted input
 
 
@@ -351,7 +406,7 @@ def _shape_of_session(root: Path) -> list[tuple]:
 
 @pytest.mark.skipif(not os.environ.get("KVDBG_FLASHINFER_DUMPS"),
                     reason="the FlashInfer stage (tests/flashinfer_dumps/run.sh) writes fresh dumps to compare")
-@pytest.mark.parametrize("session_name", ["torch", "safetensors"])
+@pytest.mark.parametrize("session_name", ["torch", "safetensors", "more"])
 def test_the_committed_dumps_are_what_flashinfer_writes(session_name):
     committed = Path(ROOT) / "tests" / "flashinfer_dumps" / "data" / session_name
     assert _shape_of_session(DUMPS / session_name) == _shape_of_session(committed)

@@ -24,9 +24,11 @@ def import_dump(dump, output, kv_layout, force, as_json):
     FLASHINFER_LOGLEVEL=10: SGLang and FlashInfer users have it) or one call's
     directory in it. Each run of BatchDecodeWithPagedKVCacheWrapper or
     BatchPrefillWithPagedKVCacheWrapper is read with its wrapper's __init__
-    and plan (paired by the instance the records name): pages, NHD or HND
-    layout, window, soft cap, scale, sinks, GQA, FP8 scales, and the recorded
-    output as the engine's output. Every other call is listed and skipped.
+    and plan (paired by the instance the records name), and each one-shot
+    trtllm_batch_decode_with_kv_cache or trtllm_batch_context_with_kv_cache
+    call: pages, NHD or HND layout, window, soft cap, scale, sinks, GQA, FP8
+    scales, and the recorded output as the engine's output. Every other call
+    is listed and skipped; what a snapshot cannot hold is refused by name.
     .pt files load only as plain tensors (torch.load weights_only=True).
 
     \b

@@ -236,9 +236,99 @@ def from_wrapper(init: DumpCall | None, plan: DumpCall, run: DumpCall, layout: s
     )
 
 
-def _recorded_device(call: DumpCall) -> str:
+# The one-shot paged functions (no wrapper, no plan: a block table and lengths, as vLLM's own metadata):
+# flashinfer/decode.py's trtllm_batch_decode_with_kv_cache and flashinfer/prefill.py's
+# trtllm_batch_context_with_kv_cache (0.7.x), both ``kv_layout="HND"`` unless told.
+ONE_SHOT = {"trtllm_batch_decode_with_kv_cache": "decode", "trtllm_batch_context_with_kv_cache": "prefill"}
+
+
+def from_one_shot(call: DumpCall) -> PagedCall:
+    """The arguments of one ``trtllm_batch_decode_with_kv_cache`` or ``trtllm_batch_context_with_kv_cache`` call.
+
+    Their ``block_tables [B, W]`` and ``seq_lens [B]`` become FlashInfer's indptr form (request r's first
+    ``cdiv(seq_lens[r], page_size)`` entries); ``bmm1_scale`` (the softmax scale with q and k scales folded
+    in) is the scale, ``bmm2_scale`` the V scale.
+    """
+    import torch
+
+    where = f"{call.name}: {call.function}"
+    decode = ONE_SHOT[call.function] == "decode"
+    a = call.arguments()
+    for name in ("query", "kv_cache", "block_tables", "seq_lens") + (() if decode else ("cum_seq_lens_q",)):
+        if name not in a:
+            raise DumpError(f"{where}: argument {name} is not recorded")
+    kv_layout = a.get("kv_layout", "HND")
+    if kv_layout not in LAYOUTS:
+        raise DumpError(f"{where}.kv_layout = {kv_layout!r}, neither NHD nor HND")
+    for name, why in (("mask", "a custom mask"), ("kv_cache_sf", "NVFP4 block scales"),
+                      ("skip_softmax_threshold_scale_factor", "skip-softmax sparsity (an approximation)"),
+                      ("request_order", "a reordered batch"), ("causal_seqlens_kv_global", "context parallelism")):
+        _absent(a, name, where, why)
+    _absent(a, "enable_block_sparse_attention", where, "block-sparse attention", allowed=(None, False))
+    _absent(a, "uses_shared_paged_kv_idx", where, "separate K and V page tables", allowed=(None, True))
+    _absent(a, "cp_world", where, "context parallelism", allowed=(None, 1))
+    _absent(a, "o_scale", where, "an output scale", allowed=(None, 1, 1.0))
+    _absent(a, "out_dtype", where, "an NVFP4 output", allowed=(None, "float16", "bfloat16", "float32"))
+    value = a["kv_cache"]
+    if _is_tensor(value) and value.dim() == 5 and value.shape[1] == 2:
+        value = (value[:, 0], value[:, 1])  # [P, 2, ...]: the key and value planes
+    k_cache, v_cache = _kv_pair(value, f"{where}.kv_cache")
+    q = a["query"]
+    if not _is_tensor(q) or q.dim() != 3:
+        raise DumpError(f"{where}.query must be [tokens, heads, head_dim], got {_describe(q)}")
+    page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
+    table = a["block_tables"]
+    if not _is_tensor(table) or table.dim() != 2 or table.dtype not in (torch.int32, torch.int64):
+        raise DumpError(f"{where}.block_tables must be a [batch, pages] int32 tensor, got {_describe(table)}")
+    seq_lens = _index_vector(a["seq_lens"], f"{where}.seq_lens").tolist()
+    if len(seq_lens) != table.shape[0]:
+        raise DumpError(f"{where}: seq_lens has {len(seq_lens)} entries, block_tables {table.shape[0]} rows")
+    indptr, indices, last = [0], [], []
+    for r, length in enumerate(seq_lens):
+        pages = -(-length // page_size) if length > 0 else 0
+        if length <= 0 or pages > table.shape[1]:
+            raise DumpError(f"{where}: seq_lens[{r}] = {length} needs {pages} pages; block_tables has "
+                            f"{table.shape[1]} columns")
+        indices.append(table[r, :pages].to(torch.int64))
+        indptr.append(indptr[-1] + pages)
+        last.append(length - (pages - 1) * page_size)
+    if a.get("cum_seq_lens_q") is not None:
+        qo_indptr = _index_vector(a["cum_seq_lens_q"], f"{where}.cum_seq_lens_q").tolist()
+    else:
+        q_len = _int(a.get("q_len_per_req", 1) or 1, f"{where}.q_len_per_req", low=1)
+        qo_indptr = [r * q_len for r in range(len(seq_lens) + 1)]
+    causal = True if decode else a.get("causal", True)
+    if not isinstance(causal, bool):
+        raise DumpError(f"{where}.causal must be true or false, got {_describe(causal)}")
+    scale = _scalar(a.get("bmm1_scale"), f"{where}.bmm1_scale", 1.0)
+    if a.get("bmm1_scale_log2") is not None:  # takes precedence over bmm1_scale: log2(e) * scale
+        scale = _scalar(a["bmm1_scale_log2"], f"{where}.bmm1_scale_log2", None) / math.log2(math.e)
+    outputs = call.tensors("outputs")
+    output = outputs.get("result", outputs.get("result_0"))
+    versions = call.record.get("versions") if isinstance(call.record.get("versions"), dict) else {}
+    return PagedCall(
+        function=call.function, kv_layout=kv_layout, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr,
+        kv_indptr=indptr, kv_indices=torch.cat(indices) if indices else torch.empty(0, dtype=torch.int64),
+        kv_last_page_len=last, num_qo_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=q.shape[2],
+        page_size=page_size, causal=causal,
+        window_left=_int(a.get("window_left", -1), f"{where}.window_left", low=-1),
+        sm_scale=scale, v_scale=_scalar(a.get("bmm2_scale"), f"{where}.bmm2_scale", 1.0),
+        sinks=a.get("sinks"), output=output,
+        provenance={
+            "engine": f"flashinfer {call.flashinfer_version}", "flashinfer": call.flashinfer_version,
+            "torch": versions.get("torch", "unknown"), "function": call.function,
+            "module": str(call.record.get("module", "")), "dump": str(call.path), "kv_layout": kv_layout,
+            "kv_layout_from": "kv_layout argument" if "kv_layout" in a else "the function's default",
+            "process_id": call.record.get("process_id"), "timestamp": str(call.record.get("timestamp", "")),
+            "device": _recorded_device(call, "arg_0"), "output_recorded": output is not None,
+        },
+    )
+
+
+def _recorded_device(call: DumpCall, key: str = "arg_1") -> str:
     details = call.record.get("tensor_details")
-    q = details.get("arg_1") if isinstance(details, dict) else None
+    q = details.get(key) if isinstance(details, dict) else None
     return str(q.get("device", "unknown")) if isinstance(q, dict) else "unknown"
 
 
@@ -349,7 +439,26 @@ def to_snapshot(call: PagedCall, *, layer_name: str):
     if output is not None and dtype_name(output.dtype) != model_dtype:
         output = output.to(getattr(torch, model_dtype))
 
+    # FlashInfer folds q_scale and k_scale into the softmax scale and multiplies the output by v_scale, for any
+    # cache dtype; the format's scales dequantise FP8 values only. So: an FP8 cache keeps k_scale and v_scale
+    # (and an FP8 query q_scale); every other scale is folded into the layer's scale, and an output scale on a
+    # cache that is not FP8 is refused.
+    scale = call.sm_scale if call.sm_scale is not None else 1.0 / math.sqrt(call.head_dim)
+    q_scale, k_scale, v_scale = call.q_scale, call.k_scale, call.v_scale
+    if q_dtype not in fp8_names:
+        scale, q_scale = scale * q_scale, 1.0
+    if not fp8:
+        scale, k_scale = scale * k_scale, 1.0
+        if v_scale != 1.0:
+            raise DumpError(f"{fn}: v_scale (or bmm2_scale) {v_scale} scales the output of a {kv_dtype} cache, which "
+                            "a kvdbg snapshot cannot hold")
+    if not (math.isfinite(scale) and scale > 0) or min(q_scale, k_scale, v_scale) <= 0:
+        raise DumpError(f"{fn}: the softmax scale {scale} and the scales q {q_scale}, k {k_scale}, v {v_scale} "
+                        "must be finite and > 0")
+
     sinks = call.sinks
+    if isinstance(sinks, tuple) and len(sinks) == 1:  # the trtllm functions take a list of one tensor
+        sinks = sinks[0]
     if sinks is not None:
         if not _is_tensor(sinks) or sinks.numel() != call.num_qo_heads:
             raise DumpError(f"{fn}: sinks must hold one value per query head ({call.num_qo_heads}), got "
@@ -371,10 +480,9 @@ def to_snapshot(call: PagedCall, *, layer_name: str):
     tokens = call.qo_indptr[-1]
     layer = LayerMeta(
         name=layer_name, num_heads=call.num_qo_heads, num_kv_heads=call.num_kv_heads, head_size=call.head_dim,
-        scale=call.sm_scale if call.sm_scale is not None else 1.0 / math.sqrt(call.head_dim),
-        causal=call.causal, sliding_window=call.window_left + 1 if call.window_left >= 0 else None,
+        scale=scale, causal=call.causal, sliding_window=call.window_left + 1 if call.window_left >= 0 else None,
         dtype=model_dtype, kv_cache_dtype="fp8_e4m3" if fp8 else "auto",
-        q_scale=call.q_scale, k_scale=call.k_scale, v_scale=call.v_scale,
+        q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
         logits_soft_cap=call.logits_soft_cap or None, has_sinks=sinks is not None)
     backend = BackendMeta(name=BACKEND_NAME, page_size=call.page_size,
                           max_model_len=max(block_table.shape[1] * call.page_size, max(seq_lens)),

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvdbg.errors import OptionError
 from kvdbg.importers.dumpdir import DumpCall, DumpError, read_session
-from kvdbg.importers.flashinfer_paged import from_wrapper, to_snapshot, wrapper_class
+from kvdbg.importers.flashinfer_paged import ONE_SHOT, from_one_shot, from_wrapper, to_snapshot, wrapper_class
 
 IMPORTED, USED, SKIPPED, REFUSED = "imported", "used", "skipped", "refused"
 _ATTENTION_WORDS = ("attention", "decode", "prefill", "mla", "context", "fmha", "xqa")
@@ -61,7 +61,7 @@ def _skip_reason(function: str) -> str:
     lowered = function.lower()
     if any(word in lowered for word in _ATTENTION_WORDS):
         return ("attention, but not a call kvdbg imports (it reads the paged decode and prefill wrappers' "
-                "plan + run)")
+                "plan + run, and trtllm_batch_decode/context_with_kv_cache)")
     return "not paged attention"
 
 
@@ -76,6 +76,19 @@ def _facts(snapshot) -> dict[str, Any]:
             "output": step.output is not None}
 
 
+def _convert(call: DumpCall, read) -> ImportItem:
+    """``call`` imported (``read()`` gives its PagedCall), or refused with the reason; a hostile file raises."""
+    try:
+        snapshot = to_snapshot(read(), layer_name=f"{call.function} ({call.name})")
+    except DumpError as exc:
+        if "refused:" in str(exc) and "pickle" in str(exc):
+            raise  # a hostile file stops the import; it is never one call's problem
+        return ImportItem(call.name, call.function, REFUSED, str(exc))
+    note = "" if snapshot.steps[0].output is not None else \
+        "no recorded output (the call did not complete, or ran under a CUDA graph not replayed yet)"
+    return ImportItem(call.name, call.function, IMPORTED, note, snapshot=snapshot, facts=_facts(snapshot))
+
+
 def convert_session(path: str | os.PathLike, *, kv_layout: str | None = None) -> ImportReport:
     """Read the dump at ``path`` (a session or one call) and convert its paged-attention runs (not written)."""
     calls, only = read_session(path)
@@ -85,6 +98,10 @@ def convert_session(path: str | os.PathLike, *, kv_layout: str | None = None) ->
     for call in calls:
         cls = wrapper_class(call.function)
         method = call.function.partition(".")[2]
+        if cls is None and call.function in ONE_SHOT:
+            if only is None or call.name == only:
+                items[call.name] = _convert(call, lambda: from_one_shot(call))
+            continue
         if cls is None:
             items[call.name] = ImportItem(call.name, call.function, SKIPPED, _skip_reason(call.function))
             continue
@@ -110,18 +127,9 @@ def convert_session(path: str | os.PathLike, *, kv_layout: str | None = None) ->
                                               "holds the page table)")
                 continue
             init = inits.get(key)
-            try:
-                snapshot = to_snapshot(from_wrapper(init, plan, call, kv_layout),
-                                       layer_name=f"{call.function} ({call.name})")
-            except DumpError as exc:
-                if "refused:" in str(exc) and "pickle" in str(exc):
-                    raise  # a hostile file stops the import; it is never one call's problem
-                items[call.name] = ImportItem(call.name, call.function, REFUSED, str(exc))
+            items[call.name] = _convert(call, lambda: from_wrapper(init, plan, call, kv_layout))
+            if items[call.name].status != IMPORTED:
                 continue
-            note = "" if snapshot.steps[0].output is not None else \
-                "no recorded output (the call did not complete, or ran under a CUDA graph not replayed yet)"
-            items[call.name] = ImportItem(call.name, call.function, IMPORTED, note, snapshot=snapshot,
-                                          facts=_facts(snapshot))
             for used in (plan, init):
                 if used is not None:
                     items[used.name] = ImportItem(used.name, used.function, USED, f"read for {call.name}",
@@ -143,7 +151,8 @@ def snapshot_file_name(index: int, item: ImportItem) -> str:
     cls, _, method = item.function.partition(".")
     sequence = item.call.rpartition("_call")[2]
     sequence = sequence if sequence.isdigit() else str(index)
-    return f"{index:03d}_{cls.removesuffix('WithPagedKVCacheWrapper')}.{method}_call{sequence}.safetensors"
+    name = cls.removesuffix("WithPagedKVCacheWrapper") + (f".{method}" if method else "")
+    return f"{index:03d}_{name}_call{sequence}.safetensors"
 
 
 def write_snapshots(report: ImportReport, output: str | os.PathLike, *, overwrite: bool = False) -> None:

@@ -22,6 +22,9 @@ and FLASHINFER_DUMP_SAFETENSORS once, at import. Sessions:
                  sinks, sm_scale), a prefill wrapper (HND, not causal, soft cap), a wrapper planned and
                  never run, and ``rmsnorm`` (not attention).
 ``safetensors``  FLASHINFER_DUMP_SAFETENSORS=1: one HND decode wrapper.
+``more``         inputs.pt: an HND decode wrapper over an FP8 (e4m3) cache with k_scale and v_scale; the one-shot
+                 ``trtllm_batch_decode_with_kv_cache`` (HND, one 5-D cache tensor, bmm1/bmm2 scales, window,
+                 sinks) and ``trtllm_batch_context_with_kv_cache`` (NHD, a (k, v) tuple, causal, ragged queries).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SESSIONS = {"torch": "0", "safetensors": "1"}
+SESSIONS = {"torch": "0", "safetensors": "1", "more": "0"}
 
 
 # ----------------------------------------------------------------------------- an independent answer
@@ -103,6 +106,19 @@ def _call(fn, *args, **kwargs):
     except Exception as exc:  # expected on a machine without CUDA
         return f"{type(exc).__name__}"
     return "ran"
+
+
+def _no_downloads() -> None:
+    """The trtllm functions' bodies fetch kernel binaries over the network after the dump is written: fail that at
+    once instead (the body would fail on a CPU anyway). The decorator, which wrote the dump, is not touched."""
+    import flashinfer.artifacts
+    import flashinfer.jit.cubin_loader
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("make_dumps: no downloads (no GPU here; the dump is already written)")
+
+    flashinfer.jit.cubin_loader.download_file = refuse
+    flashinfer.artifacts.download_file = refuse
 
 
 def _last_dump_dir(dump_root: Path, function: str) -> Path:
@@ -242,10 +258,76 @@ def session_safetensors(dump_root: Path) -> None:
                                                   causal=True).to(torch.float16))
 
 
+def _indptr_form(torch, block_tables, seq_lens, page_size):
+    """A block table and lengths as FlashInfer's indptr/indices/last_page_len (for the float64 answer)."""
+    counts = [-(-int(n) // page_size) for n in seq_lens]
+    indptr = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(len(counts))])
+    indices = torch.cat([block_tables[r, :c] for r, c in enumerate(counts)])
+    last = torch.tensor([int(n) - (c - 1) * page_size for n, c in zip(seq_lens, counts)])
+    return indptr, indices, last
+
+
+def session_more(dump_root: Path) -> None:
+    import torch
+    import flashinfer
+    import flashinfer.decode
+    import flashinfer.prefill
+    from flashinfer import api_logging
+
+    _no_downloads()
+    gen = torch.Generator().manual_seed(48)
+    workspace = torch.zeros(64, dtype=torch.uint8)
+    i32 = dict(dtype=torch.int32)
+
+    # FP8 e4m3 cache, fp16 query and output: FlashInfer folds k_scale into the softmax scale and v_scale into
+    # the output, the same as dequantising the pages with them.
+    fp8 = _new_wrapper(flashinfer.BatchDecodeWithPagedKVCacheWrapper, workspace, "HND")
+    k, v = _paged_cache(torch, gen, 8, 16, 2, 64, torch.float32, "HND")
+    k8, v8 = (k * 4).to(torch.float8_e4m3fn), (v * 4).to(torch.float8_e4m3fn)
+    indptr = torch.tensor([0, 3, 5], **i32)
+    indices = torch.tensor([6, 1, 4, 0, 7], **i32)
+    last = torch.tensor([11, 16], **i32)
+    _call(fp8.plan, indptr, indices, last, 8, 2, 64, 16, q_data_type=torch.float16,
+          kv_data_type=torch.float8_e4m3fn)
+    q = torch.randn(2, 8, 64, generator=gen).half()
+    _call(fp8.run, q, (k8, v8), k_scale=0.25, v_scale=0.25)
+    _record_output(api_logging, dump_root, "BatchDecodeWithPagedKVCacheWrapper.run",
+                   attention_from_flashinfer_args(q, k8.double() * 0.25, v8.double() * 0.25, "HND", torch.arange(3),
+                                                  indptr, indices, last, causal=True).to(torch.float16))
+
+    # One-shot decode: HND, one [P, 2, Hkv, page_size, D] tensor, a block table with a stale tail.
+    k, v = _paged_cache(torch, gen, 9, 16, 2, 64, torch.bfloat16, "HND")
+    kv = torch.stack([k, v], dim=1)
+    block_tables = torch.tensor([[8, 2, 5, 3], [1, 0, 7, 7], [4, 6, 0, 0]], **i32)
+    seq_lens = torch.tensor([60, 17, 30], **i32)
+    q = torch.randn(3, 8, 64, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(8, generator=gen)
+    _call(flashinfer.decode.trtllm_batch_decode_with_kv_cache, q, kv, workspace, block_tables, seq_lens, 64,
+          bmm1_scale=0.1, bmm2_scale=1.0, window_left=20, sinks=[sinks])
+    ip, ix, lp = _indptr_form(torch, block_tables, seq_lens, 16)
+    _record_output(api_logging, dump_root, "trtllm_batch_decode_with_kv_cache",
+                   attention_from_flashinfer_args(q, k, v, "HND", torch.arange(4), ip, ix, lp, causal=True,
+                                                  window_left=20, sm_scale=0.1, sinks=sinks).to(torch.bfloat16))
+
+    # One-shot context (prefill): NHD, a (k, v) tuple, causal, ragged queries.
+    k, v = _paged_cache(torch, gen, 7, 16, 2, 64, torch.float16, "NHD")
+    block_tables = torch.tensor([[3, 6, 0], [5, 1, 2]], **i32)
+    seq_lens = torch.tensor([40, 35], **i32)
+    cum_q = torch.tensor([0, 6, 9], **i32)
+    cum_kv = torch.tensor([0, 40, 75], **i32)
+    q = torch.randn(9, 8, 64, generator=gen).half()
+    _call(flashinfer.prefill.trtllm_batch_context_with_kv_cache, q, (k, v), workspace, block_tables, seq_lens, 6, 40,
+          0.125, 1.0, 2, cum_q, cum_kv, kv_layout="NHD")
+    ip, ix, lp = _indptr_form(torch, block_tables, seq_lens, 16)
+    _record_output(api_logging, dump_root, "trtllm_batch_context_with_kv_cache",
+                   attention_from_flashinfer_args(q, k, v, "NHD", cum_q, ip, ix, lp, causal=True,
+                                                  sm_scale=0.125).to(torch.float16))
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[0] == "--session":
         name, root = argv[1], Path(argv[2])
-        {"torch": session_torch, "safetensors": session_safetensors}[name](root)
+        {"torch": session_torch, "safetensors": session_safetensors, "more": session_more}[name](root)
         return 0
     if len(argv) != 1:
         print(__doc__.splitlines()[2].strip(), file=sys.stderr)
