@@ -163,6 +163,12 @@ def test_a_planted_wrong_output_fails_naming_the_request_and_head(session, tmp_p
     assert "captured vs reference — FAIL: 1 of 64 heads" in text
 
 
+def test_one_run_goes_into_a_directory_when_o_ends_with_a_slash(tmp_path):
+    data = _import_json(DUMPS / "safetensors", "-o", f"{tmp_path / 'snaps'}/")
+    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == ["000_BatchDecode.run_call0001.safetensors"]
+    assert data["items"][-1]["output"] == str(tmp_path / "snaps" / "000_BatchDecode.run_call0001.safetensors")
+
+
 def test_the_safetensors_form_imports_and_replays(tmp_path):
     snap = tmp_path / "st.safetensors"
     data = _import_json(DUMPS / "safetensors", "-o", snap)

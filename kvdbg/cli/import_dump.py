@@ -38,11 +38,11 @@ def import_dump(dump, output, kv_layout, force, as_json):
       kvdbg import flashinfer_dumps/20260101_..._run_call0001 -o one.safetensors
       kvdbg replay snaps/
     """
-    from kvdbg.importers.session import convert_session, write_snapshots
+    from kvdbg.importers.session import import_session
     from kvdbg.render.importing import render_import
     from kvdbg.errors import OptionError
 
-    report = convert_session(dump, kv_layout=kv_layout)
+    report = import_session(dump, kv_layout=kv_layout, output=output, overwrite=force)
     if not report.imported:
         refused = [item for item in report.items if item.status == "refused"]
         if refused:
@@ -52,8 +52,6 @@ def import_dump(dump, output, kv_layout, force, as_json):
         raise OptionError(f"nothing imported from {dump}: no paged decode or prefill run among its "
                           f"{len(report.items)} call(s) ({', '.join(functions[:6])}"
                           f"{', ...' if len(functions) > 6 else ''})")
-    if output is not None:
-        write_snapshots(report, output, overwrite=force)
     if as_json:
         emit_json({**report.to_json(), "written": output is not None})
     else:

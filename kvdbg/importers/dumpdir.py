@@ -74,6 +74,10 @@ class DumpCall:
             self._tensors[kind] = load_tensor_file(self.path, kind)
         return self._tensors[kind]
 
+    def drop_tensors(self) -> None:
+        """Let the loaded tensors go (a session is read one call at a time)."""
+        self._tensors.clear()
+
     def arguments(self, legacy_positional: tuple[str, ...] = (), *, tensors: bool = True) -> dict[str, Any]:
         """The call's arguments by parameter name (``self`` left out): tensors, tuples of them, plain values.
 

@@ -30,7 +30,6 @@ class ImportItem:
     status: str  # imported | used (a wrapper's __init__/plan a run read) | skipped | refused
     reason: str = ""
     output: str | None = None  # the snapshot written (imported)
-    snapshot: Any = field(default=None, repr=False)
     facts: dict[str, Any] = field(default_factory=dict)  # requests, tokens, heads, layout, ... (imported)
     used_by: str | None = None  # the run (its call directory) that read this __init__ or plan
 
@@ -76,23 +75,32 @@ def _facts(snapshot) -> dict[str, Any]:
             "output": step.output is not None}
 
 
-def _convert(call: DumpCall, read) -> ImportItem:
-    """``call`` imported (``read()`` gives its PagedCall), or refused with the reason; a hostile file raises."""
+def _convert(call: DumpCall, read) -> tuple[ImportItem, Any]:
+    """``call`` imported (``read()`` gives its PagedCall) with its snapshot, or refused with the reason."""
     try:
         snapshot = to_snapshot(read(), layer_name=f"{call.function} ({call.name})")
     except DumpError as exc:
         if "refused:" in str(exc) and "pickle" in str(exc):
             raise  # a hostile file stops the import; it is never one call's problem
-        return ImportItem(call.name, call.function, REFUSED, str(exc))
+        return ImportItem(call.name, call.function, REFUSED, str(exc)), None
     note = "" if snapshot.steps[0].output is not None else \
         "no recorded output (the call did not complete, or ran under a CUDA graph not replayed yet)"
-    return ImportItem(call.name, call.function, IMPORTED, note, snapshot=snapshot, facts=_facts(snapshot))
+    return ImportItem(call.name, call.function, IMPORTED, note, facts=_facts(snapshot)), snapshot
 
 
-def convert_session(path: str | os.PathLike, *, kv_layout: str | None = None) -> ImportReport:
-    """Read the dump at ``path`` (a session or one call) and convert its paged-attention runs (not written)."""
-    calls, only = read_session(path)
+@dataclass
+class _Candidate:
+    """A paged-attention call to import: the call, how to read it, and the wrapper calls it reads."""
+
+    call: DumpCall
+    read: Any
+    used: tuple[DumpCall, ...] = ()
+
+
+def _pair(calls: list[DumpCall], only: str | None, kv_layout: str | None):
+    """Every call's item (skipped, or refused before reading a tensor) and the candidates to import, in order."""
     items: dict[str, ImportItem] = {}
+    candidates: list[_Candidate] = []
     inits: dict[Any, DumpCall] = {}
     plans: dict[Any, DumpCall] = {}
     for call in calls:
@@ -100,7 +108,7 @@ def convert_session(path: str | os.PathLike, *, kv_layout: str | None = None) ->
         method = call.function.partition(".")[2]
         if cls is None and call.function in ONE_SHOT:
             if only is None or call.name == only:
-                items[call.name] = _convert(call, lambda: from_one_shot(call))
+                candidates.append(_Candidate(call, lambda call=call: from_one_shot(call)))
             continue
         if cls is None:
             items[call.name] = ImportItem(call.name, call.function, SKIPPED, _skip_reason(call.function))
@@ -127,16 +135,71 @@ def convert_session(path: str | os.PathLike, *, kv_layout: str | None = None) ->
                                               "holds the page table)")
                 continue
             init = inits.get(key)
-            items[call.name] = _convert(call, lambda: from_wrapper(init, plan, call, kv_layout))
-            if items[call.name].status != IMPORTED:
-                continue
-            for used in (plan, init):
-                if used is not None:
-                    items[used.name] = ImportItem(used.name, used.function, USED, f"read for {call.name}",
-                                                  used_by=call.name)
+            candidates.append(_Candidate(call, lambda call=call, init=init, plan=plan:
+                                         from_wrapper(init, plan, call, kv_layout),
+                                         tuple(c for c in (plan, init) if c is not None)))
         else:
             items[call.name] = ImportItem(call.name, call.function, SKIPPED, f"wrapper method {method} "
                                           "(kvdbg reads __init__, plan and run)")
+    return items, candidates
+
+
+def _targets(candidates: list[_Candidate], given: str | os.PathLike, overwrite: bool) -> list[Path]:
+    """Where each candidate's snapshot goes, every one checked before anything is read or written. One call
+    goes to ``given`` itself unless it is a directory or ends with a slash."""
+    from kvdbg.util.atomic import check_output
+
+    output = Path(given)
+    if len(candidates) == 1 and not output.is_dir() and not os.fspath(given).endswith(("/", os.sep)):
+        targets = [output]
+    else:
+        if output.exists() and not output.is_dir():
+            raise OptionError(f"-o {output}: the dump holds {len(candidates)} paged-attention calls; give a "
+                              "directory to write one snapshot each into")
+        targets = [output / snapshot_file_name(i, c.call.name, c.call.function) for i, c in enumerate(candidates)]
+    for target in targets:
+        check_output(target, overwrite=overwrite, what="-o")
+    return targets
+
+
+def import_session(path: str | os.PathLike, *, kv_layout: str | None = None, output: str | os.PathLike | None = None,
+                   overwrite: bool = False) -> ImportReport:
+    """Import the dump at ``path`` (a session or one call): list every call, convert each paged-attention call,
+    and write its snapshot when ``output`` is given (a file for one call, else a directory made on first write).
+
+    Every target is checked, and every tensor file the import will read is opened (``weights_only``,
+    memory-mapped), before the first snapshot is written: a hostile file or a name taken stops the import
+    with nothing written. Then one call at a time is converted, written and let go, so that a long session
+    never holds more than one snapshot in memory.
+    """
+    from kvdbg.snapshot.store import save_snapshot
+
+    calls, only = read_session(path)
+    items, candidates = _pair(calls, only, kv_layout)
+    targets = _targets(candidates, output, overwrite) if output is not None and candidates else []
+    directory = Path(output) if targets and targets[0] != Path(output) else None
+    for candidate in candidates:  # a hostile pickle anywhere refuses the whole import, before any write
+        for kind in ("inputs", "outputs"):
+            candidate.call.tensors(kind)
+        candidate.call.drop_tensors()
+    for index, candidate in enumerate(candidates):
+        call = candidate.call
+        item, snapshot = _convert(call, candidate.read)
+        items[call.name] = item
+        if snapshot is not None:
+            for used in candidate.used:
+                items[used.name] = ImportItem(used.name, used.function, USED, f"read for {call.name}",
+                                              used_by=call.name)
+            if targets:
+                target = targets[index]
+                if directory is not None and not directory.is_dir():
+                    try:
+                        directory.mkdir()
+                    except OSError as exc:
+                        raise OptionError(f"cannot create -o {output}: {exc.strerror or exc}") from None
+                item.output = save_snapshot(snapshot, target, overwrite=overwrite)
+        del snapshot
+        call.drop_tensors()
     ordered = [items[c.name] for c in calls if c.name in items]
     if only is not None:
         ordered = [item for item in ordered if item.call == only]
@@ -146,41 +209,10 @@ def convert_session(path: str | os.PathLike, *, kv_layout: str | None = None) ->
     return ImportReport(str(path), ordered)
 
 
-def snapshot_file_name(index: int, item: ImportItem) -> str:
+def snapshot_file_name(index: int, call: str, function: str) -> str:
     """``003_BatchDecode.run_call0003.safetensors``: the index keeps names unique across processes."""
-    cls, _, method = item.function.partition(".")
-    sequence = item.call.rpartition("_call")[2]
+    cls, _, method = function.partition(".")
+    sequence = call.rpartition("_call")[2]
     sequence = sequence if sequence.isdigit() else str(index)
     name = cls.removesuffix("WithPagedKVCacheWrapper") + (f".{method}" if method else "")
     return f"{index:03d}_{name}_call{sequence}.safetensors"
-
-
-def write_snapshots(report: ImportReport, output: str | os.PathLike, *, overwrite: bool = False) -> None:
-    """Write every imported snapshot: one to ``output`` (a file), several into ``output`` (a directory).
-
-    Every target is checked before the first is written, so a refusal leaves nothing half done; each file
-    is written atomically and an existing one is replaced only with ``overwrite``.
-    """
-    from kvdbg.snapshot.store import save_snapshot
-    from kvdbg.util.atomic import check_output
-
-    imported = report.imported
-    if not imported:
-        return
-    output = Path(output)
-    if len(imported) == 1 and not output.is_dir():
-        targets = [output]
-    else:
-        if output.exists() and not output.is_dir():
-            raise OptionError(f"-o {output}: the dump holds {len(imported)} paged-attention runs; give a directory "
-                              "to write one snapshot each into")
-        targets = [output / snapshot_file_name(i, item) for i, item in enumerate(imported)]
-    for target in targets:
-        check_output(target, overwrite=overwrite, what="-o")
-    if len(targets) > 1 or output.is_dir():
-        try:
-            output.mkdir(parents=False, exist_ok=True)
-        except OSError as exc:
-            raise OptionError(f"cannot create -o {output}: {exc.strerror or exc}") from None
-    for item, target in zip(imported, targets):
-        item.output = save_snapshot(item.snapshot, target, overwrite=overwrite)
