@@ -271,6 +271,43 @@ def test_a_pipe_instead_of_a_tensor_file_is_refused_not_waited_on(session, tmp_p
     assert result.exit_code == 2 and "inputs.pt: not a regular file" in result.output
 
 
+def test_a_tensor_claiming_more_than_its_data_is_refused_before_any_copy(session, tmp_path):
+    run = calls(session, "BatchDecodeWithPagedKVCacheWrapper.run")[0]
+    inputs = torch.load(run / "inputs.pt", weights_only=True)
+    inputs["arg_1"] = torch.zeros(1, dtype=torch.float16).expand(1 << 28, 8, 64)  # 64 GiB if copied
+    torch.save(inputs, run / "inputs.pt")
+    result = run_cli("import", run, "-o", tmp_path / "x.safetensors")
+    assert result.exit_code == 2
+    assert "tensor 'arg_1' of shape [268435456, 8, 64] claims more elements than its data" in result.output
+
+
+def test_the_decode_plans_deprecated_positional_options_are_read_by_name(session, tmp_path):
+    """FlashInfer still takes plan's options positionally after page_size (arg_8 on: pos_encoding_mode,
+    window_left, logits_soft_cap, ...): the HND wrapper's plan recorded that way imports the same."""
+    out = tmp_path / "snaps"
+    _import_json(session, "-o", out)
+    plan = calls(session, "BatchDecodeWithPagedKVCacheWrapper.plan")[2]
+    record = json.loads((plan / "metadata.jsonl").read_text().splitlines()[-1])
+    meta = record["input_metadata"]
+    assert (meta.pop("kwarg_window_left"), meta.pop("kwarg_logits_soft_cap")) == (11, 12.0)
+    meta.update({"arg_8": "NONE", "arg_9": 11, "arg_10": 12.0})
+    with open(plan / "metadata.jsonl", "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+    run = calls(session, "BatchDecodeWithPagedKVCacheWrapper.run")[2]
+    result = run_cli("import", run, "-o", tmp_path / "positional.safetensors")
+    assert result.exit_code == 0, result.output
+    positional = load_snapshot(tmp_path / "positional.safetensors").meta.layer
+    keyword = load_snapshot(out / "003_BatchDecode.run_call0003.safetensors").meta.layer
+    assert (positional.sliding_window, positional.logits_soft_cap) == (12, 12.0)
+    assert positional == keyword
+    # a positional argument past the names FlashInfer documents is refused, not dropped
+    meta["arg_30"] = 1
+    with open(plan / "metadata.jsonl", "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+    result = run_cli("import", run, "-o", tmp_path / "p2.safetensors")
+    assert result.exit_code == 2 and "positional argument arg_30 has no parameter" in result.output
+
+
 def test_an_out_of_range_page_index_is_refused_naming_it(session, tmp_path):
     plan = calls(session, "BatchDecodeWithPagedKVCacheWrapper.plan")[0]
     inputs = torch.load(plan / "inputs.pt", weights_only=True)

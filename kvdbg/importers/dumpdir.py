@@ -258,6 +258,12 @@ def load_tensor_file(call_dir: Path, kind: str) -> dict:
     if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                for k, v in loaded.items()):
         raise DumpError(f"{path}: not a dict of named tensors, as FlashInfer writes")
+    for key, tensor in loaded.items():
+        # A pickled tensor may declare any size over a small storage with zero strides: copying it would
+        # ask for memory the file never held. FlashInfer saves real tensors (GPU ones through .cpu()).
+        if tensor.numel() * tensor.element_size() > tensor.untyped_storage().nbytes():
+            raise DumpError(f"{path}: tensor {key!r} of shape {list(tensor.shape)} claims more elements than its "
+                            "data in the file holds")
     return loaded
 
 
