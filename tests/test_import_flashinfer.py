@@ -361,6 +361,17 @@ def test_a_dump_without_paged_attention_imports_nothing(session, tmp_path):
     assert result.exit_code == 2 and "no FlashInfer call directories" in result.output
 
 
+def test_a_plans_own_directory_says_to_give_its_run(session):
+    plan = calls(session, "BatchDecodeWithPagedKVCacheWrapper.plan")[0]
+    result = run_cli("import", plan)
+    assert result.exit_code == 2
+    assert "no paged decode or prefill run among its 1 call(s)" in result.output
+    from kvdbg.importers.session import import_session
+
+    item, = import_session(plan).items
+    assert item.status == "skipped" and item.reason.startswith("a wrapper's plan: give the directory of the run")
+
+
 def test_outputs_are_never_clobbered(session, tmp_path):
     run = calls(session, "BatchDecodeWithPagedKVCacheWrapper.run")[0]
     target = tmp_path / "one.safetensors"

@@ -203,9 +203,11 @@ def import_session(path: str | os.PathLike, *, kv_layout: str | None = None, out
     ordered = [items[c.name] for c in calls if c.name in items]
     if only is not None:
         ordered = [item for item in ordered if item.call == only]
-        if not ordered:
+        if not ordered or (ordered[0].status == SKIPPED and wrapper_class(ordered[0].function)):
             call = next(c for c in calls if c.name == only)
-            ordered = [ImportItem(call.name, call.function, SKIPPED, _skip_reason(call.function))]
+            reason = (f"a wrapper's {call.function.partition('.')[2]}: give the directory of the run that used it, "
+                      "or the whole dump" if wrapper_class(call.function) else _skip_reason(call.function))
+            ordered = [ImportItem(call.name, call.function, SKIPPED, reason)]
     return ImportReport(str(path), ordered)
 
 
