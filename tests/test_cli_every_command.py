@@ -51,6 +51,10 @@ CASES: dict[str, Case] = {
     "explain": Case(
         missing=None, why_not="CODE is optional (without it, every code is listed); it takes no snapshot",
         nan=None, nonexistent=((MISSING,), "unknown finding code")),
+    "import": Case(
+        missing=((), "Missing argument 'DUMP'"),
+        nan=None, why_not="it reads a FlashInfer dump directory, not a snapshot",
+        nonexistent=((MISSING,), MISSING)),
     "info": Case(
         missing=((), "Missing argument 'SNAPSHOT'"),
         nan=(lambda snap, out: [snap, "--check"], 1),  # --check reads the live pages: NaN is an error finding

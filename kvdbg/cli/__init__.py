@@ -13,6 +13,7 @@ COMMANDS = {
     "attention": "kvdbg.cli.attention:attention",
     "diff": "kvdbg.cli.diff:diff",
     "explain": "kvdbg.cli.explain:explain",
+    "import": "kvdbg.cli.import_dump:import_dump",
     "info": "kvdbg.cli.info:info",
     "map": "kvdbg.cli.map:map_",
     "merge": "kvdbg.cli.merge:merge",
@@ -65,6 +66,7 @@ GROUPS = (
     )),
     ("Make", (
         ("synth", "a deterministic synthetic snapshot", "kvdbg synth -o s.safetensors --seq-lens 9000,1200"),
+        ("import", "snapshots from a FlashInfer or SGLang dump", "kvdbg import flashinfer_dumps -o snaps/"),
     )),
 )
 
