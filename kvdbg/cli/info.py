@@ -55,7 +55,7 @@ def info(snapshot: str, full: bool, check: bool, as_json: bool) -> None:
         verdict = dataclasses.replace(verdict, summary=verdict.summary.replace(
             "PASS:", "PASS: checked every page id, length and offset, and the live pages;", 1))
     else:
-        verdict = simple_verdict("pass", EXIT_OK, "OK: header read; ids, lengths and page contents not checked "
+        verdict = simple_verdict("pass", EXIT_OK, "PASS: header read; ids, lengths and page contents not checked "
                                                   "(--check validates them)")
     if as_json:
         record = summary.to_json()

@@ -313,7 +313,7 @@ _ALL = [
                 "output the backend produced, within the replay's tolerance: it attends to other keys than its "
                 "rules say."),
          fires="It fires in `kvdbg attention` for each column whose output differs from its Σ w·v.",
-         action="`kvdbg replay SNAP --explain` shows what the backend was handed.",
+         action="`kvdbg replay SNAP --builder` shows what the backend was handed.",
          reported_by="attention", severity="error"),
     Code("reads_poisoned_slot", "observed", "a backend weights a cache slot it must not read",
          means=("With NaN written into slots no request may see (and the backend's documented extra keys left "
@@ -343,7 +343,7 @@ _ALL = [
                 "lengths, the blocks straddle requests: some requests are computed on another request's tokens."),
          fires="It fires when a request's query tokens are not exactly block r of the uniform split.",
          action=("FLASHINFER_TS runs uniform draft blocks only; a mixed batch reaching it is a scheduling bug "
-                 "(`kvdbg replay --explain` shows the split)."),
+                 "(`kvdbg replay --builder` shows the split)."),
          reported_by="replay (flashinfer_ts), report", severity="error"),
     Code("ragged_leftover_tokens", "flashinfer_ts", "tokens past the uniform query blocks are never written",
          means=("The step's tokens do not divide into num_reqs blocks of the query length; the builder rounds down "

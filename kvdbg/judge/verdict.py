@@ -87,9 +87,20 @@ EXIT_NOTHING_VERIFIED = 3
 EXIT_INTERRUPTED = 130
 
 
+# The one set of verdict words: every verdict line starts with the word of its exit code (and nothing else: no
+# OK, SAME/DIFFER or DONE), so a script or a reader tells every command's result the same way.
+VERDICT_WORDS = {EXIT_OK: "PASS", EXIT_FINDING: "FAIL", EXIT_BAD_INPUT: "BAD INPUT",
+                 EXIT_NOTHING_VERIFIED: "NOTHING VERIFIED"}
+STATUS_OF_WORD = {"PASS": "pass", "FAIL": "fail", "BAD INPUT": "fail", "NOTHING VERIFIED": "unverified"}
+
+
 @dataclass(frozen=True)
 class Verdict:
-    """The overall result of a replay: ``status`` is "pass", "fail" or "unverified"."""
+    """The overall result of a replay: ``status`` is "pass", "fail" or "unverified".
+
+    Its summary starts with the word of its exit code (:data:`VERDICT_WORDS`): a verdict built otherwise is a
+    programming error, refused here, in the one place every command's verdict is made.
+    """
 
     status: str
     exit_code: int
@@ -98,6 +109,12 @@ class Verdict:
     error_findings: int
     summary: str  # one line, for the end of the output
     what_if_failures: tuple[str, ...] = ()  # what-if columns that fail or have error findings (not counted)
+
+    def __post_init__(self) -> None:
+        word = VERDICT_WORDS.get(self.exit_code)
+        if word is not None and not (self.summary.startswith(word + ":") and STATUS_OF_WORD[word] == self.status):
+            raise ValueError(f"a verdict with exit code {self.exit_code} is {word!r} (status "
+                             f"{STATUS_OF_WORD[word]!r}): got {self.status!r}, {self.summary[:60]!r}")
 
     @property
     def passed(self) -> bool:
@@ -230,5 +247,5 @@ def map_verdict(maps: Iterable, findings: Iterable = (), counted: Iterable[str] 
 
 
 __all__ = ["ALWAYS_COUNTED", "EXIT_BAD_INPUT", "EXIT_FINDING", "EXIT_INTERRUPTED", "EXIT_NOTHING_VERIFIED", "EXIT_OK",
-           "INPUT_RULES", "Verdict", "counted_backends", "fails", "input_counted", "inputs_verdict", "judge",
+           "INPUT_RULES", "STATUS_OF_WORD", "VERDICT_WORDS", "Verdict", "counted_backends", "fails", "input_counted", "inputs_verdict", "judge",
            "map_verdict", "replay_verdict", "simple_verdict"]
