@@ -311,7 +311,8 @@ def test_report_names_its_own_option_for_an_unknown_knob():
     res = CliRunner().invoke(cli, ["report", os.path.join(FIXTURES, "dflash.safetensors"), "--sweep", "nosuch"])
     assert res.exit_code == 2
     assert res.output.strip().splitlines() == [
-        "Error: --sweep: unknown knob 'nosuch' (choose from: placement, kv-dtype, scales, window, query-len, "
+        # the old spelling --sweep still works; the error names the option by its one spelling, --vary
+        "Error: --vary: unknown knob 'nosuch' (choose from: placement, kv-dtype, scales, window, query-len, "
         "flex-block, compile, device, all)"]
 
 
