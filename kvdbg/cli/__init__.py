@@ -65,7 +65,7 @@ GROUPS = (
          "kvdbg merge r0.safetensors r1.safetensors -o all.safetensors"),
     )),
     ("Make", (
-        ("synth", "a deterministic synthetic snapshot", "kvdbg synth -o s.safetensors --seq-lens 9000,1200"),
+        ("synth", "a deterministic synthetic snapshot", "kvdbg synth -o s.safetensors --seq-len 9000,1200"),
         ("import", "snapshots from a FlashInfer or SGLang dump", "kvdbg import flashinfer_dumps -o snaps/"),
     )),
 )
