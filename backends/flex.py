@@ -10,6 +10,7 @@ when it lies before the window (vLLM's sliding-window manager does that by desig
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -396,6 +397,13 @@ def _flex_untraced(flex_attention: Callable, *args, **kwargs):
     Python-side effects in score/mask functions, neither of which a replay has
     (forward only, pure index arithmetic). Output stays within a few ulps of the
     traced call (tests/test_flex.py checks it).
+
+    With the switch on, the call still enters ``setup_compilation_env``, whose
+    only use there is a backend that the untraced branch never calls, and which
+    imports Dynamo's debugging backends for it (AOTAutograd, Inductor's caches,
+    networkx: ~0.5 s, a sixth of a small replay). :func:`_untraced_env` stands
+    in for it while no torch function mode is active (the other thing it
+    handles; a replay sets none).
     """
     import torch.nn.attention.flex_attention as flex_module
 
@@ -405,11 +413,27 @@ def _flex_untraced(flex_attention: Callable, *args, **kwargs):
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         if before is None:  # a torch without the switch: the traced eager call
             return flex_attention(*args, **kwargs)
+        env = getattr(flex_module, "setup_compilation_env", None)
+        light = env is not None and torch._C._len_torch_function_stack() == 0
         flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+        if light:
+            flex_module.setup_compilation_env = _untraced_env
         try:
             return flex_attention(*args, **kwargs)
         finally:
             flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = before
+            if light:
+                flex_module.setup_compilation_env = env
+
+
+@contextlib.contextmanager
+def _untraced_env():
+    """What flex_attention's untraced branch takes from ``setup_compilation_env``: a backend it does not use.
+
+    Torch's context also sets Dynamo's config for a trace and lifts torch function
+    modes off the stack; with no trace and no mode (checked by the caller) both
+    are no-ops."""
+    yield None
 
 
 def _resolve_compile(options: ReplayOptions) -> bool | None:
