@@ -27,6 +27,10 @@ COMMANDS = {
 }
 
 
+# Commands that read headers and numbers only, never tensors (nor torch, nor ctypes: they start instantly).
+HEADER_ONLY = frozenset({"explain", "info", "triage", "window"})
+
+
 def _one_line(exc: click.UsageError) -> click.UsageError:
     """Drop the context so click prints just ``Error: ...`` (no usage block): one line, exit 2."""
     exc.ctx = None
@@ -106,7 +110,12 @@ class LazyGroup(click.Group):
             close = difflib.get_close_matches(name, list(COMMANDS), n=1, cutoff=0.5)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise click.UsageError(f"No such command {name!r}.{hint} Commands: {', '.join(sorted(COMMANDS))}.")
-        return super().resolve_command(ctx, args)
+        resolved = super().resolve_command(ctx, args)
+        if resolved[0] not in HEADER_ONLY:
+            from kvdbg.util.memory import return_freed_memory
+
+            return_freed_memory()  # this process will hold tensors: its peak is what is live (kvdbg.util.memory)
+        return resolved
 
     def get_command(self, ctx, name):
         target = COMMANDS.get(name)
@@ -146,11 +155,11 @@ def main(argv=None):
     """The console script: click's own handling, except that Ctrl-C exits 130 (as a shell expects), not 1."""
     import sys
 
-    from kvdbg.judge.verdict import EXIT_INTERRUPTED
-
     try:
         code = cli.main(args=argv, prog_name="kvdbg", standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
+        from kvdbg.judge.verdict import EXIT_INTERRUPTED  # here: `kvdbg --help` needs no verdict
+
         click.echo("kvdbg: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
     except click.ClickException as exc:
