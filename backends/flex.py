@@ -28,11 +28,14 @@ if TYPE_CHECKING:
 # vLLM's direct build uses 16-token query blocks on torch >= 2.9 and KV blocks of one page.
 Q_BLOCK_SIZE = 16
 # Eager flex_attention materialises [Hq, tokens, cache tokens] scores: each eager call covers a run of
-# query blocks over only the pages they list, with the run sized to keep those scores within this.
-EAGER_SCORE_BUDGET_BYTES = 512 * 1024 * 1024
+# query blocks over only the pages they list, with the run sized to keep those scores within this. With
+# the mask function's index tensors (int64, as large as the scores), a call holds about three times it:
+# 128 MiB keeps a CPU replay of a 512 MiB capture within 1.5x the file + torch (bench/flex_memory.py).
+EAGER_SCORE_BUDGET_BYTES = 128 * 1024 * 1024
 # Requests are merged into one eager call while the call scores at most this many elements: fewer
-# calls for many tiny requests; beyond it a call costs more than the per-call overhead it saves.
-EAGER_MERGE_SCORES = 1 << 22
+# calls for many tiny requests. A merged call's temporaries are ~50 bytes an element (scores, masked
+# scores, probabilities, the mask's index tensors): 2^20 elements keep it near 50 MiB.
+EAGER_MERGE_SCORES = 1 << 20
 VLLM_KERNEL_BLOCK_MULTIPLE = 16
 # Unless --compile/--no-compile says otherwise, a CUDA replay compiles flex only when the eager
 # path would score more than this many (query, key, head) elements: compiling costs ~10 s a
