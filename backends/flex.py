@@ -10,6 +10,7 @@ when it lies before the window (vLLM's sliding-window manager does that by desig
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -27,11 +28,14 @@ if TYPE_CHECKING:
 # vLLM's direct build uses 16-token query blocks on torch >= 2.9 and KV blocks of one page.
 Q_BLOCK_SIZE = 16
 # Eager flex_attention materialises [Hq, tokens, cache tokens] scores: each eager call covers a run of
-# query blocks over only the pages they list, with the run sized to keep those scores within this.
-EAGER_SCORE_BUDGET_BYTES = 512 * 1024 * 1024
+# query blocks over only the pages they list, with the run sized to keep those scores within this. With
+# the mask function's index tensors (int64, as large as the scores), a call holds about three times it:
+# 128 MiB keeps a CPU replay of a 512 MiB capture within 1.5x the file + torch (bench/flex_memory.py).
+EAGER_SCORE_BUDGET_BYTES = 128 * 1024 * 1024
 # Requests are merged into one eager call while the call scores at most this many elements: fewer
-# calls for many tiny requests; beyond it a call costs more than the per-call overhead it saves.
-EAGER_MERGE_SCORES = 1 << 22
+# calls for many tiny requests. A merged call's temporaries are ~50 bytes an element (scores, masked
+# scores, probabilities, the mask's index tensors): 2^20 elements keep it near 50 MiB.
+EAGER_MERGE_SCORES = 1 << 20
 VLLM_KERNEL_BLOCK_MULTIPLE = 16
 # Unless --compile/--no-compile says otherwise, a CUDA replay compiles flex only when the eager
 # path would score more than this many (query, key, head) elements: compiling costs ~10 s a
@@ -396,6 +400,13 @@ def _flex_untraced(flex_attention: Callable, *args, **kwargs):
     Python-side effects in score/mask functions, neither of which a replay has
     (forward only, pure index arithmetic). Output stays within a few ulps of the
     traced call (tests/test_flex.py checks it).
+
+    With the switch on, the call still enters ``setup_compilation_env``, whose
+    only use there is a backend that the untraced branch never calls, and which
+    imports Dynamo's debugging backends for it (AOTAutograd, Inductor's caches,
+    networkx: ~0.5 s, a sixth of a small replay). :func:`_untraced_env` stands
+    in for it while no torch function mode is active (the other thing it
+    handles; a replay sets none).
     """
     import torch.nn.attention.flex_attention as flex_module
 
@@ -405,11 +416,27 @@ def _flex_untraced(flex_attention: Callable, *args, **kwargs):
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         if before is None:  # a torch without the switch: the traced eager call
             return flex_attention(*args, **kwargs)
+        env = getattr(flex_module, "setup_compilation_env", None)
+        light = env is not None and torch._C._len_torch_function_stack() == 0
         flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+        if light:
+            flex_module.setup_compilation_env = _untraced_env
         try:
             return flex_attention(*args, **kwargs)
         finally:
             flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = before
+            if light:
+                flex_module.setup_compilation_env = env
+
+
+@contextlib.contextmanager
+def _untraced_env():
+    """What flex_attention's untraced branch takes from ``setup_compilation_env``: a backend it does not use.
+
+    Torch's context also sets Dynamo's config for a trace and lifts torch function
+    modes off the stack; with no trace and no mode (checked by the caller) both
+    are no-ops."""
+    yield None
 
 
 def _resolve_compile(options: ReplayOptions) -> bool | None:

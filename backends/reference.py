@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 # and a request too long for it alone is cut along its KV length into blocks merged
 # by an exact log-sum-exp (online softmax), so neither a long batch nor a hostile
 # table repeating one page thousands of times can make the reference allocate more.
-CHUNK_BUDGET_BYTES = 256 * 1024 * 1024
+# On CPU 64 MiB: a chunk's live temporaries come to ~1.5x it, and a replay must stay within 1.5x the file
+# it reads plus torch; larger chunks saved nothing measurable on CPU (docs/benchmarks.md).
+CHUNK_BUDGET_BYTES = 64 * 1024 * 1024
 # On a GPU fewer, larger chunks save launches and syncs (64 x 8192 on an H200, bench/gpu_breakdown.py:
 # 22 chunks 30 ms, 6 chunks 17-19 ms, 2 chunks 14-16 ms); the budget is also held to a quarter of the
 # free device memory.

@@ -1,71 +1,80 @@
-"""CLI start-up: `kvdbg --help`, `kvdbg window`, `kvdbg info` vs `python -c "import click, rich"`.
+"""CLI start-up: `kvdbg --help`, `kvdbg window`, `kvdbg info` vs the import of click + rich.console + rich.table.
 
 Usage:
-    python bench/cli_start.py --make-2gb /tmp/kvdbg-2g.safetensors   # synthesise it first if missing (~30 s)
-    python bench/cli_start.py [SNAPSHOT] [--runs N]
+    python bench/cli_start.py [SNAPSHOT] [--runs N]          # the installed `kvdbg` script (default)
+    python bench/cli_start.py --checkout                      # this checkout: python -m kvdbg, PYTHONPATH=here
+    python bench/cli_start.py --make-2gb /tmp/kvdbg-2g.safetensors   # info on the 2 GiB snapshot (made if missing)
 
-Prints the median wall time of each command over N runs (default 15) and its
-ratio to the click+rich import baseline, all measured in this one run, plus
-the floor any rich-table command pays (click + rich.console + rich.table).
+Which kvdbg is measured: by default the ``kvdbg`` console script installed
+beside this Python (else the first on PATH), as a user starts it (an editable
+install runs the tree it was installed from); ``--checkout`` runs this
+checkout instead. The first line printed names the file imported.
 
-Children may write bytecode caches even when PYTHONDONTWRITEBYTECODE is set
-here, and each command runs once untimed first: an installed kvdbg has its
-.pyc files, and compiling kvdbg's sources on every run would time the compiler.
+The baseline is the floor of any command that draws a rich table:
+``python -c "import click, rich.console, rich.table"``. Target: each command
+<= 1.3x it. The machine is shared and timings drift, so the cases are
+interleaved: every round runs each once (the order rotated per round), and
+each command's figure is the median over rounds of its time divided by the
+baseline's in the same round; the ratio of the minimums is printed beside it.
+Each case runs once untimed first (bytecode caches). The load average before
+and after is printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _big import make_2gb  # noqa: E402
+from _launch import REPO, child_env, describe, interleaved, kvdbg_command, print_ratios  # noqa: E402
 
-
-def median_time(argv: list[str], runs: int, env: dict[str, str]) -> float:
-    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, env=env)
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, env=env)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+BASELINE = 'python -c "import click, rich.console, rich.table"'
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    parser.add_argument("snapshot", nargs="?", default=os.path.join(here, "fixtures", "dflash.safetensors"))
+    parser.add_argument("snapshot", nargs="?", default=os.path.join(REPO, "fixtures", "dflash.safetensors"))
     parser.add_argument("--make-2gb", metavar="PATH",
                         help="use (and first synthesise, if missing) the 2 GiB 64 x 8192 snapshot at PATH")
-    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--runs", type=int, default=21, help="rounds (default 21)")
+    parser.add_argument("--checkout", action="store_true",
+                        help="time this checkout (python -m kvdbg, PYTHONPATH=checkout), not the installed script")
+    parser.add_argument("--with-installed", action="store_true",
+                        help="with --checkout: also time the installed script's kvdbg in the same rounds (before/after)")
+    parser.add_argument("--with-torch", action="store_true", help="also time `python -c \"import torch\"`, for scale")
     args = parser.parse_args()
     snapshot = make_2gb(args.make_2gb) if args.make_2gb else args.snapshot
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env = child_env(args.checkout)
+    kvdbg = kvdbg_command(args.checkout)
     py = sys.executable
     cases = {
-        'python -c "import click, rich"': [py, "-c", "import click, rich"],
-        "kvdbg --help": [py, "-m", "kvdbg", "--help"],
-        "kvdbg window --seq-len 9000 --window 4096 --query-len 8": [
-            py, "-m", "kvdbg", "window", "--seq-len", "9000", "--window", "4096", "--query-len", "8"],
+        BASELINE: [py, "-c", "import click, rich.console, rich.table"],
+        "kvdbg --help": [*kvdbg, "--help"],
+        "kvdbg window --seq-len 9000 --window 4096": [*kvdbg, "window", "--seq-len", "9000", "--window", "4096"],
         f"kvdbg info {os.path.basename(snapshot)} ({os.path.getsize(snapshot) / 2**20:.0f} MiB)": [
-            py, "-m", "kvdbg", "info", snapshot],
-        'floor of a rich table: python -c "import click, rich.console, rich.table"': [
-            py, "-c", "import click, rich.console, rich.table"],
+            *kvdbg, "info", snapshot],
+        'python -c "import click, rich"': [py, "-c", "import click, rich"],
         'python -c "pass" (interpreter start)': [py, "-c", "pass"],
-        'python -c "import torch" (for scale)': [py, "-c", "import torch"],
     }
-    results = {name: median_time(argv, args.runs, env) for name, argv in cases.items()}
-    base = next(iter(results.values()))
-    print(f"median of {args.runs} runs each (one untimed run first), {os.cpu_count()} CPUs, "
-          f"python {sys.version.split()[0]}")
-    for name, t in results.items():
-        print(f"{t * 1000:8.1f} ms  {t / base:5.2f}x  {name}")
+    if args.with_torch:
+        cases['python -c "import torch" (for scale)'] = [py, "-c", "import torch"]
+    installed = kvdbg_command(False) if args.checkout and args.with_installed else None
+    if installed:
+        # Run with the checkout left off PYTHONPATH, so that it imports what it was installed from.
+        keep = ["env", f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", *installed]
+        for name in [n for n in cases if n.startswith("kvdbg ")]:
+            cases[f"installed: {name}"] = keep + cases[name][len(kvdbg):]
+    load_before = os.getloadavg()[0]
+    times = interleaved(cases, args.runs, env)
+    print(describe(kvdbg, env))
+    if installed:
+        print(f"installed: {describe(installed, child_env(False))}")
+    print(f"{args.runs} interleaved rounds, {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
+          f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
+    print_ratios(times, BASELINE, 1.3)
 
 
 if __name__ == "__main__":

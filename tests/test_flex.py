@@ -294,3 +294,34 @@ def test_compiled_flex_says_whether_torchs_on_disk_compile_cache_was_used(tmp_pa
         notes.append([n for n in step.runs["flex"].info.notes if "on-disk compile cache" in n])
     assert len(notes[0]) == 1 and "compiled and stored in" in notes[0][0] and str(tmp_path) in notes[0][0]
     assert len(notes[1]) == 1 and notes[1][0].startswith("compiled graph loaded from"), notes
+
+
+def test_untraced_eager_call_skips_dynamos_debugging_backends_unless_a_torch_function_mode_is_on():
+    """torch's setup_compilation_env imports Dynamo's debugging backends (AOTAutograd, Inductor, networkx) for a
+    backend the untraced call never uses; kvdbg stands in for it, but keeps it while a function mode is active."""
+    from tests.helpers import run_python
+
+    out = run_python("""
+import sys, torch
+from torch.overrides import TorchFunctionMode
+import torch.nn.attention.flex_attention as torch_flex
+from kvdbg.backends.base import ReplayOptions
+from kvdbg.replayer.runner import replay
+from kvdbg.moves.synth import SynthSpec, synth_snapshot
+
+own_env = torch_flex.setup_compilation_env
+snap = synth_snapshot(SynthSpec(sliding_window=40, query_len=5))
+light = replay(snap, ["flex"], ReplayOptions()).steps[0].runs["flex"].output
+print("DEBUGGING", "torch._dynamo.backends.debugging" in sys.modules)
+
+class PassThrough(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+with PassThrough():
+    moded = replay(snap, ["flex"], ReplayOptions()).steps[0].runs["flex"].output
+print("DEBUGGING", "torch._dynamo.backends.debugging" in sys.modules)
+print("RESTORED", torch_flex.setup_compilation_env is own_env)
+print("EQUAL", torch.equal(light, moded))
+""")
+    assert out.split("\n")[-5:] == ["DEBUGGING False", "DEBUGGING True", "RESTORED True", "EQUAL True", ""], out

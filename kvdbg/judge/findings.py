@@ -17,7 +17,6 @@ hidden, which backend cannot take the input); the producer names the context.
 
 from __future__ import annotations
 
-import difflib
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,6 +110,8 @@ class UnknownCode(KeyError):
     """A code that is not registered; ``suggestion`` is the closest registered one, if any."""
 
     def __init__(self, name: str):
+        import difflib  # only for this message: kvdbg window and info import the registry
+
         close = difflib.get_close_matches(name, list(CODES), n=1, cutoff=0.6)
         self.name, self.suggestion = name, (close[0] if close else None)
         super().__init__(name)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
-import tempfile
 from typing import BinaryIO, Callable, Iterable, Iterator
 
 from kvdbg.errors import OptionError
@@ -105,6 +104,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise OptionError(f"cannot write {label}: directory {directory} does not exist")
+    import tempfile  # only a write needs it: every command's input guard imports this module
+
     try:
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix, suffix=TEMP_SUFFIX, dir=directory)
     except OSError as exc:
