@@ -199,6 +199,9 @@ def test_findings_tables_point_to_explain(tmp_path):
     env = {"COLUMNS": "80", "NO_COLOR": "1"}
     shown = CliRunner().invoke(cli, ["map", path], env=env).output
     assert "kvdbg explain live_page_zero: what it means and what to do" in shown
-    shown = CliRunner().invoke(cli, ["replay", path, "--backend", "flex"], env=env).output
+    shown = CliRunner().invoke(cli, ["replay", path, "--backend", "flex", "--full"], env=env).output
     assert "kvdbg explain live_page_zero: what it means and what to do" in shown
+    assert all(len(line) <= 80 for line in shown.splitlines())
+    shown = CliRunner().invoke(cli, ["replay", path, "--backend", "flex"], env=env).output
+    assert "  kvdbg explain live_page_zero" in shown.splitlines()[-6:-1] or "  kvdbg explain live_page_zero  #" in shown
     assert all(len(line) <= 80 for line in shown.splitlines())

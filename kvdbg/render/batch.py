@@ -84,13 +84,24 @@ def _worst(f: FileResult | StepRow) -> Text:
     return text if text else Text("-")
 
 
+def _title(result: BatchResult) -> str:
+    _, directory = display_names([row.files[0] for row in result.rows])
+    title = f"{len(result.files)} snapshot(s)" + (f" in {directory}" if directory else "")
+    if any(len(row.files) > 1 for row in result.rows):
+        title += f"; {len(result.rows)} rows, a step's ranks in one"
+    return title
+
+
+def render_batch_title(result: BatchResult) -> Text:
+    """The first line of `kvdbg replay DIR` without --full (the groups by cause follow; --full adds a row per file)."""
+    return Text(_title(result), style="bold")
+
+
 def render_batch(result: BatchResult) -> Group:
     rows = result.rows
     names, directory = display_names([row.files[0] for row in rows])
     grouped = any(len(row.files) > 1 for row in rows)
-    title = f"{len(result.files)} snapshot(s)" + (f" in {directory}" if directory else "")
-    if grouped:
-        title += f"; {len(rows)} rows, a step's ranks in one"
+    title = _title(result)
     columns = [Column("file", priority=10, min_width=14), Column("layer", whole=True, justify="left", priority=2),
                Column("step", whole=True, justify="left", priority=4)]
     if grouped:
@@ -122,4 +133,4 @@ def batch_json(result: BatchResult) -> dict[str, Any]:
             "counts": result.counts, "rule": EXIT_RULE, "verdict": result.verdict.to_json()}
 
 
-__all__ = ["EXIT_RULE", "batch_json", "display_names", "render_batch"]
+__all__ = ["EXIT_RULE", "batch_json", "display_names", "render_batch", "render_batch_title"]
