@@ -16,6 +16,7 @@ from kvdbg.render.fit import Column, FitTable
 STATUS_TEXT = {STATUS_PASS: ("PASS", "bold green"), STATUS_FAIL: ("FAIL", "bold red"),
                STATUS_UNVERIFIED: ("UNVERIFIED", "yellow"), STATUS_BAD_INPUT: ("BAD INPUT", "bold red"),
                STATUS_CRASHED: ("CRASHED", "bold red")}
+FILE_NAME_WHOLE = 32  # file names up to this many characters are never broken across lines
 EXIT_RULE = ("exit: 2 if any file is bad input; else 1 if any fails (or kvdbg raised on it); else 3 if no file "
              "verified anything; else 0. Each row's verdict is `kvdbg replay FILE`'s.")
 
@@ -102,7 +103,11 @@ def render_batch(result: BatchResult) -> Group:
     names, directory = display_names([row.files[0] for row in rows])
     grouped = any(len(row.files) > 1 for row in rows)
     title = _title(result)
-    columns = [Column("file", priority=10, min_width=14), Column("layer", whole=True, justify="left", priority=2),
+    # A file name is what a reader copies: whole when it leaves room for the verdict and the error, else broken
+    # at its boundaries (before the extension, after _ / -), never inside a word.
+    whole_names = max((len(name) for name in names), default=0) <= FILE_NAME_WHOLE
+    columns = [Column("file", whole=whole_names, justify="left", priority=10, min_width=14),
+               Column("layer", whole=True, justify="left", priority=2),
                Column("step", whole=True, justify="left", priority=4)]
     if grouped:
         columns.append(Column("ranks", whole=True, justify="left", priority=5))
