@@ -20,7 +20,7 @@ from rich.text import Text
 from kvdbg.judge.compare import Comparison, HeadDiff
 from kvdbg.judge.findings import SEVERITY_STYLES, lookup
 from kvdbg.render.fit import Column, FitTable
-from kvdbg.render.replay import _fmt, dedupe_findings, render_verdict
+from kvdbg.render.replay import _fmt, dedupe_findings, nothing_to_compare, render_verdict
 from kvdbg.replayer.runner import ReplayReport
 
 MAX_FAILING_REQUESTS = 3  # requests named per comparison row; the rest are counted (--full lists every head)
@@ -270,7 +270,7 @@ def render_front(report: ReplayReport, snapshot: str, *, explain: bool = False, 
     if table is not None:
         parts.append(table)
     else:
-        parts.append(Text("nothing to compare (--full says why)", style="yellow"))
+        parts.append(nothing_to_compare(report.result))
     findings = render_findings_brief(report)
     if findings is not None:  # each line opens on its severity: no heading needed
         parts.append(findings)

@@ -289,6 +289,14 @@ def render_verdict(verdict: Verdict) -> Text:
     return verdict_line(verdict)
 
 
+def nothing_to_compare(result: ReplayResult) -> Text:
+    """Why a replay compared nothing (its verdict is then NOTHING VERIFIED, exit 3)."""
+    ref = next((st for st in result.backends if st.name == "reference"), None)
+    why = (f"the reference is unavailable ({ref.reason})" if ref is not None and not ref.available
+           else "no other backend produced an output to compare and the snapshot holds no engine output")
+    return Text(f"nothing to compare: {why}", style="yellow")
+
+
 def render_title(result: ReplayResult) -> Text:
     """The first line: the snapshot and the layer it holds."""
     layer = result.meta.layer
@@ -315,10 +323,7 @@ def render_replay(report: ReplayReport, *, explain: bool = False, full: bool = F
     starts = result.query_starts()
     parts.extend(render_comparison(c, full=full, starts=starts) for c in comparisons)
     if not comparisons:
-        ref = next((st for st in result.backends if st.name == "reference"), None)
-        why = (f"the reference is unavailable ({ref.reason})" if ref is not None and not ref.available
-               else "no other backend produced an output to compare and the snapshot holds no engine output")
-        parts.append(Text(f"nothing to compare: {why}", style="yellow"))
+        parts.append(nothing_to_compare(result))
     parts.append(render_footer(comparisons))
     if saved:
         parts.append(Text(f"outputs written to {saved}", style="dim"))
