@@ -146,3 +146,16 @@ def test_ranges():
 
     assert ranges([7, 0, 1, 2, 3, 9, 10]) == "0-3, 7, 9-10"
     assert ranges([]) == "" and ranges([4]) == "4"
+
+
+def test_nothing_compared_says_why_and_exits_3(tmp_path):
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
+    from kvdbg.snapshot.store import save_snapshot
+
+    path = str(save_snapshot(synth_snapshot(SynthSpec(seq_lens=(40, 70))), tmp_path / "bare.safetensors"))
+    res = invoke("replay", path, "--backend", "reference")
+    assert res.exit_code == 3
+    flat = " ".join(res.output.split())
+    assert "nothing to compare: no other backend produced an output to compare and the snapshot holds no " \
+           "engine output" in flat
+    assert hinted_commands(res.output) == [["kvdbg", "replay", path, "--full"]]

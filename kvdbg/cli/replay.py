@@ -154,7 +154,7 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
 
             page = render_front(report, snap.path or snapshot or default_snapshot(), explain=explain, saved=output,
                                 before_verdict=extra)
-        console().print(page)
+        console().print(page, crop=False)  # a next command whose path is wider than the line is shown whole
     if report.verdict.exit_code:
         sys.exit(report.verdict.exit_code)
 
@@ -207,7 +207,7 @@ def replay_several(paths, *, backends, steps, device, exact, compile_, atol, rto
             from kvdbg.render.front import Hint, HintLines
 
             given = ["kvdbg", "replay", *paths] + (["--recursive"] if recursive else []) + ["--full"]
-            out.print(HintLines([Hint(shlex.join(given), "one row per file, every file of each group")]))
+            out.print(HintLines([Hint(shlex.join(given), "one row per file, every file of each group")]), crop=False)
         print_verdict(out, result.verdict)
     if result.exit_code:
         sys.exit(result.exit_code)

@@ -190,8 +190,9 @@ def next_commands(report: ReplayReport, snapshot: str) -> list[Hint]:
 
 
 class HintLines:
-    """``next:`` and one command a line, its reason after it when the line has room (a command is never
-    folded into its reason, so it is copied whole)."""
+    """``next:`` and one command a line, its reason after it when the line has room; a command too long for
+    the line goes on after `` \\`` between words, and a word (a path) longer than the line is shown whole:
+    print with ``crop=False``, so that every command is copied whole."""
 
     def __init__(self, hints: list[Hint]):
         self.hints = hints
