@@ -28,12 +28,12 @@ def invoke(*args: str, env=ENV):
 
 def hinted_commands(text: str) -> list[list[str]]:
     """The commands under ``next:``, as argv lists: a line ending `` \\`` goes on, a ``  # why`` is dropped."""
-    lines = text.splitlines()
+    lines = [line.rstrip() for line in text.splitlines()]
     start = lines.index("next:") + 1
     commands: list[str] = []
     going_on = False
     for line in lines[start:]:
-        if not line.startswith("  "):
+        if not going_on and not line.startswith("  kvdbg "):  # a continuation may start anywhere on its line
             break
         body = line.strip()
         if not going_on:
@@ -159,3 +159,23 @@ def test_nothing_compared_says_why_and_exits_3(tmp_path):
     assert "nothing to compare: no other backend produced an output to compare and the snapshot holds no " \
            "engine output" in flat
     assert hinted_commands(res.output) == [["kvdbg", "replay", path, "--full"]]
+
+
+def test_a_long_path_stays_within_the_line():
+    """A path that fills the line goes on its own continuation line, indented less, and still fits 80."""
+    from kvdbg.render.front import Hint, HintLines
+    import io
+
+    from rich.console import Console
+
+    path = "/tmp/" + "x" * 66 + "/s.safetensors"  # 85 characters: longer than the line
+    shorter = "/tmp/" + "y" * 58 + "/s.safetensors"  # 77: fits only without the indent
+    console = Console(record=True, width=80, file=io.StringIO(), color_system=None)
+    console.print(HintLines([Hint(f"kvdbg replay {shorter} --full", "why"),
+                             Hint(f"kvdbg replay {path} --full", "why")]), crop=False)
+    text = console.export_text()
+    lines = [line.rstrip() for line in text.splitlines()]
+    assert lines[1:4] == ["  kvdbg replay \\", f" {shorter} \\", "      --full"]
+    assert lines[5] == f"{path} \\"  # longer than the line: whole, from the first column
+    assert hinted_commands(text) == [["kvdbg", "replay", shorter, "--full"], ["kvdbg", "replay", path, "--full"]]
+

@@ -203,7 +203,9 @@ class HintLines:
             lines = shell_lines(hint.command, options.max_width - 2)
             comment = f"  # {hint.why}"
             for number, line in enumerate(lines):
-                text = Text(("  " if number == 0 else "      ") + line, style="cyan", no_wrap=True, overflow="ignore")
+                # A continuation indents 4 more, less where a long word (a path) would then pass the line's end.
+                indent = 2 if number == 0 else max(0, min(6, options.max_width - len(line)))
+                text = Text(" " * indent + line, style="cyan", no_wrap=True, overflow="ignore")
                 if len(lines) == 1 and len(text) + len(comment) <= options.max_width:
                     text.append(comment, style="dim")
                 yield text
