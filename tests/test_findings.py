@@ -199,6 +199,10 @@ def test_findings_tables_point_to_explain(tmp_path):
     env = {"COLUMNS": "80", "NO_COLOR": "1"}
     shown = CliRunner().invoke(cli, ["map", path], env=env).output
     assert "kvdbg explain live_page_zero: what it means and what to do" in shown
-    shown = CliRunner().invoke(cli, ["replay", path, "--backend", "flex"], env=env).output
+    shown = CliRunner().invoke(cli, ["replay", path, "--backend", "flex", "--full"], env=env).output
     assert "kvdbg explain live_page_zero: what it means and what to do" in shown
     assert all(len(line) <= 80 for line in shown.splitlines())
+    shown = CliRunner().invoke(cli, ["replay", path, "--backend", "flex"], env=env).output
+    assert "  kvdbg explain live_page_zero  # what it means, what to do" in shown.splitlines()
+    # A next command's path longer than the line (this test's own) is shown whole, as the only word on its line.
+    assert all(len(line) <= 80 for line in shown.splitlines() if not line.startswith(path))

@@ -123,7 +123,7 @@ def test_worst_token_is_the_requests_own_index(page_zero):
         assert h["worst_token_in_request"] == h["worst_token"] - qsl[2]
         assert 0 <= h["worst_token_in_request"] < 3
         assert h["worst_token"] >= 6  # the batch-wide row is not the request's own index
-    table = invoke("replay", path, "--backend", "flex", "--step", "0").output
+    table = invoke("replay", path, "--backend", "flex", "--step", "0", "--full").output
     h = failing[0]
     row = next(line for line in table.splitlines() if re.match(rf"│\s+2 │\s+{h['head']} │ FAIL", line))
     assert f"{h['worst_token_in_request']} ({h['worst_position']})" in row
@@ -134,7 +134,7 @@ def test_findings_are_listed_once_with_their_steps(page_zero):
     path, _ = page_zero
     data = json.loads(invoke("replay", path, "--backend", "flex", "--json").output)
     assert sorted(f["step"] for f in data["findings"] if f["code"] == "live_page_zero") == [0, 1]
-    table = invoke("replay", path, "--backend", "flex").output
+    table = invoke("replay", path, "--backend", "flex", "--full").output
     rows = [line for line in table.splitlines() if "│ live_page_zero" in line]
     assert len(rows) == 1 and re.search(r"│ 0, 1\s+│", rows[0]), rows
     assert "findings (1, all flex)" in table
@@ -154,7 +154,7 @@ def test_request_narrows_findings_and_the_exit_code(page_zero):
 
 
 def test_unavailable_reason_has_its_own_section():
-    table = invoke("replay", FIXTURES / "prefix_page0.safetensors", width=120).output
+    table = invoke("replay", FIXTURES / "prefix_page0.safetensors", "--full", width=120).output
     data = json.loads(invoke("replay", FIXTURES / "prefix_page0.safetensors", "--json").output)
     reason = next(b["reason"] for b in data["backends"] if b["name"] == "flashinfer_ts")
     backends = table[table.index("backends"):table.index("unavailable backends")]
@@ -173,11 +173,13 @@ def test_explain_is_key_value_without_python_reprs():
 
 
 def test_replay_ends_on_the_verdict_line():
-    res = invoke("replay", FIXTURES / "causal_gqa.safetensors", width=80)
+    verdict = ("PASS: 3 comparison(s) agree within tolerance, no error finding; what-if column(s) flex pass too "
+               "(exit 0)")
+    res = invoke("replay", FIXTURES / "causal_gqa.safetensors", "--full", width=80)
     last = res.output.rstrip().split("\n\n")[-1]  # the verdict paragraph, wrapped at 80 columns
-    assert " ".join(last.split()) == (
-        "PASS: 3 comparison(s) agree within tolerance, no error finding; what-if column(s) flex pass too "
-        "(exit 0)")
+    assert " ".join(last.split()) == verdict
+    summary = invoke("replay", FIXTURES / "causal_gqa.safetensors", width=80).output
+    assert " ".join(summary.split()).endswith(" " + verdict)
 
 
 # --------------------------------------------------------------------------- window

@@ -73,7 +73,7 @@ def test_each_row_matches_the_single_file_replay(capture_dir):
         assert single.exit_code == record["exit_code"]
         assert data["verdict"]["summary"] == record["summary"]
         assert "files" not in data and "comparisons" in data
-    text = invoke(batch["files"][0]["path"], "--backend", "flex").output
+    text = invoke(batch["files"][0]["path"], "--backend", "flex", "--full").output
     assert "step 0: flex vs reference — FAIL" in text and "snapshot(s)" not in text
 
 
@@ -177,13 +177,24 @@ def test_fixtures_directory_at_80_columns(monkeypatch, tmp_path):
     for name in ("prefix_page0.safetensors", "ts_causal_window.safetensors", "fp8_dense.safetensors"):
         shutil.copy(os.path.join(FIXTURES, name), tmp_path / name)
     monkeypatch.setenv("COLUMNS", "80")
-    res = invoke(str(tmp_path))
+    res = invoke(str(tmp_path), "--full")
     assert res.exit_code == 1
     lines = res.output.splitlines()
     # The example command of each group of failures is printed whole on its line, to be copied.
     assert max(len(line) for line in lines if not line.lstrip().startswith("$ kvdbg ")) <= 80
     rows = [line for line in lines if line.startswith("│ ") and ("PASS" in line or "FAIL" in line)]
     assert [("FAIL" in r, "PASS" in r) for r in rows] == [(False, True), (True, False), (True, False)]
+    # Without --full: no row per file, the groups by cause with their commands, and how to get the rows.
+    brief = invoke(str(tmp_path))
+    assert brief.exit_code == 1
+    lines = brief.output.splitlines()
+    flat = " ".join(brief.output.split())
+    assert flat.startswith(f"3 snapshot(s) in {tmp_path} By cause: 3 row(s): 1 pass; 2 fail, 2 causes")
+    assert not [line for line in lines if line.lstrip().startswith(("│", "┃"))]
+    assert sum(line.lstrip().startswith("$ kvdbg replay ") for line in lines) == 2
+    assert f"next: kvdbg replay {tmp_path} --full" in flat.replace(" \\ ", " ")
+    assert flat.endswith("(exit 1)") and "FAIL: 3 snapshot(s)" in flat
+    assert max(len(line) for line in lines if not line.lstrip().startswith("$ kvdbg ")) <= 80
 
 
 def test_the_ranks_of_a_step_are_one_row_with_one_verdict(tmp_path):
@@ -216,7 +227,7 @@ def test_the_ranks_of_a_step_are_one_row_with_one_verdict(tmp_path):
     # request x head pairs, counted over both ranks: 2 requests x 2 heads on each
     assert (failing["worst"]["failed_heads"], failing["worst"]["heads"]) == (1, 8)
     assert failing["summary"].startswith("tp_rank 1: ")
-    table = invoke(str(directory), "--backend", "flex").output
+    table = invoke(str(directory), "--backend", "flex", "--full").output
     assert "3 rows, a step's ranks in one" in table.replace("\n", " ")
     assert "1/8 heads fail" in table and " 0,1 " in table
     assert torch.__version__  # torch is only needed to build the inputs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ def invoke(*args):
 
 def test_clean_snapshot_exits_0_and_shows_what_ran(make_snapshot):
     path, _ = make_snapshot(query_len=2, sliding_window=40)
-    res = invoke(path, "--backend", "flex")
+    res = invoke(path, "--backend", "flex", "--full")
     assert res.exit_code == 0, res.output
     assert "flex_attention (eager)" in res.output
     assert "step 0: flex vs reference — PASS" in res.output
@@ -39,7 +40,7 @@ def test_null_page_exits_1_with_finding_and_failing_heads_first(make_snapshot):
     (comp,) = data["comparisons"]
     assert comp["failed_heads"] == snap.meta.layer.num_heads
     assert {h["request"] for h in comp["heads"] if not h["passed"]} == {2}
-    table = invoke(path, "--backend", "flex").output
+    table = invoke(path, "--backend", "flex", "--full").output
     rows = [line for line in table.splitlines() if "│" in line and ("FAIL" in line or " ok " in line)]
     assert "FAIL" in rows[0] and " ok " in rows[-1]
     assert table.rstrip().splitlines()[-1].startswith("FAIL: 1 of 1 comparison(s) failed (flex vs reference)")
@@ -127,11 +128,18 @@ def test_steps_and_backends_take_lists(make_snapshot):
 
 
 def test_explain_and_full(make_snapshot):
-    path, _ = make_snapshot(query_len=2, num_heads=16, num_kv_heads=4)
+    path, snap = make_snapshot(query_len=2, num_heads=16, num_kv_heads=4)
+    # --explain adds the builder decisions to the one-screen summary, which has no per-head table.
     res = invoke(path, "--backend", "flex", "--explain")
     assert "step 0, request 0: builder decisions" in res.output and "decode_offset" in res.output
-    assert "more passing heads (--full)" in res.output
-    assert "more passing heads" not in invoke(path, "--backend", "flex", "--full").output
+    assert "step 0: flex vs reference —" not in res.output
+    # --full: every table, every head of every request, none elided; with --explain, the decisions too.
+    full = invoke(path, "--backend", "flex", "--full").output
+    assert "more passing heads" not in full and "step 0: flex vs reference — PASS" in full
+    head_rows = [line for line in full.splitlines() if re.match(r"│\s+\d+ │\s+\d+ │ ok", line)]
+    assert len(head_rows) == 16 * snap.steps[0].num_reqs
+    assert "builder decisions" not in full
+    assert "builder decisions" in invoke(path, "--backend", "flex", "--full", "--explain").output
 
 
 def test_default_fixture_when_no_argument():
@@ -208,7 +216,7 @@ def test_a_fail_states_its_failing_heads_error_never_a_passing_heads(tmp_path):
     from tests.helpers import FIXTURES
 
     path = f"{FIXTURES}/ts_causal_window.safetensors"
-    res = CliRunner().invoke(cli, ["replay", path, "--picture"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    res = CliRunner().invoke(cli, ["replay", path, "--picture", "--full"], env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert res.exit_code == 1
     text = " ".join(res.output.split())
     assert ("step 0: flashinfer_ts vs reference — FAIL: 4 of 12 heads (failing heads: no finite error, "

@@ -76,8 +76,9 @@ def test_control_characters_in_a_file_name_are_written_out(tmp_path):
     directory = tmp_path / "d"
     directory.mkdir()
     shutil.copy(FIXTURE, directory / "x\x1b[41mRED\x1b[0m.safetensors")
-    out = run("replay", str(directory), "--backend", "reference")
+    out = run("replay", str(directory), "--backend", "reference", "--full")
     assert_shown_not_acted_on(out)
+    assert_shown_not_acted_on(run("replay", str(directory), "--backend", "reference"))
     assert "x\\x1b[41mRED" in out.replace("\n", "").replace("│", "").replace(" ", "")
 
 

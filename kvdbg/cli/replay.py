@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 import click
@@ -26,9 +27,10 @@ from kvdbg.errors import OptionError
               help="torch.compile flex_attention (default: eager on CPU; on CUDA compiled only for steps too big for eager to be quicker).")
 @tolerance_options()
 @click.option("--builder", "--explain", "explain", cls=AliasedOption, hidden_aliases=("--explain",), is_flag=True,
-              help="Show each backend's per-request builder decisions.")
-@full_option("Show every head, not only failing ones and the worst passing; with several snapshots, every file "
-             "of each group of failures.")
+              help="Also show each backend's per-request builder decisions.")
+@full_option("Show every table: what each backend ran and did, the findings in full, every head of every "
+             "comparison, the pass rule; with several snapshots, one row per file and every file of each group "
+             "of failures.")
 @output_option("Also write every backend's output tensors to this safetensors file.",
                hidden_aliases=("--save-outputs",))
 @force_option()
@@ -56,12 +58,16 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
            output, force, picture, svg_path, png_path, jobs, recursive, results, resume, ray, as_json):
     """Replay a snapshot through the exact reference and the backends, and diff them per head.
 
+    Prints one screen: the verdict, one row per comparison with its failing
+    requests and heads, the findings with their meaning, and the commands to
+    run next for this snapshot; --full prints every table.
+
     Without SNAPSHOT, replays the bundled dflash fixture. Given a directory
     (its *.safetensors, sorted; --recursive goes below) or several files,
-    replays each as above and prints one summary row per file (file, layer,
-    step, verdict, worst backend and its error); a file that is bad input gets
-    a row saying why and the others still run; failing files are then grouped
-    by cause, each group with a command that replays one of its files. Over
+    replays each as above; failing files are grouped by cause, each group with
+    a command that replays one of its files, and a file that is bad input is
+    a group saying why while the others still run; --full adds one summary row
+    per file (file, layer, step, verdict, worst backend and its error). Over
     several files the exit code is 2 if any is bad input, else 1 if any fails,
     else 3 if none verified anything, else 0. Each backend reports
     what really ran (kernel, device, eager/compiled, dtype, emulated or not);
@@ -76,6 +82,7 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
     \b
     Examples:
       kvdbg replay snapshot.safetensors
+      kvdbg replay snapshot.safetensors --full
       kvdbg replay snapshot.safetensors --backend flex --head 0-3 --json
       kvdbg replay --builder -o outputs.safetensors
       kvdbg replay captures/ --jobs 4
@@ -141,15 +148,23 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
 
             extra = [ErrorMapText(pictures, full=full)] + ([StepsText(pictures.series)] if pictures.series else [])
         extra += [Text(f"picture written to {path}", style="dim") for path in written]
-        console().print(render_replay(report, explain=explain, full=full, saved=output, before_verdict=extra))
+        if full:
+            page = render_replay(report, explain=explain, full=True, saved=output, before_verdict=extra)
+        else:
+            from kvdbg.render.front import render_front
+
+            page = render_front(report, snap.path or snapshot or default_snapshot(), explain=explain, saved=output,
+                                before_verdict=extra)
+        console().print(page, crop=False)  # a next command whose path is wider than the line is shown whole
     if report.verdict.exit_code:
         sys.exit(report.verdict.exit_code)
 
 
 def replay_several(paths, *, backends, steps, device, exact, compile_, atol, rtol, jobs, recursive, as_json,
                    results, resume, ray, force, full, single_only) -> None:
-    """`kvdbg replay DIR|FILES...`: one summary row per snapshot (kvdbg.replayer.batch), the failing ones grouped by cause
-    (kvdbg.fleet.triage), one exit code over all; run by kvdbg.fleet.runs on workers, GPUs or a Ray cluster."""
+    """`kvdbg replay DIR|FILES...`: the failing snapshots grouped by cause (kvdbg.fleet.triage), with --full one
+    summary row per snapshot above (kvdbg.replayer.batch), one exit code over all; run by kvdbg.fleet.runs on
+    workers, GPUs or a Ray cluster."""
     from kvdbg.replayer.batch import BatchOptions, find_snapshots
     from kvdbg.fleet.runs import run_fleet
 
@@ -181,9 +196,19 @@ def replay_several(paths, *, backends, steps, device, exact, compile_, atol, rto
         from kvdbg.render.triage import render_fleet, render_triage
 
         out = console()
-        out.print(render_batch(result))
+        if full:
+            out.print(render_batch(result))
+        else:
+            from kvdbg.render.batch import render_batch_title
+
+            out.print(render_batch_title(result))
         out.print(render_triage(fleet.triage, full=full), crop=False)
         out.print(render_fleet(fleet))
+        if not full:
+            from kvdbg.render.front import Hint, HintLines
+
+            given = ["kvdbg", "replay", *paths] + (["--recursive"] if recursive else []) + ["--full"]
+            out.print(HintLines([Hint(shlex.join(given), "one row per file, every file of each group")]), crop=False)
         print_verdict(out, result.verdict)
     if result.exit_code:
         sys.exit(result.exit_code)

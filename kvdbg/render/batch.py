@@ -16,6 +16,7 @@ from kvdbg.render.fit import Column, FitTable
 STATUS_TEXT = {STATUS_PASS: ("PASS", "bold green"), STATUS_FAIL: ("FAIL", "bold red"),
                STATUS_UNVERIFIED: ("UNVERIFIED", "yellow"), STATUS_BAD_INPUT: ("BAD INPUT", "bold red"),
                STATUS_CRASHED: ("CRASHED", "bold red")}
+FILE_NAME_WHOLE = 32  # file names up to this many characters are never broken across lines
 EXIT_RULE = ("exit: 2 if any file is bad input; else 1 if any fails (or kvdbg raised on it); else 3 if no file "
              "verified anything; else 0. Each row's verdict is `kvdbg replay FILE`'s.")
 
@@ -84,14 +85,29 @@ def _worst(f: FileResult | StepRow) -> Text:
     return text if text else Text("-")
 
 
+def _title(result: BatchResult) -> str:
+    _, directory = display_names([row.files[0] for row in result.rows])
+    title = f"{len(result.files)} snapshot(s)" + (f" in {directory}" if directory else "")
+    if any(len(row.files) > 1 for row in result.rows):
+        title += f"; {len(result.rows)} rows, a step's ranks in one"
+    return title
+
+
+def render_batch_title(result: BatchResult) -> Text:
+    """The first line of `kvdbg replay DIR` without --full (the groups by cause follow; --full adds a row per file)."""
+    return Text(_title(result), style="bold")
+
+
 def render_batch(result: BatchResult) -> Group:
     rows = result.rows
     names, directory = display_names([row.files[0] for row in rows])
     grouped = any(len(row.files) > 1 for row in rows)
-    title = f"{len(result.files)} snapshot(s)" + (f" in {directory}" if directory else "")
-    if grouped:
-        title += f"; {len(rows)} rows, a step's ranks in one"
-    columns = [Column("file", priority=10, min_width=14), Column("layer", whole=True, justify="left", priority=2),
+    title = _title(result)
+    # A file name is what a reader copies: whole when it leaves room for the verdict and the error, else broken
+    # at its boundaries (before the extension, after _ / -), never inside a word.
+    whole_names = max((len(name) for name in names), default=0) <= FILE_NAME_WHOLE
+    columns = [Column("file", whole=whole_names, justify="left", priority=10, min_width=14),
+               Column("layer", whole=True, justify="left", priority=2),
                Column("step", whole=True, justify="left", priority=4)]
     if grouped:
         columns.append(Column("ranks", whole=True, justify="left", priority=5))
@@ -122,4 +138,4 @@ def batch_json(result: BatchResult) -> dict[str, Any]:
             "counts": result.counts, "rule": EXIT_RULE, "verdict": result.verdict.to_json()}
 
 
-__all__ = ["EXIT_RULE", "batch_json", "display_names", "render_batch"]
+__all__ = ["EXIT_RULE", "batch_json", "display_names", "render_batch", "render_batch_title"]

@@ -2,13 +2,19 @@
 
 rich squeezes every column of a table that is too wide, numbers included
 (``0.00…``). A ``FitTable`` is drawn at the width it is given: whole columns (numbers, codes)
-keep their full width, text columns wrap (and fold only a word longer than the
-column), and when even that does not fit, the least important columns are left
-out and the caption says which.
+keep their full width, text columns wrap, and when even that does not fit, the least
+important columns are left out and the caption says which.
+
+A text column narrows no further than its longest word (up to ``NAME_MIN_WIDTH``), so a
+backend name, a kernel name or a dtype stays whole; a word longer than its column
+(a long path, a long identifier) is broken where it has a boundary -- after ``_``, ``/``
+or ``-``, before ``.`` -- rather than wherever rich's fold would cut it
+(``flashinfer_t``/``s``); a number is never broken.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +23,11 @@ from rich.text import Text
 
 # Below this, a text column would wrap one short word per line; it drops instead.
 TEXT_MIN_WIDTH = 12
+# A text column keeps its longest word whole up to this width; a longer word breaks at its boundaries.
+NAME_MIN_WIDTH = 16
+# Where a word may break: after _ / - and before . (a file's extension stays together).
+_SEGMENT = re.compile(r"\.?[^_/.\-]*[_/\-]*")
+_NUMBER = re.compile(r"^[-+]?[0-9][0-9.,]*(?:e[-+]?[0-9]+)?%?[)\],;]*$")
 
 
 @dataclass
@@ -60,6 +71,7 @@ class FitTable:
         table = Table(title=self.title, title_justify="left", caption=caption, caption_justify="left",
                       show_header=self.show_header)
         widths = _text_widths(self, keep, width)
+        broken = {i: w for i, w in widths.items() if _longest_word(self, i, cap=None) > w}
         for i in keep:
             col = self.columns[i]
             if col.whole:
@@ -72,7 +84,8 @@ class FitTable:
                 table.add_column(col.header, justify=col.justify or "left", overflow="fold", style=col.style,
                                  min_width=_text_min(self, i), width=widths.get(i))
         for row in self.rows:
-            table.add_row(*(row[i] if i < len(row) else "" for i in keep))
+            cells = [row[i] if i < len(row) else "" for i in keep]
+            table.add_row(*(break_words(cell, broken[i]) if i in broken else cell for i, cell in zip(keep, cells)))
         return table
 
     def __rich_console__(self, console, options):
@@ -96,9 +109,58 @@ def _header_word(t: FitTable, i: int) -> int:
     return max((len(w) for w in t.columns[i].header.split()), default=0) if t.show_header else 0
 
 
+def _longest_word(t: FitTable, i: int, cap: int | None = NAME_MIN_WIDTH) -> int:
+    """The longest word of a column's cells (at most ``cap``)."""
+    longest = max((len(word) for r in t.rows if i < len(r) for word in _plain(r[i]).split()), default=0)
+    return longest if cap is None else min(longest, cap)
+
+
 def _text_min(t: FitTable, i: int) -> int:
-    """A text column wraps down to this: its longest header word, or less when its cells are all shorter."""
-    return max(_header_word(t, i), min(_cell_width(t, i), t.columns[i].min_width))
+    """A text column wraps down to this: its longest header word, its longest word up to NAME_MIN_WIDTH, or
+    less when its cells are all shorter."""
+    return max(_header_word(t, i), _longest_word(t, i), min(_cell_width(t, i), t.columns[i].min_width))
+
+
+def word_pieces(word: str, width: int) -> list[str]:
+    """``word`` in pieces of at most ``width``, broken at its boundaries (after ``_ / -``, before ``.``) and
+    only where a piece between boundaries is itself too long, inside it; a number is one piece."""
+    if len(word) <= width or _NUMBER.match(word):
+        return [word]
+    segments = [seg for seg in _SEGMENT.findall(word) if seg]
+    pieces: list[str] = []
+    current = ""
+    for seg in segments:
+        while len(seg) > width:  # no boundary close enough: cut it (the only place a word is cut)
+            if current:
+                pieces.append(current)
+                current = ""
+            pieces.append(seg[:width])
+            seg = seg[width:]
+        if len(current) + len(seg) > width:
+            pieces.append(current)
+            current = seg
+        else:
+            current += seg
+    if current:
+        pieces.append(current)
+    return pieces
+
+
+def break_words(cell: Any, width: int) -> Any:
+    """A cell whose words longer than ``width`` are broken into lines at their boundaries (word_pieces); its
+    styles kept. Rich then wraps the pieces as words, instead of folding a word at the column's edge."""
+    plain = _plain(cell)
+    cuts: list[int] = []
+    for match in re.finditer(r"\S+", plain):
+        if len(match.group()) > width:
+            offset = match.start()
+            for piece in word_pieces(match.group(), width)[:-1]:
+                offset += len(piece)
+                cuts.append(offset)
+    if not cuts:
+        return cell
+    text = cell if isinstance(cell, Text) else Text(plain)
+    return Text("\n").join(text.divide(cuts))
 
 
 def _text_widths(t: FitTable, keep: list[int], width: int) -> dict[int, int]:
@@ -131,4 +193,4 @@ def _needed(t: FitTable, keep: list[int]) -> int:
     return total + 1 + 3 * len(keep)
 
 
-__all__ = ["Column", "FitTable", "TEXT_MIN_WIDTH"]
+__all__ = ["Column", "FitTable", "NAME_MIN_WIDTH", "TEXT_MIN_WIDTH", "break_words", "word_pieces"]

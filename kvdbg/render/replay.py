@@ -289,6 +289,23 @@ def render_verdict(verdict: Verdict) -> Text:
     return verdict_line(verdict)
 
 
+def nothing_to_compare(result: ReplayResult) -> Text:
+    """Why a replay compared nothing (its verdict is then NOTHING VERIFIED, exit 3)."""
+    ref = next((st for st in result.backends if st.name == "reference"), None)
+    why = (f"the reference is unavailable ({ref.reason})" if ref is not None and not ref.available
+           else "no other backend produced an output to compare and the snapshot holds no engine output")
+    return Text(f"nothing to compare: {why}", style="yellow")
+
+
+def render_title(result: ReplayResult) -> Text:
+    """The first line: the snapshot and the layer it holds."""
+    layer = result.meta.layer
+    mask = ("causal" if layer.causal else "dense") + (f", window {layer.sliding_window}" if layer.sliding_window else "")
+    steps = ", ".join(str(s.step) for s in result.steps)
+    return Text(f"replay {result.path or '<memory>'}: Hq {layer.num_heads} / Hkv {layer.num_kv_heads}, "
+                f"head_size {layer.head_size}, {mask}, kv cache {layer.kv_cache_dtype}; step(s) {steps}", style="bold")
+
+
 def render_replay(report: ReplayReport, *, explain: bool = False, full: bool = False,
                   saved: str | None = None, before_verdict: list | None = None) -> Group:
     """Everything `kvdbg replay` prints, ending on the verdict line (``report.verdict``).
@@ -296,12 +313,7 @@ def render_replay(report: ReplayReport, *, explain: bool = False, full: bool = F
     ``before_verdict``: renderables shown just above the verdict line (`replay --picture`'s pictures).
     """
     result, comparisons = report.result, report.comparisons
-    layer = result.meta.layer
-    mask = ("causal" if layer.causal else "dense") + (f", window {layer.sliding_window}" if layer.sliding_window else "")
-    steps = ", ".join(str(s.step) for s in result.steps)
-    parts: list[Any] = [Text(f"replay {result.path or '<memory>'}: Hq {layer.num_heads} / Hkv {layer.num_kv_heads}, "
-                             f"head_size {layer.head_size}, {mask}, kv cache {layer.kv_cache_dtype}; step(s) {steps}",
-                             style="bold")]
+    parts: list[Any] = [render_title(result)]
     parts.append(render_backends(result))
     for section in (render_unavailable(result), render_notes(result), render_findings(report.findings)):
         if section is not None:
@@ -311,10 +323,7 @@ def render_replay(report: ReplayReport, *, explain: bool = False, full: bool = F
     starts = result.query_starts()
     parts.extend(render_comparison(c, full=full, starts=starts) for c in comparisons)
     if not comparisons:
-        ref = next((st for st in result.backends if st.name == "reference"), None)
-        why = (f"the reference is unavailable ({ref.reason})" if ref is not None and not ref.available
-               else "no other backend produced an output to compare and the snapshot holds no engine output")
-        parts.append(Text(f"nothing to compare: {why}", style="yellow"))
+        parts.append(nothing_to_compare(result))
     parts.append(render_footer(comparisons))
     if saved:
         parts.append(Text(f"outputs written to {saved}", style="dim"))
