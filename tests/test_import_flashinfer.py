@@ -160,7 +160,10 @@ def test_a_planted_wrong_output_fails_naming_the_request_and_head(session, tmp_p
     captured = next(c for c in data["comparisons"] if c["actual"] == "captured")
     assert [(h["request"], h["head"]) for h in captured["heads"] if not h["passed"]] == [(2, 5)]
     text = run_cli("replay", snap, "--backend", "reference", env={"COLUMNS": "80", "NO_COLOR": "1"}).output
-    assert "captured vs reference — FAIL: 1 of 64 heads" in text
+    [row] = [line for line in text.splitlines() if line.startswith("│ captured vs reference")]
+    assert "FAIL" in row and "1/64: req 2 head 5" in row, text
+    full = run_cli("replay", snap, "--backend", "reference", "--full", env={"COLUMNS": "80", "NO_COLOR": "1"}).output
+    assert "captured vs reference — FAIL: 1 of 64 heads" in full
 
 
 def test_one_run_goes_into_a_directory_when_o_ends_with_a_slash(tmp_path):

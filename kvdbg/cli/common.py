@@ -156,9 +156,14 @@ def print_verdict(out, verdict) -> None:
     line = verdict_line(verdict)
     tail = f" (exit {verdict.exit_code})"
     plain = line.plain
+    width = max(20, out.width)
     if plain.endswith(tail):
-        plain = plain[:-len(tail)] + tail.replace(" ", "\u00a0")  # no break inside the tail, nor before it
-    lines = textwrap.wrap(plain, width=max(20, out.width), break_on_hyphens=False) or [""]
+        head = plain[:-len(tail)]
+        # No break inside the tail, nor before it, unless the word before it (a file's path) fills the line.
+        glue = len(head.rsplit(" ", 1)[-1]) + len(tail) <= width
+        plain = head + (tail.replace(" ", "\u00a0") if glue else " " + tail[1:].replace(" ", "\u00a0"))
+    # A word longer than the line (a file's path) goes on a line of its own, whole: cut, it would not paste.
+    lines = textwrap.wrap(plain, width=width, break_on_hyphens=False, break_long_words=False) or [""]
     out.print(Text("\n".join(lines).replace("\u00a0", " "), style=line.style), soft_wrap=True)
 
 
