@@ -50,8 +50,10 @@ def test_pairwise_of_the_conform_matrix_keeps_its_constraint_and_stays_small():
     rows = pairwise(FACTORS, allowed)
     assert uncovered(list(FACTORS), rows, allowed) == []
     assert all(allowed(r) for r in rows)
-    assert not any(r["pages"] == "null_block" and r["window"] == "none" for r in rows)
+    assert not any(r["window"] == "none" and (r["pages"] == "null_block" or r["chunk_lookback"] == "on")
+                   for r in rows)
     assert any(r["pages"] == "null_block" and r["window"] == "short" for r in rows)
+    assert any(r["chunk_lookback"] == "on" and r["window"] == "long" for r in rows)
     assert len(rows) <= 24  # 12 at least (4 page placements × 3 windows); the greedy makes 19
 
 
@@ -64,6 +66,14 @@ def test_the_coverage_check_sees_a_missing_pair():
         assert uncovered(factors, kept) == sorted(lost)
     # a greedy array has no row to spare at its end: the last row adds a pair no other row has
     assert uncovered(factors, rows[:-1])
+
+
+def test_every_level_gets_a_row_even_without_a_pair():
+    assert pairwise([Factor("pages", ("fresh", "shared", "stale"))]) == [{"pages": "fresh"}, {"pages": "shared"},
+                                                                         {"pages": "stale"}]
+    # null_block is allowed only with a window, and the window is not in the matrix: it never runs
+    rows = pairwise([Factor("pages", ("fresh", "null_block")), Factor("mask", ("causal", "dense"))], allowed)
+    assert {r["pages"] for r in rows} == {"fresh"} and {r["mask"] for r in rows} == {"causal", "dense"}
 
 
 def test_full_product_is_every_allowed_row():
@@ -126,7 +136,7 @@ def test_labels_name_only_what_differs_from_the_baseline():
 
 
 class FakeRunner:
-    """Refuses page size 16 and square-root ALiBi alone, and FP8 with float32; fails on window × sinks at every
+    """Refuses page size 16, square-root ALiBi and chunked attention alone, and FP8 with float32; fails on window × sinks at every
     precision (semantic) and on the soft cap below float32 (rounding)."""
 
     def __init__(self, backend="FAKE_ATTN", device="cpu", *, seed=0, atol=None, rtol=None, snapshots=False):
@@ -137,6 +147,9 @@ class FakeRunner:
             return "block_size not supported"
         if row["alibi"] == "sqrt":
             return "square-root ALiBi not supported"
+        if row["chunk_lookback"] == "on":
+            assert row["window"] != "none", "a level that needs a window was offered without one"
+            return "chunk_lookback is not supported"
         return None
 
     def run(self, row, kind):
@@ -180,9 +193,11 @@ def test_fake_backend_cells_pass_fail_refuse_and_failures_are_minimised():
     assert by_status[PASS] and by_status[FAIL] and by_status[REFUSED]
     # levels refused alone left the matrix: one refused row each, never combined
     probes = [c for c in result.cells if c.probe]
-    assert sorted(c.label for c in probes) == ["alibi=sqrt", "page_size=16"]
-    assert all(r["page_size"] != "16" and r["alibi"] != "sqrt" for r in result.rows[:-2])
-    assert uncovered([f for f in result.factors], result.rows[:-2], allowed) == []
+    # a level that needs a window is offered with the short one
+    assert sorted(c.label for c in probes) == ["alibi=sqrt", "page_size=16", "window=short chunk_lookback"]
+    matrix = result.rows[:-len(probes)]
+    assert all(r["page_size"] != "16" and r["alibi"] != "sqrt" and r["chunk_lookback"] == "off" for r in matrix)
+    assert uncovered(result.factors, matrix, allowed) == []
     for cell in by_status[FAIL]:
         window_sinks = cell.row["window"] != "none" and cell.row["sinks"] == "on"
         assert window_sinks or (cell.row["soft_cap"] == "on" and cell.row["dtype"] != "float32")
@@ -343,7 +358,7 @@ def test_failing_cells_are_written_for_report_and_never_clobbered(fake_engine, t
     (("--features", "window,colour"), "--features: unknown feature 'colour'"),
     (("--features", ","), "--features: give at least one feature"),
     (("--batch", "decode,chunked"), "--batch: unknown batch kind 'chunked'"),
-    (("--full",), "--full: the whole product of these features is 20736 combinations"),
+    (("--full",), "--full: the whole product of these features is 41472 combinations"),
     (("--backend", "NOPE_ATTN"), "--backend NOPE_ATTN: not in the fake registry"),
     (("--out", "/nonexistent-kvdbg-dir/out"), "its parent directory /nonexistent-kvdbg-dir does not exist"),
     (("--device", "tpu"), "--device must be cpu, cuda, cuda:N or auto"),
@@ -384,3 +399,29 @@ def test_help_does_not_import_torch():
             "sys.exit(3 if 'torch' in sys.modules else 0)")
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == 0
+
+
+def test_progress_bar_shows_cells_done_and_an_eta_on_a_terminal():
+    import io
+
+    from rich.console import Console
+
+    from kvdbg.render.conform import ConformBar
+
+    stream = io.StringIO()
+    bar = ConformBar(Console(file=stream, force_terminal=True, width=100))
+    progress = []
+
+    def runner_progress(done, total, what):
+        progress.append((done, total, what))
+        bar(done, total, what)
+
+    conform_backend(FakeRunner(), [Factor("window", ("none", "short")), Factor("sinks", ("off", "on"))],
+                    kinds=("decode",), progress=runner_progress)
+    bar.close()
+    # first the levels offered alone (window=short, sinks), then the 4 cells
+    assert progress[:2] == [(0, 2, "FAKE_ATTN takes window=short?"), (1, 2, "FAKE_ATTN takes sinks?")]
+    assert [p[:2] for p in progress[2:]] == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]
+    assert progress[3][2] == "FAKE_ATTN sinks (decode)"
+    text = stream.getvalue()
+    assert "conform" in text and "ETA" in text and "/4" in text

@@ -4,7 +4,8 @@ A *factor* is a named feature with its levels, the first being the baseline
 (the feature off, or its plainest value). A *row* gives every factor one level.
 ``pairwise`` returns rows such that every pair ``(factor i = a, factor j = b)``
 that the constraint allows appears in at least one row (strength 2), with the
-all-baseline row first. The greedy is AETG's without the randomness: while a
+all-baseline row first; every level appears in some row (a single factor's
+levels each get one). The greedy is AETG's without the randomness: while a
 pair is uncovered, a new row starts from the first uncovered pair (in factor
 and level order) and fills the other factors one at a time with the level that
 covers the most pairs still uncovered against the levels already chosen (ties:
@@ -110,6 +111,14 @@ def pairwise(factors: Iterable[Factor], allowed: Allowed = _always) -> list[Row]
             raise ValueError(f"the greedy built a row the constraint refuses: {ordered}")
         rows.append(ordered)
         todo -= pairs_of(factors, ordered)
+    # A level no allowed pair holds (the only factor, or one whose every pair the constraint refuses) still
+    # gets a row of its own, when the constraint allows it beside the baselines.
+    for factor in factors:
+        for level in factor.levels:
+            if not any(row[factor.name] == level for row in rows):
+                single = {**base, factor.name: level}
+                if allowed(single):
+                    rows.append(single)
     return rows
 
 

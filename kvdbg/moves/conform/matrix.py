@@ -18,6 +18,10 @@ page-aligned: ``short`` is P/2 + 3 tokens (inside one page), ``long`` 2P + 5.
 The soft cap is 2.0, so that it changes logits of unit scale by tens of
 percent: a backend that ignored it could not pass.
 
+``chunk_lookback`` is TRITON_ATTN's chunked attention (chunks of W // 2
+tokens, a query seeing its own chunk and the one before), so it needs a
+window, as the null block does.
+
 Page placement (``pages``): ``fresh`` scattered engine ids; ``shared_prefix``
 a first page shared by every request (prefix caching; every length grows by
 P, and a prefill chunk starts after it); ``stale_tail`` two block-table
@@ -41,6 +45,7 @@ from kvdbg.moves.conform.covering import Factor
 
 FACTORS = (
     Factor("window", ("none", "short", "long")),
+    Factor("chunk_lookback", ("off", "on")),
     Factor("sinks", ("off", "on")),
     Factor("soft_cap", ("off", "on")),
     Factor("alibi", ("off", "on", "sqrt")),
@@ -58,12 +63,25 @@ SOFT_CAP = 2.0
 NUM_KV_HEADS = 2
 FP8_SCALES = (0.05, 0.03, 0.04)  # q, k, v: `kvdbg synth --fp8`'s defaults
 STALE_TAIL = 2
+CHUNK_LOOKBACK = 1  # TRITON_ATTN's chunked attention: chunks of window // 2, a query sees its own and the one before
 NUM_GPU_BLOCKS = 256  # every cell's engine cache: fixed, so the kinds of one combination share one backend
 
 
+# Levels that need a window: the null block sits before one; chunked attention cuts one into chunks.
+NEEDS_WINDOW = (("pages", "null_block"), ("chunk_lookback", "on"))
+
+
 def allowed(row: Mapping[str, str]) -> bool:
-    """The one constraint: the null block sits before a window, so it needs one."""
-    return not (row.get("pages") == "null_block" and row.get("window", "none") == "none")
+    """The constraint: a level of NEEDS_WINDOW only with a window."""
+    return row.get("window", "none") != "none" or not any(row.get(name) == level for name, level in NEEDS_WINDOW)
+
+
+def completed(row: Mapping[str, str]) -> dict[str, str]:
+    """``row`` made allowed with the least added: the short window for a level that needs one."""
+    row = dict(row)
+    if not allowed(row):
+        row["window"] = "short"
+    return row
 
 
 def factors_named(names) -> tuple[Factor, ...]:
@@ -149,8 +167,10 @@ def spec_for(backend: str, row: Mapping[str, str], kind: str, base_seed: int = 0
         backend=backend, sinks="auto" if row["sinks"] == "on" else None,
         alibi_slopes="auto" if row["alibi"] != "off" else None, alibi_sqrt=row["alibi"] == "sqrt",
         logits_soft_cap=SOFT_CAP if row["soft_cap"] == "on" else None,
+        chunk_lookback=CHUNK_LOOKBACK if row["chunk_lookback"] == "on" else None,
         notes=f"kvdbg conform cell: {backend} {label(row)} ({kind})")
 
 
-__all__ = ["FACTORS", "FACTOR_NAMES", "KINDS", "allowed", "batch_shape", "factors_named", "full_row", "label",
+__all__ = ["FACTORS", "FACTOR_NAMES", "KINDS", "allowed", "batch_shape", "completed", "factors_named", "full_row",
+           "label",
            "seed_of", "spec_for", "window_tokens"]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol
 
 from kvdbg.errors import BackendUnavailable, OptionError
 from kvdbg.moves.conform.covering import Factor, full_product, pairwise, product_size
-from kvdbg.moves.conform.matrix import FACTORS, KINDS, allowed, full_row, label, spec_for
+from kvdbg.moves.conform.matrix import FACTORS, KINDS, allowed, completed, full_row, label, spec_for
 
 if TYPE_CHECKING:
     from kvdbg.judge.verdict import Verdict
@@ -203,13 +203,14 @@ def conform_backend(runner: Runner, factors: Iterable[Factor] = FACTORS, *, kind
 
     # 1. each level alone: a level the backend refuses leaves the matrix and shows as one refused row
     kept, probes = [], []
+    offered, asked = sum(len(f.levels) - 1 for f in factors), 0
     for factor in factors:
         levels = [factor.baseline]
         for level in factor.levels[1:]:
-            alone = full_row({factor.name: level})
-            if not allowed(alone):  # a level that needs another feature is offered with it, in the matrix
-                levels.append(level)
-                continue
+            alone = completed(full_row({factor.name: level}))  # with the window it needs, if any
+            if progress:
+                progress(asked, offered, f"{runner.backend} takes {label(alone)}?")
+            asked += 1
             reason = runner.refusal(alone)
             if reason is None:
                 levels.append(level)
@@ -475,6 +476,8 @@ def conform(backends: Iterable[str] | None = None, device: str = "cpu", *, featu
         names = [engine_backend_name(n) for n in backends]
     runners = []
     for name in dict.fromkeys(names):
+        if progress:
+            progress(0, 0, f"{name} loading the engine")
         try:
             runners.append(EngineRunner(name, device, seed=seed, atol=atol, rtol=rtol))
         except BackendUnavailable as exc:
