@@ -425,3 +425,52 @@ def test_progress_bar_shows_cells_done_and_an_eta_on_a_terminal():
     assert progress[3][2] == "FAKE_ATTN sinks (decode)"
     text = stream.getvalue()
     assert "conform" in text and "ETA" in text and "/4" in text
+
+
+def test_engine_backend_names_take_any_case_and_the_short_names():
+    from kvdbg.moves.conform.run import engine_backend_name
+
+    assert engine_backend_name(" cpu_attn ") == "CPU_ATTN"
+    assert engine_backend_name("flex") == "FLEX_ATTENTION" and engine_backend_name("triton-attn") == "TRITON_ATTN"
+
+
+class KvdbgFlexRunner(conform_run.EngineRunner):
+    """The engine runner's judging with kvdbg's own flex standing in for the vllm column (no vLLM here); the
+    null block made live (page 0 inside the long request's window), which flex masks as vLLM's null block."""
+
+    def __init__(self, live_page_zero: bool):
+        self.backend, self.seed, self.atol, self.rtol, self.device = "FLEX_ATTENTION", 0, None, None, "cpu"
+        self.live_page_zero = live_page_zero
+
+    def _replay(self, row, kind):
+        import dataclasses
+
+        from kvdbg.moves.synth import synth_snapshot
+        from kvdbg.replayer.runner import replay
+
+        spec = spec_for(self.backend, row, kind, self.seed)
+        if self.live_page_zero:
+            spec = dataclasses.replace(spec, use_page_zero=True, page_zero_request=1)
+        snap = synth_snapshot(spec)
+        result = replay(snap, ["reference", "flex"])
+        for step in result.steps:
+            step.runs["vllm"] = step.runs.pop("flex")
+        for status in result.backends:
+            if status.name == "flex":
+                status.name = "vllm"
+        return snap, result
+
+
+def test_engine_runner_judges_the_column_against_the_reference_and_keeps_the_failing_step():
+    import torch
+
+    passing = KvdbgFlexRunner(False).run(full_row({"window": "short", "pages": "null_block"}), "decode")
+    assert passing.status == PASS and passing.max_abs < 1.6e-2 and passing.snapshot is None
+    assert "default for bfloat16" in passing.tolerance
+    failing = KvdbgFlexRunner(True).run(full_row({}), "mixed")
+    assert failing.status == FAIL and failing.max_abs > 0.05
+    # page 0 is request 1's first page: flex masks it, so request 1 is the first wrong one
+    assert failing.first["request"] == 1 and failing.first["step"] == 0
+    out = failing.snapshot.steps[0].output
+    assert out is not None and out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    assert "kvdbg conform cell: FLEX_ATTENTION baseline (mixed)" == failing.snapshot.meta.notes

@@ -22,9 +22,9 @@ percent: a backend that ignored it could not pass.
 tokens, a query seeing its own chunk and the one before), so it needs a
 window, as the null block does.
 
-Page placement (``pages``): ``fresh`` scattered engine ids; ``shared_prefix``
+Page placement (``pages``): ``fresh`` scattered engine ids; ``prefix``
 a first page shared by every request (prefix caching; every length grows by
-P, and a prefill chunk starts after it); ``stale_tail`` two block-table
+P, and a prefill chunk starts after it); ``stale`` two block-table
 columns of recycled, non-zero ids past each request's live pages;
 ``null_block`` engine page 0 (vLLM's null block) in the long request's first
 table entry, before its window, as vLLM's sliding-window manager leaves it (so
@@ -55,7 +55,7 @@ FACTORS = (
     Factor("kv_cache", ("auto", "fp8")),
     Factor("dtype", ("bfloat16", "float16", "float32")),
     Factor("mask", ("causal", "dense")),
-    Factor("pages", ("fresh", "shared_prefix", "stale_tail", "null_block")),
+    Factor("pages", ("fresh", "prefix", "stale", "null_block")),
 )
 FACTOR_NAMES = tuple(f.name for f in FACTORS)
 KINDS = ("decode", "prefill", "mixed")
@@ -137,7 +137,7 @@ def batch_shape(kind: str, page_size: int, window: int | None, pages: str) -> tu
         shape = [(p + 1, 1), (p - 1, p - 1), (third, third), (long_len, long_q)]
     else:
         raise ValueError(f"unknown batch kind {kind!r}")
-    offset = p if pages == "shared_prefix" else 0  # the shared page comes before every request's own tokens
+    offset = p if pages == "prefix" else 0  # the shared page comes before every request's own tokens
     return [length + offset for length, _ in shape], [q for _, q in shape], 3
 
 
@@ -160,9 +160,9 @@ def spec_for(backend: str, row: Mapping[str, str], kind: str, base_seed: int = 0
         seq_lens=tuple(seq_lens), query_lens=tuple(query_lens), num_heads=NUM_KV_HEADS * int(row["gqa"]),
         num_kv_heads=NUM_KV_HEADS, head_size=int(row["head_size"]), page_size=page_size, sliding_window=window,
         causal=row["mask"] == "causal", dtype=row["dtype"], fp8=fp8, q_scale=q_scale, k_scale=k_scale,
-        v_scale=v_scale, shared_prefix_pages=1 if row["pages"] == "shared_prefix" else 0,
+        v_scale=v_scale, shared_prefix_pages=1 if row["pages"] == "prefix" else 0,
         use_page_zero=row["pages"] == "null_block", page_zero_request=long_request,
-        stale_tail=STALE_TAIL if row["pages"] == "stale_tail" else 0, new_kv=not fp8,
+        stale_tail=STALE_TAIL if row["pages"] == "stale" else 0, new_kv=not fp8,
         seed=seed_of(row, kind, base_seed), num_gpu_blocks=NUM_GPU_BLOCKS, max_decode_query_len=1,
         backend=backend, sinks="auto" if row["sinks"] == "on" else None,
         alibi_slopes="auto" if row["alibi"] != "off" else None, alibi_sqrt=row["alibi"] == "sqrt",
