@@ -362,6 +362,8 @@ def test_failing_cells_are_written_for_report_and_never_clobbered(fake_engine, t
     (("--backend", "NOPE_ATTN"), "--backend NOPE_ATTN: not in the fake registry"),
     (("--out", "/nonexistent-kvdbg-dir/out"), "its parent directory /nonexistent-kvdbg-dir does not exist"),
     (("--device", "tpu"), "--device must be cpu, cuda, cuda:N or auto"),
+    (("--seed", "-1"), "--seed must be from 0 to 2**62, got -1"),
+    (("--atol", "nan"), "--atol"),
 ])
 def test_bad_options_are_one_line_exit_2(fake_engine, args, needle):
     res = invoke(*args)

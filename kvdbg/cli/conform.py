@@ -6,7 +6,9 @@ import sys
 
 import click
 
-from kvdbg.cli.common import (console, device_option, emit_json, force_option, guarded, json_option, print_verdict,
+MAX_SEED = 2**62
+
+from kvdbg.cli.common import (BadInput, console, device_option, emit_json, force_option, guarded, json_option, print_verdict,
                               tolerance_options)
 
 
@@ -15,14 +17,20 @@ def _names(ctx, param, values) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names)) or None
 
 
+def _seed(ctx, param, value: int) -> int:
+    if not 0 <= value <= MAX_SEED:
+        raise BadInput(f"--seed must be from 0 to 2**62, got {value}")
+    return value
+
+
 @click.command()
 @click.option("--backend", "backend", multiple=True, callback=_names, metavar="NAME",
               help="The engine's backend by its registry name, any case (CPU_ATTN, FLEX_ATTENTION, TRITON_ATTN); "
                    "repeatable or comma-separated [default: every backend the installed engine runs on DEVICE].")
 @device_option()
 @click.option("--features", default=None, metavar="NAME[,NAME]",
-              help="Only these features vary (the others stay at baseline): window, sinks, soft-cap, alibi, gqa, "
-                   "head-size, page-size, kv-cache, dtype, mask, pages [default: all].")
+              help="Only these features vary (the others stay at baseline): window, chunk-lookback, sinks, "
+                   "soft-cap, alibi, gqa, head-size, page-size, kv-cache, dtype, mask, pages [default: all].")
 @click.option("--batch", "batch", default="decode,prefill,mixed", show_default=True, metavar="KIND[,KIND]",
               help="Batch kinds each combination runs in: decode, prefill, mixed.")
 @click.option("--full", is_flag=True, help="Every combination (the whole product, when it is at most 512 rows) "
@@ -30,16 +38,17 @@ def _names(ctx, param, values) -> tuple[str, ...] | None:
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), metavar="DIR",
               help="Write each failing cell's snapshot (and its minimal combination's) here, for `kvdbg report`.")
 @force_option()
-@click.option("--seed", type=click.IntRange(0, 2**62), default=0, show_default=True,
-              help="Seed of the synthetic steps (each cell draws its own data from it).")
-@tolerance_options(" (default: replay's, by dtype)")
+@click.option("--seed", type=int, default=0, metavar="N", callback=_seed,
+              help="Seed of the synthetic steps (each cell draws its own data from it) [default: 0].")
+@tolerance_options()
 @json_option
 @guarded
 def conform(backend, device, features, batch, full, out_dir, force, seed, atol, rtol, as_json):
     """Hold an installed engine's attention backend to the exact reference, feature by feature.
 
-    Every feature the snapshot format models (window, sinks, soft cap, ALiBi,
-    GQA, head size, page size, FP8 cache, dtype, mask, page placement) that
+    Every feature the snapshot format models (window, chunked lookback, sinks,
+    soft cap, ALiBi, GQA, head size, page size, FP8 cache, dtype, mask, page
+    placement) that
     the backend takes alone is combined pairwise (a covering array; --full for
     the whole product), each combination run in decode, prefill and mixed
     batches whose lengths straddle page and window boundaries, through the
