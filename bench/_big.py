@@ -9,7 +9,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # 64 requests x 8192 tokens, Hq 32 / Hkv 8, D 128, bf16, page 16: 32768 pages, 2 GiB of KV (~30 s on 2 cores).
-BIG_ARGS = ["--seq-lens", ",".join(["8192"] * 64), "--num-heads", "32", "--num-kv-heads", "8",
+BIG_ARGS = ["--seq-len", ",".join(["8192"] * 64), "--num-heads", "32", "--num-kv-heads", "8",
             "--head-size", "128", "--dtype", "bfloat16"]
 
 

@@ -45,7 +45,7 @@ MEDIUM = dict(seq_lens=(4096,) * 4, num_heads=32, num_kv_heads=8, head_size=128)
 
 
 def _synth_args(spec: dict) -> list[str]:
-    args = ["--seq-lens", ",".join(map(str, spec["seq_lens"])), "--num-heads", str(spec["num_heads"]),
+    args = ["--seq-len", ",".join(map(str, spec["seq_lens"])), "--num-heads", str(spec["num_heads"]),
             "--num-kv-heads", str(spec["num_kv_heads"]), "--head-size", str(spec["head_size"])]
     return args
 

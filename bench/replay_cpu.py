@@ -136,7 +136,7 @@ def peak_rss_table(snapshot: str, flex_snapshot: str | None, flex_big: bool, tim
     if flex_snapshot is None and not flex_big:
         flex_snapshot = os.path.join(tempfile.gettempdir(), "kvdbg-bench-64x1024.safetensors")
         if not os.path.exists(flex_snapshot):
-            subprocess.run([sys.executable, "-m", "kvdbg", "synth", "-o", flex_snapshot, "--seq-lens",
+            subprocess.run([sys.executable, "-m", "kvdbg", "synth", "-o", flex_snapshot, "--seq-len",
                             ",".join(["1024"] * 64), "--num-heads", "32", "--num-kv-heads", "8", "--head-size", "128",
                             "--dtype", "bfloat16"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            cwd=REPO)

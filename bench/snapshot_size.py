@@ -45,7 +45,7 @@ CASES = {
 
 
 def synth(path: str, seq_lens: list[int], extra: list[str]) -> None:
-    argv = [sys.executable, "-m", "kvdbg", "synth", "-o", path, "--seq-lens", ",".join(map(str, seq_lens)),
+    argv = [sys.executable, "-m", "kvdbg", "synth", "-o", path, "--seq-len", ",".join(map(str, seq_lens)),
             *HEADS, *extra, "--force"]
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=HERE)
 

@@ -54,6 +54,10 @@ CASES: dict[str, Case] = {
     "explain": Case(
         missing=None, why_not="CODE is optional (without it, every code is listed); it takes no snapshot",
         nan=None, nonexistent=((MISSING,), "unknown finding code")),
+    "import": Case(
+        missing=((), "Missing argument 'DUMP'"),
+        nan=None, why_not="it reads a FlashInfer dump directory, not a snapshot",
+        nonexistent=((MISSING,), MISSING)),
     "info": Case(
         missing=((), "Missing argument 'SNAPSHOT'"),
         nan=(lambda snap, out: [snap, "--check"], 1),  # --check reads the live pages: NaN is an error finding
@@ -68,9 +72,9 @@ CASES: dict[str, Case] = {
         nonexistent=((MISSING, CLEAN, "-o", "/tmp/kvdbg-never-merged.safetensors"), MISSING)),
     "poison": Case(
         missing=None, why_not="SNAPSHOT is optional (the bundled dflash fixture); nothing else is required",
-        # Its question is whether a backend reads a slot it must not: flex does not; the outputs already NaN are
-        # left out, and it says so.
-        nan=(lambda snap, out: [snap, "--backend", "flex", "--step", "0"], 0),
+        # Flex reads no slot it must not (the outputs already NaN are left out, and it says so), but the verdict
+        # is the snapshot's, as replay gives it (kvdbg.judge.verdict's one rule): the NaN fails it.
+        nan=(lambda snap, out: [snap, "--backend", "flex", "--step", "0"], 1),
         nonexistent=((MISSING,), MISSING)),
     "replay": Case(
         missing=None, why_not="SNAPSHOT is optional (the bundled dflash fixture); nothing else is required",
@@ -83,7 +87,8 @@ CASES: dict[str, Case] = {
         nonexistent=((MISSING,), MISSING)),
     "shrink": Case(
         missing=((CLEAN,), "Missing option '-o' / '--output'"),
-        nan=(lambda snap, out: [snap, "--backend", "flex", "-o", os.path.join(out, "small.safetensors")], 0),
+        # the snapshot's verdict (FAIL: the NaN), then what was shrunk
+        nan=(lambda snap, out: [snap, "--backend", "flex", "-o", os.path.join(out, "small.safetensors")], 1),
         nonexistent=((MISSING, "-o", "/tmp/kvdbg-never-shrunk.safetensors"), MISSING)),
     "sweep": Case(
         missing=None, why_not="SNAPSHOT is optional (the bundled dflash fixture) and --vary defaults to every knob",
@@ -99,7 +104,9 @@ CASES: dict[str, Case] = {
         nonexistent=(("/nonexistent-kvdbg-dir/results.jsonl",), "no such results file")),
     "window": Case(
         missing=((), "give SNAPSHOT, or --seq-len"),
-        nan=(lambda snap, out: [snap], 0),  # it reads lengths and the header, never a page
+        # it reads lengths and the header, never a page: the NaN is not seen, but the live page 0 this snapshot
+        # (prefix_page0's) hides keys with is an error finding of its FLEX_ATTENTION inputs, as map says
+        nan=(lambda snap, out: [snap], 1),
         nonexistent=((MISSING,), MISSING)),
 }
 

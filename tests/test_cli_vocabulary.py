@@ -44,7 +44,12 @@ def test_every_help_fits_80_columns(command):
     assert not wide, wide
 
 
-HIDDEN = {"replay": ["--heads", "--save-outputs"], "synth": ["--head-dim", "[OUT]"]}
+HIDDEN = {"replay": ["--heads", "--save-outputs", "--explain"], "synth": ["--head-dim", "[OUT]", "--seq-lens",
+                                                                          "--query-lens"],
+          "report": ["--sweep", "--svg "], "merge": ["--kv-heads"]}
+# What each old spelling is now: shown in its command's --help instead.
+NOW = {"--explain": "--builder", "--seq-lens": "--seq-len", "--query-lens": "--query-len", "--sweep": "--vary",
+       "--svg ": "--svg-dir DIR", "--kv-heads": "--num-kv-heads"}
 
 
 @pytest.mark.parametrize("command", sorted(HIDDEN))
@@ -52,6 +57,39 @@ def test_old_spellings_are_not_shown(command):
     text = help_text(command)
     for old in HIDDEN[command]:
         assert old not in text
+        if old in NOW:
+            assert NOW[old] in text, (command, NOW[old])
+
+
+def test_old_spellings_still_work(tmp_path):
+    """Scripts written with the earlier spellings get what the new ones give."""
+    dflash = FIXTURES + "/dflash.safetensors"
+    old = json.loads(invoke("replay", dflash, "--backend", "flex", "--explain", "--json").output)
+    new = json.loads(invoke("replay", dflash, "--backend", "flex", "--builder", "--json").output)
+    assert old["verdict"] == new["verdict"] and "explain" in json.dumps(new)
+    for flag in ("--seq-lens", "--seq-len"):
+        out = tmp_path / f"{flag}.safetensors"
+        res = invoke("synth", "-o", out, flag, "40,70", "--query-lens", "2,3")
+        assert res.exit_code == 0, res.output
+    ragged = tmp_path / "ragged.safetensors"
+    assert invoke("synth", "-o", ragged, "--seq-len", "40,70", "--query-len", "2,3").exit_code == 0
+    assert (tmp_path / "--seq-lens.safetensors").read_bytes() == (tmp_path / "--seq-len.safetensors").read_bytes() \
+        == ragged.read_bytes()
+    uniform = tmp_path / "uniform.safetensors"
+    assert invoke("synth", "-o", uniform, "--seq-len", "40,70", "--query-len", "2").exit_code == 0
+    assert uniform.read_bytes() != ragged.read_bytes()  # so the list really gave the ragged lengths
+    # --kv-heads and --num-kv-heads reach the same parameter: both are checked as the layer's KV heads
+    for flag in ("--kv-heads", "--num-kv-heads"):
+        res = invoke("merge", dflash, "-o", tmp_path / "m.safetensors", flag, "0")
+        one_line_error(res, "--num-kv-heads")
+    res = invoke("report", dflash, "--sweep", "nosuch")
+    one_line_error(res, "--vary")
+    svg = tmp_path / "svg"
+    for flag in ("--svg", "--svg-dir"):
+        res = invoke("report", FIXTURES + "/causal_gqa.safetensors", "--backend", "reference", "-o",
+                     tmp_path / f"r{flag}.md", flag, svg, "--force")
+        assert res.exit_code == 0, res.output
+    assert (svg / "replay.svg").exists()
 
 
 def test_the_same_option_reads_the_same_everywhere():
@@ -160,3 +198,21 @@ def test_help_groups_every_command_once_by_what_a_user_is_doing_with_an_example(
         assert f"{title}:" in text
         for name, what, example in rows:
             assert f"  {name:<11}{what}" in text and example in text and example.startswith(f"kvdbg {name} ")
+
+
+def test_one_set_of_verdict_words():
+    """A verdict starts with the word of its exit code, and nothing else: no OK, SAME/DIFFER or DONE."""
+    from kvdbg.judge.verdict import Verdict, simple_verdict
+
+    for status, code, summary in (("pass", 0, "OK: header read"), ("pass", 0, "SAME: outputs agree"),
+                                  ("fail", 1, "DIFFER: outputs differ"), ("pass", 0, "DONE: shrunk"),
+                                  ("fail", 0, "PASS: a status that is not its word's")):
+        with pytest.raises(ValueError):
+            simple_verdict(status, code, summary)
+    assert Verdict("unverified", 3, 0, 0, 0, "NOTHING VERIFIED: x").exit_code == 3
+    causal = FIXTURES + "/causal_gqa.safetensors"
+    res = invoke("info", causal)
+    assert res.exit_code == 0 and res.output.rstrip().splitlines()[-1].startswith("PASS: header read")
+    res = invoke("diff", causal, causal, "--json")
+    verdict = json.loads(res.output)["verdict"]
+    assert res.exit_code == 0 and verdict["summary"].startswith("PASS: outputs agree within tolerance")

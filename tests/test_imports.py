@@ -178,7 +178,7 @@ LAYERS = (
     ("kvdbg.snapshot",),
     ("kvdbg.backends",),
     ("kvdbg.replayer",),
-    ("kvdbg.moves", "kvdbg.capture"),
+    ("kvdbg.moves", "kvdbg.capture", "kvdbg.importers"),
     ("kvdbg.sentinel", "kvdbg.fleet"),
     ("kvdbg.vllm_plugin",),
     ("kvdbg.api", "kvdbg.render"),

@@ -89,9 +89,24 @@ def snapshot_files(tmp_path):
     clean = tmp_path / "clean.safetensors"
     bad = tmp_path / "bad.safetensors"
     save_snapshot(synth_snapshot(SynthSpec(seq_lens=LENS)), clean)
+    # A FLEX_ATTENTION capture: the null block is FLEX_ATTENTION's rule, so its harm is this snapshot's failure.
     save_snapshot(synth_snapshot(SynthSpec(seq_lens=LENS, use_page_zero=True, shared_prefix_pages=2,
-                                           stale_tail=2)), bad)
+                                           stale_tail=2, backend="FLEX_ATTENTION")), bad)
     return str(clean), str(bad)
+
+
+def test_cli_judges_a_flex_rule_as_what_if_on_a_flashinfer_ts_snapshot(tmp_path):
+    """The same live page 0 in a FLASHINFER_TS capture: FLASHINFER_TS reads page 0 like any page, so the harm is
+    FLEX_ATTENTION's, a what-if -- as `kvdbg replay` counts it (kvdbg.judge.verdict's one rule)."""
+    path = tmp_path / "ts.safetensors"
+    save_snapshot(synth_snapshot(SynthSpec(seq_lens=LENS, use_page_zero=True, backend="FLASHINFER_TS",
+                                           dtype="bfloat16")), path)
+    res = invoke(str(path), "--json")
+    data = json.loads(res.output)
+    assert data["errors"] == 1 and res.exit_code == 0, data["verdict"]
+    assert "what-if error finding(s) under FLEX_ATTENTION's rules" in data["verdict"]["summary"]
+    replayed = CliRunner().invoke(cli, ["replay", str(path), "--json"], env={"NO_COLOR": "1"})
+    assert replayed.exit_code == 0 and json.loads(replayed.output)["verdict"]["what_if_failures"] == ["flex"]
 
 
 def invoke(*args):

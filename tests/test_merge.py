@@ -143,7 +143,7 @@ def test_a_missing_rank_and_unrecorded_facts_are_refused():
         merge_ranks(shards[:3])
     replicated = split_into_ranks(synth_snapshot(SynthSpec(seq_lens=(20,), num_heads=4, num_kv_heads=1,
                                                            head_size=16)), 2, record_total=False)
-    with pytest.raises(MergeError, match=r"total_num_kv_heads is not recorded .*\(--kv-heads\)"):
+    with pytest.raises(MergeError, match=r"total_num_kv_heads is not recorded .*\(--num-kv-heads\)"):
         merge_ranks(replicated)
     assert merge_ranks(replicated, total_kv_heads=1).meta.layer.num_kv_heads == 1
     # The new K/V of a replicated head too: the merged file would keep one rank's and hide the other's.

@@ -239,7 +239,7 @@ def test_svg_directory_that_cannot_be_made_is_refused_before_the_replay(make_sna
     monkeypatch.setattr(kvdbg.moves.report, "build_report", lambda *a, **k: replayed.append(1))
     res = invoke(path, "--backend", "reference", "--svg", str(svg))
     assert res.exit_code == 2 and not replayed
-    assert res.output.strip() == f"Error: --svg {svg}: cannot write the directory (Not a directory)"
+    assert res.output.strip() == f"Error: --svg-dir {svg}: cannot write the directory (Not a directory)"
 
 
 def test_svg_directory_made_for_a_bad_snapshot_is_not_left_behind(tmp_path):

@@ -147,3 +147,43 @@ def test_closing_with_checks_still_out_keeps_to_its_one_time_limit(sentinel_env,
     assert sum(never.timeouts) <= 0.6 + 1e-6  # one deadline for all five (before: 0.6 s each, 3 s in all)
     assert hooks.sentinel.counts["errors"] == 5  # each check not back is counted, and the line is still said
     assert any("kvdbg sentinel in pid" in r.getMessage() for r in caplog.records)
+
+
+def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sentinel_env, caplog):
+    """The sentinel under a full CUDA graph: it checks what the graph's copies wrote, after each replay."""
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionImpl
+
+    from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _run_as_graph
+
+    monkeypatch, directory = sentinel_env
+    real = FlexAttentionImpl.forward
+
+    def faulty(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        out = real(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if attn_metadata is not None and layer.layer_name.endswith("layers.1.self_attn.attn"):
+            n = attn_metadata.num_actual_tokens
+            out[:n].view(n, self.num_heads, self.head_size)[:, 2] += 1.0
+        return out
+
+    monkeypatch.setattr(FlexAttentionImpl, "forward", faulty)
+    with caplog.at_level(logging.INFO, logger="kvdbg"):
+        vllm_plugin.register()
+        engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)
+        tokens, reqs = 8, 4  # three requests of 2 tokens, padded to a graph of 8 tokens and 4 rows
+        _record_graph(engine, tokens, reqs, monkeypatch)
+        hooks = _hooks()
+        assert hooks.sentinel.counts["checked"] == 0  # recording a graph is no step
+        for _ in range(2):
+            _run_as_graph(engine, _padded(engine.common(), reqs=reqs, tokens=tokens),
+                          _padded_inputs(engine, tokens), tokens, monkeypatch)
+        (path,) = _files(directory)
+    assert hooks.sentinel.counts["checked"] == 4 and hooks.sentinel.counts["failed"] == 2
+    lines = [r.getMessage() for r in caplog.records if "is wrong" in r.getMessage()]
+    assert lines == [f"kvdbg sentinel: layer model.layers.1.self_attn.attn step 0 is wrong (output disagrees with "
+                     f"the exact reference): first failing request 0 head 2; snapshot {path}"]
+    snap = load_snapshot(path)
+    assert snap.steps[0].num_reqs == 3  # the graph's padding rows are not requests
+    result = api.replay(path, ["reference"])
+    assert result.verdict.exit_code == 1
+    (comparison,) = [c for c in result.comparisons if (c.actual, c.expected) == ("captured", "reference")]
+    assert sorted({h.head for h in comparison.failed}) == [2]

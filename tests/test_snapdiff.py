@@ -53,7 +53,7 @@ def test_same_file_is_same(tmp_path):
     a, b = save_pair(tmp_path, base(), base())
     res = run(a, b)
     assert res.exit_code == 0, res.output
-    assert res.output.rstrip().splitlines()[-1] == "SAME: outputs agree within tolerance (16 heads); inputs the same " \
+    assert res.output.rstrip().splitlines()[-1] == "PASS: outputs agree within tolerance (16 heads); inputs the same " \
                                                    "(exit 0)"
 
 
@@ -112,7 +112,7 @@ def test_planted_output_difference_fails_exactly_that_head(tmp_path):
     query = [t for t in data["steps"][0]["tensors"] if t["name"] == "query"][0]
     assert query["first_tokens"] == [qsl[1]] and query["tokens_differ"] == 1
     summary = data["verdict"]["summary"]
-    assert summary.startswith("DIFFER: outputs differ on 1 of 16 heads (step 0 captured: ")
+    assert summary.startswith("FAIL: outputs differ on 1 of 16 heads (step 0 captured: ")
     assert "element(s) beyond tolerance, max abs 5.0" in summary and "finite" not in summary
     assert summary.endswith("; inputs differ: query")
     assert (data["verdict"]["comparisons"], data["verdict"]["failed_comparisons"]) == (1, 1)
@@ -127,7 +127,7 @@ def test_a_head_that_differs_only_by_nan_says_so(tmp_path):
     pa, pb = save_pair(tmp_path, a, b)
     res = run(pa, pb)
     assert res.exit_code == 1
-    last = " ".join(res.output.split()).rsplit("DIFFER:", 1)[1]
+    last = " ".join(res.output.split()).rsplit("FAIL:", 1)[1]
     assert last.startswith(" outputs differ on 1 of 16 heads (step 0 captured: no finite value in B on 1 "
                            "element(s) (NaN, inf or unwritten))"), last
     assert "beyond tolerance" not in last and "max abs" not in last
@@ -215,7 +215,7 @@ def test_saved_outputs_are_compared_per_request_and_head(tmp_path):
     assert failing == {(1, h) for h in range(8)}
     assert data["notes"] == []
     same = run(outputs[0], outputs[0])
-    assert same.exit_code == 0 and "SAME: outputs agree within tolerance (32 heads)" in same.output
+    assert same.exit_code == 0 and "PASS: outputs agree within tolerance (32 heads)" in same.output
 
 
 def test_pages_are_read_a_chunk_at_a_time(tmp_path, monkeypatch):

@@ -36,8 +36,8 @@ def test_synth_writes_and_refuses_to_clobber(tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--seq-lens", "10,x"], "Invalid value for '--seq-lens': 'x' is not a number"),
-        (["--seq-lens", "10-20"], "Invalid value for '--seq-lens': '10-20' is a range; list single numbers here"),
+        (["--seq-len", "10,x"], "Invalid value for '--seq-len': 'x' is not a number"),
+        (["--seq-lens", "10-20"], "Invalid value for '--seq-len': '10-20' is a range; list single numbers here"),
         (["--seq-lens", "3", "--query-len", "8"], "must be positive and hold the request's 8 query tokens"),
         (["--num-heads", "6", "--num-kv-heads", "4"], "--num-heads 6 must be a multiple of --num-kv-heads 4"),
         (["--window", "0"], "--window must be positive"),

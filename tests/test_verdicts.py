@@ -117,8 +117,9 @@ def test_nothing_compared_is_never_exit_0(tmp_path):
 
 
 def test_null_block_before_the_window_is_a_note_and_exit_0(tmp_path):
+    # A FLEX_ATTENTION snapshot: the null block is flex's rule (and `map` judges by the snapshot's backend).
     spec = SynthSpec(seq_lens=(300, 90), sliding_window=32, use_page_zero=True, page_zero_request=0,
-                     dtype="float32")
+                     dtype="float32", backend="FLEX_ATTENTION")
     path = str(save_snapshot(synth_snapshot(spec), tmp_path / "null_before_window.safetensors"))
     code, data = replay(path, "--backend", "reference", "--backend", "flex")
     assert code == EXIT_OK, data["verdict"]

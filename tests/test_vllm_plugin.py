@@ -948,17 +948,14 @@ def test_full_cuda_graphs_are_said_with_what_they_hide_and_what_to_do(mode, says
     said = vllm_facts.cudagraph_note(mode, 512)
     if says is None:
         assert said == []
-        assert vllm_facts.cudagraph_note(mode, 512, captured=True, sentinel=True) == []
+        assert vllm_facts.cudagraph_note(mode, 512, recorded=True) == []
         return
     [(level, line)] = said
     assert level == logging.WARNING and says in line and "\n" not in line
     assert "--enforce-eager" in line and '''--compilation-config '{"cudagraph_mode": "PIECEWISE"}''' in line
-    # Capture records its copies into the graphs (vLLM's graph wrapper watched): one line at INFO says so...
-    [(level, line)] = vllm_facts.cudagraph_note(mode, 512, captured=True)
-    assert level == logging.INFO and "are captured too" in line and "cannot" not in line
-    # ...and the sentinel, which checks no step replayed from a graph, keeps its warning.
-    (_, first), (level, warning) = vllm_facts.cudagraph_note(mode, 512, captured=True, sentinel=True)
-    assert first == line and level == logging.WARNING and "the sentinel cannot check those steps" in warning
+    # The copies are recorded into the graphs (vLLM's graph wrapper watched): one line at INFO says so.
+    [(level, line)] = vllm_facts.cudagraph_note(mode, 512, recorded=True)
+    assert level == logging.INFO and "are captured and checked too" in line and "cannot" not in line
 
 
 def test_the_graph_line_is_said_once_per_process_at_the_first_build(standins, tmp_path, caplog):
@@ -1057,6 +1054,12 @@ def _padded_inputs(engine, tokens: int):
                  for t in engine.inputs())
 
 
+class _Batch(tuple):
+    """A stand-in for vLLM's BatchDescriptor (hashable, with num_tokens): the key of one recorded graph."""
+
+    num_tokens = property(lambda self: self[0])
+
+
 def _run_as_graph(engine, common, inputs, tokens: int, monkeypatch):
     """What replaying a recorded full graph does, on the CPU: vLLM builds in Python (the wrapped build runs), the
     layers' kernels run with no Python hook (the originals), and the copies the plugin recorded into the graph
@@ -1082,7 +1085,7 @@ def _run_as_graph(engine, common, inputs, tokens: int, monkeypatch):
                 buffers.output[:tokens].copy_(output.view(buffers.output[:tokens].shape))
             outputs.append(output)
     engine.seq_lens = [n + engine.query_len for n in engine.seq_lens]
-    state.after_graph_replay(tokens)
+    state.after_graph_replay(_Batch((tokens,)))
     return outputs
 
 
@@ -1090,7 +1093,7 @@ def _record_graph(engine, tokens: int, reqs: int, monkeypatch):
     """vLLM recording its graph of ``tokens`` (a dummy batch), as the plugin's graph wrapper sees it."""
     state = vllm_plugin._state
     monkeypatch.setattr(vllm_facts, "_graph_capturing", lambda t: True)
-    state.begin_graph_recording(tokens)
+    state.begin_graph_recording(_Batch((tokens,)))
     try:
         engine.step(common=_padded(engine.common(), reqs=reqs, tokens=tokens),
                     inputs=_padded_inputs(engine, tokens))
@@ -1110,8 +1113,8 @@ def test_a_step_replayed_from_a_full_cuda_graph_is_captured_from_the_graphs_copi
     state = vllm_plugin._state
     tokens, reqs = 16, 4  # three real requests of 4 tokens each, padded to a graph of 16 tokens and 4 rows
     _record_graph(engine, tokens, reqs, monkeypatch)
-    assert [name for name, _ in state._graph_layers[tokens]] == engine.names
-    assert all(slot is not None for _, slot in state._graph_layers[tokens])
+    assert [name for name, _ in state._graph_layers[_Batch((tokens,))]] == engine.names
+    assert all(slot is not None for _, slot in state._graph_layers[_Batch((tokens,))])
     assert snapshots(tmp_path) == []  # recording a graph is no step
     for step in range(2):  # steps 0 and 1; only step 1 is wanted
         common = _padded(engine.common(), reqs=reqs, tokens=tokens)
@@ -1142,7 +1145,7 @@ def test_a_graph_replay_without_a_build_of_its_step_is_reported_not_guessed(stan
     state = vllm_plugin._state
     _record_graph(engine, 16, 4, monkeypatch)
     state._graph_buffers[engine.names[0]].output = torch.zeros_like(state._graph_buffers[engine.names[0]].query)
-    assert state.after_graph_replay(16) is False  # no build was seen for step 0
+    assert state.after_graph_replay(_Batch((16,))) is False  # no build was seen for step 0
     assert snapshots(tmp_path) == []
     assert vllm_plugin.active_capturer().failures, "the lost step is counted"
 
@@ -1152,7 +1155,25 @@ def test_only_layers_capture_selects_get_graph_copies(standins, tmp_path, monkey
     engine = StandinEngine("FLASHINFER_TS", layers=2)
     state = vllm_plugin._state
     _record_graph(engine, 16, 4, monkeypatch)
-    assert [(name, slot is not None) for name, slot in state._graph_layers[16]] == [
+    assert [(name, slot is not None) for name, slot in state._graph_layers[_Batch((16,))]] == [
         ("model.layers.0.self_attn.attn", False), ("model.layers.1.self_attn.attn", True)]
     assert list(state._graph_buffers) == ["model.layers.1.self_attn.attn"]
 
+
+
+def test_a_cache_update_before_any_build_is_no_refusal(standins, tmp_path, caplog):
+    """vLLM's profiling and warm-up runs write the cache before any metadata is built: no layer is refused, no
+    failure counted, and the first real steps are captured."""
+    caplog.set_level(logging.INFO, logger="kvdbg.capture")
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="0")
+    engine = StandinEngine("FLASHINFER_TS", layers=2)
+    common = engine.common()
+    for layer in engine.layers:
+        key, value = engine.inputs()[1:]
+        layer.impl.do_kv_cache_update(layer, key.view(-1, engine.num_kv_heads, engine.head_size),
+                                      value.view(-1, engine.num_kv_heads, engine.head_size), layer.kv_cache,
+                                      common.slot_mapping)
+    capturer = vllm_plugin.active_capturer()
+    assert not capturer.failures and not [r for r in caplog.records if "refused" in r.getMessage()]
+    engine.step()
+    assert len(snapshots(tmp_path)) == 2 and not capturer.failures

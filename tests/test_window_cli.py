@@ -119,7 +119,9 @@ def test_window_from_a_snapshot_reads_the_longest_request():
     # The same tables as typing the numbers by hand (dflash: L=9000, w=4096, q=8, dense, page 16).
     assert "first kept │ page 306, token 4896" in out and "plan max_kv_len │ 4120" in out
     by_hand = run("--seq-len", "9000", "--window", "4096", "--query-len", "8", "--max-decode-query-len", "8")
-    assert res.output.split("\n", 1)[1] == by_hand.output
+    # The same tables; the snapshot's verdict judges its inputs (every request) and says outputs were not compared.
+    assert res.output.split("\n", 1)[1].split("PASS:")[0] == by_hand.output.split("PASS:")[0]
+    assert "(and up to 8 extra, by design)" in by_hand.output and "outputs not compared" in out
 
 
 def test_window_from_a_snapshot_request_and_json_source():

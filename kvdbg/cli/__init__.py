@@ -14,6 +14,7 @@ COMMANDS = {
     "conform": "kvdbg.cli.conform:conform",
     "diff": "kvdbg.cli.diff:diff",
     "explain": "kvdbg.cli.explain:explain",
+    "import": "kvdbg.cli.import_dump:import_dump",
     "info": "kvdbg.cli.info:info",
     "map": "kvdbg.cli.map:map_",
     "merge": "kvdbg.cli.merge:merge",
@@ -68,7 +69,8 @@ GROUPS = (
          "kvdbg merge r0.safetensors r1.safetensors -o all.safetensors"),
     )),
     ("Make", (
-        ("synth", "a deterministic synthetic snapshot", "kvdbg synth -o s.safetensors --seq-lens 9000,1200"),
+        ("synth", "a deterministic synthetic snapshot", "kvdbg synth -o s.safetensors --seq-len 9000,1200"),
+        ("import", "snapshots from a FlashInfer or SGLang dump", "kvdbg import flashinfer_dumps -o snaps/"),
     )),
 )
 
@@ -139,8 +141,9 @@ def cli():
 
     Capture from a live vLLM: install kvdbg into the engine's environment with
     no extra (pip install -e .; pip's --dry-run names kvdbg alone) and set
-    KVDBG_CAPTURE_DIR. On a GPU, serve with --enforce-eager or piecewise CUDA
-    graphs while capturing (full graphs hide decode steps). KVDBG_SENTINEL=0.01
+    KVDBG_CAPTURE_DIR. Steps replayed from full CUDA graphs are captured too
+    (not yet run in a GPU engine: to rule graphs out, serve with
+    --enforce-eager or piecewise graphs). KVDBG_SENTINEL=0.01
     checks 1% of each layer's steps against the exact reference inside the
     engine and captures the wrong ones. docs/capture.md.
     """

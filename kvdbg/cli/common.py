@@ -142,10 +142,24 @@ def _json_default(value: Any):
 
 
 def print_verdict(out, verdict) -> None:
-    """The last line of every table command: the verdict and the exit code it gives."""
+    """The last line of every table command: the verdict and the exit code it gives.
+
+    Wrapped here at the console's width so that "(exit N)" always ends the last line whole, with the word before
+    it: a script (or a reader) finds the exit code at the end, however long the verdict.
+    """
+    import textwrap
+
+    from rich.text import Text
+
     from kvdbg.render.util import verdict_line
 
-    out.print(verdict_line(verdict))
+    line = verdict_line(verdict)
+    tail = f" (exit {verdict.exit_code})"
+    plain = line.plain
+    if plain.endswith(tail):
+        plain = plain[:-len(tail)] + tail.replace(" ", "\u00a0")  # no break inside the tail, nor before it
+    lines = textwrap.wrap(plain, width=max(20, out.width), break_on_hyphens=False) or [""]
+    out.print(Text("\n".join(lines).replace("\u00a0", " "), style=line.style), soft_wrap=True)
 
 
 def finish(findings: int) -> None:

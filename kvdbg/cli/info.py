@@ -48,11 +48,14 @@ def info(snapshot: str, full: bool, check: bool, as_json: bool) -> None:
         snap = load_snapshot(snapshot)
         maps = [page_map(snap, step=s) for s in range(len(snap.steps))]
         checked = [a for m in maps for a in m.anomalies if a.severity == "error"]
-        verdict = map_verdict(maps)
+        from kvdbg.moves.window_source import input_findings
+
+        others, counted = input_findings(snapshot)
+        verdict = map_verdict(maps, [f for f in others if f.backend != "map"], counted)
         verdict = dataclasses.replace(verdict, summary=verdict.summary.replace(
             "PASS:", "PASS: checked every page id, length and offset, and the live pages;", 1))
     else:
-        verdict = simple_verdict("pass", EXIT_OK, "OK: header read; ids, lengths and page contents not checked "
+        verdict = simple_verdict("pass", EXIT_OK, "PASS: header read; ids, lengths and page contents not checked "
                                                   "(--check validates them)")
     if as_json:
         record = summary.to_json()

@@ -30,6 +30,12 @@ def map_(snapshot: str, step: int | None, request, full: bool, as_json: bool) ->
     reuses freed blocks by design); pages shared across requests, stale
     non-zero tails, stored pages nothing references.
 
+    The verdict judges the step's inputs by kvdbg's one rule (an error
+    finding of the snapshot's own backend fails): the paging findings above
+    for a FLEX_ATTENTION snapshot, FLASHINFER_TS's kernel preconditions
+    (as `kvdbg window` checks them) for a FLASHINFER_TS one. Outputs are not
+    compared (`kvdbg replay` compares them).
+
     \b
     Examples:
       kvdbg map snapshot.safetensors
@@ -47,7 +53,14 @@ def map_(snapshot: str, step: int | None, request, full: bool, as_json: bool) ->
     num_reqs = snap.steps[step].num_reqs
     result = page_map(snap, step=step, request=within(request, num_reqs, "--request",
                                                       f"step {step} has {num_reqs} request(s)"))
-    verdict = map_verdict([result])
+    from kvdbg.moves.window_source import input_findings
+
+    # The same input findings `window SNAP` judges (FLASHINFER_TS's preconditions and window restriction): one
+    # rule, one verdict for the step whatever command reads it (kvdbg.judge.verdict).
+    others, counted = input_findings(snapshot, steps=[step])
+    shown = {r.request for r in result.requests}  # --request narrows the findings as it narrows the anomalies
+    verdict = map_verdict([result], [f for f in others if f.backend != "map" and (f.request is None
+                                                                                 or f.request in shown)], counted)
     if as_json:
         emit_json({**result.to_json(), "verdict": verdict.to_json()})
     else:

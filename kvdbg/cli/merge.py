@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import click
 
-from kvdbg.cli.common import console, emit_json, force_option, guarded, json_option, output_option
+from kvdbg.cli.common import AliasedOption, console, emit_json, force_option, guarded, json_option, output_option
 
 
 @click.command()
 @click.argument("snapshots", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @output_option("Where to write the merged snapshot.", required=True)
-@click.option("--kv-heads", type=click.IntRange(min=1), default=None,
+@click.option("--num-kv-heads", "--kv-heads", "kv_heads", cls=AliasedOption, hidden_aliases=("--kv-heads",),
+              type=click.IntRange(min=1), default=None,
               help="The layer's KV heads over all ranks, for files that did not record it "
                    "(capture.total_num_kv_heads); needed only when each rank holds one KV head.")
 @force_option()

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvdbg.cli.common import (backend_option, check_picture_paths, console, default_snapshot, device_option,
+from kvdbg.cli.common import (AliasedOption, backend_option, check_picture_paths, console, default_snapshot, device_option,
                               emit_json, force_option, full_option, guarded, head_option, json_option, output_option,
                               picture_file_options, print_verdict, progress_printer, request_option, step_option,
                               tolerance_options, within, write_pictures)
@@ -25,7 +25,8 @@ from kvdbg.errors import OptionError
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="torch.compile flex_attention (default: eager on CPU; on CUDA compiled only for steps too big for eager to be quicker).")
 @tolerance_options()
-@click.option("--explain", is_flag=True, help="Show each backend's per-request builder decisions.")
+@click.option("--builder", "--explain", "explain", cls=AliasedOption, hidden_aliases=("--explain",), is_flag=True,
+              help="Show each backend's per-request builder decisions.")
 @full_option("Show every head, not only failing ones and the worst passing; with several snapshots, every file "
              "of each group of failures.")
 @output_option("Also write every backend's output tensors to this safetensors file.",
@@ -76,7 +77,7 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
     Examples:
       kvdbg replay snapshot.safetensors
       kvdbg replay snapshot.safetensors --backend flex --head 0-3 --json
-      kvdbg replay --explain -o outputs.safetensors
+      kvdbg replay --builder -o outputs.safetensors
       kvdbg replay captures/ --jobs 4
       kvdbg replay captures/ --device cuda --results r.jsonl --resume
       kvdbg replay /shared/captures --ray --device cuda --results r.jsonl
@@ -91,7 +92,7 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
         return replay_several(paths, backends=backend, steps=step, device=device, exact=exact, compile_=compile_,
                               atol=atol, rtol=rtol, jobs=jobs, recursive=recursive, as_json=as_json,
                               results=results, resume=resume, ray=ray, force=force, full=full,
-                              single_only={"--request": request, "--head": head, "--explain": explain,
+                              single_only={"--request": request, "--head": head, "--builder": explain,
                                            "--output": output, "--picture": picture, "--svg": svg_path,
                                            "--png": png_path})
     given = [name for name, value in several.items() if value]

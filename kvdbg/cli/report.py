@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from kvdbg.cli.common import (backend_option, console, device_option, force_option, guarded, output_option,
+from kvdbg.cli.common import (AliasedOption, backend_option, console, device_option, force_option, guarded, output_option,
                               print_verdict, progress_printer)
 from kvdbg.errors import OptionError
 
@@ -17,7 +17,8 @@ from kvdbg.errors import OptionError
 @output_option("Write the Markdown here instead of to stdout.")
 @backend_option()
 @device_option()
-@click.option("--svg", "svg_dir", default=None, type=click.Path(file_okay=False),
+@click.option("--svg-dir", "--svg", "svg_dir", cls=AliasedOption, hidden_aliases=("--svg",), metavar="DIR",
+              default=None, type=click.Path(file_okay=False),
               help="Also write self-contained SVG images into this directory: the info, map and replay tables, "
                    "and the pictures (errors: which heads are wrong, over steps too; attention: where the worst "
                    "token's attention went; window); PNGs of the pictures beside them with the plot extra "
@@ -26,8 +27,8 @@ from kvdbg.errors import OptionError
               help="Also write the whole report as one self-contained HTML file (no network, no web font): the "
                    "verdict, the pictures and the tables.")
 @force_option()
-@click.option("--sweep", "sweep_knobs", default=None, metavar="KNOB[,KNOB]",
-              help="Also sweep these knobs (as `kvdbg sweep --vary`) and include the matrix.")
+@click.option("--vary", "--sweep", "sweep_knobs", cls=AliasedOption, hidden_aliases=("--sweep",), default=None,
+              metavar="KNOB[,KNOB]", help="Also sweep these knobs (as `kvdbg sweep --vary`) and include the matrix.")
 @guarded
 def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_knobs):
     """Write a Markdown bug report for a snapshot, ready to paste into a GitHub issue.
@@ -47,8 +48,8 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
     \b
     Examples:
       kvdbg report snapshot.safetensors > report.md
-      kvdbg report snapshot.safetensors -o report.md --svg figures/ --backend flex
-      kvdbg report snapshot.safetensors --sweep placement,window > report.md
+      kvdbg report snapshot.safetensors -o report.md --svg-dir figures/
+      kvdbg report snapshot.safetensors --vary placement,window > report.md
       kvdbg report snapshot.safetensors -o report.md --html report.html
     """
     from kvdbg.render.report import render_markdown, render_svgs
@@ -59,12 +60,12 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
     if sweep_knobs is not None:
         from kvdbg.moves.sweeper import parse_knobs
 
-        knobs = parse_knobs(sweep_knobs, option="--sweep")
+        knobs = parse_knobs(sweep_knobs, option="--vary")
     from kvdbg.util.atomic import check_distinct_outputs, check_output
 
     # Every file the report writes, told apart before any is written (the --svg directory's own files too).
     pictures = [] if svg_dir is None else [
-        (f"--svg ({stem}.{ext})", os.path.join(svg_dir, f"{stem}.{ext}"))
+        (f"--svg-dir ({stem}.{ext})", os.path.join(svg_dir, f"{stem}.{ext}"))
         for stem in ("info", "map", "replay", *PICTURES) for ext in ("svg", "png")]
     check_distinct_outputs([("-o", output), ("--html", html_path), *pictures])
     for option, path in (("-o", output), ("--html", html_path)):
@@ -73,8 +74,8 @@ def report(snapshot, output, backend, device, svg_dir, html_path, force, sweep_k
     made = []
     if svg_dir is not None:
         if os.path.exists(svg_dir) and not os.path.isdir(svg_dir):
-            raise OptionError(f"--svg {svg_dir} is not a directory")
-        # Every file --svg may write; refused up front so that no work is lost to a name taken.
+            raise OptionError(f"--svg-dir {svg_dir} is not a directory")
+        # Every file --svg-dir may write; refused up front so that no work is lost to a name taken.
         taken = [p for stem in ("info", "map", "replay", *PICTURES) for ext in ("svg", "png")
                  if os.path.exists(p := os.path.join(svg_dir, f"{stem}.{ext}"))]
         if taken and not force:
@@ -140,7 +141,7 @@ def _svg_directory(svg_dir: str) -> list[str]:
         os.unlink(probe)
     except OSError as exc:
         _remove_if_empty(made)
-        raise OptionError(f"--svg {svg_dir}: cannot write the directory ({exc.strerror or exc})") from None
+        raise OptionError(f"--svg-dir {svg_dir}: cannot write the directory ({exc.strerror or exc})") from None
     return made
 
 

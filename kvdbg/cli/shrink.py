@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+from dataclasses import replace
+
 import click
 
 from kvdbg.cli.common import (backend_option, console, device_option, emit_json, force_option, guarded, json_option,
-                              output_option, print_verdict, progress_printer, simple_verdict)
+                              output_option, print_verdict, progress_printer)
 from kvdbg.errors import OptionError
 
 
@@ -39,7 +42,11 @@ def shrink(snapshot, output, backend, device, same_heads, force, emit_script, sc
     fails (a failing request's other heads may join it). Steps, requests, KV heads (with their query heads) and
     whole pages before each query block are removed delta-debugging style;
     every candidate is verified by replaying it through the reference and that
-    backend. A snapshot that does not fail is refused (exit 2).
+    backend.
+
+    The verdict is the snapshot's own, by kvdbg's one rule (what `kvdbg
+    replay` says), followed by what was shrunk: FAIL (exit 1) with the file
+    written; PASS (exit 0, no file) when nothing fails.
 
     \b
     Examples:
@@ -62,11 +69,29 @@ def shrink(snapshot, output, backend, device, same_heads, force, emit_script, sc
             raise OptionError(f"--emit-script writes out {' and '.join(SUPPORTED)} only, not {backend}")
         check_targets(emit_script, data=script_data, overwrite=force, avoid=(output, snapshot))
 
+    from kvdbg import api
+    from kvdbg.moves.shrinker import NothingToShrink
+
     progress = progress_printer(ongoing=False)
-    result = run_shrink(load_snapshot(snapshot), backend, device=device, progress=progress,
-                        output_path=output, same_heads=same_heads, overwrite=force)
+    snap = load_snapshot(snapshot)
+    # The closing verdict is the snapshot's (kvdbg.judge.verdict.judge over its replay, what `kvdbg replay`
+    # says), followed by what shrink did: FAIL when the failure was kept in a smaller file.
+    judged = api.replay(snap, [backend] if backend else None, device=device).verdict
+    try:
+        result = run_shrink(snap, backend, device=device, progress=progress,
+                            output_path=output, same_heads=same_heads, overwrite=force)
+    except NothingToShrink as exc:
+        if judged.exit_code == EXIT_OK:
+            verdict = replace(judged, summary=f"{judged.summary}; nothing to shrink, no file written")
+            if as_json:
+                emit_json({"input": snapshot, "output": None, "verdict": verdict.to_json()})
+            else:
+                print_verdict(console(), verdict)
+            return
+        raise OptionError(f"{exc}; the snapshot's verdict: {judged.summary}") from None
     kept = len(result.failing_heads_after)
-    summary = f"DONE: {result.backend} still fails on {kept} (request, head) pair(s) in {result.output_path or 'the output'}"
+    summary = (f"{judged.summary}; shrunk: {result.backend} still fails on {kept} (request, head) pair(s) in "
+               f"{result.output_path or 'the output'}")
     if result.output_bytes >= result.input_bytes:
         from kvdbg.render.shrink import size_change
 
@@ -86,7 +111,7 @@ def shrink(snapshot, output, backend, device, same_heads, force, emit_script, sc
         summary += f"; {emit_script} " + ("written (not run here)" if script.reproduces is None else
                                           "reproduces it (exits 1)" if script.reproduces else
                                           f"does NOT reproduce it (exits {script.verified_exit})")
-    verdict = simple_verdict("pass", EXIT_OK, summary)
+    verdict = replace(judged, summary=summary)
     if as_json:
         record = result.to_json()
         if script is not None:
@@ -100,3 +125,5 @@ def shrink(snapshot, output, backend, device, same_heads, force, emit_script, sc
         if script is not None:
             out.print(render_script(script))
         print_verdict(out, verdict)
+    if verdict.exit_code:
+        sys.exit(verdict.exit_code)

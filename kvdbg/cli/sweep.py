@@ -36,9 +36,10 @@ def sweep(snapshot, vary, backend, step, device, atol, rtol, as_json):
     Placement renames stored pages (reversed, rotated; page 0, vLLM's null
     block, kept) and, as a third row, moves page 0 itself to a free id.
 
-    Exit 0 when the baseline passes and every variant agrees with it; 1 when
-    a counted cell fails (the baseline's or a variant's); 2 on bad input; 3
-    when no counted backend or captured output was compared.
+    The verdict and exit code are the snapshot's own (the baseline, by
+    kvdbg's one rule: what `kvdbg replay` says); the variants are what-ifs,
+    named after it (which knob flips which cell) and never counted. Exit 0
+    pass; 1 fail; 2 bad input; 3 nothing verified.
 
     \b
     Examples:

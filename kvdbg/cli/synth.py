@@ -40,11 +40,13 @@ def _kvdbg_backend(ctx, param, value):
 @click.command()
 @click.argument("out", cls=HiddenOutputArgument, required=False, type=click.Path(dir_okay=False))
 @output_option("Where to write the snapshot (required).")
-@click.option("--seq-lens", type=IntListParam(), default="9,77,200,333", show_default=True,
-              help="Comma-separated sequence length of each request at the first step (query included).")
-@click.option("--query-len", type=int, default=1, show_default=True, help="Query tokens per request (uniform block).")
-@click.option("--query-lens", type=IntListParam(), default=None,
-              help="Comma-separated ragged query lengths (overrides --query-len).")
+@click.option("--seq-len", "--seq-lens", "seq_lens", cls=AliasedOption, hidden_aliases=("--seq-lens",),
+              type=IntListParam(), default="9,77,200,333", show_default=True, metavar="L[,L...]",
+              help="Sequence length of each request at the first step (query included), comma-separated.")
+@click.option("--query-len", type=IntListParam(), default="1", show_default=True, metavar="Q[,Q...]",
+              help="Query tokens per request: one value for a uniform block, or one per request (ragged).")
+# The old spelling of a ragged --query-len, kept for scripts (it wins over --query-len, as it did).
+@click.option("--query-lens", type=IntListParam(), default=None, hidden=True)
 @click.option("--num-heads", type=int, default=8, show_default=True, help="Query heads (Hq).")
 @click.option("--num-kv-heads", type=int, default=2, show_default=True, help="KV heads (Hkv).")
 @click.option("--head-size", "--head-dim", "head_size", cls=AliasedOption, hidden_aliases=("--head-dim",), type=int,
@@ -88,7 +90,7 @@ def _kvdbg_backend(ctx, param, value):
 @click.option("--alibi-sqrt", is_flag=True, help="With --alibi: the square-root variant (TRITON_ATTN's use_alibi_sqrt).")
 @click.option("--soft-cap", type=float, default=None, help="Logits soft cap: cap * tanh(s / cap) (default: none).")
 @click.option("--attn-type", type=click.Choice(list(ATTN_TYPES)), default="decoder", show_default=True,
-              help="encoder/encoder_only: self-attention over the step's own tokens (--mask dense, --seq-lens equal "
+              help="encoder/encoder_only: self-attention over the step's own tokens (--mask dense, --seq-len equal "
                    "to the query lengths); encoder_decoder: decoder queries over seq_len encoder keys (--mask dense).")
 @click.option("--kv-sharing-target", default=None, metavar="LAYER",
               help="The layer whose cache this layer reads (it writes none: give --no-new-kv).")
@@ -106,9 +108,9 @@ def synth(out, output, seq_lens, query_len, query_lens, num_heads, num_kv_heads,
 
     \b
     Examples:
-      kvdbg synth -o causal.safetensors --seq-lens 9,77,200,333 \\
+      kvdbg synth -o causal.safetensors --seq-len 9,77,200,333 \\
         --num-heads 32 --num-kv-heads 8 --head-size 128
-      kvdbg synth -o dflash.safetensors --seq-lens 9000,1000 --query-len 8 \\
+      kvdbg synth -o dflash.safetensors --seq-len 9000,1000 --query-len 8 \\
         --mask dense --window 4096
       kvdbg synth -o fp8.safetensors --fp8 --mask dense --query-len 4
       kvdbg synth -o gpt_oss.safetensors --sinks auto --window 128 \\
@@ -122,6 +124,10 @@ def synth(out, output, seq_lens, query_len, query_lens, num_heads, num_kv_heads,
     out = output or out
     if out is None:
         raise OptionError("-o/--output: give the file to write, e.g. -o snapshot.safetensors")
+
+    if query_lens is None and len(query_len) > 1:
+        query_lens = query_len
+    query_len = query_len[0] if len(query_len) == 1 else 1
 
     spec = SynthSpec(
         seq_lens=seq_lens,

@@ -53,7 +53,7 @@ class Code:
     """One condition: its name, its severity rule, and what to tell a user about it."""
 
     name: str
-    topic: str  # paging, inputs, replay, flex, flashinfer_ts, prims_ts
+    topic: str  # paging, inputs, replay, observed, flex, flashinfer_ts, prims_ts
     title: str  # one line
     means: str  # what it means
     fires: str  # when it fires
@@ -289,6 +289,38 @@ _ALL = [
          fires="It fires on every step of an FP8 snapshot that flex replays.",
          action="Read the flex column as a what-if; judge the engine by its own backend's column.",
          reported_by="replay (flex), report", severity="warning"),
+    # ---------------------------------------------------------------- what attention and poison observe
+    Code("weights_outside_mask", "observed", "a backend weights keys its mask must hide",
+         means=("The keys a backend attends to for one query token, as its own rules give them, include keys the "
+                "exact mask hides, beyond what the backend documents (FLASHINFER_TS's page-aligned window "
+                "restriction is documented: window_restriction_extra_keys)."),
+         fires="It fires in `kvdbg attention` for each column that gives such keys a weight.",
+         action="`kvdbg attention SNAP --json` lists the keys and their weight; `kvdbg map SNAP` shows the pages.",
+         reported_by="attention", severity="error"),
+    Code("skips_mask_keys", "observed", "a backend skips keys its mask must show",
+         means="A backend never attends to keys the exact mask shows one query token: their weight is lost.",
+         fires="It fires in `kvdbg attention` for each column that skips such keys.",
+         action=("`kvdbg attention SNAP --json` lists the keys and the reference's weight on them; a null block or "
+                 "a page mapped twice is the usual cause (`kvdbg map SNAP`)."),
+         reported_by="attention", severity="error"),
+    Code("reads_nonfinite", "observed", "a backend's weights read NaN/Inf",
+         means="A key a column attends to holds NaN/Inf in K or V, or the query token itself does: its output is NaN.",
+         fires="It fires in `kvdbg attention` for each column that reads such a key, and once for a NaN query.",
+         action="Find who wrote the values (`kvdbg map SNAP` checks live pages; `kvdbg poison SNAP` who reads them).",
+         reported_by="attention", severity="error"),
+    Code("weights_miss_output", "observed", "a backend's weights do not reproduce its output",
+         means=("The weights kvdbg derives from a column's rules, applied to the values (Σ w·v), do not give the "
+                "output the backend produced, within the replay's tolerance: it attends to other keys than its "
+                "rules say."),
+         fires="It fires in `kvdbg attention` for each column whose output differs from its Σ w·v.",
+         action="`kvdbg replay SNAP --builder` shows what the backend was handed.",
+         reported_by="attention", severity="error"),
+    Code("reads_poisoned_slot", "observed", "a backend weights a cache slot it must not read",
+         means=("With NaN written into slots no request may see (and the backend's documented extra keys left "
+                "out), an output of the backend turns NaN: it gives such a slot a weight."),
+         fires="It fires in `kvdbg poison` for each backend and region it reads.",
+         action="The table names the slots (page, token, request key); `kvdbg attention` shows one token's weights.",
+         reported_by="poison", severity="error"),
     # ---------------------------------------------------------------- FLASHINFER_TS builder
     Code("buffer_overflow", "flashinfer_ts", "more requests than FLASHINFER_TS's persistent metadata buffers hold",
          means=("FLASHINFER_TS sizes its metadata buffers once, from max_num_seqs and max_num_batched_tokens. A "
@@ -311,7 +343,7 @@ _ALL = [
                 "lengths, the blocks straddle requests: some requests are computed on another request's tokens."),
          fires="It fires when a request's query tokens are not exactly block r of the uniform split.",
          action=("FLASHINFER_TS runs uniform draft blocks only; a mixed batch reaching it is a scheduling bug "
-                 "(`kvdbg replay --explain` shows the split)."),
+                 "(`kvdbg replay --builder` shows the split)."),
          reported_by="replay (flashinfer_ts), report", severity="error"),
     Code("ragged_leftover_tokens", "flashinfer_ts", "tokens past the uniform query blocks are never written",
          means=("The step's tokens do not divide into num_reqs blocks of the query length; the builder rounds down "
@@ -332,9 +364,11 @@ _ALL = [
                 "window and hands the kernel one shared start: query tokens then see keys that their exact window "
                 "|p - k| < W excludes, up to a page's worth."),
          fires="It fires for each request where some query token sees at least one key outside its exact window.",
-         action=("Expected from FLASHINFER_TS's design; it matters when those keys change the output beyond "
-                 "tolerance. `kvdbg window SNAP --request R` draws which keys each token sees."),
-         reported_by="replay (flashinfer_ts), report", severity="warning"),
+         action=("Documented FLASHINFER_TS behaviour (vLLM's backend states both consequences of the page-aligned "
+                 "restriction), so never a failure by itself: it fails only through the output comparison, when "
+                 "those keys move the output beyond tolerance. `kvdbg window SNAP --request R` draws which keys "
+                 "each token sees; `kvdbg attention` states their share of the weight."),
+         reported_by="replay (flashinfer_ts), report, map, window, attention, poison", severity="warning"),
     Code("tokens_missed", "flashinfer_ts", "the kernel misses keys of the exact windows",
          means=("With the builder's restricted table and lengths, some keys that a query token's exact window "
                 "holds are never handed to the kernel."),
@@ -442,7 +476,7 @@ CODES: dict[str, Code] = {c.name: c for c in _ALL}
 FORMER_NAMES: dict[str, str] = {old: c.name for c in _ALL for old in c.formerly}
 assert len(CODES) == len(_ALL), "a finding code is registered twice"
 assert not set(FORMER_NAMES) & set(CODES), "a former name is a code again"
-TOPICS = ("paging", "inputs", "replay", "flex", "flashinfer_ts", "prims_ts")
+TOPICS = ("paging", "inputs", "replay", "observed", "flex", "flashinfer_ts", "prims_ts")
 
 
 # --------------------------------------------------------------------------- docs/findings.md

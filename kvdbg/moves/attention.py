@@ -76,6 +76,10 @@ class ColumnWeights:
     nonfinite_k_count: int = 0
     nonfinite_v_count: int = 0
     note: str = ""
+    # Of the forbidden keys, those the backend's documented behaviour shows (FLASHINFER_TS's page-aligned window
+    # restriction): never a failure by themselves (kvdbg.judge.verdict), stated with their share of the weight.
+    documented_mass: float = 0.0
+    documented_count: int = 0
 
     @property
     def reads_nonfinite(self) -> bool:
@@ -93,6 +97,7 @@ class ColumnWeights:
                 "exact_output_diff": self.exact_output_diff, "output_nonfinite": self.output_nonfinite,
                 "nonfinite_k_keys_read": self.nonfinite_k_read, "nonfinite_k_count": self.nonfinite_k_count,
                 "nonfinite_v_keys_read": self.nonfinite_v_read, "nonfinite_v_count": self.nonfinite_v_count,
+                "documented_mass": self.documented_mass, "documented_count": self.documented_count,
                 "note": self.note, "weights": self.weights}
 
 
@@ -322,6 +327,16 @@ def attention_picture(snapshot: "Snapshot", choice: Choice, report: "ReplayRepor
         col.forbidden_mass = float(w[forbidden].sum()) if bool(forbidden.any()) else 0.0
         col.forbidden_count = int(sum(hi - lo for lo, hi in attended_by[name]) - _overlap(attended_by[name], exact))
         col.forbidden_keys = _top(w, forbidden)
+        if rule == "flashinfer_ts" and analysis is not None and analysis.applies:
+            # The extra keys of the ts grid are the page-aligned restriction's, computed from the builder's
+            # documented rule (kvdbg.ts.window): FLASHINFER_TS's behaviour, not a deviation from it.
+            documented = torch.zeros(length, dtype=torch.bool)
+            for lo, hi, kind in rows["flashinfer_ts"]:
+                if kind == EXTRA:
+                    documented[lo:hi] = True
+            col.documented_count = int((documented & ~inside).sum())
+            by_design = forbidden & documented
+            col.documented_mass = float(w[by_design].sum()) if bool(by_design.any()) else 0.0
         if name != "reference":
             seen = torch.zeros(length, dtype=torch.bool)
             for lo, hi in attended_by[name]:

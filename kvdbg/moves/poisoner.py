@@ -28,6 +28,13 @@ non-finite when the backend loads the slot and multiplies it by a zero weight
 (0 x NaN = NaN), as a tiled kernel does in a partly masked tile ("loads
 masked"): a hazard when the engine leaves NaN in such slots, not a wrong
 weight, so it is reported apart and is not a finding.
+
+A backend that follows FLASHINFER_TS's rule reads, by design, the keys its
+page-aligned window restriction keeps before a request's exact windows (up to
+``page_size - 1`` of them, vLLM's documented behaviour; see
+kvdbg.judge.verdict). When every slot the bisection names holds such keys of
+the requests whose outputs turned NaN, the region's status is "reads by
+design" (a warning with the slots' count), not "reads poisoned".
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from kvdbg.errors import OptionError
-from kvdbg.ts.window import cdiv, first_visible_key
+from kvdbg.ts.window import cdiv, first_visible_key, restrict_to_window
 
 if TYPE_CHECKING:
     from kvdbg.backends.base import ReplayOptions
@@ -113,7 +120,7 @@ class RegionResult:
 
     region: str
     slots: int
-    status: str  # "reads poisoned" | "loads masked" | "clean" | "empty" | "not run"
+    status: str  # "reads poisoned" | "reads by design" | "loads masked" | "clean" | "empty" | "not run"
     outputs: list[tuple[int, int, int]] = field(default_factory=list)  # (request, head, query token in request)
     # Outputs that turn NaN only when the values are poisoned: the backend loads the slots and multiplies
     # them by a zero weight (0 x NaN = NaN), as a tile-based kernel does with a partly masked tile.
@@ -173,13 +180,17 @@ class BackendPoison:
         return any(r.status == "reads poisoned" for r in self.regions)
 
     @property
+    def reads_by_design(self) -> bool:
+        return any(r.status == "reads by design" for r in self.regions)
+
+    @property
     def loads_masked(self) -> bool:
         return any(r.masked_outputs for r in self.regions)
 
     def to_json(self) -> dict:
         return {"backend": self.backend, "step": self.step, "ran": self.ran, "reason": self.reason,
                 "baseline_nonfinite": self.baseline_nonfinite, "outputs": self.outputs, "observed": self.observed,
-                "reads_poisoned": self.reads_poisoned,
+                "reads_poisoned": self.reads_poisoned, "reads_by_design": self.reads_by_design,
                 "loads_masked": self.loads_masked,
                 "regions": [r.to_json() for r in self.regions]}
 
@@ -260,6 +271,45 @@ def poison_regions(snapshot: "Snapshot", step: int) -> list[Region]:
             runs.extend(_runs_of(bits, page, stored_of[page], ps))
         regions.append(Region(name, runs))
     return regions
+
+
+def documented_keys(snapshot: "Snapshot", step: int) -> dict[int, tuple[int, int]]:
+    """Per request, the keys ``[lo, hi)`` before its exact windows that FLASHINFER_TS's page-aligned window
+    restriction shows by design (dense windowed layers only; requests where it drops nothing have none)."""
+    layer = snapshot.meta.layer
+    window = layer.sliding_window
+    if window is None or layer.causal:
+        return {}
+    s = snapshot.steps[step]
+    out = {}
+    for r, (length, qlen) in enumerate(zip((int(x) for x in s.seq_lens.tolist()), s.query_lens)):
+        if qlen <= 0 or qlen > length:
+            continue
+        first = first_visible_key(length, qlen, window)
+        kept = restrict_to_window(length, window, qlen, snapshot.page_size).first_kept_token
+        if kept < first:
+            out[r] = (kept, first)
+    return out
+
+
+def follows_ts_rule(snapshot: "Snapshot", name: str) -> bool:
+    """Whether backend column ``name`` runs FLASHINFER_TS's builder (kvdbg's, or vLLM's own on such a snapshot)."""
+    return name == "flashinfer_ts" or (name == "vllm" and snapshot.meta.backend.name == "FLASHINFER_TS")
+
+
+def _by_design(result: RegionResult, documented: dict[int, tuple[int, int]]) -> bool:
+    """Every slot the bisection named holds only documented keys, of the requests whose outputs turned NaN."""
+    if not result.culprits or not result.bisect_complete:
+        return False
+    readers = {r for r, _, _ in result.outputs}
+    for culprit in result.culprits:
+        if not culprit.keys:
+            return False
+        for request, first, last in culprit.keys:
+            lo, hi = documented.get(request, (0, 0))
+            if not lo <= first < last <= hi:
+                return False
+    return readers <= set(documented)
 
 
 def _runs_of(bits: int, page: int, stored: int, ps: int) -> list[SlotRun]:
@@ -409,6 +459,10 @@ def poison(snapshot: "Snapshot", backends: Iterable[str] | None = None, options:
                 result = RegionResult(region.name, region.slots, status, hits, masked_hits)
                 if hits:
                     _bisect(snapshot, step, region, new, baseline, run_with, result, bisect_budget)
+                    if follows_ts_rule(snapshot, name) and _by_design(result, documented_keys(snapshot, step)):
+                        result.status = "reads by design"
+                        result.note = ("FLASHINFER_TS's page-aligned window restriction shows these keys by design "
+                                       "(window_restriction_extra_keys): not a finding")
                 record.regions.append(result)
             results.append(record)
         out_steps.append(PoisonStep(step, regions, results))
@@ -468,5 +522,5 @@ def _bisect(snapshot, step, region: Region, target: torch.Tensor, baseline: torc
         result.note = f"bisection stopped after {budget} runs: some culprits are ranges, not single slots"
 
 
-__all__ = ["BISECT_BUDGET", "BackendPoison", "Culprit", "PoisonResult", "PoisonStep", "PoisonedCache", "REGIONS",
+__all__ = ["BISECT_BUDGET", "BackendPoison", "Culprit", "documented_keys", "follows_ts_rule", "PoisonResult", "PoisonStep", "PoisonedCache", "REGIONS",
            "REGION_MEANING", "Region", "RegionResult", "SlotRun", "live_keys", "poison", "poison_regions"]

@@ -38,6 +38,7 @@ from kvdbg.backends import DEFAULT_ORDER
 from kvdbg.snapshot.cache import apply_step_update, working_cache
 from kvdbg.snapshot.layout import kv_head_dim
 from kvdbg.judge.compare import compare_step
+from kvdbg.judge.verdict import fails
 from kvdbg.errors import KvdbgError, OptionError
 from kvdbg.replayer.runner import ReplayContext, replay, run_replay
 from kvdbg.snapshot.store import compact_cache, referenced_pages, save_snapshot, validate
@@ -70,6 +71,10 @@ class Signature:
                 "failing_heads": [list(p) for p in sorted(self.failing_heads)],
                 "error_findings": [{"code": c, "request": r}
                                    for c, r in sorted(self.error_findings, key=lambda f: (f[0], f[1] is None, f[1] or 0))]}
+
+
+class NothingToShrink(OptionError):
+    """Every backend that could run passes: no failure to keep (the snapshot's verdict then says PASS)."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,9 @@ def _observation(result, backend: str, step_index: int = -1) -> Observation:
         if comp.actual == backend and comp.expected == "reference":
             pairs |= {(h.request, h.head) for h in comp.failed}
     run = step.runs.get(backend)
-    finds = frozenset((f.code, f.request) for f in (run.findings if run else []) if f.severity == "error")
+    # "still fails" is kvdbg.judge.verdict's rule: a failing head, or an error finding (never a warning such as
+    # FLASHINFER_TS's documented window_restriction_extra_keys).
+    finds = frozenset((f.code, f.request) for f in (run.findings if run else []) if fails(f))
     return Observation(True, frozenset(pairs), finds)
 
 
@@ -218,8 +225,8 @@ def failure_signature(snapshot: "Snapshot", backend: str | None = None, *, devic
     if backend and backend in unavailable:
         raise OptionError(f"backend {backend} cannot run here ({unavailable[backend]}); there is nothing to shrink")
     which = f"backend {backend} passes" if backend else f"every backend ({', '.join(candidates)}) passes"
-    raise OptionError(f"{snapshot.path or 'the snapshot'}: {which} against the reference "
-                      "(no failing head, no error finding); there is nothing to shrink")
+    raise NothingToShrink(f"{snapshot.path or 'the snapshot'}: {which} against the reference "
+                          "(no failing head, no error finding); there is nothing to shrink")
 
 
 def _last_step_signature(snapshot: "Snapshot", candidates: Sequence[str], device: str,

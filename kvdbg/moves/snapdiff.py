@@ -624,13 +624,13 @@ def diff_verdict(result: SnapDiff):
         if in_a or in_b:
             causes.append("no finite value in " + " and ".join(
                 f"{side} on {n} element(s)" for side, n in (("A", in_a), ("B", in_b)) if n) + " (NaN, inf or unwritten)")
-        return simple_verdict("fail", EXIT_FINDING, f"DIFFER: outputs differ on {heads} of {total} heads ({names}: "
+        return simple_verdict("fail", EXIT_FINDING, f"FAIL: outputs differ on {heads} of {total} heads ({names}: "
                                                     f"{'; '.join(causes)}){aside}", **counts)
     if not compared:
         return simple_verdict("unverified", EXIT_NOTHING_VERIFIED,
                               f"NOTHING VERIFIED: no output held by both files{aside}", **counts)
     total = sum(len(c.heads) for c in compared)
-    return simple_verdict("pass", EXIT_OK, f"SAME: outputs agree within tolerance ({total} heads){aside}", **counts)
+    return simple_verdict("pass", EXIT_OK, f"PASS: outputs agree within tolerance ({total} heads){aside}", **counts)
 
 
 __all__ = ["FieldDiff", "KIND_OUTPUTS", "KIND_SNAPSHOT", "NotComparable", "PageDiff", "SnapDiff", "StepDiff",

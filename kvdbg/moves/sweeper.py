@@ -36,7 +36,9 @@ checks the variant's reference against the baseline's (a pass/fail cell).
 verdict.
 
 A cell *flips* when its pass/fail differs from the baseline row's in the same
-column. Which columns count toward the exit code follows kvdbg.judge.verdict.
+column. The verdict and exit code are the baseline's, the snapshot as
+captured, by kvdbg.judge.verdict's one rule (what `kvdbg replay` says);
+variants are what-ifs, named after it and never counted.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class SweepResult:
     columns: list[SweepColumn]
     unavailable: list[tuple[str, str]]  # (backend, why) not run under the baseline: no column
     rows: list[SweepRow]  # baseline first
+    baseline_verdict: "Verdict | None" = None  # the snapshot's own verdict (kvdbg.judge.verdict.judge)
 
     @property
     def baseline(self) -> SweepRow:
@@ -184,7 +187,8 @@ def sweep(snapshot: "Snapshot", knobs: Iterable[str], backends: Iterable[str] | 
                                                counted=col.counted)
             rows.append(row)
     _mark_flips(rows)
-    return SweepResult(snapshot.path, knobs, columns, unavailable, rows)
+    return SweepResult(snapshot.path, knobs, columns, unavailable, rows,
+                       result_0.judge(atol=atol, rtol=rtol).verdict)
 
 
 def _replay_variant(snapshot, options, names, steps, required, kept, atol, rtol, progress=None):
@@ -295,63 +299,36 @@ def _mark_flips(rows: list[SweepRow]) -> None:
 
 
 def sweep_verdict(result: SweepResult) -> "Verdict":
-    """Fail when a counted cell fails (the baseline's or a variant's); unverified when no counted backend or
-    captured cell compared anything; pass otherwise -- every variant then agrees with a passing baseline."""
-    from kvdbg.judge.verdict import simple_verdict
-    from kvdbg.judge.verdict import EXIT_FINDING, EXIT_NOTHING_VERIFIED, EXIT_OK
+    """The snapshot's verdict (the baseline replay, by kvdbg.judge.verdict.judge: the same word and exit code as
+    `kvdbg replay`), followed by what the variants show. A variant is a what-if -- the snapshot as it was not
+    captured -- so its flips are named, never counted: a knob that makes a backend fail is a finding about the
+    knob, not about this snapshot."""
+    from dataclasses import replace as replace_verdict
+
+    from kvdbg.judge.verdict import replay_verdict
 
     base = result.baseline
+    verdict = result.baseline_verdict or replay_verdict([], [])
     flips = [(row, row.cells[name]) for row in result.rows[1:] for name in row.flipped]
-    counted_flips = [(r, c) for r, c in flips if c.counted]
-    what_if_flips = [(r, c) for r, c in flips if not c.counted]
-    failing = [(row, cell) for row in result.rows for cell in row.cells.values()
-               if cell.counted and cell.status == "fail"]
-    input_errors = [row for row in result.rows if row.input_errors]
-    verified = [cell for row in result.rows for cell in row.cells.values()
-                if cell.counted and cell.judged and cell.column != "reference"]
-    # The captured configuration's own cells: a variant agreeing with a baseline that compared nothing says nothing.
-    base_verified = [cell for cell in base.cells.values() if cell.counted and cell.judged and cell.column != "reference"]
-    counts = {"comparisons": len(verified), "failed_comparisons": len(failing)}
-    skipped = [row.variant.name for row in result.rows[1:] if row.variant.unavailable_here]
-    flip_text = "; ".join(_flip_phrase(row, cell, base) for row, cell in counted_flips)
-    aside = ""
-    if what_if_flips:
-        aside += "; what-if column(s) flip, not counted: " + "; ".join(
-            _flip_phrase(row, cell, base) for row, cell in what_if_flips)
-    if skipped:
-        aside += f"; not run here: {', '.join(skipped)}"
-    if failing or input_errors:
-        base_failing = sorted({c.column for r, c in failing if r is base})
-        parts = [f"baseline fails ({', '.join(base_failing)})" if base_failing else
-                 "baseline passes" if base_verified else "the baseline compared no counted cell"]
-        if counted_flips:
-            steady = [c.name for c in result.columns if c.counted and c.name not in {x.column for _, x in flips}
-                      and any(r.cells[c.name].judged for r in result.rows)]
-            parts.append(f"verdict flips: {flip_text}" + (f"; never flips: {', '.join(steady)}" if steady else ""))
-        else:
-            parts.append("no variant flips a verdict")
-        errored = sorted({row.variant.name for row in input_errors})
-        if errored:
-            parts.append(f"error findings about the inputs under: {', '.join(errored)}")
-        broken = [row.variant.name for row in result.rows if row.error]
-        if broken:
-            parts.append(f"could not replay: {', '.join(broken)}")
-        return simple_verdict("fail", EXIT_FINDING, "FAIL: " + "; ".join(parts) + aside, **counts)
-    broken = [row.variant.name for row in result.rows if row.error]
+    parts = []
+    if flips:
+        steady = [c.name for c in result.columns if c.name not in {x.column for _, x in flips}
+                  and any(r.cells[c.name].judged for r in result.rows)]
+        parts.append("variants (what-if, not counted): verdict flips: "
+                     + "; ".join(_flip_phrase(row, cell, base) for row, cell in flips)
+                     + (f"; never flips: {', '.join(steady)}" if steady else ""))
+    elif len(result.rows) > 1:
+        parts.append("no variant flips a verdict")
+    errored = sorted({row.variant.name for row in result.rows[1:] if row.input_errors})
+    if errored:
+        parts.append(f"error findings about the inputs under: {', '.join(errored)}")
+    broken = [row.variant.name for row in result.rows[1:] if row.error]
     if broken:
-        return simple_verdict("fail", EXIT_FINDING, f"FAIL: could not replay: {', '.join(broken)}{aside}", **counts)
-    if not verified:
-        return simple_verdict("unverified", EXIT_NOTHING_VERIFIED,
-                              "NOTHING VERIFIED: no counted backend and no captured output was compared in any "
-                              f"row{aside}", **counts)
-    if not base_verified:
-        return simple_verdict("unverified", EXIT_NOTHING_VERIFIED,
-                              "NOTHING VERIFIED: the baseline (the snapshot as captured) compared no counted cell, "
-                              f"so no variant can agree or disagree with it ({len(verified)} counted cell(s) of "
-                              f"variants pass){aside}", **counts)
-    ran = sum(1 for row in result.rows[1:] if row.variant.skipped is None)
-    return simple_verdict("pass", EXIT_OK, f"PASS: the baseline and its {ran} variant(s) agree "
-                                           f"({len(verified)} counted cell(s) pass){aside}", **counts)
+        parts.append(f"could not replay: {', '.join(broken)}")
+    skipped = [row.variant.name for row in result.rows[1:] if row.variant.unavailable_here]
+    if skipped:
+        parts.append(f"not run here: {', '.join(skipped)}")
+    return replace_verdict(verdict, summary="; ".join([verdict.summary] + parts))
 
 
 def _flip_phrase(row: SweepRow, cell: Cell, base: SweepRow) -> str:

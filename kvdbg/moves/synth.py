@@ -89,16 +89,16 @@ def _check(spec: SynthSpec) -> None:
         return OptionError(msg)
 
     if not spec.seq_lens:
-        raise bad("--seq-lens needs at least one length")
+        raise bad("--seq-len needs at least one length")
     qlens = spec.query_lens or (spec.query_len,) * len(spec.seq_lens)
     if len(qlens) != len(spec.seq_lens):
-        raise bad(f"--query-lens gives {len(qlens)} lengths for {len(spec.seq_lens)} requests")
+        raise bad(f"--query-len gives {len(qlens)} lengths for {len(spec.seq_lens)} requests")
     cross = spec.attn_type == CROSS_ATTN_TYPE
     for i, (length, q) in enumerate(zip(spec.seq_lens, qlens)):
         if q < 0:
             raise bad(f"query length of request {i} must be >= 0, got {q}")
         if length <= 0 or length < q and not cross:
-            raise bad(f"--seq-lens[{i}] = {length} must be positive and hold the request's {q} query tokens")
+            raise bad(f"--seq-len[{i}] = {length} must be positive and hold the request's {q} query tokens")
     for name in ("num_heads", "num_kv_heads", "head_size", "page_size", "steps"):
         if getattr(spec, name) <= 0:
             option = f"--{name.replace('_', '-')}"  # the CLI's name
@@ -148,12 +148,12 @@ def _check(spec: SynthSpec) -> None:
     pages = _stored_pages(spec)[0]
     if pages > MAX_PAGES:
         raise bad(f"synthetic snapshots are limited to {MAX_PAGES} pages; these options need {pages} (a larger "
-                  "--page-size, fewer or shorter --seq-lens, fewer --steps)")
+                  "--page-size, fewer or shorter --seq-len, fewer --steps)")
     kv_bytes, step_bytes = synth_bytes(spec)
     if kv_bytes > MAX_KV_BYTES or step_bytes > MAX_STEP_BYTES:
         raise bad(f"synthetic snapshots are limited to {_size(MAX_KV_BYTES)} of KV cache and {_size(MAX_STEP_BYTES)} "
                   f"of step data; these options need {_size(kv_bytes)} and {_size(step_bytes)} (fewer or shorter "
-                  "--seq-lens, fewer heads, a smaller --head-size, --page-size, --stale-tail or --steps)")
+                  "--seq-len, fewer heads, a smaller --head-size, --page-size, --stale-tail or --steps)")
     _check_features(spec, qlens)
 
 
@@ -216,7 +216,7 @@ def _check_features(spec: SynthSpec, qlens) -> None:
         if spec.steps != 1:
             raise OptionError(f"--attn-type {spec.attn_type}: one step (--steps 1)")
     if spec.attn_type in ENCODER_SELF_ATTN_TYPES and list(spec.seq_lens) != list(qlens):
-        raise OptionError(f"--attn-type {spec.attn_type} attends over the step's own tokens: every --seq-lens "
+        raise OptionError(f"--attn-type {spec.attn_type} attends over the step's own tokens: every --seq-len "
                           "value must equal the request's query length")
     if spec.new_kv and (spec.attn_type == CROSS_ATTN_TYPE or spec.kv_sharing_target is not None):
         why = "a cross-attention decoder step" if spec.attn_type == CROSS_ATTN_TYPE else \

@@ -115,6 +115,64 @@ def _non_uniform(starts: list[int]) -> str | None:
             "so some requests get other requests' tokens (kvdbg replay names them)")
 
 
+def input_findings(path: str | os.PathLike, steps=None) -> tuple[list, frozenset[str]]:
+    """Every finding a replay would make about the inputs of ``path`` without computing attention, and the
+    sources that count for it (kvdbg.judge.verdict.input_counted): `map` and `window SNAP` judge these.
+
+    For every request of every step (or of ``steps``): FLASHINFER_TS's builder and kernel preconditions and its
+    window restriction (kvdbg.ts.window, backend ``flashinfer_ts``, where FLASHINFER_TS runs the step), and the
+    paging findings of FLEX_ATTENTION's physical->logical map (kvdbg.snapshot.pagemap, source ``map``).
+    Reads the header and index tensors only: no torch, no KV page.
+    """
+    from kvdbg.judge.findings import Finding
+    from kvdbg.judge.verdict import input_counted
+    from kvdbg.snapshot.pagemap import hazard_finding, paging_hazards
+    from kvdbg.ts.window import analyze_window, cdiv
+
+    header = read_header(path)
+    meta = header.meta
+    _check_values(header)
+    ps, window, causal = meta.backend.page_size, meta.layer.sliding_window, meta.layer.causal
+    found: list = []
+    for step in range(meta.num_steps) if steps is None else steps:
+        prefix = meta.step_prefix(step)
+        seq_lens = read_index_tensor(header, prefix + "seq_lens")
+        starts = read_index_tensor(header, prefix + "query_start_loc")
+        entry = header.tensors[prefix + "block_table"]
+        flat = read_index_tensor(header, prefix + "block_table")
+        width = entry.shape[1] if len(entry.shape) == 2 else 0
+        ts_runs = _not_applicable(header, prefix, starts) is None
+        if ts_runs and _non_uniform(starts):
+            found.append(Finding(code="non_uniform_query_blocks", backend="flashinfer_ts", step=step,
+                                 message=_non_uniform(starts)))
+        for r, length in enumerate(seq_lens):
+            qlen = starts[r + 1] - starts[r]
+            if qlen <= 0 or qlen > length:
+                continue
+            live = flat[r * width:r * width + min(width, cdiv(length, ps))]
+            for h in paging_hazards(live, length, qlen, ps, window):
+                found.append(hazard_finding(r, h, ps, length, backend="map", step=step))
+            if not ts_runs:
+                continue
+            try:
+                analysis = analyze_window(length, window, query_len=qlen, page_size=ps, causal=causal,
+                                          max_model_len=meta.backend.max_model_len,
+                                          max_decode_query_len=meta.backend.max_decode_query_len)
+            except OptionError:
+                continue  # lengths the builder cannot model: the replay's own findings say so
+            for f in analysis.findings:
+                f.step, f.request, f.requests = step, r, [r]
+                f.message = f"request {r}: {f.message}"
+                found.append(f)
+            if analysis.applies and analysis.visibility.worst_extra > 0:
+                found.append(Finding(
+                    code="window_restriction_extra_keys", backend="flashinfer_ts", step=step, request=r,
+                    message=f"request {r}: FLASHINFER_TS's page-aligned window restriction shows up to "
+                            f"{analysis.visibility.worst_extra} key(s) outside a token's exact window (by design)",
+                    details={"worst_extra": analysis.visibility.worst_extra}))
+    return found, input_counted(meta.backend.name)
+
+
 def step_tables(path: str | os.PathLike, step: int):
     """The step's block table (engine ids), lengths and stored page ids, for the flex picture (no torch)."""
     from kvdbg.moves.picture import StepTables
@@ -131,4 +189,4 @@ def step_tables(path: str | os.PathLike, step: int):
                       page_ids=read_index_tensor(header, "page_ids"))
 
 
-__all__ = ["WindowSource", "step_tables", "window_source"]
+__all__ = ["WindowSource", "input_findings", "step_tables", "window_source"]

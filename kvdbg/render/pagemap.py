@@ -50,7 +50,8 @@ def _anomalies(m: PageMap):
     # The code is what a user searches for: it is kept whole, like a number.
     t = FitTable([Column("severity", priority=10), Column("code", whole=True, justify="left", priority=9),
                   Column("message", priority=10)],
-                 title=f"{len(m.anomalies)} anomal{'y' if len(m.anomalies) == 1 else 'ies'} ({m.errors} harmful)",
+                 title=f"{len(m.anomalies)} anomal{'y' if len(m.anomalies) == 1 else 'ies'} "
+                       f"({m.errors} error{'' if m.errors == 1 else 's'})",
                  caption=explain_hint(a.code for a in m.anomalies))
     for a in m.anomalies:
         t.add_row(Text(a.severity, style=SEVERITY_STYLES[a.severity]), a.code, a.message)

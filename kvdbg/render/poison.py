@@ -8,7 +8,7 @@ from rich.text import Text
 from kvdbg.moves.poisoner import REGION_MEANING, BackendPoison, PoisonResult, RegionResult
 from kvdbg.render.fit import Column, FitTable
 
-STATUS_STYLES = {"reads poisoned": "bold red", "loads masked": "yellow", "clean": "green", "empty": "dim",
+STATUS_STYLES = {"reads poisoned": "bold red", "reads by design": "cyan", "loads masked": "yellow", "clean": "green", "empty": "dim",
                  "not run": "yellow"}
 # Culprit lines listed under a table; the rest are counted (--json lists them all).
 CULPRITS_SHOWN = 8
@@ -61,6 +61,8 @@ def _backend(record: BackendPoison, several: bool):
 def _summary(record: BackendPoison) -> str:
     if record.reads_poisoned:
         return "reads poisoned slots"
+    if record.reads_by_design:
+        return "reads only keys its documented window restriction shows"
     if not any(r.slots for r in record.regions):
         return "nothing to poison"
     return "reads nothing poisoned" + (" (loads some under a zero weight)" if record.loads_masked else "")

@@ -99,7 +99,7 @@ def plan_merge(snapshots: Sequence[Snapshot], *, total_kv_heads: int | None = No
     if total is None:
         if layer.num_kv_heads == 1 and tp_size > 1:
             raise MergeError("capture.total_num_kv_heads is not recorded and each rank holds one KV head, so a split "
-                             "cannot be told from a replicated head; give the layer's KV heads (--kv-heads)")
+                             "cannot be told from a replicated head; give the layer's KV heads (--num-kv-heads)")
         total = layer.num_kv_heads * tp_size
     expected = max(1, total // tp_size)
     if layer.num_kv_heads != expected or (total >= tp_size and total % tp_size):

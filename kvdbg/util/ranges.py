@@ -238,7 +238,7 @@ class IntRangesParam(click.ParamType):
 
 
 class IntListParam(click.ParamType):
-    """A click option holding a tuple of numbers in order (``--seq-lens 9,77,200``); no ranges."""
+    """A click option holding a tuple of numbers in order (``--seq-len 9,77,200``); no ranges."""
 
     name = "list"
 

@@ -66,7 +66,7 @@ class BuilderHooks:
             self._stash(metadata, ctx)
             if self._graph_layers:  # a full CUDA graph may run this step: its replay finds the context by layer
                 counts, builds = self._forward_counts, self._graph_builds
-                for name in names if names is not None else getattr(builder, "layer_names", None) or ():
+                for name in getattr(builder, "layer_names", None) or ():  # capture's and the sentinel's layers
                     builds[name] = (counts.get(name, 0), ctx)
             return for_capture
         except Exception as exc:

@@ -10,13 +10,15 @@ the step's block table, lengths and query offsets as for any step) and vLLM's ``
   recorded copying its query and its output into buffers of the plugin's (one per layer, as large as the
   largest graph, allocated while the first graph is recorded, from the graph's pool). The copies run at
   every replay: a few hundred kilobytes of device-to-device copies per layer, no Python. They are recorded
-  only for the layers the capture filter selects; the writer holds its device work meanwhile
+  only for the layers capture's or the sentinel's filter selects; the writer holds its device work meanwhile
   (:meth:`~kvdbg.capture.writer.CaptureWriter.held_writer`: CUDA forbids, process-wide, what it does while a
   stream captures);
 - **after each replay**, the step's layers are counted as if their forwards had run; for a step the filters
   want, the capture is begun from those buffers and the layer's cache (it lives outside the graph), with the
   metadata its build kept, and finished at once. Its copies are queued on the engine's stream after the
-  graph's work and before the next step's: nothing the next step overwrites is read late.
+  graph's work and before the next step's: nothing the next step overwrites is read late. A step the
+  sentinel samples is checked from the same buffers (its layer filter also chooses which layers get them);
+  its device checks of a step are collected before the next replay, while the cache holds what it read.
 
 Padding rows of a graph's batch (vLLM pads a batch up to the graph's size with requests of no tokens on the
 null block) are not requests: the builder hook keeps only the rows with tokens, and the query rows past the
@@ -65,10 +67,11 @@ class GraphHooks:
 
     # ---------------------------------------------------------------- what a graph call is
 
-    def graph_call(self, wrapper: Any) -> tuple[str, int] | None:
-        """``("record", tokens)`` when this call of vLLM's graph wrapper records a graph, ``("replay", tokens)``
-        when it replays a full one (attention inside), None otherwise (no graph, or a piecewise one replayed:
-        attention then runs in Python between its pieces)."""
+    def graph_call(self, wrapper: Any) -> tuple[str, Any] | None:
+        """What this call of vLLM's graph wrapper does, with the graph's batch descriptor (its key: a full graph
+        of N tokens for uniform decode batches and one for mixed batches are two graphs): ``"record"`` a full
+        graph (attention inside), ``"record_pieces"`` a piecewise one (attention runs in Python between its
+        pieces, also while they record), ``"replay"`` a full one; None: no graph, or piecewise pieces replayed."""
         try:
             context = self._forward_context
             if context is None:
@@ -85,20 +88,20 @@ class GraphHooks:
             batch = forward.batch_descriptor
             if batch is None:
                 return None
+            full = getattr(mode, "name", "") == "FULL"
             entry = wrapper.concrete_cudagraph_entries.get(batch)
             if entry is None or entry.cudagraph is None:
-                return "record", int(batch.num_tokens)
-            if getattr(mode, "name", "") != "FULL":
-                return None
-            return "replay", int(batch.num_tokens)
+                return ("record" if full else "record_pieces"), batch
+            return ("replay", batch) if full else None
         except Exception as exc:  # an unknown vLLM: say it once, capture what eager steps show
             self.capturer.report(exc, "CUDAGraphWrapper.__call__")
             return None
 
-    def begin_graph_recording(self, tokens: int) -> None:
-        """A graph of ``tokens`` is about to be recorded: its layers are learnt anew."""
-        self._graph_layers[tokens] = []
-        self._recording = tokens
+    def begin_graph_recording(self, batch: Any) -> None:
+        """A full graph for ``batch`` (vLLM's batch descriptor) is about to be recorded: its layers are learnt
+        anew."""
+        self._graph_layers[batch] = []
+        self._recording = batch
 
     def end_graph_recording(self) -> None:
         self._recording = None
@@ -108,14 +111,16 @@ class GraphHooks:
     def record_in_graph(self, impl: Any, layer: Any, query, kv_cache, output) -> GraphSlot | None:
         """Called for a layer's forward while a graph records: note the layer's place in the graph and, for a
         layer capture selects, record the copy of its query (the output's follows the forward)."""
-        tokens = self._recording
+        batch = self._recording
         name = getattr(layer, "layer_name", None)
-        if tokens is None or name is None:  # a graph recorded outside vLLM's wrapper: not replayed through it
+        if batch is None or name is None:  # a graph recorded outside vLLM's wrapper: not replayed through it
             if name is not None and self.capturer.layer_selected(name):
                 self.note_graph_recording(name)
             return None
-        layers = self._graph_layers[tokens]
-        if not self.capturer.active or not self.capturer.layer_selected(name) or kv_cache is None:
+        layers = self._graph_layers[batch]
+        captured = self.capturer.active and self.capturer.layer_selected(name)
+        checked = self.sentinel is not None and self.sentinel.sentinel.layer_selected(name)
+        if not (captured or checked) or kv_cache is None:
             layers.append((name, None))
             return None
         rows = int(query.shape[0])
@@ -145,10 +150,15 @@ class GraphHooks:
 
     # ---------------------------------------------------------------- after a replay
 
-    def after_graph_replay(self, tokens: int) -> bool:
-        """The graph of ``tokens`` was replayed (its work is queued): count its layers' forwards and capture the
-        steps wanted. Whether anything was copied."""
-        layers = self._graph_layers.get(tokens)
+    def before_graph_replay(self) -> None:
+        """A full graph is about to run a step: the sentinel collects its checks of the step before."""
+        if self.sentinel is not None:
+            self.sentinel.before_graph_replay(self)
+
+    def after_graph_replay(self, batch: Any) -> bool:
+        """The full graph for ``batch`` was replayed (its work is queued): count its layers' forwards, capture the
+        steps wanted and hand the sentinel those it samples. Whether anything was copied for a capture."""
+        layers = self._graph_layers.get(batch)
         if not layers:
             return False
         counts = self._forward_counts
@@ -157,19 +167,25 @@ class GraphHooks:
             step = counts.get(name, 0)
             counts[name] = step + 1
             self._pre_updates.pop(name, None)
-            if slot is None or not self.capturer.wants(name, step):
+            if slot is None:
+                continue
+            built = self._graph_builds.get(name)
+            ctx = built[1] if built is not None and built[0] == step else None
+            if self.sentinel is not None and self.sentinel.sentinel.sampled(name, step):
+                self.sentinel.after_graph_replay(self, slot, ctx, step)
+            if not self.capturer.wants(name, step):
                 continue
             try:
-                built = self._graph_builds.get(name)
-                if built is None or built[0] != step:
+                if ctx is None:
                     from kvdbg.capture.capturer import CaptureInputError
 
                     raise CaptureInputError("no build of the metadata builder was seen for this step of a CUDA "
                                             "graph, so the step's block table and lengths are unknown")
                 pending = self.start_capture(slot.impl, slot.layer, step, slot.query, None, None, slot.kv_cache,
-                                             built[1], None, slot.output.dtype if slot.output is not None
+                                             ctx, None, slot.output.dtype if slot.output is not None
                                              else slot.layer.dtype,
-                                             notes=f"replayed from a full CUDA graph of {tokens} tokens")
+                                             notes=f"replayed from a full CUDA graph of {batch.num_tokens} "
+                                                   "tokens")
                 if pending is not None:
                     self.capturer.finish(pending, slot.output)
                     copied = True

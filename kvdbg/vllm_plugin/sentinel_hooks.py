@@ -95,7 +95,8 @@ class SentinelHooks:
             step = state._forward_counts.get(name, 0)  # the forward this update belongs to comes next
             if not self.sentinel.sampled(name, step):  # first: the cost of a step not drawn is this lookup
                 return
-            if key is None or value is None or slot_mapping is None or vllm_facts._graph_capturing(kv_cache):
+            if key is None or value is None or slot_mapping is None or vllm_facts._graph_capturing(kv_cache) \
+                    or name not in state._declared:  # no build yet (profiling, warm-up): no step to check
                 return
             kv_layout = state.engine_layout(impl, layer, state._info(impl), kv_cache)
             if kv_layout is None:
@@ -124,43 +125,66 @@ class SentinelHooks:
                 pre = None
             if vllm_facts._graph_capturing(query):
                 return
-            ctx = state._lookup(metadata)
-            if ctx is None:
-                self._say_once("metadata", "kvdbg sentinel: a sampled step's metadata was not built by a wrapped "
-                               "builder; such steps are not checked")
-                return
-            if ctx.refused is not None:  # a mask the reference cannot be given either (capture says it once)
-                self._say_once(f"refused:{ctx.refused.split(' ')[0]}", f"kvdbg sentinel: steps whose mask a "
-                               f"snapshot cannot hold are not checked ({ctx.refused})")
-                return
-            causal = _causal(ctx.causal)
-            if causal is None:
-                self._say_once("causal", "kvdbg sentinel: a batch mixing causal and non-causal requests is not "
-                               "checked")
-                return
-            kv_layout = state.engine_layout(impl, layer, state._info(impl), kv_cache)
-            if kv_layout is None:
-                return
-            info = state._info(impl)
-            target = state.capture_layer(impl, layer, kv_layout, output.dtype)
-            if not self.sentinel.can_check(target, info.backend_name if info else None):
-                return
-            inputs = StepInputs(query=query, kv_cache=kv_cache, block_table=ctx.block_table, seq_lens=ctx.seq_lens,
-                                query_start_loc=ctx.query_start_loc, causal=causal, output=output,
-                                max_model_len=ctx.max_model_len)
-            if getattr(kv_cache, "is_cuda", False):
-                if self._deferred is None:
-                    self._deferred = DeferredChecks(self.sentinel, kv_cache.device)
-                kept = self._deferred.submit(target, inputs, step)
-                self._waiting[name] = _Waiting(impl, layer, target, kv_layout, ctx, pre, key, value, kept, step)
-                return
-            result = self.sentinel.check(target, inputs, step)
-            finding = result.finding()
-            if finding is not None:
-                self._capture(state, finding, _Waiting(impl, layer, target, kv_layout, ctx, pre, key, value, inputs,
-                                                       step))
+            self._check(state, impl, layer, step, query, key, value, kv_cache, state._lookup(metadata), output, pre)
         except Exception as exc:
             self._failed(exc, "after the forward")
+
+    def before_graph_replay(self, state) -> None:
+        """A full CUDA graph is about to run a step: the checks of the previous one are collected first, while
+        the cache still holds what that step read (the graph's cache update comes next)."""
+        try:
+            for name in list(self._waiting):
+                self._collect(state, name)
+        except Exception as exc:
+            self._failed(exc, "before a CUDA graph's replay")
+
+    def after_graph_replay(self, state, slot, ctx, step: int) -> None:
+        """A sampled step of a layer replayed from a full CUDA graph: checked from the graph's copies of its
+        query and output (``graph_hooks``), with the metadata its build kept (None: no build seen)."""
+        try:
+            self._check(state, slot.impl, slot.layer, step, slot.query, None, None, slot.kv_cache, ctx,
+                        slot.output, None)
+        except Exception as exc:
+            self._failed(exc, "after a CUDA graph's replay")
+
+    def _check(self, state, impl: Any, layer: Any, step: int, query, key, value, kv_cache, ctx, output,
+               pre: "PreUpdate | None") -> None:
+        """Check one sampled step (on CPU now; on CUDA in the worker, collected later) and capture it if wrong."""
+        name = layer.layer_name
+        if ctx is None:
+            self._say_once("metadata", "kvdbg sentinel: a sampled step's metadata was not built by a wrapped "
+                           "builder; such steps are not checked")
+            return
+        if ctx.refused is not None:  # a mask the reference cannot be given either (capture says it once)
+            self._say_once(f"refused:{ctx.refused.split(' ')[0]}", f"kvdbg sentinel: steps whose mask a "
+                           f"snapshot cannot hold are not checked ({ctx.refused})")
+            return
+        causal = _causal(ctx.causal)
+        if causal is None:
+            self._say_once("causal", "kvdbg sentinel: a batch mixing causal and non-causal requests is not "
+                           "checked")
+            return
+        kv_layout = state.engine_layout(impl, layer, state._info(impl), kv_cache)
+        if kv_layout is None:
+            return
+        info = state._info(impl)
+        target = state.capture_layer(impl, layer, kv_layout, output.dtype)
+        if not self.sentinel.can_check(target, info.backend_name if info else None):
+            return
+        inputs = StepInputs(query=query, kv_cache=kv_cache, block_table=ctx.block_table, seq_lens=ctx.seq_lens,
+                            query_start_loc=ctx.query_start_loc, causal=causal, output=output,
+                            max_model_len=ctx.max_model_len)
+        if getattr(kv_cache, "is_cuda", False):
+            if self._deferred is None:
+                self._deferred = DeferredChecks(self.sentinel, kv_cache.device)
+            kept = self._deferred.submit(target, inputs, step)
+            self._waiting[name] = _Waiting(impl, layer, target, kv_layout, ctx, pre, key, value, kept, step)
+            return
+        result = self.sentinel.check(target, inputs, step)
+        finding = result.finding()
+        if finding is not None:
+            self._capture(state, finding, _Waiting(impl, layer, target, kv_layout, ctx, pre, key, value, inputs,
+                                                   step))
 
     # ---------------------------------------------------------------- capture
 

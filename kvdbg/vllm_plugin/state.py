@@ -74,14 +74,15 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._graphs_said = False
         self._parallel: dict[str, Any] | None = None  # this process's place among the engine's ranks, read once
         self.sentinel: "SentinelHooks | None" = None  # the sampled check of the engine's own attention
-        # Full CUDA graphs (graph_hooks): per graph size, its attention layers in order with the slot of each
-        # layer capture selects; per layer, the buffers the graphs copy into; per layer, the latest build's
-        # context and the step it was for; the size being recorded; the largest graph size the engine declares.
+        # Full CUDA graphs (graph_hooks): per graph (vLLM's batch descriptor), its attention layers in order with
+        # the slot of each layer capture or the sentinel selects; per layer, the buffers the graphs copy into; per
+        # layer, the latest build's context and the step it was for; the graph being recorded; the largest graph
+        # size the engine declares.
         self.graphs_watched = False
-        self._graph_layers: dict[int, list[tuple[str, Any]]] = {}
+        self._graph_layers: dict[Any, list[tuple[str, Any]]] = {}
         self._graph_buffers: dict[str, Any] = {}
         self._graph_builds: dict[str, tuple[int, _EngineContext]] = {}
-        self._recording: int | None = None
+        self._recording: Any = None
         self._max_graph_tokens: int | None = None
         self._forward_context = None
 
@@ -242,9 +243,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
                 return
             if getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
                 return
-            captured = self.graphs_watched and self.capturer.active
-            for level, line in cudagraph_note(mode, self._max_graph_tokens, captured=captured,
-                                              sentinel=self.sentinel is not None):
+            for level, line in cudagraph_note(mode, self._max_graph_tokens, recorded=self.graphs_watched):
                 self._graphs_said = True
                 logger.log(level, "kvdbg capture: %s", line)
         except Exception as exc:  # telling must never cost the engine

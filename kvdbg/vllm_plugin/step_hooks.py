@@ -37,6 +37,10 @@ class StepHooks:
             name = getattr(layer, "layer_name", None)
             if name is None:
                 return False
+            if name not in self._declared:
+                # No build has declared this layer yet: a run vLLM makes before serving (profiling, warm-up)
+                # writes the cache with no metadata built, and its forward cannot be captured anyway.
+                return False
             step = self._forward_counts.get(name, 0)  # the forward this update belongs to comes next
             if vllm_facts._graph_capturing(kv_cache):  # the forward records what the graph's steps need
                 if self._recording is None and self.capturer.layer_selected(name):
@@ -96,15 +100,15 @@ class StepHooks:
                       notes: str = "") -> "PendingCapture | None":
         """Begin capturing a step the filters want: its layout, its metadata (``ctx``, or why it is unknown),
         its copies. From a forward, or from the buffers a CUDA graph's replay wrote (``graph_hooks``)."""
+        from kvdbg.capture.capturer import CaptureInputError
+
+        if isinstance(ctx, str):  # the step's metadata is unknown: the step is lost, not the layer
+            raise CaptureInputError(ctx)
         name = layer.layer_name
         kv_layout = self.engine_layout(impl, layer, self._info(impl), kv_cache)
         if kv_layout is None:
             self.capturer.skip(name, step)
             return None
-        from kvdbg.capture.capturer import CaptureInputError
-
-        if isinstance(ctx, str):
-            raise CaptureInputError(ctx)
         if ctx.refused is not None:
             self.capturer.failures["step:mask"] += 1
             self._say_refused(f"{ctx.builder} built a batch whose mask a snapshot cannot hold: {ctx.refused}; "

@@ -180,8 +180,7 @@ def _spec_record(spec: Any) -> dict[str, Any] | None:
     return record
 
 
-def cudagraph_note(mode: Any, max_size: int | None, *, captured: bool = False,
-                   sentinel: bool = False) -> list[tuple[int, str]]:
+def cudagraph_note(mode: Any, max_size: int | None, *, recorded: bool = False) -> list[tuple[int, str]]:
     """What to say of a process running under ``mode`` (vLLM's CUDAGraphMode): (log level, line) pairs, none
     when every step reaches Python.
 
@@ -193,8 +192,8 @@ def cudagraph_note(mode: Any, max_size: int | None, *, captured: bool = False,
         FULL_AND_PIECEWISE     decode batches up to it: replayed; mixed and prefill batches: seen
         FULL                   every batch up to it: replayed
 
-    ``captured``: capture records its copies into those graphs (vLLM's graph wrapper is watched), so their
-    steps are captured. The sentinel's checks are not recorded into graphs: its steps there stay unchecked.
+    ``recorded``: vLLM's graph wrapper is watched, so the copies capture and the sentinel need are recorded into
+    those graphs and their steps are captured and checked (``graph_hooks``); otherwise they stay unseen.
     """
     def full(part: Any) -> bool:
         return getattr(part, "name", str(part)) == "FULL"
@@ -208,18 +207,14 @@ def cudagraph_note(mode: Any, max_size: int | None, *, captured: bool = False,
     name = getattr(mode, "name", mode)
     bound = f"of up to {max_size} tokens" if max_size else "of the sizes vLLM records graphs for"
     replayed = f"every batch {bound}" if full(mixed) else f"uniform decode batches {bound}"
+    if recorded:
+        return [(logging.INFO, f"cudagraph_mode is {name}: {replayed} run as full CUDA graphs; the copies kvdbg "
+                               "needs of each selected layer are recorded into them, so those steps are captured "
+                               "and checked too")]
     seen = "only larger batches" if full(mixed) else "prefill and mixed batches (and larger decode batches)"
-    lines = []
-    if captured:
-        lines.append((logging.INFO, f"cudagraph_mode is {name}: {replayed} run as full CUDA graphs; the copies "
-                                    "capture needs of each selected layer are recorded into them, so those steps "
-                                    "are captured too"))
-    if sentinel or not captured:
-        who = "the sentinel cannot check" if captured else "kvdbg cannot see or capture"
-        lines.append((logging.WARNING, f"cudagraph_mode is {name}: {replayed} run as full CUDA graphs, replayed "
-                                       f"without Python, so {who} those steps; it sees {seen}. To "
-                                       f"{'check' if captured else 'capture'} decode steps, {CUDAGRAPH_ADVICE}"))
-    return lines
+    return [(logging.WARNING, f"cudagraph_mode is {name}: {replayed} run as full CUDA graphs, replayed without "
+                              f"Python, so kvdbg cannot see or capture those steps; it sees {seen}. To capture "
+                              f"decode steps, {CUDAGRAPH_ADVICE}")]
 
 
 def _max_graph_size(compilation: Any) -> int | None:

@@ -113,17 +113,21 @@ def _wrap_graph_call(state: _PluginState, original):
         what = state.graph_call(self)
         if what is None:
             return original(self, *args, **kwargs)
-        kind, tokens = what
+        kind, batch = what
+        if kind == "record_pieces":  # attention stays in Python; the writers still keep off the device
+            with state.held_writers():
+                return original(self, *args, **kwargs)
         if kind == "record":
-            state.begin_graph_recording(tokens)
+            state.begin_graph_recording(batch)
             try:
                 with state.held_writers():
                     return original(self, *args, **kwargs)
             finally:
                 state.end_graph_recording()
+        state.before_graph_replay()
         result = original(self, *args, **kwargs)
         start = _clock()
-        copied = state.after_graph_replay(tokens)
+        copied = state.after_graph_replay(batch)
         _account(state, copied, _clock() - start)
         return result
 

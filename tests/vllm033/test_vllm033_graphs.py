@@ -46,14 +46,19 @@ def test_recording_replaying_and_piecewise_graphs_are_told_apart(state):
     assert state.graph_call(full) is None  # no forward context: vLLM runs the model without graphs
     config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with set_forward_context(None, config, cudagraph_runtime_mode=CUDAGraphMode.FULL, batch_descriptor=batch):
-        assert state.graph_call(full) == ("record", 8)
+        assert state.graph_call(full) == ("record", batch)
         assert state.graph_call(piecewise) is None  # another wrapper's mode: it just runs its runnable
         full.concrete_cudagraph_entries[batch] = CUDAGraphEntry(batch_descriptor=batch)
-        assert state.graph_call(full) == ("record", 8)  # an entry, no graph yet
+        assert state.graph_call(full) == ("record", batch)  # an entry, no graph yet
         full.concrete_cudagraph_entries[batch].cudagraph = object()
-        assert state.graph_call(full) == ("replay", 8)
+        assert state.graph_call(full) == ("replay", batch)
+    # A full graph of 8 tokens for mixed batches is another graph than the uniform decode one: another key.
+    mixed = BatchDescriptor(num_tokens=8, num_reqs=None, uniform=False)
+    with set_forward_context(None, config, cudagraph_runtime_mode=CUDAGraphMode.FULL, batch_descriptor=mixed):
+        kind, key = state.graph_call(full)
+        assert kind == "record" and key == mixed and key != batch and key.num_tokens == 8
     with set_forward_context(None, config, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, batch_descriptor=batch):
-        assert state.graph_call(piecewise) == ("record", 8)  # the writer is held while pieces record, too
+        assert state.graph_call(piecewise) == ("record_pieces", batch)  # writers held; attention stays eager
         piecewise.concrete_cudagraph_entries[batch] = CUDAGraphEntry(batch_descriptor=batch, cudagraph=object())
         assert state.graph_call(piecewise) is None  # attention ran in Python between the pieces
     with set_forward_context(None, config, cudagraph_runtime_mode=CUDAGraphMode.NONE, batch_descriptor=batch):

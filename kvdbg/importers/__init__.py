@@ -1,0 +1,6 @@
+"""Other recorders' files turned into kvdbg snapshots: FlashInfer's level-10 API dumps (``dumpdir`` reads a
+dump directory as untrusted input, ``flashinfer_paged`` converts one paged-attention call, ``session`` pairs a
+session's calls and writes the snapshots).
+
+May import :mod:`kvdbg.errors`, :mod:`kvdbg.util` and :mod:`kvdbg.snapshot`; nothing here imports FlashInfer.
+"""
