@@ -499,3 +499,9 @@ def test_the_reference_says_where_cpu_attn_departs_on_a_dense_alibi_row():
                                     num_kv_heads=2, head_size=16, dtype="float32", new_kv=False))
     notes = " ".join(module.feature_notes(snap.meta.layer))
     assert "CPU_ATTN's kernel slope * (k - p)" in notes and "TRITON_ATTN adds slope * (k - (L - q))" in notes
+
+
+def test_a_narrow_table_keeps_its_title_on_one_line(fake_engine):
+    res = invoke("--backend", "GOOD_ATTN", "--features", "window", "--batch", "decode")
+    assert res.exit_code == 0
+    assert "conform: GOOD_ATTN (pairwise, 3 rows × 1 batch kinds)" in res.stdout.splitlines()[0]

@@ -35,7 +35,7 @@ def render_backend(result: BackendConform) -> Group:
         if cell.status == REFUSED:
             notes.setdefault(cell.reason or "", len(notes) + 1)
     table = FitTable([Column("#", whole=True, priority=30), Column("combination", priority=20, min_width=16)]
-                     + [Column(kind, whole=True, justify="left", priority=15) for kind in result.kinds], title=title)
+                     + [Column(kind, whole=True, justify="left", priority=15) for kind in result.kinds])
     by_row: dict[int, dict[str, Cell]] = {}
     for cell in result.cells:
         by_row.setdefault(cell.row_id, {})[cell.kind] = cell
@@ -43,7 +43,7 @@ def render_backend(result: BackendConform) -> Group:
         first = next(iter(cells.values()))
         table.add_row(str(row_id), first.label, *(Text(cell_text(cells[k], notes), style=STYLES[cells[k].status])
                                                   if k in cells else "" for k in result.kinds))
-    parts: list = [table]
+    parts: list = [title, table]  # the title above, not in the table: a narrow table would wrap it
     failing = [c for c in result.cells if c.status == FAIL]
     if failing:
         parts.append(Text("failing cells:", style="bold"))

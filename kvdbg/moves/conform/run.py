@@ -398,6 +398,7 @@ class EngineRunner:
 
     def run(self, row: Mapping[str, str], kind: str) -> Outcome:
         from kvdbg.judge.compare import compare_step
+        from kvdbg.judge.verdict import EXIT_OK, judge
         from kvdbg.snapshot.store import torch_dtype
 
         try:
@@ -420,7 +421,11 @@ class EngineRunner:
             if run is not None and run.output is not None:
                 snap.steps[step.step].output = run.output.detach().cpu().to(torch_dtype(snap.meta.layer.dtype))
         failed = [(c.step, h) for c in comparisons for h in c.failed]
-        if errors or not comparisons or failed:
+        # The one verdict rule: the column's comparisons with the reference, its error findings (a raise is one)
+        # and those about the step's inputs.
+        findings = [f for f in result.findings if f.backend in ("vllm", "replay")]
+        verdict = judge(comparisons, findings)
+        if verdict.exit_code != EXIT_OK:
             first = None
             if failed:
                 step, head = min(failed, key=lambda sh: (sh[0], sh[1].request, sh[1].head))
@@ -429,7 +434,7 @@ class EngineRunner:
                          "token": head.worst_token - int(starts[head.request]),
                          "max_abs": _finite(head.max_abs)}
             worst = [c.failed_max_abs for c in comparisons if c.failed and c.failed_max_abs == c.failed_max_abs]
-            reason = "; ".join(errors) or (None if comparisons else "the backend produced no output to compare")
+            reason = "; ".join(errors) or (None if failed else verdict.summary)
             if failed and not worst:
                 reason = "the failing heads hold no finite number (NaN/inf, or tokens the backend did not write)"
             return Outcome(FAIL, max_abs=max(worst) if worst else None, first=first, reason=reason, tolerance=rule,
