@@ -271,9 +271,9 @@ def _alibi_offsets(distance, sqrt: bool, dtype):
     """ALiBi's position term for ``distance = p - k``, to be scaled by each head's slope.
 
     Linear: ``-|p - k|``, FlashAttention's definition, which for a causal row is
-    ``k - p`` (TRITON_ATTN adds ``k - (L - q)``, the same up to a per-row constant,
-    which softmax ignores; for keys after ``p`` of a dense row TRITON_ATTN's term
-    keeps growing instead). Square root (TRITON_ATTN's use_alibi_sqrt):
+    ``k - p`` (TRITON_ATTN adds ``k - (L - q)``, CPU_ATTN ``k - p``, the same up to
+    a per-row constant, which softmax ignores; for keys after ``p`` of a dense row
+    their terms keep growing instead). Square root (TRITON_ATTN's use_alibi_sqrt):
     ``-sqrt(p - k)`` for keys up to ``p``, 0 after.
     """
     distance = distance.to(dtype)
@@ -349,8 +349,9 @@ def feature_notes(layer) -> list[str]:
             notes.append("ALiBi: -slope * |p - k| added after the soft cap (FlashAttention's definition; for a "
                          "causal row vLLM's kernels agree up to a per-row constant)")
             if not layer.causal:
-                notes.append("ALiBi on a dense mask: TRITON_ATTN adds slope * (k - (L - q)) instead, which grows "
-                             "for keys after p: its output differs from this definition there")
+                notes.append("ALiBi on a dense mask: TRITON_ATTN adds slope * (k - (L - q)) instead, and CPU_ATTN's "
+                             "kernel slope * (k - p) (vLLM 0.32; `kvdbg conform` shows it), which grow for keys "
+                             "after p: their output differs from this definition there")
     if layer.chunk_lookback is not None and layer.sliding_window is not None:
         chunk = layer.sliding_window // (layer.chunk_lookback + 1)
         notes.append(f"chunked attention: chunks of {chunk} tokens (sliding_window // (chunk_lookback + 1)); a "

@@ -46,6 +46,9 @@ CASES: dict[str, Case] = {
         missing=None, why_not="SNAPSHOT is optional (the bundled dflash fixture); nothing else is required",
         nan=(lambda snap, out: [snap, "--backend", "flex"], 1),  # its worst head reads the NaN key
         nonexistent=((MISSING,), MISSING)),
+    "conform": Case(
+        missing=None, why_not="every option has a default (the engine's backends, the whole feature matrix)",
+        nan=None, nonexistent=(("--out", "/nonexistent-kvdbg-dir/out"), "/nonexistent-kvdbg-dir")),
     "diff": Case(
         missing=((CLEAN,), "Missing argument 'B'"),
         nan=(lambda snap, out: [snap, CLEAN], 3),  # the KV pages differ; no output is held by both to compare

@@ -11,6 +11,7 @@ from kvdbg._version import __version__
 # name -> module:attribute; modules are imported only when a command is looked up.
 COMMANDS = {
     "attention": "kvdbg.cli.attention:attention",
+    "conform": "kvdbg.cli.conform:conform",
     "diff": "kvdbg.cli.diff:diff",
     "explain": "kvdbg.cli.explain:explain",
     "import": "kvdbg.cli.import_dump:import_dump",
@@ -58,6 +59,9 @@ GROUPS = (
         ("poison", "which slots a backend reads that it must not", "kvdbg poison snap.safetensors"),
         ("sweep", "which knob (pages, dtype, window) flips the verdict", "kvdbg sweep snap.safetensors"),
         ("diff", "two snapshots of one step, input by input", "kvdbg diff good.safetensors bad.safetensors"),
+    )),
+    ("Hold an engine's backend to the exact answer", (
+        ("conform", "which feature combinations a backend gets wrong", "kvdbg conform --backend CPU_ATTN"),
     )),
     ("Shrink and share", (
         ("shrink", "the smallest snapshot that still fails", "kvdbg shrink snap.safetensors -o small.safetensors"),

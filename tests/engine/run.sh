@@ -31,4 +31,7 @@ fi
 PYTHONPATH=out/engine-pytest "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/engine/test_vllm_column.py
 # The vllm column on random batches: kvdbg's flex against vLLM's FLEX_ATTENTION, vLLM's CPU_ATTN against the reference.
 "$VENV/bin/python" -m tests.engine.vllm_differential --count 200 --cpu-attn-count 100 --seed 0 --jobs 2
+# kvdbg conform on a reduced matrix (window, ALiBi, mask, page placement; mixed batches) of both backends: only
+# CPU_ATTN's known ALiBi-on-a-dense-layer divergence may fail (docs/conform.md); about 2 minutes on 2 cores.
+"$VENV/bin/python" -m tests.engine.conform_check out/engine/conform
 echo "engine stage total (venv included): $(( $(date +%s) - started )) s"

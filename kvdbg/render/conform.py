@@ -1,0 +1,120 @@
+"""The `kvdbg conform` table: feature combination × batch kind → pass / FAIL / refused, then what each means."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.text import Text
+
+from kvdbg.moves.conform.run import FAIL, PASS, REFUSED, BackendConform, Cell, ConformResult
+from kvdbg.render.fit import Column, FitTable
+
+STYLES = {PASS: "green", FAIL: "bold red", REFUSED: "dim"}
+
+
+def _num(value: float | None) -> str:
+    return "nan" if value is None or value != value else ("0" if value == 0 else format(value, ".1e"))
+
+
+def cell_text(cell: Cell, refusal_note: dict[str, int]) -> str:
+    """``pass 2.4e-04`` / ``FAIL 1.2e-01 r1h3`` (the first wrong request and head) / ``refused [2]``."""
+    if cell.status == PASS:
+        return f"pass {_num(cell.max_abs)}"
+    if cell.status == FAIL:
+        where = f" r{cell.first['request']}h{cell.first['head']}" if cell.first else ""
+        return f"FAIL {_num(cell.max_abs)}{where}"
+    return f"refused [{refusal_note[cell.reason or '']}]"
+
+
+def render_backend(result: BackendConform) -> Group:
+    title = Text(f"conform: {result.backend} ({result.matrix}, {len(result.rows)} rows × {len(result.kinds)} "
+                 f"batch kinds)", style="bold")
+    if result.reason is not None:
+        return Group(title, Text(f"not run: {result.reason}", style="yellow"))
+    notes: dict[str, int] = {}
+    for cell in result.cells:
+        if cell.status == REFUSED:
+            notes.setdefault(cell.reason or "", len(notes) + 1)
+    table = FitTable([Column("#", whole=True, priority=30), Column("combination", priority=20, min_width=16)]
+                     + [Column(kind, whole=True, justify="left", priority=15) for kind in result.kinds])
+    by_row: dict[int, dict[str, Cell]] = {}
+    for cell in result.cells:
+        by_row.setdefault(cell.row_id, {})[cell.kind] = cell
+    for row_id, cells in sorted(by_row.items()):
+        first = next(iter(cells.values()))
+        table.add_row(str(row_id), first.label, *(Text(cell_text(cells[k], notes), style=STYLES[cells[k].status])
+                                                  if k in cells else "" for k in result.kinds))
+    parts: list = [title, table]  # the title above, not in the table: a narrow table would wrap it
+    failing = [c for c in result.cells if c.status == FAIL]
+    if failing:
+        parts.append(Text("failing cells:", style="bold"))
+        for cell in failing:
+            parts.extend(Text(line, style=style) for line, style in _failure_lines(cell))
+    if notes:
+        parts.append(Text("refused by the backend:", style="bold"))
+        parts.extend(Text(f"  [{n}] {reason}", style="dim") for reason, n in notes.items())
+    counts = result.counts()
+    parts.append(Text(f"{result.backend}: {counts[PASS]} pass, {counts[FAIL]} FAIL, {counts[REFUSED]} refused; "
+                      f"{result.runs} replays in {result.seconds:.0f} s", style="dim"))
+    return Group(*parts)
+
+
+def _failure_lines(cell: Cell) -> list[tuple[str, str]]:
+    from kvdbg.moves.conform.matrix import label
+
+    lines = [(f"  #{cell.row_id} {cell.kind}: {cell.label}", "red")]
+    if cell.first:
+        f = cell.first
+        lines.append((f"    first wrong: step {f['step']} request {f['request']} head {f['head']} (token "
+                      f"{f['token']}, max abs {_num(f.get('max_abs'))}); max abs {_num(cell.max_abs)}", ""))
+    if cell.reason:
+        lines.append((f"    {cell.reason}", ""))
+    if cell.cause:
+        lines.append((f"    {cell.cause}: {cell.cause_detail}", "bold" if cell.cause == "semantic" else ""))
+    if cell.minimal is not None:
+        lines.append((f"    smallest combination that still fails: {label(cell.minimal)}", ""))
+    if cell.snapshot_path:
+        lines.append((f"    snapshot: {cell.snapshot_path}"
+                      + (f"; minimal: {cell.minimal_path}" if cell.minimal_path else ""), "dim"))
+    return lines
+
+
+def render_conform(result: ConformResult) -> Group:
+    parts: list = []
+    for backend in result.backends:
+        parts.append(render_backend(backend))
+    parts.append(Text("cells: pass / FAIL with the max abs error against the exact reference (replay's tolerance "
+                      "for the dtype) and the first wrong request r and head h / refused by the backend's own "
+                      "checks; rows: a pairwise covering array of the levels each backend took alone "
+                      "(docs/conform.md)", style="dim"))
+    return Group(*parts)
+
+
+class ConformBar:
+    """Cells done of all, and the ETA, on stderr while conform runs (a terminal only); gone when it ends."""
+
+    def __init__(self, console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._bar = Progress(TextColumn("conform"), BarColumn(bar_width=20), MofNCompleteColumn(), TextColumn("ETA"),
+                             TimeRemainingColumn(), TextColumn("{task.fields[what]}", style="dim"), console=console,
+                             transient=True)
+        self._task = None
+        self._backend = None
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        backend = what.split(" ", 1)[0]
+        if self._task is None or backend != self._backend:
+            if self._task is not None:
+                self._bar.remove_task(self._task)
+            else:
+                self._bar.start()
+            self._backend = backend
+            self._task = self._bar.add_task("conform", total=total, what="")
+        self._bar.update(self._task, completed=done, total=total, what=what[:40])
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._bar.stop()
+
+
+__all__ = ["ConformBar", "cell_text", "render_backend", "render_conform"]
