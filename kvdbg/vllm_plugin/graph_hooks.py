@@ -98,8 +98,8 @@ class GraphHooks:
             return None
 
     def begin_graph_recording(self, batch: Any) -> None:
-        """A full graph for ``batch`` (vLLM's batch descriptor) is about to be recorded: its layers are learnt
-        anew."""
+        """A full graph for ``batch`` (vLLM's batch descriptor) is about to be recorded: its selected layers are
+        learnt anew."""
         self._graph_layers[batch] = []
         self._recording = batch
 
@@ -117,11 +117,10 @@ class GraphHooks:
             if name is not None and self.capturer.layer_selected(name):
                 self.note_graph_recording(name)
             return None
-        layers = self._graph_layers[batch]
         captured = self.capturer.active and self.capturer.layer_selected(name)
         checked = self.sentinel is not None and self.sentinel.sentinel.layer_selected(name)
         if not (captured or checked) or kv_cache is None:
-            layers.append((name, None))
+            # Neither capture nor the sentinel will ever ask for this layer's steps: its count is never read.
             return None
         rows = int(query.shape[0])
         buffers = self._graph_buffers.get(name)
@@ -132,7 +131,7 @@ class GraphHooks:
             buffers = self._graph_buffers[name] = _GraphBuffers(query.new_empty((size, *query.shape[1:])))
         buffers.query[:rows].copy_(query[:rows])
         slot = GraphSlot(name, impl, layer, kv_cache, buffers.query[:rows])
-        layers.append((name, slot))
+        self._graph_layers[batch].append(slot)
         return slot
 
     def record_graph_output(self, slot: GraphSlot, output) -> None:
@@ -156,19 +155,18 @@ class GraphHooks:
             self.sentinel.before_graph_replay(self)
 
     def after_graph_replay(self, batch: Any) -> bool:
-        """The full graph for ``batch`` was replayed (its work is queued): count its layers' forwards, capture the
-        steps wanted and hand the sentinel those it samples. Whether anything was copied for a capture."""
-        layers = self._graph_layers.get(batch)
-        if not layers:
+        """The full graph for ``batch`` was replayed (its work is queued): count its selected layers' forwards (on
+        every step, so only theirs), capture the steps wanted and hand the sentinel those it samples. Whether
+        anything was copied for a capture."""
+        slots = self._graph_layers.get(batch)
+        if not slots:
             return False
         counts = self._forward_counts
         copied = False
-        for name, slot in layers:
+        for slot in slots:
+            name = slot.name
             step = counts.get(name, 0)
             counts[name] = step + 1
-            self._pre_updates.pop(name, None)
-            if slot is None:
-                continue
             built = self._graph_builds.get(name)
             ctx = built[1] if built is not None and built[0] == step else None
             if self.sentinel is not None and self.sentinel.sentinel.sampled(name, step):

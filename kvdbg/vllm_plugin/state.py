@@ -74,12 +74,12 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._graphs_said = False
         self._parallel: dict[str, Any] | None = None  # this process's place among the engine's ranks, read once
         self.sentinel: "SentinelHooks | None" = None  # the sampled check of the engine's own attention
-        # Full CUDA graphs (graph_hooks): per graph (vLLM's batch descriptor), its attention layers in order with
-        # the slot of each layer capture or the sentinel selects; per layer, the buffers the graphs copy into; per
+        # Full CUDA graphs (graph_hooks): per graph (vLLM's batch descriptor), the slots of its attention layers
+        # capture or the sentinel selects, in order; per layer, the buffers the graphs copy into; per
         # layer, the latest build's context and the step it was for; the graph being recorded; the largest graph
         # size the engine declares.
         self.graphs_watched = False
-        self._graph_layers: dict[Any, list[tuple[str, Any]]] = {}
+        self._graph_layers: dict[Any, list[Any]] = {}
         self._graph_buffers: dict[str, Any] = {}
         self._graph_builds: dict[str, tuple[int, _EngineContext]] = {}
         self._recording: Any = None
