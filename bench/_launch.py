@@ -80,3 +80,16 @@ def print_ratios(times: dict[str, list[tuple[float, float]]], baseline: str, tar
         cpu = statistics.median(c / b for (_, c), (_, b) in zip(values, base))
         print(f"{statistics.median(walls) * 1e3:7.1f}ms {min(walls) * 1e3:7.1f}ms  {paired:6.3f}x "
               f"{min(walls) / min(w for w, _ in base):6.3f}x {cpu:6.3f}x  {name}")
+
+
+def run_and_report(cases: dict[str, list[str]], rounds: int, env: dict[str, str], kvdbg: list[str],
+                   installed: list[str] | None, baseline: str, target: float) -> None:
+    """Run ``cases`` interleaved, then say what ran (and the load around it) and print the ratios."""
+    load_before = os.getloadavg()[0]
+    times = interleaved(cases, rounds, env)
+    print(describe(kvdbg, env))
+    if installed:
+        print(f"installed: {describe(installed, child_env(False))}")
+    print(f"{rounds} interleaved rounds, {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
+          f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
+    print_ratios(times, baseline, target)

@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _big import make_2gb  # noqa: E402
-from _launch import REPO, child_env, describe, interleaved, kvdbg_command, print_ratios  # noqa: E402
+from _launch import REPO, child_env, kvdbg_command, run_and_report  # noqa: E402
 
 BASELINE = 'python -c "import click, rich.console, rich.table"'
 
@@ -67,14 +67,7 @@ def main() -> None:
         keep = ["env", f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", *installed]
         for name in [n for n in cases if n.startswith("kvdbg ")]:
             cases[f"installed: {name}"] = keep + cases[name][len(kvdbg):]
-    load_before = os.getloadavg()[0]
-    times = interleaved(cases, args.runs, env)
-    print(describe(kvdbg, env))
-    if installed:
-        print(f"installed: {describe(installed, child_env(False))}")
-    print(f"{args.runs} interleaved rounds, {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
-          f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
-    print_ratios(times, BASELINE, 1.3)
+    run_and_report(cases, args.runs, env, kvdbg, installed, BASELINE, 1.3)
 
 
 if __name__ == "__main__":

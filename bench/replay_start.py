@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _launch import REPO, child_env, describe, interleaved, kvdbg_command, print_ratios  # noqa: E402
+from _launch import REPO, child_env, kvdbg_command, run_and_report  # noqa: E402
 
 BASELINE = 'python -c "import torch, torch._dynamo"'
 
@@ -49,14 +49,7 @@ def main() -> None:
         # The installed script ignores PYTHONPATH only if told: run it with the checkout left off the path.
         cases[f"installed: kvdbg replay {name}"] = ["env", f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}",
                                                      *installed, "replay", args.snapshot]
-    load_before = os.getloadavg()[0]
-    times = interleaved(cases, args.runs, env)
-    print(describe(kvdbg, env))
-    if installed:
-        print(f"installed: {describe(installed, child_env(False))}")
-    print(f"{args.runs} interleaved rounds, {os.cpu_count()} CPUs, python {sys.version.split()[0]}, "
-          f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
-    print_ratios(times, BASELINE, 1.15)
+    run_and_report(cases, args.runs, env, kvdbg, installed, BASELINE, 1.15)
 
 
 if __name__ == "__main__":
