@@ -43,6 +43,22 @@ def _files(directory):
     return sorted(os.path.join(directory, n) for n in os.listdir(directory)) if os.path.isdir(directory) else []
 
 
+def _wrong_head_2_of_layer_1(monkeypatch):
+    """vLLM's FLEX_ATTENTION with a fault: head 2 of layer 1's output is off by one on every step."""
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionImpl
+
+    real = FlexAttentionImpl.forward
+
+    def faulty(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        out = real(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if attn_metadata is not None and layer.layer_name.endswith("layers.1.self_attn.attn"):
+            n = attn_metadata.num_actual_tokens
+            out[:n].view(n, self.num_heads, self.head_size)[:, 2] += 1.0
+        return out
+
+    monkeypatch.setattr(FlexAttentionImpl, "forward", faulty)
+
+
 def test_the_plugin_spells_the_sentinel_variable_as_the_config_does():
     assert vllm_plugin.ENV_SENTINEL == ENV_RATE
 
@@ -62,18 +78,7 @@ def test_honest_steps_are_checked_and_nothing_is_written(sentinel_env):
 
 def test_a_wrong_head_is_captured_once_with_its_finding(sentinel_env, caplog):
     monkeypatch, directory = sentinel_env
-    from vllm.v1.attention.backends.flex_attention import FlexAttentionImpl
-
-    real = FlexAttentionImpl.forward
-
-    def faulty(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        out = real(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if attn_metadata is not None and layer.layer_name.endswith("layers.1.self_attn.attn"):
-            n = attn_metadata.num_actual_tokens
-            out[:n].view(n, self.num_heads, self.head_size)[:, 2] += 1.0
-        return out
-
-    monkeypatch.setattr(FlexAttentionImpl, "forward", faulty)
+    _wrong_head_2_of_layer_1(monkeypatch)
     with caplog.at_level(logging.INFO, logger="kvdbg"):
         vllm_plugin.register()
         engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)
@@ -151,21 +156,10 @@ def test_closing_with_checks_still_out_keeps_to_its_one_time_limit(sentinel_env,
 
 def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sentinel_env, caplog):
     """The sentinel under a full CUDA graph: it checks what the graph's copies wrote, after each replay."""
-    from vllm.v1.attention.backends.flex_attention import FlexAttentionImpl
-
     from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _run_as_graph
 
     monkeypatch, directory = sentinel_env
-    real = FlexAttentionImpl.forward
-
-    def faulty(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        out = real(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if attn_metadata is not None and layer.layer_name.endswith("layers.1.self_attn.attn"):
-            n = attn_metadata.num_actual_tokens
-            out[:n].view(n, self.num_heads, self.head_size)[:, 2] += 1.0
-        return out
-
-    monkeypatch.setattr(FlexAttentionImpl, "forward", faulty)
+    _wrong_head_2_of_layer_1(monkeypatch)
     with caplog.at_level(logging.INFO, logger="kvdbg"):
         vllm_plugin.register()
         engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)

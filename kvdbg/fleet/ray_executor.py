@@ -71,6 +71,7 @@ from kvdbg.replayer.batch import STATUS_CRASHED, BatchOptions, FileResult, repla
 from kvdbg.errors import BackendUnavailable, OptionError
 from kvdbg.fleet.results import Placement, died_result
 from kvdbg.fleet.workers import Done, Replay, WorkerLost
+from kvdbg.util.environ import restore_environ, saved_environ
 
 INSTALL_HINT = "pip install 'kvdbg[ray]' (here and on every node of the cluster)"
 MAX_RETRIES = 1  # a task whose worker dies is run once more, then reported
@@ -206,7 +207,7 @@ class RayPool:
     def _private_token(self) -> None:
         """A private cluster's own token (Ray 2.60 starts one with token authentication): in os.environ, which
         its processes inherit, so that Ray neither reads nor creates ~/.ray/auth_token for it."""
-        self._saved_env = {name: os.environ.get(name) for name in AUTH_ENV}
+        self._saved_env = saved_environ(AUTH_ENV)
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
         _reload_ray_auth()
 
@@ -345,11 +346,7 @@ class RayPool:
                     shutil.rmtree(self._private_dir, ignore_errors=True)
                 self._private_dir = None
             if self._saved_env is not None:
-                for name, value in self._saved_env.items():
-                    if value is None:
-                        os.environ.pop(name, None)
-                    else:
-                        os.environ[name] = value
+                restore_environ(self._saved_env)
                 self._saved_env = None
                 _reload_ray_auth()
             if self._stdout is not None:

@@ -42,6 +42,7 @@ from typing import Callable, Iterator
 from kvdbg.replayer.batch import BatchOptions, FileResult, replay_file
 from kvdbg.errors import BackendUnavailable, OptionError
 from kvdbg.fleet.results import Placement, died_result
+from kvdbg.util.environ import restore_environ, saved_environ
 
 # A file is started at most this often: once, and once more on a fresh worker if the first one died.
 MAX_ATTEMPTS = 2
@@ -261,16 +262,12 @@ class LocalPool:
         options = _with_device(self.options, slot.pinned_device)
         process = self._context.Process(target=_worker_main, name=f"kvdbg-worker-{slot.index}",
                                         args=(child_end, env, options, self.replay), daemon=True)
-        saved = {name: os.environ.get(name) for name in env}
+        saved = saved_environ(env)
         os.environ.update(env)  # the child's environment is the parent's at start
         try:
             process.start()
         finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+            restore_environ(saved)
         child_end.close()
         return _Worker(slot, process, parent_end)
 

@@ -37,6 +37,8 @@ import sys
 import tempfile
 import time
 
+from kvdbg.util.environ import restore_environ, saved_environ
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -164,18 +166,14 @@ class LocalCluster:
         """os.environ holds this cluster's token while inside: drivers started here (``python -m kvdbg``) or
         in this process (run_fleet) are let in. This process's Ray, if imported, reads it again on the way
         in and out (it caches the mode and the token)."""
-        saved = {name: os.environ.get(name) for name in (*self.auth_env, "RAY_AUTH_TOKEN_PATH")}
+        saved = saved_environ((*self.auth_env, "RAY_AUTH_TOKEN_PATH"))
         os.environ.update(self.auth_env)
         os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
         _reload_ray_auth()
         try:
             yield self
         finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+            restore_environ(saved)
             _reload_ray_auth()
 
     def __enter__(self) -> "LocalCluster":
