@@ -13,7 +13,7 @@ the step's block table, lengths and query offsets as for any step) and vLLM's ``
   only for the layers capture's or the sentinel's filter selects; the writer holds its device work meanwhile
   (:meth:`~kvdbg.capture.writer.CaptureWriter.held_writer`: CUDA forbids, process-wide, what it does while a
   stream captures);
-- **after each replay**, the step's layers are counted as if their forwards had run; for a step the filters
+- **after each replay**, the selected layers' steps are counted as if their forwards had run; for a step the filters
   want, the capture is begun from those buffers and the layer's cache (it lives outside the graph), with the
   metadata its build kept, and finished at once. Its copies are queued on the engine's stream after the
   graph's work and before the next step's: nothing the next step overwrites is read late. A step the
