@@ -1,0 +1,18 @@
+# Sourced (bash) on the GPU machine from the repository root, with .gpu-carry/ carried
+# (tests/gpu/prepare_vllm_column_carry.sh and tests/gpu/prepare_engine_carry.sh fill it): kvdbg installed,
+# the carried wheels unpacked, vLLM 0.33's Python files unpacked and put on PYTHONPATH with the compiled
+# modules' stand-ins (tests/gpu/stub_site). Every vLLM script of tests/gpu/ and bench/ that runs there starts so.
+CARRY=.gpu-carry
+SITE=/tmp/kvdbg-engine-site
+python3 -m pip install -q --no-deps --no-build-isolation -e .
+[ -d "$SITE" ] || python3 -m pip install -q --no-deps --no-index --no-compile --target "$SITE" \
+  "$CARRY"/wheels/*.whl "$CARRY"/engine-wheels/*.whl
+ZIP=$(ls "$CARRY"/vllm-*-py.zip)
+# vLLM's files unpacked (a zip import compiles every module again in every process) and every process's
+# bytecode kept under one prefix (the device's torch ships no .pyc): each process after the first starts
+# without recompiling vLLM and torch.
+SRC=/tmp/kvdbg-vllm-src
+[ -d "$SRC/vllm" ] || python3 -m zipfile -e "$ZIP" "$SRC"
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/kvdbg-pycache}
+export PYTHONPATH="$PWD/tests/gpu/stub_site:$SRC:$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export VLLM_CONFIGURE_LOGGING=${VLLM_CONFIGURE_LOGGING:-1} KVDBG_GPU_VLLM_SO_MODULES="$PWD/$CARRY/vllm-so-modules.txt"
