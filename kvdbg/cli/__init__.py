@@ -151,8 +151,7 @@ def cli():
     Capture from a live vLLM: install kvdbg into the engine's environment with
     no extra (pip install -e .; pip's --dry-run names kvdbg alone) and set
     KVDBG_CAPTURE_DIR. Steps replayed from full CUDA graphs are captured too
-    (not yet run in a GPU engine: to rule graphs out, serve with
-    --enforce-eager or piecewise graphs). KVDBG_SENTINEL=0.01
+    (to rule graphs out, serve with --enforce-eager). KVDBG_SENTINEL=0.01
     checks 1% of each layer's steps against the exact reference inside the
     engine and captures the wrong ones. docs/capture.md.
     """
