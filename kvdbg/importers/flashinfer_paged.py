@@ -352,8 +352,9 @@ def _kv_pair(value: Any, where: str):
 # ----------------------------------------------------------------------------- the snapshot
 
 
-def to_snapshot(call: PagedCall, *, layer_name: str):
-    """The kvdbg snapshot of ``call``: checked value by value, each error naming the argument."""
+def to_snapshot(call: PagedCall, *, layer_name: str, notes: str | None = None):
+    """The kvdbg snapshot of ``call``: checked value by value, each error naming the argument. ``notes`` (default:
+    the dump it came from) is the snapshot's free text."""
     import torch
 
     from kvdbg.snapshot.format import LAYOUT_KV_PLANES, LAYOUT_VLLM, MAX_HEAD_SIZE, MAX_HEADS
@@ -489,7 +490,7 @@ def to_snapshot(call: PagedCall, *, layer_name: str):
                           num_gpu_blocks=pages, max_decode_query_len=max(1, max(query_lens)))
     meta = SnapshotMeta(layer=layer, backend=backend, kv_layout=kv_layout, num_steps=1,
                         capture=dict(call.provenance),
-                        notes=f"imported by kvdbg from a FlashInfer level-10 dump of {fn}")
+                        notes=notes or f"imported by kvdbg from a FlashInfer level-10 dump of {fn}")
     step = Step(block_table=block_table, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                 query_start_loc=torch.tensor(call.qo_indptr, dtype=torch.int32),
                 query=q[:tokens].contiguous(),

@@ -38,10 +38,16 @@ class ImportItem:
                 "output": self.output, "used_by": self.used_by, **({"snapshot": self.facts} if self.facts else {})}
 
 
+FLASHINFER_DUMP, FLASHINFER_BENCH = "flashinfer_dump", "flashinfer_bench"
+
+
 @dataclass
 class ImportReport:
+    """What an import found: one item per dumped call (a FlashInfer dump) or per workload (flashinfer-bench)."""
+
     source: str
     items: list[ImportItem]
+    kind: str = FLASHINFER_DUMP
 
     def count(self, status: str) -> int:
         return sum(1 for item in self.items if item.status == status)
@@ -50,8 +56,12 @@ class ImportReport:
     def imported(self) -> list[ImportItem]:
         return [item for item in self.items if item.status == IMPORTED]
 
+    @property
+    def unit(self) -> str:
+        return "workload" if self.kind == FLASHINFER_BENCH else "call"
+
     def to_json(self) -> dict[str, Any]:
-        return {"source": self.source, "calls": len(self.items),
+        return {"source": self.source, "kind": self.kind, f"{self.unit}s": len(self.items),
                 "totals": {s: self.count(s) for s in (IMPORTED, USED, SKIPPED, REFUSED)},
                 "items": [item.to_json() for item in self.items]}
 
@@ -64,7 +74,7 @@ def _skip_reason(function: str) -> str:
     return "not paged attention"
 
 
-def _facts(snapshot) -> dict[str, Any]:
+def snapshot_facts(snapshot) -> dict[str, Any]:
     meta, step = snapshot.meta, snapshot.steps[0]
     return {"requests": step.num_reqs, "tokens": step.num_tokens, "num_heads": meta.layer.num_heads,
             "num_kv_heads": meta.layer.num_kv_heads, "head_size": meta.layer.head_size,
@@ -85,7 +95,7 @@ def _convert(call: DumpCall, read) -> tuple[ImportItem, Any]:
         return ImportItem(call.name, call.function, REFUSED, str(exc)), None
     note = "" if snapshot.steps[0].output is not None else \
         "no recorded output (the call did not complete, or ran under a CUDA graph not replayed yet)"
-    return ImportItem(call.name, call.function, IMPORTED, note, facts=_facts(snapshot)), snapshot
+    return ImportItem(call.name, call.function, IMPORTED, note, facts=snapshot_facts(snapshot)), snapshot
 
 
 @dataclass
@@ -144,22 +154,35 @@ def _pair(calls: list[DumpCall], only: str | None, kv_layout: str | None):
     return items, candidates
 
 
-def _targets(candidates: list[_Candidate], given: str | os.PathLike, overwrite: bool) -> list[Path]:
-    """Where each candidate's snapshot goes, every one checked before anything is read or written. One call
-    goes to ``given`` itself unless it is a directory or ends with a slash."""
+def output_targets(file_names: list[str], given: str | os.PathLike, overwrite: bool, holds: str) -> list[Path]:
+    """Where each snapshot goes (``file_names`` inside a directory), every one checked before anything is read
+    or written. One snapshot goes to ``given`` itself unless it is a directory or ends with a slash; ``holds``
+    says what the source holds ("the dump holds 3 paged-attention calls"), for the refusal of a file."""
     from kvdbg.util.atomic import check_output
 
     output = Path(given)
-    if len(candidates) == 1 and not output.is_dir() and not os.fspath(given).endswith(("/", os.sep)):
+    if len(file_names) == 1 and not output.is_dir() and not os.fspath(given).endswith(("/", os.sep)):
         targets = [output]
     else:
         if output.exists() and not output.is_dir():
-            raise OptionError(f"-o {output}: the dump holds {len(candidates)} paged-attention calls; give a "
-                              "directory to write one snapshot each into")
-        targets = [output / snapshot_file_name(i, c.call.name, c.call.function) for i, c in enumerate(candidates)]
+            raise OptionError(f"-o {output}: {holds}; give a directory to write one snapshot each into")
+        targets = [output / name for name in file_names]
     for target in targets:
         check_output(target, overwrite=overwrite, what="-o")
     return targets
+
+
+def write_snapshot(snapshot, target: Path, given: str | os.PathLike, overwrite: bool) -> str:
+    """Write ``snapshot`` to ``target``, making ``-o``'s directory on the first write when it is one."""
+    from kvdbg.snapshot.store import save_snapshot
+
+    directory = Path(given)
+    if target != directory and not directory.is_dir():
+        try:
+            directory.mkdir()
+        except OSError as exc:
+            raise OptionError(f"cannot create -o {given}: {exc.strerror or exc}") from None
+    return save_snapshot(snapshot, target, overwrite=overwrite)
 
 
 def import_session(path: str | os.PathLike, *, kv_layout: str | None = None, output: str | os.PathLike | None = None,
@@ -172,12 +195,11 @@ def import_session(path: str | os.PathLike, *, kv_layout: str | None = None, out
     with nothing written. Then one call at a time is converted, written and let go, so that a long session
     never holds more than one snapshot in memory.
     """
-    from kvdbg.snapshot.store import save_snapshot
-
     calls, only = read_session(path)
     items, candidates = _pair(calls, only, kv_layout)
-    targets = _targets(candidates, output, overwrite) if output is not None and candidates else []
-    directory = Path(output) if targets and targets[0] != Path(output) else None
+    targets = output_targets([snapshot_file_name(i, c.call.name, c.call.function) for i, c in enumerate(candidates)],
+                             output, overwrite, f"the dump holds {len(candidates)} paged-attention calls") \
+        if output is not None and candidates else []
     for candidate in candidates:  # a hostile pickle anywhere refuses the whole import, before any write
         for kind in ("inputs", "outputs"):
             candidate.call.tensors(kind)
@@ -191,13 +213,7 @@ def import_session(path: str | os.PathLike, *, kv_layout: str | None = None, out
                 items[used.name] = ImportItem(used.name, used.function, USED, f"read for {call.name}",
                                               used_by=call.name)
             if targets:
-                target = targets[index]
-                if directory is not None and not directory.is_dir():
-                    try:
-                        directory.mkdir()
-                    except OSError as exc:
-                        raise OptionError(f"cannot create -o {output}: {exc.strerror or exc}") from None
-                item.output = save_snapshot(snapshot, target, overwrite=overwrite)
+                item.output = write_snapshot(snapshot, targets[index], output, overwrite)
         del snapshot
         call.drop_tensors()
     ordered = [items[c.name] for c in calls if c.name in items]
@@ -208,7 +224,7 @@ def import_session(path: str | os.PathLike, *, kv_layout: str | None = None, out
             reason = (f"a wrapper's {call.function.partition('.')[2]}: give the directory of the run that used it, "
                       "or the whole dump" if wrapper_class(call.function) else _skip_reason(call.function))
             ordered = [ImportItem(call.name, call.function, SKIPPED, reason)]
-    return ImportReport(str(path), ordered)
+    return ImportReport(str(path), ordered, FLASHINFER_DUMP)
 
 
 def snapshot_file_name(index: int, call: str, function: str) -> str:
