@@ -57,8 +57,8 @@ CASES: dict[str, Case] = {
         missing=None, why_not="CODE is optional (without it, every code is listed); it takes no snapshot",
         nan=None, nonexistent=((MISSING,), "unknown finding code")),
     "import": Case(
-        missing=((), "Missing argument 'DUMP'"),
-        nan=None, why_not="it reads a FlashInfer dump directory, not a snapshot",
+        missing=((), "Missing argument 'PATH'"),
+        nan=None, why_not="it reads a FlashInfer dump or a flashinfer-bench dataset, not a snapshot",
         nonexistent=((MISSING,), MISSING)),
     "info": Case(
         missing=((), "Missing argument 'SNAPSHOT'"),

@@ -74,7 +74,8 @@ GROUPS = (
     )),
     ("Make", (
         ("synth", "a deterministic synthetic snapshot", "kvdbg synth -o s.safetensors --seq-len 9000,1200"),
-        ("import", "snapshots from a FlashInfer or SGLang dump", "kvdbg import flashinfer_dumps -o snaps/"),
+        ("import", "snapshots from a FlashInfer dump or a flashinfer-bench dataset",
+         "kvdbg import flashinfer_dumps -o snaps/"),
     )),
 )
 
