@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("flex", "breakdown", "verdict", "tests", "verdict_pyc")
@@ -66,19 +67,27 @@ def flex_child(device: str) -> dict:
     from kvdbg.backends import flex as flex_module
 
     record: dict = {"heavy_after_import_torch": at_start, "fixtures": {}}
-    runs = {}
+    runs, errors = {}, {}
     for impl in ("kvdbg", "torch"):  # kvdbg first: torch's call imports Dynamo for the rest of the process
         os.environ[flex_module.FLEX_EAGER_ENV] = impl
         for name in FIXTURES:
             t0 = time.perf_counter()
-            report = kvdbg.replay(os.path.join(HERE, "fixtures", f"{name}.safetensors"), ["flex"], device=device)
-            kernel = [s.info.kernel for s in report.result.backends if s.name == "flex"][0]
-            outputs = [step.runs["flex"].output for step in report.result.steps]
-            runs[impl, name] = (report.verdict.status, kernel, outputs, time.perf_counter() - t0)
+            try:
+                report = kvdbg.replay(os.path.join(HERE, "fixtures", f"{name}.safetensors"), ["flex"],
+                                      device=device)
+                kernel = [s.info.kernel for s in report.result.backends if s.name == "flex"][0]
+                outputs = [step.runs["flex"].output for step in report.result.steps]
+                runs[impl, name] = (report.verdict.status, kernel, outputs, time.perf_counter() - t0)
+            except Exception:  # one fixture's failure must not hide the others
+                errors[name] = f"{impl}: " + " | ".join(traceback.format_exc().strip().splitlines()[-3:])
         if impl == "kvdbg":
             record["heavy_added_by_kvdbg_eager"] = [m for m in HEAVY if m in sys.modules and m not in at_start]
     ok = not record["heavy_added_by_kvdbg_eager"]
     for name in FIXTURES:
+        if name in errors:
+            record["fixtures"][name] = {"ok": False, "error": errors[name]}
+            ok = False
+            continue
         (v_ours, k_ours, o_ours, s_ours), (v_theirs, k_theirs, o_theirs, _) = runs["kvdbg", name], runs["torch", name]
         close = equal = True
         worst = 0.0
@@ -219,6 +228,9 @@ def main() -> int:
         print(f"== {name}: {verdict} ({status}, {seconds:.0f} s{'' if part['counted'] else ', not counted'})")
         if name == "flex" and record:
             for fixture, r in record["fixtures"].items():
+                if "error" in r:
+                    print(f"  {fixture}: FAILED {r['error']}")
+                    continue
                 print(f"  {fixture}: ok={r['ok']} bit_equal={r['bit_equal']} max_abs_diff={r['max_abs_diff']:.3g} "
                       f"kernels={r['kernels']} verdicts={r['verdicts']} kvdbg replay {r['kvdbg_replay_s']} s")
             print(f"  heavy modules after import torch: {record['heavy_after_import_torch']}; "
