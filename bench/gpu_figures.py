@@ -1,6 +1,6 @@
 """Two GPU figures from one run, with the checks they rest on: time to verdict and the emulation's share.
 
-Usage (on a CUDA machine, from the repository root, kvdbg installed, e.g. ``pip install --no-deps -e .``):
+Usage (on a CUDA machine, from the repository root, kvdbg installed: ``pip install --no-deps --no-build-isolation -e .``):
 
     python bench/gpu_figures.py [--out DIR] [--budget 560] [--parts flex,breakdown,verdict,tests,verdict_pyc]
                                 [--tests changed|all]
@@ -202,7 +202,10 @@ def main() -> int:
         part: dict = {"status": status, "seconds": round(seconds, 1), "counted": name in COUNTED}
         if name == "flex":
             part["passed"] = status == "ran" and bool(record and record.get("ok"))
-            part["detail"] = record
+            if record:  # the whole record is in the part's log; the summary keeps it short
+                part["detail"] = {"heavy_added_by_kvdbg_eager": record.get("heavy_added_by_kvdbg_eager"),
+                                  "fixtures": {f: r.get("error") or [r["ok"], r["bit_equal"], r["max_abs_diff"]]
+                                               for f, r in record.get("fixtures", {}).items()}}
         elif name == "breakdown":
             part["passed"] = status == "ran" and bool(record and record.get("met"))
             if record:
@@ -215,7 +218,8 @@ def main() -> int:
             if record:
                 key = "figure4" if name == "verdict" else "figure4_pyc"
                 summary[key] = {k: record.get(k) for k in ("regime", "baseline_median_s", "cold_s", "cold_ratio",
-                                                            "warm_median_s", "warm_ratio", "target", "met", "ran")}
+                                                            "warm_median_s", "warm_ratio", "target", "met")}
+                summary[key]["ran"] = {b: str(k)[:60] for b, k in (record.get("ran") or {}).items()}
                 summary[key]["per_backend"] = {b: round(v["ratio"], 3)
                                                for b, v in (record.get("per_backend") or {}).items()}
                 if record.get("dynamo_baseline_s"):
