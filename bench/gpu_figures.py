@@ -1,6 +1,7 @@
 """Two GPU figures from one run, with the checks they rest on: time to verdict and the emulation's share.
 
-Usage (on a CUDA machine, from the repository root, kvdbg installed: ``pip install --no-deps --no-build-isolation -e .``):
+Usage (on a CUDA machine, from the repository root, kvdbg installed:
+``pip install --no-deps --no-build-isolation -e .``):
 
     python bench/gpu_figures.py [--out DIR] [--budget 560] [--parts flex,breakdown,verdict,tests,verdict_pyc]
                                 [--tests changed|all]
