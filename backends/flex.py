@@ -11,6 +11,7 @@ when it lies before the window (vLLM's sliding-window manager does that by desig
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from kvdbg.backends.base import BackendSpec, Capabilities, CommonMetadata, Finding, ReplayOptions, RunInfo
+from kvdbg.errors import OptionError
 from kvdbg.snapshot.layout import as_fp8, dequantize_fp8, finite_pages, kv_views
 from kvdbg.snapshot.pagemap import hazard_finding, paging_hazards, physical_to_logical
 from kvdbg.snapshot.store import live_mask, live_page_counts
@@ -42,6 +44,15 @@ VLLM_KERNEL_BLOCK_MULTIPLE = 16
 # process, eager scores ~0.25e9 elements a second on an H200 (docs/benchmarks.md), so eager wins
 # below ~2e9 elements.
 COMPILE_ABOVE_SCORES = 1 << 31
+# Who evaluates an eager step: "torch" calls torch's flex_attention (its unfused implementation); "kvdbg"
+# runs the same operations itself (eager_math). Torch's eager call imports Dynamo, Inductor's IR and
+# sympy even when nothing is traced: ~1.5 s of a process with bytecode caches, ~5 s without them on the
+# H200 host (docs/benchmarks.md), which a small CUDA replay pays against a 2x-of-`import torch` target;
+# kvdbg's evaluation imports nothing more.
+# Default: kvdbg on CUDA, torch on CPU; KVDBG_FLEX_EAGER=torch or =kvdbg decides on any device.
+FLEX_EAGER_ENV = "KVDBG_FLEX_EAGER"
+EAGER_IMPLS = ("torch", "kvdbg")
+EAGER_MATH_KERNEL = "flex eager math (kvdbg)"
 
 _compiled_flex: dict[str, Callable] = {}
 
@@ -186,10 +197,12 @@ class FlexBuilder:
 
 
 class FlexImpl:
-    def __init__(self, meta: "SnapshotMeta", options: ReplayOptions, compiled: bool | None):
+    def __init__(self, meta: "SnapshotMeta", options: ReplayOptions, compiled: bool | None,
+                 eager_impl: str = "torch"):
         self.meta = meta
         self.options = options
         self.requested = compiled  # True/False as asked; None: chosen per step by size (CUDA only)
+        self.eager_impl = eager_impl  # who evaluates an eager step: one of EAGER_IMPLS
         self.reset()
 
     def reset(self) -> None:
@@ -319,8 +332,6 @@ class FlexImpl:
     def _eager_call(self, q, k_pages, v_pages, md: FlexMetadata, output, start: int, stop: int, *,
                     restrict: bool) -> None:
         """Tokens [start, stop) over the pages their query blocks list (``restrict``: and their requests map)."""
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
         qb, ps = md.q_block_size, md.kv_block_size
         first, last = start // qb, -(-stop // qb)
         counts = md.kv_num_blocks[first:last].to(torch.int64)
@@ -358,14 +369,19 @@ class FlexImpl:
         def mask_mod(b, h, q_idx, kv_idx):
             return paged(b, h, q_idx % tokens, kv_idx)
 
-        q_blocks = -(-(group * tokens) // qb)
-        mask = BlockMask.from_kv_blocks(
-            torch.full((1, 1, q_blocks), width, dtype=torch.int32, device=pages.device),
-            torch.arange(width, dtype=torch.int32, device=pages.device).expand(1, 1, q_blocks, width).contiguous(),
-            BLOCK_SIZE=(qb, ps), mask_mod=mask_mod, seq_lengths=(group * tokens, width * ps),
-            compute_q_blocks=False)
-        kwargs = dict(self._kwargs(), enable_gqa=False)
-        out = _flex_untraced(flex_attention, folded, keys, values, block_mask=mask, **kwargs)
+        if self.eager_impl == "kvdbg":
+            out = eager_math(folded, keys, values, mask_mod, scale=float(self.meta.layer.scale))
+        else:
+            from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+            q_blocks = -(-(group * tokens) // qb)
+            mask = BlockMask.from_kv_blocks(
+                torch.full((1, 1, q_blocks), width, dtype=torch.int32, device=pages.device),
+                torch.arange(width, dtype=torch.int32, device=pages.device).expand(1, 1, q_blocks, width).contiguous(),
+                BLOCK_SIZE=(qb, ps), mask_mod=mask_mod, seq_lengths=(group * tokens, width * ps),
+                compute_q_blocks=False)
+            kwargs = dict(self._kwargs(), enable_gqa=False)
+            out = _flex_untraced(flex_attention, folded, keys, values, block_mask=mask, **kwargs)
         output[start:stop].copy_(out.reshape(hq, tokens, d).permute(1, 0, 2))
         self.calls += 1
 
@@ -439,6 +455,54 @@ def _untraced_env():
     yield None
 
 
+def eager_math(query, key, value, mask_mod: Callable, scale: float):
+    """flex_attention's unfused eager arithmetic, evaluated here: no flex_attention call, no Dynamo.
+
+    ``query`` [1, H, L, D], ``key``/``value`` [1, H, S, D] (heads already
+    matched: the caller folds GQA into the query axis). The operations are the
+    ones torch's eager flex_attention runs, in its order and precisions::
+
+        scores = (q.float() @ k.float()^T) * scale          fp32 (fp64 for an fp64 query)
+        scores[~mask_mod(b, h, q_idx, kv_idx)] = -inf
+        P      = safe_softmax(scores)                       a row that keeps no key: all zeros
+        out    = P.to(q.dtype) @ v.to(q.dtype)              probabilities rounded to the model dtype
+
+    Torch evaluates the mask_mod under vmap with Dynamo's index transform; a
+    mask_mod written with tensor indexing (kvdbg's are) gives the same mask
+    evaluated once over broadcast index grids ``q_idx`` [L, 1], ``kv_idx``
+    [1, S]. tests/test_flex.py checks the result against torch's eager call.
+    """
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    scores = query.to(work) @ key.to(work).transpose(-2, -1)
+    scores = (scores * scale).to(work)
+    rows, cols = scores.shape[-2:]
+    device = scores.device
+    zero = torch.zeros((), dtype=torch.int64, device=device)  # batch and head: the mask does not use them
+    keep = mask_mod(zero, zero, torch.arange(rows, device=device).unsqueeze(1),
+                    torch.arange(cols, device=device).unsqueeze(0))
+    scores = torch.where(keep, scores, torch.tensor(float("-inf"), dtype=work, device=device))
+    return _safe_softmax(scores).to(query.dtype) @ value.to(query.dtype)
+
+
+def _safe_softmax(scores):
+    """Softmax over the last axis with rows of only -inf giving zeros (torch's ``_safe_softmax``)."""
+    op = getattr(torch, "_safe_softmax", None)
+    if op is not None:
+        return op(scores, dim=-1)
+    empty = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    return torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)
+
+
+def _resolve_eager(options: ReplayOptions) -> str:
+    """Who evaluates eager steps: KVDBG_FLEX_EAGER when set, else kvdbg on CUDA and torch on CPU."""
+    forced = os.environ.get(FLEX_EAGER_ENV, "").strip().lower()
+    if forced:
+        if forced not in EAGER_IMPLS:
+            raise OptionError(f"{FLEX_EAGER_ENV}={forced!r}: choose {' or '.join(EAGER_IMPLS)}")
+        return forced
+    return "kvdbg" if options.device.startswith("cuda") else "torch"
+
+
 def _resolve_compile(options: ReplayOptions) -> bool | None:
     """True/False when asked; on CPU eager (compiled CPU flex costs more than it saves on one step);
     on CUDA None: each step picks by size (FlexImpl.forward)."""
@@ -453,7 +517,7 @@ class FlexInstance:
         self.options = options
         self.output_dtype = getattr(torch, meta.layer.dtype)
         self.builder = FlexBuilder(meta, options.flex_q_block or Q_BLOCK_SIZE)
-        self.impl = FlexImpl(meta, options, _resolve_compile(options))
+        self.impl = FlexImpl(meta, options, _resolve_compile(options), _resolve_eager(options))
 
     @property
     def compiled(self) -> bool:
@@ -474,16 +538,24 @@ class FlexInstance:
                          f"--compile or --no-compile decides instead")
         if self.compiled and self.impl.compile_cache is not None:
             notes.append(_compile_cache_note(*self.impl.compile_cache))
-        if not self.compiled:
-            notes.append("eager flex_attention (torch's unfused implementation, called without a Dynamo trace), "
-                         "each call over a compact cache of only the pages its query blocks' BlockMask rows "
-                         "list (the pages the compiled kernel reads)")
-            if self.impl.calls > 1:
-                notes.append(f"{self.impl.calls} eager calls (request chunks) to bound memory")
+        pages = ("each call over a compact cache of only the pages its query blocks' BlockMask rows list "
+                 "(the pages the compiled kernel reads)")
+        kernel = f"flex_attention ({mode})"
+        if not self.compiled and self.impl.eager_impl == "kvdbg":
+            kernel = EAGER_MATH_KERNEL
+            notes.append(f"eager: torch's flex_attention not called; kvdbg runs the operations of its unfused "
+                         f"implementation (fp32 scores x scale, the mask_mod over index grids, safe softmax, "
+                         f"probabilities in {layer.dtype} @ V), which need no Dynamo import, {pages}; "
+                         f"{FLEX_EAGER_ENV}=torch calls torch's instead")
+        elif not self.compiled:
+            notes.append(f"eager flex_attention (torch's unfused implementation, called without a Dynamo trace), "
+                         f"{pages}")
+        if not self.compiled and self.impl.calls > 1:
+            notes.append(f"{self.impl.calls} eager calls (request chunks) to bound memory")
         if layer.is_fp8:
             notes.append(f"FP8 KV cache: vLLM's FLEX_ATTENTION rejects quantized caches; kvdbg dequantises "
                          f"query/K/V with the q/k/v scales to {layer.dtype} and runs flex on that")
-        return RunInfo(backend="flex", kernel=f"flex_attention ({mode})", device=self.options.device,
+        return RunInfo(backend="flex", kernel=kernel, device=self.options.device,
                        dtype=layer.dtype, emulated=False, compiled=self.compiled, notes=notes)
 
     def findings(self, common: CommonMetadata, md: FlexMetadata) -> list[Finding]:

@@ -199,3 +199,19 @@ def test_kernel_leaves_out_exactly_the_requests_undefined_codes_names(mask_type)
                   out=out, max_kv_len=max_kv_len)
     written = ~out.isnan().flatten(1).all(dim=1).cpu()
     assert torch.equal(written, expected_written), (width, codes.tolist())
+
+
+@pytest.mark.parametrize("emulation", ["triton", "torch"])
+def test_written_tokens_on_cuda_name_the_requests_the_emulation_left_out(emulation, monkeypatch):
+    """written_tokens scans a host copy of the handed metadata; it names the rows the device left unwritten."""
+    from kvdbg.backends.base import ReplayOptions
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
+    from kvdbg.replayer.runner import replay
+
+    snap = synth_snapshot(SynthSpec(query_lens=(1, 7), seq_lens=(2, 40), causal=True, num_heads=4, num_kv_heads=2,
+                                    head_size=64, backend="FLASHINFER_TS", engine_output="reference"))
+    monkeypatch.setenv("KVDBG_EMULATION", emulation)
+    on_cuda = replay(snap, ["flashinfer_ts"], ReplayOptions(device="cuda")).steps[0].runs["flashinfer_ts"]
+    on_cpu = replay(snap, ["flashinfer_ts"], ReplayOptions()).steps[0].runs["flashinfer_ts"]
+    assert on_cuda.written.tolist() == on_cpu.written.tolist() == [False] * 4 + [True] * 4
+    assert torch.equal(on_cuda.output.isnan().flatten(1).all(dim=1).cpu(), ~on_cuda.written)

@@ -150,11 +150,21 @@ def test_flex_on_cuda_picks_eager_for_a_small_step_and_compiled_for_a_big_one(mo
     snap = synth_snapshot(SynthSpec(query_len=4, sliding_window=64, seq_lens=(9, 77, 200, 1333)))
     _, step, comparison = _run(snap, device="cuda")
     info = step.runs["flex"].info
-    assert not info.compiled and info.kernel == "flex_attention (eager)" and comparison.passed
+    assert not info.compiled and info.kernel == flex_module.EAGER_MATH_KERNEL and comparison.passed
     assert any("chosen by size" in note for note in info.notes)
     monkeypatch.setattr(flex_module, "COMPILE_ABOVE_SCORES", 0)
     _, step, comparison = _run(snap, device="cuda")
     assert step.runs["flex"].info.compiled and comparison.passed
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kvdbg_eager_math_on_cuda_equals_torchs_eager_call(monkeypatch):
+    snap = synth_snapshot(SynthSpec(query_lens=(17, 9, 30, 5), seq_lens=(40, 77, 200, 333), sliding_window=64))
+    runs = {impl: _flex_run(snap, impl, monkeypatch, device="cuda", compile=False) for impl in EAGER_KERNELS}
+    for impl, kernel in EAGER_KERNELS.items():
+        assert runs[impl].info.kernel == kernel and runs[impl].info.device == "cuda"
+    assert_close_ulps(runs["kvdbg"].output, runs["torch"].output)
 
 
 def test_cpu_flex_stays_eager_unless_asked():
@@ -325,3 +335,112 @@ print("RESTORED", torch_flex.setup_compilation_env is own_env)
 print("EQUAL", torch.equal(light, moded))
 """)
     assert out.split("\n")[-5:] == ["DEBUGGING False", "DEBUGGING True", "RESTORED True", "EQUAL True", ""], out
+
+
+# --------------------------------------------------------------------------- who evaluates an eager step
+
+EAGER_KERNELS = {"torch": "flex_attention (eager)", "kvdbg": flex_module.EAGER_MATH_KERNEL}
+
+
+def _flex_run(snap, impl, monkeypatch, **options):
+    monkeypatch.setenv(flex_module.FLEX_EAGER_ENV, impl)
+    return _run(snap, **options)[1].runs["flex"]
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_kvdbg_eager_math_equals_torchs_eager_call(name, monkeypatch):
+    """kvdbg's evaluation runs torch's eager operations: the same output, and the column says which ran."""
+    snap = synth_snapshot(SynthSpec(**SPECS[name]))
+    runs = {impl: _flex_run(snap, impl, monkeypatch) for impl in EAGER_KERNELS}
+    for impl, kernel in EAGER_KERNELS.items():
+        assert runs[impl].info.kernel == kernel and not runs[impl].info.compiled
+    assert any("torch's flex_attention not called" in note and "KVDBG_FLEX_EAGER=torch" in note
+               for note in runs["kvdbg"].info.notes)
+    assert torch.isfinite(runs["kvdbg"].output).all()
+    assert_close_ulps(runs["kvdbg"].output, runs["torch"].output)
+
+
+def test_kvdbg_eager_math_equals_torchs_eager_call_one_query_block_a_call(monkeypatch):
+    snap = synth_snapshot(SynthSpec(query_lens=(17, 9, 30, 5), seq_lens=(40, 77, 200, 333), sliding_window=40))
+    monkeypatch.setattr(flex_module, "EAGER_SCORE_BUDGET_BYTES", 1)
+    runs = {impl: _flex_run(snap, impl, monkeypatch) for impl in EAGER_KERNELS}
+    assert runs["kvdbg"].info.kernel == flex_module.EAGER_MATH_KERNEL
+    assert any("eager calls (request chunks)" in note for note in runs["kvdbg"].info.notes)
+    assert_close_ulps(runs["kvdbg"].output, runs["torch"].output)
+
+
+def test_kvdbg_eager_math_is_poisoned_by_a_nan_page_as_torchs_call_is(nan_k_snapshot, monkeypatch):
+    """A NaN in a listed page reaches the tokens that mask it (0 x NaN in P @ V) through both evaluations."""
+    from kvdbg import load_snapshot
+
+    snap = load_snapshot(nan_k_snapshot)
+    runs = {impl: _flex_run(snap, impl, monkeypatch) for impl in EAGER_KERNELS}
+    nan = runs["torch"].output.isnan()
+    assert nan.any() and torch.equal(runs["kvdbg"].output.isnan(), nan)
+    assert_close_ulps(runs["kvdbg"].output[~nan], runs["torch"].output[~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_eager_math_matches_flex_attention_with_fully_masked_rows(dtype):
+    """Rows whose mask keeps no key come out zero (safe softmax); fp64 inputs keep fp64 scores."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen).to(dtype) for n in (24, 40, 40))
+
+    def mask_mod(b, h, q_idx, kv_idx):  # rows 0..3 see nothing; the rest a causal band of 8
+        return (q_idx >= 4) & (kv_idx <= q_idx + 16) & (kv_idx > q_idx + 8)
+
+    ours = flex_module.eager_math(q, k, v, mask_mod, scale=0.3)
+    block_mask = create_block_mask(mask_mod, 1, 1, 24, 40, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = flex_attention(q, k, v, block_mask=block_mask, scale=0.3)
+    assert ours.dtype == dtype and torch.equal(ours[:, :, :4], torch.zeros_like(ours[:, :, :4]))
+    assert_close_ulps(ours, theirs)
+
+
+def test_eager_evaluator_is_kvdbg_on_cuda_torch_on_cpu_unless_the_environment_says(monkeypatch):
+    from kvdbg.errors import OptionError
+
+    monkeypatch.delenv(flex_module.FLEX_EAGER_ENV, raising=False)
+    assert flex_module._resolve_eager(ReplayOptions(device="cpu")) == "torch"
+    assert flex_module._resolve_eager(ReplayOptions(device="cuda:1")) == "kvdbg"
+    monkeypatch.setenv(flex_module.FLEX_EAGER_ENV, " Torch")
+    assert flex_module._resolve_eager(ReplayOptions(device="cuda")) == "torch"
+    monkeypatch.setenv(flex_module.FLEX_EAGER_ENV, "kvdbg")
+    assert flex_module._resolve_eager(ReplayOptions(device="cpu")) == "kvdbg"
+    monkeypatch.setenv(flex_module.FLEX_EAGER_ENV, "fast")
+    with pytest.raises(OptionError, match="KVDBG_FLEX_EAGER='fast': choose torch or kvdbg"):
+        flex_module._resolve_eager(ReplayOptions(device="cpu"))
+    result = replay(synth_snapshot(SynthSpec(query_len=2)), ["reference", "flex"], ReplayOptions())
+    status = {s.name: s for s in result.backends}
+    assert not status["flex"].available and "KVDBG_FLEX_EAGER='fast'" in status["flex"].reason
+
+
+@pytest.mark.parametrize("impl", ["kvdbg", "torch"])
+def test_kvdbg_eager_math_replays_without_importing_dynamo(impl):
+    """What a small replay's flex column costs a process: torch's eager call imports Dynamo, Inductor's IR
+    and sympy (seconds where torch has no bytecode cache); kvdbg's evaluation none of them."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    code = ("import sys, kvdbg\n"
+            "report = kvdbg.replay('fixtures/dflash.safetensors', ['flex'])\n"
+            "print('KERNEL', [s.info.kernel for s in report.result.backends if s.name == 'flex'][0])\n"
+            "print('MODULES', ' '.join(m for m in ('torch._dynamo', 'torch._inductor', 'sympy') "
+            "if m in sys.modules))\n")
+    env = dict(os.environ, **{flex_module.FLEX_EAGER_ENV: impl})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env=env).stdout.splitlines()
+    assert out[-2] == f"KERNEL {EAGER_KERNELS[impl]}"
+    heavy = out[-1].split()[1:]
+    if impl == "kvdbg":
+        assert heavy == []
+    else:  # the check sees the import when there is one
+        assert "torch._dynamo" in heavy
