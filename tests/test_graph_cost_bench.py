@@ -14,7 +14,7 @@ from kvdbg.capture.config import CaptureConfig
 from kvdbg.sentinel.config import SentinelConfig
 from tests.helpers import ROOT
 from tests.test_vllm_plugin import (  # noqa: F401  (fixtures)
-    StandinEngine, _Batch, _padded, _padded_inputs, _record_graph, _run_as_graph, clean, enable, snapshots, standins
+    StandinEngine, _padded, _padded_inputs, _record_graph, _run_as_graph, clean, enable, snapshots, standins
 )
 
 
@@ -98,6 +98,9 @@ def test_every_line_met_exits_0_and_a_failed_part_exits_2():
     assert "sentinel: the figure sentinel could not be computed" in problems
     del records["baseline2"]
     assert "baseline2: no record" in gc.verdict(parts, records, gc.figures(records))[1]
+    records = _records(hooks_added=40.0)
+    records["baseline2"] = {"problems": [], "skipped": "skipped: 40 s of the budget left, ~70 s needed"}
+    assert gc.verdict(parts, records, gc.figures(records))[0] == 0  # the figures stand on the first baseline
 
 
 def test_over_a_line_is_said(capsys):

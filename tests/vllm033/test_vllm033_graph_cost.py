@@ -38,7 +38,8 @@ model = bench.write_model(os.environ["SCRATCH"] + "/model", 8)
 config = EngineArgs(**bench.engine_arguments(model, 64, 128, 128)).create_engine_config()
 c = config.compilation_config
 print("CONFIG " + json.dumps({
-    "mode": str(c.cudagraph_mode), "sizes": list(c.cudagraph_capture_sizes), "async": config.scheduler_config.async_scheduling,
+    "mode": str(c.cudagraph_mode), "sizes": list(c.cudagraph_capture_sizes),
+    "async": config.scheduler_config.async_scheduling,
     "max_model_len": config.model_config.max_model_len, "batched": config.scheduler_config.max_num_batched_tokens,
     "seqs": config.scheduler_config.max_num_seqs, "blocks": config.cache_config.num_gpu_blocks_override,
     "load": str(config.load_config.load_format), "layers": config.model_config.hf_config.num_hidden_layers,
