@@ -1,0 +1,928 @@
+"""What capture and the sentinel cost a vLLM engine whose decode steps run as full CUDA graphs, in one run.
+
+Usage (the GPU machine: tests/gpu/run_graph_cost.sh puts vLLM 0.33's sources and stand-ins on the path):
+    bash tests/gpu/run_graph_cost.sh OUT [--parts baseline,armed,wanted,sentinel,hooks,baseline2] [--budget 330]
+The hooks' Python alone, on any machine (the tests' vLLM stand-ins, no GPU, no vLLM):
+    python bench/graph_cost.py OUT --parts hooks
+
+Three figures, each against its line:
+
+- **armed, no step wanted**: decode step time with capture switched on (``KVDBG_CAPTURE_DIR`` set) and its
+  step filter on a step not reached, against the engine with kvdbg absent: <= 1.02x;
+- **a wanted step**: what capturing one whole step (every layer) adds to the engine's thread, <= 50 us, and
+  to the device, <= 1.5x the step's bytes copied at the device-to-host bandwidth measured in the same run;
+- **sentinel at 0.01**: decode step time with ``KVDBG_SENTINEL=0.01`` alone, against kvdbg absent: <= 1.01x.
+
+How: each engine is a process of its own (vLLM's engine core and graphs are per process): vLLM 0.33 in-process
+(``LLM``), TRITON_ATTN, ``cudagraph_mode=FULL_DECODE_ONLY`` with one graph of ``--batch`` tokens, a Llama of
+``--layers`` layers (hidden 4096, 32 query / 8 KV heads of 128, MLP 14336, bfloat16) with vLLM's random
+``load_format="dummy"`` weights. Every round serves ``--batch`` new prompts of ``--prompt`` tokens for
+``--decode`` tokens each (greedy, no early stop): one prefill step, then decode steps of the whole batch,
+each one replay of the graph. The bench times (its own wrappers, the same in every engine): each engine step
+(``LLMEngine.step``, wall), each graph replay on the device (CUDA events around ``CUDAGraph.replay``) and, with
+kvdbg, each of the plugin's hooks a graph step runs (``after_build``, ``graph_call``, ``before_graph_replay``,
+``after_graph_replay``; wall). A round's step time is the mean wall time of its decode steps (the two first and
+two last left out); a figure is the median over rounds, against the median of the kvdbg-absent rounds. A
+second kvdbg-absent engine at the end (``baseline2``) says how much two processes of the same engine differ.
+
+The wanted step, in the capture engine after its armed rounds: one round to warm up (pinned buffers are
+allocated for the first capture), then rounds with one wanted decode step each (the filter set to that step
+of every layer; the writer idle before it). Engine's thread: the hooks' time in the wanted step, less the
+median of the round's other decode steps. Device: in other rounds, a sleep kernel is queued before the
+wanted step's capture hook, so that the device is still busy when the hook has issued every copy; the time
+from an event recorded after the sleep to the end of the copies (events on the engine's stream and on
+kvdbg's side stream) is the copies' device time, against the step's bytes (pages, query, output, metadata)
+over the device-to-host bandwidth of a 256 MiB copy into pinned memory, measured in the same process.
+
+Prints a line per part, the figures against their lines, and one line ``GCOST-SUMMARY {json}``. Writes
+OUT/records/PART.json (each part's raw record) and OUT/logs/PART.log; snapshots go to ``--scratch`` and are
+deleted once counted. Exit 0: every part ran, every check passed and every figure is within its line; 1: every
+part ran and every check passed, a figure is over its line; 2: a part failed or a check did not pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The issue's lines.
+ARMED_LINE = 1.02  # step time, armed with no step wanted / kvdbg absent
+WANTED_ENGINE_US_LINE = 50.0  # engine's thread added by a wanted step (all layers)
+WANTED_DEVICE_LINE = 1.5  # device time added / the step's bytes at the measured device-to-host bandwidth
+SENTINEL_LINE = 1.01  # step time, sentinel at 0.01 / kvdbg absent
+
+PARTS = ("baseline", "armed", "wanted", "sentinel", "hooks", "baseline2")
+ENGINE_KIND = {"baseline": "absent", "armed": "capture", "wanted": "capture", "sentinel": "sentinel",
+               "baseline2": "absent"}
+SENTINEL_RATE = "0.01"
+# A step the capture filter names while "armed": never reached in a run.
+UNREACHED_STEP = 10**15
+KVDBG_HOOKS = ("after_build", "graph_call", "before_graph_replay", "after_graph_replay")
+# vLLM's IR ops on its native torch implementations (its compiled kernels are not carried): as the engine stage.
+NATIVE_IR_OPS = {"rms_norm": ["native"], "fused_add_rms_norm": ["native"], "gelu_and_mul_sparse": ["native"]}
+# Steps after a wanted one whose wall time beyond the round's median is reported with it.
+FOLLOWING_STEPS = 8
+RECORD_PREFIX = "GCOST-RECORD "
+SUMMARY_PREFIX = "GCOST-SUMMARY "
+RECORD_PATH_VARIABLE = "GCOST_RECORD_PATH"  # where a part's process writes its record (no KVDBG_ prefix: the hooks
+# part clears kvdbg's variables between its configurations)
+
+
+# --------------------------------------------------------------------------- the model and the engine
+
+
+def model_config(layers: int) -> dict:
+    """A Llama of realistic widths (Llama-3-8B's attention and MLP), ``layers`` deep; random weights."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": layers, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32000, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    }
+
+
+def write_model(directory: str, layers: int) -> str:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as fh:
+        json.dump(model_config(layers), fh, indent=1)
+    return directory
+
+
+def engine_sizes(batch: int, prompt: int, decode: int, page: int = 16) -> dict:
+    """The engine's limits for rounds of ``batch`` requests of ``prompt + decode`` tokens: every prefill in one
+    step, the cache a little larger than one round needs (no preemption)."""
+    max_model_len = -(-(prompt + decode + 8) // page) * page
+    return {"max_model_len": max_model_len, "max_num_seqs": batch,
+            "max_num_batched_tokens": max(batch * prompt, max_model_len, 2048),
+            "num_gpu_blocks_override": batch * (max_model_len // page) + 64}
+
+
+def kind_environment(kind: str, scratch: str) -> dict[str, str]:
+    """The variables an engine process of ``kind`` runs with (on top of the harness's)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: its hooks are timed here
+           "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    if kind == "capture":
+        env.update(KVDBG_CAPTURE_DIR=os.path.join(scratch, "capture"), KVDBG_CAPTURE_STEPS=str(UNREACHED_STEP),
+                   KVDBG_CAPTURE_MAX="unlimited", KVDBG_CAPTURE_MAX_BYTES="unlimited")
+    elif kind == "sentinel":
+        env.update(KVDBG_SENTINEL=SENTINEL_RATE, KVDBG_SENTINEL_DIR=os.path.join(scratch, "sentinel"),
+                   KVDBG_SENTINEL_SEED="0")
+    elif kind == "absent":
+        env["VLLM_PLUGINS"] = plugins_without_kvdbg()
+    return env
+
+
+def plugins_without_kvdbg() -> str:
+    """``VLLM_PLUGINS`` naming every vLLM plugin installed but kvdbg's: vLLM loads kvdbg's not at all."""
+    import importlib.metadata as metadata
+
+    names = sorted({ep.name for dist in metadata.distributions() for ep in dist.entry_points
+                    if ep.group.startswith("vllm.") and ep.name != "kvdbg"})
+    return ",".join(names) or "none"
+
+
+def engine_arguments(model_dir: str, batch: int, prompt: int, decode: int) -> dict:
+    """vLLM's engine arguments: random weights, TRITON_ATTN, one full CUDA graph of ``batch`` decode tokens, vLLM's
+    torch-native ops (custom_ops none, no compilation: its compiled kernels are not carried), no prefix cache."""
+    compilation = {"custom_ops": ["none"], "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                   "cudagraph_capture_sizes": [batch]}
+    return dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", block_size=16,
+                enable_prefix_caching=False, seed=0, gpu_memory_utilization=0.5, attention_backend="TRITON_ATTN",
+                compilation_config=compilation, kernel_config={"ir_op_priority": NATIVE_IR_OPS},
+                **engine_sizes(batch, prompt, decode))
+
+
+def make_llm(model_dir: str, batch: int, prompt: int, decode: int):
+    from vllm import LLM
+
+    return LLM(**engine_arguments(model_dir, batch, prompt, decode))
+
+
+def prompts(round_index: int, batch: int, length: int, vocab: int = 32000) -> list[dict]:
+    import random
+
+    rng = random.Random(1000 + round_index)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for _ in range(batch)]
+
+
+# --------------------------------------------------------------------------- timing wrappers (the bench's own)
+
+
+def _new_step() -> dict:
+    return {"wall_ns": 0, "replays": 0, "graph_events": [], "hooks": {}, "inner": {}, "replayed_step": None,
+            "copied": False, "captured_bytes": 0, "captures": 0, "device_mark": None}
+
+
+class Timing:
+    """The bench's wrappers: engine steps, graph replays on the device, kvdbg's hooks. Records only in rounds."""
+
+    def __init__(self):
+        self.current: dict | None = None
+        self.steps: list[dict] = []
+        self.recording = False
+        self._events: list = []
+        self.device_steps: set[int] = set()  # steps (a layer's forward count) whose capture is device-timed
+        self.sleep_cycles = 0
+        self._replaced: list[tuple[object, str, object]] = []
+
+    def _replace(self, owner, name: str, wrapper) -> None:
+        self._replaced.append((owner, name, owner.__dict__.get(name) if isinstance(owner, type) else None))
+        setattr(owner, name, wrapper)
+
+    def restore(self) -> None:
+        """Put back what :meth:`install_graphs` and :meth:`install_kvdbg` replaced (an engine's step stays)."""
+        for owner, name, original in reversed(self._replaced):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._replaced.clear()
+
+    # engine steps
+    def install_steps(self, engine) -> None:
+        original = engine.step
+        timing = self
+
+        def step(*args, **kwargs):
+            if not timing.recording:
+                return original(*args, **kwargs)
+            record = timing.current = _new_step()
+            start = time.perf_counter_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                record["wall_ns"] = time.perf_counter_ns() - start
+                timing.steps.append(record)
+                timing.current = None
+
+        engine.step = step
+
+    # graph replays
+    def install_graphs(self) -> None:
+        import torch
+
+        graph_cls = torch.cuda.CUDAGraph
+        original = graph_cls.replay
+        timing = self
+
+        def replay(graph, *args, **kwargs):
+            record = timing.current
+            if record is None:
+                return original(graph, *args, **kwargs)
+            start, end = timing._take_events()
+            start.record()
+            result = original(graph, *args, **kwargs)
+            end.record()
+            record["graph_events"].append((start, end))
+            record["replays"] += 1
+            return result
+
+        self._replace(graph_cls, "replay", replay)
+
+    def _take_events(self):
+        import torch
+
+        if len(self._events) < 2:
+            return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        return self._events.pop(), self._events.pop()
+
+    def begin_round(self, expected_steps: int) -> None:
+        import torch
+
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * expected_steps + 64)]
+        self.steps = []
+        self.recording = True
+
+    def end_round(self) -> list[dict]:
+        import torch
+
+        self.recording = False
+        torch.cuda.synchronize()
+        for record in self.steps:
+            record["graph_ms"] = [s.elapsed_time(e) for s, e in record.pop("graph_events")]
+            mark = record.pop("device_mark")
+            if mark is not None:
+                start, engine_end, side_end, caught_up = mark
+                record["device"] = {"engine_ms": start.elapsed_time(engine_end), "side_ms": _elapsed(start, side_end),
+                                    "device_caught_up": caught_up}
+        return self.steps
+
+    # kvdbg's hooks
+    def install_kvdbg(self) -> None:
+        import torch
+
+        from kvdbg.capture.capturer import Capturer
+        from kvdbg.vllm_plugin import state as plugin_state
+
+        timing = self
+        cls = plugin_state._PluginState
+        for name in KVDBG_HOOKS:
+            if name != "after_graph_replay":
+                self._replace(cls, name, _timed(timing, name, getattr(cls, name), "hooks"))
+        replay_hook = cls.after_graph_replay
+
+        def after_graph_replay(state, batch, *args, **kwargs):
+            record = timing.current
+            slots = state._graph_layers.get(batch)
+            step = state._forward_counts.get(slots[0].name, 0) if slots else None
+            device_timed = record is not None and step is not None and step in timing.device_steps
+            if device_timed:
+                torch.cuda._sleep(timing.sleep_cycles)  # the device stays busy while the hook issues its copies
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+            began = time.perf_counter_ns()
+            copied = replay_hook(state, batch, *args, **kwargs)
+            spent = time.perf_counter_ns() - began
+            if record is not None:
+                record["hooks"]["after_graph_replay"] = record["hooks"].get("after_graph_replay", 0) + spent
+                record["replayed_step"], record["copied"] = step, bool(copied)
+                if device_timed:
+                    record["device_mark"] = _device_mark(start)
+            return copied
+
+        self._replace(cls, "after_graph_replay", after_graph_replay)
+        self._replace(Capturer, "begin", _timed(timing, "begin", Capturer.begin, "inner"))
+        finish = _timed(timing, "finish", Capturer.finish, "inner")
+
+        def finish_counting(capturer, pending, *args, **kwargs):
+            record = timing.current
+            if record is not None and pending is not None:
+                plan = pending.plan
+                record["captured_bytes"] += plan.lower_bound_bytes + plan.output_bytes
+                record["captures"] += 1
+            return finish(capturer, pending, *args, **kwargs)
+
+        self._replace(Capturer, "finish", finish_counting)
+
+
+def _elapsed(start, end) -> float | None:
+    """Milliseconds from ``start`` to ``end``; None when CUDA will not say (``end`` on an idle stream may have
+    completed before ``start``: capture then queued nothing there)."""
+    try:
+        value = start.elapsed_time(end)
+    except RuntimeError:
+        return None
+    return value if value >= 0 else None
+
+
+def _timed(timing: Timing, name: str, original, where: str):
+    def timed(*args, **kwargs):
+        record = timing.current
+        if record is None:
+            return original(*args, **kwargs)
+        began = time.perf_counter_ns()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            record[where][name] = record[where].get(name, 0) + time.perf_counter_ns() - began
+
+    return timed
+
+
+def _device_mark(start):
+    """Events after the hook: on the engine's stream and on kvdbg's side stream (its pages' copies to the host)."""
+    import torch
+
+    from kvdbg.capture.buffers import _side_stream
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    engine_end = torch.cuda.Event(enable_timing=True)
+    engine_end.record()
+    side_end = torch.cuda.Event(enable_timing=True)
+    side_end.record(_side_stream(device))
+    return start, engine_end, side_end, start.query()  # query: the device already reached the start
+
+
+def cycles_per_us() -> float:
+    """The sleep kernel's clock, measured: cycles per microsecond."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)
+    start.record()
+    torch.cuda._sleep(50_000_000)
+    end.record()
+    end.synchronize()
+    return 50_000_000 / (start.elapsed_time(end) * 1e3)
+
+
+def d2h_bandwidth(nbytes: int = 256 * 1024**2, repeats: int = 5) -> dict:
+    """Device-to-host copies of ``nbytes`` into pinned memory (the first one left out): GB/s, median and range."""
+    import torch
+
+    source = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
+    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for i in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source, non_blocking=True)
+        end.record()
+        end.synchronize()
+        if i:
+            rates.append(nbytes / (start.elapsed_time(end) * 1e-3) / 1e9)
+    del source, target
+    return {"bytes": nbytes, "gb_s": statistics.median(rates), "min_gb_s": min(rates), "max_gb_s": max(rates)}
+
+
+# --------------------------------------------------------------------------- rounds and what they show
+
+
+def decode_window(steps: list[dict]) -> list[dict]:
+    """The decode steps of a round that replayed the graph once, the two first and two last left out."""
+    graph_steps = [s for s in steps if s.get("replays") == 1]
+    return graph_steps[2:-2] if len(graph_steps) >= 12 else graph_steps
+
+
+def hooks_ns(step: dict) -> int:
+    return sum(step.get("hooks", {}).values())
+
+
+def summarize_round(steps: list[dict]) -> dict:
+    """One round: its decode steps' wall time (mean and median), graph device time, kvdbg's hooks per step."""
+    window = decode_window(steps)
+    if not window:
+        return {"steps": len(steps), "decode_steps": 0}
+    walls = [s["wall_ns"] / 1e6 for s in window]
+    graphs = [s["graph_ms"][0] for s in window if s.get("graph_ms")]
+    return {"steps": len(steps), "decode_steps": len(window), "step_ms": statistics.fmean(walls),
+            "step_ms_median": statistics.median(walls),
+            "graph_ms": statistics.median(graphs) if graphs else None,
+            "hooks_us": statistics.median(hooks_ns(s) / 1e3 for s in window),
+            "hooks_us_mean": statistics.fmean(hooks_ns(s) / 1e3 for s in window),
+            "hooks_us_max": max(hooks_ns(s) / 1e3 for s in window),
+            "hooks_us_by_name": {name: statistics.median(s["hooks"].get(name, 0) / 1e3 for s in window)
+                                 for name in KVDBG_HOOKS},
+            # Means apart: a step the sentinel checked, and the next one's collecting its check, are rare and dear.
+            "hooks_us_mean_by_name": {name: statistics.fmean(s["hooks"].get(name, 0) / 1e3 for s in window)
+                                      for name in KVDBG_HOOKS}}
+
+
+def summarize_wanted(steps: list[dict], wanted: int) -> dict:
+    """A round with one wanted step: what it added to the engine's thread (hooks, and the step's wall time),
+    its bytes, and (when device-timed) its copies' device time; against the round's other decode steps."""
+    window = decode_window(steps)
+    hits = [s for s in steps if s.get("replayed_step") == wanted]
+    others = [s for s in window if s.get("replayed_step") != wanted and not s.get("copied")]
+    out = {"wanted_step": wanted, "found": bool(hits), "copied": bool(hits and hits[0].get("copied"))}
+    if not hits or not others:
+        return out
+    hit = hits[0]
+    base_hooks = statistics.median(hooks_ns(s) for s in others)
+    base_wall = statistics.median(s["wall_ns"] for s in others)
+    # The steps after it: the writer thread now works on the capture, sharing the interpreter's lock.
+    at = next(i for i, s in enumerate(steps) if s is hit)
+    following = steps[at + 1: at + 1 + FOLLOWING_STEPS]
+    out.update(hooks_us=hooks_ns(hit) / 1e3, hooks_added_us=(hooks_ns(hit) - base_hooks) / 1e3,
+               step_ms=hit["wall_ns"] / 1e6, step_added_ms=(hit["wall_ns"] - base_wall) / 1e6,
+               following_added_ms=sum(s["wall_ns"] - base_wall for s in following) / 1e6,
+               inner_us={k: v / 1e3 for k, v in hit.get("inner", {}).items()},
+               captured_bytes=hit.get("captured_bytes", 0), captures=hit.get("captures", 0))
+    if hit.get("device"):
+        device = hit["device"]
+        span = max(device["engine_ms"], device["side_ms"] or 0.0)
+        out["device"] = {**device, "span_ms": span}
+    return out
+
+
+def spread(values: list[float]) -> dict:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return {}
+    return {"median": statistics.median(values), "min": values[0], "max": values[-1], "n": len(values)}
+
+
+def ratio_of_rounds(rounds: list[dict], baseline_rounds: list[dict], key: str = "step_ms") -> dict:
+    """Median over rounds against the baseline's median, and each round's value over that median (its spread)."""
+    mine = [r[key] for r in rounds if r.get(key) is not None]
+    base = [r[key] for r in baseline_rounds if r.get(key) is not None]
+    if not mine or not base:
+        return {}
+    reference = statistics.median(base)
+    return {"ratio": statistics.median(mine) / reference, "rounds": spread([v / reference for v in mine]),
+            "value": statistics.median(mine), "baseline": reference}
+
+
+def figures(records: dict[str, dict]) -> dict:
+    """The three figures (and what stands beside them) from the parts' records; pure, for tests."""
+    out: dict = {}
+    base = records.get("baseline", {}).get("phases", {}).get("rounds", [])
+    base2 = records.get("baseline2", {}).get("phases", {}).get("rounds", [])
+    baseline_rounds = base + base2
+    if base and base2:
+        out["baseline_drift"] = ratio_of_rounds(base2, base)
+    capture = records.get("capture", {}).get("phases", {})
+    if capture.get("armed") and baseline_rounds:
+        step = ratio_of_rounds(capture["armed"], baseline_rounds)
+        out["armed"] = {**step, "line": ARMED_LINE, "met": step.get("ratio", 99) <= ARMED_LINE,
+                        "graph": ratio_of_rounds(capture["armed"], baseline_rounds, "graph_ms"),
+                        "hooks_us": spread([r.get("hooks_us") for r in capture["armed"]]),
+                        "hooks_us_mean": spread([r.get("hooks_us_mean") for r in capture["armed"]])}
+    wanted = capture.get("wanted", [])
+    timed = [w for w in wanted if w.get("role") == "engine" and "hooks_added_us" in w]
+    if timed:
+        added = spread([w["hooks_added_us"] for w in timed])
+        out["wanted_engine"] = {"added_us": added, "line_us": WANTED_ENGINE_US_LINE,
+                                "met": added["median"] <= WANTED_ENGINE_US_LINE,
+                                "step_added_ms": spread([w["step_added_ms"] for w in timed]),
+                                "bytes": spread([w["captured_bytes"] for w in timed]),
+                                "first": next((w for w in wanted if w.get("role") == "warm-up"), None)}
+    device = [w for w in wanted if w.get("role") == "device" and w.get("device")]
+    bandwidth = capture.get("d2h", {}).get("gb_s")
+    if device and bandwidth:
+        ratios = [w["device"]["span_ms"] / (w["captured_bytes"] / (bandwidth * 1e9) * 1e3) for w in device
+                  if w.get("captured_bytes")]
+        if ratios:
+            r = spread(ratios)
+            out["wanted_device"] = {"ratio": r, "line": WANTED_DEVICE_LINE, "met": r["median"] <= WANTED_DEVICE_LINE,
+                                    "span_ms": spread([w["device"]["span_ms"] for w in device]),
+                                    "engine_stream_ms": spread([w["device"]["engine_ms"] for w in device]),
+                                    "copy_at_bandwidth_ms": spread([w["captured_bytes"] / (bandwidth * 1e9) * 1e3
+                                                                    for w in device]),
+                                    "d2h_gb_s": bandwidth,
+                                    "device_caught_up": sum(bool(w["device"]["device_caught_up"]) for w in device)}
+    sentinel = records.get("sentinel", {}).get("phases", {}).get("rounds", [])
+    if sentinel and baseline_rounds:
+        step = ratio_of_rounds(sentinel, baseline_rounds)
+        out["sentinel"] = {**step, "line": SENTINEL_LINE, "met": step.get("ratio", 99) <= SENTINEL_LINE,
+                           "graph": ratio_of_rounds(sentinel, baseline_rounds, "graph_ms"),
+                           "hooks_us": spread([r.get("hooks_us") for r in sentinel]),
+                           "hooks_us_mean": spread([r.get("hooks_us_mean") for r in sentinel]),
+                           "hooks_us_mean_by_name": {name: spread([r.get("hooks_us_mean_by_name", {}).get(name)
+                                                                   for r in sentinel]).get("median")
+                                                     for name in KVDBG_HOOKS},
+                           "counts": records["sentinel"].get("sentinel_counts")}
+    return out
+
+
+EXPECTED_FIGURES = {"armed": "armed", "wanted": ("wanted_engine", "wanted_device"), "sentinel": "sentinel"}
+
+
+def verdict(parts: list[str], records: dict[str, dict], figs: dict) -> tuple[int, list[str], list[str]]:
+    """(exit code, problems, figures over their lines). 2: a part failed or a check did not pass."""
+    problems = []
+    for part in parts:
+        key = "capture" if ENGINE_KIND.get(part) == "capture" else ("hooks" if part == "hooks" else part)
+        record = records.get(key)
+        if record is None:
+            problems.append(f"{part}: no record")
+            continue
+        if record.get("skipped"):  # a part the run may go without (the second baseline), said in the summary
+            continue
+        problems += [f"{part}: {p}" for p in record.get("problems", [])]
+        for name, wanted in EXPECTED_FIGURES.items():
+            if part == name:
+                for fig in (wanted if isinstance(wanted, tuple) else (wanted,)):
+                    if fig not in figs:
+                        problems.append(f"{part}: the figure {fig} could not be computed")
+    problems = list(dict.fromkeys(problems))
+    over = [name for name in ("armed", "wanted_engine", "wanted_device", "sentinel")
+            if name in figs and not figs[name]["met"]]
+    return (2 if problems else 1 if over else 0), problems, over
+
+
+# --------------------------------------------------------------------------- one engine process
+
+
+def run_rounds(llm, timing: Timing, count: int, first_index: int, args) -> list[dict]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=args.decode, temperature=0.0, ignore_eos=True)
+    rounds = []
+    for i in range(count):
+        timing.begin_round(args.decode + 8)
+        llm.generate(prompts(first_index + i, args.batch, args.prompt), params, use_tqdm=False)
+        rounds.append(timing.end_round())
+    return rounds
+
+
+def save(record: dict) -> None:
+    """Write the record so far where the parent reads it: a part stopped at its time limit keeps its phases."""
+    path = os.environ.get(RECORD_PATH_VARIABLE)
+    if path:
+        with open(path + ".tmp", "w") as fh:
+            fh.write(json.dumps(record, default=str))
+        os.replace(path + ".tmp", path)
+
+
+def wanted_phase(llm, timing: Timing, args, record: dict, first_index: int, deadline: float) -> list[dict]:
+    """Rounds with one wanted decode step each: warm-up, engine-timed, device-timed (module docstring); no new
+    round once the part's time is nearly out (each waits for the writer, which the first rounds measure)."""
+    from kvdbg import vllm_plugin
+    from kvdbg.util.ranges import IntRanges
+
+    state = vllm_plugin._state
+    capturer = vllm_plugin.active_capturer()
+    probe = next(iter(state._graph_layers.values()))[0].name  # a layer of the graph: its forward count
+    clock = cycles_per_us()
+    record["sleep_cycles_per_us"] = clock
+    roles = ["warm-up"] + ["engine"] * args.wanted_rounds + ["device"] * args.device_rounds
+    results = record["phases"]["wanted"] = []
+    longest = 0.0
+    for i, role in enumerate(roles):
+        if time.monotonic() + 1.5 * longest + 5 > deadline:
+            record["problems"].append(f"the part's time ran out before the {role} round {i}")
+            break
+        began = time.monotonic()
+        if not capturer.flush(60):
+            record["problems"].append("the writer still had steps after 60 s before a wanted round")
+        wanted = state._forward_counts.get(probe, 0) + args.wanted_offset
+        capturer.reconfigure(steps=IntRanges.of(wanted, "steps"))
+        timing.device_steps = {wanted} if role == "device" else set()
+        engine_us = [w["hooks_us"] for w in results if w.get("role") == "engine" and "hooks_us" in w]
+        sleep_ms = min(300.0, max(20.0, 3 * statistics.median(engine_us) / 1e3 + 5)) if engine_us else 50.0
+        timing.sleep_cycles = int(sleep_ms * 1e3 * clock)
+        before = len(capturer.written)
+        [steps] = run_rounds(llm, timing, 1, first_index + i, args)
+        capturer.reconfigure(steps=IntRanges.of(UNREACHED_STEP, "steps"))
+        flushed = capturer.flush(60)
+        summary = summarize_wanted(steps, wanted)
+        written = capturer.written[before:]
+        summary.update(role=role, sleep_ms=sleep_ms if role == "device" else None, flushed=flushed,
+                       written=len(written), written_for_step=sum(f"-step{wanted}-" in os.path.basename(p)
+                                                                  for p in written),
+                       round=summarize_round(steps))
+        results.append(summary)
+        for path in written:  # counted: the disk is not the measurement's
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        longest = max(longest, time.monotonic() - began)
+        save(record)
+    timing.device_steps = set()
+    return results
+
+
+def engine_child(args) -> dict:
+    kind = args.one
+    record: dict = {"kind": kind, "problems": [], "phases": {}, "pid": os.getpid()}
+    started = time.monotonic()
+    deadline = started + args.child_limit - 10
+    os.environ.update(kind_environment(kind, args.scratch))
+    try:
+        import torch
+
+        record["load_before"] = os.getloadavg()
+        timing = Timing()
+        timing.install_graphs()
+        if kind != "absent":
+            timing.install_kvdbg()
+        model_dir = os.path.join(args.out, "model")
+        llm = make_llm(model_dir, args.batch, args.prompt, args.decode)
+        record["startup_s"] = round(time.monotonic() - started, 1)
+        engine = llm.llm_engine
+        config = engine.vllm_config
+        record["engine"] = {
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "vllm": getattr(sys.modules.get("vllm"), "__version__", "?"),
+            "async_scheduling": getattr(config.scheduler_config, "async_scheduling", None),
+            "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+            "capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or []),
+            "layers": args.layers, "batch": args.batch, "prompt": args.prompt, "decode": args.decode}
+        plugin = sys.modules.get("kvdbg.vllm_plugin")
+        state = getattr(plugin, "_state", None)
+        record["kvdbg_active"] = state is not None
+        if (kind == "absent") == (state is not None):
+            record["problems"].append("kvdbg is active in the baseline engine" if kind == "absent" else
+                                      "kvdbg's plugin is not active in this engine")
+        if state is not None:
+            record["graph_layers"] = {str(k): len(v) for k, v in state._graph_layers.items()}
+            if not state._graph_layers:
+                record["problems"].append("no full CUDA graph was recorded through kvdbg's hooks")
+        timing.install_steps(engine)
+        run_rounds(llm, timing, 1, 0, args)  # warm-up: first launches of the eager prefill's kernels
+        phases = args.phases.split(",")
+        index = 1
+        if kind in ("absent", "sentinel") or "armed" in phases:
+            rounds = run_rounds(llm, timing, args.rounds, index, args)
+            index += args.rounds
+            summaries = [summarize_round(r) for r in rounds]
+            record["phases"]["rounds" if kind != "capture" else "armed"] = summaries
+            if any(s.get("decode_steps", 0) < 8 for s in summaries):
+                record["problems"].append("a round had fewer than 8 decode steps replayed from the graph")
+            save(record)
+        if kind == "capture":
+            capturer = plugin.active_capturer()
+            if "armed" in phases and (capturer.written or capturer.failures):
+                record["problems"].append(f"armed with no step wanted, yet {len(capturer.written)} written, "
+                                          f"failures {dict(capturer.failures)}")
+            if "wanted" in phases:
+                record["phases"]["d2h"] = d2h_bandwidth()
+                wanted = wanted_phase(llm, timing, args, record, index, deadline)
+                for w in wanted:
+                    if not (w.get("copied") and w.get("written_for_step") == args.layers):
+                        record["problems"].append(f"wanted step {w.get('wanted_step')} ({w.get('role')}): "
+                                                  f"copied={w.get('copied')}, {w.get('written_for_step')} of "
+                                                  f"{args.layers} layers written")
+                record["dropped"] = dict(capturer.dropped)
+                record["failures"] = dict(capturer.failures)
+                if capturer.dropped or capturer.failures:
+                    record["problems"].append(f"capture dropped {dict(capturer.dropped)}, failures "
+                                              f"{dict(capturer.failures)}")
+        if kind == "sentinel":
+            counts = dict(state.sentinel.sentinel.counts)
+            record["sentinel_counts"] = counts
+            if not counts.get("checked"):
+                record["problems"].append("the sentinel checked no step")
+            if counts.get("failed") or counts.get("errors"):
+                record["problems"].append(f"the sentinel counted {counts.get('failed', 0)} wrong step(s) and "
+                                          f"{counts.get('errors', 0)} error(s) on a correct engine")
+    except Exception as exc:  # say where it stopped; the parent goes on with the other parts
+        record["problems"].append(f"stopped: {exc!r}"[:400])
+        record["trace"] = traceback.format_exc().strip().splitlines()[-30:]
+    record["load_after"] = os.getloadavg()
+    record["wall_s"] = round(time.monotonic() - started, 1)
+    return record
+
+
+# --------------------------------------------------------------------------- the hooks' Python (stand-ins)
+
+
+def hooks_child(args) -> dict:
+    """kvdbg's per-step Python under a recorded graph, by layer count, on the tests' vLLM stand-ins (CPU):
+    ``after_build`` and the replay hooks of a decode step nothing wants, armed (capture) and sentinel."""
+    record: dict = {"kind": "hooks", "problems": [], "rows": []}
+    try:
+        sys.path.insert(0, os.path.join(ROOT, "tests", "vllm_standins"))
+        sys.path.insert(0, ROOT)
+        import pytest
+
+        from kvdbg import vllm_plugin
+        from tests.test_vllm_plugin import StandinEngine, _Batch, _padded, _record_graph
+
+        for mode in ("armed", "sentinel"):
+            for layers in (8, 32, 80):
+                for name in [k for k in os.environ if k.startswith("KVDBG_")]:
+                    del os.environ[name]
+                os.environ.update({k: v for k, v in kind_environment("capture" if mode == "armed" else "sentinel",
+                                                                      args.scratch).items() if k.startswith("KVDBG_")})
+                vllm_plugin.register()
+                patch = pytest.MonkeyPatch()
+                try:
+                    record["rows"].append(_hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded,
+                                                     _record_graph, mode, layers))
+                finally:
+                    patch.undo()
+                    vllm_plugin.unregister()
+    except Exception as exc:
+        record["problems"].append(f"stopped: {exc!r}"[:400])
+        record["trace"] = traceback.format_exc().strip().splitlines()[-30:]
+    return record
+
+
+def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode: str, layers: int) -> dict:
+    engine = StandinEngine("FLEX_ATTENTION", layers=layers, causal=True, window=None, query_len=1,
+                           seq_lens=(60, 33, 17), num_heads=8, num_kv_heads=2, head_size=64, num_blocks=64)
+    state = vllm_plugin._state
+    _record_graph(engine, 4, 4, patch)
+    common = _padded(engine.common(), reqs=4, tokens=4)
+    metadata = type(engine.builder).build._kvdbg_original(engine.builder, 0, common)
+    batch = _Batch((4,))
+    counts = state.sentinel.sentinel.counts if state.sentinel is not None else None
+    build_ns, replay_ns = [], []
+    for _ in range(2000):
+        checked = counts["checked"] if counts is not None else 0
+        t0 = time.perf_counter_ns()
+        state.after_build(engine.builder, common, metadata)
+        t1 = time.perf_counter_ns()
+        state.before_graph_replay()
+        state.after_graph_replay(batch)
+        t2 = time.perf_counter_ns()
+        if counts is None or counts["checked"] == checked:  # a step the sentinel drew is a check, not this cost
+            build_ns.append(t1 - t0)
+            replay_ns.append(t2 - t1)
+    return {"mode": mode, "layers": layers, "graph_slots": len(state._graph_layers.get(batch, [])),
+            "steps": len(build_ns), "after_build_us": statistics.median(build_ns) / 1e3,
+            "replay_hooks_us": statistics.median(replay_ns) / 1e3,
+            "per_layer_us": (statistics.median(build_ns) + statistics.median(replay_ns)) / 1e3 / layers}
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def child_command(args, kind: str, limit: float) -> list[str]:
+    phases = ",".join(p for p in ("armed", "wanted") if p in args.parts.split(",")) if kind == "capture" else ""
+    return [sys.executable, os.path.abspath(__file__), args.out, "--one", kind, "--phases", phases or "-",
+            "--layers", str(args.layers), "--batch", str(args.batch), "--prompt", str(args.prompt),
+            "--decode", str(args.decode), "--rounds", str(args.rounds), "--wanted-rounds", str(args.wanted_rounds),
+            "--device-rounds", str(args.device_rounds), "--wanted-offset", str(args.wanted_offset),
+            "--scratch", args.scratch, "--child-limit", str(limit)]
+
+
+def run_part(args, part: str, kind: str, limit: float) -> dict:
+    """One part in a child process: its record (from its file, else its stdout), or why there is none."""
+    path = os.path.join(args.out, "records", f"{part}.json")
+    log = os.path.join(args.out, "logs", f"{part}.log")
+    started = time.monotonic()
+    if os.path.exists(path):  # an earlier run's
+        os.remove(path)
+    stdout = stderr = ""
+    problem = None
+    try:
+        proc = subprocess.run(child_command(args, kind, limit), capture_output=True, text=True, timeout=limit,
+                              env={**os.environ, RECORD_PATH_VARIABLE: path})
+        stdout, stderr = proc.stdout, proc.stderr
+        if proc.returncode:
+            problem = f"process exit {proc.returncode}"
+    except subprocess.TimeoutExpired as exc:
+        stdout = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        problem = f"over its {limit:.0f} s"
+    except Exception as exc:
+        problem = f"could not run: {exc!r}"
+    with open(log, "w") as fh:
+        fh.write(stdout + "\n--- stderr ---\n" + stderr)
+    record = None
+    if os.path.exists(path):
+        try:
+            with open(path) as fh:
+                record = json.load(fh)
+        except ValueError:
+            record = None
+    if record is None:
+        lines = [ln for ln in stdout.splitlines() if ln.startswith(RECORD_PREFIX)]
+        record = json.loads(lines[-1][len(RECORD_PREFIX):]) if lines else {"problems": []}
+    if problem is not None:  # a part stopped at its limit keeps the phases it saved, and says it stopped
+        record.setdefault("problems", []).append(problem)
+        record["trace"] = record.get("trace") or stderr.strip().splitlines()[-30:]
+    record["part_wall_s"] = round(time.monotonic() - started, 1)
+    return record
+
+
+def print_figures(figs: dict, records: dict) -> None:
+    def pct(v):
+        return "?" if v is None else f"{v:.4f}x"
+
+    base = records.get("baseline", {})
+    engine = base.get("engine") or records.get("capture", {}).get("engine") or {}
+    if engine:
+        print(f"engine: {engine.get('device')}, vLLM {engine.get('vllm')}, torch {engine.get('torch')}; "
+              f"{engine.get('layers')} layers, decode batch {engine.get('batch')}, prompts of {engine.get('prompt')}, "
+              f"{engine.get('decode')} tokens each; {engine.get('cudagraph_mode')} sizes "
+              f"{engine.get('capture_sizes')}, "
+              f"async scheduling {engine.get('async_scheduling')}")
+    if "baseline_drift" in figs:
+        d = figs["baseline_drift"]
+        print(f"  two kvdbg-absent engines: second / first {pct(d.get('ratio'))} (rounds {d.get('rounds')})")
+    for name, line in (("armed", ARMED_LINE), ("sentinel", SENTINEL_LINE)):
+        f = figs.get(name)
+        if f:
+            g = f.get("graph", {})
+            busy = g.get("baseline", 0) / f["baseline"] if f.get("baseline") and g.get("baseline") else None
+            print(f"  {name:9s} step {f['value']:.3f} ms vs {f['baseline']:.3f} ms: {pct(f['ratio'])} (rounds "
+                  f"{f['rounds'].get('min', 0):.4f}..{f['rounds'].get('max', 0):.4f}; line <= {line}x: "
+                  f"{'met' if f['met'] else 'MISSED'}); graph on the device {g.get('value', 0):.3f} ms vs "
+                  f"{g.get('baseline', 0):.3f} ms ({pct(g.get('ratio'))}; the baseline's graph is "
+                  f"{0 if busy is None else busy:.0%} of its step); kvdbg's hooks {f['hooks_us'].get('median', 0):.1f} "
+                  f"us a step (mean {f['hooks_us_mean'].get('median', 0):.1f})")
+    f = figs.get("wanted_engine")
+    if f:
+        print(f"  wanted step, engine's thread: +{f['added_us']['median']:.0f} us (range {f['added_us']['min']:.0f}.."
+              f"{f['added_us']['max']:.0f}; line <= {f['line_us']:.0f} us: {'met' if f['met'] else 'MISSED'}); "
+              f"step +{f['step_added_ms']['median']:.2f} ms; {f['bytes']['median'] / 2**20:.1f} MiB a step")
+    f = figs.get("wanted_device")
+    if f:
+        print(f"  wanted step, device: {f['span_ms']['median']:.2f} ms against "
+              f"{f['copy_at_bandwidth_ms']['median']:.2f} ms for its bytes at {f['d2h_gb_s']:.1f} GB/s: "
+              f"{pct(f['ratio']['median'])} (line <= {f['line']}x: "
+              f"{'met' if f['met'] else 'MISSED'}); engine's stream {f['engine_stream_ms']['median']:.2f} ms; "
+              f"device caught up with the host in {f['device_caught_up']} of {f['ratio']['n']}")
+    hooks = records.get("hooks", {}).get("rows", [])
+    for row in hooks:
+        print(f"  stand-ins, {row['mode']:8s} {row['layers']:3d} layers: after_build {row['after_build_us']:.1f} us, "
+              f"replay hooks {row['replay_hooks_us']:.1f} us a step ({row['per_layer_us']:.2f} us a layer)")
+
+
+def parent(args) -> int:
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        print(f"unknown part(s) {unknown}; known: {', '.join(PARTS)}", file=sys.stderr)
+        return 2
+    for sub in ("records", "logs"):
+        os.makedirs(os.path.join(args.out, sub), exist_ok=True)
+    os.makedirs(args.scratch, exist_ok=True)
+    write_model(os.path.join(args.out, "model"), args.layers)
+    deadline = time.monotonic() + args.budget
+    records: dict[str, dict] = {}
+    done: set[str] = set()
+    engine_walls: list[float] = []
+    for part in PARTS:  # a fixed order: the second baseline last
+        if part not in parts:
+            continue
+        kind = "hooks" if part == "hooks" else ENGINE_KIND[part]
+        key = "capture" if kind == "capture" else part
+        if key in done:
+            continue
+        done.add(key)
+        left = deadline - time.monotonic()
+        needed = 20.0 if kind == "hooks" else max([60.0, *engine_walls]) + 10
+        if left < needed:
+            why = f"skipped: {left:.0f} s of the budget left, ~{needed:.0f} s needed"
+            # The second baseline only says how far two processes differ: without it the figures still stand.
+            records[key] = {"problems": [], "skipped": why} if part == "baseline2" else {"problems": [why]}
+            print(f"[{part}] skipped ({left:.0f} s left)", flush=True)
+            continue
+        record = run_part(args, key, kind, min(left, args.part_limit))
+        records[key] = record
+        if kind != "hooks":
+            engine_walls.append(record.get("part_wall_s", 0))
+        print(f"[{key}] {record.get('part_wall_s')} s, startup {record.get('startup_s')} s, problems: "
+              f"{record.get('problems') or 'none'}", flush=True)
+        for line in record.get("trace", [])[-8:] if record.get("problems") else []:
+            print(f"    {line}", flush=True)
+    figs = figures(records)
+    code, problems, over = verdict(parts, records, figs)
+    print_figures(figs, records)
+    skipped = {k: r["skipped"] for k, r in records.items() if r.get("skipped")}
+    summary = {"exit": code, "problems": problems, "over_line": over, "skipped": skipped, "figures": figs,
+               "parts": parts,
+               "budget_s": args.budget, "load": os.getloadavg(),
+               "walls_s": {k: r.get("part_wall_s") for k, r in records.items()}}
+    print(SUMMARY_PREFIX + json.dumps(summary, default=str), flush=True)
+    shutil.rmtree(args.scratch, ignore_errors=True)
+    return code
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--budget", type=float, default=330.0, help="seconds for the whole run")
+    parser.add_argument("--part-limit", type=float, default=200.0, help="seconds for one part at most")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=64, help="decode batch (the graph's size)")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--decode", type=int, default=128, help="tokens generated per request in a round")
+    parser.add_argument("--rounds", type=int, default=6, help="timed rounds per engine")
+    parser.add_argument("--wanted-rounds", type=int, default=4, help="rounds timing a wanted step's engine thread")
+    parser.add_argument("--device-rounds", type=int, default=2, help="rounds timing a wanted step's device work")
+    parser.add_argument("--wanted-offset", type=int, default=48,
+                        help="the wanted step: this many forwards into a round")
+    parser.add_argument("--scratch", default="/tmp/kvdbg-graph-cost", help="snapshots (deleted once counted)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--phases", default="-", help=argparse.SUPPRESS)
+    parser.add_argument("--child-limit", type=float, default=200.0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one is None:
+        return parent(args)
+    record = hooks_child(args) if args.one == "hooks" else engine_child(args)
+    save(record)
+    print(RECORD_PREFIX + json.dumps(record, default=str), flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # the engine's own shutdown is no part of the measurement (and may wait on its threads)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""bench/graph_cost.py on the CPU: its figures and verdict from made-up records, the variables each engine gets,
+and its timing wrappers around kvdbg's graph hooks on the vLLM stand-ins (the engines themselves need a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from kvdbg import vllm_plugin
+from kvdbg.capture.config import CaptureConfig
+from kvdbg.sentinel.config import SentinelConfig
+from tests.helpers import ROOT
+from tests.test_vllm_plugin import (  # noqa: F401  (fixtures)
+    StandinEngine, _padded, _padded_inputs, _record_graph, _run_as_graph, clean, enable, snapshots, standins
+)
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("graph_cost", os.path.join(ROOT, "bench", "graph_cost.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gc = _load_bench()
+
+
+def _step(wall_ms, graph_ms=2.0, hooks_us=10.0, replays=1, **extra):
+    return {"wall_ns": int(wall_ms * 1e6), "replays": replays, "graph_ms": [graph_ms] * replays,
+            "hooks": {"after_graph_replay": int(hooks_us * 1e3)}, "inner": {}, **extra}
+
+
+def _round(wall_ms, graph_ms=2.0, hooks_us=10.0, steps=40):
+    prefill = _step(30.0, replays=0, hooks_us=0)
+    return gc.summarize_round([prefill] + [_step(wall_ms, graph_ms, hooks_us) for _ in range(steps)])
+
+
+def test_a_round_is_its_decode_steps_without_the_prefill_and_the_edges():
+    steps = [_step(30.0, replays=0)] + [_step(100.0)] * 2 + [_step(5.0)] * 20 + [_step(100.0)] * 2
+    summary = gc.summarize_round(steps)
+    assert summary["decode_steps"] == 20 and summary["step_ms"] == pytest.approx(5.0)
+    assert summary["hooks_us"] == pytest.approx(10.0) and summary["graph_ms"] == pytest.approx(2.0)
+
+
+def test_a_wanted_step_is_measured_against_the_rounds_other_decode_steps():
+    steps = [_step(30.0, replays=0)] + [_step(5.0, replayed_step=i) for i in range(1, 40)]
+    steps[20] = _step(7.0, hooks_us=1510.0, replayed_step=20, copied=True, captured_bytes=8 * 2**20, captures=8,
+                      device={"engine_ms": 0.4, "side_ms": 3.0, "device_caught_up": False})
+    steps[21] = _step(6.0, replayed_step=21)  # the writer's share of the next step
+    w = gc.summarize_wanted(steps, 20)
+    assert w["copied"] and w["hooks_added_us"] == pytest.approx(1500.0)
+    assert w["step_added_ms"] == pytest.approx(2.0) and w["following_added_ms"] == pytest.approx(1.0)
+    assert w["device"]["span_ms"] == 3.0 and w["captured_bytes"] == 8 * 2**20
+    assert not gc.summarize_wanted(steps, 99)["found"]
+
+
+def _records(armed_ms=5.05, sentinel_ms=5.02, hooks_added=1500.0, span_ms=3.0, nbytes=100e6, gb_s=50.0):
+    wanted = [{"role": "warm-up", "hooks_added_us": 30000.0}]
+    wanted += [{"role": "engine", "hooks_added_us": hooks_added, "step_added_ms": 1.6, "captured_bytes": nbytes}
+               for _ in range(3)]
+    wanted += [{"role": "device", "captured_bytes": nbytes,
+                "device": {"engine_ms": 0.5, "side_ms": span_ms, "span_ms": span_ms, "device_caught_up": False}}]
+    return {
+        "baseline": {"problems": [], "phases": {"rounds": [_round(5.0) for _ in range(4)]}},
+        "capture": {"problems": [], "phases": {"armed": [_round(armed_ms, hooks_us=12.0) for _ in range(4)],
+                                               "wanted": wanted, "d2h": {"gb_s": gb_s}}},
+        "sentinel": {"problems": [], "phases": {"rounds": [_round(sentinel_ms) for _ in range(4)]},
+                     "sentinel_counts": {"checked": 30}},
+        "hooks": {"problems": [], "rows": []},
+        "baseline2": {"problems": [], "phases": {"rounds": [_round(5.1) for _ in range(4)]}},
+    }
+
+
+def test_the_three_figures_against_their_lines():
+    records = _records()
+    figs = gc.figures(records)
+    # The baseline is both kvdbg-absent engines pooled: rounds of 5.0 and 5.1 ms, median 5.05.
+    assert figs["armed"]["ratio"] == pytest.approx(1.0) and figs["armed"]["met"]
+    assert figs["sentinel"]["ratio"] == pytest.approx(5.02 / 5.05) and figs["sentinel"]["met"]
+    assert figs["baseline_drift"]["ratio"] == pytest.approx(5.1 / 5.0)
+    assert figs["wanted_engine"]["added_us"]["median"] == 1500.0 and not figs["wanted_engine"]["met"]
+    # 100 MB at 50 GB/s: 2 ms; the copies took 3 ms on the device.
+    assert figs["wanted_device"]["ratio"]["median"] == pytest.approx(1.5) and figs["wanted_device"]["met"]
+    code, problems, over = gc.verdict(list(gc.PARTS), records, figs)
+    assert (code, problems, over) == (1, [], ["wanted_engine"])
+
+
+def test_every_line_met_exits_0_and_a_failed_part_exits_2():
+    records = _records(hooks_added=40.0)
+    parts = list(gc.PARTS)
+    assert gc.verdict(parts, records, gc.figures(records))[0] == 0
+    records["sentinel"] = {"problems": ["stopped: RuntimeError('x')"]}
+    code, problems, _ = gc.verdict(parts, records, gc.figures(records))
+    assert code == 2 and "sentinel: stopped: RuntimeError('x')" in problems
+    assert "sentinel: the figure sentinel could not be computed" in problems
+    del records["baseline2"]
+    assert "baseline2: no record" in gc.verdict(parts, records, gc.figures(records))[1]
+    records = _records(hooks_added=40.0)
+    records["baseline2"] = {"problems": [], "skipped": "skipped: 40 s of the budget left, ~70 s needed"}
+    assert gc.verdict(parts, records, gc.figures(records))[0] == 0  # the figures stand on the first baseline
+
+
+def test_over_a_line_is_said(capsys):
+    records = _records(armed_ms=5.2, sentinel_ms=5.2, hooks_added=10.0, span_ms=4.0)
+    records["hooks"]["rows"] = [{"mode": "armed", "layers": 8, "after_build_us": 3.7, "replay_hooks_us": 3.9,
+                                 "per_layer_us": 0.95}]
+    figs = gc.figures(records)
+    assert not figs["armed"]["met"] and not figs["sentinel"]["met"] and not figs["wanted_device"]["met"]
+    assert figs["wanted_engine"]["met"]
+    gc.print_figures(figs, records)
+    out = capsys.readouterr().out
+    assert "armed     step 5.200 ms vs 5.050 ms: 1.0297x" in out and "line <= 1.02x: MISSED" in out
+    assert "wanted step, engine's thread: +10 us" in out and "line <= 50 us: met" in out
+    assert "wanted step, device: 4.00 ms against 2.00 ms for its bytes at 50.0 GB/s: 2.0000x" in out
+    assert "stand-ins, armed      8 layers" in out
+
+
+def test_each_engine_gets_variables_kvdbg_reads_as_meant(tmp_path):
+    capture = gc.kind_environment("capture", str(tmp_path))
+    config = CaptureConfig.from_env(capture)
+    assert config.steps is not None and gc.UNREACHED_STEP in config.steps and 10**6 not in config.steps
+    assert config.max_snapshots is None and config.max_bytes is None and config.background
+    sentinel = gc.kind_environment("sentinel", str(tmp_path))
+    assert "KVDBG_CAPTURE_DIR" not in sentinel
+    assert SentinelConfig.from_env(sentinel).rate == pytest.approx(0.01)
+    absent = gc.kind_environment("absent", str(tmp_path))
+    assert not any(k.startswith("KVDBG_") for k in absent)
+    assert "kvdbg" not in absent["VLLM_PLUGINS"].split(",")  # vLLM loads every plugin but kvdbg's
+    for env in (capture, sentinel, absent):
+        assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the engine core in the bench's process
+
+
+def test_the_engine_fits_a_round_and_prefills_it_in_one_step():
+    sizes = gc.engine_sizes(64, 128, 128)
+    assert sizes["max_model_len"] >= 128 + 128 and sizes["max_model_len"] % 16 == 0
+    assert sizes["max_num_batched_tokens"] >= 64 * 128 and sizes["max_num_seqs"] == 64
+    assert sizes["num_gpu_blocks_override"] >= 64 * -(-(128 + 128) // 16)
+    config = gc.model_config(8)
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["head_dim"]) == (8, 4096, 32, 8, 128)
+
+
+def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(standins, tmp_path, monkeypatch):
+    """The bench's wrappers on the real plugin (vLLM stand-ins, CPU): hooks timed per step, the replayed step
+    and whether it was copied, the captured bytes; then everything put back."""
+    from kvdbg.capture.capturer import Capturer
+    from kvdbg.util.ranges import IntRanges
+    from kvdbg.vllm_plugin import state as plugin_state
+
+    before = {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS}
+    capturer_before = (Capturer.__dict__["begin"], Capturer.__dict__["finish"])
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS=str(gc.UNREACHED_STEP))
+    timing = gc.Timing()
+    timing.install_kvdbg()
+    try:
+        engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
+        _record_graph(engine, 16, 4, monkeypatch)
+        records = []
+        for step in range(3):
+            if step == 2:
+                vllm_plugin.active_capturer().reconfigure(steps=IntRanges.of(2, "steps"))
+            timing.current = gc._new_step()
+            _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                          monkeypatch)
+            records.append(timing.current)
+            timing.current = None
+        assert [r["replayed_step"] for r in records] == [0, 1, 2]
+        assert [r["copied"] for r in records] == [False, False, True]
+        assert all(r["hooks"]["after_build"] > 0 and r["hooks"]["after_graph_replay"] > 0 for r in records)
+        assert records[2]["captures"] == 2 and records[2]["captured_bytes"] > 12 * 4 * 16 * 2  # pages too
+        assert set(records[2]["inner"]) == {"begin", "finish"} and not records[0]["inner"]
+        assert len(snapshots(tmp_path)) == 2
+    finally:
+        timing.restore()
+    assert {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS} == before
+    assert (Capturer.__dict__["begin"], Capturer.__dict__["finish"]) == capturer_before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the engine part would run for minutes")
+def test_a_part_that_cannot_start_says_why_and_the_run_exits_2(tmp_path):
+    """The whole parent on a CPU: the engine part fails (no CUDA here), is reported with its trace, and the
+    run goes on to print its summary."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVDBG_", "VLLM_"))}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "graph_cost.py"), str(tmp_path / "out"),
+                           "--parts", "baseline", "--budget", "120", "--scratch", str(tmp_path / "scratch")],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith(gc.SUMMARY_PREFIX)]
+    summary = json.loads(line[len(gc.SUMMARY_PREFIX):])
+    assert summary["exit"] == 2 and any(p.startswith("baseline: stopped:") for p in summary["problems"])
+    assert os.path.exists(tmp_path / "out" / "records" / "baseline.json")
+    assert os.path.exists(tmp_path / "out" / "model" / "config.json")
