@@ -21,4 +21,5 @@ SRC=/tmp/kvdbg-vllm-src
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/kvdbg-pycache}
 export PYTHONPATH="$PWD/tests/gpu/stub_site:$SRC:$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CONFIGURE_LOGGING=${VLLM_CONFIGURE_LOGGING:-1} KVDBG_GPU_VLLM_SO_MODULES="$PWD/$CARRY/vllm-so-modules.txt"
-python3 tests/gpu/engine_stage.py "$OUT" "$@"
+# KVDBG_GPU_STAGE: the stage script run with this carry and environment (run_graph_stage.sh sets it).
+python3 "${KVDBG_GPU_STAGE:-tests/gpu/engine_stage.py}" "$OUT" "$@"
