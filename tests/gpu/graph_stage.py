@@ -97,8 +97,9 @@ class RunSpec:
 
 
 def all_specs(cpu: bool = False) -> dict[str, RunSpec]:
-    if cpu:
-        specs = [RunSpec("plain-eager", "plain", "eager"), RunSpec("plain-graph", "plain", "eager")]
+    if cpu:  # the dry run: the "graph" engines run eagerly too, and the fault is emulated (Probes)
+        specs = [RunSpec("plain-eager", "plain", "eager"), RunSpec("plain-graph", "plain", "eager"),
+                 RunSpec("fault-graph", "plain", "eager", plan="fault", fault=True)]
     else:
         specs = [RunSpec("plain-eager", "plain", "eager"), RunSpec("plain-graph", "plain", GRAPH_MODE),
                  RunSpec("sliding-eager", "sliding", "eager"), RunSpec("sliding-graph", "sliding", GRAPH_MODE),
@@ -153,7 +154,8 @@ class Probes:
     After the engine has started, kvdbg's own per-layer hooks and its graph hook are counted too.
     """
 
-    def __init__(self, plan, layers, fault_size: int | None = None):
+    def __init__(self, plan, layers, fault_size: int | None = None, emulate_fault: bool = False):
+        self.emulate_fault = emulate_fault and fault_size is not None
         self.prompt_lens = {a.name: a.prompt_len for a in plan}
         self.layers = layers
         self.fault_size = fault_size
@@ -183,7 +185,12 @@ class Probes:
                 else:
                     current["forward_calls"] += 1
                     current["forward_in_replay"] += probes.replaying
-            return forward_original(impl, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            result = forward_original(impl, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            if probes.emulate_fault and current is not None and attn_metadata is not None:
+                tokens = int(attn_metadata.num_actual_tokens)
+                if graph_plan.padded(tokens) == probes.fault_size:  # the dry run's stand-in for the stale graph
+                    result[:tokens] += 1.0
+            return result
 
         impl_cls.forward = forward
 
@@ -238,7 +245,10 @@ class Probes:
 
         GPUModelRunner.execute_model = execute_model
 
-        if self.fault_size is not None:
+        if self.emulate_fault:
+            self.fault.append({"num_tokens": self.fault_size, "stale_seq_lens": [1] * self.fault_size,
+                               "emulated": "no graphs here: the output of every step of 5-8 tokens is shifted"})
+        elif self.fault_size is not None:
             self._install_fault()
 
     def _install_fault(self) -> None:
@@ -370,7 +380,7 @@ def engine_child(out: str, spec: RunSpec, cpu: bool) -> dict:
     wanted = graph_plan.wanted_steps(spec.plan)
     layers = layer_names(spec.model)
     record.update(layers=layers, wanted_rel=wanted)
-    probes = Probes(plan, layers, graph_plan.FAULT_GRAPH_SIZE if spec.fault else None)
+    probes = Probes(plan, layers, graph_plan.FAULT_GRAPH_SIZE if spec.fault else None, emulate_fault=cpu)
     try:
         import importlib
 
@@ -484,6 +494,14 @@ def rel_steps(record: dict) -> dict[int, dict]:
 def replayed(step: dict) -> dict | None:
     """The full graph a served step was replayed from (None: it ran in Python)."""
     return next((g for g in step.get("graphs", []) if g["kind"] == "replay"), None)
+
+
+def graph_size(step: dict, cpu: bool = False) -> int | None:
+    """The full graph a step was replayed from (its token count); in the dry run, the graph it would have been."""
+    graph = replayed(step)
+    if graph is not None:
+        return graph["num_tokens"]
+    return graph_plan.padded(sum(r[1] for r in step["rows"])) if cpu else None
 
 
 def shape_of(step: dict) -> graph_plan.StepShape:
@@ -820,13 +838,10 @@ def check_fault(out: str, name: str, args) -> dict:
     stale = fault[0]["stale_seq_lens"] if fault else []
     steps = rel_steps(record)
     base = record["base"]
-    faulty = sorted(base + rel for rel, s in steps.items()
-                    if replayed(s) and replayed(s)["num_tokens"] == graph_plan.FAULT_GRAPH_SIZE)
-    clean = sorted(base + rel for rel, s in steps.items()
-                   if not (replayed(s) and replayed(s)["num_tokens"] == graph_plan.FAULT_GRAPH_SIZE))
-    result["steps"] = {"faulty_graph": len(faulty), "other": len(clean),
-                       "other_graphs": sorted({replayed(s)["num_tokens"] for s in steps.values() if replayed(s)}
-                                              - {graph_plan.FAULT_GRAPH_SIZE})}
+    sizes = {base + rel: graph_size(s, args.cpu) for rel, s in steps.items()}
+    faulty = sorted(step for step, size in sizes.items() if size == graph_plan.FAULT_GRAPH_SIZE)
+    result["steps"] = {"faulty_graph": len(faulty), "other": len(sizes) - len(faulty),
+                       "other_graphs": sorted({s for s in sizes.values() if s} - {graph_plan.FAULT_GRAPH_SIZE})}
     if not faulty:
         problems.append(f"no step was replayed from the {graph_plan.FAULT_GRAPH_SIZE}-token graph")
     by_step = {base + rel: s for rel, s in steps.items()}
@@ -1068,7 +1083,7 @@ def parent(args) -> int:
     specs = all_specs(args.cpu)
     parts = [p for p in args.parts.split(",") if p]
     if args.cpu:
-        parts = ["plain"]
+        parts = [p for p in parts if p in ("plain", "fault")]
     unknown = set(parts) - set(PARTS)
     if unknown:
         print(f"unknown part(s) {sorted(unknown)}; parts: {','.join(PARTS)}", file=sys.stderr)
