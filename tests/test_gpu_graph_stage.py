@@ -239,8 +239,9 @@ def test_the_dag_runs_each_task_after_its_dependencies():
     def task(name):
         return lambda: order.append(name) or {"name": name}
 
-    results = graph_stage.run_dag({"check": (["a", "b"], task("check")), "a": ([], task("a")),
-                                   "b": ([], task("b")), "orphan": (["missing"], task("orphan"))}, jobs=2)
+    results = graph_stage.run_dag({"check": (["a", "b"], task("check"), "checks"), "a": ([], task("a"), "engines"),
+                                   "b": ([], task("b"), "engines"),
+                                   "orphan": (["missing"], task("orphan"), "checks")}, jobs=2)
     assert order.index("check") > max(order.index("a"), order.index("b"))
     assert results["orphan"] == {"problems": ["orphan: not run (its engines did not)"]}
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import os
@@ -74,6 +75,7 @@ FALLBACK_MODE = "FULL_DECODE_ONLY"  # only if vLLM refuses FULL (said in the sum
 # Capture selects no step while the engine starts: the wanted steps are set once its start-up steps are counted.
 NOTHING_YET = "1000000000-"
 KV_CACHE_BYTES = 256 * 1024**2
+PORT_BASE = 41000
 CPU_BLOCK_SIZE = 32  # CPU_ATTN's pages (the --cpu dry run)
 
 
@@ -371,6 +373,7 @@ def engine_child(out: str, spec: RunSpec, cpu: bool) -> dict:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     lines = _Lines()
     logging.getLogger("kvdbg").addHandler(lines)
+    logging.getLogger("kvdbg").setLevel(logging.INFO)
     plan, _ = graph_plan.PLANS[spec.plan]
     wanted = graph_plan.wanted_steps(spec.plan)
     layers = layer_names(spec.model)
@@ -444,16 +447,23 @@ def engine_child(out: str, spec: RunSpec, cpu: bool) -> dict:
 # --------------------------------------------------------------------------- the parent
 
 
+_PORTS = itertools.count()
+
+
 def child(args, extra: list[str], log_name: str, timeout: float) -> tuple[int | None, float]:
-    """This script in a child process; its output into logs/NAME.log. (exit code or None on timeout, seconds)"""
+    """This script in a child process; its output into logs/NAME.log. (exit code or None on timeout, seconds)
+
+    Each child's vLLM looks for its free ports from a base of its own (``VLLM_PORT``): engines starting together
+    never race for one port."""
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    env = dict(os.environ, VLLM_PORT=str(PORT_BASE + 100 * next(_PORTS)))
     cmd = [sys.executable, os.path.abspath(__file__), args.out, *extra] + (["--cpu"] if args.cpu else [])
     cmd += ["--deadline", str(args.deadline), "--judge-max", str(args.judge_max)]
     cmd += ["--allow-token-divergence"] if args.allow_token_divergence else []
     started = time.monotonic()
     with open(os.path.join(args.out, "logs", f"{log_name}.log"), "w") as log:
         try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=max(1.0, timeout))
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=max(1.0, timeout), env=env)
             return proc.returncode, time.monotonic() - started
         except subprocess.TimeoutExpired:
             return None, time.monotonic() - started
@@ -523,14 +533,18 @@ def run_check(args, what: str) -> dict:
 
 
 def run_dag(tasks: dict, jobs: int) -> dict:
-    """Run ``{name: (deps, fn)}`` on ``jobs`` threads, each task once its dependencies are done."""
+    """Run ``{name: (deps, fn, pool)}``, each task once its dependencies are done, ``jobs`` at a time per pool
+    (engines and checks do not wait for each other's places)."""
     results, running = {}, {}
     remaining = dict(tasks)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    pools: dict[str, ThreadPoolExecutor] = {}
+    try:
         while remaining or running:
-            for name in [n for n, (deps, _) in remaining.items() if all(d in results for d in deps)]:
-                deps, fn = remaining.pop(name)
-                running[pool.submit(fn)] = name
+            for name in [n for n, (deps, _, _) in remaining.items() if all(d in results for d in deps)]:
+                deps, fn, pool = remaining.pop(name)
+                if pool not in pools:
+                    pools[pool] = ThreadPoolExecutor(max_workers=jobs)
+                running[pools[pool].submit(fn)] = name
             if not running:
                 for name in remaining:
                     results[name] = {"problems": [f"{name}: not run (its engines did not)"]}
@@ -542,6 +556,9 @@ def run_dag(tasks: dict, jobs: int) -> dict:
                     results[name] = future.result()
                 except Exception as exc:
                     results[name] = {"problems": [f"{name}: harness error {exc!r}"]}
+    finally:
+        for pool in pools.values():
+            pool.shutdown(wait=True)
     return results
 
 
@@ -574,8 +591,9 @@ def parent(args) -> int:
         checks[f"piecewise:{mode}"] = (deps, f"piecewise:{mode}")
     for model in {s.model for s in runs}:
         write_model(MODELS[model], os.path.join(args.out, "models", model))
-    tasks = {s.name: ([], functools.partial(run_engine, args, s)) for s in runs}
-    tasks.update({name: (deps, functools.partial(run_check, args, what)) for name, (deps, what) in checks.items()})
+    tasks = {s.name: ([], functools.partial(run_engine, args, s), "engines") for s in runs}
+    tasks.update({name: (deps, functools.partial(run_check, args, what), "checks")
+                  for name, (deps, what) in checks.items()})
     results = run_dag(tasks, args.jobs)
     summary = summarize(args, runs, checks, results, time.monotonic() - started)
     with open(os.path.join(args.out, "summary.json"), "w") as fh:
