@@ -37,8 +37,8 @@ fault
 Engines run in child processes (vLLM's engine core and distributed state are per process), ``--jobs`` at a time
 (their KV cache is sized by ``kv_cache_memory_bytes``, so vLLM's memory profiling, which other processes on the
 GPU could upset, does not run); each part's checks (tests/gpu/graph_checks.py) run in a child process of their own
-as soon as its engines are done. ``--cpu``: a dry run of the harness on a CPU build of vLLM (two eager engines, no graphs; the graph checks
-are skipped).
+as soon as its engines are done. ``--cpu``: a dry run of the harness on a CPU build of vLLM (eager engines only,
+the fault emulated by shifting outputs; the graph checks are skipped).
 
 Usage: python tests/gpu/graph_stage.py OUT [--parts plain,sliding,fp8,fault] [--try-piecewise [MODES]]
        [--jobs N] [--budget SECONDS] [--judge-max N] [--cpu]
