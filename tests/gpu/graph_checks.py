@@ -390,7 +390,10 @@ def check_pair(out: str, model: str, eager_name: str, graph_name: str, args) -> 
         if time.time() > deadline - 5:
             skipped += 1
             continue
-        verdict = replay_verdict(g_index[key], device)
+        try:
+            verdict = replay_verdict(g_index[key], device)
+        except Exception as exc:  # one snapshot that cannot be replayed is that snapshot's failure
+            verdict = {"passed": False, "error": repr(exc)[:200]}
         judged += 1
         if not verdict["passed"]:
             failed.append(f"{key[0]} step {key[1] - base_g}: {verdict}")
@@ -404,12 +407,22 @@ def check_pair(out: str, model: str, eager_name: str, graph_name: str, args) -> 
         if time.time() > deadline - 10:
             break
         full += 1
-        found = judge(path, device)
+        try:
+            found = judge(path, device)
+        except Exception as exc:
+            found = [f"judge raised {exc!r}"[:200]]
         if found:
             full_failed.append(f"{os.path.basename(path)}: {found}")
     result["engine_stage_judge"] = {"judged": full, "failed": len(full_failed)}
     problems += [f"engine_stage.judge: {f}"[:300] for f in full_failed[:4]]
     return result
+
+
+def _passes(path: str, device: str) -> bool:
+    try:
+        return replay_verdict(path, device)["passed"]
+    except Exception:
+        return False
 
 
 def load_notes(path: str) -> str:
@@ -477,7 +490,10 @@ def check_fault(out: str, name: str, args) -> dict:
         verdicts.append(fault_verdict(path, by_step.get(step), stale, device, expect_fail=True))
     if s_index:
         first = sorted(s_index.values())[0]
-        cli = cli_replay(first, device)
+        try:
+            cli = cli_replay(first, device)
+        except Exception as exc:
+            cli = {"exit": None, "rows": [f"raised {exc!r}"[:200]]}
         result["sentinel"]["kvdbg_replay"] = cli
         if cli["exit"] != 1 or not any("req" in row for row in cli["rows"]):
             problems.append(f"`kvdbg replay` of a sentinel snapshot: exit {cli['exit']} (want 1 naming the "
@@ -505,7 +521,10 @@ def fault_verdict(path: str, step: dict | None, stale: list, device: str, expect
     lengths = snap.steps[0].seq_lens.tolist()
     rows = [r for r in step["rows"] if r[1]]
     scheduler = [r[2] for r in rows]
-    verdict = replay_verdict(path, device)
+    try:
+        verdict = replay_verdict(path, device)
+    except Exception as exc:
+        return {"outcome": "not replayed", "problem": f"{name}: replay raised {exc!r}"[:300]}
     failed = not verdict["passed"]
     out = {"outcome": ("FAIL" if failed else "PASS") + (" as expected" if failed == expect_fail else " unexpectedly")}
     if lengths != scheduler:
@@ -549,7 +568,7 @@ def check_piecewise(out: str, name: str, args) -> dict:
         index, odd = load_index(os.path.join(out, name, "snapshots"))
         result["problems"] += files_check(record, index, odd)
         device = "cpu" if args.cpu else "cuda"
-        bad = [p for p in index.values() if not replay_verdict(p, device)["passed"]]
+        bad = [p for p in index.values() if not _passes(p, device)]
         result["replayed_vs_reference"] = {"judged": len(index), "failed": len(bad)}
         result["problems"] += [f"does not replay PASS: {os.path.basename(p)}" for p in bad[:4]]
     return result
