@@ -253,3 +253,10 @@ def test_a_check_of_records_of_engines_that_never_ran_is_problems_not_an_error(t
                                   "plain-graph: no record: the engine did not run"]
     assert graph_checks.check_fault(str(tmp_path), "fault-graph", args)["problems"]
     assert graph_checks.check_piecewise(str(tmp_path), "piecewise-PIECEWISE", args)["served"] is False
+
+
+def test_problems_that_differ_only_in_layer_and_step_are_said_once():
+    lines = [f"model.layers.{i}.self_attn.attn step {s}: floats differ by up to {s}.5 units" for i in (0, 1)
+             for s in (3, 4)] + ["request A: tokens differ"]
+    assert graph_checks.collapse(lines) == ["model.layers.0.self_attn.attn step 3: floats differ by up to 3.5 units "
+                                            "(and 3 more like it)", "request A: tokens differ"]

@@ -28,6 +28,16 @@ PIECEWISE_FAILURES = ("does not replay PASS", "engine_stage.judge", "unwanted st
                       "not judged", "attention forward(s)", "capture dropped", "capture failures")
 
 
+def collapse(lines: list[str]) -> list[str]:
+    """Problems that differ only in their layer and step numbers, said once with how many more there are."""
+    groups: dict[str, list[str]] = {}
+    for line in lines:
+        key = re.sub(r"layers\.\d+|step \d+|\d+(\.\d+)?(e[-+]?\d+)?", "#", line)
+        groups.setdefault(key, []).append(line)
+    return [group[0] + (f" (and {len(group) - 1} more like it)" if len(group) > 1 else "")
+            for group in groups.values()]
+
+
 def read_record(out: str, name: str) -> dict:
     path = os.path.join(out, "records", f"{name}.json")
     if not os.path.exists(path):
@@ -398,7 +408,7 @@ def check_pair(out: str, model: str, eager_name: str, graph_name: str, args) -> 
         if not verdict["passed"]:
             failed.append(f"{key[0]} step {key[1] - base_g}: {verdict}")
     result["replayed_vs_reference"] = {"judged": judged, "failed": len(failed), "skipped_for_time": skipped}
-    problems += [f"{graph_name} snapshot does not replay PASS: {f}"[:300] for f in failed[:6]]
+    problems += [f"{graph_name} snapshot does not replay PASS: {f}"[:300] for f in failed]
     if skipped:
         problems.append(f"{skipped} graph snapshot(s) not judged within the time budget")
     sample = judge_sample(g_index, g_steps, base_g, args.judge_max)
@@ -415,6 +425,7 @@ def check_pair(out: str, model: str, eager_name: str, graph_name: str, args) -> 
             full_failed.append(f"{os.path.basename(path)}: {found}")
     result["engine_stage_judge"] = {"judged": full, "failed": len(full_failed)}
     problems += [f"engine_stage.judge: {f}"[:300] for f in full_failed[:4]]
+    result["problems"] = collapse(problems)
     return result
 
 
@@ -505,8 +516,9 @@ def check_fault(out: str, name: str, args) -> dict:
         verdicts.append(fault_verdict(path, by_step.get(step), stale, device, expect_fail=step in faulty))
     result["snapshots"] = {"sentinel": len(s_index), "capture": len(c_index),
                            "verdicts": Counter(v["outcome"] for v in verdicts)}
-    problems += [v["problem"] for v in verdicts if v.get("problem")][:10]
+    problems += [v["problem"] for v in verdicts if v.get("problem")]
     result["stale_named"] = sorted({r for v in verdicts for r in v.get("named", [])})
+    result["problems"] = collapse(problems)
     return result
 
 
