@@ -319,6 +319,10 @@ def check_pair(out: str, model: str, eager_name: str, graph_name: str, args) -> 
     piecewise = graph_name.startswith("piecewise-")
     for rec in (eager, graph):
         problems += [f"{rec['name']}: {p}" for p in rec.get("problems", [])]
+        outside = [k for k, inside in rec.get("probes_inside_kvdbg", {}).items() if not inside]
+        if outside:
+            problems.append(f"{rec['name']}: kvdbg's wrappers do not call the probes of {outside} (installed "
+                            "after kvdbg's?): what is counted is not what kvdbg sees")
         for what in ("dropped", "failures"):
             if rec.get(what):
                 problems.append(f"{rec['name']}: capture {what}: {rec[what]}")

@@ -165,6 +165,7 @@ class Probes:
         self.kept: list = []  # the fault's private buffers (alive as long as the engine)
         self.state = None  # kvdbg's plugin state, once the engine has started
         self.outside = Counter()  # forward calls with metadata outside served steps (start-up)
+        self.wrappers: dict = {}
 
     def install(self, impl_cls) -> None:
         from vllm.compilation.cuda_graph import CUDAGraphWrapper
@@ -190,6 +191,7 @@ class Probes:
             return result
 
         impl_cls.forward = forward
+        self.wrappers["forward"] = forward
 
         graph_original = CUDAGraphWrapper.__call__
 
@@ -212,6 +214,7 @@ class Probes:
                 probes.replaying = False
 
         CUDAGraphWrapper.__call__ = __call__
+        self.wrappers["graph_call"] = __call__
 
         execute_original = GPUModelRunner.execute_model
 
@@ -268,6 +271,14 @@ class Probes:
             return metadata
 
         TritonAttentionMetadataBuilder.build_for_cudagraph_capture = build_for_cudagraph_capture
+
+    def inside_kvdbg(self, impl_cls) -> dict[str, bool]:
+        """Whether kvdbg's wrappers call these probes (installed first), as a fault or a kernel would sit."""
+        from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+        return {"forward": getattr(impl_cls.forward, "_kvdbg_original", None) is self.wrappers.get("forward"),
+                "graph_call": getattr(CUDAGraphWrapper.__call__, "_kvdbg_original", None)
+                is self.wrappers.get("graph_call")}
 
     def count_kvdbg_hooks(self, state) -> None:
         """Count kvdbg's per-layer hooks and its graph hook per served step (instance attributes over its methods:
@@ -399,6 +410,7 @@ def engine_child(out: str, spec: RunSpec, cpu: bool) -> dict:
         record["cudagraph_mode"] = getattr(compilation.cudagraph_mode, "name", str(compilation.cudagraph_mode))
         record["capture_sizes"] = list(compilation.cudagraph_capture_sizes or [])
         record["recorded_graphs"] = dict(probes.recorded)
+        record["probes_inside_kvdbg"] = probes.inside_kvdbg(impl_cls)
         record["fault"] = probes.fault
         state = vllm_plugin._state
         if state is None or vllm_plugin.active_capturer() is None:
@@ -599,6 +611,9 @@ def parent(args) -> int:
     with open(os.path.join(args.out, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=1, default=str)
     print(compact(summary), flush=True)
+    print(f"graph stage {'PASSED' if summary['passed'] else 'FAILED'}: {len(summary['problems'])} + "
+          f"{summary['more_problems']} problem(s), {len(summary['warnings'])} warning(s), {summary['wall_s']} s; "
+          f"all of it in {os.path.join(args.out, 'summary.json')}", flush=True)
     return 0 if summary["passed"] else 1
 
 
@@ -619,10 +634,11 @@ def summarize(args, runs, checks, results, wall: float) -> dict:
         parts[name] = {k: v for k, v in res.items() if k not in ("problems", "warnings", "check", "log_tail")}
         problems += [f"{name}: {p}"[:400] for p in res.get("problems", [])]
         warnings += [f"{name}: {w}"[:400] for w in res.get("warnings", [])]
-    shown = 40
+    shown = 25
     return {"passed": not problems, "wall_s": round(wall, 1), "cpu_dry_run": bool(args.cpu), "engines": engines,
-            "parts": parts, "problems": problems[:shown], "more_problems": max(0, len(problems) - shown),
-            "warnings": warnings[:shown], "out": args.out}
+            "parts": parts, "problems": [p[:300] for p in problems[:shown]],
+            "more_problems": max(0, len(problems) - shown), "warnings": [w[:300] for w in warnings[:shown]],
+            "out": args.out}
 
 
 def compact(summary: dict) -> str:
