@@ -181,3 +181,40 @@ def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sen
     assert result.verdict.exit_code == 1
     (comparison,) = [c for c in result.comparisons if (c.actual, c.expected) == ("captured", "reference")]
     assert sorted({h.head for h in comparison.failed}) == [2]
+
+
+class _ChecksInFlight:
+    """Device checks still in the sentinel's worker: which layers' checks were collected, in order."""
+
+    def __init__(self):
+        self.collected = []
+
+    def collect(self, name, timeout=None):
+        self.collected.append(name)
+        return None
+
+
+@pytest.mark.parametrize("kind", ["record", "record_pieces"])
+def test_checks_still_in_the_worker_are_collected_before_vllm_records_a_graph(sentinel_env, kind):
+    """CUDA forbids, process-wide, a sync or an allocation while a stream captures: the sentinel's worker must be
+    idle when vLLM starts recording a graph (or a piece of a piecewise one), right after the warm-up steps it may
+    have sampled."""
+    from kvdbg.vllm_plugin.wrappers import _wrap_graph_call
+    from tests.test_vllm_plugin import _Batch
+
+    monkeypatch, _ = sentinel_env
+    vllm_plugin.register()
+    StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=1).step()
+    state, hooks = vllm_plugin._state, _hooks()
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    hooks._deferred = in_flight = _ChecksInFlight()
+    hooks._waiting = {name: None for name in names}  # submitted on the warm-up step, not yet collected
+    seen = []
+
+    def vllm_records(wrapper):
+        seen.append(list(in_flight.collected))
+        return "recorded"
+
+    monkeypatch.setattr(state, "graph_call", lambda wrapper: (kind, _Batch((8,))))
+    assert _wrap_graph_call(state, vllm_records)(object()) == "recorded"
+    assert seen == [names] and hooks._waiting == {}

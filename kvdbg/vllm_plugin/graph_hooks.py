@@ -12,7 +12,7 @@ the step's block table, lengths and query offsets as for any step) and vLLM's ``
   every replay: a few hundred kilobytes of device-to-device copies per layer, no Python. They are recorded
   only for the layers capture's or the sentinel's filter selects; the writer holds its device work meanwhile
   (:meth:`~kvdbg.capture.writer.CaptureWriter.held_writer`: CUDA forbids, process-wide, what it does while a
-  stream captures);
+  stream captures), and the sentinel's checks still in its worker are collected before the recording starts;
 - **after each replay**, the selected layers' steps are counted as if their forwards had run; for a step the filters
   want, the capture is begun from those buffers and the layer's cache (it lives outside the graph), with the
   metadata its build kept, and finished at once. Its copies are queued on the engine's stream after the
@@ -96,6 +96,15 @@ class GraphHooks:
         except Exception as exc:  # an unknown vLLM: say it once, capture what eager steps show
             self.capturer.report(exc, "CUDAGraphWrapper.__call__")
             return None
+
+    def before_graph_recording(self) -> None:
+        """vLLM is about to record a graph (a full one, or one piece of a piecewise one): the sentinel's checks of
+        earlier steps still in its worker are collected first. CUDA forbids, process-wide, what the worker does (a
+        sync, an allocation) while a stream captures, and vLLM records right after its warm-up steps, which the
+        sentinel may have sampled. No check is handed to the worker while a graph records (its hooks see the
+        stream capturing); between the pieces of a piecewise graph one may be, and the next piece collects it."""
+        if self.sentinel is not None:
+            self.sentinel.before_graph_replay(self)
 
     def begin_graph_recording(self, batch: Any) -> None:
         """A full graph for ``batch`` (vLLM's batch descriptor) is about to be recorded: its selected layers are

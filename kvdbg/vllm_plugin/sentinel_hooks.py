@@ -131,7 +131,8 @@ class SentinelHooks:
 
     def before_graph_replay(self, state) -> None:
         """A full CUDA graph is about to run a step: the checks of the previous one are collected first, while
-        the cache still holds what that step read (the graph's cache update comes next)."""
+        the cache still holds what that step read (the graph's cache update comes next). Also called before vLLM
+        records a graph: the worker then makes no CUDA call while a stream captures."""
         try:
             for name in list(self._waiting):
                 self._collect(state, name)

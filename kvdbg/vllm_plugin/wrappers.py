@@ -114,6 +114,8 @@ def _wrap_graph_call(state: _PluginState, original):
         if what is None:
             return original(self, *args, **kwargs)
         kind, batch = what
+        if kind in ("record", "record_pieces"):
+            state.before_graph_recording()  # the sentinel's worker idle first (graph_hooks says why)
         if kind == "record_pieces":  # attention stays in Python; the writers still keep off the device
             with state.held_writers():
                 return original(self, *args, **kwargs)

@@ -122,11 +122,11 @@ def from_graph(path: str) -> bool:
     return "full CUDA graph" in api.load(path).meta.notes
 
 
-def judge(path: str) -> list[str]:
+def judge(path: str, device: str = "cuda") -> list[str]:
     """The CPU stage's judgement of one snapshot, on the GPU: captured vs reference, vllm vs captured, no error."""
     from kvdbg import api
 
-    report = api.replay(path, ["reference", "vllm"], device="cuda")
+    report = api.replay(path, ["reference", "vllm"], device=device)
     data = report.to_json()
     problems = []
     status = next((b for b in data.get("backends", []) if b.get("name") == "vllm"), {})

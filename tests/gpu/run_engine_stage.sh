@@ -8,4 +8,5 @@ cd "$(dirname "$0")/../.."
 OUT=${1:?usage: run_engine_stage.sh OUT [engine_stage.py options]}
 shift
 source tests/gpu/vllm_env.sh
-python3 tests/gpu/engine_stage.py "$OUT" "$@"
+# KVDBG_GPU_STAGE: the stage script run with this carry and environment (run_graph_stage.sh sets it).
+python3 "${KVDBG_GPU_STAGE:-tests/gpu/engine_stage.py}" "$OUT" "$@"
