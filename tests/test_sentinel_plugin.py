@@ -181,3 +181,50 @@ def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sen
     assert result.verdict.exit_code == 1
     (comparison,) = [c for c in result.comparisons if (c.actual, c.expected) == ("captured", "reference")]
     assert sorted({h.head for h in comparison.failed}) == [2]
+
+
+class _ChecksDone:
+    """Device checks that are back: each collect hands a passing result, in the order asked."""
+
+    def __init__(self, order):
+        self.order = order
+
+    def collect(self, name, timeout=None):
+        import threading
+        from types import SimpleNamespace
+
+        import torch
+
+        from kvdbg.judge.compare import default_tolerance
+        from kvdbg.sentinel.checker import CheckResult
+
+        self.order.append(f"collected {name}")
+        done = threading.Event()
+        done.set()
+        result = CheckResult(layer=name, step=0, tolerance=default_tolerance(torch.float16))
+        return SimpleNamespace(done=done, error=None, result=result)
+
+
+@pytest.mark.parametrize("kind", ["record", "record_pieces"])
+def test_device_checks_still_out_are_collected_before_a_cuda_graph_records(sentinel_env, kind):
+    """vLLM runs eager warm-up steps (checked by the device worker) just before it records each graph; CUDA forbids,
+    process-wide, what that worker does (copies to the host, allocations) while a stream captures, so the checks
+    still out are collected before the recording starts, not during it."""
+    from kvdbg.vllm_plugin.wrappers import _wrap_graph_call
+
+    monkeypatch, _ = sentinel_env
+    vllm_plugin.register()
+    StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=1).step()
+    state, hooks = vllm_plugin._state, _hooks()
+    order = []
+    hooks._deferred = _ChecksDone(order)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    hooks._waiting = {name: None for name in names}  # the warm-up step of both layers, in the worker
+    monkeypatch.setattr(state, "graph_call", lambda wrapper: (kind, "a batch"))
+
+    def record(wrapper):
+        order.append(f"recorded with {len(hooks._waiting)} check(s) out")
+
+    _wrap_graph_call(state, record)(object())
+    assert order == [f"collected {name}" for name in names] + ["recorded with 0 check(s) out"]
+    assert hooks.sentinel.counts["checked"] == 2 + 2 and hooks.sentinel.counts["errors"] == 0

@@ -12,7 +12,8 @@ the step's block table, lengths and query offsets as for any step) and vLLM's ``
   every replay: a few hundred kilobytes of device-to-device copies per layer, no Python. They are recorded
   only for the layers capture's or the sentinel's filter selects; the writer holds its device work meanwhile
   (:meth:`~kvdbg.capture.writer.CaptureWriter.held_writer`: CUDA forbids, process-wide, what it does while a
-  stream captures);
+  stream captures), and the sentinel's device checks still out (vLLM's warm-up steps just before) are collected
+  before the recording starts, for the same reason;
 - **after each replay**, the selected layers' steps are counted as if their forwards had run; for a step the filters
   want, the capture is begun from those buffers and the layer's cache (it lives outside the graph), with the
   metadata its build kept, and finished at once. Its copies are queued on the engine's stream after the

@@ -138,6 +138,16 @@ class SentinelHooks:
         except Exception as exc:
             self._failed(exc, "before a CUDA graph's replay")
 
+    def before_graph_recording(self, state) -> None:
+        """vLLM is about to record a CUDA graph, right after eager warm-up steps of the same batch, which were
+        sampled like any step: their device checks are collected now. The worker's check copies to the host and
+        allocates, which CUDA forbids, process-wide, while a stream captures."""
+        try:
+            for name in list(self._waiting):
+                self._collect(state, name)
+        except Exception as exc:
+            self._failed(exc, "before a CUDA graph's recording")
+
     def after_graph_replay(self, state, slot, ctx, step: int) -> None:
         """A sampled step of a layer replayed from a full CUDA graph: checked from the graph's copies of its
         query and output (``graph_hooks``), with the metadata its build kept (None: no build seen)."""

@@ -176,9 +176,12 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self.graphs_watched = True
 
     def held_writers(self):
-        """The writers (capture's, the sentinel's) do no device work while a CUDA graph is recorded."""
+        """The writers (capture's, the sentinel's) and the sentinel's device checks do no device work while a CUDA
+        graph is recorded: the checks still out are collected first, then the writers are held."""
         import contextlib
 
+        if self.sentinel is not None:
+            self.sentinel.before_graph_recording(self)
         stack = contextlib.ExitStack()
         stack.enter_context(self.capturer.held_writer())
         if self.sentinel is not None:
