@@ -91,43 +91,44 @@ def _failed_heads(data: dict) -> list[tuple[int, int]]:
     return []
 
 
-def sentinel_runs(out: str, model_dir: str, log, env_base: dict) -> list[str]:
-    """The clean run and the fault run; the problems found (empty: both passed)."""
+def judge_clean(text: str, files: list[str], min_checked: int, label: str = "sentinel clean") -> tuple[list[str], str]:
+    """A clean run, from its log and the snapshots in its directory: nothing written, one exit line with at least
+    ``min_checked`` steps checked and none wrong, no layer the sentinel cannot check. (problems, the exit line)"""
+    problems = []
+    exits = [m for m in map(EXIT_LINE.search, text.splitlines()) if m]
+    if files or len(exits) != 1 or int(exits[0][3]) or int(exits[0][4]) or int(exits[0][1]) < min_checked:
+        problems.append(f"{label}: expected no snapshot and one exit line with every step checked and none "
+                        f"wrong; got {len(files)} file(s), exit lines {[m[0] for m in exits]}")
+    cannot = [line for line in text.splitlines() if "kvdbg sentinel cannot check" in line]
+    if cannot:
+        problems.append(f"{label}: {cannot[0][-200:]}")
+    return problems, exits[0][0] if exits else "no exit line"
+
+
+def judge_faults(text: str, files: list[str], faults: dict[str, tuple[int, int]] = FAULTS, replay=None,
+                 label: str = "sentinel faults") -> tuple[list[str], list[str], str]:
+    """A run with ``faults`` (kind -> (layer, step)), from its log and the snapshots in its directory: each fault
+    fired once and was captured once at its layer and step, with the finding in the snapshot's notes and a log
+    line naming the file; ``replay(path) -> (exit code, JSON)`` of each exits 1 and fails the corrupted head
+    (head), request 0 (page) or names the non-finite page (nan); the exit line counts one capture per fault.
+    (problems, what was caught, the exit line)"""
     from kvdbg.snapshot.store import load_snapshot
 
     from tests.engine.sentinel_faults import CORRUPTED_HEAD
 
+    replay = replay or _replay
     problems = []
-    rc, directory, text, took = _engine(out, model_dir, "clean", "", env_base)
-    exits = [m for m in map(EXIT_LINE.search, text.splitlines()) if m]
-    files = _snapshots(directory)
-    if rc != 0:
-        problems.append(f"sentinel clean: the engine did not serve (exit {rc}); see logs/plain-sentinel_clean.log")
-    elif files or len(exits) != 1 or int(exits[0][3]) or int(exits[0][4]) or int(exits[0][1]) < 2 * TOKENS:
-        problems.append(f"sentinel clean: expected no snapshot and one exit line with every step checked and none "
-                        f"wrong; got {len(files)} file(s), exit lines {[m[0] for m in exits]}")
-    cannot = [line for line in text.splitlines() if "kvdbg sentinel cannot check" in line]
-    if cannot:
-        problems.append(f"sentinel clean: {cannot[0][-200:]}")
-    log(f"plain LLM() sentinel clean    {took:5.1f} s: {exits[0][0] if exits else 'no exit line'}; "
-        f"{len(files)} snapshot(s)")
-
-    spec = ",".join(f"{kind}:{layer}:{step}" for kind, (layer, step) in FAULTS.items())
-    rc, directory, text, took = _engine(out, model_dir, "faults", spec, env_base)
-    if rc != 0:
-        return problems + [f"sentinel faults: the engine did not serve (exit {rc}); see logs/plain-sentinel_faults.log"]
     fired = re.findall(r"sentinel fault fired: (\w+) (\S+) step (\d+)", text)
-    if sorted(kind for kind, _, _ in fired) != sorted(FAULTS):
-        problems.append(f"sentinel faults: the shim fired {fired}, expected {FAULTS}")
+    if sorted(kind for kind, _, _ in fired) != sorted(faults):
+        problems.append(f"{label}: the shim fired {fired}, expected {faults}")
     lines = {(m[1], int(m[2])): m for m in map(SENTINEL_LINE.search, text.splitlines()) if m}
-    files = _snapshots(directory)
     got = {}
     for path in files:
         meta = load_snapshot(path).meta
         got[meta.layer.name, meta.capture.get("step")] = (path, meta)
-    want = {(LAYER.format(layer), step): kind for kind, (layer, step) in FAULTS.items()}
+    want = {(LAYER.format(layer), step): kind for kind, (layer, step) in faults.items()}
     if sorted(got) != sorted(want):
-        problems.append(f"sentinel faults: expected snapshots of {sorted(want)}, got {sorted(got)}")
+        problems.append(f"{label}: expected snapshots of {sorted(want)}, got {sorted(got)}")
     caught = []
     for key, kind in sorted(want.items(), key=lambda kv: kv[0][1]):
         if key not in got:
@@ -135,30 +136,48 @@ def sentinel_runs(out: str, model_dir: str, log, env_base: dict) -> list[str]:
         path, meta = got[key]
         line = lines.get(key)
         if line is None or os.path.abspath(line[5]) != os.path.abspath(path):
-            problems.append(f"sentinel faults: {kind}: no log line naming {os.path.basename(path)}")
+            problems.append(f"{label}: {kind}: no log line naming {os.path.basename(path)}")
         if not meta.notes.startswith(f"kvdbg sentinel, layer {key[0]} step {key[1]}:"):
-            problems.append(f"sentinel faults: {kind}: the snapshot's notes do not hold the finding: {meta.notes[:160]}")
-        code, data = _replay(path)
+            problems.append(f"{label}: {kind}: the snapshot's notes do not hold the finding: {meta.notes[:160]}")
+        code, data = replay(path)
         failed = _failed_heads(data)
         codes = sorted({f.get("code") for f in data.get("findings", []) if f.get("severity") == "error"})
         if code != 1:
-            problems.append(f"sentinel faults: {kind}: kvdbg replay exit {code}, expected 1 (a failing step)")
+            problems.append(f"{label}: {kind}: kvdbg replay exit {code}, expected 1 (a failing step)")
         if kind == "head" and (not failed or {h for _, h in failed} != {CORRUPTED_HEAD}):
-            problems.append(f"sentinel faults: head: replay's captured vs reference failures {failed}, expected head "
+            problems.append(f"{label}: head: replay's captured vs reference failures {failed}, expected head "
                             f"{CORRUPTED_HEAD} only")
         if kind == "page" and (not failed or {r for r, _ in failed} != {0}):
-            problems.append(f"sentinel faults: page: replay's captured vs reference failures {failed}, expected "
+            problems.append(f"{label}: page: replay's captured vs reference failures {failed}, expected "
                             "request 0 only")
         if kind == "nan" and "nonfinite_kv" not in codes:
-            problems.append(f"sentinel faults: nan: replay's error findings {codes} do not name the non-finite page")
+            problems.append(f"{label}: nan: replay's error findings {codes} do not name the non-finite page")
         first = f"request {line[3]} head {line[4]}" if line else "?"
         caught.append(f"{kind}@{key[1]} ({first}; replay exit {code}, "
                       + (f"captured vs reference fails {len(failed)} pair(s)" if kind != "nan" else
                          f"findings {','.join(codes)}") + ")")
     exits = [m for m in map(EXIT_LINE.search, text.splitlines()) if m]
-    if len(exits) != 1 or int(exits[0][4]) != len(FAULTS):
-        problems.append(f"sentinel faults: expected one exit line with {len(FAULTS)} captured; got "
-                        f"{[m[0] for m in exits]}")
-    log(f"plain LLM() sentinel faults   {took:5.1f} s: caught {'; '.join(caught) or 'nothing'}; "
-        f"{exits[0][0] if exits else 'no exit line'}")
-    return problems
+    if len(exits) != 1 or int(exits[0][4]) != len(faults):
+        problems.append(f"{label}: expected one exit line with {len(faults)} captured; got {[m[0] for m in exits]}")
+    return problems, caught, exits[0][0] if exits else "no exit line"
+
+
+def sentinel_runs(out: str, model_dir: str, log, env_base: dict) -> list[str]:
+    """The clean run and the fault run; the problems found (empty: both passed)."""
+    problems = []
+    rc, directory, text, took = _engine(out, model_dir, "clean", "", env_base)
+    files = _snapshots(directory)
+    found, exit_line = judge_clean(text, files, 2 * TOKENS)
+    if rc != 0:
+        problems.append(f"sentinel clean: the engine did not serve (exit {rc}); see logs/plain-sentinel_clean.log")
+    else:
+        problems += found
+    log(f"plain LLM() sentinel clean    {took:5.1f} s: {exit_line}; {len(files)} snapshot(s)")
+
+    spec = ",".join(f"{kind}:{layer}:{step}" for kind, (layer, step) in FAULTS.items())
+    rc, directory, text, took = _engine(out, model_dir, "faults", spec, env_base)
+    if rc != 0:
+        return problems + [f"sentinel faults: the engine did not serve (exit {rc}); see logs/plain-sentinel_faults.log"]
+    found, caught, exit_line = judge_faults(text, _snapshots(directory))
+    log(f"plain LLM() sentinel faults   {took:5.1f} s: caught {'; '.join(caught) or 'nothing'}; {exit_line}")
+    return problems + found

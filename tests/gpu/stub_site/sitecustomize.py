@@ -83,17 +83,35 @@ def _silu_and_mul(result, x):
     result.copy_(torch.nn.functional.silu(x[..., :d]) * x[..., d:])
 
 
-def _register_activation():
-    """``torch.ops._C.silu_and_mul``, which ``SiluAndMul.__init__`` reads even when ``custom_ops=["none"]`` makes
-    its forward vLLM's native torch one: plain torch."""
+def _gelu_and_mul(result, x):
     import torch
 
-    if hasattr(torch.ops._C, "silu_and_mul"):
-        return
-    library = torch.library.Library("_C", "FRAGMENT")
-    library.define("silu_and_mul(Tensor(a!) result, Tensor input) -> ()")
-    library.impl("silu_and_mul", _silu_and_mul, "CompositeExplicitAutograd")
-    _LIBRARIES.append(library)
+    d = x.shape[-1] // 2
+    result.copy_(torch.nn.functional.gelu(x[..., :d]) * x[..., d:])
+
+
+def _gelu_tanh_and_mul(result, x):
+    import torch
+
+    d = x.shape[-1] // 2
+    result.copy_(torch.nn.functional.gelu(x[..., :d], approximate="tanh") * x[..., d:])
+
+
+def _register_activation():
+    """``torch.ops._C.silu_and_mul`` and the two GeGLU ops (a Gemma 2 model's ``GeluAndMul``), which the activations'
+    ``__init__`` read even when ``custom_ops=["none"]`` makes their forward vLLM's native torch one: plain torch."""
+    import torch
+
+    library = None
+    for name, impl in (("silu_and_mul", _silu_and_mul), ("gelu_and_mul", _gelu_and_mul),
+                       ("gelu_tanh_and_mul", _gelu_tanh_and_mul)):
+        if hasattr(torch.ops._C, name):
+            continue
+        if library is None:
+            library = torch.library.Library("_C", "FRAGMENT")
+            _LIBRARIES.append(library)
+        library.define(f"{name}(Tensor(a!) result, Tensor input) -> ()")
+        library.impl(name, impl, "CompositeExplicitAutograd")
 
 
 def _register_weak_ref_tensor():

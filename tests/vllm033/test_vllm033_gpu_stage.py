@@ -1,0 +1,182 @@
+"""What the GPU engine stage (tests/gpu/engine_stage.py) relies on in vLLM 0.33, held to vLLM's own classes on a CPU.
+
+- the sentinel's faults (tests/gpu/triton_faults.py) on TRITON_ATTN's own forward, metadata and cache view: each
+  lands where it says (the Triton kernel stands in as in test_vllm033_layouts);
+- the soft-capped model (a tiny Gemma 2): vLLM's config reads it as the stage needs, and its weights are the ones
+  the architecture names;
+- the harness's activation stand-ins compute what vLLM's own torch-native forward computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.engine import sentinel_faults
+from tests.gpu import triton_faults
+from tests.helpers import ROOT
+
+# By the name pytest imports it under (this folder has no __init__.py): one module object, whose stand-in op
+# library is registered once however the two files are collected.
+from test_vllm033_layouts import (  # noqa: E402, F401  (fixtures)
+    BACKENDS, HEAD_SIZE, NUM_HEADS, NUM_KV_HEADS, allocate, base_config, batch, build_layers, extend, gpu_standins,
+    resolved_layout, standin_forward, vllm_config
+)
+
+
+def test_the_faults_target_tritons_forward_and_its_metadata_fields():
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadata
+
+    assert triton_faults.impl_class() is TritonAttentionImpl
+    assert list(inspect.signature(TritonAttentionImpl.forward).parameters)[:8] == [
+        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"]
+    fields = {f.name for f in dataclasses.fields(TritonAttentionMetadata)}
+    assert {"block_table", "num_actual_tokens", "seq_lens", "query_start_loc"} <= fields
+
+
+def _index(layer) -> int:
+    return int(layer.layer_name.split(".layers.")[1].split(".")[0])
+
+
+def _call(layer, query, key, value, metadata):
+    output = torch.empty(query.shape[0], NUM_HEADS, HEAD_SIZE, dtype=torch.bfloat16)
+    layer.impl.forward(layer, query, key, value, layer.kv_cache, metadata, output=output)
+    return output
+
+
+def test_each_fault_lands_where_it_says_in_tritons_own_metadata_and_cache(gpu_standins, vllm_config):
+    """Two TRITON_ATTN layers on vLLM's own allocation; step 0 fills the cache, step 1 carries the head fault on
+    one layer and the page fault on the other, step 2 the NaN; the kernel is the float32 stand-in."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    monkeypatch = gpu_standins
+    monkeypatch.setattr(sentinel_faults, "_installed", None)
+    backend = BACKENDS["TRITON_ATTN"]
+    layers = build_layers(vllm_config, backend)
+    spec = layers[0].get_kv_cache_spec(vllm_config)
+    allocate(vllm_config, layers, resolved_layout(vllm_config, backend, spec))
+    a, b = (_index(layer) for layer in layers)
+    triton_faults.install(f"head:{a}:1,page:{b}:1,nan:{a}:2")  # over the stand-in kernel gpu_standins put there
+    assert TritonAttentionImpl.forward._sentinel_fault_original is standin_forward
+
+    gen = torch.Generator().manual_seed(0)
+    builder = backend.get_builder_cls()(spec, [layer.layer_name for layer in layers], vllm_config,
+                                        torch.device("cpu"))
+
+    def inputs(n):
+        return ((torch.randn(n, NUM_HEADS, HEAD_SIZE, generator=gen) * 2).to(torch.bfloat16),
+                torch.randn(n, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(torch.bfloat16) * 2,
+                torch.randn(n, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(torch.bfloat16))
+
+    def step(common, layer):
+        metadata = builder.build(0, common)
+        q, k, v = inputs(common.num_actual_tokens)
+        layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, common.slot_mapping)
+        clean = standin_forward(layer.impl, layer, q, k, v, layer.kv_cache, metadata,
+                                torch.empty(q.shape[0], NUM_HEADS, HEAD_SIZE, dtype=torch.bfloat16))
+        table = metadata.block_table.clone()
+        return metadata, table, clean, _call(layer, q, k, v, metadata), (q, k, v)
+
+    common = batch([37, 20], [37, 20])
+    for layer in layers:  # step 0: no fault
+        _, _, clean, out, _ = step(common, layer)
+        assert torch.equal(out, clean)
+    common = extend(common)
+    # step 1, layer a: head 1 of every token moved by +1 after the kernel, nothing else
+    metadata, table, clean, out, _ = step(common, layers[0])
+    assert torch.equal(out[:, 1], clean[:, 1] + 1.0)
+    assert torch.equal(out[:, [0, 2, 3]], clean[:, [0, 2, 3]])
+    # step 1, layer b: the kernel read request 1's first page in place of request 0's; the metadata stays right
+    metadata, table, clean, out, qkv = step(common, layers[1])
+    assert torch.equal(metadata.block_table, table) and table[0, 0] != table[1, 0]
+    wrong = dataclasses.replace(metadata, block_table=table.clone())
+    wrong.block_table[0, 0] = table[1, 0]
+    expected = standin_forward(layers[1].impl, layers[1], *qkv, layers[1].kv_cache, wrong, torch.empty_like(out))
+    assert torch.equal(out, expected)
+    assert not torch.equal(out[0], clean[0]) and torch.equal(out[1], clean[1])
+    # step 2, layer a: NaN in KV head 0 of request 0's first page (K and V, every token), read by heads 0 and 1
+    common = extend(common)
+    metadata, table, clean, out, _ = step(common, layers[0])
+    page = int(table[0, 0])
+    key_cache, value_cache = layers[0].kv_cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)  # TRITON_ATTN's own views
+    assert key_cache[page, :, 0].isnan().all() and value_cache[page, :, 0].isnan().all()
+    assert not key_cache[page, :, 1].isnan().any() and not key_cache[int(table[1, 0])].isnan().any()
+    assert out[0, :2].isnan().all() and not out[0, 2:].isnan().any() and not out[1].isnan().any()
+    assert [kind for kind, _, _ in triton_faults.fired()] == ["head", "page", "nan"]
+    assert triton_faults.fired()[2] == ("nan", layers[0].layer_name, 2)
+
+
+def test_the_soft_capped_model_is_a_bfloat16_gemma2_with_one_kind_of_kv_cache(tmp_path):
+    from vllm.config import ModelConfig
+
+    from tests.gpu.engine_stage import MODELS, cases_of
+    from tests.engine.tiny_model import write_model
+
+    model = MODELS["softcap"]
+    directory = write_model(model, str(tmp_path / "softcap"))
+    config = ModelConfig(model=directory, skip_tokenizer_init=True, dtype=model.dtype, max_model_len=512)
+    assert config.architectures == ["Gemma2ForCausalLM"] and config.dtype == torch.bfloat16
+    hf = config.hf_config
+    assert hf.attn_logit_softcapping == model.soft_cap == 5.0 and hf.final_logit_softcapping is None
+    assert hf.layer_types == ["full_attention"] * model.num_layers and config.get_sliding_window() is None
+    assert hf.query_pre_attn_scalar == model.head_dim  # the scale, head_dim ** -0.5, as the Llama models'
+    with pytest.raises(Exception, match="bfloat16 or float32"):  # why the model is bfloat16
+        ModelConfig(model=directory, skip_tokenizer_init=True, dtype="float16", max_model_len=512)
+    assert cases_of("softcap") == ["prefill_decode", "chunked_mixed", "prefix_hit"]
+
+
+def test_the_soft_capped_models_weights_are_gemma2s_and_its_attention_is_capped(tmp_path):
+    """transformers' own Gemma 2 takes the checkpoint with no key missing or left over, and its attention logits
+    reach the cap (so a replay that dropped it would fail)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, Gemma2ForCausalLM
+
+    from tests.engine.tiny_model import write_model
+    from tests.gpu.engine_stage import MODELS
+
+    directory = write_model(MODELS["softcap"], str(tmp_path / "softcap"))
+    config = AutoConfig.from_pretrained(directory)
+    model = Gemma2ForCausalLM(config).to(torch.bfloat16)
+    weights = load_file(os.path.join(directory, "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert unexpected == [] and [k for k in missing if k != "lm_head.weight"] == []  # lm_head is the embedding
+    layer = model.model.layers[0].self_attn
+    x = model.model.embed_tokens(torch.arange(3, 67).unsqueeze(0)) * config.hidden_size ** 0.5
+    x = model.model.layers[0].input_layernorm(x)
+    q = layer.q_proj(x).view(64, config.num_attention_heads, -1).transpose(0, 1).float()
+    k = layer.k_proj(x).view(64, config.num_key_value_heads, -1).transpose(0, 1).float()
+    logits = q[:2] @ k[0].T * config.query_pre_attn_scalar ** -0.5  # two heads of KV head 0, no position
+    assert logits.abs().max() > 2 * config.attn_logit_softcapping
+
+
+def test_the_harness_activations_compute_what_vllms_native_forward_does(tmp_path):
+    """tests/gpu/stub_site's plain-torch ``silu_and_mul``, ``gelu_and_mul`` and ``gelu_tanh_and_mul`` (in a child
+    interpreter: they register into torch.ops._C, which must stay as it is for the other tests)."""
+    stub = os.path.join(ROOT, "tests", "gpu", "stub_site", "sitecustomize.py")
+    script = f"""
+import importlib.util, torch
+spec = importlib.util.spec_from_file_location("stub", {stub!r})
+stub = importlib.util.module_from_spec(spec); spec.loader.exec_module(stub)
+stub._register_activation()
+from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
+x = torch.randn(5, 2 * 48, dtype=torch.bfloat16)
+native = {{"silu_and_mul": SiluAndMul.forward_native(x)}}  # a static method
+for name, approximate in (("gelu_and_mul", "none"), ("gelu_tanh_and_mul", "tanh")):
+    gelu = GeluAndMul.__new__(GeluAndMul)
+    gelu.approximate = approximate  # what __init__ keeps; its op lookup needs CUDA
+    native[name] = GeluAndMul.forward_native(gelu, x)
+for name, want in native.items():
+    out = torch.empty(5, 48, dtype=torch.bfloat16)
+    getattr(torch.ops._C, name)(out, x)
+    assert torch.equal(out, want), name
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, VLLM_CONFIGURE_LOGGING="0"), timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
