@@ -109,6 +109,9 @@ def engine_run(out: str, run: str, model_dir: str, make_llm) -> dict:
         record["problems"].append("the sentinel's snapshots still unwritten after 60 s")
     try:
         llm.llm_engine.engine_core.shutdown()  # the worker's shutdown: the last checks collected, the exit line said
+    except ImportError as exc:  # a compiled module the harness stands in for (vllm.cumem_allocator), after kvdbg's
+        # own shutdown hook ran (its exit line is judged from the log): a harness note, not the sentinel's failure
+        record.setdefault("notes", []).append(f"the engine's shutdown raised {exc!r}"[:300])
     except Exception as exc:
         record["problems"].append(f"the engine's shutdown raised {exc!r}"[:300])
     record["steps"] = sum(state._forward_counts.values())  # every step of every layer the plugin counted
