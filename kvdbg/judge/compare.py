@@ -24,6 +24,22 @@ fixture and within 0.027 on twelve synthetic FP8 snapshots (lengths 50-2000,
 default scales) -- inside this tolerance, but not by much: values far larger
 than the scales make here can exceed it through P rounding alone.
 
+A step whose attention ran with an FP8 query (vLLM 0.33 on CUDA quantises the
+query when the cache is FP8, and TRITON_ATTN then takes P·V on FP8 operands)
+has its P rounded too: the kernel scales the unnormalised weights (each <= 1)
+by 256, rounds them to e4m3 and divides by 256 after the product. Every
+comparison of such a step widens atol by :func:`fp8_query_allowance`::
+
+    |Σ (p̃_k - p_k) v_k| / Σ p_k  <=  2^-4 · max|v|            e4m3 round to nearest, normal P·256 (P >= 2^-14)
+                                    + n · 2^-18 · max|v|       P·256 subnormal or flushed: at most 2^-10/256 each
+                                                               (n keys; Σ p_k >= 1, the largest weight being 1)
+
+with max|v| the largest dequantised |v| the step's requests read and n the
+most keys one request reads. The bound holds per split of the keys too (each
+split's error is bounded by its own weights), so a split-KV launch stays
+inside it. The reference stays exact: the allowance widens the judgement,
+never the computation.
+
 Non-finite values are counted, never raised, and never pass: an element is
 compared only where both sides hold finite numbers, and every other element
 fails its head under one cause -- the compared side produced NaN/inf, the
@@ -57,13 +73,45 @@ class Tolerance:
         return f"|a - e| <= {self.atol:g} + {self.rtol:g}·|e|"
 
 
-def default_tolerance(dtype: str, *, fp8: bool = False, atol: float | None = None,
+# An FP8 query's P·V (see the module docstring): e4m3 keeps 3 mantissa bits, so rounding to nearest moves a
+# normal value by at most 2^-4 of itself; P is scaled by 256 first, and a weight whose scaled value falls below
+# e4m3's smallest normal (2^-6) moves by at most half the subnormal step, 2^-10, i.e. 2^-10 / 256 unscaled.
+FP8_P_RELATIVE = 2.0 ** -4
+FP8_P_SCALE = 256.0
+FP8_P_UNDERFLOW = 2.0 ** -10 / FP8_P_SCALE
+
+
+def fp8_query_allowance(max_abs_v, num_keys) -> float:
+    """The extra atol of a step whose P·V ran on FP8 operands: the largest ``(2^-4 + n·2^-18)·max|v|``.
+
+    ``max_abs_v``: the largest dequantised |v| each request reads (a tensor ``[num_reqs, ...]``, e.g. per KV
+    head, or a number); ``num_keys``: the keys each request reads (``[num_reqs]`` or a number). Only finite
+    values count (a NaN value poisons the output, which is then not compared anyway).
+    """
+    v = torch.as_tensor(max_abs_v, dtype=torch.float64).detach().cpu()
+    n = torch.as_tensor(num_keys, dtype=torch.float64).detach().cpu()
+    v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+    if v.dim() > 1:
+        v = v.flatten(1).amax(1)
+    per_request = (FP8_P_RELATIVE + n * FP8_P_UNDERFLOW) * v
+    return float(per_request.max()) if per_request.numel() else 0.0
+
+
+def default_tolerance(dtype: str, *, fp8: bool = False, fp8_query: float | None = None, atol: float | None = None,
                       rtol: float | None = None) -> Tolerance:
-    """The tolerance for a backend computing in ``dtype``; ``atol``/``rtol`` override either part."""
+    """The tolerance for a backend computing in ``dtype``; ``atol``/``rtol`` override either part.
+
+    ``fp8_query``: the step's attention ran with an FP8 query; the :func:`fp8_query_allowance` of the values
+    it read, added to the default atol (an explicit ``atol`` stays as given).
+    """
     key = "fp8" if fp8 else dtype
     base_atol, base_rtol = DEFAULT_TOLERANCES.get(key, DEFAULT_TOLERANCES["bfloat16"])
     source = ("default for fp8 KV cache (dequantisation rounding; FLASHINFER_TS's e4m3 P rounding modelled at "
               "split count 1, other split counts move it by < 1/16 relative per P)") if fp8 else f"default for {dtype}"
+    if fp8_query is not None and atol is None:
+        base_atol += fp8_query
+        source += (f"; FP8 query: the kernel's P·V on FP8 operands, P rounded to e4m3: + 2^-4·max|v| "
+                   f"(+ 2^-18 per key) = {fp8_query:.4g}")
     if atol is not None or rtol is not None:
         source = "--atol/--rtol" if atol is not None and rtol is not None else source + " with --atol/--rtol"
     return Tolerance(base_atol if atol is None else atol, base_rtol if rtol is None else rtol, source)
@@ -257,10 +305,12 @@ def compare_step(step_replay, meta, *, atol: float | None = None, rtol: float | 
                  requests: list[int] | None = None, heads: list[int] | None = None) -> list[Comparison]:
     """Every backend of one replayed step against the reference, and against the captured output if any.
 
-    The captured output itself is also compared with the reference (``captured`` vs ``reference``).
+    The captured output itself is also compared with the reference (``captured`` vs ``reference``). A step
+    whose query is FP8 (``step_replay.fp8_query_allowance`` set) widens every comparison's atol by it.
     """
     common = step_replay.common
     fp8 = meta.layer.is_fp8
+    fp8_query = getattr(step_replay, "fp8_query_allowance", None)
     out = []
     ref = step_replay.runs.get("reference")
     expected_sets = []
@@ -273,17 +323,17 @@ def compare_step(step_replay, meta, *, atol: float | None = None, rtol: float | 
             if name == "reference" or run.output is None or run.not_applicable is not None:
                 continue
             dtype = run.info.dtype if run.info is not None else meta.layer.dtype
-            tol = default_tolerance(dtype, fp8=fp8, atol=atol, rtol=rtol)
+            tol = default_tolerance(dtype, fp8=fp8, fp8_query=fp8_query, atol=atol, rtol=rtol)
             out.append(compare(run.output, expected, common.query_start_loc, common.seq_lens, tol,
                                requests=requests, heads=heads, actual_name=name, expected_name=expected_name,
                                step=step_replay.step, written=run.written))
         if expected_name == "reference" and step_replay.captured_output is not None:
-            tol = default_tolerance(meta.layer.dtype, fp8=fp8, atol=atol, rtol=rtol)
+            tol = default_tolerance(meta.layer.dtype, fp8=fp8, fp8_query=fp8_query, atol=atol, rtol=rtol)
             out.append(compare(step_replay.captured_output, expected, common.query_start_loc, common.seq_lens, tol,
                                requests=requests, heads=heads, actual_name="captured", expected_name="reference",
                                step=step_replay.step))
     return out
 
 
-__all__ = ["Comparison", "DEFAULT_TOLERANCES", "HeadDiff", "Tolerance", "compare", "compare_step",
-           "default_tolerance"]
+__all__ = ["Comparison", "DEFAULT_TOLERANCES", "FP8_P_RELATIVE", "FP8_P_SCALE", "FP8_P_UNDERFLOW", "HeadDiff",
+           "Tolerance", "compare", "compare_step", "default_tolerance", "fp8_query_allowance"]

@@ -487,13 +487,20 @@ def _output_check(weights, values, run, row: int, head: int, snapshot, report) -
     differs."""
     import torch
 
-    from kvdbg.judge.compare import default_tolerance
+    from kvdbg.judge.compare import default_tolerance, fp8_query_allowance
+    from kvdbg.snapshot.layout import holds_fp8
 
     mixed = torch.where(weights.unsqueeze(1) > 0, values, torch.zeros_like(values))  # NaN keys it skips stay out
     predicted = weights @ mixed
     actual = run.output[row, head].detach().to("cpu", torch.float64)
     dtype = run.info.dtype if run.info is not None else snapshot.meta.layer.dtype
-    tol = default_tolerance(dtype, fp8=snapshot.meta.layer.is_fp8)
+    fp8_query = None
+    if snapshot.meta.layer.is_fp8 and holds_fp8(snapshot.steps[run.step].query):
+        # The step's P·V ran on FP8 operands: the values here are the ones this head's request reads.
+        read = mixed.abs()
+        read = torch.where(torch.isfinite(read), read, torch.zeros_like(read))
+        fp8_query = fp8_query_allowance(read.max() if read.numel() else 0.0, values.shape[0])
+    tol = default_tolerance(dtype, fp8=snapshot.meta.layer.is_fp8, fp8_query=fp8_query)
     if report is not None:
         for c in report.comparisons:
             if c.actual == run.backend and c.expected == "reference":

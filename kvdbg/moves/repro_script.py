@@ -121,8 +121,8 @@ def emit_repro_script(snapshot: "Snapshot", backend: str, script: str, *, step: 
         raise OptionError(f"{backend} raised on this snapshot ({run.error}); there is no computation to write out")
     if run.not_applicable is not None:
         raise OptionError(f"{backend} does not run this step ({run.not_applicable}); nothing to reproduce")
-    failing = sorted({(h.request, h.head) for c in compare_step(replayed, snapshot.meta)
-                      if c.actual == backend and c.expected == "reference" for h in c.failed})
+    judged = [c for c in compare_step(replayed, snapshot.meta) if c.actual == backend and c.expected == "reference"]
+    failing = sorted({(h.request, h.head) for c in judged for h in c.failed})
 
     cache = working_cache(snapshot)
     for earlier in range(step + 1):
@@ -142,7 +142,8 @@ def emit_repro_script(snapshot: "Snapshot", backend: str, script: str, *, step: 
         "query": s.query.contiguous(),
         "kvdbg_output": output.contiguous(),
     }
-    tol = default_tolerance(layer.dtype, fp8=layer.is_fp8)
+    # A step whose query is FP8 keeps the replay's widening for the kernel's e4m3 rounding of P.
+    tol = default_tolerance(layer.dtype, fp8=layer.is_fp8, fp8_query=replayed.fp8_query_allowance)
     config = {
         "backend": backend, "source": source or snapshot.path or "a snapshot in memory", "step": step,
         "kv_layout": meta.kv_layout, "page_size": meta.backend.page_size,

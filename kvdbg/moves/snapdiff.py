@@ -438,13 +438,33 @@ def compare_chunked(actual: "torch.Tensor", expected: "torch.Tensor", query_star
     return out
 
 
-def _output_tolerance(dtype, fp8: bool, atol, rtol):
+def _output_tolerance(dtype, fp8: bool, atol, rtol, fp8_query: float | None = None):
     from kvdbg.judge.compare import default_tolerance
 
-    return default_tolerance(str(dtype).removeprefix("torch."), fp8=fp8, atol=atol, rtol=rtol)
+    return default_tolerance(str(dtype).removeprefix("torch."), fp8=fp8, fp8_query=fp8_query, atol=atol, rtol=rtol)
 
 
-def snapshot_outputs(snap_a, snap_b, result: SnapDiff, atol, rtol) -> None:
+def step_fp8_query_allowance(snapshots, caches, step: int) -> float | None:
+    """The FP8-query allowance of a step (kvdbg.judge.compare): the larger of the snapshots whose query is FP8
+    at this step, from the values each reads in its cache as the step sees it; None when neither is."""
+    import torch
+
+    from kvdbg.judge.compare import fp8_query_allowance
+    from kvdbg.snapshot.layout import holds_fp8, read_value_magnitudes
+
+    allowances = []
+    for snap, cache in zip(snapshots, caches):
+        s = snap.steps[step]
+        if snap.meta.layer.is_fp8 and holds_fp8(s.query):
+            qsl = s.query_start_loc.to(torch.int64)
+            allowances.append(fp8_query_allowance(*read_value_magnitudes(
+                snap.meta, cache, snap.stored_block_table(step), s.seq_lens, qsl[1:] - qsl[:-1])))
+    return max(allowances) if allowances else None
+
+
+def snapshot_outputs(snap_a, snap_b, result: SnapDiff, atol, rtol,
+                     fp8_query: dict[int, float | None] | None = None) -> None:
+    """The two snapshots' captured outputs, step by step; ``fp8_query``: step -> its FP8-query allowance."""
     fp8 = snap_a.meta.layer.is_fp8 or snap_b.meta.layer.is_fp8
     for step, (sa, sb) in enumerate(zip(snap_a.steps, snap_b.steps)):
         if sa.output is None or sb.output is None:
@@ -452,7 +472,7 @@ def snapshot_outputs(snap_a, snap_b, result: SnapDiff, atol, rtol) -> None:
                 ("only B" if sa.output is None else "only A")
             result.notes.append(f"step {step}: {which} holds the engine's output: not compared")
             continue
-        tol = _output_tolerance(sa.output.dtype, fp8, atol, rtol)
+        tol = _output_tolerance(sa.output.dtype, fp8, atol, rtol, (fp8_query or {}).get(step))
         result.outputs.append(compare_chunked(sb.output, sa.output, sa.query_start_loc, sa.seq_lens, tol,
                                               actual_name="B captured", expected_name="A captured", step=step))
 
@@ -472,15 +492,17 @@ def diff_snapshots(path_a: str, path_b: str, *, atol: float | None = None, rtol:
     snap_a, snap_b = load_snapshot(path_a), load_snapshot(path_b)
     result.meta.extend(layer_value_differences(snap_a, snap_b))
     cache_a, cache_b = working_cache(snap_a, "cpu"), working_cache(snap_b, "cpu")
+    fp8_query = {}
     for step in range(len(snap_a.steps)):
         if progress:
             progress(f"step {step}: inputs")
         apply_step_update(snap_a, cache_a, step)
         apply_step_update(snap_b, cache_b, step)
         result.steps.append(step_inputs(snap_a, snap_b, cache_a, cache_b, step))
+        fp8_query[step] = step_fp8_query_allowance((snap_a, snap_b), (cache_a, cache_b), step)
     if progress:
         progress("outputs")
-    snapshot_outputs(snap_a, snap_b, result, atol, rtol)
+    snapshot_outputs(snap_a, snap_b, result, atol, rtol, fp8_query)
     return result
 
 

@@ -14,7 +14,7 @@ import torch
 from kvdbg.backends.base import BackendSpec, CommonMetadata, Finding, ReplayOptions, RunInfo
 from kvdbg.backends import DEFAULT_ORDER, backend_names, get_backend
 from kvdbg.snapshot.cache import apply_step_update, replay_cache
-from kvdbg.snapshot.layout import stored_index
+from kvdbg.snapshot.layout import holds_fp8, read_value_magnitudes, stored_index
 from kvdbg.errors import BackendUnavailable, OptionError
 from kvdbg.snapshot.format import OUTPUTS_KEY
 from kvdbg.snapshot.pagemap import live_page_values, value_anomalies
@@ -52,6 +52,9 @@ class StepReplay:
     runs: dict[str, BackendRun]  # in the order the backends were asked for
     captured_output: torch.Tensor | None  # the engine's own output, if the snapshot has one
     findings: list[Finding] = field(default_factory=list)  # about the inputs themselves, before any backend
+    # The step's query is FP8 (the engine ran P·V on FP8 operands): the extra atol every comparison of the step
+    # allows for the kernel's e4m3 rounding of P (kvdbg.judge.compare.fp8_query_allowance). None: not FP8.
+    fp8_query_allowance: float | None = None
 
 
 @dataclass
@@ -482,7 +485,8 @@ def run_replay(snapshot: "Snapshot", setup: ReplaySetup, *, progress: Callable[[
         captured = snapshot.steps[step].output
         results.append(StepReplay(step=step, common=common, runs=runs,
                                   captured_output=None if captured is None else captured.to(device),
-                                  findings=found))
+                                  findings=found, fp8_query_allowance=step_fp8_query_allowance(
+                                      snapshot, step, cache, common)))
     for st in statuses:  # report what the backends say after running (e.g. compiled or not), on every step
         if st.available:
             ran = [(s.step, s.runs[st.name].info) for s in results
@@ -491,6 +495,19 @@ def run_replay(snapshot: "Snapshot", setup: ReplaySetup, *, progress: Callable[[
                 st.info = steps_run_info(ran)
     return ReplayResult(path=snapshot.path, meta=snapshot.meta, options=options, backends=statuses, steps=results,
                         named=setup.named)
+
+
+def step_fp8_query_allowance(snapshot: "Snapshot", step: int, cache: torch.Tensor,
+                             common: CommonMetadata) -> float | None:
+    """The extra atol of a step whose query is FP8, from the values its requests read; None otherwise."""
+    from kvdbg.judge.compare import fp8_query_allowance
+
+    if not snapshot.meta.layer.is_fp8 or not holds_fp8(snapshot.steps[step].query):
+        return None
+    qsl = common.query_start_loc
+    magnitudes, keys = read_value_magnitudes(snapshot.meta, cache, common.block_table, common.seq_lens,
+                                             qsl[1:] - qsl[:-1])
+    return fp8_query_allowance(magnitudes, keys)
 
 
 def steps_run_info(ran: list[tuple[int, RunInfo]]) -> RunInfo:

@@ -10,7 +10,8 @@ locations, and the output. Two checks run:
   computed from the same cache pages through the block table, and compared
   with :func:`kvdbg.judge.compare.compare` under the tolerance replay uses for the
   captured output (:func:`kvdbg.judge.compare.default_tolerance` for the model
-  dtype; the FP8 one for an FP8 cache)::
+  dtype; the FP8 one for an FP8 cache, widened for the e4m3 rounding of P when the engine quantised the
+  query)::
 
       pair (r, h):  the last <= 16 query rows of request r, head h    [q', 1, D]
                     pages block_table[r, :cdiv(L_r, page)]   read through the layer's engine layout,
@@ -46,9 +47,9 @@ from kvdbg.backends.base import CommonMetadata
 from kvdbg.util.background import confine_torch_to_this_thread
 from kvdbg.backends.reference import BACKEND as REFERENCE
 from kvdbg.backends.reference import ReferenceBuilder, ReferenceImpl
-from kvdbg.snapshot.layout import page_dim
+from kvdbg.snapshot.layout import holds_fp8, page_dim, read_value_magnitudes
 from kvdbg.capture.prepare import CaptureLayer, resolve_kv_layout
-from kvdbg.judge.compare import HeadDiff, Tolerance, compare, default_tolerance
+from kvdbg.judge.compare import HeadDiff, Tolerance, compare, default_tolerance, fp8_query_allowance
 from kvdbg.snapshot.format import LAYOUT_VLLM, BackendMeta, SnapshotMeta
 from kvdbg.sentinel.config import ENV_INTERVAL, ENV_MAX, SentinelConfig
 
@@ -230,7 +231,8 @@ def check_step(layer: CaptureLayer, inputs: StepInputs, *, pairs: list[tuple[int
     qsl = inputs.query_start_loc.to("cpu", torch.int64).tolist()
     seq_lens = inputs.seq_lens.to("cpu", torch.int64).tolist()
     num_tokens = qsl[-1]
-    tolerance = default_tolerance(layer.dtype, fp8=layer.kv_cache_dtype.startswith("fp8"))
+    fp8 = layer.kv_cache_dtype.startswith("fp8")
+    tolerance = default_tolerance(layer.dtype, fp8=fp8)
     result = CheckResult(layer=layer.name, step=step, tolerance=tolerance, num_tokens=num_tokens)
     if num_tokens == 0:
         return result
@@ -245,8 +247,15 @@ def check_step(layer: CaptureLayer, inputs: StepInputs, *, pairs: list[tuple[int
     groups: dict[int | None, list[tuple[int, int]]] = {}
     for pair in pairs:
         groups.setdefault(pair[1] if per_head else None, []).append(pair)
-    for group in groups.values():
-        expected, actual, mini_qsl, mini_lens = _reference_pairs(layer, inputs, query, output, group, qsl, seq_lens)
+    # The engine quantised the query (an FP8 cache on CUDA): its kernel rounded P to e4m3 before P·V, which
+    # the tolerance allows for from the values the sampled pairs read (kvdbg.judge.compare).
+    fp8_query = fp8 and holds_fp8(inputs.query)
+    checks = [(group, _reference_pairs(layer, inputs, query, output, group, qsl, seq_lens,
+                                       read_values=fp8_query)) for group in groups.values()]
+    if fp8_query:
+        allowance = max((fp8_query_allowance(*parts[4]) for _, parts in checks), default=0.0)
+        tolerance = result.tolerance = default_tolerance(layer.dtype, fp8=fp8, fp8_query=allowance)
+    for group, (expected, actual, mini_qsl, mini_lens, _) in checks:
         ok = _within(actual, expected, mini_qsl, tolerance)
         if all(ok):  # the usual case: the per-element statistics are not needed
             result.pairs += [PairResult(r, h, None) for r, h in group]
@@ -277,8 +286,10 @@ def _one_head_per_page(pages: torch.Tensor, layout: str, kv_heads: torch.Tensor)
 
 
 def _reference_pairs(layer: CaptureLayer, inputs: StepInputs, query: torch.Tensor, output: torch.Tensor,
-                     pairs: list[tuple[int, int]], qsl: list[int], seq_lens: list[int]):
-    """(reference, engine output, query_start_loc, seq_lens) of ``pairs``, each pair one request of one head.
+                     pairs: list[tuple[int, int]], qsl: list[int], seq_lens: list[int], *, read_values: bool = False):
+    """(reference, engine output, query_start_loc, seq_lens, read values) of ``pairs``, each pair one request
+    of one head; read values (with ``read_values``): the largest |v| each pair reads and its key count
+    (:func:`kvdbg.snapshot.layout.read_value_magnitudes`), else None.
 
     The mini-problem has one query head and one KV head: pair ``i`` is request
     ``i``, reading its own copies of the pages its request reads, cut to the
@@ -333,7 +344,9 @@ def _reference_pairs(layer: CaptureLayer, inputs: StepInputs, query: torch.Tenso
     q = query[token_index, head_index].unsqueeze(1)
     expected = torch.empty((q.shape[0], 1, layer.head_size), dtype=compute, device=device)
     ReferenceImpl(meta, compute).forward(q.to(device), pages, md, expected)
-    return expected, output[token_index, head_index].unsqueeze(1), mini_qsl, mini_lens
+    read = (read_value_magnitudes(meta, pages, table, mini_lens, mini_qsl[1:] - mini_qsl[:-1])
+            if read_values else None)
+    return expected, output[token_index, head_index].unsqueeze(1), mini_qsl, mini_lens, read
 
 
 # --------------------------------------------------------------------------- the shell

@@ -17,7 +17,7 @@ from kvdbg.snapshot.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
 if TYPE_CHECKING:
     from kvdbg.snapshot.format import SnapshotMeta
 
-__all__ = ["CPU_ATTN_K_TRANSPOSED", "FP8_MAX", "KV_VIEW_LAYOUTS", "as_fp8", "dequantize_fp8", "finite_pages", "join_kv", "kv_head_dim", "kv_views", "page_dim", "quantize_fp8", "split_kv", "stored_index"]
+__all__ = ["CPU_ATTN_K_TRANSPOSED", "FP8_MAX", "KV_VIEW_LAYOUTS", "as_fp8", "dequantize_fp8", "finite_pages", "holds_fp8", "read_value_magnitudes", "join_kv", "kv_head_dim", "kv_views", "page_dim", "quantize_fp8", "split_kv", "stored_index"]
 
 # float8_e4m3fn's largest finite value: vLLM's FP8 cache write saturates here.
 FP8_MAX = 448.0
@@ -110,6 +110,49 @@ def kv_views(meta: "SnapshotMeta", cache: torch.Tensor) -> tuple[torch.Tensor, t
 def as_fp8(t: torch.Tensor) -> torch.Tensor:
     """FP8 values held as uint8 bytes, viewed as float8_e4m3fn (any other tensor as it is)."""
     return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
+
+
+def holds_fp8(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds e4m3 values: float8_e4m3fn, or their bytes as uint8 (an FP8 snapshot's query, say)."""
+    return t.dtype in (torch.float8_e4m3fn, torch.uint8)
+
+
+def read_value_magnitudes(meta: "SnapshotMeta", cache: torch.Tensor, block_table: torch.Tensor,
+                          seq_lens: torch.Tensor, query_lens: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest finite dequantised |v| each request reads per KV head, and how many keys it reads.
+
+    ``block_table`` [num_reqs, width] indexes ``cache``'s pages (-1: not stored, skipped); a request reads
+    keys ``[first, L)``, ``first = max(0, L - q - w + 1)`` under a sliding window ``w`` (``query_lens``
+    given), else 0. Returns float64 ``[num_reqs, Hkv]`` and int64 ``[num_reqs]``, on the CPU. One request's
+    pages are gathered at a time, so the memory is that of its keys.
+    """
+    _, v_view = kv_views(meta, cache)  # [pages, Hkv, ps, D]; an FP8 cache comes viewed as e4m3
+    page_size, num_kv_heads = v_view.shape[2], v_view.shape[1]
+    lens = [int(x) for x in seq_lens.tolist()]
+    qlens = [0] * len(lens) if query_lens is None else [int(x) for x in query_lens.tolist()]
+    window = meta.layer.sliding_window
+    table = block_table.to("cpu", torch.int64)
+    out = torch.zeros(len(lens), num_kv_heads, dtype=torch.float64)
+    keys = torch.zeros(len(lens), dtype=torch.int64)
+    scale = float(meta.layer.v_scale) if meta.layer.is_fp8 else 1.0
+    for r, length in enumerate(lens):
+        first = max(0, length - qlens[r] - window + 1) if window is not None and query_lens is not None else 0
+        keys[r] = max(0, length - first)
+        if length <= first:
+            continue
+        cols = torch.arange(first // page_size, -(-length // page_size))
+        cols = cols[cols < table.shape[1]]
+        ids = table[r, cols]
+        cols, ids = cols[ids >= 0], ids[ids >= 0]
+        if not len(ids):
+            continue
+        values = v_view[ids.to(v_view.device)].float().abs()  # [n, Hkv, ps, D]
+        position = cols.to(values.device).view(-1, 1) * page_size + torch.arange(page_size, device=values.device)
+        read = ((position >= first) & (position < length)).view(len(ids), 1, page_size, 1)
+        values = torch.where(read & torch.isfinite(values), values, torch.zeros_like(values))
+        out[r] = values.amax(dim=(0, 2, 3)).to("cpu", torch.float64) * scale
+    return out, keys
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
