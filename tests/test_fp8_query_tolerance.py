@@ -193,3 +193,15 @@ def test_the_sentinel_allows_it_for_an_fp8_engine_query(fp8_snap):
     bad[2, 1] += 0.5
     assert [(p.request, p.head) for p in check_step(layer, inputs(bad, fp8_query), pairs=pairs).failed_pairs] \
         == [(2, 1)]
+
+
+def test_kvdbg_own_columns_keep_their_tolerance_on_an_fp8_query_step(fp8_snap):
+    """Only comparisons with the engine's kernels on one side are widened: kvdbg's columns against the reference
+    do not take P·V on FP8 operands, and keep the FP8 default; against the captured output they are widened."""
+    result = replay(fp8_snap, ["reference", "flex"])
+    comparisons = {(c.actual, c.expected): c for c in result.judge().comparisons}
+    own = comparisons[("flex", "reference")].tolerance
+    assert own.atol == 3e-2 and "FP8 query" not in own.source
+    against_engine = comparisons[("flex", "captured")].tolerance
+    assert against_engine.atol == 3e-2 + result.steps[0].fp8_query_allowance
+    assert "FP8 query" in against_engine.source

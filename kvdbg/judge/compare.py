@@ -28,7 +28,8 @@ A step whose attention ran with an FP8 query (vLLM 0.33 on CUDA quantises the
 query when the cache is FP8, and TRITON_ATTN then takes P·V on FP8 operands)
 has its P rounded too: the kernel scales the unnormalised weights (each <= 1)
 by 256, rounds them to e4m3 and divides by 256 after the product. Every
-comparison of such a step widens atol by :func:`fp8_query_allowance`::
+comparison of such a step with the engine's kernels on one side (the captured
+output, the ``vllm`` column) widens atol by :func:`fp8_query_allowance`::
 
     |Σ (p̃_k - p_k) v_k| / Σ p_k  <=  2^-4 · max|v|            e4m3 round to nearest, normal P·256 (P >= 2^-14)
                                     + n · 2^-18 · max|v|       P·256 subnormal or flushed: at most 2^-10/256 each
@@ -301,12 +302,19 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, query_start_loc: torch
     return comp
 
 
+# The column that runs the engine's own backend code (backends/vllm_native.py): with an FP8 query it takes the
+# kernel's P·V on FP8 operands as the engine did.
+ENGINE_COLUMN = "vllm"
+
+
 def compare_step(step_replay, meta, *, atol: float | None = None, rtol: float | None = None,
                  requests: list[int] | None = None, heads: list[int] | None = None) -> list[Comparison]:
     """Every backend of one replayed step against the reference, and against the captured output if any.
 
     The captured output itself is also compared with the reference (``captured`` vs ``reference``). A step
-    whose query is FP8 (``step_replay.fp8_query_allowance`` set) widens every comparison's atol by it.
+    whose query is FP8 (``step_replay.fp8_query_allowance`` set) widens by it the atol of every comparison with
+    the engine's own kernels on one side: the captured output, and the ``vllm`` column (vLLM's code, given the
+    FP8 query). kvdbg's own columns against the reference keep theirs: they do not take P·V on FP8 operands.
     """
     common = step_replay.common
     fp8 = meta.layer.is_fp8
@@ -323,7 +331,9 @@ def compare_step(step_replay, meta, *, atol: float | None = None, rtol: float | 
             if name == "reference" or run.output is None or run.not_applicable is not None:
                 continue
             dtype = run.info.dtype if run.info is not None else meta.layer.dtype
-            tol = default_tolerance(dtype, fp8=fp8, fp8_query=fp8_query, atol=atol, rtol=rtol)
+            engine_side = expected_name == "captured" or name == ENGINE_COLUMN
+            tol = default_tolerance(dtype, fp8=fp8, fp8_query=fp8_query if engine_side else None, atol=atol,
+                                    rtol=rtol)
             out.append(compare(run.output, expected, common.query_start_loc, common.seq_lens, tol,
                                requests=requests, heads=heads, actual_name=name, expected_name=expected_name,
                                step=step_replay.step, written=run.written))
