@@ -206,7 +206,8 @@ def replay_one(backend: str, case: str, path: str, out: str) -> Outcome:
     try:
         data = json.loads(proc.stdout)
     except ValueError as exc:
-        outcome.problems.append(f"kvdbg replay --json printed no JSON ({exc})")
+        outcome.problems.append(f"kvdbg replay --json printed no JSON ({exc}; exit {proc.returncode}, stdout "
+                                f"{proc.stdout[:200]!r}, stderr {proc.stderr.strip()[-300:]!r})")
         return outcome
     with open(os.path.join(out, "replays", os.path.basename(path) + f".{backend}.{case}.json"), "w") as f:
         f.write(proc.stdout)
