@@ -53,6 +53,9 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _cuda import cycles_per_us  # noqa: E402  (the sleep kernel's clock, shared with plugin_cuda)
 
 # The issue's lines.
 ARMED_LINE = 1.02  # step time, armed with no step wanted / kvdbg absent
@@ -341,19 +344,6 @@ def _device_mark(start):
     side_end = torch.cuda.Event(enable_timing=True)
     side_end.record(_side_stream(device))
     return start, engine_end, side_end, start.query()  # query: the device already reached the start
-
-
-def cycles_per_us() -> float:
-    """The sleep kernel's clock, measured: cycles per microsecond."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)
-    start.record()
-    torch.cuda._sleep(50_000_000)
-    end.record()
-    end.synchronize()
-    return 50_000_000 / (start.elapsed_time(end) * 1e3)
 
 
 def d2h_bandwidth(nbytes: int = 256 * 1024**2, repeats: int = 5) -> dict:

@@ -34,19 +34,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "vllm_standins"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _cuda import cycles_per_us  # noqa: E402
 
 HOOKS = ("after_build", "before_cache_update", "before_forward")
-
-
-def cycles_per_us() -> float:
-    """The sleep kernel's clock, measured: cycles per microsecond."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)
-    start.record()
-    torch.cuda._sleep(50_000_000)
-    end.record()
-    end.synchronize()
-    return 50_000_000 / (start.elapsed_time(end) * 1e3)
 
 
 def run(busy_us: float, steps: int, layers: int, out: str, clock: float) -> dict:

@@ -183,22 +183,25 @@ def signature_parameters(signature: Any, where: str) -> tuple[list[str], bool]:
 # ----------------------------------------------------------------------------- files
 
 
-def _regular_file(path: Path, limit: int | None = None) -> int:
-    """The size of ``path``, which must be a regular file (a FIFO or device would hang or never end)."""
+def regular_file_size(path: Path, limit: int | None = None, what: str = "dump's file of this kind",
+                      error: type[KvdbgError] = DumpError) -> int:
+    """The size of ``path``, which must be a regular file (a FIFO or device would hang or never end) of at most
+    ``limit`` bytes; ``error`` (naming ``what``) otherwise. Shared by every importer's reader."""
     try:
         st = os.stat(path)
     except OSError as exc:
-        raise DumpError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raise error(f"{path}: cannot read: {exc.strerror or exc}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise DumpError(f"{path}: not a regular file")
+        raise error(f"{path}: not a regular file")
     if limit is not None and st.st_size > limit:
-        raise DumpError(f"{path}: {st.st_size} bytes, more than the {limit} a dump's file of this kind may have")
+        raise error(f"{path}: {st.st_size} bytes, more than the {limit} a {what} may have")
     return st.st_size
+
 
 
 def read_last_record(path: Path) -> dict[str, Any]:
     """The last record of a call's metadata.jsonl: the completed one when the call finished."""
-    _regular_file(path, MAX_METADATA_BYTES)
+    regular_file_size(path, MAX_METADATA_BYTES)
     try:
         lines = [line for line in path.read_bytes().splitlines() if line.strip()]
     except OSError as exc:
@@ -230,7 +233,7 @@ def load_tensor_file(call_dir: Path, kind: str) -> dict:
 
     pt, st = call_dir / f"{kind}.pt", call_dir / f"{kind}.safetensors"
     if os.path.lexists(pt):
-        _regular_file(pt)
+        regular_file_size(pt)
         try:
             mmap = zipfile.is_zipfile(pt)
             with warnings.catch_warnings():  # torch warns about a file's pickle protocol: the error says enough
@@ -244,7 +247,7 @@ def load_tensor_file(call_dir: Path, kind: str) -> dict:
             raise DumpError(f"{pt}: unreadable ({type(exc).__name__}: {first})") from None
         path = pt
     elif os.path.lexists(st):
-        _regular_file(st)
+        regular_file_size(st)
         try:
             from safetensors import safe_open
 
@@ -289,7 +292,7 @@ def session_order(root: Path, names: set[str]) -> list[str]:
     seen: set[str] = set()
     session = root / "session.jsonl"
     if os.path.lexists(session):
-        _regular_file(session, MAX_SESSION_BYTES)
+        regular_file_size(session, MAX_SESSION_BYTES)
         with open(session, "rb") as fh:
             for line in fh:
                 try:

@@ -41,20 +41,21 @@ class TinyModel:
         return self.hidden_size // self.num_heads
 
 
+def _sizes(model: TinyModel) -> dict:
+    """The config fields every architecture here shares: the model's sizes."""
+    return {"hidden_size": model.hidden_size, "intermediate_size": model.intermediate_size,
+            "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
+            "num_key_value_heads": model.num_kv_heads, "head_dim": model.head_dim, "vocab_size": model.vocab_size,
+            "max_position_embeddings": model.max_position_embeddings}
+
+
 def config_json(model: TinyModel) -> dict:
     if model.soft_cap is not None:
         return _gemma2_config(model)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": model.hidden_size,
-        "intermediate_size": model.intermediate_size,
-        "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_heads,
-        "num_key_value_heads": model.num_kv_heads,
-        "head_dim": model.head_dim,
-        "vocab_size": model.vocab_size,
-        "max_position_embeddings": model.max_position_embeddings,
+        **_sizes(model),
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "hidden_act": "silu",
@@ -110,14 +111,7 @@ def _gemma2_config(model: TinyModel) -> dict:
     return {
         "architectures": ["Gemma2ForCausalLM"],
         "model_type": "gemma2",
-        "hidden_size": model.hidden_size,
-        "intermediate_size": model.intermediate_size,
-        "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_heads,
-        "num_key_value_heads": model.num_kv_heads,
-        "head_dim": model.head_dim,
-        "vocab_size": model.vocab_size,
-        "max_position_embeddings": model.max_position_embeddings,
+        **_sizes(model),
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "hidden_activation": "gelu_pytorch_tanh",

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from kvdbg.errors import KvdbgError
+from kvdbg.importers.dumpdir import regular_file_size
 
 
 class DatasetError(KvdbgError):
@@ -43,16 +43,8 @@ LFS_POINTER = b"version https://git-lfs.github.com/spec/v1"
 
 
 def _regular_file(path: Path, limit: int | None, what: str) -> int:
-    """The size of ``path``, a regular file (a FIFO or device would hang or never end) of at most ``limit``."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise DatasetError(f"{path}: not a regular file")
-    if limit is not None and st.st_size > limit:
-        raise DatasetError(f"{path}: {st.st_size} bytes, more than the {limit} a {what} may have")
-    return st.st_size
+    """The size of ``path``, a regular file of at most ``limit`` bytes (the dump reader's rule)."""
+    return regular_file_size(path, limit, what, DatasetError)
 
 
 def find_dataset(path: str | os.PathLike) -> tuple[Path, Path | None] | None:
