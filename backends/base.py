@@ -91,10 +91,14 @@ class RunInfo:
     emulated: bool = False
     compiled: bool = False
     notes: list[str] = field(default_factory=list)
+    jit_build_seconds: float | None = None  # time in kernel builds this replay made (FlashInfer's JIT), if any
 
     def to_json(self) -> dict[str, Any]:
-        return {"kernel": self.kernel, "device": self.device, "dtype": self.dtype, "emulated": self.emulated,
-                "compiled": self.compiled, "notes": list(self.notes)}
+        record = {"kernel": self.kernel, "device": self.device, "dtype": self.dtype, "emulated": self.emulated,
+                  "compiled": self.compiled, "notes": list(self.notes)}
+        if self.jit_build_seconds is not None:
+            record["jit_build_seconds"] = self.jit_build_seconds
+        return record
 
 
 class BackendInstance(Protocol):

@@ -353,7 +353,8 @@ class VllmInstance:
                          "torch's compiled CPU flex does not build at vLLM's 16-token blocks")
         return RunInfo(backend=self.column, kernel=f"{self.version} {impl} ({', '.join(detail)})",
                        device=self.options.device, dtype=self.meta.layer.dtype, emulated=False,
-                       compiled=self.backend_name == FLEX and not eager_cpu, notes=notes)
+                       compiled=self.backend_name == FLEX and not eager_cpu, notes=notes,
+                       jit_build_seconds=self.library.build_seconds if self.library and self.library.built else None)
 
     def _layer_features(self) -> list[str]:
         layer, engine = self.meta.layer, self.engine

@@ -421,10 +421,14 @@ def test_progress_bar_shows_cells_done_and_an_eta_on_a_terminal():
     conform_backend(FakeRunner(), [Factor("window", ("none", "short")), Factor("sinks", ("off", "on"))],
                     kinds=("decode",), progress=runner_progress)
     bar.close()
-    # first the levels offered alone (window=short, sinks), then the 4 cells
+    # first the levels offered alone (window=short, sinks), then the 4 cells, the failing one explained
+    # (window × sinks fails: its float32 re-run, then its features dropped one at a time), and the end
     assert progress[:2] == [(0, 2, "FAKE_ATTN takes window=short?"), (1, 2, "FAKE_ATTN takes sinks?")]
-    assert [p[:2] for p in progress[2:]] == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]
+    assert [p[:2] for p in progress[2:6]] == [(0, 4), (1, 4), (2, 4), (3, 4)]
     assert progress[3][2] == "FAKE_ATTN sinks (decode)"
+    waves = progress[6:-1]
+    assert waves and all(p[:2] == (0, 1) and "explaining 1 failing cell(s), wave" in p[2] for p in waves)
+    assert progress[-1] == (4, 4, "FAKE_ATTN done")
     text = stream.getvalue()
     assert "conform" in text and "ETA" in text and "/4" in text
 

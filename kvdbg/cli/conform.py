@@ -37,13 +37,16 @@ def _seed(ctx, param, value: int) -> int:
                                            "instead of a pairwise covering array.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), metavar="DIR",
               help="Write each failing cell's snapshot (and its minimal combination's) here, for `kvdbg report`.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Run cells in N worker processes side by side (each compiles its kernels while the others "
+                   "run) [default: on a GPU one per two cores, at most 8; on a CPU 1, in this process].")
 @force_option()
 @click.option("--seed", type=int, default=0, metavar="N", callback=_seed,
               help="Seed of the synthetic steps (each cell draws its own data from it) [default: 0].")
 @tolerance_options()
 @json_option
 @guarded
-def conform(backend, device, features, batch, full, out_dir, force, seed, atol, rtol, as_json):
+def conform(backend, device, features, batch, full, out_dir, jobs, force, seed, atol, rtol, as_json):
     """Hold an installed engine's attention backend to the exact reference, feature by feature.
 
     Every feature the snapshot format models (window, chunked lookback, sinks,
@@ -71,17 +74,20 @@ def conform(backend, device, features, batch, full, out_dir, force, seed, atol, 
 
     kinds = [k.strip() for k in batch.split(",") if k.strip()]
     feature_names = None if features is None else [f for f in features.split(",")]
-    bar = None
     if sys.stderr.isatty():
         from kvdbg.render.conform import ConformBar
 
         bar = ConformBar(console(stderr=True))
+    else:
+        from kvdbg.render.conform import ConformLines
+
+        bar = ConformLines()
     try:
         result = run_conform(backend, device, features=feature_names, kinds=kinds, full=full, out_dir=out_dir,
-                             force=force, seed=seed, atol=atol, rtol=rtol, progress=bar)
+                             force=force, seed=seed, atol=atol, rtol=rtol, progress=bar,
+                             make_runner=_runner_maker(device, jobs, seed, atol, rtol))
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     verdict = conform_verdict(result)
     if as_json:
         emit_json({**result.to_json(), "verdict": verdict.to_json()})
@@ -93,3 +99,26 @@ def conform(backend, device, features, batch, full, out_dir, force, seed, atol, 
         print_verdict(out, verdict)
     if verdict.exit_code:
         sys.exit(verdict.exit_code)
+
+
+def _runner_maker(device: str, jobs: int | None, seed: int, atol, rtol):
+    """None (one EngineRunner in this process) for one job on a CPU; else each backend's cells on a pool of
+    workers (kvdbg.fleet.conform_pool)."""
+    import os
+
+    from kvdbg.fleet.conform_pool import PooledRunner, RunnerArgs, default_jobs
+
+    kind = _device_kind(device)
+    count = jobs if jobs is not None else default_jobs(kind, os.cpu_count() or 1)
+    if count <= 1 and kind == "cpu":
+        return None  # on a GPU even one job runs in a worker: the float32 re-runs need workers of their own
+    return lambda name: PooledRunner(RunnerArgs(name, device, seed, atol, rtol), count)
+
+
+def _device_kind(device: str) -> str:
+    """"cuda" or "cpu" for the default of --jobs (auto: cuda where torch sees a GPU)."""
+    if device != "auto":
+        return device
+    from kvdbg.fleet.workers import cuda_count
+
+    return "cuda" if cuda_count() else "cpu"

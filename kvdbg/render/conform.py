@@ -53,8 +53,11 @@ def render_backend(result: BackendConform) -> Group:
         parts.append(Text("refused by the backend:", style="bold"))
         parts.extend(Text(f"  [{n}] {reason}", style="dim") for reason, n in notes.items())
     counts = result.counts()
+    jobs = f" on {result.jobs} workers" if result.jobs > 1 else ""
+    builds = (f"; {result.built_runs} of them built kernels (JIT), {result.build_seconds:.0f} s of their "
+              f"{result.cell_seconds:.0f} s in replays" if result.built_runs else "")
     parts.append(Text(f"{result.backend}: {counts[PASS]} pass, {counts[FAIL]} FAIL, {counts[REFUSED]} refused; "
-                      f"{result.runs} replays in {result.seconds:.0f} s", style="dim"))
+                      f"{result.runs} replays in {result.seconds:.0f} s{jobs}{builds}", style="dim"))
     return Group(*parts)
 
 
@@ -117,4 +120,42 @@ class ConformBar:
             self._bar.stop()
 
 
-__all__ = ["ConformBar", "cell_text", "render_backend", "render_conform"]
+class ConformLines:
+    """Progress where stderr is not a terminal (a log, CI, a remote run): one plain line per cell or stage,
+    ``conform [12/57 0:41 ETA 1:23] TRITON_ATTN window=short (mixed): pass``, flushed at once, so a run cut
+    short still shows how far it got and what each cell gave."""
+
+    def __init__(self, stream=None, clock=None):
+        import sys
+        import time
+
+        self._stream = stream or sys.stderr
+        self._clock = clock or time.monotonic
+        self._start = self._clock()
+        self._phase_start, self._phase = self._start, None
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        if not total:  # "loading the engine": silent, so that a backend that cannot load ends on one line
+            return
+        now = self._clock()
+        phase = (what.split(" ", 1)[0], total)
+        if phase != self._phase:
+            self._phase, self._phase_start = phase, now
+        where = f"{done}/{total} "
+        eta = ""
+        if 0 < done < total:
+            eta = f" ETA {_clock_text((now - self._phase_start) / done * (total - done))}"
+        self._stream.write(f"conform [{where}{_clock_text(now - self._start)}{eta}] {what}\n")
+        self._stream.flush()
+
+    def close(self) -> None:
+        pass
+
+
+def _clock_text(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"
+
+
+__all__ = ["ConformBar", "ConformLines", "cell_text", "render_backend", "render_conform"]

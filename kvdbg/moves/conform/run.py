@@ -2,7 +2,11 @@
 
 The driver (:func:`conform_backend`) knows nothing of vLLM: it asks a *runner*
 (anything with ``backend``, ``refusal(row)`` and ``run(row, kind)``) to judge
-cells. :class:`EngineRunner` is the real one: it synthesises the cell's step
+cells; a runner that also has ``refusals(rows)`` and ``run_many(requests)``
+(`--jobs`: kvdbg.fleet.conform_pool) is handed every cell of a phase at once
+and runs them side by side, and the failing cells' explanations advance in
+waves (each wave runs the next cell every explanation needs).
+:class:`EngineRunner` is the real one: it synthesises the cell's step
 (kvdbg.moves.conform.matrix), replays it through the ``vllm`` column (the
 installed vLLM's own builder, cache write and impl for the backend) and the
 exact reference, and compares them with replay's rule and tolerances.
@@ -16,7 +20,10 @@ Steps for one backend:
    combination the backend refuses, in its words);
 4. a failing cell is run again on the float32 path (model dtype float32):
    passing there makes the failure *rounding*, failing there *semantic*; a
-   backend without that path leaves it *unknown*;
+   backend without that path leaves it *unknown*. On a GPU that path runs
+   with IEEE float32 products (Triton's default for a float32 ``tl.dot`` is
+   TF32, which rounds like float16), in worker processes of their own
+   (kvdbg.fleet.conform_pool), so TF32 rounding is never called semantic;
 5. a failing cell's features are dropped one at a time (back to baseline)
    while it keeps failing: the smallest combination that still fails;
 6. with an output directory, the failing cell's snapshot and the minimal one's
@@ -42,6 +49,7 @@ PASS, FAIL, REFUSED = "pass", "fail", "refused"
 MAX_FULL = 512  # rows of --full: the whole product beyond this is not "small"
 FLOAT32 = "float32"
 FILE_PREFIX = "conform-"
+TRITON_F32 = "TRITON_F32_DEFAULT"  # Triton's default precision of float32 tl.dot (tf32 on tensor-core GPUs)
 
 
 @dataclass
@@ -55,6 +63,8 @@ class Outcome:
     tolerance: str | None = None  # the rule and where it comes from
     kernel: str | None = None  # what ran
     snapshot: Any = None  # the cell's snapshot, the backend's output stored as the engine's (written on a FAIL)
+    seconds: float | None = None  # the cell's replay, wall time (builds included)
+    build_seconds: float | None = None  # of which in kernel builds the replay made (FlashInfer's JIT), if any
 
 
 class Runner(Protocol):
@@ -62,7 +72,7 @@ class Runner(Protocol):
 
     def refusal(self, row: Mapping[str, str]) -> str | None: ...
 
-    def run(self, row: Mapping[str, str], kind: str) -> Outcome: ...
+    def run(self, row: Mapping[str, str], kind: str) -> Outcome: ...  # and exact=True where exact_float32
 
 
 @dataclass
@@ -110,6 +120,10 @@ class BackendConform:
     reason: str | None = None
     seconds: float = 0.0
     runs: int = 0  # cells run, float32 re-runs and minimisation runs included
+    jobs: int = 1  # cells run side by side (worker processes)
+    cell_seconds: float = 0.0  # the replays' wall times, summed over every run (> seconds with several jobs)
+    build_seconds: float = 0.0  # of which in kernel builds (FlashInfer's JIT)
+    built_runs: int = 0  # runs that built a kernel
 
     def counts(self) -> dict[str, int]:
         return {s: sum(c.status == s for c in self.cells) for s in (PASS, FAIL, REFUSED)}
@@ -118,7 +132,9 @@ class BackendConform:
         return {"backend": self.backend, "matrix": self.matrix, "kinds": list(self.kinds), "reason": self.reason,
                 "factors": [{"name": f.name, "levels": list(f.levels)} for f in self.factors],
                 "rows": [{"row": i, "combination": label(r), "features": r} for i, r in enumerate(self.rows)],
-                "counts": self.counts(), "seconds": self.seconds, "runs": self.runs}
+                "counts": self.counts(), "seconds": self.seconds, "runs": self.runs, "jobs": self.jobs,
+                "cell_seconds": self.cell_seconds, "jit_build_seconds": self.build_seconds,
+                "jit_built_runs": self.built_runs}
 
 
 @dataclass
@@ -177,18 +193,59 @@ def matrix_rows(factors: list[Factor], full: bool) -> list[dict]:
     return [full_row(r) for r in pairwise(factors, allowed)]
 
 
+def cell_key(row: Mapping[str, str], kind: str, exact: bool = False) -> tuple:
+    return (tuple(sorted(full_row(row).items())), kind, exact)
+
+
 class _Cached:
-    """A runner's outcomes by (row, kind): minimisation and re-runs meet cells already run."""
+    """A runner's outcomes by (row, kind, exact): minimisation and re-runs meet cells already run.
+
+    ``run_all`` hands the runner every cell not yet run at once: a runner with
+    ``run_many`` (worker processes, kvdbg.fleet.conform_pool) runs them side by
+    side, any other one after the other.
+    """
 
     def __init__(self, runner: Runner):
         self.runner, self.outcomes, self.runs = runner, {}, 0
 
-    def run(self, row: Mapping[str, str], kind: str) -> Outcome:
-        key = (tuple(sorted(full_row(row).items())), kind)
-        if key not in self.outcomes:
-            self.runs += 1
-            self.outcomes[key] = self.runner.run(full_row(row), kind)
-        return self.outcomes[key]
+    def run(self, row: Mapping[str, str], kind: str, exact: bool = False) -> Outcome:
+        return self.run_all([(row, kind, exact)])[0]
+
+    def run_all(self, requests: list[tuple[Mapping[str, str], str, bool]],
+                done: Callable[[tuple, Outcome], None] | None = None) -> list[Outcome]:
+        keys = [cell_key(*request) for request in requests]
+        todo = [(full_row(r[0]), r[1], r[2]) for key, r in dict(zip(keys, requests)).items()
+                if key not in self.outcomes]
+        if todo:
+            self.runs += len(todo)
+            many = getattr(self.runner, "run_many", None)
+            if many is not None:
+                for request, outcome in many(todo):
+                    self.outcomes[cell_key(*request)] = outcome
+                    if done:
+                        done(request, outcome)
+            else:
+                for request in todo:
+                    row, kind, exact = request
+                    outcome = self.runner.run(row, kind, exact=True) if exact else self.runner.run(row, kind)
+                    self.outcomes[cell_key(*request)] = outcome
+                    if done:
+                        done(request, outcome)
+        return [self.outcomes[key] for key in keys]
+
+
+def _refusals(runner: Runner, rows: list[dict], progress, offered: int) -> list[str | None]:
+    many = getattr(runner, "refusals", None)
+    if many is not None:
+        if progress:
+            progress(0, offered, f"{runner.backend} takes {len(rows)} level(s) alone?")
+        return many(rows)
+    reasons = []
+    for asked, row in enumerate(rows):
+        if progress:
+            progress(asked, offered, f"{runner.backend} takes {label(row)}?")
+        reasons.append(runner.refusal(row))
+    return reasons
 
 
 def conform_backend(runner: Runner, factors: Iterable[Factor] = FACTORS, *, kinds: Iterable[str] = KINDS,
@@ -200,47 +257,81 @@ def conform_backend(runner: Runner, factors: Iterable[Factor] = FACTORS, *, kind
     factors = list(factors)
     result = BackendConform(runner.backend, "full" if full else "pairwise", kinds)
     cached = _Cached(runner)
+    serial = getattr(runner, "run_many", None) is None
 
     # 1. each level alone: a level the backend refuses leaves the matrix and shows as one refused row
+    alone = [(factor, level, completed(full_row({factor.name: level})))  # with the window it needs, if any
+             for factor in factors for level in factor.levels[1:]]
+    reasons = _refusals(runner, [row for _, _, row in alone], progress, len(alone))
     kept, probes = [], []
-    offered, asked = sum(len(f.levels) - 1 for f in factors), 0
     for factor in factors:
         levels = [factor.baseline]
-        for level in factor.levels[1:]:
-            alone = completed(full_row({factor.name: level}))  # with the window it needs, if any
-            if progress:
-                progress(asked, offered, f"{runner.backend} takes {label(alone)}?")
-            asked += 1
-            reason = runner.refusal(alone)
+        for (of, level, row), reason in zip(alone, reasons):
+            if of is not factor:
+                continue
             if reason is None:
                 levels.append(level)
             else:
-                probes.append((alone, reason))
+                probes.append((row, reason))
         kept.append(Factor(factor.name, tuple(levels)))
     result.factors = kept
     rows = matrix_rows(kept, full)
-    result.rows = rows + [alone for alone, _ in probes]
+    result.rows = rows + [row for row, _ in probes]
 
+    # 2. every cell
     total = len(rows) * len(kinds)
-    done = 0
-    for row_id, row in enumerate(rows):
-        for kind in kinds:
+    cells = [(row_id, row, kind) for row_id, row in enumerate(rows) for kind in kinds]
+    count = [0]
+
+    def done(request, outcome):
+        count[0] += 1
+        if progress and not serial:
+            progress(count[0], total, f"{runner.backend} {label(request[0])} ({request[1]}): {_briefly(outcome)}")
+
+    if serial:  # one at a time: the bar names the cell about to run
+        outcomes = []
+        for done_so_far, (_, row, kind) in enumerate(cells):
             if progress:
-                progress(done, total, f"{runner.backend} {label(row)} ({kind})")
-            outcome = cached.run(row, kind)
-            cell = _cell(row_id, row, kind, outcome)
-            if cell.status == FAIL:
-                _explain(cell, cached, kept, outcome, out_dir, force, runner.backend)
-            result.cells.append(cell)
-            done += 1
-    for offset, (alone, reason) in enumerate(probes):
+                progress(done_so_far, total, f"{runner.backend} {label(row)} ({kind})")
+            outcomes.append(cached.run(row, kind))
+    else:
+        if progress:
+            progress(0, total, f"{runner.backend} {total} cells")
+        outcomes = cached.run_all([(row, kind, False) for _, row, kind in cells], done)
+    for (row_id, row, kind), outcome in zip(cells, outcomes):
+        result.cells.append(_cell(row_id, row, kind, outcome))
+
+    # 3. the failing cells explained, side by side: each asks for one cell at a time
+    failing = [c for c in result.cells if c.status == FAIL]
+    if failing:
+        chains = {id(c): _explanation(c.row, c.kind, kept, exact_float32=_has_exact_float32(runner))
+                  for c in failing}
+        answers = _drive_all(chains, cached, progress, runner.backend)
+        for cell in failing:
+            cell.cause, cell.cause_detail, cell.minimal = answers[id(cell)]
+            _write_cell(cell, cached, out_dir, force, runner.backend)
+    for offset, (row, reason) in enumerate(probes):
         for kind in kinds:
-            result.cells.append(Cell(len(rows) + offset, alone, kind, REFUSED, reason=reason, probe=True))
+            result.cells.append(Cell(len(rows) + offset, row, kind, REFUSED, reason=reason, probe=True))
     if progress:
         progress(total, total, f"{runner.backend} done")
     result.runs = cached.runs
     result.seconds = time.perf_counter() - started
+    result.jobs = int(getattr(runner, "jobs", 1))
+    for outcome in cached.outcomes.values():
+        result.cell_seconds += outcome.seconds or 0.0
+        if outcome.build_seconds:
+            result.build_seconds += outcome.build_seconds
+            result.built_runs += 1
     return result
+
+
+def _briefly(outcome: Outcome) -> str:
+    """``pass 2.4e-04`` / ``fail 1.2e+00 r1h3`` / ``refused``: a cell's answer on one progress line."""
+    if outcome.status == REFUSED:
+        return REFUSED
+    where = f" r{outcome.first['request']}h{outcome.first['head']}" if outcome.first else ""
+    return f"{outcome.status} {_num(outcome.max_abs)}{where}"
 
 
 def _cell(row_id: int, row: dict, kind: str, outcome: Outcome) -> Cell:
@@ -248,37 +339,46 @@ def _cell(row_id: int, row: dict, kind: str, outcome: Outcome) -> Cell:
                 reason=outcome.reason, tolerance=outcome.tolerance, kernel=outcome.kernel)
 
 
-def _explain(cell: Cell, cached: _Cached, factors: list[Factor], outcome: Outcome, out_dir: str | None,
-             force: bool, backend: str) -> None:
-    """The float32 re-run, the minimal combination, and the snapshots written (see the module doc)."""
-    row, kind = cell.row, cell.kind
-    if row.get("dtype") == FLOAT32:
-        cell.cause, cell.cause_detail = "semantic", "fails on the float32 path itself"
+def _has_exact_float32(runner: Runner) -> bool:
+    return bool(getattr(runner, "exact_float32", False))
+
+
+def _explanation(row: Mapping[str, str], kind: str, factors: list[Factor], *, exact_float32: bool = False):
+    """A failing cell's explanation, as a generator: it yields the (row, kind, exact) cells it needs one at a
+    time, is sent their outcomes, and returns (cause, detail, minimal row).
+
+    The cause: a cell that passes on the float32 path is *rounding*; one that fails there too is *semantic*.
+    A runner with ``exact_float32`` (a Triton backend on a GPU) runs the float32 path with IEEE float32
+    products, since Triton's default for float32 ``tl.dot`` is TF32 (10 mantissa bits, about float16's), so
+    that TF32 rounding is never called semantic; a float32 cell that fails with TF32 and passes with IEEE
+    products is *rounding* too.
+    """
+    row = full_row(row)
+    if row.get("dtype") == FLOAT32 and not exact_float32:
+        cause, detail = "semantic", "fails on the float32 path itself"
     else:
-        again = cached.run({**row, "dtype": FLOAT32}, kind)
+        again = yield ({**row, "dtype": FLOAT32}, kind, exact_float32)
+        products = " with IEEE float32 products (TRITON_F32_DEFAULT=ieee)" if exact_float32 else ""
+        tf32 = (" (it fails with Triton's default TF32 products for float32 dot, which round as float16 "
+                "does)" if exact_float32 and row.get("dtype") == FLOAT32 else "")
         if again.status == PASS:
-            cell.cause = "rounding"
-            cell.cause_detail = f"passes on the float32 path (max abs {_num(again.max_abs)} under {again.tolerance})"
+            cause = "rounding"
+            detail = (f"passes on the float32 path{products} (max abs {_num(again.max_abs)} under "
+                      f"{again.tolerance}){tf32}")
         elif again.status == FAIL:
-            cell.cause = "semantic"
-            cell.cause_detail = f"fails on the float32 path too (max abs {_num(again.max_abs)})"
+            cause = "semantic"
+            detail = f"fails on the float32 path{products} too (max abs {_num(again.max_abs)})"
         else:
-            cell.cause = "unknown"
-            cell.cause_detail = f"no float32 path: {again.reason}"
-    minimal = minimise(cached, row, kind, factors)
-    cell.minimal = minimal
-    if out_dir is not None:
-        stem = f"{FILE_PREFIX}{_file_name(backend)}-{cell.row_id:02d}-{kind}"
-        cell.snapshot_path = _write(outcome.snapshot, os.path.join(out_dir, f"{stem}.safetensors"), force)
-        if minimal != row:
-            smallest = cached.run(minimal, kind)
-            cell.minimal_path = _write(smallest.snapshot, os.path.join(out_dir, f"{stem}-minimal.safetensors"), force)
+            cause = "unknown"
+            detail = f"no float32 path: {again.reason}"
+    minimal = yield from _minimal(row, kind, factors)
+    return cause, detail, minimal
 
 
-def minimise(cached, row: Mapping[str, str], kind: str, factors: Iterable[Factor]) -> dict:
-    """Drop features one at a time (each back to its baseline) while the cell keeps failing, until none can go."""
+def _minimal(row: Mapping[str, str], kind: str, factors: Iterable[Factor]):
+    """Drop features one at a time (each back to its baseline) while the cell keeps failing, until none can go;
+    a generator as :func:`_explanation`, returning the smallest row."""
     current = full_row(row)
-    factors = list(factors)
     changed = True
     while changed:
         changed = False
@@ -288,9 +388,54 @@ def minimise(cached, row: Mapping[str, str], kind: str, factors: Iterable[Factor
             trial = {**current, factor.name: factor.baseline}
             if not allowed(trial):
                 continue
-            if cached.run(trial, kind).status == FAIL:
+            outcome = yield (trial, kind, False)
+            if outcome.status == FAIL:
                 current, changed = trial, True
     return current
+
+
+def _drive_all(chains: dict, cached: _Cached, progress, backend: str) -> dict:
+    """Run every chain of :func:`_explanation` to its end, in waves: each wave runs the next cell of every
+    chain still going at once (side by side on a pool), so N failing cells cost the waves of the longest."""
+    answers, asked = {}, {}
+    for key, chain in chains.items():
+        asked[key] = next(chain)
+    wave = 0
+    while asked:
+        wave += 1
+        if progress:
+            progress(0, len(asked), f"{backend} explaining {len(asked)} failing cell(s), wave {wave}")
+        outcomes = cached.run_all(list(asked.values()))
+        for (key, _), outcome in zip(list(asked.items()), outcomes):
+            try:
+                asked[key] = chains[key].send(outcome)
+            except StopIteration as stop:
+                answers[key] = stop.value
+                del asked[key]
+    return answers
+
+
+def _write_cell(cell: Cell, cached: _Cached, out_dir: str | None, force: bool, backend: str) -> None:
+    """With an output directory, the failing cell's snapshot and its minimal combination's."""
+    if out_dir is None:
+        return
+    stem = f"{FILE_PREFIX}{_file_name(backend)}-{cell.row_id:02d}-{cell.kind}"
+    outcome = cached.run(cell.row, cell.kind)
+    cell.snapshot_path = _write(outcome.snapshot, os.path.join(out_dir, f"{stem}.safetensors"), force)
+    if cell.minimal is not None and cell.minimal != full_row(cell.row):
+        smallest = cached.run(cell.minimal, cell.kind)
+        cell.minimal_path = _write(smallest.snapshot, os.path.join(out_dir, f"{stem}-minimal.safetensors"), force)
+
+
+def minimise(cached, row: Mapping[str, str], kind: str, factors: Iterable[Factor]) -> dict:
+    """Drop features one at a time (each back to its baseline) while the cell keeps failing, until none can go."""
+    chain = _minimal(row, kind, list(factors))
+    try:
+        request = next(chain)
+        while True:
+            request = chain.send(cached.run(request[0], request[1]))
+    except StopIteration as stop:
+        return stop.value
 
 
 def _write(snapshot, path: str, force: bool) -> str | None:
@@ -396,15 +541,29 @@ class EngineRunner:
         statuses = load_backends(["vllm"], snap.meta, ReplayOptions(device=self.device))[0]
         return None if statuses[0].available else statuses[0].reason
 
-    def run(self, row: Mapping[str, str], kind: str) -> Outcome:
-        from kvdbg.judge.compare import compare_step
-        from kvdbg.judge.verdict import EXIT_OK, judge
-        from kvdbg.snapshot.store import torch_dtype
+    # In one process the float32 path runs as the backend runs it (Triton: TF32 products on a GPU). IEEE float32
+    # products need a process started with TRITON_F32_DEFAULT=ieee (Triton keys a compiled kernel in a process
+    # by its arguments, not by that variable): the workers of kvdbg.fleet.conform_pool, where ``exact`` runs go.
+    exact_float32 = False
 
+    def run(self, row: Mapping[str, str], kind: str, exact: bool = False) -> Outcome:
+        start = time.perf_counter()
         try:
             snap, result = self._replay(row, kind)
         except BackendUnavailable as exc:
             return Outcome(REFUSED, reason=_refusal_text(str(exc)))
+        seconds = time.perf_counter() - start
+        outcome = self._judge(snap, result)
+        outcome.seconds = seconds
+        outcome.build_seconds = next((st.info.jit_build_seconds for st in result.backends
+                                      if st.name == "vllm" and st.info), None)
+        return outcome
+
+    def _judge(self, snap, result) -> Outcome:
+        from kvdbg.judge.compare import compare_step
+        from kvdbg.judge.verdict import EXIT_OK, judge
+        from kvdbg.snapshot.store import torch_dtype
+
         vllm = next(st for st in result.backends if st.name == "vllm")
         kernel = vllm.info.kernel if vllm.info else None
         comparisons, errors = [], []
@@ -456,8 +615,13 @@ def _refusal_text(text: str) -> str:
 def conform(backends: Iterable[str] | None = None, device: str = "cpu", *, features: Iterable[str] | None = None,
             kinds: Iterable[str] = KINDS, full: bool = False, out_dir: str | None = None, force: bool = False,
             seed: int = 0, atol: float | None = None, rtol: float | None = None,
-            progress: Callable[[int, int, str], None] | None = None) -> ConformResult:
-    """Conform the named backends (default: every backend of the installed engine that runs on ``device``)."""
+            progress: Callable[[int, int, str], None] | None = None,
+            make_runner: Callable[[str], Runner] | None = None) -> ConformResult:
+    """Conform the named backends (default: every backend of the installed engine that runs on ``device``).
+
+    ``make_runner(name)`` makes each backend's runner (default: an :class:`EngineRunner` in this process;
+    `kvdbg conform --jobs N` gives worker processes, kvdbg.fleet.conform_pool); a runner with ``close``
+    is closed when its backend is done."""
     from kvdbg.moves.conform.matrix import factors_named
 
     factors = list(FACTORS if features is None else factors_named(features))
@@ -479,19 +643,24 @@ def conform(backends: Iterable[str] | None = None, device: str = "cpu", *, featu
             return result
     else:
         names = [engine_backend_name(n) for n in backends]
-    runners = []
-    for name in dict.fromkeys(names):
+    make = make_runner or (lambda name: EngineRunner(name, device, seed=seed, atol=atol, rtol=rtol))
+    for name in dict.fromkeys(names):  # one backend at a time: a pooled runner's workers leave with it
         if progress:
             progress(0, 0, f"{name} loading the engine")
         try:
-            runners.append(EngineRunner(name, device, seed=seed, atol=atol, rtol=rtol))
+            runner = make(name)
         except BackendUnavailable as exc:
             if backends is not None:
                 raise
             result.backends.append(BackendConform(name, "full" if full else "pairwise", kinds, reason=str(exc)))
-    for runner in runners:
-        result.backends.append(conform_backend(runner, factors, kinds=kinds, full=full, out_dir=out_dir,
-                                               force=force, progress=progress))
+            continue
+        try:
+            result.backends.append(conform_backend(runner, factors, kinds=kinds, full=full, out_dir=out_dir,
+                                                   force=force, progress=progress))
+        finally:
+            close = getattr(runner, "close", None)
+            if close is not None:
+                close()
     return result
 
 

@@ -1,0 +1,47 @@
+"""Fake conform runners that worker processes can import (kvdbg.fleet.conform_pool builds a runner by
+``module:class`` in each spawned worker, where a test's monkeypatching does not reach)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from kvdbg.errors import BackendUnavailable
+from kvdbg.moves.conform.run import FAIL, PASS, REFUSED, Outcome
+
+
+
+class FakeRunner:
+    """Refuses page size 16 alone and FP8 with float32; fails window × sinks at every precision (semantic) and
+    the soft cap below float32 (rounding); on page size 64 the worker process kills itself."""
+
+    def __init__(self, backend="FAKE_ATTN", device="cpu", *, seed=0, atol=None, rtol=None):
+        self.backend = backend
+        if backend == "NO_ATTN":
+            raise BackendUnavailable(f"--backend {backend}: not in the fake registry")
+
+    def refusal(self, row):
+        return "block_size not supported" if row["page_size"] == "16" else None
+
+    def run(self, row, kind, exact=False):
+        if row["page_size"] == "64":
+            os.kill(os.getpid(), signal.SIGKILL)  # a kernel that takes its process down
+        if row["head_size"] == "128" and kind == "prefill":
+            marker = os.path.join(os.environ["KVDBG_TEST_MARK_DIR"], "crashed")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)  # once only: the retry on a fresh worker passes
+        if row["dtype"] == "bfloat16" and row["gqa"] == "4" and kind == "mixed":
+            raise ValueError("a mistake of kvdbg's own")
+        if row["alibi"] == "sqrt" and row["dtype"] == "float32" and os.environ.get("TRITON_F32_DEFAULT") != "ieee":
+            return Outcome(FAIL, max_abs=2e-3, first={"step": 0, "request": 0, "head": 0, "token": 0,
+                                                     "max_abs": 2e-3}, tolerance="rule")  # as TF32 products do
+        if row["kv_cache"] == "fp8" and row["dtype"] == "float32":
+            return Outcome(REFUSED, reason="kv_cache_dtype not supported with float32")
+        if row["window"] != "none" and row["sinks"] == "on":
+            return Outcome(FAIL, max_abs=0.25, first={"step": 0, "request": 1, "head": 3, "token": 0,
+                                                     "max_abs": 0.25}, tolerance="rule")
+        if row["soft_cap"] == "on" and row["dtype"] != "float32":
+            return Outcome(FAIL, max_abs=0.02, first={"step": 0, "request": 0, "head": 0, "token": 0,
+                                                     "max_abs": 0.02}, tolerance="rule")
+        return Outcome(PASS, max_abs=1e-3, tolerance="rule", kernel=f"fake in process {os.getpid()}")
