@@ -3,8 +3,8 @@ prefill kernels need to JIT-build and run there, within the carry limit.
 
 Writes ``flashinfer-<version>-py.zip`` into OUT: every Python file of the wheel, its metadata, and
 ``flashinfer/data`` less the subdirectories of ``data/csrc`` (the sources of kernel families these runs never
-build); left out whole: ``flashinfer/moe_ep`` and ``flashinfer/experimental/{b12x,cake_vsa_sm90_cute}``
-(MoE and experimental kernels, 5 MB). The run script extracts it (the JIT compiler reads headers from disk).
+build); left out whole: ``flashinfer/moe_ep``, ``flashinfer/experimental/{b12x,cake_vsa_sm90_cute}`` and the other
+kernel packages of LEFT_OUT (MoE, experimental and other families' kernels, 6.5 MB). The run script extracts it (the JIT compiler reads headers from disk).
 
 Usage: python tests/gpu/flashinfer_carry.py WHEEL OUT
 """
@@ -15,7 +15,14 @@ import os
 import sys
 import zipfile
 
-LEFT_OUT = ("flashinfer/moe_ep/", "flashinfer/experimental/b12x/", "flashinfer/experimental/cake_vsa_sm90_cute/")
+LEFT_OUT = ("flashinfer/moe_ep/", "flashinfer/experimental/b12x/", "flashinfer/experimental/cake_vsa_sm90_cute/",
+            # Python kernels of other families that neither `import flashinfer` nor vLLM's FLASHINFER backend
+            # imports (checked with python -X importtime), 1.5 MB: room for the engine's wheels beside this zip
+            "flashinfer/cute_dsl/attention/", "flashinfer/cute_dsl/sparse/", "flashinfer/mla/_sparse_mla_sm120/",
+            "flashinfer/msa_ops/cute_dsl/", "flashinfer/comm/mnnvl_cutedsl/", "flashinfer/diffusion_ops/",
+            "flashinfer/attn_scores/kernels/", "flashinfer/fused_moe/cake/", "flashinfer/fused_moe/cake_cute/",
+            "flashinfer/fused_moe/cutile/", "flashinfer/kda_kernels/tirx/", "flashinfer/experimental/cake_mxfp8_megamoe_ep16/",
+            "flashinfer/experimental/cake_lm_head_loss/", "flashinfer/experimental/cake_dsa_train/")
 
 
 def kept(name: str) -> bool:

@@ -5,5 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/vllm_env.sh
+# The unpacked vLLM files have no bytecode (an installed vLLM has it): compiled once here on every core, so that
+# conform's workers, which start side by side, do not each compile every module they import.
+python3 -m compileall -q -j 0 "$SRC/vllm" > /dev/null 2>&1 || true
 [ $# -gt 0 ] || set -- --backend TRITON_ATTN
 python3 -m kvdbg conform --device cuda "$@"
