@@ -33,6 +33,8 @@ def test_the_default_is_the_capture_part_with_the_soft_capped_model_under_graphs
     (["--modes", "PIECEWISE"], "--modes: unknown ['PIECEWISE']"),
     (["--sentinel-runs", ""], "--sentinel-runs: unknown ''"),
     (["--parts", "sentinel", "--without-kvdbg"], "leave out --parts sentinel"),
+    (["--backend", "FLASH_ATTN"], "--backend: unknown 'FLASH_ATTN' .known: TRITON_ATTN, FLASHINFER."),
+    (["--backend", "FLASHINFER", "--parts", "capture,sentinel"], "the sentinel part's faults are TRITON_ATTN's"),
 ])
 def test_an_unknown_name_is_refused_naming_the_known_ones(argv, message):
     with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -130,6 +132,40 @@ def test_the_engines_get_the_environment_the_stage_started_with(tmp_path, monkey
     run = engine_stage.Run("sentinel", "sentinel:clean")
     record, _ = stage.wait(run, stage.launch(run), time.monotonic())
     assert record["logging"] == "1" and record["problems"] == []
+
+
+def test_the_backend_reaches_the_engines_through_their_environment(tmp_path, monkeypatch):
+    child = tmp_path / "child.py"
+    child.write_text("import json, os, sys\n"
+                     f"sys.path.insert(0, {engine_stage.ROOT!r})\n"
+                     "from tests.gpu.engine_stage import backend\n"
+                     f"print({engine_stage.RECORD!r} + json.dumps({{'problems': [], 'backend': backend()}}))\n")
+    monkeypatch.setattr(engine_stage, "__file__", str(child))
+    monkeypatch.delenv(engine_stage.BACKEND_ENV, raising=False)
+    assert engine_stage.backend() == "TRITON_ATTN"
+    stage = engine_stage.Stage(engine_stage.parse_args([str(tmp_path / "out"), "--backend", "FLASHINFER"]))
+    run = engine_stage.Run("capture", "plain:eager")
+    record, _ = stage.wait(run, stage.launch(run), time.monotonic())
+    assert record["backend"] == "FLASHINFER" and stage.summary["backend"] == "FLASHINFER"
+
+
+def test_a_planted_wrong_output_must_fail_where_it_was_planted(tmp_path, monkeypatch):
+    """The stage's planted fault, on a CPU: a correct snapshot with +0.5 on one request and head fails exactly
+    there; a replay that named other heads too (here: a reference made to differ everywhere) is a problem."""
+    from kvdbg import api
+    from kvdbg.moves.synth import SynthSpec, synth_snapshot
+    from kvdbg.snapshot.store import save_snapshot
+
+    spec = SynthSpec(seq_lens=(40, 9, 70), query_lens=(1, 1, 5), num_heads=4, num_kv_heads=2, head_size=32,
+                     page_size=16, seed=3, engine_output="reference")
+    snap = synth_snapshot(spec)
+    path = save_snapshot(snap, str(tmp_path / "good.safetensors"))
+    assert api.replay(path, ["reference"]).verdict.exit_code == 0
+    assert engine_stage.planted_fault(path, device="cpu") == []
+    bad = synth_snapshot(spec)
+    bad.steps[0].output = bad.steps[0].output + 1.0  # wrong everywhere already
+    problems = engine_stage.planted_fault(save_snapshot(bad, str(tmp_path / "bad.safetensors")), device="cpu")
+    assert problems and "replay named" in problems[0]
 
 
 # --------------------------------------------------------------------------- the sentinel runs' judgement

@@ -2,7 +2,9 @@
 
 Run by tests/gpu/run_engine_stage.sh on the GPU machine (vLLM's Python files and small wheels carried, no vLLM
 install, no network). Each engine is an in-process ``LLM`` (vLLM's V1 engine core in the process) in a process of
-its own, on TRITON_ATTN. Two parts (``--parts``):
+its own, on TRITON_ATTN (``--backend FLASHINFER``: vLLM's FLASHINFER with FlashInfer's JIT-built kernels, the
+capture part only; run_engine_stage.sh with ``KVDBG_GPU_FLASHINFER=1`` puts FlashInfer's carried files on the
+path). Two parts (``--parts``):
 
 - **capture** (the default): tiny random models (tests/engine/tiny_model.py) -- ``plain`` (float16, GQA),
   ``sliding`` (float16, window 32) and ``softcap`` (a bfloat16 Gemma 2 whose attention logits are capped at 5:
@@ -13,7 +15,8 @@ its own, on TRITON_ATTN. Two parts (``--parts``):
   engine covers both paths with the cap). Every snapshot is replayed by kvdbg on the GPU and judged as the CPU
   stage judges: the captured output against the reference, the vllm column (vLLM's own TRITON_ATTN code, run by
   kvdbg) against the captured output, no error finding on a correct engine; under full graphs some snapshots
-  must come from steps replayed from a graph.
+  must come from steps replayed from a graph. In each engine's first passing snapshot a wrong output is then
+  planted (+0.5 on one request's last token, one head): ``kvdbg replay`` must fail that request and head alone.
 - **sentinel** (tests/gpu/engine_sentinel.py): ``KVDBG_SENTINEL=1`` on the plain model: three faults in
   TRITON_ATTN (eager) each caught, captured and failed by ``kvdbg replay``; no fault (eager, and
   FULL_DECODE_ONLY with the graph steps checked): nothing written, every step checked.
@@ -32,7 +35,7 @@ What the harness stands in for (vLLM's compiled extension is not carried; nothin
 - ``torch.ops._C.weak_ref_tensor`` (vLLM's CUDA-graph wrapper on a graph's outputs): a view, which keeps the
   outputs alive where vLLM's would not.
 And it sets ``kernel_config.ir_op_priority`` to vLLM's native implementations, ``VLLM_USE_V2_MODEL_RUNNER=0``
-(the V2 runner needs a compiled CUDA view of pinned host memory), ``VLLM_USE_FLASHINFER_SAMPLER=0`` (FlashInfer is not carried for this stage) and
+(the V2 runner needs a compiled CUDA view of pinned host memory), ``VLLM_USE_FLASHINFER_SAMPLER=0`` (vLLM's own sampler, FlashInfer carried or not) and
 ``compilation_config.custom_ops=["none"]`` (vLLM's own torch-native RMSNorm, rotary embedding and activation).
 
 Usage: python tests/gpu/engine_stage.py OUT [--parts capture,sentinel] [--models plain,sliding,softcap]
@@ -68,6 +71,11 @@ MODEL_MODES = {"plain": ("eager", "FULL_DECODE_ONLY"), "sliding": ("eager", "FUL
                "softcap": ("FULL_DECODE_ONLY",)}
 GRAPH_MODES = ("FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE")
 PARTS = ("capture", "sentinel")
+# The attention backends an engine of the stage may run (the first is the default): FLASHINFER needs FlashInfer
+# carried and on the path (run_engine_stage.sh with KVDBG_GPU_FLASHINFER=1), and has no sentinel part (its faults
+# are TRITON_ATTN's, tests/gpu/triton_faults.py).
+BACKENDS = ("TRITON_ATTN", "FLASHINFER")
+BACKEND_ENV = "KVDBG_GPU_STAGE_BACKEND"
 BLOCK_SIZE = 16
 # vLLM's IR ops (RMSNorm, its fused-add form) dispatch to its compiled kernels first: its own native torch
 # implementations instead (the same priority vLLM gives them when inductor compiles the model).
@@ -100,7 +108,8 @@ def cases_of(model: str) -> list[str]:
 
 
 def build_llm(model_dir: str, mode: str, **overrides):
-    """The stage's engine: TRITON_ATTN, 16-token pages, 128 of them, in ``mode`` (eager or a CUDA-graph mode)."""
+    """The stage's engine: its attention backend (TRITON_ATTN unless --backend), 16-token pages, 128 of them, in
+    ``mode`` (eager or a CUDA-graph mode)."""
     from vllm import LLM
 
     compilation = {"custom_ops": ["none"], "mode": 0}
@@ -112,7 +121,7 @@ def build_llm(model_dir: str, mode: str, **overrides):
         compilation["cudagraph_capture_sizes"] = [1, 2, 4, 8]
     settings = dict(model=model_dir, skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=512,
                     max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=True,
-                    num_gpu_blocks_override=128, seed=0, gpu_memory_utilization=0.2, attention_backend="TRITON_ATTN",
+                    num_gpu_blocks_override=128, seed=0, gpu_memory_utilization=0.2, attention_backend=backend(),
                     compilation_config=compilation, kernel_config={"ir_op_priority": NATIVE_IR_OPS}, **kwargs)
     settings.update(overrides)
     return LLM(**settings)
@@ -155,6 +164,38 @@ def engine_run(model_dir: str, model: str, mode: str, out: str) -> dict:
     record["dropped"] = dict(capturer.dropped)
     record["failures"] = dict(capturer.failures)
     return record
+
+
+def backend() -> str:
+    """The engines' attention backend: the stage's --backend, handed to its engine processes in the environment."""
+    return os.environ.get(BACKEND_ENV, BACKENDS[0])
+
+
+def planted_fault(path: str, device: str = "cuda") -> list[str]:
+    """A wrong output planted in a passing snapshot (+0.5 on one request's last token, one query head, as a wrong
+    kernel would write it) must fail ``kvdbg replay`` naming that request and head alone."""
+    from kvdbg import api
+
+    snap = api.load(path)
+    index = len(snap.steps) - 1
+    step = snap.steps[index]
+    if step.output is None:
+        return [f"planted fault: {os.path.basename(path)} holds no captured output"]
+    starts = [int(x) for x in step.query_start_loc]
+    request = min(1, len(starts) - 2)
+    head = min(1, snap.meta.layer.num_heads - 1)
+    output = step.output.clone()
+    output[starts[request + 1] - 1, head] += 0.5
+    step.output = output
+    report = api.replay(snap, ["reference"], device=device)
+    failing = sorted({(c.step, h.request, h.head) for c in report.comparisons
+                      if (c.actual, c.expected) == ("captured", "reference") for h in c.failed})
+    problems = []
+    if failing != [(index, request, head)]:
+        problems.append(f"planted fault at step {index} request {request} head {head}: replay named {failing}")
+    if report.verdict.exit_code != 1:
+        problems.append(f"planted fault: replay exit {report.verdict.exit_code}, not 1")
+    return problems
 
 
 def from_graph(path: str) -> bool:
@@ -278,7 +319,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=510,
                         help="seconds for the whole stage (its engines and replays; the setup before is not in it)")
     parser.add_argument("--without-kvdbg", action="store_true", help="the engines alone (plugin not switched on)")
+    parser.add_argument("--backend", default=BACKENDS[0], help=f"the engines' attention backend, of "
+                                                               f"{','.join(BACKENDS)} [{BACKENDS[0]}]")
     args = parser.parse_args(argv)
+    if args.backend not in BACKENDS:
+        raise SystemExit(f"--backend: unknown {args.backend!r} (known: {', '.join(BACKENDS)})")
+    if args.backend != BACKENDS[0] and "sentinel" in args.parts.split(","):
+        raise SystemExit(f"--backend {args.backend}: the sentinel part's faults are TRITON_ATTN's; run --parts "
+                         "capture")
     args.parts = _names(args.parts, PARTS, "--parts")
     args.models = _names(args.models, MODELS, "--models")
     args.modes = _names(args.modes, ("eager",) + GRAPH_MODES, "--modes") if args.modes else None
@@ -297,10 +345,11 @@ class Stage:
         self.deadline = self.started + args.budget
         # The engines' environment is this one as it starts: the replays here import vLLM's backends, which quiet
         # vLLM's logging in this process's environment (VLLM_CONFIGURE_LOGGING=0), and with it the plugin's lines.
-        self.env = dict(os.environ)
+        self.env = {**os.environ, BACKEND_ENV: args.backend}
         self.logs = os.path.join(args.out, "logs")
         os.makedirs(self.logs, exist_ok=True)
-        self.summary = {"runs": [], "snapshots": 0, "passed": 0, "from_graphs": {}, "sentinel": {},
+        self.summary = {"backend": args.backend, "runs": [], "snapshots": 0, "passed": 0, "from_graphs": {},
+                        "planted": {}, "sentinel": {},
                         "not_run": [], "problems": []}
 
     def left(self) -> float:
@@ -365,8 +414,15 @@ class Stage:
                     problems = [f"replay raised {exc!r}"[:300] + " | " + " / ".join(_trace()[-3:])]
                 if problems:
                     self.summary["problems"] += [f"{name}/{case}/{file}: {p}" for p in problems]
-                else:
-                    self.summary["passed"] += 1
+                    continue
+                self.summary["passed"] += 1
+                if name not in self.summary["planted"]:  # one per engine: a wrong output must fail where it is
+                    try:
+                        planted = planted_fault(path)
+                    except Exception as exc:
+                        planted = [f"planted fault: replay raised {exc!r}"[:300]]
+                    self.summary["planted"][name] = "FAIL where planted" if not planted else "; ".join(planted)
+                    self.summary["problems"] += [f"{name}/{case}/{file}: {p}" for p in planted]
         if left_out:
             self.summary["problems"].append(f"{name}: {left_out} snapshot(s) not replayed within the budget")
         # Under full CUDA graphs decode steps are replayed from graphs: some of each such run's snapshots must be.

@@ -16,3 +16,12 @@ SRC=/tmp/kvdbg-vllm-src
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/kvdbg-pycache}
 export PYTHONPATH="$PWD/tests/gpu/stub_site:$SRC:$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CONFIGURE_LOGGING=${VLLM_CONFIGURE_LOGGING:-1} KVDBG_GPU_VLLM_SO_MODULES="$PWD/$CARRY/vllm-so-modules.txt"
+# KVDBG_GPU_FLASHINFER=1 (an engine on FLASHINFER: engine_stage.py --backend FLASHINFER): FlashInfer's carried files
+# unpacked beside vLLM's (its JIT compiler reads headers from disk) and its build settings for the H200.
+if [ "${KVDBG_GPU_FLASHINFER:-0}" = 1 ]; then
+  FI_SITE=/tmp/kvdbg-flashinfer-site
+  [ -d "$FI_SITE/flashinfer" ] || python3 -m zipfile -e "$(ls "$CARRY"/flashinfer-*-py.zip)" "$FI_SITE"
+  export PYTHONPATH="$PWD/tests/gpu/stub_site:$SRC:$FI_SITE:$SITE:$PWD${PYTHONPATH#"$PWD/tests/gpu/stub_site:$SRC:$SITE:$PWD"}"
+  export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-8}
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/kvdbg-flashinfer-workspace}
+fi
