@@ -282,6 +282,17 @@ _ALL = [
                  "package or an unsupported device is the usual cause; otherwise it is a bug worth reporting with "
                  "`kvdbg report`."),
          reported_by="replay, report", severity="error"),
+    Code("two_flashinfers", "replay", "FlashInfer's real paged kernel beside the FLASHINFER_TS emulation",
+         means=("The vllm column ran vLLM's FLASHINFER backend, whose FlashInfer wrappers run FlashInfer's paged "
+                "decode/prefill kernels, and the flashinfer_ts column ran kvdbg's emulation of FlashInfer's prims_ts "
+                "kernel (FLASHINFER_TS, which needs a Blackwell GPU): two different kernels computing the same "
+                "attention. Their difference is two kernels' rounding, not a finding: each is held to the exact "
+                "reference on its own. The emulation claims prims_ts's contract (its preconditions, the rows it "
+                "writes, its window and page rules), not the paged kernels' arithmetic nor prims_ts's own."),
+         fires="It fires once per step where both columns wrote the same decode requests' outputs.",
+         action=("Nothing to do. A column that fails the reference fails on its own line; a snapshot from a "
+                 "Blackwell engine on FLASHINFER_TS is the place to hold the real prims_ts kernel."),
+         reported_by="replay, report", severity="info"),
     # ---------------------------------------------------------------- flex
     Code("fp8_dequantised", "flex", "FP8 KV cache replayed on dequantised values",
          means=("vLLM's FLEX_ATTENTION refuses quantized KV caches; kvdbg dequantises query, K and V with the "

@@ -482,6 +482,7 @@ def run_replay(snapshot: "Snapshot", setup: ReplaySetup, *, progress: Callable[[
                 progress(f"step {step}: {name}")
             runs[name] = run_backend(name, specs[name], instances[name], common, query, cache, model_dtype,
                                      propagate=(name == "reference"))
+        found += two_flashinfers(statuses, runs, common)
         captured = snapshot.steps[step].output
         results.append(StepReplay(step=step, common=common, runs=runs,
                                   captured_output=None if captured is None else captured.to(device),
@@ -495,6 +496,30 @@ def run_replay(snapshot: "Snapshot", setup: ReplaySetup, *, progress: Callable[[
                 st.info = steps_run_info(ran)
     return ReplayResult(path=snapshot.path, meta=snapshot.meta, options=options, backends=statuses, steps=results,
                         named=setup.named)
+
+
+def two_flashinfers(statuses, runs: dict, common: CommonMetadata) -> list[Finding]:
+    """Where the vllm column ran vLLM's FLASHINFER (FlashInfer's paged kernels) and the flashinfer_ts column ran
+    the prims_ts emulation on the same step: their difference over the decode requests both wrote, said as what it
+    is (finding two_flashinfers: two kernels of one attention)."""
+    real, emulated = runs.get("vllm"), runs.get("flashinfer_ts")
+    engine = next((st.engine_name for st in statuses if st.name == "vllm"), None)
+    if engine != "FLASHINFER" or real is None or emulated is None or real.output is None or emulated.output is None:
+        return []
+    starts = common.query_start_loc.tolist()
+    decodes = [r for r in range(len(starts) - 1) if starts[r + 1] - starts[r] == 1]
+    if not decodes:
+        return []
+    rows = torch.tensor([starts[r] for r in decodes], device=real.output.device)
+    diff = (real.output[rows].float() - emulated.output[rows].float()).abs()
+    worst = float(diff.max()) if diff.numel() else 0.0
+    if worst != worst:
+        return []  # a NaN: each column's own comparison with the reference says so
+    return [Finding(code="two_flashinfers", backend="vllm", step=common.step, requests=decodes,
+                    message=(f"FlashInfer's paged decode kernel (vllm: vLLM's FLASHINFER) and the FLASHINFER_TS "
+                             f"emulation (flashinfer_ts) differ by at most {worst:.1e} over {len(decodes)} decode "
+                             "request(s): two kernels of one attention, each held to the reference on its own"),
+                    details={"max_abs": worst, "requests": decodes})]
 
 
 def step_fp8_query_allowance(snapshot: "Snapshot", step: int, cache: torch.Tensor,
