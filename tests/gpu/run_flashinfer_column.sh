@@ -18,7 +18,7 @@ ZIP=$(ls "$CARRY"/vllm-*-py.zip)
 export PYTHONPATH="$PWD/tests/gpu/stub_site:$PWD/$ZIP:$FI_SITE:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CONFIGURE_LOGGING=0 KVDBG_GPU_VLLM_SO_MODULES="$PWD/$CARRY/vllm-so-modules.txt"
 export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-4}
-export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/kvdbg-flashinfer-workspace}
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/out/gpu-cache/flashinfer}
 # Five pytest processes side by side, so that FlashInfer builds their kernel families at once (a prefill family
 # takes 2-4 minutes to build on an H200, a decode one about 1): ~5 minutes on a fresh machine, not ~15.
 TEST=tests/gpu/test_flashinfer_column_gpu.py

@@ -21,5 +21,5 @@ python3 -m pip install -q --no-deps --no-index --no-compile --target "$SITE" "$C
 python3 -m zipfile -e "$ZIP" "$FI_SITE"  # the JIT compiler reads headers from disk
 export PYTHONPATH="$FI_SITE:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
-export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/kvdbg-flashinfer-workspace}
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/out/gpu-cache/flashinfer}
 python3 tests/gpu/flashinfer_dump_gpu.py "$@"

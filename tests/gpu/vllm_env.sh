@@ -13,7 +13,10 @@ ZIP=$(ls "$CARRY"/vllm-*-py.zip)
 # without recompiling vLLM and torch.
 SRC=/tmp/kvdbg-vllm-src
 [ -d "$SRC/vllm" ] || python3 -m zipfile -e "$ZIP" "$SRC"
-export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/kvdbg-pycache}
+# Caches under out/ (ignored by git): a GPU machine kept between two calls keeps the repository's ignored files, so
+# the second call finds the first's bytecode and kernel builds (Triton's, FlashInfer's JIT).
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$PWD/out/gpu-cache/pycache}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/out/gpu-cache/triton}
 export PYTHONPATH="$PWD/tests/gpu/stub_site:$SRC:$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CONFIGURE_LOGGING=${VLLM_CONFIGURE_LOGGING:-1} KVDBG_GPU_VLLM_SO_MODULES="$PWD/$CARRY/vllm-so-modules.txt"
 # KVDBG_GPU_FLASHINFER=1 (an engine on FLASHINFER: engine_stage.py --backend FLASHINFER): FlashInfer's carried files
@@ -23,5 +26,5 @@ if [ "${KVDBG_GPU_FLASHINFER:-0}" = 1 ]; then
   [ -d "$FI_SITE/flashinfer" ] || python3 -m zipfile -e "$(ls "$CARRY"/flashinfer-*-py.zip)" "$FI_SITE"
   export PYTHONPATH="$PWD/tests/gpu/stub_site:$SRC:$FI_SITE:$SITE:$PWD${PYTHONPATH#"$PWD/tests/gpu/stub_site:$SRC:$SITE:$PWD"}"
   export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-8}
-  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/kvdbg-flashinfer-workspace}
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/out/gpu-cache/flashinfer}
 fi
