@@ -45,3 +45,50 @@ class FakeRunner:
             return Outcome(FAIL, max_abs=0.02, first={"step": 0, "request": 0, "head": 0, "token": 0,
                                                      "max_abs": 0.02}, tolerance="rule")
         return Outcome(PASS, max_abs=1e-3, tolerance="rule", kernel=f"fake in process {os.getpid()}")
+
+
+def _failing_snapshot(row, kind):
+    """A real synthetic snapshot (torch tensors) as a FAIL carries it."""
+    from kvdbg.moves.conform.matrix import spec_for
+    from kvdbg.moves.synth import synth_snapshot
+
+    return synth_snapshot(spec_for("TRITON_ATTN", row, kind, 0))
+
+
+class SnapshotRunner(FakeRunner):
+    """Fails window × sinks as FakeRunner does, each FAIL carrying its snapshot (tensors), as EngineRunner's do."""
+
+    def run(self, row, kind, exact=False):
+        outcome = super().run(row, kind, exact)
+        if outcome.status == FAIL:
+            outcome.snapshot = _failing_snapshot(row, kind)
+        return outcome
+
+
+class BrokenContextRunner(SnapshotRunner):
+    """As SnapshotRunner, but a cell with sinks on leaves the process's (pretend) CUDA context broken: the worker
+    answers, then leaves."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        import kvdbg.fleet.conform_pool as pool
+
+        self._broken = None
+        pool._cuda_broken = lambda device: self._broken  # the worker's check after each cell
+
+    def run(self, row, kind, exact=False):
+        outcome = super().run(row, kind, exact)
+        if row["sinks"] == "on":
+            self._broken = "AcceleratorError: CUDA error: an illegal memory access was encountered"
+        return outcome
+
+
+class UnpicklableErrorRunner(FakeRunner):
+    """A mistake of kvdbg's whose exception cannot travel back to the parent (it holds a lock)."""
+
+    def run(self, row, kind, exact=False):
+        import threading
+
+        error = RuntimeError("a mistake of kvdbg's own, holding a lock")
+        error.lock = threading.Lock()
+        raise error

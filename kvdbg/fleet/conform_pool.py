@@ -95,13 +95,36 @@ def _worker_main(conn, env: dict[str, str], args: RunnerArgs) -> None:
             answer = exc
         broken = _cuda_broken(args.device)
         try:
-            conn.send((answer, broken))
+            conn.send_bytes(_answer_bytes(answer, broken))
         except (BrokenPipeError, OSError):
             break
         if broken:
             break
     conn.close()
     os._exit(0)  # every answer is in the parent: no interpreter teardown (seconds, once torch is loaded)
+
+
+def _answer_bytes(answer, broken: str | None) -> bytes:
+    """A worker's answer, pickled by value. Not as ``conn.send`` would pickle it: once torch is imported, that
+    shares each tensor's memory through a file descriptor fetched from this process when the parent unpickles,
+    so a worker that leaves right after its answer (a broken context) loses it, and every failing outcome the
+    parent keeps holds a descriptor open per tensor of its snapshot. A mistake that cannot travel as itself
+    (an unpicklable exception) travels as its type, words and traceback."""
+    import pickle
+
+    try:
+        data = pickle.dumps((answer, broken), protocol=pickle.HIGHEST_PROTOCOL)
+        if isinstance(answer, BaseException):
+            pickle.loads(data)  # an exception whose class cannot be rebuilt from its args fails in the parent
+        return data
+    except Exception as exc:  # noqa: BLE001 - whatever failed, the parent must hear a mistake, not a death
+        import traceback
+
+        what = answer if isinstance(answer, BaseException) else exc
+        text = "".join(traceback.format_exception(what)).rstrip()
+        error = RuntimeError(f"a conform worker's answer could not be sent back ({type(exc).__name__}: {exc}):\n"
+                             f"{text}")
+        return pickle.dumps((error, broken), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _cuda_broken(device: str) -> str | None:
@@ -286,10 +309,12 @@ class PooledRunner:
                     pass  # it died: its sentinel says so, and the request goes back
 
     def _receive(self, worker: _Worker) -> tuple[int, object] | None:
+        import pickle
+
         try:
             if not worker.conn.poll():
                 return None
-            value, broken = worker.conn.recv()
+            value, broken = pickle.loads(worker.conn.recv_bytes())
         except (EOFError, OSError):
             return None
         index = worker.request[0]
