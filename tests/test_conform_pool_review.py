@@ -67,3 +67,11 @@ def test_a_mistake_that_cannot_be_pickled_is_still_raised_not_called_a_death(tmp
             print(pool.run(ROW, "decode"))
     assert "holding a lock" in str(raised.value)
 
+
+
+def test_a_closed_pool_refuses_work_instead_of_waiting_forever(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVDBG_TEST_MARK_DIR", str(tmp_path))
+    pool = _pool("FakeRunner")
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run(ROW, "decode")

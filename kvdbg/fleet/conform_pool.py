@@ -266,6 +266,8 @@ class PooledRunner:
 
         queue = deque(enumerate(requests))
         attempts: dict[int, int] = {}
+        if queue and not self._workers:  # closed (by close, or by a mistake raised): nothing would ever answer
+            raise RuntimeError("the conform pool is closed")
         while queue or any(w.request is not None for w in self._workers):
             self._assign(queue, attempts)
             busy = {w.conn: w for w in self._workers if w.request is not None or not w.ready}
