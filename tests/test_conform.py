@@ -509,3 +509,22 @@ def test_a_narrow_table_keeps_its_title_on_one_line(fake_engine):
     res = invoke("--backend", "GOOD_ATTN", "--features", "window", "--batch", "decode")
     assert res.exit_code == 0
     assert "conform: GOOD_ATTN (pairwise, 3 rows × 1 batch kinds)" in res.stdout.splitlines()[0]
+
+
+def test_a_failing_cell_with_nothing_to_re_run_or_drop_is_explained_without_a_run():
+    """A float32 baseline that fails (factors given through the API): the explanation asks for no cell at all."""
+    from kvdbg.moves.conform.covering import Factor
+    from kvdbg.moves.conform.run import FAIL, Outcome, conform_backend
+
+    class Failing:
+        backend = "FAKE_ATTN"
+
+        def refusal(self, row):
+            return None
+
+        def run(self, row, kind):
+            return Outcome(FAIL, max_abs=1.0, tolerance="rule")
+
+    result = conform_backend(Failing(), [Factor("dtype", ("float32",))], kinds=("decode",))
+    [cell] = result.cells
+    assert (cell.status, cell.cause, cell.minimal["dtype"]) == (FAIL, "semantic", "float32")

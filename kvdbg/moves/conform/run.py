@@ -399,7 +399,10 @@ def _drive_all(chains: dict, cached: _Cached, progress, backend: str) -> dict:
     chain still going at once (side by side on a pool), so N failing cells cost the waves of the longest."""
     answers, asked = {}, {}
     for key, chain in chains.items():
-        asked[key] = next(chain)
+        try:
+            asked[key] = next(chain)
+        except StopIteration as stop:  # nothing to re-run and nothing to drop (a float32 row at every baseline)
+            answers[key] = stop.value
     wave = 0
     while asked:
         wave += 1
