@@ -75,3 +75,22 @@ def test_a_closed_pool_refuses_work_instead_of_waiting_forever(tmp_path, monkeyp
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         pool.run(ROW, "decode")
+
+
+def _exact_pool(runner):
+    return PooledRunner(RunnerArgs("FAKE_ATTN", "cpu", runner=f"tests.conform_fakes:{runner}"), 2,
+                        exact_workers=True)
+
+
+def test_an_ieee_worker_that_cannot_start_does_not_throw_away_the_backends_cells(tmp_path, monkeypatch):
+    """Every cell passes, so no float32 re-run is needed: the optional IEEE worker dying as it starts must not
+    turn the backend into 'could not start'; a re-run that needed it is explained as unknown, saying why."""
+    monkeypatch.setenv("KVDBG_TEST_MARK_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    with _exact_pool("NoIeeeRunner") as pool:
+        result = conform_backend(pool, [Factor("gqa", ("1", "4"))], kinds=("decode", "prefill"))
+        assert [c.status for c in result.cells] == [PASS] * 4
+        failing = conform_backend(pool, [Factor("window", ("none", "short")), Factor("sinks", ("off", "on"))],
+                                  kinds=("decode",))
+    [cell] = [c for c in failing.cells if c.status == FAIL]
+    assert cell.cause == "unknown" and "IEEE" in cell.cause_detail

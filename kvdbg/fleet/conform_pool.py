@@ -35,7 +35,7 @@ from typing import Iterator, Mapping
 
 from kvdbg.errors import BackendUnavailable
 from kvdbg.fleet.workers import WorkerSlot, _die_with_parent, _exit_how, cuda_count, plan_workers, visible_gpus
-from kvdbg.moves.conform.run import FAIL, TRITON_F32, Outcome, engine_backend_name
+from kvdbg.moves.conform.run import FAIL, REFUSED, TRITON_F32, Outcome, engine_backend_name
 from kvdbg.util.environ import restore_environ, saved_environ
 
 MAX_ATTEMPTS = 2
@@ -180,6 +180,7 @@ class PooledRunner:
         # not wait for them: they take exact requests once they have greeted.
         exact = self.slots[:max(1, len(self.slots) // 4)] if self.exact_float32 else []
         self._context = multiprocessing.get_context("spawn")
+        self._no_exact: str | None = None  # why no IEEE worker could start, once none is left
         self._workers: list[_Worker] = [self._start(slot) for slot in self.slots]
         self._workers += [self._start(slot, exact=True) for slot in exact]
         self._await_ready()
@@ -253,13 +254,27 @@ class PooledRunner:
             tag, reason = worker.conn.recv()
         except (EOFError, OSError):
             worker.process.join(timeout=1.0)
-            self.close()
-            raise BackendUnavailable(f"--backend {self.backend}: a conform worker could not start "
-                                     f"({_exit_how(worker.process.exitcode)})") from None
-        if tag != "ready":
-            self.close()
-            raise BackendUnavailable(reason)
-        worker.ready = True
+            tag, reason = None, (f"--backend {self.backend}: a conform worker could not start "
+                                 f"({_exit_how(worker.process.exitcode)})")
+        if tag == "ready":
+            worker.ready = True
+            return
+        if worker.exact:  # only the float32 re-runs need it: the cells go on, and those re-runs say why not
+            self._retire(worker, reason)
+            return
+        self.close()
+        raise BackendUnavailable(reason)
+
+    def _retire(self, worker: _Worker, reason: str) -> None:
+        """An IEEE worker that could not start leaves for good; when none is left, ``_no_exact`` says why."""
+        worker.conn.close()
+        worker.process.join(timeout=STOP_TIMEOUT_S)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join()
+        self._workers.remove(worker)
+        if not any(w.exact for w in self._workers):
+            self._no_exact = reason
 
     def _run(self, requests: list[tuple]) -> Iterator[tuple[int, object]]:
         from multiprocessing.connection import wait
@@ -269,6 +284,11 @@ class PooledRunner:
         if queue and not self._workers:  # closed (by close, or by a mistake raised): nothing would ever answer
             raise RuntimeError("the conform pool is closed")
         while queue or any(w.request is not None for w in self._workers):
+            if self._no_exact is not None:
+                for item in [item for item in queue if item[1][3] and self.exact_float32]:
+                    queue.remove(item)
+                    yield item[0], Outcome(REFUSED, reason=f"no worker with IEEE float32 products "
+                                                           f"({TRITON_F32}=ieee) could start: {self._no_exact}")
             self._assign(queue, attempts)
             busy = {w.conn: w for w in self._workers if w.request is not None or not w.ready}
             sentinels = {w.process.sentinel: w for w in busy.values()}
