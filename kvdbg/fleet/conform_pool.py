@@ -209,7 +209,9 @@ class PooledRunner:
             except (BrokenPipeError, OSError):
                 pass
         for worker in self._workers:
-            worker.process.join(timeout=STOP_TIMEOUT_S if worker.request is None else 0)
+            # A worker busy with a cell, or still importing the engine (it reads the pipe only once it is ready),
+            # is stopped at once rather than waited for.
+            worker.process.join(timeout=STOP_TIMEOUT_S if worker.request is None and worker.ready else 0)
             if worker.process.is_alive():
                 worker.process.terminate()
                 worker.process.join(timeout=STOP_TIMEOUT_S)

@@ -1,5 +1,5 @@
-"""Review of `kvdbg conform --jobs`: answers that carry tensors, a worker leaving after its answer, a mistake that
-cannot be pickled, and a closed pool."""
+"""`kvdbg conform --jobs`: what a worker sends back -- answers that carry tensors, a worker leaving right after
+its answer, a mistake that cannot be pickled -- and a closed pool."""
 
 from __future__ import annotations
 
