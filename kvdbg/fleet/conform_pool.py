@@ -34,7 +34,8 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Mapping
 
 from kvdbg.errors import BackendUnavailable
-from kvdbg.fleet.workers import WorkerSlot, _die_with_parent, _exit_how, cuda_count, plan_workers, visible_gpus
+from kvdbg.fleet.workers import (WorkerSlot, _die_with_parent, _exit_how, cuda_count, plan_workers, stop_workers,
+                                 visible_gpus)
 from kvdbg.moves.conform.run import FAIL, REFUSED, TRITON_F32, Outcome, engine_backend_name
 from kvdbg.util.environ import restore_environ, saved_environ
 
@@ -203,22 +204,9 @@ class PooledRunner:
             yield requests[index], outcome
 
     def close(self) -> None:
-        for worker in self._workers:
-            try:
-                worker.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for worker in self._workers:
-            # A worker busy with a cell, or still importing the engine (it reads the pipe only once it is ready),
-            # is stopped at once rather than waited for.
-            worker.process.join(timeout=STOP_TIMEOUT_S if worker.request is None and worker.ready else 0)
-            if worker.process.is_alive():
-                worker.process.terminate()
-                worker.process.join(timeout=STOP_TIMEOUT_S)
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join()
-            worker.conn.close()
+        # A worker busy with a cell, or still importing the engine (it reads the pipe only once it is ready), is
+        # stopped at once rather than waited for.
+        stop_workers(self._workers, idle=lambda worker: worker.request is None and worker.ready)
         self._workers = []
 
     def __enter__(self) -> "PooledRunner":

@@ -37,7 +37,7 @@ import signal
 import sys
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from kvdbg.replayer.batch import BatchOptions, FileResult, replay_file
 from kvdbg.errors import BackendUnavailable, OptionError
@@ -353,26 +353,32 @@ class LocalPool:
             del self._workers[position]
 
     def _stop(self) -> None:
-        for worker in self._workers:
-            try:
-                worker.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for worker in self._workers:
-            worker.process.join(timeout=STOP_TIMEOUT_S if worker.task is None else 0)
-            if worker.process.is_alive():
-                worker.process.terminate()
-                worker.process.join(timeout=STOP_TIMEOUT_S)
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join()
-            worker.conn.close()
+        stop_workers(self._workers, idle=lambda worker: worker.task is None)
         self._workers = []
 
     @property
     def pids(self) -> list[int]:
         """The live workers' process ids (for a test that kills one)."""
         return [w.process.pid for w in self._workers if w.process.is_alive()]
+
+
+def stop_workers(workers: list, idle: Callable[[Any], bool]) -> None:
+    """Stop worker processes (each with ``process`` and ``conn``): None on every pipe (leave), then each joined --
+    for up to STOP_TIMEOUT_S where ``idle(worker)``, at once otherwise -- terminated, and killed if it still runs."""
+    for worker in workers:
+        try:
+            worker.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+    for worker in workers:
+        worker.process.join(timeout=STOP_TIMEOUT_S if idle(worker) else 0)
+        if worker.process.is_alive():
+            worker.process.terminate()
+            worker.process.join(timeout=STOP_TIMEOUT_S)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join()
+        worker.conn.close()
 
 
 def _exit_how(code: int | None) -> str:
