@@ -34,10 +34,9 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Mapping
 
 from kvdbg.errors import BackendUnavailable
-from kvdbg.fleet.workers import (WorkerSlot, _die_with_parent, _exit_how, cuda_count, plan_workers, stop_workers,
-                                 visible_gpus)
+from kvdbg.fleet.workers import (WorkerSlot, _die_with_parent, _exit_how, cuda_count, plan_workers, start_worker,
+                                 stop_workers, visible_gpus)
 from kvdbg.moves.conform.run import FAIL, REFUSED, TRITON_F32, Outcome, engine_backend_name
-from kvdbg.util.environ import restore_environ, saved_environ
 
 MAX_ATTEMPTS = 2
 MAX_GPU_JOBS = 8  # compiles at a time on one GPU host: more only queue for the cores
@@ -218,19 +217,10 @@ class PooledRunner:
     # ------------------------------------------------------------------ the pool
 
     def _start(self, slot: WorkerSlot, exact: bool = False) -> _Worker:
-        parent_end, child_end = self._context.Pipe(duplex=True)
-        args = replace(self.args, device=slot.pinned_device)
         env = {**slot.env, **({TRITON_F32: "ieee"} if exact else {})}
-        process = self._context.Process(target=_worker_main, name=f"kvdbg-conform-{slot.index}",
-                                        args=(child_end, env, args), daemon=True)
-        saved = saved_environ(env)
-        os.environ.update(env)  # the child's environment is the parent's at start
-        try:
-            process.start()
-        finally:
-            restore_environ(saved)
-        child_end.close()
-        return _Worker(slot, process, parent_end, exact)
+        process, conn = start_worker(self._context, _worker_main, f"kvdbg-conform-{slot.index}", env,
+                                     replace(self.args, device=slot.pinned_device))
+        return _Worker(slot, process, conn, exact)
 
     def _await_ready(self) -> None:
         """Every worker of plain requests built its runner; the first one that could not raises its reason (as one

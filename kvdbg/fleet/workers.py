@@ -257,19 +257,10 @@ class LocalPool:
         self._workers: list[_Worker] = []
 
     def _start(self, slot: WorkerSlot) -> _Worker:
-        parent_end, child_end = self._context.Pipe(duplex=True)
-        env = slot.env
         options = _with_device(self.options, slot.pinned_device)
-        process = self._context.Process(target=_worker_main, name=f"kvdbg-worker-{slot.index}",
-                                        args=(child_end, env, options, self.replay), daemon=True)
-        saved = saved_environ(env)
-        os.environ.update(env)  # the child's environment is the parent's at start
-        try:
-            process.start()
-        finally:
-            restore_environ(saved)
-        child_end.close()
-        return _Worker(slot, process, parent_end)
+        process, conn = start_worker(self._context, _worker_main, f"kvdbg-worker-{slot.index}", slot.env,
+                                     options, self.replay)
+        return _Worker(slot, process, conn)
 
     def run(self, tasks: list[tuple[int, str]]) -> Iterator[Started | Done | WorkerLost]:
         """Events as files start and finish; the workers are stopped when the iterator ends or is closed.
@@ -360,6 +351,22 @@ class LocalPool:
     def pids(self) -> list[int]:
         """The live workers' process ids (for a test that kills one)."""
         return [w.process.pid for w in self._workers if w.process.is_alive()]
+
+
+def start_worker(context, target, name: str, env: dict[str, str], *args) -> tuple[Any, Any]:
+    """A worker process ``target(conn, env, *args)`` started in ``context`` with ``env`` in its environment from
+    its first instruction (set in this process around the start, then put back); (process, the parent's end of
+    its pipe)."""
+    parent_end, child_end = context.Pipe(duplex=True)
+    process = context.Process(target=target, name=name, args=(child_end, env, *args), daemon=True)
+    saved = saved_environ(env)
+    os.environ.update(env)  # the child's environment is the parent's at start
+    try:
+        process.start()
+    finally:
+        restore_environ(saved)
+    child_end.close()
+    return process, parent_end
 
 
 def stop_workers(workers: list, idle: Callable[[Any], bool]) -> None:
