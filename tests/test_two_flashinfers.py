@@ -24,7 +24,8 @@ def _runs(tokens, offset=0.0):
     real = torch.randn(tokens, 4, 8, generator=gen)
     emulated = real.clone()
     emulated[:, 2] += offset
-    return {"vllm": SimpleNamespace(output=real), "flashinfer_ts": SimpleNamespace(output=emulated)}
+    return {"vllm": SimpleNamespace(output=real, written=None),
+            "flashinfer_ts": SimpleNamespace(output=emulated, written=None)}
 
 
 def test_the_difference_over_the_decode_requests_is_an_info_finding_saying_what_it_is():
@@ -44,3 +45,12 @@ def test_nothing_is_said_without_both_columns_flashinfer_or_a_decode():
     assert two_flashinfers(triton, _runs(3), _common([1, 1, 1])) == []
     assert two_flashinfers(flashinfer, {"vllm": _runs(3)["vllm"]}, _common([1, 1, 1])) == []
     assert two_flashinfers(flashinfer, _runs(8), _common([4, 4])) == []
+
+
+def test_a_decode_row_the_emulation_left_unwritten_is_not_counted_as_rounding():
+    statuses = [SimpleNamespace(name="vllm", engine_name="FLASHINFER")]
+    runs = _runs(3, offset=1e-4)
+    runs["flashinfer_ts"].output[1] = 0.0  # a request the emulated kernel did not run
+    runs["flashinfer_ts"].written = torch.tensor([True, False, True])
+    (finding,) = two_flashinfers(statuses, runs, _common([1, 1, 1]))
+    assert finding.requests == [0, 2] and finding.details["max_abs"] < 2e-4

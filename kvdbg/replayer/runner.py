@@ -507,7 +507,9 @@ def two_flashinfers(statuses, runs: dict, common: CommonMetadata) -> list[Findin
     if engine != "FLASHINFER" or real is None or emulated is None or real.output is None or emulated.output is None:
         return []
     starts = common.query_start_loc.tolist()
-    decodes = [r for r in range(len(starts) - 1) if starts[r + 1] - starts[r] == 1]
+    wrote = [run.written.tolist() if run.written is not None else None for run in (real, emulated)]
+    decodes = [r for r in range(len(starts) - 1) if starts[r + 1] - starts[r] == 1
+               and all(w is None or w[starts[r]] for w in wrote)]  # rows a column left unwritten are no rounding
     if not decodes:
         return []
     rows = torch.tensor([starts[r] for r in decodes], device=real.output.device)
