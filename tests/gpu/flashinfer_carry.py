@@ -25,7 +25,9 @@ LEFT_OUT = ("flashinfer/moe_ep/", "flashinfer/experimental/b12x/", "flashinfer/e
             "flashinfer/msa_ops/cute_dsl/", "flashinfer/comm/mnnvl_cutedsl/", "flashinfer/diffusion_ops/",
             "flashinfer/attn_scores/kernels/", "flashinfer/fused_moe/cake/", "flashinfer/fused_moe/cake_cute/",
             "flashinfer/fused_moe/cutile/", "flashinfer/kda_kernels/tirx/", "flashinfer/experimental/cake_mxfp8_megamoe_ep16/",
-            "flashinfer/experimental/cake_lm_head_loss/", "flashinfer/experimental/cake_dsa_train/")
+            "flashinfer/experimental/cake_lm_head_loss/", "flashinfer/experimental/cake_dsa_train/",
+            # data the JIT compiler never reads (CUTLASS's examples and Python packages, CCCL's Python), 2.3 MB
+            "flashinfer/data/cutlass/examples/", "flashinfer/data/cutlass/python/", "flashinfer/data/cccl/python/")
 
 
 def kept(name: str, left_out: tuple[str, ...] = LEFT_OUT) -> bool:

@@ -70,6 +70,11 @@ from tests.gpu.engine_stage import BLOCK_SIZE, MODELS, NATIVE_IR_OPS, prompt  # 
 
 PARTS = ("plain", "sliding", "fp8", "fault")
 PIECEWISE_MODES = ("PIECEWISE", "FULL_AND_PIECEWISE")
+# vLLM 0.33's PassConfig switches of the fusions that rewrite a graph with its compiled ops (quantisation, norm,
+# rope, all-reduce): a torch.compile engine of the stage runs with each off.
+COMPILE_FUSIONS = ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "fuse_allreduce_rms",
+                   "enable_qk_norm_rope_fusion", "fuse_rope_kvcache_cat_mla", "fuse_act_padding",
+                   "fuse_mla_dual_rms_norm", "fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache")
 GRAPH_MODE = "FULL"
 FALLBACK_MODE = "FULL_DECODE_ONLY"  # only if vLLM refuses FULL (said in the summary)
 # Capture selects no step while the engine starts: the wanted steps are set once its start-up steps are counted.
@@ -116,6 +121,8 @@ def engine_kwargs(spec: RunSpec, model_dir: str, cpu: bool) -> dict:
     """LLM(...) arguments: engine_stage's, with a 16-token budget (every batch fits a graph), no prefix cache (the
     batches and blocks do not depend on the tokens), synchronous scheduling (steps happen as the plan says)."""
     compilation = {"custom_ops": ["none"], "mode": 3 if spec.compile else 0}
+    if spec.compile:  # vLLM's fusions would put compiled ops (not carried) into the graph: off, as they are here
+        compilation["pass_config"] = {name: False for name in COMPILE_FUSIONS}
     kwargs = dict(model=model_dir, skip_tokenizer_init=True, max_model_len=128,
                   max_num_seqs=graph_plan.MAX_NUM_SEQS, max_num_batched_tokens=graph_plan.MAX_NUM_BATCHED_TOKENS,
                   enable_prefix_caching=False, num_gpu_blocks_override=128, seed=0, async_scheduling=False)
@@ -462,13 +469,14 @@ def engine_child(out: str, spec: RunSpec, cpu: bool) -> dict:
 _PORTS = itertools.count()
 
 
-def child(args, extra: list[str], log_name: str, timeout: float) -> tuple[int | None, float]:
+def child(args, extra: list[str], log_name: str, timeout: float,
+          env_extra: dict | None = None) -> tuple[int | None, float]:
     """This script in a child process; its output into logs/NAME.log. (exit code or None on timeout, seconds)
 
     Each child's vLLM looks for its free ports from a base of its own (``VLLM_PORT``): engines starting together
     never race for one port."""
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
-    env = dict(os.environ, VLLM_PORT=str(PORT_BASE + 100 * next(_PORTS)))
+    env = dict(os.environ, VLLM_PORT=str(PORT_BASE + 100 * next(_PORTS)), **(env_extra or {}))
     cmd = [sys.executable, os.path.abspath(__file__), args.out, *extra] + (["--cpu"] if args.cpu else [])
     cmd += ["--deadline", str(args.deadline), "--judge-max", str(args.judge_max)]
     cmd += ["--allow-token-divergence"] if args.allow_token_divergence else []
@@ -496,7 +504,9 @@ def run_engine(args, spec: RunSpec) -> dict:
         if left < 45:
             return {"name": spec.name, "problems": ["not run: the time budget was spent"], "served": False}
         extra = ["--one", spec.name] + (["--mode", mode] if mode != spec.mode else [])
-        rc, took = child(args, extra, spec.name, min(args.engine_timeout, left))
+        # a torch.compile engine's passes name compiled ops at import: their stand-ins (stub_site/sitecustomize.py)
+        env_extra = {"KVDBG_GPU_COMPILE_OPS": "1"} if spec.compile else None
+        rc, took = child(args, extra, spec.name, min(args.engine_timeout, left), env_extra)
         record = read_record(args.out, spec.name) if rc is not None else {}
         if rc is None:
             record = {"name": spec.name, "problems": [f"engine run over {min(args.engine_timeout, left):.0f} s"],

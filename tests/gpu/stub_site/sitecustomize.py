@@ -35,6 +35,8 @@ class EmptyCompiledModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             _register_activation()
             _register_weak_ref_tensor()
             _register_cache_write()
+            if os.environ.get("KVDBG_GPU_COMPILE_OPS"):
+                _register_compile_pass_ops()
 
 
 # vLLM asks its compiled library at import time which CUTLASS GEMMs the GPU supports (a model's module does, in
@@ -142,6 +144,54 @@ def _register_cache_write():
     library.define("reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
                    "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()")
     library.impl("reshape_and_cache_flash", _reshape_and_cache_flash, "CompositeExplicitAutograd")
+    _LIBRARIES.append(library)
+
+
+# The compiled ops that vLLM's torch.compile passes (vllm/compilation/passes) name at import time, outside any
+# ``hasattr`` guard, with the schemas vLLM's csrc/torch_bindings.cpp gives them: the passes compare graph nodes
+# with these ops, and the fusions that would put them into a graph are switched off by the engines that use this
+# (tests/gpu/graph_stage.py, ``pass_config``). Their kernels are not carried, so a call raises and says so.
+_COMPILE_PASS_OPS = (
+    "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, Tensor cos_sin_cache, "
+    "bool is_neox) -> ()",
+    "static_scaled_fp8_quant(Tensor(a!) result, Tensor input, Tensor scale, (int, int)? group_shape=None) -> ()",
+    "dynamic_scaled_fp8_quant(Tensor(a!) result, Tensor input, Tensor(b!) scale) -> ()",
+    "dynamic_per_token_scaled_fp8_quant(Tensor(a!) result, Tensor input, Tensor(b!) scale, Tensor? scale_ub) -> ()",
+    "silu_and_mul_quant(Tensor(a!) result, Tensor input, Tensor scale) -> ()",
+    "silu_and_mul_per_block_quant(Tensor(a!) out, Tensor input, Tensor(b!) scales, int group_size, "
+    "Tensor? scale_ub=None, bool is_scale_transposed=False) -> ()",
+    "rms_norm(Tensor(a!) result, Tensor input, Tensor weight, float epsilon) -> ()",
+    "fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()",
+    "rms_norm_static_fp8_quant(Tensor(a!) result, Tensor input, Tensor weight, Tensor scale, float epsilon) -> ()",
+    "fused_add_rms_norm_static_fp8_quant(Tensor(a!) result, Tensor input, Tensor(b!) residual, Tensor weight, "
+    "Tensor scale, float epsilon) -> ()",
+    "rms_norm_dynamic_per_token_quant(Tensor(a!) result, Tensor input, Tensor weight, Tensor(b!) scale, "
+    "float epsilon, Tensor? scale_ub, Tensor(c!)? residual) -> ()",
+    "fused_qk_norm_rope(Tensor(a!) qkv, int num_heads_q, int num_heads_k, int num_heads_v, int head_dim, float eps, "
+    "Tensor q_weight, Tensor k_weight, Tensor cos_sin_cache, bool is_neox, Tensor position_ids) -> ()",
+)
+
+
+def _not_carried(name):
+    def call(*args, **kwargs):
+        raise RuntimeError(f"torch.ops._C.{name}: vLLM's compiled kernel is not carried to this machine (a "
+                           "stand-in for vLLM's torch.compile passes, which only name it)")
+
+    return call
+
+
+def _register_compile_pass_ops():
+    """The ops of ``_COMPILE_PASS_OPS`` not already defined, each raising when called (``KVDBG_GPU_COMPILE_OPS``:
+    only the torch.compile engines of the graph stage ask for them)."""
+    import torch
+
+    library = torch.library.Library("_C", "FRAGMENT")
+    for schema in _COMPILE_PASS_OPS:
+        name = schema.split("(", 1)[0]
+        if hasattr(torch.ops._C, name):
+            continue
+        library.define(schema)
+        library.impl(name, _not_carried(name), "CompositeExplicitAutograd")
     _LIBRARIES.append(library)
 
 
