@@ -145,7 +145,8 @@ def test_the_engine_fits_a_round_and_prefills_it_in_one_step():
 
 def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(standins, tmp_path, monkeypatch):
     """The bench's wrappers on the real plugin (vLLM stand-ins, CPU): hooks timed per step, the replayed step
-    and whether it was copied, the captured bytes; then everything put back."""
+    and whether it was copied, the captured bytes (counted by the graph capture thread into the step that handed
+    it over); then everything put back."""
     from kvdbg.capture.capturer import Capturer
     from kvdbg.util.ranges import IntRanges
     from kvdbg.vllm_plugin import state as plugin_state
@@ -167,6 +168,7 @@ def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(sta
                           monkeypatch)
             records.append(timing.current)
             timing.current = None
+        vllm_plugin._state.await_graph_capture()  # what the next step does first: the capture thread's copies issued
         assert [r["replayed_step"] for r in records] == [0, 1, 2]
         assert [r["copied"] for r in records] == [False, False, True]
         assert all(r["hooks"]["after_build"] > 0 and r["hooks"]["after_graph_replay"] > 0 for r in records)

@@ -85,6 +85,8 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._recording: Any = None
         self._max_graph_tokens: int | None = None
         self._forward_context = None
+        self._graph_thread = None  # the graph capture thread, started with the first wanted graph step
+        self._graph_job = None  # the step last handed to it, until the engine's next work waits for its copies
 
     # ---------------------------------------------------------------- patching
 
@@ -195,6 +197,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
 
             total = max(1.0, min(EXIT_FLUSH_SECONDS, limit))
             deadline = time.monotonic() + total
+            self.stop_graph_capture(total / 4)  # the last graph step's copies issued, before the writers drain
             if self.sentinel is not None:  # half the time for its checks and its writer, the rest for capture's
                 self.sentinel.close(self, total / 2)
             self.capturer.close(max(0.0, deadline - time.monotonic()))
