@@ -33,7 +33,7 @@ WRAPPED = {
                                                   "FlashInferTSMetadataBuilder": ("build",)},
     "vllm.v1.attention.backends.flex_attention": {"FlexAttentionImpl": ("forward", "do_kv_cache_update"),
                                                    "FlexAttentionMetadataBuilder": ("build",)},
-    "vllm.v1.worker.worker_base": {"WorkerWrapperBase": ("shutdown",)},
+    "vllm.v1.worker.worker_base": {"WorkerWrapperBase": ("shutdown", "execute_model")},
 }
 
 
@@ -1183,6 +1183,46 @@ def test_a_wanted_graph_step_is_captured_off_the_engines_thread_and_before_the_n
     account = vllm_plugin.active_capturer().engine_time
     assert account.handed == 1 and account.waits == 1 and account.waited_ns > 0.2e9  # two layers of 0.25 s
     assert "1 graph step(s) handed to the capture thread" in account.describe()
+
+
+def test_the_workers_next_step_waits_for_a_handed_graph_step_before_its_first_device_work(standins, tmp_path,
+                                                                                           monkeypatch):
+    """vLLM's model runner may write cache pages before the step's first build (it zeroes newly allocated blocks of
+    hybrid and mixed-precision caches, copies blocks for a partial prefix hit): a block freed after the handed step
+    may be one of them, so the worker's next step waits for the capture thread before anything of it runs."""
+    import threading
+    import time as clock
+
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="0")
+    engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
+    state = vllm_plugin._state
+    _record_graph(engine, 16, 4, monkeypatch)
+    started, slow = threading.Event(), state.start_capture
+
+    def slow_capture(*args, **kwargs):
+        started.set()
+        clock.sleep(0.2)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(state, "start_capture", slow_capture)
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch)
+    assert started.wait(5) and state._graph_job is not None
+    caches = [layer.kv_cache.clone() for layer in engine.layers]
+
+    def zero_new_blocks():  # the next step's _update_states, before any build
+        for layer in engine.layers:
+            layer.kv_cache.zero_()
+        return "stepped"
+
+    assert WorkerWrapperBase().execute_model(zero_new_blocks) == "stepped"
+    assert state._graph_job is None
+    snaps = sorted(snapshots(tmp_path), key=lambda s: s.meta.capture["layer"])
+    assert len(snaps) == 2
+    for snap, cache in zip(snaps, caches):
+        assert snap.kv_cache.abs().sum() > 0
+        torch.testing.assert_close(snap.kv_cache, cache[snap.page_ids.long()], rtol=0, atol=0)
 
 
 def test_a_graph_capture_that_raises_is_reported_and_never_leaves_the_engine_waiting(standins, tmp_path,

@@ -19,13 +19,14 @@ the step's block table, lengths and query offsets as for any step) and vLLM's ``
   goes on at once: its cost for a wanted step is that event and the hand-off, not a capture per layer. The
   capture thread issues the captures as the engine's thread used to, on a stream of its own that waits for
   the event (the layer's buffers, and its cache, which lives outside the graph), and records a second event
-  after its last copy. Before the next step can overwrite anything it read (the next build, graph replay,
-  graph recording, or layer forward, whichever comes first), the engine's thread waits until the capture
-  thread has issued its copies (by then, mostly, long done: the engine meanwhile samples the step) and makes
-  its stream wait for that second event: no host wait for the device, and nothing the next step overwrites
-  is read late. A step the sentinel samples is checked from the same buffers (its layer filter also chooses
-  which layers get them); its device checks of a step are collected before the next replay, while the cache
-  holds what it read.
+  after its last copy. Before the next step can overwrite anything it read (the worker's next step, whose
+  model runner may zero or copy cache pages before it builds; else the next build, graph replay, graph
+  recording, layer forward or cache update, a drafter's included: whichever comes first), the engine's
+  thread waits until the capture thread has issued its copies (by then, mostly, long done: the engine
+  meanwhile samples the step) and makes its stream wait for that second event: no host wait for the
+  device, and nothing the next step overwrites is read late. A step the sentinel samples is checked from the
+  same buffers (its layer filter also chooses which layers get them); its device checks of a step are
+  collected before the next replay, while the cache holds what it read.
 
 Padding rows of a graph's batch (vLLM pads a batch up to the graph's size with requests of no tokens on the
 null block) are not requests: the builder hook keeps only the rows with tokens, and the query rows past the

@@ -22,7 +22,8 @@ from kvdbg.vllm_plugin.vllm_facts import (
     cudagraph_note
 )
 from kvdbg.vllm_plugin.wrappers import (
-    _wrap_build, _wrap_cache_update, _wrap_forward, _wrap_graph_call, _wrap_layer_init, _wrap_shutdown
+    _wrap_build, _wrap_cache_update, _wrap_execute_model, _wrap_forward, _wrap_graph_call, _wrap_layer_init,
+    _wrap_shutdown
 )
 
 if TYPE_CHECKING:  # torch and the capture modules load only once capture is switched on
@@ -164,6 +165,8 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
                          WORKER_MODULE)
             return
         self._patch(wrapper_cls, "shutdown", _wrap_shutdown)
+        if hasattr(wrapper_cls, "execute_model"):  # the barrier before a step's first device work (graph_hooks)
+            self._patch(wrapper_cls, "execute_model", _wrap_execute_model)
 
     def watch_graphs(self) -> None:
         """Wrap vLLM's CUDA-graph wrapper: steps replayed from full graphs are captured (graph_hooks)."""

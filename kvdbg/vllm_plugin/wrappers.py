@@ -95,6 +95,22 @@ def _wrap_shutdown(state: _PluginState, original):
     return shutdown
 
 
+def _wrap_execute_model(state: _PluginState, original):
+    """The worker's step: before anything of it reaches the device. vLLM's model runner writes cache pages before
+    any build of the step (it zeroes newly allocated blocks for hybrid and mixed-precision caches, copies blocks
+    for a prefix hit on a part of a block, a KV connector loads or saves blocks), and a freed block that a handed
+    graph step read may be one of them."""
+
+    @functools.wraps(original)
+    def execute_model(self, *args, **kwargs):
+        if state._graph_job is not None:
+            state.await_graph_capture()
+        return original(self, *args, **kwargs)
+
+    execute_model._kvdbg_original = original
+    return execute_model
+
+
 def _wrap_build(state: _PluginState, original):
     @functools.wraps(original)
     def build(self, *args, **kwargs):
