@@ -180,6 +180,9 @@ class Timing:
         self._events: list = []
         self.device_steps: set[int] = set()  # steps (a layer's forward count) whose capture is device-timed
         self.sleep_cycles = 0
+        # While kvdbg's replay hook runs: the step's record and the device-timed start event (or None), which the
+        # hand-over puts on the job before the capture thread can take it.
+        self.handing: tuple[dict | None, object] | None = None
         self._replaced: list[tuple[object, str, object]] = []
 
     def _replace(self, owner, name: str, wrapper) -> None:
@@ -262,10 +265,13 @@ class Timing:
                 start, job = handed
                 job.finished.wait(60)
                 torch.cuda.synchronize()
-                side_end = getattr(job, "bench_side_end", None)
-                record["device"] = {"engine_ms": _elapsed(start, job.issued) if job.issued is not None else None,
+                # Timing events the capture thread recorded once it had issued every copy: on its own stream and
+                # on capture's side stream; whether the device had already reached the start then.
+                engine_end, side_end = getattr(job, "bench_engine_end", None), getattr(job, "bench_side_end", None)
+                record["device"] = {"engine_ms": None if engine_end is None else _elapsed(start, engine_end),
                                     "side_ms": None if side_end is None else _elapsed(start, side_end),
-                                    "device_caught_up": start.query(), "capture_thread": True}
+                                    "device_caught_up": getattr(job, "bench_caught_up", None),
+                                    "capture_thread": True}
             mark = record.pop("device_mark")
             if mark is not None:
                 start, engine_end, side_end, caught_up = mark
@@ -296,15 +302,17 @@ class Timing:
                 torch.cuda._sleep(timing.sleep_cycles)  # the device stays busy while the hook issues its copies
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
+            timing.handing = (record, start if device_timed else None)
             began = time.perf_counter_ns()
-            copied = replay_hook(state, batch, *args, **kwargs)
+            try:
+                copied = replay_hook(state, batch, *args, **kwargs)
+            finally:
+                timing.handing = None
             spent = time.perf_counter_ns() - began
             if record is not None:
                 record["hooks"]["after_graph_replay"] = record["hooks"].get("after_graph_replay", 0) + spent
                 record["replayed_step"], record["copied"] = step, bool(copied)
                 job = state._graph_job if copied else None
-                if job is not None:  # the capture thread counts its bytes into this step's record
-                    job.bench_record = record
                 if device_timed and job is not None:
                     record["device_job"] = (start, job)
                 elif device_timed:
@@ -312,22 +320,37 @@ class Timing:
             return copied
 
         self._replace(cls, "after_graph_replay", after_graph_replay)
+        hand_over = cls._hand_over
+
+        def _hand_over(state, job):
+            """The job marked with the step's record (the capture thread counts its bytes there) and the start of
+            a device-timed step, before the capture thread can take it."""
+            job.bench_record, job.bench_start = timing.handing or (timing.current, None)
+            return hand_over(state, job)
+
+        self._replace(cls, "_hand_over", _hand_over)
         capture_job = cls._capture_graph_job
 
         def _capture_graph_job(state, job, streams):
-            """The capture thread's job; then an event on capture's side stream (its pages' copies to the host)
-            for the device-timed rounds, recorded as soon as every copy is issued."""
+            """The capture thread's job; for a device-timed step, as soon as every copy is issued, timing events on
+            the thread's stream and on capture's side stream (its pages' copies to the host), and whether the
+            device had already reached the start (then the span holds the thread's own time too)."""
             _capturing.job = job
             try:
                 capture_job(state, job, streams)
             finally:
                 _capturing.job = None
-            if getattr(job, "bench_record", None) is not None and job.bench_record.get("device_job") is not None:
-                from kvdbg.capture.buffers import _side_stream
+                start = getattr(job, "bench_start", None)
+                if start is not None and job.device is not None:
+                    from kvdbg.capture.buffers import _side_stream
 
-                side_end = torch.cuda.Event(enable_timing=True)
-                side_end.record(_side_stream(job.device))
-                job.bench_side_end = side_end
+                    job.bench_caught_up = start.query()
+                    stream = streams.get(job.device)
+                    if stream is not None:
+                        job.bench_engine_end = torch.cuda.Event(enable_timing=True)
+                        job.bench_engine_end.record(stream)
+                    job.bench_side_end = torch.cuda.Event(enable_timing=True)
+                    job.bench_side_end.record(_side_stream(job.device))
 
         self._replace(cls, "_capture_graph_job", _capture_graph_job)
         self._replace(Capturer, "begin", _timed(timing, "begin", Capturer.begin, "inner"))
