@@ -299,9 +299,9 @@ class GraphHooks:
     def stop_graph_capture(self, timeout: float) -> None:
         """At shutdown: the last handed step issued, the thread gone (the writer then drains as before)."""
         thread, self._graph_thread = self._graph_thread, None
-        if self._graph_job is not None:
-            self._graph_job.finished.wait(timeout)
-            self._graph_job = None
+        job, self._graph_job = self._graph_job, None
+        if job is not None and not job.finished.wait(timeout):
+            job.abandoned = True  # the layers it has not begun are skipped: the writers drain next
         if thread is not None:
             thread.stop(timeout)
 
