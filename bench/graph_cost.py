@@ -28,10 +28,13 @@ second kvdbg-absent engine at the end (``baseline2``) says how much two processe
 The wanted step, in the capture engine after its armed rounds: one round to warm up (pinned buffers are
 allocated for the first capture), then rounds with one wanted decode step each (the filter set to that step
 of every layer; the writer idle before it). Engine's thread: the hooks' time in the wanted step, less the
-median of the round's other decode steps. Device: in other rounds, a sleep kernel is queued before the
+median of the round's other decode steps, plus the time the next step waited for kvdbg's graph capture thread
+to issue the wanted step's copies (the plugin's own count, ``EngineTime.waited_ns``): the wanted step's
+captures run on that thread, so the engine's thread pays the hand-off and that wait. Device: in other rounds, a sleep kernel is queued before the
 wanted step's capture hook, so that the device is still busy when the hook has issued every copy; the time
 from an event recorded after the sleep to the end of the copies (events on the engine's stream and on
-kvdbg's side stream) is the copies' device time, against the step's bytes (pages, query, output, metadata)
+kvdbg's side stream; with the capture thread, the events it records after its copies) is the copies' device
+time, against the step's bytes (pages, query, output, metadata)
 over the device-to-host bandwidth of a 256 MiB copy into pinned memory, measured in the same process.
 
 Prints a line per part, the figures against their lines, and one line ``GCOST-SUMMARY {json}``. Writes
@@ -49,6 +52,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -163,7 +167,7 @@ def prompts(round_index: int, batch: int, length: int, vocab: int = 32000) -> li
 
 def _new_step() -> dict:
     return {"wall_ns": 0, "replays": 0, "graph_events": [], "hooks": {}, "inner": {}, "replayed_step": None,
-            "copied": False, "captured_bytes": 0, "captures": 0, "device_mark": None}
+            "copied": False, "captured_bytes": 0, "captures": 0, "device_mark": None, "device_job": None}
 
 
 class Timing:
@@ -176,6 +180,9 @@ class Timing:
         self._events: list = []
         self.device_steps: set[int] = set()  # steps (a layer's forward count) whose capture is device-timed
         self.sleep_cycles = 0
+        # While kvdbg's replay hook runs: the step's record and the device-timed start event (or None), which the
+        # hand-over puts on the job before the capture thread can take it.
+        self.handing: tuple[dict | None, object] | None = None
         self._replaced: list[tuple[object, str, object]] = []
 
     def _replace(self, owner, name: str, wrapper) -> None:
@@ -253,6 +260,18 @@ class Timing:
         torch.cuda.synchronize()
         for record in self.steps:
             record["graph_ms"] = [s.elapsed_time(e) for s, e in record.pop("graph_events")]
+            handed = record.pop("device_job")
+            if handed is not None:  # the copies the capture thread issued for this step, from the mark
+                start, job = handed
+                job.finished.wait(60)
+                torch.cuda.synchronize()
+                # Timing events the capture thread recorded once it had issued every copy: on its own stream and
+                # on capture's side stream; whether the device had already reached the start then.
+                engine_end, side_end = getattr(job, "bench_engine_end", None), getattr(job, "bench_side_end", None)
+                record["device"] = {"engine_ms": None if engine_end is None else _elapsed(start, engine_end),
+                                    "side_ms": None if side_end is None else _elapsed(start, side_end),
+                                    "device_caught_up": getattr(job, "bench_caught_up", None),
+                                    "capture_thread": True}
             mark = record.pop("device_mark")
             if mark is not None:
                 start, engine_end, side_end, caught_up = mark
@@ -283,22 +302,63 @@ class Timing:
                 torch.cuda._sleep(timing.sleep_cycles)  # the device stays busy while the hook issues its copies
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
+            timing.handing = (record, start if device_timed else None)
             began = time.perf_counter_ns()
-            copied = replay_hook(state, batch, *args, **kwargs)
+            try:
+                copied = replay_hook(state, batch, *args, **kwargs)
+            finally:
+                timing.handing = None
             spent = time.perf_counter_ns() - began
             if record is not None:
                 record["hooks"]["after_graph_replay"] = record["hooks"].get("after_graph_replay", 0) + spent
                 record["replayed_step"], record["copied"] = step, bool(copied)
-                if device_timed:
+                job = state._graph_job if copied else None
+                if device_timed and job is not None:
+                    record["device_job"] = (start, job)
+                elif device_timed:
                     record["device_mark"] = _device_mark(start)
             return copied
 
         self._replace(cls, "after_graph_replay", after_graph_replay)
+        hand_over = cls._hand_over
+
+        def _hand_over(state, job):
+            """The job marked with the step's record (the capture thread counts its bytes there) and the start of
+            a device-timed step, before the capture thread can take it."""
+            job.bench_record, job.bench_start = timing.handing or (timing.current, None)
+            return hand_over(state, job)
+
+        self._replace(cls, "_hand_over", _hand_over)
+        capture_job = cls._capture_graph_job
+
+        def _capture_graph_job(state, job, streams):
+            """The capture thread's job; for a device-timed step, as soon as every copy is issued, timing events on
+            the thread's stream and on capture's side stream (its pages' copies to the host), and whether the
+            device had already reached the start (then the span holds the thread's own time too)."""
+            _capturing.job = job
+            try:
+                capture_job(state, job, streams)
+            finally:
+                _capturing.job = None
+                start = getattr(job, "bench_start", None)
+                if start is not None and job.device is not None:
+                    from kvdbg.capture.buffers import _side_stream
+
+                    job.bench_caught_up = start.query()
+                    stream = streams.get(job.device)
+                    if stream is not None:
+                        job.bench_engine_end = torch.cuda.Event(enable_timing=True)
+                        job.bench_engine_end.record(stream)
+                    job.bench_side_end = torch.cuda.Event(enable_timing=True)
+                    job.bench_side_end.record(_side_stream(job.device))
+
+        self._replace(cls, "_capture_graph_job", _capture_graph_job)
         self._replace(Capturer, "begin", _timed(timing, "begin", Capturer.begin, "inner"))
         finish = _timed(timing, "finish", Capturer.finish, "inner")
 
         def finish_counting(capturer, pending, *args, **kwargs):
-            record = timing.current
+            # In the graph capture thread, the step that handed the job over (the engine is on a later one).
+            record = _record_for(timing)
             if record is not None and pending is not None:
                 plan = pending.plan
                 record["captured_bytes"] += plan.lower_bound_bytes + plan.output_bytes
@@ -318,9 +378,18 @@ def _elapsed(start, end) -> float | None:
     return value if value >= 0 else None
 
 
+# In kvdbg's graph capture thread: the job it is capturing (its step's record is the one to count into).
+_capturing = threading.local()
+
+
+def _record_for(timing: "Timing") -> dict | None:
+    job = getattr(_capturing, "job", None)
+    return getattr(job, "bench_record", None) if job is not None else timing.current
+
+
 def _timed(timing: Timing, name: str, original, where: str):
     def timed(*args, **kwargs):
-        record = timing.current
+        record = _record_for(timing)
         if record is None:
             return original(*args, **kwargs)
         began = time.perf_counter_ns()
@@ -420,7 +489,7 @@ def summarize_wanted(steps: list[dict], wanted: int) -> dict:
                captured_bytes=hit.get("captured_bytes", 0), captures=hit.get("captures", 0))
     if hit.get("device"):
         device = hit["device"]
-        span = max(device["engine_ms"], device["side_ms"] or 0.0)
+        span = max(device["engine_ms"] or 0.0, device["side_ms"] or 0.0)
         out["device"] = {**device, "span_ms": span}
     return out
 
@@ -461,9 +530,12 @@ def figures(records: dict[str, dict]) -> dict:
     wanted = capture.get("wanted", [])
     timed = [w for w in wanted if w.get("role") == "engine" and "hooks_added_us" in w]
     if timed:
-        added = spread([w["hooks_added_us"] for w in timed])
+        # The hand-off in the wanted step's hooks, and the next step's wait for the capture thread's copies.
+        added = spread([w["hooks_added_us"] + w.get("waited_us", 0.0) for w in timed])
         out["wanted_engine"] = {"added_us": added, "line_us": WANTED_ENGINE_US_LINE,
                                 "met": added["median"] <= WANTED_ENGINE_US_LINE,
+                                "handoff_us": spread([w["hooks_added_us"] for w in timed]),
+                                "waited_us": spread([w.get("waited_us", 0.0) for w in timed]),
                                 "step_added_ms": spread([w["step_added_ms"] for w in timed]),
                                 "bytes": spread([w["captured_bytes"] for w in timed]),
                                 "first": next((w for w in wanted if w.get("role") == "warm-up"), None)}
@@ -573,12 +645,15 @@ def wanted_phase(llm, timing: Timing, args, record: dict, first_index: int, dead
         sleep_ms = min(300.0, max(20.0, 3 * statistics.median(engine_us) / 1e3 + 5)) if engine_us else 50.0
         timing.sleep_cycles = int(sleep_ms * 1e3 * clock)
         before = len(capturer.written)
+        waited_before = capturer.engine_time.waited_ns
         [steps] = run_rounds(llm, timing, 1, first_index + i, args)
+        waited_us = (capturer.engine_time.waited_ns - waited_before) / 1e3
         capturer.reconfigure(steps=IntRanges.of(UNREACHED_STEP, "steps"))
         flushed = capturer.flush(60)
         summary = summarize_wanted(steps, wanted)
         written = capturer.written[before:]
-        summary.update(role=role, sleep_ms=sleep_ms if role == "device" else None, flushed=flushed,
+        summary.update(role=role, waited_us=waited_us, sleep_ms=sleep_ms if role == "device" else None,
+                       flushed=flushed,
                        written=len(written), written_for_step=sum(f"-step{wanted}-" in os.path.basename(p)
                                                                   for p in written),
                        round=summarize_round(steps))

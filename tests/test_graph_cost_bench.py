@@ -145,7 +145,8 @@ def test_the_engine_fits_a_round_and_prefills_it_in_one_step():
 
 def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(standins, tmp_path, monkeypatch):
     """The bench's wrappers on the real plugin (vLLM stand-ins, CPU): hooks timed per step, the replayed step
-    and whether it was copied, the captured bytes; then everything put back."""
+    and whether it was copied, the captured bytes (counted by the graph capture thread into the step that handed
+    it over); then everything put back."""
     from kvdbg.capture.capturer import Capturer
     from kvdbg.util.ranges import IntRanges
     from kvdbg.vllm_plugin import state as plugin_state
@@ -167,6 +168,7 @@ def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(sta
                           monkeypatch)
             records.append(timing.current)
             timing.current = None
+        vllm_plugin._state.await_graph_capture()  # what the next step does first: the capture thread's copies issued
         assert [r["replayed_step"] for r in records] == [0, 1, 2]
         assert [r["copied"] for r in records] == [False, False, True]
         assert all(r["hooks"]["after_build"] > 0 and r["hooks"]["after_graph_replay"] > 0 for r in records)
@@ -177,6 +179,46 @@ def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(sta
         timing.restore()
     assert {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS} == before
     assert (Capturer.__dict__["begin"], Capturer.__dict__["finish"]) == capturer_before
+
+
+def test_a_capture_thread_that_takes_the_job_at_once_still_counts_into_the_step_that_handed_it(standins, tmp_path,
+                                                                                                monkeypatch):
+    """The capture thread may run the job before the engine's thread returns from the hand-over: the job carries
+    its step's record from the start."""
+    from kvdbg.util.ranges import IntRanges
+    from kvdbg.vllm_plugin import graph_hooks
+
+    class AtOnce:  # a capture thread scheduled first: the job runs inside the hand-over's put
+        def __init__(self, state):
+            self.state, self.jobs = state, self
+
+        def put(self, job):
+            if job is not None:
+                try:
+                    self.state._capture_graph_job(job, {})
+                finally:
+                    job.finished.set()
+
+        def stop(self, timeout):
+            pass
+
+    monkeypatch.setattr(graph_hooks, "_GraphCaptureThread", AtOnce)
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS=str(gc.UNREACHED_STEP))
+    timing = gc.Timing()
+    timing.install_kvdbg()
+    try:
+        engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
+        _record_graph(engine, 16, 4, monkeypatch)
+        vllm_plugin.active_capturer().reconfigure(steps=IntRanges.of(0, "steps"))
+        timing.current = record = gc._new_step()
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch)
+        timing.current = None
+        vllm_plugin._state.await_graph_capture()
+        assert record["copied"] and record["captures"] == 2 and record["captured_bytes"] > 0
+        assert set(record["inner"]) == {"begin", "finish"}
+    finally:
+        timing.restore()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the engine part would run for minutes")

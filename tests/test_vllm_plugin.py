@@ -33,7 +33,7 @@ WRAPPED = {
                                                   "FlashInferTSMetadataBuilder": ("build",)},
     "vllm.v1.attention.backends.flex_attention": {"FlexAttentionImpl": ("forward", "do_kv_cache_update"),
                                                    "FlexAttentionMetadataBuilder": ("build",)},
-    "vllm.v1.worker.worker_base": {"WorkerWrapperBase": ("shutdown",)},
+    "vllm.v1.worker.worker_base": {"WorkerWrapperBase": ("shutdown", "execute_model")},
 }
 
 
@@ -1120,6 +1120,7 @@ def test_a_step_replayed_from_a_full_cuda_graph_is_captured_from_the_graphs_copi
         inputs = _padded_inputs(engine, tokens)
         outputs = _run_as_graph(engine, common, inputs, tokens, monkeypatch)
         caches = [layer.kv_cache.clone() for layer in engine.layers]  # the next step changes them
+        state.await_graph_capture()  # what the next step's first hook does: the handed step's copies issued
         if step == 0:
             assert snapshots(tmp_path) == []
     assert state._forward_counts == {name: 2 for name in engine.names}
@@ -1136,6 +1137,139 @@ def test_a_step_replayed_from_a_full_cuda_graph_is_captured_from_the_graphs_copi
         # Every page stored is the cache as the kernel read it (after the step's update).
         torch.testing.assert_close(snap.kv_cache, cache[snap.page_ids.long()], rtol=0, atol=0)
         assert "absent" in snap.meta.capture["new_kv"]
+
+
+def test_a_wanted_graph_step_is_captured_off_the_engines_thread_and_before_the_next_step_overwrites(
+        standins, tmp_path, monkeypatch):
+    """The engine's thread hands a wanted graph step over and goes on; the capture thread does the captures; the
+    next step's first hook waits until they are issued, so what the next step overwrites (the graph's buffers,
+    the cache) is never read late."""
+    import time as clock
+
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="0")
+    engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
+    state = vllm_plugin._state
+    _record_graph(engine, 16, 4, monkeypatch)
+    import threading
+
+    started, slow = threading.Event(), state.start_capture
+
+    def slow_capture(*args, **kwargs):  # a capture thread that is still busy when the engine's thread goes on
+        started.set()
+        clock.sleep(0.25)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(state, "start_capture", slow_capture)
+    common = _padded(engine.common(), reqs=4, tokens=16)
+    before = clock.monotonic()
+    outputs = _run_as_graph(engine, common, _padded_inputs(engine, 16), 16, monkeypatch)
+    assert clock.monotonic() - before < 0.2, "the engine's thread waited for the capture"
+    job = state._graph_job
+    assert job is not None and not job.finished.is_set()
+    assert started.wait(5)  # the capture thread took the job
+    assert snapshots(tmp_path) == []  # not yet: the capture thread is at it
+    caches = [layer.kv_cache.clone() for layer in engine.layers]
+    state.await_graph_capture()  # the next step's first hook
+    assert job.finished.is_set() and state._graph_job is None
+    for name, layer in zip(engine.names, engine.layers):  # the next step: overwrites what the capture read
+        state._graph_buffers[name].output.fill_(7.0)
+        layer.kv_cache.fill_(7.0)
+    snaps = sorted(snapshots(tmp_path), key=lambda s: s.meta.capture["layer"])
+    assert len(snaps) == 2
+    for snap, output, cache in zip(snaps, outputs, caches):
+        torch.testing.assert_close(snap.steps[0].output.reshape(12, -1), output[:12].reshape(12, -1), rtol=0,
+                                   atol=0)
+        torch.testing.assert_close(snap.kv_cache, cache[snap.page_ids.long()], rtol=0, atol=0)
+    account = vllm_plugin.active_capturer().engine_time
+    assert account.handed == 1 and account.waits == 1 and account.waited_ns > 0.2e9  # two layers of 0.25 s
+    assert "1 graph step(s) handed to the capture thread" in account.describe()
+
+
+def test_the_workers_next_step_waits_for_a_handed_graph_step_before_its_first_device_work(standins, tmp_path,
+                                                                                           monkeypatch):
+    """vLLM's model runner may write cache pages before the step's first build (it zeroes newly allocated blocks of
+    hybrid and mixed-precision caches, copies blocks for a partial prefix hit): a block freed after the handed step
+    may be one of them, so the worker's next step waits for the capture thread before anything of it runs."""
+    import threading
+    import time as clock
+
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="0")
+    engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
+    state = vllm_plugin._state
+    _record_graph(engine, 16, 4, monkeypatch)
+    started, slow = threading.Event(), state.start_capture
+
+    def slow_capture(*args, **kwargs):
+        started.set()
+        clock.sleep(0.2)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(state, "start_capture", slow_capture)
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch)
+    assert started.wait(5) and state._graph_job is not None
+    caches = [layer.kv_cache.clone() for layer in engine.layers]
+
+    def zero_new_blocks():  # the next step's _update_states, before any build
+        for layer in engine.layers:
+            layer.kv_cache.zero_()
+        return "stepped"
+
+    assert WorkerWrapperBase().execute_model(zero_new_blocks) == "stepped"
+    assert state._graph_job is None
+    snaps = sorted(snapshots(tmp_path), key=lambda s: s.meta.capture["layer"])
+    assert len(snaps) == 2
+    for snap, cache in zip(snaps, caches):
+        assert snap.kv_cache.abs().sum() > 0
+        torch.testing.assert_close(snap.kv_cache, cache[snap.page_ids.long()], rtol=0, atol=0)
+
+
+def test_a_graph_capture_that_raises_is_reported_and_never_leaves_the_engine_waiting(standins, tmp_path,
+                                                                                    monkeypatch):
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="0")
+    engine = StandinEngine("FLASHINFER_TS", layers=1)
+    state = vllm_plugin._state
+    _record_graph(engine, 16, 4, monkeypatch)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a capture that cannot be made")
+
+    monkeypatch.setattr(state, "start_capture", broken)
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch)
+    state.await_graph_capture()
+    assert snapshots(tmp_path) == [] and vllm_plugin.active_capturer().failures
+    state.stop_graph_capture(5.0)
+    assert state._graph_thread is None
+
+
+def test_a_stuck_graph_capture_thread_never_hangs_the_engine(standins, tmp_path, monkeypatch):
+    """Past GRAPH_CAPTURE_WAIT_S the engine's thread goes on: the step is given up and capture turned off, since
+    the thread may still read what the next step overwrites."""
+    import threading
+
+    from kvdbg.vllm_plugin import graph_hooks
+
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="0")
+    engine = StandinEngine("FLASHINFER_TS", layers=2)
+    state = vllm_plugin._state
+    _record_graph(engine, 16, 4, monkeypatch)
+    release, slow = threading.Event(), state.start_capture
+
+    def stuck(*args, **kwargs):
+        release.wait(10)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(state, "start_capture", stuck)
+    monkeypatch.setattr(graph_hooks, "GRAPH_CAPTURE_WAIT_S", 0.1)
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch)
+    job = state._graph_job
+    state.await_graph_capture()
+    assert job.abandoned and not job.finished.is_set()
+    assert "did not issue a step's copies within 0.1 s" in vllm_plugin.active_capturer().disabled_reason
+    release.set()
+    assert job.finished.wait(10)
+    assert len(snapshots(tmp_path)) <= 1  # the layer it had begun, at most; the second was skipped
 
 
 def test_a_graph_replay_without_a_build_of_its_step_is_reported_not_guessed(standins, tmp_path, monkeypatch):

@@ -119,10 +119,16 @@ class EngineTime:
     steps: int = 0
     other_ns: int = 0
     other_calls: int = 0
+    # Steps replayed from full CUDA graphs are captured by the plugin's graph capture thread: the engine's thread
+    # only hands each wanted step over, then, before the next step can overwrite what it copies, waits (mostly
+    # not at all) until that thread has issued its copies.
+    handed: int = 0
+    waited_ns: int = 0
+    waits: int = 0
 
     def describe(self) -> str:
         """One clause for the exit line ('' when no hook was timed)."""
-        if not self.steps and not self.other_calls:
+        if not self.steps and not self.other_calls and not self.handed:
             return ""
         parts = []
         if self.steps:
@@ -131,6 +137,9 @@ class EngineTime:
         if self.other_calls:
             parts.append(f"{_ms(self.other_ns)} in {self.other_calls:,} other hook call(s) "
                          f"({self.other_ns / self.other_calls / 1e3:,.1f} us each)")
+        if self.handed:
+            parts.append(f"{self.handed} graph step(s) handed to the capture thread, {_ms(self.waited_ns)} waiting "
+                         f"for its copies before {self.waits} next step(s)")
         return "engine's thread: " + ", ".join(parts)
 
 

@@ -13,12 +13,20 @@ the step's block table, lengths and query offsets as for any step) and vLLM's ``
   only for the layers capture's or the sentinel's filter selects; the writer holds its device work meanwhile
   (:meth:`~kvdbg.capture.writer.CaptureWriter.held_writer`: CUDA forbids, process-wide, what it does while a
   stream captures), and the sentinel's checks still in its worker are collected before the recording starts;
-- **after each replay**, the selected layers' steps are counted as if their forwards had run; for a step the filters
-  want, the capture is begun from those buffers and the layer's cache (it lives outside the graph), with the
-  metadata its build kept, and finished at once. Its copies are queued on the engine's stream after the
-  graph's work and before the next step's: nothing the next step overwrites is read late. A step the
-  sentinel samples is checked from the same buffers (its layer filter also chooses which layers get them);
-  its device checks of a step are collected before the next replay, while the cache holds what it read.
+- **after each replay**, the selected layers' steps are counted as if their forwards had run; a step the filters
+  want is handed, whole (every wanted layer, with the metadata its build kept), to the plugin's *graph capture
+  thread*, behind one CUDA event recorded on the engine's stream after the graph's work. The engine's thread
+  goes on at once: its cost for a wanted step is that event and the hand-off, not a capture per layer. The
+  capture thread issues the captures as the engine's thread used to, on a stream of its own that waits for
+  the event (the layer's buffers, and its cache, which lives outside the graph), and records a second event
+  after its last copy. Before the next step can overwrite anything it read (the worker's next step, whose
+  model runner may zero or copy cache pages before it builds; else the next build, graph replay, graph
+  recording, layer forward or cache update, a drafter's included: whichever comes first), the engine's
+  thread waits until the capture thread has issued its copies (by then, mostly, long done: the engine
+  meanwhile samples the step) and makes its stream wait for that second event: no host wait for the
+  device, and nothing the next step overwrites is read late. A step the sentinel samples is checked from the
+  same buffers (its layer filter also chooses which layers get them); its device checks of a step are
+  collected before the next replay, while the cache holds what it read.
 
 Padding rows of a graph's batch (vLLM pads a batch up to the graph's size with requests of no tokens on the
 null block) are not requests: the builder hook keeps only the rows with tokens, and the query rows past the
@@ -28,7 +36,10 @@ step's tokens are not stored.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,6 +49,9 @@ logger = logging.getLogger("kvdbg.capture")
 
 # Where vLLM defines the wrapper that records and replays its CUDA graphs.
 GRAPH_WRAPPER = ("vllm.compilation.cuda_graph", "CUDAGraphWrapper")
+# The longest the engine's thread waits for the graph capture thread to issue a step's copies (it takes about a
+# millisecond a layer; this is for a thread stuck on a device that no longer answers).
+GRAPH_CAPTURE_WAIT_S = 30.0
 
 
 @dataclass(slots=True)
@@ -60,6 +74,47 @@ class _GraphBuffers:
 
     def __init__(self, query: "torch.Tensor", output: "torch.Tensor | None" = None):
         self.query, self.output = query, output
+
+
+@dataclass(eq=False)
+class _GraphJob:
+    """A wanted step of a replayed graph, for the capture thread: its layers (slot, step, build context), the
+    event after the graph's work, and, once the thread has issued every copy, the event after them."""
+
+    items: list
+    tokens: int
+    ready: Any = None  # torch.cuda.Event on the engine's stream after the replay (None on a CPU)
+    device: Any = None
+    issued: Any = None  # torch.cuda.Event after the capture thread's copies (None on a CPU, or none issued)
+    finished: threading.Event = field(default_factory=threading.Event)
+    abandoned: bool = False  # the engine's thread stopped waiting for it (GRAPH_CAPTURE_WAIT_S)
+
+
+class _GraphCaptureThread:
+    """The thread that captures the wanted steps of replayed graphs, one job at a time (graph_hooks' module doc)."""
+
+    def __init__(self, state: "GraphHooks"):
+        self.state = state
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._main, name="kvdbg-graph-capture", daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        streams: dict[Any, Any] = {}
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                self.state._capture_graph_job(job, streams)
+            except Exception as exc:  # noqa: BLE001 - said, and the engine's thread is never left waiting
+                self.state.capturer.report(exc, "the graph capture thread", step_lost=True)
+            finally:
+                job.finished.set()
+
+    def stop(self, timeout: float) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout)
 
 
 class GraphHooks:
@@ -103,6 +158,7 @@ class GraphHooks:
         sync, an allocation) while a stream captures, and vLLM records right after its warm-up steps, which the
         sentinel may have sampled. No check is handed to the worker while a graph records (its hooks see the
         stream capturing); between the pieces of a piecewise graph one may be, and the next piece collects it."""
+        self.await_graph_capture()
         if self.sentinel is not None:
             self.sentinel.before_graph_replay(self)
 
@@ -159,7 +215,9 @@ class GraphHooks:
     # ---------------------------------------------------------------- after a replay
 
     def before_graph_replay(self) -> None:
-        """A full graph is about to run a step: the sentinel collects its checks of the step before."""
+        """A full graph is about to run a step: the step before's capture issued, the sentinel's checks of it
+        collected."""
+        self.await_graph_capture()
         if self.sentinel is not None:
             self.sentinel.before_graph_replay(self)
 
@@ -171,7 +229,7 @@ class GraphHooks:
         if not slots:
             return False
         counts = self._forward_counts
-        copied = False
+        wanted = []
         for slot in slots:
             name = slot.name
             step = counts.get(name, 0)
@@ -182,20 +240,101 @@ class GraphHooks:
                 self.sentinel.after_graph_replay(self, slot, ctx, step)
             if not self.capturer.wants(name, step):
                 continue
-            try:
-                if ctx is None:
-                    from kvdbg.capture.capturer import CaptureInputError
+            if ctx is None:
+                from kvdbg.capture.capturer import CaptureInputError
 
-                    raise CaptureInputError("no build of the metadata builder was seen for this step of a CUDA "
-                                            "graph, so the step's block table and lengths are unknown")
-                pending = self.start_capture(slot.impl, slot.layer, step, slot.query, None, None, slot.kv_cache,
-                                             ctx, None, slot.output.dtype if slot.output is not None
-                                             else slot.layer.dtype,
-                                             notes=f"replayed from a full CUDA graph of {batch.num_tokens} "
-                                                   "tokens")
-                if pending is not None:
-                    self.capturer.finish(pending, slot.output)
-                    copied = True
-            except Exception as exc:
-                self.capturer.report(exc, "after a CUDA graph's replay", step_lost=True)
-        return copied
+                self.capturer.report(CaptureInputError(
+                    "no build of the metadata builder was seen for this step of a CUDA graph, so the step's block "
+                    "table and lengths are unknown"), "after a CUDA graph's replay", step_lost=True)
+                continue
+            wanted.append((slot, step, ctx))
+        if not wanted:
+            return False
+        try:
+            self._hand_over(_GraphJob(wanted, batch.num_tokens))
+        except Exception as exc:
+            self.capturer.report(exc, "after a CUDA graph's replay", step_lost=True)
+            return False
+        return True
+
+    # ---------------------------------------------------------------- the graph capture thread
+
+    def _hand_over(self, job: _GraphJob) -> None:
+        """The wanted step to the capture thread, behind an event after the graph's work (engine's thread)."""
+        kv_cache = job.items[0][0].kv_cache
+        if kv_cache.is_cuda:
+            import torch
+
+            job.device = kv_cache.device
+            job.ready = torch.cuda.Event()
+            job.ready.record(torch.cuda.current_stream(job.device))
+        if self._graph_thread is None:
+            self._graph_thread = _GraphCaptureThread(self)
+        self._graph_job = job
+        self.capturer.engine_time.handed += 1
+        self._graph_thread.jobs.put(job)
+
+    def await_graph_capture(self) -> None:
+        """Before the engine's next work on the device: the capture thread has issued the last handed step's
+        copies, and the engine's stream waits for them (engine's thread; a no-op when nothing was handed)."""
+        job = self._graph_job
+        if job is None:
+            return
+        self._graph_job = None
+        start = time.perf_counter_ns()
+        if not job.finished.wait(GRAPH_CAPTURE_WAIT_S):
+            # Never a hung engine: the step is given up (the thread skips what it has not begun) and capture
+            # turned off, since the thread may still be reading what this step is about to overwrite.
+            job.abandoned = True
+            self.capturer.disable(f"the graph capture thread did not issue a step's copies within "
+                                  f"{GRAPH_CAPTURE_WAIT_S:g} s", level=logging.ERROR)
+        elif job.issued is not None:
+            import torch
+
+            torch.cuda.current_stream(job.device).wait_event(job.issued)
+        account = self.capturer.engine_time
+        account.waited_ns += time.perf_counter_ns() - start
+        account.waits += 1
+
+    def stop_graph_capture(self, timeout: float) -> None:
+        """At shutdown: the last handed step issued, the thread gone (the writer then drains as before)."""
+        thread, self._graph_thread = self._graph_thread, None
+        job, self._graph_job = self._graph_job, None
+        if job is not None and not job.finished.wait(timeout):
+            job.abandoned = True  # the layers it has not begun are skipped: the writers drain next
+        if thread is not None:
+            thread.stop(timeout)
+
+    def _capture_graph_job(self, job: _GraphJob, streams: dict) -> None:
+        """The capture thread: each wanted layer's capture, issued on the thread's stream after the graph's work
+        (the same begin and finish as an eager step's, from the graph's copies of query and output)."""
+        import contextlib
+
+        if job.ready is not None:
+            import torch
+
+            stream = streams.get(job.device)
+            if stream is None:
+                stream = streams[job.device] = torch.cuda.Stream(job.device)
+            stream.wait_event(job.ready)
+            where = torch.cuda.stream(stream)
+        else:
+            stream, where = None, contextlib.nullcontext()
+        with where:
+            for slot, step, ctx in job.items:
+                if job.abandoned:
+                    break
+                try:
+                    pending = self.start_capture(slot.impl, slot.layer, step, slot.query, None, None,
+                                                 slot.kv_cache, ctx, None, slot.output.dtype
+                                                 if slot.output is not None else slot.layer.dtype,
+                                                 notes=f"replayed from a full CUDA graph of {job.tokens} tokens")
+                    if pending is not None:
+                        self.capturer.finish(pending, slot.output)
+                except Exception as exc:
+                    self.capturer.report(exc, "after a CUDA graph's replay", step_lost=True)
+            if stream is not None:
+                import torch
+
+                job.issued = torch.cuda.Event()
+                job.issued.record(stream)

@@ -22,7 +22,8 @@ from kvdbg.vllm_plugin.vllm_facts import (
     cudagraph_note
 )
 from kvdbg.vllm_plugin.wrappers import (
-    _wrap_build, _wrap_cache_update, _wrap_forward, _wrap_graph_call, _wrap_layer_init, _wrap_shutdown
+    _wrap_build, _wrap_cache_update, _wrap_execute_model, _wrap_forward, _wrap_graph_call, _wrap_layer_init,
+    _wrap_shutdown
 )
 
 if TYPE_CHECKING:  # torch and the capture modules load only once capture is switched on
@@ -85,6 +86,8 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._recording: Any = None
         self._max_graph_tokens: int | None = None
         self._forward_context = None
+        self._graph_thread = None  # the graph capture thread, started with the first wanted graph step
+        self._graph_job = None  # the step last handed to it, until the engine's next work waits for its copies
 
     # ---------------------------------------------------------------- patching
 
@@ -162,6 +165,8 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
                          WORKER_MODULE)
             return
         self._patch(wrapper_cls, "shutdown", _wrap_shutdown)
+        if hasattr(wrapper_cls, "execute_model"):  # the barrier before a step's first device work (graph_hooks)
+            self._patch(wrapper_cls, "execute_model", _wrap_execute_model)
 
     def watch_graphs(self) -> None:
         """Wrap vLLM's CUDA-graph wrapper: steps replayed from full graphs are captured (graph_hooks)."""
@@ -195,6 +200,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
 
             total = max(1.0, min(EXIT_FLUSH_SECONDS, limit))
             deadline = time.monotonic() + total
+            self.stop_graph_capture(total / 4)  # the last graph step's copies issued, before the writers drain
             if self.sentinel is not None:  # half the time for its checks and its writer, the rest for capture's
                 self.sentinel.close(self, total / 2)
             self.capturer.close(max(0.0, deadline - time.monotonic()))

@@ -23,6 +23,8 @@ logger = logging.getLogger("kvdbg.capture")
 def _wrap_forward(state: _PluginState, original):
     @functools.wraps(original)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        if state._graph_job is not None:  # a graph step's capture still owes copies of what this may overwrite
+            state.await_graph_capture()
         start = _clock()
         output = kwargs.get("output", args[0] if args else None)
         pending = state.before_forward(self, layer, query, key, value, kv_cache, attn_metadata, output)
@@ -70,6 +72,8 @@ def _wrap_layer_init(state: _PluginState, original):
 def _wrap_cache_update(state: _PluginState, original):
     @functools.wraps(original)
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
+        if state._graph_job is not None:
+            state.await_graph_capture()
         start = _clock()
         copied = state.before_cache_update(self, layer, key, value, kv_cache, slot_mapping)
         _account(state, copied, _clock() - start)
@@ -91,9 +95,27 @@ def _wrap_shutdown(state: _PluginState, original):
     return shutdown
 
 
+def _wrap_execute_model(state: _PluginState, original):
+    """The worker's step: before anything of it reaches the device. vLLM's model runner writes cache pages before
+    any build of the step (it zeroes newly allocated blocks for hybrid and mixed-precision caches, copies blocks
+    for a prefix hit on a part of a block, a KV connector loads or saves blocks), and a freed block that a handed
+    graph step read may be one of them."""
+
+    @functools.wraps(original)
+    def execute_model(self, *args, **kwargs):
+        if state._graph_job is not None:
+            state.await_graph_capture()
+        return original(self, *args, **kwargs)
+
+    execute_model._kvdbg_original = original
+    return execute_model
+
+
 def _wrap_build(state: _PluginState, original):
     @functools.wraps(original)
     def build(self, *args, **kwargs):
+        if state._graph_job is not None:
+            state.await_graph_capture()
         metadata = original(self, *args, **kwargs)
         start = _clock()
         common = kwargs.get("common_attn_metadata", args[1] if len(args) > 1 else None)

@@ -1,4 +1,4 @@
-"""Stand-in for vllm.v1.worker.worker_base: the per-process worker wrapper whose ``shutdown`` vLLM calls."""
+"""Stand-in for vllm.v1.worker.worker_base: the per-process worker wrapper whose ``execute_model`` and ``shutdown`` vLLM calls."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ class WorkerWrapperBase:
 
     def __init__(self) -> None:
         self.shut_down = False
+
+    def execute_model(self, scheduler_output):
+        """One step of the model; the test passes what runs on the device before the step's first build."""
+        return scheduler_output() if callable(scheduler_output) else scheduler_output
 
     def shutdown(self) -> None:
         self.shut_down = True
