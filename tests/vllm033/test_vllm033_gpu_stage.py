@@ -180,3 +180,75 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
                           env=dict(os.environ, VLLM_CONFIGURE_LOGGING="0"), timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_the_harness_cache_write_is_vllms_and_records_in_a_cuda_graph():
+    """tests/gpu/stub_site's ``reshape_and_cache_flash`` (FLASHINFER's cache write on the GPU machine) writes what a
+    token-by-token write does -- padded slots (-1) write nothing, FP8 stores x / scale saturated -- and no shape in
+    it depends on the slots' values, so a CUDA graph can record it (vLLM's FLASHINFER graphs do): traced whole by
+    torch.compile (fullgraph), which refuses a value-dependent shape."""
+    stub = os.path.join(ROOT, "tests", "gpu", "stub_site", "sitecustomize.py")
+    script = f"""
+import importlib.util, torch
+spec = importlib.util.spec_from_file_location("stub", {stub!r})
+stub = importlib.util.module_from_spec(spec); spec.loader.exec_module(stub)
+torch.manual_seed(0)
+slots = torch.tensor([5, -1, 9, 23, -1, 0])
+for dtype in ("auto", "fp8"):
+    base = torch.randn(6, 4, 2, 8)
+    key_cache = base.half() if dtype == "auto" else base.to(torch.float8_e4m3fn)
+    value_cache = key_cache.clone()
+    key, value = torch.randn(6, 2, 8).half() * 600, torch.randn(6, 2, 8).half()
+    k_scale, v_scale = torch.tensor(0.5), torch.tensor(2.0)
+    before = (key_cache.clone(), value_cache.clone())
+    write = torch.compile(stub._reshape_and_cache_flash, backend="eager", fullgraph=True)
+    write(key, value, key_cache, value_cache, slots, dtype, k_scale, v_scale)
+    for new, old, cache, scale in ((key, before[0], key_cache, 0.5), (value, before[1], value_cache, 2.0)):
+        want = old.clone()
+        for i, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                x = new[i] if dtype == "auto" else (new[i].float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+                want[slot // 4, slot % 4] = x
+        assert torch.equal(want.view(torch.uint8), cache.view(torch.uint8)), dtype
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, VLLM_CONFIGURE_LOGGING="0"), timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_the_harness_compile_op_standins_let_vllms_compile_passes_import():
+    """vLLM's torch.compile passes (a PIECEWISE engine's) name compiled ops at import; with
+    ``KVDBG_GPU_COMPILE_OPS`` tests/gpu/stub_site defines them with vLLM's schemas, each raising if called. Checked
+    here on vLLM's CUDA code path (the platform's is_cuda answered yes): without them the import fails."""
+    stub_dir = os.path.join(ROOT, "tests", "gpu", "stub_site")
+    script = f"""
+import importlib.util, os, sys, tempfile, torch
+import vllm
+spec = importlib.util.spec_from_file_location("stub", {os.path.join(stub_dir, "sitecustomize.py")!r})
+stub = importlib.util.module_from_spec(spec); spec.loader.exec_module(stub)
+# vLLM's compiled modules, empty, as on the GPU machine (its list: tests/gpu/vllm_carry.py)
+root = os.path.dirname(os.path.dirname(vllm.__file__))
+names = [os.path.relpath(os.path.join(d, f), root).split(".")[0].replace(os.sep, ".")
+         for d, _, files in os.walk(os.path.dirname(vllm.__file__)) for f in files if f.endswith(".so")]
+with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as fh:
+    fh.write("\\n".join(names))
+stub.install(fh.name)
+importlib.import_module(names[0])  # the first stand-in imported registers the harness's ops, as there
+from vllm.platforms import current_platform
+type(current_platform).is_cuda_alike = lambda self: True
+type(current_platform).is_cuda = lambda self: True
+import vllm.compilation.passes.pass_manager
+print("imported")
+try:
+    torch.ops._C.rotary_embedding(torch.zeros(1), torch.zeros(1), None, 1, torch.zeros(1), True)
+except RuntimeError as exc:
+    print("raised" if "not carried" in str(exc) else repr(exc))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "KVDBG_GPU_COMPILE_OPS"}
+    without = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                             env=dict(env, VLLM_CONFIGURE_LOGGING="0"), timeout=300)
+    assert without.returncode != 0 and "rotary_embedding" in without.stderr, without.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(env, VLLM_CONFIGURE_LOGGING="0", KVDBG_GPU_COMPILE_OPS="1"), timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["imported", "raised"], done.stderr[-3000:]

@@ -61,21 +61,25 @@ def _register_capability_queries():
 def _reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
     """vLLM's cache write, in plain torch (the compiled op is not carried): token ``t`` of the step goes to block
     ``slot // block_size``, row ``slot % block_size`` of the ``[blocks, block_size, heads, head_size]`` views;
-    slot -1 (a padded token) writes nothing; an FP8 cache stores ``x / scale`` saturated to e4m3."""
+    slot -1 (a padded token) writes nothing; an FP8 cache stores ``x / scale`` saturated to e4m3.
+
+    No shape depends on the slots' values (no host synchronisation), so a CUDA graph can record it as vLLM's
+    FLASHINFER graphs do: a padded token's row is written back with what it held (slot 0's, the null block's)."""
     import torch
 
     slots = slot_mapping.to(torch.int64)
     count = slots.shape[0]
-    keep = slots >= 0
-    slots = slots[keep]
+    keep = (slots >= 0).view(count, 1, 1)
+    slots = slots.clamp(min=0)
     block_size = key_cache.shape[1]
     blocks, rows = slots // block_size, slots % block_size
-    for new, cache, scale in ((key[:count][keep], key_cache, k_scale), (value[:count][keep], value_cache, v_scale)):
+    for new, cache, scale in ((key[:count], key_cache, k_scale), (value[:count], value_cache, v_scale)):
         if kv_cache_dtype.startswith("fp8"):
             quantized = (new.float() / scale.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-            cache.view(torch.uint8)[blocks, rows] = quantized.view(torch.uint8)
+            stored, held = quantized.view(torch.uint8), cache.view(torch.uint8)
         else:
-            cache[blocks, rows] = new.to(cache.dtype)
+            stored, held = new.to(cache.dtype), cache
+        held[blocks, rows] = torch.where(keep, stored, held[blocks, rows])
 
 
 def _silu_and_mul(result, x):
