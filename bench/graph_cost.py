@@ -354,6 +354,15 @@ class Timing:
 
         self._replace(cls, "_capture_graph_job", _capture_graph_job)
         self._replace(Capturer, "begin", _timed(timing, "begin", Capturer.begin, "inner"))
+        # Where a capture's time goes (in the capture thread, for a step replayed from a graph): waiting for the
+        # device to pass the build's metadata copies, taking host buffers (a new page-locked one is dear), and
+        # issuing the page copies (the buffers' take included).
+        from kvdbg.capture.buffers import HostBuffers, HostCopiesReady, StepCopies
+
+        self._replace(HostCopiesReady, "synchronize",
+                      _timed(timing, "metadata_wait", HostCopiesReady.synchronize, "inner"))
+        self._replace(HostBuffers, "take", _timed(timing, "buffer_take", HostBuffers.take, "inner"))
+        self._replace(StepCopies, "gather", _timed(timing, "gather", StepCopies.gather, "inner"))
         finish = _timed(timing, "finish", Capturer.finish, "inner")
 
         def finish_counting(capturer, pending, *args, **kwargs):
@@ -538,6 +547,9 @@ def figures(records: dict[str, dict]) -> dict:
                                 "waited_us": spread([w.get("waited_us", 0.0) for w in timed]),
                                 "step_added_ms": spread([w["step_added_ms"] for w in timed]),
                                 "bytes": spread([w["captured_bytes"] for w in timed]),
+                                # the capture thread's time per part (begin, metadata_wait, buffer_take, ...)
+                                "inner_us": {k: spread([w.get("inner_us", {}).get(k) for w in timed])
+                                             for k in sorted({k for w in timed for k in w.get("inner_us", {})})},
                                 "first": next((w for w in wanted if w.get("role") == "warm-up"), None)}
     device = [w for w in wanted if w.get("role") == "device" and w.get("device")]
     bandwidth = capture.get("d2h", {}).get("gb_s")
@@ -896,6 +908,10 @@ def print_figures(figs: dict, records: dict) -> None:
         print(f"  wanted step, engine's thread: +{f['added_us']['median']:.0f} us (range {f['added_us']['min']:.0f}.."
               f"{f['added_us']['max']:.0f}; line <= {f['line_us']:.0f} us: {'met' if f['met'] else 'MISSED'}); "
               f"step +{f['step_added_ms']['median']:.2f} ms; {f['bytes']['median'] / 2**20:.1f} MiB a step")
+        inner = {k: v.get("median") for k, v in f.get("inner_us", {}).items() if v.get("median") is not None}
+        if inner:
+            print("    where the wait goes (capture thread, medians): "
+                  + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in inner.items()))
     f = figs.get("wanted_device")
     if f:
         print(f"  wanted step, device: {f['span_ms']['median']:.2f} ms against "

@@ -88,6 +88,21 @@ def test_the_three_figures_against_their_lines():
     assert (code, problems, over) == (1, [], ["wanted_engine"])
 
 
+def test_the_wanted_steps_capture_thread_time_is_split_into_its_parts():
+    """Where a wanted step's wait goes: the medians of the capture thread's parts over the timed steps."""
+    records = _records()
+    parts = [{"begin": 9000.0, "metadata_wait": 6000.0, "buffer_take": 2000.0, "gather": 2500.0},
+             {"begin": 5000.0, "metadata_wait": 1000.0, "gather": 3000.0},
+             {"begin": 7000.0, "metadata_wait": 4000.0, "buffer_take": 100.0, "gather": 2000.0}]
+    engine = [w for w in records["capture"]["phases"]["wanted"] if w["role"] == "engine"]
+    for w, inner in zip(engine, parts):
+        w["inner_us"] = inner
+    inner = gc.figures(records)["wanted_engine"]["inner_us"]
+    assert set(inner) == {"begin", "metadata_wait", "buffer_take", "gather"}
+    assert inner["metadata_wait"]["median"] == 4000.0 and inner["metadata_wait"]["n"] == 3
+    assert inner["buffer_take"]["n"] == 2  # a step that took no buffer has no such part
+
+
 def test_every_line_met_exits_0_and_a_failed_part_exits_2():
     records = _records(hooks_added=40.0)
     parts = list(gc.PARTS)
@@ -173,7 +188,8 @@ def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(sta
         assert [r["copied"] for r in records] == [False, False, True]
         assert all(r["hooks"]["after_build"] > 0 and r["hooks"]["after_graph_replay"] > 0 for r in records)
         assert records[2]["captures"] == 2 and records[2]["captured_bytes"] > 12 * 4 * 16 * 2  # pages too
-        assert set(records[2]["inner"]) == {"begin", "finish"} and not records[0]["inner"]
+        # the capture's parts (on a CPU no metadata event and no pooled buffer: begin, finish, the pages' gather)
+        assert set(records[2]["inner"]) == {"begin", "finish", "gather"} and not records[0]["inner"]
         assert len(snapshots(tmp_path)) == 2
     finally:
         timing.restore()
@@ -216,7 +232,7 @@ def test_a_capture_thread_that_takes_the_job_at_once_still_counts_into_the_step_
         timing.current = None
         vllm_plugin._state.await_graph_capture()
         assert record["copied"] and record["captures"] == 2 and record["captured_bytes"] > 0
-        assert set(record["inner"]) == {"begin", "finish"}
+        assert set(record["inner"]) == {"begin", "finish", "gather"}
     finally:
         timing.restore()
 
