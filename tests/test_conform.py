@@ -219,6 +219,28 @@ def test_fake_backend_cells_pass_fail_refuse_and_failures_are_minimised():
     assert result.runs == len(set(runner.calls))  # each (combination, kind) ran once, re-runs included
 
 
+def test_a_fail_without_a_finite_error_says_what_it_was_in_the_table_and_the_progress_line():
+    """A backend that raised, or wrote NaN where the reference is finite, is not shown as an error of "nan"."""
+    from kvdbg.moves.conform.run import Cell, Outcome, _briefly, failure_kind
+    from kvdbg.render.conform import cell_text
+
+    raised = "step 0: raised RuntimeError('head_dim 96 is not supported')"
+    nonfinite = "the failing heads hold no finite number (NaN/inf, or tokens the backend did not write)"
+    first = {"step": 0, "request": 2, "head": 1, "token": 0, "max_abs": None}
+    assert failure_kind(FAIL, None, raised) == "raised"
+    assert failure_kind(FAIL, float("nan"), nonfinite) == "non-finite"
+    assert failure_kind(FAIL, None, "1 finding: ...") == "failed"
+    assert failure_kind(FAIL, 0.5, None) is None and failure_kind(PASS, None, None) is None
+    assert _briefly(Outcome(FAIL, reason=raised)) == f"fail raised: {raised}"
+    assert _briefly(Outcome(FAIL, first=first, reason=nonfinite)) == "fail non-finite r2h1"
+    assert _briefly(Outcome(FAIL, max_abs=0.25, first=first)) == "fail 2.50e-01 r2h1"
+    row = full_row({})
+    assert cell_text(Cell(0, row, "decode", FAIL, max_abs=None, first=first, reason=nonfinite), {}) == \
+        "FAIL non-finite r2h1"
+    assert cell_text(Cell(0, row, "decode", FAIL, max_abs=None, reason=raised), {}) == "FAIL raised"
+    assert cell_text(Cell(0, row, "decode", FAIL, max_abs=0.25, first=first), {}) == "FAIL 2.5e-01 r2h1"
+
+
 def test_minimise_drops_features_one_at_a_time_while_the_cell_keeps_failing():
     class Cached:
         def __init__(self, runner):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
-from kvdbg.moves.conform.run import FAIL, PASS, REFUSED, BackendConform, Cell, ConformResult
+from kvdbg.moves.conform.run import FAIL, PASS, REFUSED, BackendConform, Cell, ConformResult, failure_kind
 from kvdbg.render.fit import Column, FitTable
 
 STYLES = {PASS: "green", FAIL: "bold red", REFUSED: "dim"}
@@ -21,7 +21,8 @@ def cell_text(cell: Cell, refusal_note: dict[str, int]) -> str:
         return f"pass {_num(cell.max_abs)}"
     if cell.status == FAIL:
         where = f" r{cell.first['request']}h{cell.first['head']}" if cell.first else ""
-        return f"FAIL {_num(cell.max_abs)}{where}"
+        kind = failure_kind(cell.status, cell.max_abs, cell.reason)  # no finite error: what it was instead
+        return f"FAIL {kind or _num(cell.max_abs)}{where}"
     return f"refused [{refusal_note[cell.reason or '']}]"
 
 
@@ -86,8 +87,8 @@ def render_conform(result: ConformResult) -> Group:
     for backend in result.backends:
         parts.append(render_backend(backend))
     parts.append(Text("cells: pass / FAIL with the max abs error against the exact reference (replay's tolerance "
-                      "for the dtype) and the first wrong request r and head h / refused by the backend's own "
-                      "checks; rows: a pairwise covering array of the levels each backend took alone "
+                      "for the dtype) and the first wrong request r and head h (FAIL raised / non-finite: the "
+                      "backend raised, or wrote NaN/inf) / refused by the backend's own checks; rows: a pairwise covering array of the levels each backend took alone "
                       "(docs/conform.md)", style="dim"))
     return Group(*parts)
 

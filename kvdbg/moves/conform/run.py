@@ -326,11 +326,29 @@ def conform_backend(runner: Runner, factors: Iterable[Factor] = FACTORS, *, kind
     return result
 
 
+def failure_kind(status: str, max_abs: float | None, reason: str | None) -> str | None:
+    """What a FAIL without a finite error was, in a word: ``raised`` (the backend raised on the step),
+    ``non-finite`` (NaN/inf where the reference is finite, or rows it did not write), else ``failed`` (the
+    verdict failed on a finding); None for a FAIL with an error to show, or another status."""
+    if status != FAIL or (max_abs is not None and max_abs == max_abs):
+        return None
+    if reason and "raised" in reason:
+        return "raised"
+    if reason and reason.startswith("the failing heads hold no finite number"):
+        return "non-finite"
+    return "failed"
+
+
 def _briefly(outcome: Outcome) -> str:
-    """``pass 2.4e-04`` / ``fail 1.2e+00 r1h3`` / ``refused``: a cell's answer on one progress line."""
+    """``pass 2.4e-04`` / ``fail 1.2e+00 r1h3`` / ``fail raised: ...`` / ``refused``: a cell's answer on one
+    progress line."""
     if outcome.status == REFUSED:
         return REFUSED
     where = f" r{outcome.first['request']}h{outcome.first['head']}" if outcome.first else ""
+    kind = failure_kind(outcome.status, outcome.max_abs, outcome.reason)
+    if kind is not None:
+        said = f": {outcome.reason[:100]}" if outcome.reason and kind != "non-finite" else ""
+        return f"{outcome.status} {kind}{where}{said}"
     return f"{outcome.status} {_num(outcome.max_abs)}{where}"
 
 
@@ -668,4 +686,5 @@ def conform(backends: Iterable[str] | None = None, device: str = "cpu", *, featu
 
 
 __all__ = ["BackendConform", "Cell", "ConformResult", "EngineRunner", "Outcome", "conform", "conform_backend",
+           "failure_kind",
            "conform_verdict", "engine_backend_name", "engine_backends", "matrix_rows", "minimise", "check_out_dir"]
