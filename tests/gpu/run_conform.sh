@@ -4,6 +4,12 @@
 # reference on the GPU. Arguments go to `kvdbg conform` (default: --backend TRITON_ATTN).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+# FLASHINFER: FlashInfer's carried files on the path (vllm_env.sh), and two compile jobs a kernel build: conform's
+# workers (8 on this machine) build their families side by side, and 8 workers x 8 jobs of nvcc would overrun the
+# machine's cores and memory.
+case " $* " in
+  *FLASHINFER*) export KVDBG_GPU_FLASHINFER=1 MAX_JOBS=${MAX_JOBS:-2} ;;
+esac
 source tests/gpu/vllm_env.sh
 # The unpacked vLLM files have no bytecode (an installed vLLM has it): compiled once here on every core, so that
 # conform's workers, which start side by side, do not each compile every module they import.
