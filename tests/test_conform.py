@@ -550,3 +550,82 @@ def test_a_failing_cell_with_nothing_to_re_run_or_drop_is_explained_without_a_ru
     result = conform_backend(Failing(), [Factor("dtype", ("float32",))], kinds=("decode",))
     [cell] = result.cells
     assert (cell.status, cell.cause, cell.minimal["dtype"]) == (FAIL, "semantic", "float32")
+
+
+# --------------------------------------------------------------------------- interrupted
+
+
+class StopsAfter(FakeRunner):
+    """FakeRunner in this process that is interrupted (Ctrl-C) at its ``after``-th cell."""
+
+    def __init__(self, *args, after=5, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.after, self.ran = after, 0
+
+    def run(self, row, kind):
+        self.ran += 1
+        if self.ran == self.after:
+            raise KeyboardInterrupt
+        return super().run(row, kind)
+
+
+def test_an_interrupt_keeps_the_cells_that_ran_and_says_it_stopped():
+    factors = [Factor("window", ("none", "short")), Factor("sinks", ("off", "on")), Factor("soft_cap", ("off", "on"))]
+    whole = conform_backend(FakeRunner(), factors, kinds=("decode", "mixed"), full=True)
+    stopped = conform_backend(StopsAfter(after=5), factors, kinds=("decode", "mixed"), full=True)
+    assert stopped.interrupted and not whole.interrupted
+    assert stopped.planned == whole.planned == 16
+    ran = [c for c in stopped.cells if not c.probe]
+    # the four cells before the stop, in matrix order, with the answers an uninterrupted run gives them
+    assert len(ran) == 4
+    same = {(c.row_id, c.kind): (c.status, c.max_abs) for c in whole.cells}
+    assert all(same[(c.row_id, c.kind)] == (c.status, c.max_abs) for c in ran)
+    verdict = conform_verdict(ConformResult([stopped]))
+    assert verdict.exit_code == 130 and verdict.summary.startswith("INTERRUPTED: FAKE_ATTN stopped after 4 of 16")
+
+
+def test_an_interrupt_while_explaining_keeps_every_cell_and_the_failures_snapshots(tmp_path):
+    factors = [Factor("window", ("none", "short")), Factor("sinks", ("off", "on"))]
+    # 4 cells in decode, then the failing one's float32 re-run: the interrupt comes while explaining
+    runner = StopsAfter(after=5, snapshots=True)
+    result = conform_backend(runner, factors, kinds=("decode",), full=True, out_dir=str(tmp_path))
+    assert result.interrupted and len(result.cells) == 4
+    failing = [c for c in result.cells if c.status == FAIL]
+    assert len(failing) == 1 and failing[0].cause is None and failing[0].snapshot_path
+    assert os.path.exists(failing[0].snapshot_path)
+
+
+def test_the_command_interrupted_prints_the_cells_that_ran_and_exits_130(fake_engine, monkeypatch):
+    real = FakeRunner.run
+    calls = [0]
+
+    def run(self, row, kind):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real(self, row, kind)
+
+    monkeypatch.setattr(FakeRunner, "run", run)
+    res = invoke("--backend", "FAKE_ATTN", "--features", "sinks,soft-cap", "--batch", "decode", "--full")
+    assert res.exit_code == 130, res.output
+    assert "interrupted: 2 of 4 cells ran" in " ".join(res.stdout.split())
+    assert "INTERRUPTED: FAKE_ATTN stopped after 2 of 4" in " ".join(res.stdout.split())
+    calls[0] = 0
+    res = invoke("--backend", "FAKE_ATTN", "--features", "sinks,soft-cap", "--batch", "decode", "--full", "--json")
+    data = strict(res.stdout)
+    assert res.exit_code == 130 and data["interrupted"] and data["verdict"]["exit_code"] == 130
+    assert len(data["cells"]) == 2 and data["backends"][0]["planned_cells"] == 4
+
+
+def test_sigterm_stops_the_command_as_ctrl_c_does():
+    import signal
+
+    from kvdbg.cli import conform as conform_cli
+
+    previous = conform_cli._sigterm_as_interrupt()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert signal.getsignal(signal.SIGTERM) is previous

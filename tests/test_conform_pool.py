@@ -142,3 +142,26 @@ def test_kernel_builds_are_counted_apart_from_the_replays_and_shown():
     console = Console(width=80, record=True, color_system=None)
     console.print(render_backend(result))
     assert "2 of them built kernels (JIT), 3 s of their 8 s in replays" in " ".join(console.export_text().split())
+
+
+def test_an_interrupt_in_the_parent_keeps_the_answered_cells_and_stops_the_workers(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM, which the command turns into it) while workers run cells: the cells answered so far
+    are kept, the result says it stopped, and closing the pool ends its busy workers."""
+    monkeypatch.setenv("KVDBG_TEST_MARK_DIR", str(tmp_path))
+    factors = [Factor("sinks", ("off", "on")), Factor("soft_cap", ("off", "on")), Factor("dtype", ("bfloat16", "float16"))]
+    seen = []
+
+    def progress(done, total, text):
+        seen.append(text)
+        if "): " in text and sum("): " in t for t in seen) == 3:  # the third answered cell
+            raise KeyboardInterrupt
+
+    pool = _pool()
+    try:
+        result = conform_backend(pool, factors, kinds=("decode",), full=True, progress=progress)
+        workers = [w.process for w in pool._workers]
+    finally:
+        pool.close()
+    assert result.interrupted and result.planned == 8
+    assert len([c for c in result.cells if not c.probe]) == 3
+    assert workers and all(not p.is_alive() for p in workers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
@@ -62,7 +63,9 @@ def conform(backend, device, features, batch, full, out_dir, jobs, force, seed, 
     on the float32 path (rounding, or semantic), shrunk to the smallest
     combination that still fails, and with --out its snapshot is written for
     `kvdbg report`. Exit 1 when a cell fails, 0 when all pass, 3 when no cell
-    ran, 2 on bad options.
+    ran, 2 on bad options. Ctrl-C or SIGTERM stops it with the table (and
+    --json) of the cells that ran, and the snapshots of those that failed
+    (exit 130).
 
     \b
     Examples:
@@ -82,12 +85,15 @@ def conform(backend, device, features, batch, full, out_dir, jobs, force, seed, 
         from kvdbg.render.conform import ConformLines
 
         bar = ConformLines()
+    previous = _sigterm_as_interrupt()
     try:
         result = run_conform(backend, device, features=feature_names, kinds=kinds, full=full, out_dir=out_dir,
                              force=force, seed=seed, atol=atol, rtol=rtol, progress=bar,
                              make_runner=_runner_maker(device, jobs, seed, atol, rtol))
     finally:
         bar.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     verdict = conform_verdict(result)
     if as_json:
         emit_json({**result.to_json(), "verdict": verdict.to_json()})
@@ -99,6 +105,19 @@ def conform(backend, device, features, batch, full, out_dir, jobs, force, seed, 
         print_verdict(out, verdict)
     if verdict.exit_code:
         sys.exit(verdict.exit_code)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _sigterm_as_interrupt():
+    """SIGTERM (`timeout`, a batch system's limit) stops conform as Ctrl-C does: the cells that ran are shown,
+    not lost. Returns the handler it replaced (None where signals cannot be set: not the main thread)."""
+    try:
+        return signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:
+        return None
 
 
 def _runner_maker(device: str, jobs: int | None, seed: int, atol, rtol):

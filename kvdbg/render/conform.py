@@ -31,6 +31,11 @@ def render_backend(result: BackendConform) -> Group:
                  f"batch kinds)", style="bold")
     if result.reason is not None:
         return Group(title, Text(f"not run: {result.reason}", style="yellow"))
+    stopped = None
+    if result.interrupted:
+        ran = sum(not c.probe for c in result.cells)
+        stopped = Text(f"interrupted: {ran} of {result.planned} cells ran (blank: not run); failing cells "
+                       "found before the stop are listed, unexplained where it came first", style="yellow")
     notes: dict[str, int] = {}
     for cell in result.cells:
         if cell.status == REFUSED:
@@ -45,6 +50,8 @@ def render_backend(result: BackendConform) -> Group:
         table.add_row(str(row_id), first.label, *(Text(cell_text(cells[k], notes), style=STYLES[cells[k].status])
                                                   if k in cells else "" for k in result.kinds))
     parts: list = [title, table]  # the title above, not in the table: a narrow table would wrap it
+    if stopped is not None:
+        parts.insert(1, stopped)
     failing = [c for c in result.cells if c.status == FAIL]
     if failing:
         parts.append(Text("failing cells:", style="bold"))

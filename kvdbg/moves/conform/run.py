@@ -33,6 +33,7 @@ Steps for one backend:
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from kvdbg.moves.conform.matrix import FACTORS, KINDS, allowed, completed, full_
 
 if TYPE_CHECKING:
     from kvdbg.judge.verdict import Verdict
+
+logger = logging.getLogger("kvdbg.conform")
 
 PASS, FAIL, REFUSED = "pass", "fail", "refused"
 MAX_FULL = 512  # rows of --full: the whole product beyond this is not "small"
@@ -124,6 +127,9 @@ class BackendConform:
     cell_seconds: float = 0.0  # the replays' wall times, summed over every run (> seconds with several jobs)
     build_seconds: float = 0.0  # of which in kernel builds (FlashInfer's JIT)
     built_runs: int = 0  # runs that built a kernel
+    # Interrupted (Ctrl-C, SIGTERM): the cells that ran, of ``planned``; failing ones unexplained past the stop.
+    interrupted: bool = False
+    planned: int = 0  # cells of the matrix (levels refused alone not counted)
 
     def counts(self) -> dict[str, int]:
         return {s: sum(c.status == s for c in self.cells) for s in (PASS, FAIL, REFUSED)}
@@ -134,7 +140,7 @@ class BackendConform:
                 "rows": [{"row": i, "combination": label(r), "features": r} for i, r in enumerate(self.rows)],
                 "counts": self.counts(), "seconds": self.seconds, "runs": self.runs, "jobs": self.jobs,
                 "cell_seconds": self.cell_seconds, "jit_build_seconds": self.build_seconds,
-                "jit_built_runs": self.built_runs}
+                "jit_built_runs": self.built_runs, "interrupted": self.interrupted, "planned_cells": self.planned}
 
 
 @dataclass
@@ -146,11 +152,16 @@ class ConformResult:
     def cells(self) -> list[Cell]:
         return [c for b in self.backends for c in b.cells]
 
+    @property
+    def interrupted(self) -> bool:
+        return any(b.interrupted for b in self.backends)
+
     def to_json(self) -> dict:
         cells = []
         for b in self.backends:
             cells.extend({"backend": b.backend, **c.to_json()} for c in b.cells)
-        return {"backends": [b.to_json() for b in self.backends], "out_dir": self.out_dir, "cells": cells}
+        return {"backends": [b.to_json() for b in self.backends], "out_dir": self.out_dir,
+                "interrupted": self.interrupted, "cells": cells}
 
 
 def conform_verdict(result: ConformResult) -> "Verdict":
@@ -163,6 +174,16 @@ def conform_verdict(result: ConformResult) -> "Verdict":
     refused = sum(c.status == REFUSED for c in cells)
     names = ", ".join(b.backend for b in result.backends) or "no backend"
     aside = f"; {refused} refused by the backend" if refused else ""
+    if result.interrupted:
+        from kvdbg.judge.verdict import EXIT_INTERRUPTED
+
+        stopped = next(b for b in result.backends if b.interrupted)
+        done = sum(not c.probe for c in stopped.cells)
+        found = f"; {len(failed)} FAIL among them" if failed else ""
+        return simple_verdict("interrupted", EXIT_INTERRUPTED,
+                              f"INTERRUPTED: {stopped.backend} stopped after {done} of {stopped.planned} cell(s)"
+                              f"{found}; the cells shown ran, the rest did not", comparisons=len(ran),
+                              failed_comparisons=len(failed))
     if failed:
         by_cause = {}
         for c in failed:
@@ -217,21 +238,22 @@ class _Cached:
         todo = [(full_row(r[0]), r[1], r[2]) for key, r in dict(zip(keys, requests)).items()
                 if key not in self.outcomes]
         if todo:
-            self.runs += len(todo)
             many = getattr(self.runner, "run_many", None)
             if many is not None:
                 for request, outcome in many(todo):
-                    self.outcomes[cell_key(*request)] = outcome
-                    if done:
-                        done(request, outcome)
+                    self._keep(request, outcome, done)
             else:
                 for request in todo:
                     row, kind, exact = request
                     outcome = self.runner.run(row, kind, exact=True) if exact else self.runner.run(row, kind)
-                    self.outcomes[cell_key(*request)] = outcome
-                    if done:
-                        done(request, outcome)
+                    self._keep(request, outcome, done)
         return [self.outcomes[key] for key in keys]
+
+    def _keep(self, request: tuple, outcome: Outcome, done: Callable[[tuple, Outcome], None] | None) -> None:
+        self.outcomes[cell_key(*request)] = outcome
+        self.runs += 1  # counted as answered: a run an interrupt stopped is not one
+        if done:
+            done(request, outcome)
 
 
 def _refusals(runner: Runner, rows: list[dict], progress, offered: int) -> list[str | None]:
@@ -257,6 +279,56 @@ def conform_backend(runner: Runner, factors: Iterable[Factor] = FACTORS, *, kind
     factors = list(factors)
     result = BackendConform(runner.backend, "full" if full else "pairwise", kinds)
     cached = _Cached(runner)
+    stage = _Stage()
+    try:
+        _conform_cells(result, stage, runner, cached, factors, kinds, full, out_dir, force, progress)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the command turns it into this): keep what ran
+        _keep_what_ran(result, stage, cached, out_dir, force)
+    if progress:
+        progress(len(result.cells), len(result.cells), f"{runner.backend} "
+                 + ("interrupted" if result.interrupted else "done"))
+    result.runs = cached.runs
+    result.seconds = time.perf_counter() - started
+    result.jobs = int(getattr(runner, "jobs", 1))
+    for outcome in cached.outcomes.values():
+        result.cell_seconds += outcome.seconds or 0.0
+        if outcome.build_seconds:
+            result.build_seconds += outcome.build_seconds
+            result.built_runs += 1
+    return result
+
+
+@dataclass
+class _Stage:
+    """How far one backend's conform got: its matrix rows, the refused levels' cells, and whether the matrix's
+    cells were all collected (after which an interrupt leaves only explanations unfinished)."""
+
+    rows: list[dict] = field(default_factory=list)
+    probe_cells: list[Cell] = field(default_factory=list)
+    collected: bool = False
+
+
+def _keep_what_ran(result: BackendConform, stage: _Stage, cached: _Cached, out_dir: str | None,
+                   force: bool) -> None:
+    """After an interrupt: the matrix's cells that have an answer, in matrix order (failing ones with their
+    snapshots, unexplained where the stop came first), then the refused levels; the result says it stopped."""
+    result.interrupted = True
+    if not stage.collected:
+        result.cells = [_cell(row_id, row, kind, cached.outcomes[cell_key(row, kind)])
+                        for row_id, row in enumerate(stage.rows) for kind in result.kinds
+                        if cell_key(row, kind) in cached.outcomes]
+    result.cells += stage.probe_cells
+    for cell in result.cells:
+        if cell.status == FAIL and cell.snapshot_path is None:
+            try:
+                _write_cell(cell, cached, out_dir, force, result.backend)
+            except Exception:  # noqa: BLE001 - a snapshot not written shows as no path
+                logger.debug("conform: the snapshot of an interrupted run's failing cell was not written",
+                             exc_info=True)
+
+
+def _conform_cells(result: BackendConform, stage: _Stage, runner: Runner, cached: _Cached, factors: list,
+                   kinds: tuple, full: bool, out_dir: str | None, force: bool, progress) -> None:
     serial = getattr(runner, "run_many", None) is None
 
     # 1. each level alone: a level the backend refuses leaves the matrix and shows as one refused row
@@ -277,9 +349,12 @@ def conform_backend(runner: Runner, factors: Iterable[Factor] = FACTORS, *, kind
     result.factors = kept
     rows = matrix_rows(kept, full)
     result.rows = rows + [row for row, _ in probes]
+    stage.rows = rows
+    stage.probe_cells = [Cell(len(rows) + offset, row, kind, REFUSED, reason=reason, probe=True)
+                         for offset, (row, reason) in enumerate(probes) for kind in kinds]
 
     # 2. every cell
-    total = len(rows) * len(kinds)
+    total = result.planned = len(rows) * len(kinds)
     cells = [(row_id, row, kind) for row_id, row in enumerate(rows) for kind in kinds]
     count = [0]
 
@@ -300,6 +375,7 @@ def conform_backend(runner: Runner, factors: Iterable[Factor] = FACTORS, *, kind
         outcomes = cached.run_all([(row, kind, False) for _, row, kind in cells], done)
     for (row_id, row, kind), outcome in zip(cells, outcomes):
         result.cells.append(_cell(row_id, row, kind, outcome))
+    stage.collected = True
 
     # 3. the failing cells explained, side by side: each asks for one cell at a time
     failing = [c for c in result.cells if c.status == FAIL]
@@ -310,20 +386,7 @@ def conform_backend(runner: Runner, factors: Iterable[Factor] = FACTORS, *, kind
         for cell in failing:
             cell.cause, cell.cause_detail, cell.minimal = answers[id(cell)]
             _write_cell(cell, cached, out_dir, force, runner.backend)
-    for offset, (row, reason) in enumerate(probes):
-        for kind in kinds:
-            result.cells.append(Cell(len(rows) + offset, row, kind, REFUSED, reason=reason, probe=True))
-    if progress:
-        progress(total, total, f"{runner.backend} done")
-    result.runs = cached.runs
-    result.seconds = time.perf_counter() - started
-    result.jobs = int(getattr(runner, "jobs", 1))
-    for outcome in cached.outcomes.values():
-        result.cell_seconds += outcome.seconds or 0.0
-        if outcome.build_seconds:
-            result.build_seconds += outcome.build_seconds
-            result.built_runs += 1
-    return result
+    result.cells += stage.probe_cells
 
 
 def failure_kind(status: str, max_abs: float | None, reason: str | None) -> str | None:
@@ -682,6 +745,8 @@ def conform(backends: Iterable[str] | None = None, device: str = "cpu", *, featu
             close = getattr(runner, "close", None)
             if close is not None:
                 close()
+        if result.interrupted:  # the backends after it are not begun
+            break
     return result
 
 
