@@ -285,8 +285,9 @@ def conform_backend(runner: Runner, factors: Iterable[Factor] = FACTORS, *, kind
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the command turns it into this): keep what ran
         _keep_what_ran(result, stage, cached, out_dir, force)
     if progress:
-        progress(len(result.cells), len(result.cells), f"{runner.backend} "
-                 + ("interrupted" if result.interrupted else "done"))
+        ran = sum(not c.probe for c in result.cells)
+        progress(ran, max(ran, result.planned), f"{runner.backend} "
+                 + (f"interrupted after {ran} of {result.planned} cells" if result.interrupted else "done"))
     result.runs = cached.runs
     result.seconds = time.perf_counter() - started
     result.jobs = int(getattr(runner, "jobs", 1))
