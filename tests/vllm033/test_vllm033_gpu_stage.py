@@ -185,11 +185,13 @@ print("ok")
 def test_the_harness_cache_write_is_vllms_and_records_in_a_cuda_graph():
     """tests/gpu/stub_site's ``reshape_and_cache_flash`` (FLASHINFER's cache write on the GPU machine) writes what a
     token-by-token write does -- padded slots (-1) write nothing, FP8 stores x / scale saturated -- and no shape in
-    it depends on the slots' values, so a CUDA graph can record it (vLLM's FLASHINFER graphs do): traced whole by
-    torch.compile (fullgraph), which refuses a value-dependent shape."""
+    it depends on the slots' values, so a CUDA graph can record it (vLLM's FLASHINFER graphs do): it runs on fake
+    tensors, which have no values and refuse an output shape that depends on them (a boolean-mask index, as the
+    stand-in had, raises there)."""
     stub = os.path.join(ROOT, "tests", "gpu", "stub_site", "sitecustomize.py")
     script = f"""
 import importlib.util, torch
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 spec = importlib.util.spec_from_file_location("stub", {stub!r})
 stub = importlib.util.module_from_spec(spec); spec.loader.exec_module(stub)
 torch.manual_seed(0)
@@ -201,8 +203,7 @@ for dtype in ("auto", "fp8"):
     key, value = torch.randn(6, 2, 8).half() * 600, torch.randn(6, 2, 8).half()
     k_scale, v_scale = torch.tensor(0.5), torch.tensor(2.0)
     before = (key_cache.clone(), value_cache.clone())
-    write = torch.compile(stub._reshape_and_cache_flash, backend="eager", fullgraph=True)
-    write(key, value, key_cache, value_cache, slots, dtype, k_scale, v_scale)
+    stub._reshape_and_cache_flash(key, value, key_cache, value_cache, slots, dtype, k_scale, v_scale)
     for new, old, cache, scale in ((key, before[0], key_cache, 0.5), (value, before[1], value_cache, 2.0)):
         want = old.clone()
         for i, slot in enumerate(slots.tolist()):
@@ -210,6 +211,15 @@ for dtype in ("auto", "fp8"):
                 x = new[i] if dtype == "auto" else (new[i].float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
                 want[slot // 4, slot % 4] = x
         assert torch.equal(want.view(torch.uint8), cache.view(torch.uint8)), dtype
+    mode = FakeTensorMode()  # no values: a shape that depends on them raises DynamicOutputShapeException
+    fake = [mode.from_tensor(t) for t in (key, value, key_cache, value_cache, slots, k_scale, v_scale)]
+    with mode:
+        stub._reshape_and_cache_flash(*fake[:5], dtype, *fake[5:])
+        try:
+            fake[0][fake[4] >= 0]  # the check itself: a boolean-mask index is refused
+            raise SystemExit("fake tensors took a value-dependent shape")
+        except DynamicOutputShapeException:
+            pass
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
