@@ -229,7 +229,8 @@ def test_a_fail_without_a_finite_error_says_what_it_was_in_the_table_and_the_pro
     first = {"step": 0, "request": 2, "head": 1, "token": 0, "max_abs": None}
     assert failure_kind(FAIL, None, raised) == "raised"
     assert failure_kind(FAIL, float("nan"), nonfinite) == "non-finite"
-    assert failure_kind(FAIL, None, "1 finding: ...") == "failed"
+    died = "the worker process died running this cell, twice (killed by SIGKILL)"
+    assert failure_kind(FAIL, None, died) == "" and failure_kind(FAIL, None, "raised by a finding") == ""
     assert failure_kind(FAIL, 0.5, None) is None and failure_kind(PASS, None, None) is None
     assert _briefly(Outcome(FAIL, reason=raised)) == f"fail raised: {raised}"
     assert _briefly(Outcome(FAIL, first=first, reason=nonfinite)) == "fail non-finite r2h1"
@@ -238,6 +239,8 @@ def test_a_fail_without_a_finite_error_says_what_it_was_in_the_table_and_the_pro
     assert cell_text(Cell(0, row, "decode", FAIL, max_abs=None, first=first, reason=nonfinite), {}) == \
         "FAIL non-finite r2h1"
     assert cell_text(Cell(0, row, "decode", FAIL, max_abs=None, reason=raised), {}) == "FAIL raised"
+    assert cell_text(Cell(0, row, "decode", FAIL, max_abs=None, reason=died), {}) == "FAIL"  # its reason below
+    assert _briefly(Outcome(FAIL, reason=died)) == f"fail: {died}"
     assert cell_text(Cell(0, row, "decode", FAIL, max_abs=0.25, first=first), {}) == "FAIL 2.5e-01 r2h1"
 
 

@@ -22,7 +22,8 @@ def cell_text(cell: Cell, refusal_note: dict[str, int]) -> str:
     if cell.status == FAIL:
         where = f" r{cell.first['request']}h{cell.first['head']}" if cell.first else ""
         kind = failure_kind(cell.status, cell.max_abs, cell.reason)  # no finite error: what it was instead
-        return f"FAIL {kind or _num(cell.max_abs)}{where}"
+        shown = _num(cell.max_abs) if kind is None else kind
+        return f"FAIL{' ' + shown if shown else ''}{where}"
     return f"refused [{refusal_note[cell.reason or '']}]"
 
 

@@ -392,15 +392,16 @@ def _conform_cells(result: BackendConform, stage: _Stage, runner: Runner, cached
 
 def failure_kind(status: str, max_abs: float | None, reason: str | None) -> str | None:
     """What a FAIL without a finite error was, in a word: ``raised`` (the backend raised on the step),
-    ``non-finite`` (NaN/inf where the reference is finite, or rows it did not write), else ``failed`` (the
-    verdict failed on a finding); None for a FAIL with an error to show, or another status."""
+    ``non-finite`` (NaN/inf where the reference is finite, or rows it did not write), or ``""`` (another cause,
+    which its reason says: a worker that died, a verdict failed on a finding); None for a FAIL with an error to
+    show, or another status."""
     if status != FAIL or (max_abs is not None and max_abs == max_abs):
         return None
-    if reason and "raised" in reason:
+    if reason and reason.startswith("step ") and ": raised " in reason:
         return "raised"
     if reason and reason.startswith("the failing heads hold no finite number"):
         return "non-finite"
-    return "failed"
+    return ""
 
 
 def _briefly(outcome: Outcome) -> str:
@@ -412,7 +413,7 @@ def _briefly(outcome: Outcome) -> str:
     kind = failure_kind(outcome.status, outcome.max_abs, outcome.reason)
     if kind is not None:
         said = f": {outcome.reason[:100]}" if outcome.reason and kind != "non-finite" else ""
-        return f"{outcome.status} {kind}{where}{said}"
+        return f"{outcome.status}{' ' + kind if kind else ''}{where}{said}"
     return f"{outcome.status} {_num(outcome.max_abs)}{where}"
 
 
