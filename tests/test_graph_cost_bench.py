@@ -158,22 +158,41 @@ def test_the_engine_fits_a_round_and_prefills_it_in_one_step():
             config["num_key_value_heads"], config["head_dim"]) == (8, 4096, 32, 8, 128)
 
 
-def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(standins, tmp_path, monkeypatch):
-    """The bench's wrappers on the real plugin (vLLM stand-ins, CPU): hooks timed per step, the replayed step
-    and whether it was copied, the captured bytes (counted by the graph capture thread into the step that handed
-    it over); then everything put back."""
-    from kvdbg.capture.capturer import Capturer
-    from kvdbg.util.ranges import IntRanges
-    from kvdbg.vllm_plugin import state as plugin_state
-
-    before = {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS}
-    capturer_before = (Capturer.__dict__["begin"], Capturer.__dict__["finish"])
+def _armed_graph_engine(standins, tmp_path, monkeypatch):
+    """Capture armed (no step wanted yet), the bench's wrappers installed, and a stand-in engine of 2 layers
+    whose 16-token full graph is recorded: (timing, engine); the caller restores ``timing``."""
     enable(standins, tmp_path, KVDBG_CAPTURE_STEPS=str(gc.UNREACHED_STEP))
     timing = gc.Timing()
     timing.install_kvdbg()
     try:
         engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
         _record_graph(engine, 16, 4, monkeypatch)
+    except BaseException:
+        timing.restore()
+        raise
+    return timing, engine
+
+
+def _replaced_by_the_bench():
+    from kvdbg.capture.buffers import HostBuffers, HostCopiesReady, StepCopies
+    from kvdbg.capture.capturer import Capturer
+
+    return [(owner, name, owner.__dict__[name]) for owner, name in
+            ((Capturer, "begin"), (Capturer, "finish"), (HostCopiesReady, "synchronize"), (HostBuffers, "take"),
+             (StepCopies, "gather"))]
+
+
+def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(standins, tmp_path, monkeypatch):
+    """The bench's wrappers on the real plugin (vLLM stand-ins, CPU): hooks timed per step, the replayed step
+    and whether it was copied, the captured bytes (counted by the graph capture thread into the step that handed
+    it over); then everything put back."""
+    from kvdbg.util.ranges import IntRanges
+    from kvdbg.vllm_plugin import state as plugin_state
+
+    before = {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS}
+    replaced_before = _replaced_by_the_bench()
+    timing, engine = _armed_graph_engine(standins, tmp_path, monkeypatch)
+    try:
         records = []
         for step in range(3):
             if step == 2:
@@ -194,7 +213,7 @@ def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(sta
     finally:
         timing.restore()
     assert {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS} == before
-    assert (Capturer.__dict__["begin"], Capturer.__dict__["finish"]) == capturer_before
+    assert _replaced_by_the_bench() == replaced_before  # the capture's timers too
 
 
 def test_a_capture_thread_that_takes_the_job_at_once_still_counts_into_the_step_that_handed_it(standins, tmp_path,
@@ -219,12 +238,8 @@ def test_a_capture_thread_that_takes_the_job_at_once_still_counts_into_the_step_
             pass
 
     monkeypatch.setattr(graph_hooks, "_GraphCaptureThread", AtOnce)
-    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS=str(gc.UNREACHED_STEP))
-    timing = gc.Timing()
-    timing.install_kvdbg()
+    timing, engine = _armed_graph_engine(standins, tmp_path, monkeypatch)
     try:
-        engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
-        _record_graph(engine, 16, 4, monkeypatch)
         vllm_plugin.active_capturer().reconfigure(steps=IntRanges.of(0, "steps"))
         timing.current = record = gc._new_step()
         _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
