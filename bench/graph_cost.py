@@ -183,6 +183,7 @@ class Timing:
         # While kvdbg's replay hook runs: the step's record and the device-timed start event (or None), which the
         # hand-over puts on the job before the capture thread can take it.
         self.handing: tuple[dict | None, object] | None = None
+        self.handed_job = None  # the job the latest after_graph_replay handed to the capture thread
         self._replaced: list[tuple[object, str, object]] = []
 
     def _replace(self, owner, name: str, wrapper) -> None:
@@ -261,8 +262,21 @@ class Timing:
         for record in self.steps:
             record["graph_ms"] = [s.elapsed_time(e) for s, e in record.pop("graph_events")]
             handed = record.pop("device_job")
-            if handed is not None:  # the copies the capture thread issued for this step, from the mark
-                start, job = handed
+            if handed is not None and handed[2] is not None:
+                # A staged step: the staging program on the engine's stream (from the mark to the hook's end), then
+                # the capture thread's copies to the host from the staged buffers (from their first to their end).
+                start, job, staged_end = handed
+                job.finished.wait(60)
+                torch.cuda.synchronize()
+                begin = getattr(job, "bench_copies_begin", None)
+                ends = [e for e in (getattr(job, "bench_engine_end", None), getattr(job, "bench_side_end", None))
+                        if e is not None]
+                copies = [_elapsed(begin, e) for e in ends] if begin is not None else []
+                record["device"] = {"engine_ms": start.elapsed_time(staged_end),
+                                    "side_ms": max([c for c in copies if c is not None], default=None),
+                                    "device_caught_up": None, "capture_thread": True, "staged": True}
+            elif handed is not None:  # the copies the capture thread issued for this step, from the mark
+                start, job, _ = handed
                 job.finished.wait(60)
                 torch.cuda.synchronize()
                 # Timing events the capture thread recorded once it had issued every copy: on its own stream and
@@ -312,9 +326,13 @@ class Timing:
             if record is not None:
                 record["hooks"]["after_graph_replay"] = record["hooks"].get("after_graph_replay", 0) + spent
                 record["replayed_step"], record["copied"] = step, bool(copied)
-                job = state._graph_job if copied else None
-                if device_timed and job is not None:
-                    record["device_job"] = (start, job)
+                job, timing.handed_job = (timing.handed_job if copied else None), None
+                if device_timed and job is not None and getattr(job, "staged", None) is not None:
+                    staged_end = torch.cuda.Event(enable_timing=True)  # after the staging program, engine's stream
+                    staged_end.record()
+                    record["device_job"] = (start, job, staged_end)
+                elif device_timed and job is not None:
+                    record["device_job"] = (start, job, None)
                 elif device_timed:
                     record["device_mark"] = _device_mark(start)
             return copied
@@ -326,6 +344,7 @@ class Timing:
             """The job marked with the step's record (the capture thread counts its bytes there) and the start of
             a device-timed step, before the capture thread can take it."""
             job.bench_record, job.bench_start = timing.handing or (timing.current, None)
+            timing.handed_job = job
             return hand_over(state, job)
 
         self._replace(cls, "_hand_over", _hand_over)
@@ -353,6 +372,21 @@ class Timing:
                     job.bench_side_end.record(_side_stream(job.device))
 
         self._replace(cls, "_capture_graph_job", _capture_graph_job)
+        from kvdbg.vllm_plugin.graph_staging import StagedStep
+
+        unique_ids = StagedStep.unique_ids
+
+        def staged_ids(staged):
+            """A staged step's page ids read back by the capture thread: its copies to the host begin here."""
+            out = unique_ids(staged)
+            job = getattr(_capturing, "job", None)
+            if job is not None and getattr(job, "bench_start", None) is not None \
+                    and getattr(job, "bench_copies_begin", None) is None:
+                job.bench_copies_begin = torch.cuda.Event(enable_timing=True)
+                job.bench_copies_begin.record()
+            return out
+
+        self._replace(StagedStep, "unique_ids", staged_ids)
         self._replace(Capturer, "begin", _timed(timing, "begin", Capturer.begin, "inner"))
         # Where a capture's time goes (in the capture thread, for a step replayed from a graph): waiting for the
         # device to pass the build's metadata copies, taking host buffers (a new page-locked one is dear), and
@@ -498,7 +532,10 @@ def summarize_wanted(steps: list[dict], wanted: int) -> dict:
                captured_bytes=hit.get("captured_bytes", 0), captures=hit.get("captures", 0))
     if hit.get("device"):
         device = hit["device"]
-        span = max(device["engine_ms"] or 0.0, device["side_ms"] or 0.0)
+        if device.get("staged"):  # the staging on the engine's stream, then the copies from the staged buffers
+            span = (device["engine_ms"] or 0.0) + (device["side_ms"] or 0.0)
+        else:
+            span = max(device["engine_ms"] or 0.0, device["side_ms"] or 0.0)
         out["device"] = {**device, "span_ms": span}
     return out
 

@@ -202,7 +202,7 @@ def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(sta
                           monkeypatch)
             records.append(timing.current)
             timing.current = None
-        vllm_plugin._state.await_graph_capture()  # what the next step does first: the capture thread's copies issued
+        assert vllm_plugin._state.drain_graph_capture(10)  # the capture thread done with the handed step
         assert [r["replayed_step"] for r in records] == [0, 1, 2]
         assert [r["copied"] for r in records] == [False, False, True]
         assert all(r["hooks"]["after_build"] > 0 and r["hooks"]["after_graph_replay"] > 0 for r in records)

@@ -172,6 +172,9 @@ def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sen
                           _padded_inputs(engine, tokens), tokens, monkeypatch)
         (path,) = _files(directory)
     assert hooks.sentinel.counts["checked"] == 4 and hooks.sentinel.counts["failed"] == 2
+    # Both steps were staged (checked and captured from kvdbg's copies), and their staging was let go.
+    stager = vllm_plugin._state._stager
+    assert stager.staged == 2 and not any(p.held for ps in stager._programs.values() for p in ps)
     lines = [r.getMessage() for r in caplog.records if "is wrong" in r.getMessage()]
     assert lines == [f"kvdbg sentinel: layer model.layers.1.self_attn.attn step 0 is wrong (output disagrees with "
                      f"the exact reference): first failing request 0 head 2; snapshot {path}"]
@@ -218,3 +221,50 @@ def test_checks_still_in_the_worker_are_collected_before_vllm_records_a_graph(se
     monkeypatch.setattr(state, "graph_call", lambda wrapper: (kind, _Batch((8,))))
     assert _wrap_graph_call(state, vllm_records)(object()) == "recorded"
     assert seen == [names] and hooks._waiting == {}
+
+
+class _StagedStandIn:
+    def __init__(self):
+        self.released = 0
+
+    def release(self):
+        self.released += 1
+
+
+def test_checks_of_staged_graph_steps_are_collected_when_done_and_never_waited_for(sentinel_env):
+    """A staged step's check reads kvdbg's own copies, so the next replay does not wait for it: a check still
+    running is left for a later hook, a finished one is recorded and its staging let go; only recording a graph,
+    which needs the worker idle, waits for them."""
+    import threading
+
+    from kvdbg.sentinel.checker import CheckResult
+    from kvdbg.vllm_plugin.sentinel_hooks import _Waiting
+
+    vllm_plugin.register()
+    StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=1, query_len=1).step()
+    state, hooks = vllm_plugin._state, _hooks()
+
+    class Job:
+        def __init__(self):
+            self.done, self.error = threading.Event(), None
+            self.result = CheckResult(layer="x", step=3, tolerance=None)
+
+    staged = [_StagedStandIn(), _StagedStandIn()]
+    jobs = [Job(), Job()]
+    hooks._staged = [_Waiting(None, None, None, None, None, None, None, None, None, 3, staged=st, job=job)
+                     for st, job in zip(staged, jobs)]
+    checked = hooks.sentinel.counts["checked"]
+    jobs[1].done.set()
+    hooks.before_graph_replay(state)  # the next replay: nothing is waited for
+    assert [w.job for w in hooks._staged] == [jobs[0]] and hooks.sentinel.counts["checked"] == checked + 1
+    assert [s.released for s in staged] == [0, 1]
+
+    def finish_later():
+        jobs[0].done.set()
+
+    timer = threading.Timer(0.2, finish_later)
+    timer.start()
+    hooks.before_graph_replay(state, recording=True)  # vLLM about to record a graph: the worker must be idle
+    timer.join()
+    assert hooks._staged == [] and [s.released for s in staged] == [1, 1]
+    assert hooks.sentinel.counts["checked"] == checked + 2

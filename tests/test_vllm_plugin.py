@@ -231,6 +231,9 @@ def _stored_in(cache: torch.Tensor, layout_name: str) -> torch.Tensor:
 
 
 def snapshots(directory) -> list:
+    state = vllm_plugin._state
+    if state is not None:
+        assert state.drain_graph_capture(10)  # steps of replayed graphs: captured by the plugin's thread
     capturer = vllm_plugin.active_capturer()
     if capturer is not None:
         assert capturer.flush(10)  # the plugin writes in the background
@@ -1031,15 +1034,19 @@ def test_each_snapshot_records_its_place_among_the_engine_ranks(standins, tmp_pa
 # --------------------------------------------------------------------------- steps replayed from full CUDA graphs
 
 
-def _padded(common, *, reqs: int, tokens: int):
+def _padded(common, *, reqs: int, tokens: int, table_buffer=None):
     """``common`` as vLLM pads it for a full CUDA graph of ``tokens``: requests of no tokens on the null block
-    after the real ones (their offsets repeat the last, their lengths are 0)."""
+    after the real ones (their offsets repeat the last, their lengths are 0). ``table_buffer``: the runner's
+    persistent block table, which the padded table is written into (as vLLM does for its graphs)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     real = int(common.num_reqs)
     qsl = torch.cat([common.query_start_loc, common.query_start_loc[-1:].repeat(reqs - real)])
     table = torch.cat([common.block_table_tensor,
                        torch.zeros(reqs - real, common.block_table_tensor.shape[1], dtype=torch.int32)])
+    if table_buffer is not None:
+        table_buffer[:reqs, :table.shape[1]].copy_(table)
+        table = table_buffer[:reqs, :table.shape[1]]
     slots = torch.cat([common.slot_mapping, torch.full((tokens - common.slot_mapping.shape[0],), -1,
                                                        dtype=torch.int64)])
     return CommonAttentionMetadata(
@@ -1103,11 +1110,23 @@ def _record_graph(engine, tokens: int, reqs: int, monkeypatch):
     engine.seq_lens = [n - engine.query_len for n in engine.seq_lens]  # the recording's dummy step is no step
 
 
+def _unstaged(monkeypatch):
+    """Wanted graph steps captured the way they are when staging cannot serve them: read from the engine's memory
+    by the capture thread, the engine's next step waiting for its copies."""
+    from kvdbg.vllm_plugin.graph_hooks import GraphHooks
+
+    monkeypatch.setattr(GraphHooks, "_stage", lambda self, items: None)
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "unstaged"])
 def test_a_step_replayed_from_a_full_cuda_graph_is_captured_from_the_graphs_copies(standins, tmp_path, caplog,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, staged):
     """The snapshot holds what the kernel saw in the replayed graph: the query and output its copies wrote, the
-    cache after the step's update (pages the layer keeps outside the graph), the real requests' metadata."""
+    cache after the step's update (pages the layer keeps outside the graph), the real requests' metadata; the
+    same whether the step was staged on the device first or read from the engine's memory."""
     caplog.set_level(logging.INFO, logger="kvdbg.capture")
+    if not staged:
+        _unstaged(monkeypatch)
     enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="1")
     engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
     state = vllm_plugin._state
@@ -1137,6 +1156,7 @@ def test_a_step_replayed_from_a_full_cuda_graph_is_captured_from_the_graphs_copi
         # Every page stored is the cache as the kernel read it (after the step's update).
         torch.testing.assert_close(snap.kv_cache, cache[snap.page_ids.long()], rtol=0, atol=0)
         assert "absent" in snap.meta.capture["new_kv"]
+    assert vllm_plugin.active_capturer().engine_time.staged == (1 if staged else 0)
 
 
 def test_a_wanted_graph_step_is_captured_off_the_engines_thread_and_before_the_next_step_overwrites(
@@ -1146,6 +1166,7 @@ def test_a_wanted_graph_step_is_captured_off_the_engines_thread_and_before_the_n
     the cache) is never read late."""
     import time as clock
 
+    _unstaged(monkeypatch)
     enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="0")
     engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
     state = vllm_plugin._state
@@ -1167,7 +1188,7 @@ def test_a_wanted_graph_step_is_captured_off_the_engines_thread_and_before_the_n
     job = state._graph_job
     assert job is not None and not job.finished.is_set()
     assert started.wait(5)  # the capture thread took the job
-    assert snapshots(tmp_path) == []  # not yet: the capture thread is at it
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]  # not yet: the thread is at it
     caches = [layer.kv_cache.clone() for layer in engine.layers]
     state.await_graph_capture()  # the next step's first hook
     assert job.finished.is_set() and state._graph_job is None
@@ -1195,6 +1216,7 @@ def test_the_workers_next_step_waits_for_a_handed_graph_step_before_its_first_de
 
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
+    _unstaged(monkeypatch)
     enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="0")
     engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
     state = vllm_plugin._state
@@ -1250,6 +1272,7 @@ def test_a_stuck_graph_capture_thread_never_hangs_the_engine(standins, tmp_path,
 
     from kvdbg.vllm_plugin import graph_hooks
 
+    _unstaged(monkeypatch)
     enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="0")
     engine = StandinEngine("FLASHINFER_TS", layers=2)
     state = vllm_plugin._state
@@ -1270,6 +1293,137 @@ def test_a_stuck_graph_capture_thread_never_hangs_the_engine(standins, tmp_path,
     release.set()
     assert job.finished.wait(10)
     assert len(snapshots(tmp_path)) <= 1  # the layer it had begun, at most; the second was skipped
+
+
+def _staged_engine(standins, tmp_path, monkeypatch, steps: str, layers: int = 2):
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS=steps)
+    engine = StandinEngine("FLASHINFER_TS", layers=layers, seq_lens=(300, 77, 150), query_len=4)
+    _record_graph(engine, 16, 4, monkeypatch)
+    return engine, vllm_plugin._state
+
+
+def _held_capture_thread(state, monkeypatch):
+    """The capture thread stuck at its first layer until the returned event is set."""
+    import threading
+
+    started, release, real = threading.Event(), threading.Event(), state.start_capture
+
+    def held(*args, **kwargs):
+        started.set()
+        assert release.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(state, "start_capture", held)
+    return started, release
+
+
+def test_a_staged_graph_step_is_exact_however_late_the_capture_thread_reads_it(standins, tmp_path, monkeypatch):
+    """The engine's thread stages the wanted step on its stream and goes on, never waiting; the next step then
+    overwrites the graph's buffers, the caches and the runner's block table before the capture thread has read
+    anything, and the snapshots still hold the step as the kernel saw it."""
+    import time as clock
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0")
+    started, release = _held_capture_thread(state, monkeypatch)
+    table = torch.zeros(8, 64, dtype=torch.int32)  # the runner's persistent block table
+    common = _padded(engine.common(), reqs=4, tokens=16, table_buffer=table)
+    block_table = common.block_table_tensor[:3].clone()
+    before = clock.monotonic()
+    outputs = _run_as_graph(engine, common, _padded_inputs(engine, 16), 16, monkeypatch)
+    queries = [state._graph_buffers[name].query[:12].clone() for name in engine.names]
+    assert clock.monotonic() - before < 0.5 and state._graph_job is None  # nothing for the next step to wait on
+    assert started.wait(5)
+    caches = [layer.kv_cache.clone() for layer in engine.layers]
+    state.await_graph_capture()  # the next step's first hook: a no-op
+    for name, layer in zip(engine.names, engine.layers):  # the next step, before the capture thread reads
+        state._graph_buffers[name].query.fill_(7.0)
+        state._graph_buffers[name].output.fill_(7.0)
+        layer.kv_cache.fill_(7.0)
+    table.random_(1, 70)
+    release.set()
+    snaps = sorted(snapshots(tmp_path), key=lambda s: s.meta.capture["layer"])
+    assert len(snaps) == 2
+    for snap, output, query, cache in zip(snaps, outputs, queries, caches):
+        step = snap.steps[0]
+        assert step.seq_lens.tolist() == [300, 77, 150]
+        torch.testing.assert_close(step.block_table[:, :block_table.shape[1]], block_table, rtol=0, atol=0)
+        torch.testing.assert_close(step.query.reshape(12, -1), query.reshape(12, -1), rtol=0, atol=0)
+        torch.testing.assert_close(step.output.reshape(12, -1), output[:12].reshape(12, -1), rtol=0, atol=0)
+        torch.testing.assert_close(snap.kv_cache, cache[snap.page_ids.long()], rtol=0, atol=0)
+        live = {int(p) for r, n in enumerate([300, 77, 150]) for p in block_table[r, :-(-n // 16)]}
+        assert set(snap.page_ids.tolist()) == live  # the pages the step read, not the bound's extra ones
+    account = vllm_plugin.active_capturer().engine_time
+    assert account.handed == 1 and account.staged == 1 and account.waits == 0
+    assert "1 graph step(s) handed to the capture thread (1 staged on the device first)" in account.describe()
+
+
+def test_a_step_longer_than_its_hosts_bound_is_refused_not_half_captured(standins, tmp_path, monkeypatch, caplog):
+    """The host bounds each request's pages when the builder builds (vLLM's seq_lens_cpu_upper_bound): a request
+    longer than its bound has pages that were never staged, and its step is refused in words, not stored short."""
+    import dataclasses
+
+    caplog.set_level(logging.WARNING, logger="kvdbg.capture")
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0", layers=1)
+    common = _padded(engine.common(), reqs=4, tokens=16)
+    common = dataclasses.replace(common, seq_lens_cpu_upper_bound=torch.tensor([300, 40, 150, 0], dtype=torch.int32))
+    _run_as_graph(engine, common, _padded_inputs(engine, 16), 16, monkeypatch)
+    assert snapshots(tmp_path) == []
+    capturer = vllm_plugin.active_capturer()
+    assert capturer.dropped["input"] == 1 and capturer.engine_time.staged == 1
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "was not staged" in said and "bounded" in said
+
+
+def test_a_block_tables_stale_entries_within_the_bound_are_never_read_outside_the_cache(standins, tmp_path,
+                                                                                       monkeypatch):
+    """Without per-request bounds every row is read up to max_seq_len, through entries the runner left stale:
+    ids outside the cache are clamped into it, never indexed, and the snapshot keeps only the pages read."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0", layers=1)
+    common = _padded(engine.common(), reqs=4, tokens=16)
+    real_stage = state._stage
+
+    def stale_then_stage(items):  # the runner's buffer past each row's pages, as the staging program reads it
+        for r, n in enumerate([300, 77, 150]):
+            common.block_table_tensor[r, -(-n // 16):] = 10**6 if r % 2 else -5
+        return real_stage(items)
+
+    monkeypatch.setattr(state, "_stage", stale_then_stage)
+    outputs = _run_as_graph(engine, common, _padded_inputs(engine, 16), 16, monkeypatch)
+    caches = [layer.kv_cache.clone() for layer in engine.layers]
+    [snap] = snapshots(tmp_path)
+    assert vllm_plugin.active_capturer().engine_time.staged == 1
+    torch.testing.assert_close(snap.kv_cache, caches[0][snap.page_ids.long()], rtol=0, atol=0)
+    assert snap.page_ids.max() < 72 and snap.page_ids.min() >= 0
+    torch.testing.assert_close(snap.steps[0].output.reshape(12, -1), outputs[0][:12].reshape(12, -1), rtol=0,
+                               atol=0)
+
+
+def test_a_staging_program_still_held_is_never_reused(standins, tmp_path, monkeypatch):
+    """Three wanted steps in a row while the capture thread holds the first: the second gets a second program, the
+    third is captured the unstaged way (the engine's next step waits for it); all three are exact."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0-2", layers=1)
+    started, release = _held_capture_thread(state, monkeypatch)
+    table = torch.zeros(8, 64, dtype=torch.int32)
+    seen = []
+    for step in range(3):
+        common = _padded(engine.common(), reqs=4, tokens=16, table_buffer=table)
+        outputs = _run_as_graph(engine, common, _padded_inputs(engine, 16), 16, monkeypatch)
+        seen.append((outputs[0][:12].clone(), engine.layers[0].kv_cache.clone()))
+        if step == 0:
+            assert started.wait(5)
+        if step < 2:
+            assert state._graph_job is None  # staged: nothing to wait for
+    assert state._graph_job is not None  # the third: read from the engine's memory
+    stager = state._stager
+    assert stager.staged == 2 and stager.not_staged == {"held": 1}
+    release.set()
+    state.await_graph_capture()
+    snaps = sorted(snapshots(tmp_path), key=lambda s: s.meta.capture["step"])
+    assert [s.meta.capture["step"] for s in snaps] == [0, 1, 2]
+    for snap, (output, cache) in zip(snaps, seen):
+        torch.testing.assert_close(snap.steps[0].output.reshape(12, -1), output.reshape(12, -1), rtol=0, atol=0)
+        torch.testing.assert_close(snap.kv_cache, cache[snap.page_ids.long()], rtol=0, atol=0)
+    assert all(not p.held for programs in stager._programs.values() for p in programs)
 
 
 def test_a_graph_replay_without_a_build_of_its_step_is_reported_not_guessed(standins, tmp_path, monkeypatch):

@@ -125,6 +125,9 @@ class EngineTime:
     handed: int = 0
     waited_ns: int = 0
     waits: int = 0
+    # Of the handed steps, those staged on the device first (kvdbg.vllm_plugin.graph_staging): the next step does
+    # not wait for them.
+    staged: int = 0
 
     def describe(self) -> str:
         """One clause for the exit line ('' when no hook was timed)."""
@@ -138,8 +141,9 @@ class EngineTime:
             parts.append(f"{_ms(self.other_ns)} in {self.other_calls:,} other hook call(s) "
                          f"({self.other_ns / self.other_calls / 1e3:,.1f} us each)")
         if self.handed:
-            parts.append(f"{self.handed} graph step(s) handed to the capture thread, {_ms(self.waited_ns)} waiting "
-                         f"for its copies before {self.waits} next step(s)")
+            staged = f" ({self.staged} staged on the device first)" if self.staged else ""
+            parts.append(f"{self.handed} graph step(s) handed to the capture thread{staged}, {_ms(self.waited_ns)} "
+                         f"waiting for its copies before {self.waits} next step(s)")
         return "engine's thread: " + ", ".join(parts)
 
 

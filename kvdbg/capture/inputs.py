@@ -246,6 +246,9 @@ class StepTensors:
     # With host copies still in flight from a device (e.g. a HostCopiesReady): waited for (synchronize())
     # before they are read, instead of a read of device metadata that would wait for the engine's stream.
     metadata_ready: Any = None
+    # The step's pages staged in device memory right after the engine ran it (a replayed CUDA graph's step,
+    # kvdbg.vllm_plugin.graph_staging): read from there, by engine page id, instead of from kv_cache.
+    staged: Any = None
 
 
 # --------------------------------------------------------------------------- engine facts

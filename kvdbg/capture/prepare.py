@@ -227,6 +227,7 @@ class CapturePlan:
     kv_cache: torch.Tensor | None = field(default=None, repr=False)
     pre_update: PreUpdate | None = field(default=None, repr=False)
     copies: StepCopies | None = field(default=None, repr=False)
+    staged: Any = field(default=None, repr=False)  # StagedPages: where the pages are read instead of kv_cache
 
     @property
     def output_bytes(self) -> int:
@@ -237,7 +238,11 @@ class CapturePlan:
         """Copy the step's pages to the host, in the engine's layout (the expensive part; engine's thread)."""
         if self.copies is None:
             self.copies = StepCopies(self.kv_cache.device)
-        pages = self.copies.gather(self.kv_cache, self.layout.page_dim, self.page_ids)
+        staged = self.staged
+        if staged is not None:  # the same pages, from the copy staged on the device when the step ran
+            pages = self.copies.gather(staged.pages, staged.page_dim, staged.positions(self.page_ids.numpy()))
+        else:
+            pages = self.copies.gather(self.kv_cache, self.layout.page_dim, self.page_ids)
         self.copies.mark()  # the copies so far are on this stream (the engine may switch before finish)
         return PendingCapture(plan=self, pages=pages)
 
@@ -434,7 +439,7 @@ def plan_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTens
         layer=layer, backend=backend, layout=layout, step=step_record, page_ids=torch.from_numpy(ids),
         num_tokens=num_tokens, causal=causal, lower_bound_bytes=len(ids) * (page_bytes + 4) + host, rank=rank,
         step_index=step, rank_source=rank_source, engine=engine, info=info, notes=notes, captured_at=time.time(),
-        query_rows_given=q_shape[0], kv_cache=kv_cache, pre_update=pre, copies=copies,
+        query_rows_given=q_shape[0], kv_cache=kv_cache, pre_update=pre, copies=copies, staged=t.staged,
     )
 
 

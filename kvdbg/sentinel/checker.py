@@ -82,6 +82,9 @@ class StepInputs:
     causal: bool
     output: torch.Tensor  # [num_tokens(+padding), Hq, D] or [num_tokens, Hq * D]
     max_model_len: int | None = None
+    # Pages each request's row of block_table holds (a staged step's table: kvdbg.vllm_plugin.graph_staging); a
+    # request whose length needs more is refused before anything is read past them.
+    max_pages: list[int] | None = None
 
 
 @dataclass
@@ -302,6 +305,9 @@ def _reference_pairs(layer: CaptureLayer, inputs: StepInputs, query: torch.Tenso
     id_lists, page_counts, kv_heads, tokens, heads = [], [], [], [], []
     for r, head in pairs:
         live = -(-seq_lens[r] // page_size)
+        if inputs.max_pages is not None and live > inputs.max_pages[r]:
+            raise ValueError(f"request {r} is {seq_lens[r]} tokens long, past the {inputs.max_pages[r]} pages staged "
+                             "for it from the host's bound on its length")
         id_lists.append(inputs.block_table[r, :live])
         page_counts.append(live)
         kv_heads += [head // group] * live
@@ -502,6 +508,17 @@ class DeferredChecks:
         self._jobs.put(job)
         return kept
 
+    def submit_staged(self, layer: CaptureLayer, inputs: StepInputs, step: int | None, ready: Any) -> _Job:
+        """Hand a step staged on the device (kvdbg.vllm_plugin.graph_staging) to the worker: its query, output and
+        pages are kvdbg's own copies, which no later step overwrites, so nothing is cloned and the job is
+        collected whenever it is done (the caller keeps it; ``ready``: the event after the staging)."""
+        for t in (inputs.seq_lens, inputs.query_start_loc, inputs.block_table):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(self.stream)
+        job = _Job(layer, inputs, step, ready)
+        self._jobs.put(job)
+        return job
+
     def collect(self, layer_name: str, timeout: float | None = None) -> "_Job | None":
         """The finished job of this layer's last submitted step, waiting for it if needed (None if none)."""
         job = self._pending.pop(layer_name, None)
@@ -517,7 +534,8 @@ class DeferredChecks:
             job = self._jobs.get()
             try:
                 with torch.cuda.stream(self.stream):
-                    self.stream.wait_event(job.ready)
+                    if job.ready is not None:
+                        self.stream.wait_event(job.ready)
                     job.result = check_step(job.layer, job.inputs, pairs=self.sentinel.config.pairs,
                                             rng=self.sentinel._pair_rng, step=job.step)
                     self.stream.synchronize()

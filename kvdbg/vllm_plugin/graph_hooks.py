@@ -65,6 +65,7 @@ class GraphSlot:
     kv_cache: "torch.Tensor"
     query: "torch.Tensor"
     output: "torch.Tensor | None" = None
+    staging: Any = None  # (page_dim, page_size) of the layer's cache, for graph_staging; read once
 
 
 class _GraphBuffers:
@@ -88,6 +89,7 @@ class _GraphJob:
     issued: Any = None  # torch.cuda.Event after the capture thread's copies (None on a CPU, or none issued)
     finished: threading.Event = field(default_factory=threading.Event)
     abandoned: bool = False  # the engine's thread stopped waiting for it (GRAPH_CAPTURE_WAIT_S)
+    staged: Any = None  # graph_staging.StagedStep: the step's copies staged on the device (nothing to wait for)
 
 
 class _GraphCaptureThread:
@@ -105,12 +107,21 @@ class _GraphCaptureThread:
             job = self.jobs.get()
             if job is None:
                 return
+            if isinstance(job, threading.Event):  # drain(): every job before it is done
+                job.set()
+                continue
             try:
                 self.state._capture_graph_job(job, streams)
             except Exception as exc:  # noqa: BLE001 - said, and the engine's thread is never left waiting
                 self.state.capturer.report(exc, "the graph capture thread", step_lost=True)
             finally:
                 job.finished.set()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every job handed so far is done; whether they were within ``timeout`` seconds."""
+        marker = threading.Event()
+        self.jobs.put(marker)
+        return marker.wait(timeout)
 
     def stop(self, timeout: float) -> None:
         self.jobs.put(None)
@@ -160,7 +171,7 @@ class GraphHooks:
         stream capturing); between the pieces of a piecewise graph one may be, and the next piece collects it."""
         self.await_graph_capture()
         if self.sentinel is not None:
-            self.sentinel.before_graph_replay(self)
+            self.sentinel.before_graph_replay(self, recording=True)
 
     def begin_graph_recording(self, batch: Any) -> None:
         """A full graph for ``batch`` (vLLM's batch descriptor) is about to be recorded: its selected layers are
@@ -229,7 +240,7 @@ class GraphHooks:
         if not slots:
             return False
         counts = self._forward_counts
-        wanted = []
+        wanted, sampled = [], []
         for slot in slots:
             name = slot.name
             step = counts.get(name, 0)
@@ -237,7 +248,7 @@ class GraphHooks:
             built = self._graph_builds.get(name)
             ctx = built[1] if built is not None and built[0] == step else None
             if self.sentinel is not None and self.sentinel.sentinel.sampled(name, step):
-                self.sentinel.after_graph_replay(self, slot, ctx, step)
+                sampled.append((slot, step, ctx))
             if not self.capturer.wants(name, step):
                 continue
             if ctx is None:
@@ -248,14 +259,65 @@ class GraphHooks:
                     "table and lengths are unknown"), "after a CUDA graph's replay", step_lost=True)
                 continue
             wanted.append((slot, step, ctx))
+        if not wanted and not sampled:
+            return False
+        staged = None
+        if all(item[2] is not None for item in sampled):
+            taken = {id(item[0]) for item in wanted}
+            staged = self._stage(wanted + [item for item in sampled if id(item[0]) not in taken])
+        for slot, step, ctx in sampled:
+            self.sentinel.after_graph_replay(self, slot, ctx, step, staged)
         if not wanted:
             return False
         try:
-            self._hand_over(_GraphJob(wanted, batch.num_tokens))
+            job = _GraphJob(wanted, batch.num_tokens)
+            if staged is not None:
+                job.staged = staged.hold()
+                self.capturer.engine_time.staged += 1
+            self._hand_over(job)
         except Exception as exc:
             self.capturer.report(exc, "after a CUDA graph's replay", step_lost=True)
             return False
         return True
+
+    def _stage(self, items: list) -> Any:
+        """Stage the layers of a step that capture wants or the sentinel checks, on the device (engine's thread,
+        graph_staging); None: not staged, and their readers read the engine's memory while the engine's next
+        step waits for them."""
+        try:
+            return self._stage_layers(items)
+        except Exception as exc:  # staging spares the engine a wait: said once, and the step is read the old way
+            self.capturer._note_once(f"staging:{type(exc).__name__}", f"kvdbg capture: staging a CUDA graph's step "
+                                     f"failed ({type(exc).__name__}: {exc}); such steps are read from the engine's "
+                                     "memory, the engine's thread waiting for the copies")
+            return None
+
+    def _stage_layers(self, items: list) -> Any:
+        if not items or items[0][2] is None:
+            return None
+        ctx = items[0][2]
+        hint = ctx.stage
+        if hint is None or any(item[2] is not ctx for item in items):
+            return None
+        stager = self._stager
+        if stager is None:
+            from kvdbg.vllm_plugin.graph_staging import GraphStager
+
+            stager = self._stager = GraphStager()
+        layers, page_size = [], None
+        for slot, _, _ in items:
+            facts = slot.staging
+            if facts is None:
+                layout = self.engine_layout(slot.impl, slot.layer, self._info(slot.impl), slot.kv_cache)
+                if layout is None:
+                    return None
+                facts = slot.staging = (layout.page_dim, int(slot.kv_cache.shape[layout.token_dim]))
+            if page_size is not None and facts[1] != page_size:
+                return None
+            page_size = facts[1]
+            buffers = self._graph_buffers[slot.name]
+            layers.append((slot.name, slot.kv_cache, facts[0], buffers.query, buffers.output))
+        return stager.stage(layers, hint, page_size, int(items[0][0].query.shape[0]))
 
     # ---------------------------------------------------------------- the graph capture thread
 
@@ -263,14 +325,18 @@ class GraphHooks:
         """The wanted step to the capture thread, behind an event after the graph's work (engine's thread)."""
         kv_cache = job.items[0][0].kv_cache
         if kv_cache.is_cuda:
-            import torch
-
             job.device = kv_cache.device
-            job.ready = torch.cuda.Event()
-            job.ready.record(torch.cuda.current_stream(job.device))
+            if job.staged is not None:
+                job.ready = job.staged.ready
+            else:
+                import torch
+
+                job.ready = torch.cuda.Event()
+                job.ready.record(torch.cuda.current_stream(job.device))
         if self._graph_thread is None:
             self._graph_thread = _GraphCaptureThread(self)
-        self._graph_job = job
+        if job.staged is None:  # the capture thread reads the engine's memory: the next step waits for it
+            self._graph_job = job
         self.capturer.engine_time.handed += 1
         self._graph_thread.jobs.put(job)
 
@@ -296,6 +362,12 @@ class GraphHooks:
         account.waited_ns += time.perf_counter_ns() - start
         account.waits += 1
 
+    def drain_graph_capture(self, timeout: float) -> bool:
+        """Wait until the capture thread has issued every step handed to it, staged ones included (a staged
+        step is never waited for by the engine); whether it had within ``timeout`` seconds."""
+        thread = self._graph_thread
+        return thread is None or thread.drain(timeout)
+
     def stop_graph_capture(self, timeout: float) -> None:
         """At shutdown: the last handed step issued, the thread gone (the writer then drains as before)."""
         thread, self._graph_thread = self._graph_thread, None
@@ -320,19 +392,29 @@ class GraphHooks:
             where = torch.cuda.stream(stream)
         else:
             stream, where = None, contextlib.nullcontext()
+        staged = job.staged
         with where:
-            for slot, step, ctx in job.items:
-                if job.abandoned:
-                    break
-                try:
-                    pending = self.start_capture(slot.impl, slot.layer, step, slot.query, None, None,
-                                                 slot.kv_cache, ctx, None, slot.output.dtype
-                                                 if slot.output is not None else slot.layer.dtype,
-                                                 notes=f"replayed from a full CUDA graph of {job.tokens} tokens")
-                    if pending is not None:
-                        self.capturer.finish(pending, slot.output)
-                except Exception as exc:
-                    self.capturer.report(exc, "after a CUDA graph's replay", step_lost=True)
+            try:
+                for slot, step, ctx in job.items:
+                    if job.abandoned:
+                        break
+                    query, output, pages = slot.query, slot.output, None
+                    if staged is not None:  # the step's copies on the device, which no later step overwrites
+                        copies = staged.layers[slot.name]
+                        query, output, pages = copies.query, copies.output, staged.pages_for(slot.name)
+                    try:
+                        pending = self.start_capture(slot.impl, slot.layer, step, query, None, None,
+                                                     slot.kv_cache, ctx, None, output.dtype
+                                                     if output is not None else slot.layer.dtype,
+                                                     notes=f"replayed from a full CUDA graph of {job.tokens} tokens",
+                                                     staged=pages)
+                        if pending is not None:
+                            self.capturer.finish(pending, output)
+                    except Exception as exc:
+                        self.capturer.report(exc, "after a CUDA graph's replay", step_lost=True)
+            finally:
+                if staged is not None:
+                    staged.release()  # every read of the staged buffers is issued: the next run may reuse them
             if stream is not None:
                 import torch
 

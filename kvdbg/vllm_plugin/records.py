@@ -81,6 +81,7 @@ class _EngineContext:
     facts: _BuilderFacts
     refused: str | None = None  # why this batch's mask cannot be stored (a feature of the step, not the layer)
     host: _HostMetadata | None = None
+    stage: Any = None  # graph_staging.StageHint: what staging a replayed graph's step needs from this build
 
     @property
     def builder(self) -> str:

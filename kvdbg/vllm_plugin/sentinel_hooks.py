@@ -55,6 +55,9 @@ class _Waiting:
     value: Any
     inputs: StepInputs  # query and output are the worker's copies
     step: int
+    staged: Any = None  # graph_staging.StagedStep held for this check (its pages, query and output)
+    cache: Any = None  # with staged: the engine's cache of the layer (its layout and size; nothing is read)
+    job: Any = None  # a staged check's job in the worker, collected whenever it is done
 
 
 class SentinelHooks:
@@ -65,6 +68,7 @@ class SentinelHooks:
         self.capturer = capturer
         self._pre: dict[str, "PreUpdate"] = {}
         self._waiting: dict[str, _Waiting] = {}
+        self._staged: list[_Waiting] = []  # checks of staged graph steps, in the worker; polled, never waited for
         self._deferred: DeferredChecks | None = None
         self._said: set[str] = set()
         self._closed = False
@@ -90,6 +94,8 @@ class SentinelHooks:
             name = getattr(layer, "layer_name", None)
             if name is None:
                 return
+            if self._staged:
+                self.poll_staged(state)
             if self._waiting and name in self._waiting:
                 self._collect(state, name)
             step = state._forward_counts.get(name, 0)  # the forward this update belongs to comes next
@@ -129,27 +135,53 @@ class SentinelHooks:
         except Exception as exc:
             self._failed(exc, "after the forward")
 
-    def before_graph_replay(self, state) -> None:
-        """A full CUDA graph is about to run a step: the checks of the previous one are collected first, while
-        the cache still holds what that step read (the graph's cache update comes next). Also called before vLLM
-        records a graph: the worker then makes no CUDA call while a stream captures."""
+    def before_graph_replay(self, state, *, recording: bool = False) -> None:
+        """A full CUDA graph is about to run a step: the checks of the previous one that read the engine's memory
+        are collected first, while the cache still holds what that step read (the graph's cache update comes
+        next); checks of staged steps read kvdbg's own copies and are only collected when done. Before vLLM
+        records a graph (``recording``) every check is collected: the worker then makes no CUDA call while a
+        stream captures."""
         try:
             for name in list(self._waiting):
                 self._collect(state, name)
+            if self._staged:
+                self.poll_staged(state, wait=COLLECT_SECONDS if recording else None)
         except Exception as exc:
             self._failed(exc, "before a CUDA graph's replay")
 
-    def after_graph_replay(self, state, slot, ctx, step: int) -> None:
+    def after_graph_replay(self, state, slot, ctx, step: int, staged: Any = None) -> None:
         """A sampled step of a layer replayed from a full CUDA graph: checked from the graph's copies of its
-        query and output (``graph_hooks``), with the metadata its build kept (None: no build seen)."""
+        query and output (``graph_hooks``), with the metadata its build kept (None: no build seen); with
+        ``staged``, from the step's copies staged on the device (``graph_staging``): query, output and pages."""
         try:
             self._check(state, slot.impl, slot.layer, step, slot.query, None, None, slot.kv_cache, ctx,
-                        slot.output, None)
+                        slot.output, None, staged=staged)
         except Exception as exc:
             self._failed(exc, "after a CUDA graph's replay")
 
+    def poll_staged(self, state, wait: float | None = None) -> None:
+        """Collect the checks of staged steps that are done (with ``wait``, every one, within that many seconds in
+        all), capture those found wrong from their staged copies, and let their staging go."""
+        deadline = None if wait is None else time.monotonic() + wait
+        for waiting in list(self._staged):
+            job = waiting.job
+            if job is not None and not job.done.is_set():
+                if deadline is None or not job.done.wait(max(0.0, deadline - time.monotonic())):
+                    continue
+            self._staged.remove(waiting)
+            try:
+                if job is None or job.error is not None:
+                    self._failed(job.error if job is not None else RuntimeError("no check"), "in the device check")
+                    continue
+                self.sentinel.record(job.result)
+                finding = job.result.finding()
+                if finding is not None:
+                    self._capture(state, finding, waiting)
+            finally:
+                waiting.staged.release()
+
     def _check(self, state, impl: Any, layer: Any, step: int, query, key, value, kv_cache, ctx, output,
-               pre: "PreUpdate | None") -> None:
+               pre: "PreUpdate | None", staged: Any = None) -> None:
         """Check one sampled step (on CPU now; on CUDA in the worker, collected later) and capture it if wrong."""
         name = layer.layer_name
         if ctx is None:
@@ -171,6 +203,30 @@ class SentinelHooks:
         info = state._info(impl)
         target = state.capture_layer(impl, layer, kv_layout, output.dtype)
         if not self.sentinel.can_check(target, info.backend_name if info else None):
+            return
+        if staged is not None:  # kvdbg's copies of the step, read through its block table in staged positions
+            import torch
+
+            copies = staged.layers[name]
+            inputs = StepInputs(query=copies.query, kv_cache=copies.pages,
+                                block_table=torch.from_numpy(staged.position_table()), seq_lens=ctx.seq_lens,
+                                query_start_loc=ctx.query_start_loc, causal=causal, output=copies.output,
+                                max_model_len=ctx.max_model_len, max_pages=staged.counts.tolist())
+            waiting = _Waiting(impl, layer, target, kv_layout, ctx, None, None, None, inputs, step,
+                               staged=staged.hold(), cache=kv_cache)
+            if getattr(kv_cache, "is_cuda", False):
+                if self._deferred is None:
+                    self._deferred = DeferredChecks(self.sentinel, kv_cache.device)
+                waiting.job = self._deferred.submit_staged(target, inputs, step, staged.ready)
+                self._staged.append(waiting)
+                return
+            try:
+                result = self.sentinel.check(target, inputs, step)
+                finding = result.finding()
+                if finding is not None:
+                    self._capture(state, finding, waiting)
+            finally:
+                staged.release()
             return
         inputs = StepInputs(query=query, kv_cache=kv_cache, block_table=ctx.block_table, seq_lens=ctx.seq_lens,
                             query_start_loc=ctx.query_start_loc, causal=causal, output=output,
@@ -208,8 +264,11 @@ class SentinelHooks:
             logger.debug("kvdbg sentinel: %s step %s is wrong again (%s); not captured", w.target.name, w.step,
                          finding.kind)
             return
+        cache = w.inputs.kv_cache if w.staged is None else w.cache
         backend, tensors, provenance = state.step_capture(w.impl, w.ctx, w.inputs.query, w.key, w.value,
-                                                          w.inputs.kv_cache, w.pre, w.layer, w.kv_layout)
+                                                          cache, w.pre, w.layer, w.kv_layout)
+        if w.staged is not None:  # the pages from the step's staged copy, by engine page id
+            tensors.staged = w.staged.pages_for(w.target.name)
         provenance["captured_by"] = f"the sentinel ({finding.kind})"
         pending = self.capturer.begin(w.target, backend, tensors, step=w.step, info=provenance,
                                       notes=finding.text())
@@ -251,6 +310,11 @@ class SentinelHooks:
                     self._collect(state, name, max(0.0, deadline - time.monotonic()))
                 else:
                     self._waiting.pop(name)
+            if self._staged:
+                if state is not None:
+                    self.poll_staged(state, wait=max(0.0, deadline - time.monotonic()))
+                self.sentinel.counts["errors"] += len(self._staged)  # not back in time, or no state to capture
+                self._staged.clear()
             self.capturer.close(max(0.0, deadline - time.monotonic()))
             c = self.sentinel.counts
             level = logging.WARNING if c["failed"] or c["errors"] else logging.INFO

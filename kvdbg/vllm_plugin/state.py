@@ -88,6 +88,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._forward_context = None
         self._graph_thread = None  # the graph capture thread, started with the first wanted graph step
         self._graph_job = None  # the step last handed to it, until the engine's next work waits for its copies
+        self._stager = None  # graph_staging.GraphStager, made with the first wanted graph step
 
     # ---------------------------------------------------------------- patching
 

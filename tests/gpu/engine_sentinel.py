@@ -64,13 +64,14 @@ def _count_graph_steps() -> dict:
     """Count the steps the plugin's graph path hands the sentinel (test-only: wraps the hook's class)."""
     from kvdbg.vllm_plugin.sentinel_hooks import SentinelHooks
 
-    seen = {"handed": 0, "without_metadata": 0}
+    seen = {"handed": 0, "without_metadata": 0, "staged": 0}
     original = SentinelHooks.after_graph_replay
 
-    def after_graph_replay(self, state, slot, ctx, step):
+    def after_graph_replay(self, state, slot, ctx, step, staged=None):
         seen["handed"] += 1
         seen["without_metadata"] += ctx is None
-        return original(self, state, slot, ctx, step)
+        seen["staged"] += staged is not None  # checked from kvdbg's staged copies, never waited for
+        return original(self, state, slot, ctx, step, staged)
 
     SentinelHooks.after_graph_replay = after_graph_replay
     return seen

@@ -1,0 +1,396 @@
+"""A wanted step of a replayed full CUDA graph, staged in device memory by the engine's thread.
+
+A replayed graph's step is read after the replay: the layers' query and output from the buffers the graph
+copies into (``graph_hooks``), their pages from the caches. The next step overwrites both (the buffers at its
+replay, the caches at its update), so whatever reads them must be ordered before the next step's work. Read
+from the host, that order costs the engine's thread a wait: the host must know the step's pages, and under
+asynchronous scheduling the device is a step behind the host's copy of the block table.
+
+Staging orders the reads on the device instead, with no host wait and a constant number of runtime calls:
+
+- the host knows, when the builder builds, a bound on every request's length (vLLM's
+  ``seq_lens_cpu_upper_bound``, else ``max_seq_len`` for every row), so it knows how many block-table
+  entries each request may read: the flat positions ``row * stride + column`` of those entries;
+- right after the replay, on the engine's stream, a *staging program* reads them: the page ids from the
+  block table the step used (the runner's persistent one, as the graph did), clamped into the cache, then
+  each selected layer's pages by those ids, its query and its output, into device buffers of its own.
+  On a GPU the program is a small CUDA graph of kvdbg's, recorded once per size (the first use of a size
+  runs it eagerly, then records it), so a step costs one index copy and one graph launch whatever the
+  number of layers;
+- the graph capture thread then takes its time: it reads the page ids back, keeps the pages the step's
+  exact lengths read (its host copies of the metadata, as for any step) and copies them to the host from
+  the staged buffers, never from the engine's.
+
+A program's buffers are reused by its next step; the capture thread (or the sentinel's check) *holds* a
+program until it has read what it needs and then records an event, on which the next run waits on the
+device. A program still held when another step wants it is not waited for: a second program of that size
+is made, up to :data:`PROGRAMS_PER_SIZE`, and past that (or past :data:`STAGING_MAX_BYTES` of device
+memory) the step is captured the way it was before staging, the engine's thread waiting for the capture
+thread's copies; the exit line counts both.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("kvdbg.capture")
+
+# The most device memory all staging programs of a process may hold (pages, query and output copies).
+STAGING_MAX_BYTES = 2 * 1024**3
+# Programs are made for a number of pages rounded up to a power of two, at least this one.
+MIN_PAGES = 64
+# Programs of one size (and block table and layers): a second one serves a step wanted while the first is held.
+PROGRAMS_PER_SIZE = 2
+# Programs kept in all: past this, those of the sizes least recently used are let go (when not held).
+MAX_PROGRAMS = 8
+
+
+@dataclass(frozen=True)
+class StageHint:
+    """What a build tells staging about its step (kept on the build's context; references, no copies):
+    the block table the step reads (the runner's device buffer), the real requests, and a host bound on
+    each request's length (None: ``max_seq_len`` bounds every row)."""
+
+    block_table: Any
+    num_reqs: int
+    seq_lens_bound: Any  # a host tensor or array of >= num_reqs entries, or None
+    max_seq_len: int
+
+
+def stage_hint(common: Any, block_table: Any, num_reqs: int) -> StageHint | None:
+    """The hint for a build's ``common`` metadata (None when it says too little to bound the step's pages)."""
+    max_seq_len = getattr(common, "max_seq_len", None)
+    bound = getattr(common, "seq_lens_cpu_upper_bound", None)
+    if bound is not None and (getattr(bound, "is_cuda", False) or len(bound) < num_reqs):
+        bound = None
+    if bound is None and not isinstance(max_seq_len, int):
+        return None
+    return StageHint(block_table, num_reqs, bound, int(max_seq_len or 0))
+
+
+@dataclass(eq=False)
+class StagedPages:
+    """One layer's staged pages, as :meth:`kvdbg.capture.prepare.CapturePlan.gather` reads them instead of the
+    engine's cache: ``pages`` is the layer's cache with its page dimension cut to the staged positions."""
+
+    step: "StagedStep"
+    pages: "torch.Tensor"
+    page_dim: int
+
+    def positions(self, page_ids: np.ndarray) -> "torch.Tensor":
+        """The staged position of each engine page id (int64, host); CaptureInputError naming one not staged."""
+        import torch
+
+        ids, first = self.step.unique_ids()
+        where = np.searchsorted(ids, page_ids)
+        where = np.minimum(where, max(0, ids.size - 1))
+        missing = ids.size == 0 or not np.array_equal(ids[where], page_ids)
+        if missing:
+            from kvdbg.capture.inputs import CaptureInputError
+
+            lost = page_ids[np.isin(page_ids, ids, invert=True)]
+            raise CaptureInputError(
+                f"page {int(lost[0])} of the step was not staged: the block table the graph read does not hold "
+                "it within the lengths the host bounded at the build (a runner that changed its block table "
+                "or its lengths after building)")
+        return torch.from_numpy(first[where])
+
+
+@dataclass(eq=False)
+class StagedLayer:
+    pages: "torch.Tensor"
+    page_dim: int
+    query: "torch.Tensor"  # the graph's rows of the layer's query buffer, copied
+    output: "torch.Tensor | None"
+
+
+@dataclass(eq=False)
+class StagedStep:
+    """One staged step: its layers' copies, what was staged (``count`` positions, ``row_starts``/``counts``
+    per request) and the event after the program's work on the engine's stream."""
+
+    program: "_Program"
+    layers: dict[str, StagedLayer]
+    count: int
+    counts: np.ndarray
+    row_starts: np.ndarray
+    page_size: int
+    ready: Any  # torch.cuda.Event after the program (None on a CPU)
+    _unique: tuple | None = field(default=None, repr=False)
+    _table: np.ndarray | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def unique_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted engine page ids staged, the first staged position of each): read from the device once."""
+        with self._lock:
+            if self._unique is None:
+                if self.ready is not None:
+                    self.ready.synchronize()
+                staged = self.program.ids[: self.count].to("cpu", dtype=self.program.ids.dtype).numpy()
+                ids, first = np.unique(staged.astype(np.int64, copy=False), return_index=True)
+                self._unique = (ids, first.astype(np.int64, copy=False))
+            return self._unique
+
+    def pages_for(self, name: str) -> StagedPages:
+        layer = self.layers[name]
+        return StagedPages(self, layer.pages, layer.page_dim)
+
+    def position_table(self) -> np.ndarray:
+        """The step's block table in staged positions ([requests, most pages], -1 past a row's pages): what a
+        reader of the staged pages uses in place of the engine's block table (made once)."""
+        table = self._table
+        if table is None:
+            columns = np.arange(max(1, int(self.counts.max()) if self.counts.size else 0), dtype=np.int64)
+            table = self.row_starts[:, None] + columns[None, :]
+            table[columns[None, :] >= self.counts[:, None]] = -1
+            self._table = table
+        return table
+
+    def hold(self) -> "StagedStep":
+        """One more reader of the staged buffers (the capture thread, a sentinel check): the program is not run
+        again until each has called :meth:`release`."""
+        self.program.hold()
+        return self
+
+    def release(self) -> None:
+        """The holder is done issuing its reads of the staged buffers (on the current stream)."""
+        self.program.release()
+
+
+class _Program:
+    """The device work that stages a step for one block table, one set of layers and one number of pages."""
+
+    def __init__(self, device: Any, block_table: "torch.Tensor", layers: list[tuple], pages: int):
+        import torch
+
+        self.device = device
+        self.size = pages
+        # The block table as one flat view from its first entry to the end of its storage: the program
+        # reads any row of the runner's buffer through it, whatever the batch's number of rows.
+        elements = block_table.untyped_storage().nbytes() // block_table.element_size() - block_table.storage_offset()
+        self.table = block_table.as_strided((elements,), (1,))
+        self.index = torch.zeros(pages, dtype=torch.int64, device=block_table.device)
+        self.ids = torch.zeros(pages, dtype=block_table.dtype, device=block_table.device)
+        self.layers = []  # (name, cache, page_dim, query source, query copy, output source, output copy, pages)
+        highest = None
+        for name, cache, page_dim, query, output in layers:
+            shape = list(cache.shape)
+            highest = shape[page_dim] - 1 if highest is None else min(highest, shape[page_dim] - 1)
+            shape[page_dim] = pages
+            self.layers.append((name, cache, page_dim, query, torch.empty_like(query), output,
+                                None if output is None else torch.empty_like(output),
+                                cache.new_empty(shape)))
+        self.highest = max(0, highest or 0)
+        self.nbytes = sum(t.numel() * t.element_size() for layer in self.layers for t in (layer[4], layer[6], layer[7])
+                          if t is not None) + 2 * pages * 8
+        self.graph = None
+        self.recorded_ms = 0.0
+        self._holders = 0
+        self._released: list[Any] = []  # events after the holders' reads, for the next run to wait on
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> bool:
+        return self._holders > 0
+
+    def hold(self) -> None:
+        with self._lock:
+            self._holders += 1
+
+    def release(self) -> None:
+        event = None
+        if self.index.is_cuda:
+            import torch
+
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        with self._lock:
+            if event is not None:
+                self._released.append(event)
+            self._holders = max(0, self._holders - 1)
+
+    def _body(self) -> None:
+        import torch
+
+        torch.index_select(self.table, 0, self.index, out=self.ids)
+        # Entries past a request's pages may hold anything the runner left there: never an id outside the cache.
+        self.ids.clamp_(0, self.highest)
+        for _, cache, page_dim, query, query_copy, output, output_copy, pages in self.layers:
+            torch.index_select(cache, page_dim, self.ids, out=pages)
+            query_copy.copy_(query)
+            if output is not None:
+                output_copy.copy_(output)
+
+    def run(self, flat: np.ndarray) -> Any:
+        """Stage a step whose block-table positions are ``flat`` (engine's thread, engine's stream); returns the
+        event after the work (None on a CPU)."""
+        import torch
+
+        cuda = self.index.is_cuda
+        host = torch.empty(self.size, dtype=torch.int64, pin_memory=cuda)
+        values = host.numpy()
+        values[: flat.size] = flat
+        values[flat.size:] = 0  # the first entry of the table: a real page of the first request, read again
+        if not cuda:
+            self.index.copy_(host)
+            self._body()
+            return None
+        stream = torch.cuda.current_stream(self.device)
+        with self._lock:
+            released, self._released = self._released, []
+        for event in released:  # the last holders' reads of these buffers come first (a wait on the device)
+            stream.wait_event(event)
+        self.index.copy_(host, non_blocking=True)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._body()
+            self._record(stream)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        return ready
+
+    def _record(self, stream: Any) -> None:
+        """Record the program as a CUDA graph of its own (once; its buffers are fixed, nothing is allocated)."""
+        import time
+
+        import torch
+
+        start = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            # Thread-local: the engine's other threads (kvdbg's capture thread among them) go on meanwhile.
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self._body()
+            finally:
+                graph.capture_end()
+        stream.wait_stream(side)
+        self.graph = graph
+        self.recorded_ms = (time.perf_counter() - start) * 1e3
+
+
+class GraphStager:
+    """The staging programs of one process, and the choice, per wanted step, to stage it or not."""
+
+    def __init__(self, max_bytes: int = STAGING_MAX_BYTES):
+        self.max_bytes = max_bytes
+        self._programs: dict[tuple, list[_Program]] = {}
+        self.nbytes = 0
+        self.staged = 0
+        self.not_staged: dict[str, int] = {}
+        self.recorded: list[float] = []  # ms to record each staging graph let go
+        self._said: set[str] = set()
+
+    def stage(self, layers: list[tuple], hint: StageHint, page_size: int, rows: int) -> StagedStep | None:
+        """Stage one step (engine's thread, right after the graph's replay). ``layers``: per selected layer,
+        (name, cache, page_dim, query buffer, output buffer or None), the buffers the graph copied into;
+        ``rows``: the graph's tokens. None (said once, counted) when it cannot: the caller then captures the
+        way it did before staging."""
+        bound = hint.seq_lens_bound
+        n = hint.num_reqs
+        table = hint.block_table
+        if table.dim() != 2 or table.stride(1) != 1 or table.shape[0] < n:
+            return self._not("table", "the block table is not a row-major matrix of the batch's rows")
+        width = table.shape[1]
+        if bound is None:
+            lengths = np.full(n, hint.max_seq_len, dtype=np.int64)
+        else:
+            lengths = (bound.numpy() if hasattr(bound, "numpy") else np.asarray(bound))[:n].astype(np.int64)
+        counts = np.minimum((lengths + (page_size - 1)) // page_size, width)
+        counts = np.maximum(counts, 0)
+        total = int(counts.sum())
+        if total == 0:
+            return self._not("empty", "the step reads no page")
+        size = max(MIN_PAGES, 1 << (total - 1).bit_length())
+        key = (size, table.data_ptr(), table.stride(0), table.dtype, tuple(layer[0] for layer in layers),
+               tuple(layer[1].data_ptr() for layer in layers))
+        program = self._program(key, table, layers, size)
+        if program is None:
+            return None
+        starts = np.cumsum(counts) - counts
+        rows_of = np.repeat(np.arange(n, dtype=np.int64), counts)
+        flat = rows_of * table.stride(0) + (np.arange(total, dtype=np.int64) - np.repeat(starts, counts))
+        ready = program.run(flat)
+        self.staged += 1
+        staged = {}
+        for name, _, page_dim, query, query_copy, output, output_copy, pages in program.layers:
+            staged[name] = StagedLayer(pages, page_dim, query_copy[:rows],
+                                       None if output_copy is None else output_copy[:rows])
+        return StagedStep(program, staged, total, counts, starts, page_size, ready)
+
+    def _program(self, key: tuple, table: Any, layers: list[tuple], size: int) -> _Program | None:
+        programs = self._programs.pop(key, [])
+        self._programs[key] = programs  # the most recently used size last
+        for program in programs:
+            if not program.held:
+                return program
+        if len(programs) >= PROGRAMS_PER_SIZE:
+            return self._not("held", "the graph capture thread still holds the staged buffers of earlier "
+                                     "wanted steps")
+        need = sum(cache.element_size() * (cache.numel() // max(1, cache.shape[page_dim])) * size
+                   + query.numel() * query.element_size() * 2 for _, cache, page_dim, query, _ in layers)
+        if self.nbytes + need > self.max_bytes:
+            return self._not("budget", f"staging it needs {need / 2**20:,.0f} MiB of device memory, over the "
+                                       f"{self.max_bytes / 2**20:,.0f} MiB kvdbg keeps for staging "
+                                       f"({self.nbytes / 2**20:,.0f} MiB in use)")
+        program = _Program(table.device, table, layers, size)
+        programs.append(program)
+        self.nbytes += program.nbytes
+        self._let_go()
+        return program
+
+    def _let_go(self) -> None:
+        """Past MAX_PROGRAMS, let the least recently used programs go (a held one is kept until released)."""
+        total = sum(len(programs) for programs in self._programs.values())
+        for key in list(self._programs):
+            if total <= MAX_PROGRAMS:
+                return
+            programs = self._programs[key]
+            for program in [p for p in programs if not p.held]:
+                if total <= MAX_PROGRAMS:
+                    break
+                programs.remove(program)
+                self.nbytes -= program.nbytes
+                if program.graph is not None:
+                    self.recorded.append(program.recorded_ms)
+                total -= 1
+            if not programs:
+                del self._programs[key]
+
+    def _not(self, kind: str, why: str) -> None:
+        self.not_staged[kind] = self.not_staged.get(kind, 0) + 1
+        if kind not in self._said:
+            self._said.add(kind)
+            logger.info("kvdbg capture: a wanted step of a replayed CUDA graph was not staged on the device (%s); "
+                        "it is captured from the engine's memory, the engine's thread waiting for the copies "
+                        "(logged once; the exit line counts these steps)", why)
+        return None
+
+    def describe(self) -> str:
+        """One clause for the exit line ('' when nothing was asked)."""
+        if not self.staged and not self.not_staged:
+            return ""
+        recorded = self.recorded + [p.recorded_ms for programs in self._programs.values() for p in programs
+                                    if p.graph is not None]
+        line = f"{self.staged} graph step(s) staged on the device ({self.nbytes / 2**20:,.0f} MiB of staging"
+        if recorded:
+            line += f", {len(recorded)} staging graph(s) recorded in {sum(recorded):,.1f} ms"
+        line += ")"
+        missed = sum(self.not_staged.values())
+        if missed:
+            line += f", {missed} not staged"
+        return line
+
+
+__all__ = ["GraphStager", "StageHint", "StagedPages", "StagedStep", "stage_hint"]

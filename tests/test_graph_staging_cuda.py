@@ -1,0 +1,96 @@
+"""Staging a replayed graph's step on a CUDA device: the program run eagerly, then recorded and replayed as a
+graph of its own, reads the pages the block table names at the time it runs, and waits for its holders."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvdbg.vllm_plugin.graph_staging import GraphStager, StageHint
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _layers(count=3, blocks=40, page=16, heads=2, dim=32):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    caches = [torch.randn(2, blocks, page, heads, dim, device="cuda", generator=gen).to(torch.bfloat16)
+              for _ in range(count)]
+    queries = [torch.randn(16, 4, dim, device="cuda", generator=gen) for _ in range(count)]
+    outputs = [torch.randn(16, 4, dim, device="cuda", generator=gen) for _ in range(count)]
+    return [(f"l{i}", caches[i], 1, queries[i], outputs[i]) for i in range(count)]
+
+
+def _expect(step, layers, table, lengths, page):
+    ids, first = step.unique_ids()
+    live = sorted({int(table[r, c]) for r, n in enumerate(lengths) for c in range(-(-n // page))})
+    assert set(live) <= set(ids.tolist())
+    for name, cache, dim, query, output in layers:
+        staged = step.pages_for(name)
+        where = staged.positions(np.array(live, dtype=np.int64)).cuda()
+        torch.testing.assert_close(staged.pages.index_select(dim, where), cache.index_select(dim, torch.tensor(
+            live, device="cuda")), rtol=0, atol=0)
+        torch.testing.assert_close(step.layers[name].query, query[:12], rtol=0, atol=0)
+        torch.testing.assert_close(step.layers[name].output, output[:12], rtol=0, atol=0)
+
+
+def test_a_program_runs_eagerly_then_as_its_own_graph_and_reads_the_table_when_it_runs():
+    layers = _layers()
+    table = torch.randint(1, 40, (8, 24), dtype=torch.int32, device="cuda")  # the runner's persistent table
+    lengths = [300, 77, 150]
+    stager = GraphStager()
+    hint = StageHint(table[:3], 3, torch.tensor(lengths), max(lengths))
+    first = stager.stage(layers, hint, 16, 12).hold()
+    torch.cuda.synchronize()
+    _expect(first, layers, table.cpu(), lengths, 16)
+    program = first.program
+    assert program.graph is not None and program.held  # recorded after its eager run; held by the step
+    first.release()
+    # The next step: new table values and new buffers' contents, written on the engine's stream after the
+    # first step; the recorded graph reads what they hold when it replays.
+    table.random_(1, 40)
+    for _, cache, _, query, output in layers:
+        cache.mul_(2)
+        query.add_(1)
+        output.sub_(1)
+    second = stager.stage(layers, hint, 16, 12).hold()
+    assert second.program is program  # released: reused, by its graph
+    torch.cuda.synchronize()
+    _expect(second, layers, table.cpu(), lengths, 16)
+    second.release()
+
+
+def test_a_held_program_gets_a_twin_and_a_third_step_is_refused():
+    layers = _layers(count=1)
+    table = torch.randint(1, 40, (8, 24), dtype=torch.int32, device="cuda")
+    hint = StageHint(table[:3], 3, None, 150)
+    stager = GraphStager()
+    a = stager.stage(layers, hint, 16, 12).hold()
+    b = stager.stage(layers, hint, 16, 12).hold()
+    assert a.program is not b.program
+    assert stager.stage(layers, hint, 16, 12) is None and stager.not_staged == {"held": 1}
+    a.release()
+    c = stager.stage(layers, hint, 16, 12)
+    assert c.program is a.program
+    torch.cuda.synchronize()
+    _expect(c, layers, table.cpu(), [150, 150, 150], 16)
+
+
+def test_staging_over_its_device_budget_is_refused_in_words():
+    layers = _layers(count=2)
+    table = torch.randint(1, 40, (8, 24), dtype=torch.int32, device="cuda")
+    stager = GraphStager(max_bytes=1024)
+    assert stager.stage(layers, StageHint(table[:3], 3, None, 150), 16, 12) is None
+    assert stager.not_staged == {"budget": 1}
+
+
+def test_a_builds_metadata_packed_to_the_host_matches_it_on_the_device():
+    from kvdbg.capture.buffers import HostCopiesReady, packed_to_host
+
+    table = torch.randint(0, 1000, (8, 24), dtype=torch.int32, device="cuda")[:5]
+    lengths = torch.randint(1, 400, (5,), dtype=torch.int32, device="cuda")
+    slots = torch.randint(-1, 2**33, (9,), dtype=torch.int64, device="cuda")
+    host = packed_to_host([table, lengths, slots, None])
+    HostCopiesReady(table.device).synchronize()
+    for got, want in zip(host[:3], (table, lengths, slots)):
+        assert got.device.type == "cpu" and torch.equal(got, want.cpu())
