@@ -225,9 +225,10 @@ def test_a_builds_metadata_goes_to_the_host_as_one_copy_and_comes_back_whole():
     from kvdbg.capture.buffers import packed_to_host
 
     table = torch.arange(40, dtype=torch.int32).reshape(8, 5)[:3]  # a runner's rows, as the builder slices them
-    lengths = torch.tensor([7, 300, 2], dtype=torch.int32)
+    lengths = torch.tensor([7, 300, 2, 9], dtype=torch.int32)  # 19 words before an int64 tensor: an odd offset
     slots = torch.tensor([-1, 5, 2**40], dtype=torch.int64)
     out = packed_to_host([table, lengths, None, slots])
+    assert all(t.storage_offset() % (t.element_size() // 4) == 0 for t in out if t is not None)
     assert out[2] is None
     for got, want in zip([out[0], out[1], out[3]], [table, lengths, slots]):
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)

@@ -323,18 +323,18 @@ def packed_to_host(tensors: "list[torch.Tensor | None]") -> "list[torch.Tensor |
     given = [t for t in tensors if t is not None]
     if len(given) < 2 or any(t.dtype not in _PACKABLE or t.device != given[0].device for t in given):
         return copies_to_host(tensors)
-    flat = [t.reshape(-1) for t in given]
-    words = [f.view(torch.int32) if f.dtype == torch.int32 else f.contiguous().view(torch.int32) for f in flat]
+    # The int64 tensors first: each then starts on an even word, where an int32 view can be seen as int64 again.
+    order = sorted(range(len(given)), key=lambda i: given[i].dtype != torch.int64)
+    words = [given[i].reshape(-1).contiguous().view(torch.int32) for i in order]
     joined = torch.cat(words)
     host = joined.to("cpu", non_blocking=True) if joined.is_cuda else joined
-    out, start = [], 0
+    placed, start = {}, 0
+    for i, part in zip(order, words):
+        placed[i] = host[start:start + part.numel()].view(given[i].dtype).view(given[i].shape)
+        start += part.numel()
+    out, next_given = [], iter(range(len(given)))
     for t in tensors:
-        if t is None:
-            out.append(None)
-            continue
-        size = t.numel() * (2 if t.dtype == torch.int64 else 1)
-        out.append(host[start:start + size].view(t.dtype).view(t.shape))
-        start += size
+        out.append(None if t is None else placed[next(next_given)])
     return out
 
 
