@@ -14,8 +14,10 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 def _layers(count=3, blocks=40, page=16, heads=2, dim=32):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    caches = [torch.randn(2, blocks, page, heads, dim, device="cuda", generator=gen).to(torch.bfloat16)
-              for _ in range(count)]
+    # As vLLM hands a layer its cache: a permuted view ([2, blocks, page, heads, dim] seen, heads outside the page's
+    # tokens in memory), whose staged copy must lie in memory the same way.
+    caches = [torch.randn(2, blocks, heads, page, dim, device="cuda", generator=gen).to(torch.bfloat16)
+              .permute(0, 1, 3, 2, 4) for _ in range(count)]
     queries = [torch.randn(16, 4, dim, device="cuda", generator=gen) for _ in range(count)]
     outputs = [torch.randn(16, 4, dim, device="cuda", generator=gen) for _ in range(count)]
     return [(f"l{i}", caches[i], 1, queries[i], outputs[i]) for i in range(count)]
@@ -43,6 +45,9 @@ def test_a_program_runs_eagerly_then_as_its_own_graph_and_reads_the_table_when_i
     first = stager.stage(layers, hint, 16, 12).hold()
     torch.cuda.synchronize()
     _expect(first, layers, table.cpu(), lengths, 16)
+    for name, cache, *_ in layers:  # laid out in memory as the cache is
+        staged = first.layers[name].pages
+        assert sorted(range(5), key=lambda d: -staged.stride(d)) == sorted(range(5), key=lambda d: -cache.stride(d))
     program = first.program
     assert program.graph is not None and program.held  # recorded after its eager run; held by the step
     first.release()

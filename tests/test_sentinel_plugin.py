@@ -268,3 +268,23 @@ def test_checks_of_staged_graph_steps_are_collected_when_done_and_never_waited_f
     timer.join()
     assert hooks._staged == [] and [s.released for s in staged] == [1, 1]
     assert hooks.sentinel.counts["checked"] == checked + 2
+
+
+@pytest.mark.parametrize("cache_layout", ["LBNHC", "BHLNC"])
+def test_a_staged_graph_step_is_checked_through_the_caches_own_layout(sentinel_env, cache_layout):
+    """vLLM hands a layer its cache as a permuted view, and a layout is named by its strides too: the staged
+    pages lie in memory as the cache does, so the sentinel reads them through the same layout (a wrong step is
+    caught and captured, a right one passes)."""
+    from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _run_as_graph
+
+    monkeypatch, directory = sentinel_env
+    _wrong_head_2_of_layer_1(monkeypatch)
+    vllm_plugin.register()
+    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2,
+                           cache_layout=cache_layout)
+    _record_graph(engine, 8, 4, monkeypatch)
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=8), _padded_inputs(engine, 8), 8, monkeypatch)
+    hooks = _hooks()
+    assert hooks.sentinel.counts["errors"] == 0
+    assert hooks.sentinel.counts["checked"] == 2 and hooks.sentinel.counts["failed"] == 1
+    assert vllm_plugin._state._stager.staged == 1 and len(_files(directory)) == 1

@@ -184,10 +184,9 @@ class _Program:
         for name, cache, page_dim, query, output in layers:
             shape = list(cache.shape)
             highest = shape[page_dim] - 1 if highest is None else min(highest, shape[page_dim] - 1)
-            shape[page_dim] = pages
             self.layers.append((name, cache, page_dim, query, torch.empty_like(query), output,
                                 None if output is None else torch.empty_like(output),
-                                cache.new_empty(shape)))
+                                _laid_out_like(cache, page_dim, pages)))
         self.highest = max(0, highest or 0)
         self.nbytes = sum(t.numel() * t.element_size() for layer in self.layers for t in (layer[4], layer[6], layer[7])
                           if t is not None) + 2 * pages * 8
@@ -278,6 +277,16 @@ class _Program:
         stream.wait_stream(side)
         self.graph = graph
         self.recorded_ms = (time.perf_counter() - start) * 1e3
+
+
+def _laid_out_like(cache: "torch.Tensor", page_dim: int, pages: int) -> "torch.Tensor":
+    """A buffer of ``pages`` pages whose axes lie in memory in the cache's order: an engine layout is named by
+    its strides too (a vLLM cache is a permuted view), and the staged pages are read through that layout."""
+    shape = list(cache.shape)
+    shape[page_dim] = pages
+    order = sorted(range(cache.dim()), key=lambda d: (-cache.stride(d), d))  # outermost axis first
+    physical = cache.new_empty([shape[d] for d in order])
+    return physical.permute(*[order.index(d) for d in range(cache.dim())])
 
 
 class GraphStager:
