@@ -187,7 +187,8 @@ class Timing:
         self._replaced: list[tuple[object, str, object]] = []
 
     def _replace(self, owner, name: str, wrapper) -> None:
-        self._replaced.append((owner, name, owner.__dict__.get(name) if isinstance(owner, type) else None))
+        # A class's own attribute (None: inherited, deleted again at restore); a module's attribute as it is.
+        self._replaced.append((owner, name, owner.__dict__.get(name)))
         setattr(owner, name, wrapper)
 
     def restore(self) -> None:
@@ -387,6 +388,13 @@ class Timing:
             return out
 
         self._replace(StagedStep, "unique_ids", staged_ids)
+        # The engine's thread's part of a wanted step: the build's packed copy to the host, the staging program.
+        from kvdbg.capture import buffers as capture_buffers
+        from kvdbg.vllm_plugin.graph_staging import GraphStager
+
+        self._replace(capture_buffers, "packed_to_host",
+                      _timed(timing, "packed_copy", capture_buffers.packed_to_host, "inner"))
+        self._replace(GraphStager, "stage", _timed(timing, "stage", GraphStager.stage, "inner"))
         self._replace(Capturer, "begin", _timed(timing, "begin", Capturer.begin, "inner"))
         # Where a capture's time goes (in the capture thread, for a step replayed from a graph): waiting for the
         # device to pass the build's metadata copies, taking host buffers (a new page-locked one is dear), and
@@ -529,6 +537,9 @@ def summarize_wanted(steps: list[dict], wanted: int) -> dict:
                step_ms=hit["wall_ns"] / 1e6, step_added_ms=(hit["wall_ns"] - base_wall) / 1e6,
                following_added_ms=sum(s["wall_ns"] - base_wall for s in following) / 1e6,
                inner_us={k: v / 1e3 for k, v in hit.get("inner", {}).items()},
+               hooks_added_by_name_us={name: (hit["hooks"].get(name, 0)
+                                              - statistics.median(s["hooks"].get(name, 0) for s in others)) / 1e3
+                                       for name in KVDBG_HOOKS},
                captured_bytes=hit.get("captured_bytes", 0), captures=hit.get("captures", 0))
     if hit.get("device"):
         device = hit["device"]
@@ -587,6 +598,9 @@ def figures(records: dict[str, dict]) -> dict:
                                 # the capture thread's time per part (begin, metadata_wait, buffer_take, ...)
                                 "inner_us": {k: spread([w.get("inner_us", {}).get(k) for w in timed])
                                              for k in sorted({k for w in timed for k in w.get("inner_us", {})})},
+                                "hooks_added_by_name_us": {
+                                    k: spread([w.get("hooks_added_by_name_us", {}).get(k) for w in timed])
+                                    for k in sorted({k for w in timed for k in w.get("hooks_added_by_name_us", {})})},
                                 "first": next((w for w in wanted if w.get("role") == "warm-up"), None)}
     device = [w for w in wanted if w.get("role") == "device" and w.get("device")]
     bandwidth = capture.get("d2h", {}).get("gb_s")
@@ -945,10 +959,15 @@ def print_figures(figs: dict, records: dict) -> None:
         print(f"  wanted step, engine's thread: +{f['added_us']['median']:.0f} us (range {f['added_us']['min']:.0f}.."
               f"{f['added_us']['max']:.0f}; line <= {f['line_us']:.0f} us: {'met' if f['met'] else 'MISSED'}); "
               f"step +{f['step_added_ms']['median']:.2f} ms; {f['bytes']['median'] / 2**20:.1f} MiB a step")
+        by_hook = {k: v.get("median") for k, v in f.get("hooks_added_by_name_us", {}).items()
+                   if v.get("median") is not None}
+        if by_hook:
+            print("    engine's thread by hook (added, medians): " + ", ".join(f"{k} {v:.0f} us"
+                                                                          for k, v in by_hook.items()))
         inner = {k: v.get("median") for k, v in f.get("inner_us", {}).items() if v.get("median") is not None}
         if inner:
-            print("    where the wait goes (capture thread, medians): "
-                  + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in inner.items()))
+            print("    parts (medians; stage and packed_copy on the engine's thread, the rest in the capture "
+                  "thread): " + ", ".join(f"{k} {v / 1e3:.3f} ms" for k, v in inner.items()))
     f = figs.get("wanted_device")
     if f:
         print(f"  wanted step, device: {f['span_ms']['median']:.2f} ms against "

@@ -208,7 +208,8 @@ def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(sta
         assert all(r["hooks"]["after_build"] > 0 and r["hooks"]["after_graph_replay"] > 0 for r in records)
         assert records[2]["captures"] == 2 and records[2]["captured_bytes"] > 12 * 4 * 16 * 2  # pages too
         # the capture's parts (on a CPU no metadata event and no pooled buffer: begin, finish, the pages' gather)
-        assert set(records[2]["inner"]) == {"begin", "finish", "gather"} and not records[0]["inner"]
+        # and the engine's thread's part of it: the staging program (the build's packed copy is a device one)
+        assert set(records[2]["inner"]) == {"begin", "finish", "gather", "stage"} and not records[0]["inner"]
         assert len(snapshots(tmp_path)) == 2
     finally:
         timing.restore()
@@ -247,7 +248,7 @@ def test_a_capture_thread_that_takes_the_job_at_once_still_counts_into_the_step_
         timing.current = None
         vllm_plugin._state.await_graph_capture()
         assert record["copied"] and record["captures"] == 2 and record["captured_bytes"] > 0
-        assert set(record["inner"]) == {"begin", "finish", "gather"}
+        assert set(record["inner"]) == {"begin", "finish", "gather", "stage"}
     finally:
         timing.restore()
 
