@@ -13,20 +13,23 @@ the step's block table, lengths and query offsets as for any step) and vLLM's ``
   only for the layers capture's or the sentinel's filter selects; the writer holds its device work meanwhile
   (:meth:`~kvdbg.capture.writer.CaptureWriter.held_writer`: CUDA forbids, process-wide, what it does while a
   stream captures), and the sentinel's checks still in its worker are collected before the recording starts;
-- **after each replay**, the selected layers' steps are counted as if their forwards had run; a step the filters
-  want is handed, whole (every wanted layer, with the metadata its build kept), to the plugin's *graph capture
-  thread*, behind one CUDA event recorded on the engine's stream after the graph's work. The engine's thread
-  goes on at once: its cost for a wanted step is that event and the hand-off, not a capture per layer. The
-  capture thread issues the captures as the engine's thread used to, on a stream of its own that waits for
-  the event (the layer's buffers, and its cache, which lives outside the graph), and records a second event
-  after its last copy. Before the next step can overwrite anything it read (the worker's next step, whose
-  model runner may zero or copy cache pages before it builds; else the next build, graph replay, graph
-  recording, layer forward or cache update, a drafter's included: whichever comes first), the engine's
-  thread waits until the capture thread has issued its copies (by then, mostly, long done: the engine
-  meanwhile samples the step) and makes its stream wait for that second event: no host wait for the
-  device, and nothing the next step overwrites is read late. A step the sentinel samples is checked from the
-  same buffers (its layer filter also chooses which layers get them); its device checks of a step are
-  collected before the next replay, while the cache holds what it read.
+- **after each replay**, the selected layers' steps are counted as if their forwards had run. A step capture
+  wants or the sentinel samples is first *staged* (``graph_staging``): on the engine's stream, right after the
+  graph's work, a small program of kvdbg's (recorded once per size as a CUDA graph of its own) copies the
+  page ids the step's block table names (within the host's bound on each request's length, known at the build),
+  those pages of each layer, and the layers' query and output buffers into kvdbg's device buffers. Nothing a
+  later step does can reach those copies, so the engine's thread goes on at once and never waits: the wanted
+  step is handed, whole (every wanted layer, with the metadata its build kept), to the plugin's *graph capture
+  thread*, which reads the page ids back, keeps the pages the step's exact lengths read and copies them to the
+  host from the staged buffers whenever it gets to them; a sampled step's check runs in the sentinel's worker
+  on the same copies and is collected when it is done (a wrong step is captured from them too). Each reader
+  releases the staged buffers with an event on which their next use waits, on the device.
+- a step staging cannot serve (its program still held by earlier readers, over kvdbg's staging memory, a
+  build that gave no bound) is read the way it was before staging: from the engine's memory, the capture
+  thread issuing its copies behind one event after the graph's work, and the engine's next work on the device
+  (the worker's next step, whose model runner may zero or copy cache pages before it builds; else the next
+  build, graph replay, graph recording, layer forward or cache update) waiting until that thread has issued
+  them; the sentinel's check of such a step is collected before the next replay.
 
 Padding rows of a graph's batch (vLLM pads a batch up to the graph's size with requests of no tokens on the
 null block) are not requests: the builder hook keeps only the rows with tokens, and the query rows past the
