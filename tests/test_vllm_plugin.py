@@ -1463,3 +1463,17 @@ def test_a_cache_update_before_any_build_is_no_refusal(standins, tmp_path, caplo
     assert not capturer.failures and not [r for r in caplog.records if "refused" in r.getMessage()]
     engine.step()
     assert len(snapshots(tmp_path)) == 2 and not capturer.failures
+
+
+def test_a_wanted_step_that_cannot_be_handed_over_lets_its_staging_go(standins, tmp_path, monkeypatch):
+    """A hand-over that fails loses the step (said, counted) but never leaves its staged buffers held."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0", layers=1)
+
+    def broken(job):
+        raise RuntimeError("no capture thread")
+
+    monkeypatch.setattr(state, "_hand_over", broken)
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch)
+    assert state._stager.staged == 1
+    assert not any(p.held for programs in state._stager._programs.values() for p in programs)
+    assert vllm_plugin.active_capturer().dropped["internal"] == 1

@@ -272,13 +272,15 @@ class GraphHooks:
             self.sentinel.after_graph_replay(self, slot, ctx, step, staged)
         if not wanted:
             return False
+        job = _GraphJob(wanted, batch.num_tokens)
         try:
-            job = _GraphJob(wanted, batch.num_tokens)
             if staged is not None:
                 job.staged = staged.hold()
                 self.capturer.engine_time.staged += 1
             self._hand_over(job)
         except Exception as exc:
+            if job.staged is not None:
+                job.staged.release()  # the capture thread never got it
             self.capturer.report(exc, "after a CUDA graph's replay", step_lost=True)
             return False
         return True

@@ -215,9 +215,13 @@ class SentinelHooks:
             waiting = _Waiting(impl, layer, target, kv_layout, ctx, None, None, None, inputs, step,
                                staged=staged.hold(), cache=kv_cache)
             if getattr(kv_cache, "is_cuda", False):
-                if self._deferred is None:
-                    self._deferred = DeferredChecks(self.sentinel, kv_cache.device)
-                waiting.job = self._deferred.submit_staged(target, inputs, step, staged.ready)
+                try:
+                    if self._deferred is None:
+                        self._deferred = DeferredChecks(self.sentinel, kv_cache.device)
+                    waiting.job = self._deferred.submit_staged(target, inputs, step, staged.ready)
+                except BaseException:
+                    staged.release()  # never handed over: nobody else would let the staging go
+                    raise
                 self._staged.append(waiting)
                 return
             try:
