@@ -50,6 +50,7 @@ def test_a_program_runs_eagerly_then_as_its_own_graph_and_reads_the_table_when_i
         assert sorted(range(5), key=lambda d: -staged.stride(d)) == sorted(range(5), key=lambda d: -cache.stride(d))
     program = first.program
     assert program.graph is not None and program.held  # recorded after its eager run; held by the step
+    assert stager.recordings == 1 and stager.recording_ms > 0
     first.release()
     # The next step: new table values and new buffers' contents, written on the engine's stream after the
     # first step; the recorded graph reads what they hold when it replays.
@@ -59,7 +60,7 @@ def test_a_program_runs_eagerly_then_as_its_own_graph_and_reads_the_table_when_i
         query.add_(1)
         output.sub_(1)
     second = stager.stage(layers, hint, 16, 12).hold()
-    assert second.program is program  # released: reused, by its graph
+    assert second.program is program and stager.recordings == 1  # released: reused, by its graph
     torch.cuda.synchronize()
     _expect(second, layers, table.cpu(), lengths, 16)
     second.release()

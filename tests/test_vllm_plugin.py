@@ -1477,3 +1477,11 @@ def test_a_wanted_step_that_cannot_be_handed_over_lets_its_staging_go(standins, 
     assert state._stager.staged == 1
     assert not any(p.held for programs in state._stager._programs.values() for p in programs)
     assert vllm_plugin.active_capturer().dropped["internal"] == 1
+
+
+def test_the_exit_line_says_how_many_graph_steps_were_staged_and_what_recording_the_staging_cost():
+    from kvdbg.capture.capturer import EngineTime
+
+    line = EngineTime(handed=3, staged=2, staging_graphs=1, staging_ms=4.5).describe()
+    assert ("3 graph step(s) handed to the capture thread (2 staged on the device first), 1 staging graph(s) "
+            "recorded in 4.5 ms, once per size, 0.0 ms waiting for its copies before 0 next step(s)") in line

@@ -128,6 +128,9 @@ class EngineTime:
     # Of the handed steps, those staged on the device first (kvdbg.vllm_plugin.graph_staging): the next step does
     # not wait for them.
     staged: int = 0
+    # Staging graphs recorded (once per size, on the engine's thread: the first wanted step of a size pays it).
+    staging_graphs: int = 0
+    staging_ms: float = 0.0
 
     def describe(self) -> str:
         """One clause for the exit line ('' when no hook was timed)."""
@@ -142,6 +145,9 @@ class EngineTime:
                          f"({self.other_ns / self.other_calls / 1e3:,.1f} us each)")
         if self.handed:
             staged = f" ({self.staged} staged on the device first)" if self.staged else ""
+            if self.staging_graphs:
+                staged += (f", {self.staging_graphs} staging graph(s) recorded in {self.staging_ms:,.1f} ms, once "
+                           "per size")
             parts.append(f"{self.handed} graph step(s) handed to the capture thread{staged}, {_ms(self.waited_ns)} "
                          f"waiting for its copies before {self.waits} next step(s)")
         return "engine's thread: " + ", ".join(parts)

@@ -322,7 +322,10 @@ class GraphHooks:
             page_size = facts[1]
             buffers = self._graph_buffers[slot.name]
             layers.append((slot.name, slot.kv_cache, facts[0], buffers.query, buffers.output))
-        return stager.stage(layers, hint, page_size, int(items[0][0].query.shape[0]))
+        staged = stager.stage(layers, hint, page_size, int(items[0][0].query.shape[0]))
+        account = self.capturer.engine_time
+        account.staging_graphs, account.staging_ms = stager.recordings, stager.recording_ms
+        return staged
 
     # ---------------------------------------------------------------- the graph capture thread
 

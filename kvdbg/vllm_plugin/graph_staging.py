@@ -26,7 +26,8 @@ program until it has read what it needs and then records an event, on which the 
 device. A program still held when another step wants it is not waited for: a second program of that size
 is made, up to :data:`PROGRAMS_PER_SIZE`, and past that (or past :data:`STAGING_MAX_BYTES` of device
 memory) the step is captured the way it was before staging, the engine's thread waiting for the capture
-thread's copies; the exit line counts both.
+thread's copies (said once at INFO). The exit line counts the steps staged among those handed over, and the
+staging graphs recorded and what recording them took from the engine's thread.
 """
 
 from __future__ import annotations
@@ -298,7 +299,8 @@ class GraphStager:
         self.nbytes = 0
         self.staged = 0
         self.not_staged: dict[str, int] = {}
-        self.recorded: list[float] = []  # ms to record each staging graph let go
+        self.recordings = 0  # staging graphs recorded, on the engine's thread
+        self.recording_ms = 0.0
         self._said: set[str] = set()
 
     def stage(self, layers: list[tuple], hint: StageHint, page_size: int, rows: int) -> StagedStep | None:
@@ -330,7 +332,11 @@ class GraphStager:
         starts = np.cumsum(counts) - counts
         rows_of = np.repeat(np.arange(n, dtype=np.int64), counts)
         flat = rows_of * table.stride(0) + (np.arange(total, dtype=np.int64) - np.repeat(starts, counts))
+        recorded = program.graph is not None
         ready = program.run(flat)
+        if program.graph is not None and not recorded:  # its first run recorded it: once per size, said at exit
+            self.recordings += 1
+            self.recording_ms += program.recorded_ms
         self.staged += 1
         staged = {}
         for name, _, page_dim, query, query_copy, output, output_copy, pages in program.layers:
@@ -371,8 +377,6 @@ class GraphStager:
                     break
                 programs.remove(program)
                 self.nbytes -= program.nbytes
-                if program.graph is not None:
-                    self.recorded.append(program.recorded_ms)
                 total -= 1
             if not programs:
                 del self._programs[key]
@@ -385,21 +389,6 @@ class GraphStager:
                         "it is captured from the engine's memory, the engine's thread waiting for the copies "
                         "(logged once; the exit line counts these steps)", why)
         return None
-
-    def describe(self) -> str:
-        """One clause for the exit line ('' when nothing was asked)."""
-        if not self.staged and not self.not_staged:
-            return ""
-        recorded = self.recorded + [p.recorded_ms for programs in self._programs.values() for p in programs
-                                    if p.graph is not None]
-        line = f"{self.staged} graph step(s) staged on the device ({self.nbytes / 2**20:,.0f} MiB of staging"
-        if recorded:
-            line += f", {len(recorded)} staging graph(s) recorded in {sum(recorded):,.1f} ms"
-        line += ")"
-        missed = sum(self.not_staged.values())
-        if missed:
-            line += f", {missed} not staged"
-        return line
 
 
 __all__ = ["GraphStager", "StageHint", "StagedPages", "StagedStep", "stage_hint"]
