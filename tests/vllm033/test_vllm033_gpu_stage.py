@@ -227,6 +227,41 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+def test_the_harness_query_quantisation_is_vllms_static_fp8_quant():
+    """tests/gpu/stub_site's ``static_scaled_fp8_quant`` (FlashInferImpl quantises its query with it when the cache
+    is FP8), called through vLLM's own ``scaled_fp8_quant``: each value times the scale's reciprocal, saturated to
+    e4m3's 448, and a per-group scale refused in words (in a child interpreter: it registers into torch.ops._C)."""
+    stub = os.path.join(ROOT, "tests", "gpu", "stub_site", "sitecustomize.py")
+    script = f"""
+import importlib.util, torch
+spec = importlib.util.spec_from_file_location("stub", {stub!r})
+stub = importlib.util.module_from_spec(spec); spec.loader.exec_module(stub)
+stub._register_query_quant()
+from vllm import _custom_ops as ops
+torch.manual_seed(0)
+query = torch.randn(6, 4 * 16).to(torch.bfloat16) * 3
+query[0, :3] = torch.tensor([1000.0, -1000.0, 0.0])
+scale = torch.tensor([0.05])
+out, kept = ops.scaled_fp8_quant(query, scale=scale)
+assert out.dtype == torch.float8_e4m3fn and kept is scale, (out.dtype, kept)
+want = (query.float() * (1 / 0.05)).clamp(-448, 448).to(torch.float8_e4m3fn)
+assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+assert out[0, :3].float().tolist() == [448.0, -448.0, 0.0]
+back = out.float() * 0.05
+inside = (query.float().abs() < 448 * 0.05)
+assert ((back - query.float()).abs()[inside] <= query.float().abs()[inside] * 2 ** -4 + 1e-3).all()
+try:
+    ops.scaled_fp8_quant(query, scale=torch.ones(6, 1), group_shape=(1, -1))
+    raise SystemExit("a per-token scale was taken")
+except RuntimeError as exc:
+    assert "one scale per tensor" in str(exc), exc
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, VLLM_CONFIGURE_LOGGING="0"), timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 def test_the_harness_compile_op_standins_let_vllms_compile_passes_import():
     """vLLM's torch.compile passes (a PIECEWISE engine's) name compiled ops at import; with
     ``KVDBG_GPU_COMPILE_OPS`` tests/gpu/stub_site defines them with vLLM's schemas, each raising if called. Checked

@@ -5,8 +5,9 @@ vLLM runs some of its work in a child interpreter (its model registry inspects a
 subprocess), and that child imports vLLM's CUDA platform, which imports a compiled module that is not carried.
 The parent's stand-ins do not reach a child, so they are installed here, at interpreter start, when
 KVDBG_GPU_VLLM_SO_MODULES names the list; the first stand-in imported also answers vLLM's import-time capability
-queries (no CUTLASS GEMM) and defines vLLM's cache write in plain torch (``_register_cache_write``: the only
-compiled op the FLASHINFER path calls). kvdbg itself never does this.
+queries (no CUTLASS GEMM) and defines in plain torch the two compiled ops the FLASHINFER path calls: its cache
+write (``_register_cache_write``) and, with an FP8 cache, its query's quantisation (``_register_query_quant``).
+kvdbg itself never does this.
 """
 
 import importlib.abc
@@ -35,6 +36,7 @@ class EmptyCompiledModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             _register_activation()
             _register_weak_ref_tensor()
             _register_cache_write()
+            _register_query_quant()
             if os.environ.get("KVDBG_GPU_COMPILE_OPS"):
                 _register_compile_pass_ops()
 
@@ -148,6 +150,35 @@ def _register_cache_write():
     library.define("reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
                    "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()")
     library.impl("reshape_and_cache_flash", _reshape_and_cache_flash, "CompositeExplicitAutograd")
+    _LIBRARIES.append(library)
+
+
+def _static_scaled_fp8_quant(result, input, scale, group_shape=None):
+    """vLLM's static FP8 quantisation with one scale for the tensor (what FlashInferImpl asks for its query when
+    the cache is FP8), in plain torch: ``input`` times the scale's reciprocal in float32, saturated to the FP8
+    type's largest value, then rounded to nearest even, as vLLM's kernel computes it. A per-group scale is not
+    stood in for: it raises, naming itself."""
+    import torch
+
+    if scale.numel() != 1:
+        raise RuntimeError("torch.ops._C.static_scaled_fp8_quant: the harness stands in for one scale per tensor "
+                           f"only, not a scale of shape {tuple(scale.shape)} (group_shape {group_shape})")
+    limit = torch.finfo(result.dtype).max
+    inverse = 1.0 / scale.float().reshape(())
+    result.copy_((input.float() * inverse).clamp(-limit, limit).to(result.dtype))
+
+
+def _register_query_quant():
+    """``torch.ops._C.static_scaled_fp8_quant``, which FlashInferImpl calls (through vLLM's ``scaled_fp8_quant``)
+    to quantise its query to the FP8 cache's dtype, as :func:`_static_scaled_fp8_quant`."""
+    import torch
+
+    if hasattr(torch.ops._C, "static_scaled_fp8_quant"):
+        return
+    library = torch.library.Library("_C", "FRAGMENT")
+    library.define("static_scaled_fp8_quant(Tensor(a!) result, Tensor input, Tensor scale, "
+                   "(int, int)? group_shape=None) -> ()")
+    library.impl("static_scaled_fp8_quant", _static_scaled_fp8_quant, "CompositeExplicitAutograd")
     _LIBRARIES.append(library)
 
 
