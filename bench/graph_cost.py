@@ -388,12 +388,12 @@ class Timing:
             return out
 
         self._replace(StagedStep, "unique_ids", staged_ids)
-        # The engine's thread's part of a wanted step: the build's packed copy to the host, the staging program.
+        # The engine's thread's part of a wanted step: the build's copies to the host, the staging program.
         from kvdbg.capture import buffers as capture_buffers
         from kvdbg.vllm_plugin.graph_staging import GraphStager
 
-        self._replace(capture_buffers, "packed_to_host",
-                      _timed(timing, "packed_copy", capture_buffers.packed_to_host, "inner"))
+        self._replace(capture_buffers, "copies_to_host",
+                      _timed(timing, "metadata_copy", capture_buffers.copies_to_host, "inner"))
         self._replace(GraphStager, "stage", _timed(timing, "stage", GraphStager.stage, "inner"))
         self._replace(Capturer, "begin", _timed(timing, "begin", Capturer.begin, "inner"))
         # Where a capture's time goes (in the capture thread, for a step replayed from a graph): waiting for the
@@ -966,7 +966,7 @@ def print_figures(figs: dict, records: dict) -> None:
                                                                           for k, v in by_hook.items()))
         inner = {k: v.get("median") for k, v in f.get("inner_us", {}).items() if v.get("median") is not None}
         if inner:
-            print("    parts (medians; stage and packed_copy on the engine's thread, the rest in the capture "
+            print("    parts (medians; stage and metadata_copy on the engine's thread, the rest in the capture "
                   "thread): " + ", ".join(f"{k} {v / 1e3:.3f} ms" for k, v in inner.items()))
     f = figs.get("wanted_device")
     if f:

@@ -217,21 +217,3 @@ def test_a_kept_page_buffer_fits_the_next_steps_whose_sequences_grew(pinned):
     # A later step holds a page or two more: the same buffer serves it.
     assert pool.take(40 * POOLED_MIN_BYTES + 2 * 65536, pinned=pinned) is first
     assert _headroom(40 * POOLED_MIN_BYTES, False) <= 40 * POOLED_MIN_BYTES * 9 // 8
-
-
-def test_a_builds_metadata_goes_to_the_host_as_one_copy_and_comes_back_whole():
-    """packed_to_host: int32 and int64 tensors (a block table's rows, lengths, offsets, a slot mapping) joined into
-    one buffer and taken back as views of their own dtypes and shapes; anything else falls back, None stays None."""
-    from kvdbg.capture.buffers import packed_to_host
-
-    table = torch.arange(40, dtype=torch.int32).reshape(8, 5)[:3]  # a runner's rows, as the builder slices them
-    lengths = torch.tensor([7, 300, 2, 9], dtype=torch.int32)  # 19 words before an int64 tensor: an odd offset
-    slots = torch.tensor([-1, 5, 2**40], dtype=torch.int64)
-    out = packed_to_host([table, lengths, None, slots])
-    assert all(t.storage_offset() % (t.element_size() // 4) == 0 for t in out if t is not None)
-    assert out[2] is None
-    for got, want in zip([out[0], out[1], out[3]], [table, lengths, slots]):
-        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
-    mask = torch.tensor([True, False])
-    kept = packed_to_host([lengths, mask])  # a bool mask: one copy each, as before
-    assert torch.equal(kept[1], mask) and torch.equal(kept[0], lengths)

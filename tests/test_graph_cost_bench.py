@@ -271,3 +271,16 @@ def test_a_part_that_cannot_start_says_why_and_the_run_exits_2(tmp_path):
     assert summary["exit"] == 2 and any(p.startswith("baseline: stopped:") for p in summary["problems"])
     assert os.path.exists(tmp_path / "out" / "records" / "baseline.json")
     assert os.path.exists(tmp_path / "out" / "model" / "config.json")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the bench runs here")
+def test_the_staging_calls_bench_says_it_needs_a_gpu_and_exits_2():
+    """bench/staging_calls.py takes apart a wanted graph step's runtime calls on a CUDA device; elsewhere it says
+    so in one line and exits 2, without a traceback."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "staging_calls.py"), "--iters", "5"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2 and done.stdout.strip() == "staging_calls: needs a CUDA device", done
+    assert "Traceback" not in done.stderr

@@ -90,13 +90,26 @@ def test_staging_over_its_device_budget_is_refused_in_words():
     assert stager.not_staged == {"budget": 1}
 
 
-def test_a_builds_metadata_packed_to_the_host_matches_it_on_the_device():
-    from kvdbg.capture.buffers import HostCopiesReady, packed_to_host
+def test_a_builds_metadata_copied_to_the_host_matches_it_on_the_device():
+    from kvdbg.capture.buffers import HostCopiesReady, copies_to_host
 
     table = torch.randint(0, 1000, (8, 24), dtype=torch.int32, device="cuda")[:5]
     lengths = torch.randint(1, 400, (5,), dtype=torch.int32, device="cuda")
     slots = torch.randint(-1, 2**33, (9,), dtype=torch.int64, device="cuda")
-    host = packed_to_host([table, lengths, slots, None])
+    host = copies_to_host([table, lengths, slots, None])
     HostCopiesReady(table.device).synchronize()
+    assert host[3] is None
     for got, want in zip(host[:3], (table, lengths, slots)):
-        assert got.device.type == "cpu" and torch.equal(got, want.cpu())
+        assert got.device.type == "cpu" and got.is_pinned() and torch.equal(got, want.cpu())
+
+
+def test_the_kept_current_stream_is_torchs_and_follows_a_stream_context():
+    from kvdbg.capture.buffers import current_stream
+
+    device = torch.device("cuda")
+    assert current_stream(device) == torch.cuda.current_stream(device)
+    assert current_stream(device) is current_stream(torch.device("cuda", torch.cuda.current_device()))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert current_stream(device) == side and current_stream(device).cuda_stream == side.cuda_stream
+    assert current_stream(device) == torch.cuda.current_stream(device)

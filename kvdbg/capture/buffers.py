@@ -291,7 +291,7 @@ class HostCopiesReady:
 
     def __init__(self, device: torch.device):
         self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(device))
+        self._event.record(current_stream(device))
 
     def synchronize(self) -> None:
         event = self._event
@@ -304,38 +304,30 @@ class HostCopiesReady:
         return self._event is None or self._event.query()
 
 
+_STREAMS: dict[tuple, Any] = {}
+
+
+def current_stream(device: torch.device):
+    """``torch.cuda.current_stream(device)``, the stream object kept per stream: torch makes a new Python object
+    on every call, which costs the engine's thread about 8 us on the H200's host (``bench/staging_calls.py``),
+    more than the copy or the event it is asked for."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw = torch._C._cuda_getCurrentStream(index)  # (stream id, device index, device type): what torch reads
+    stream = _STREAMS.get(raw)
+    if stream is None:
+        stream = _STREAMS[raw] = torch.cuda.Stream(stream_id=raw[0], device_index=raw[1], device_type=raw[2])
+    return stream
+
+
 def copies_to_host(tensors: "list[torch.Tensor | None]") -> "list[torch.Tensor | None]":
     """Host copies of device tensors, issued on the current stream and not waited for (pinned memory from
     torch's caching host allocator): read them only after a :class:`HostCopiesReady` recorded after them.
-    A tensor already on the host is cloned (``to`` would hand back the tensor itself)."""
+    A tensor already on the host is cloned (``to`` would hand back the tensor itself).
+
+    One ``to`` per tensor: a build's three to five small tensors cost the caller one torch call each (about 8 us
+    on the H200's host). Joining them into one buffer first saves runtime copies but costs more torch calls
+    (three a tensor, the join, a view back each): 70 us against about 35 (``bench/staging_calls.py``)."""
     return [None if t is None else t.clone() if t.is_cpu else t.to("cpu", non_blocking=True) for t in tensors]
-
-
-_PACKABLE = (torch.int32, torch.int64)
-
-
-def packed_to_host(tensors: "list[torch.Tensor | None]") -> "list[torch.Tensor | None]":
-    """:func:`copies_to_host` in two runtime calls instead of one per tensor: the tensors (int32 or int64, one
-    device) are joined on the device into one int32 buffer, which one copy takes to the host, where each comes
-    back as a view of its own dtype and shape. The engine's thread pays per call (a build's metadata is three to
-    five small tensors), the device a few microseconds for the join. Falls back to :func:`copies_to_host` for
-    anything else (a bool mask, tensors on two devices)."""
-    given = [t for t in tensors if t is not None]
-    if len(given) < 2 or any(t.dtype not in _PACKABLE or t.device != given[0].device for t in given):
-        return copies_to_host(tensors)
-    # The int64 tensors first: each then starts on an even word, where an int32 view can be seen as int64 again.
-    order = sorted(range(len(given)), key=lambda i: given[i].dtype != torch.int64)
-    words = [given[i].reshape(-1).contiguous().view(torch.int32) for i in order]
-    joined = torch.cat(words)
-    host = joined.to("cpu", non_blocking=True) if joined.is_cuda else joined
-    placed, start = {}, 0
-    for i, part in zip(order, words):
-        placed[i] = host[start:start + part.numel()].view(given[i].dtype).view(given[i].shape)
-        start += part.numel()
-    out, next_given = [], iter(range(len(given)))
-    for t in tensors:
-        out.append(None if t is None else placed[next(next_given)])
-    return out
 
 
 # A CPU gather of at least RUNS_MIN_BYTES whose pages form at most MAX_RUNS runs of consecutive ids is
@@ -377,4 +369,4 @@ def _side_stream(device: torch.device):
 
 
 __all__ = ["GATHER_CHUNK_BYTES", "IDLE_RELEASE_SECONDS", "SIDE_STREAM_MIN_BYTES", "HostBuffers", "HostCopiesReady",
-           "StepCopies", "copies_to_host", "packed_to_host"]
+           "StepCopies", "copies_to_host", "current_stream"]

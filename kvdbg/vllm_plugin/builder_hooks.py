@@ -79,16 +79,16 @@ class BuilderHooks:
     def _copy_to_host(self, builder: Any, rows: tuple, slot_mapping: Any, tokens: int | None,
                       causal: Any) -> _HostMetadata:
         """Host copies of a device build's metadata and of its whole slot mapping, issued on the engine's
-        stream as one copy (packed_to_host) with one event after it: no hook of the step then reads device
+        stream (one copy a tensor) with one event after them: no hook of the step then reads device
         metadata (see _HostMetadata).
 
         The slot mapping is copied whole, as the builder has it, because do_kv_cache_update is given that
         tensor (found again in :meth:`host_slots`, for the builder's layers' next forwards only).
         """
-        from kvdbg.capture.buffers import HostCopiesReady, packed_to_host
+        from kvdbg.capture.buffers import HostCopiesReady, copies_to_host
 
         tensor_causal = causal if hasattr(causal, "clone") else None
-        bt, sl, qsl, slots, host_causal = packed_to_host([*rows, slot_mapping, tensor_causal])
+        bt, sl, qsl, slots, host_causal = copies_to_host([*rows, slot_mapping, tensor_causal])
         ready = HostCopiesReady(rows[0].device)
         if slots is not None:
             key = _tensor_key(slot_mapping)

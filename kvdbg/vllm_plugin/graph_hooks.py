@@ -180,6 +180,7 @@ class GraphHooks:
         """A full graph for ``batch`` (vLLM's batch descriptor) is about to be recorded: its selected layers are
         learnt anew."""
         self._graph_layers[batch] = []
+        self._stage_layouts.clear()  # a recording may give a layer larger copy buffers: worked out again
         self._recording = batch
 
     def end_graph_recording(self) -> None:
@@ -309,23 +310,37 @@ class GraphHooks:
             from kvdbg.vllm_plugin.graph_staging import GraphStager
 
             stager = self._stager = GraphStager()
+        slots = tuple(item[0] for item in items)
+        key = tuple(map(id, slots))  # the slots are held in the value: no id here is ever another slot's
+        known = self._stage_layouts.get(key)
+        if known is None:
+            known = self._stage_layouts[key] = (slots, *self._staged_layers(slots))
+        _, layers, page_size = known
+        if layers is None:
+            return None
+        staged = stager.stage(layers, hint, page_size, int(slots[0].query.shape[0]))
+        account = self.capturer.engine_time
+        account.staging_graphs, account.staging_ms = stager.recordings, stager.recording_ms
+        return staged
+
+    def _staged_layers(self, slots: tuple) -> tuple:
+        """(the staging program's layers, their page size) for a graph's layers, or (None, None) when staging cannot
+        read them (a cache layout kvdbg does not know, two page sizes); worked out once per set of layers, the
+        same list then handed to the stager on every step (graph_staging keys its programs by it)."""
         layers, page_size = [], None
-        for slot, _, _ in items:
+        for slot in slots:
             facts = slot.staging
             if facts is None:
                 layout = self.engine_layout(slot.impl, slot.layer, self._info(slot.impl), slot.kv_cache)
                 if layout is None:
-                    return None
+                    return None, None
                 facts = slot.staging = (layout.page_dim, int(slot.kv_cache.shape[layout.token_dim]))
             if page_size is not None and facts[1] != page_size:
-                return None
+                return None, None
             page_size = facts[1]
             buffers = self._graph_buffers[slot.name]
             layers.append((slot.name, slot.kv_cache, facts[0], buffers.query, buffers.output))
-        staged = stager.stage(layers, hint, page_size, int(items[0][0].query.shape[0]))
-        account = self.capturer.engine_time
-        account.staging_graphs, account.staging_ms = stager.recordings, stager.recording_ms
-        return staged
+        return layers, page_size
 
     # ---------------------------------------------------------------- the graph capture thread
 
@@ -339,8 +354,10 @@ class GraphHooks:
             else:
                 import torch
 
+                from kvdbg.capture.buffers import current_stream
+
                 job.ready = torch.cuda.Event()
-                job.ready.record(torch.cuda.current_stream(job.device))
+                job.ready.record(current_stream(job.device))
         if self._graph_thread is None:
             self._graph_thread = _GraphCaptureThread(self)
         if job.staged is None:  # the capture thread reads the engine's memory: the next step waits for it
@@ -363,9 +380,9 @@ class GraphHooks:
             self.capturer.disable(f"the graph capture thread did not issue a step's copies within "
                                   f"{GRAPH_CAPTURE_WAIT_S:g} s", level=logging.ERROR)
         elif job.issued is not None:
-            import torch
+            from kvdbg.capture.buffers import current_stream
 
-            torch.cuda.current_stream(job.device).wait_event(job.issued)
+            current_stream(job.device).wait_event(job.issued)
         account = self.capturer.engine_time
         account.waited_ns += time.perf_counter_ns() - start
         account.waits += 1

@@ -119,7 +119,7 @@ class StagedStep:
     per request) and the event after the program's work on the engine's stream."""
 
     program: "_Program"
-    layers: dict[str, StagedLayer]
+    rows: int  # the graph's tokens: the rows of each layer's query and output buffers that were copied
     count: int
     counts: np.ndarray
     row_starts: np.ndarray
@@ -139,6 +139,12 @@ class StagedStep:
                 ids, first = np.unique(staged.astype(np.int64, copy=False), return_index=True)
                 self._unique = (ids, first.astype(np.int64, copy=False))
             return self._unique
+
+    @property
+    def layers(self) -> dict[str, StagedLayer]:
+        """Each staged layer's copies, by name (views made once per program and number of rows, by the reader:
+        a view is a torch call, which the engine's thread is spared)."""
+        return self.program.views(self.rows)
 
     def pages_for(self, name: str) -> StagedPages:
         layer = self.layers[name]
@@ -193,6 +199,7 @@ class _Program:
                           if t is not None) + 2 * pages * 8
         self.graph = None
         self.recorded_ms = 0.0
+        self._views: dict[int, dict[str, StagedLayer]] = {}
         self._holders = 0
         self._released: list[Any] = []  # events after the holders' reads, for the next run to wait on
         self._lock = threading.Lock()
@@ -205,13 +212,25 @@ class _Program:
         with self._lock:
             self._holders += 1
 
+    def views(self, rows: int) -> dict[str, StagedLayer]:
+        """The layers' staged copies, their query and output cut to ``rows`` (made once per number of rows)."""
+        views = self._views.get(rows)
+        if views is None:
+            views = {name: StagedLayer(pages, page_dim, query_copy[:rows],
+                                       None if output_copy is None else output_copy[:rows])
+                     for name, _, page_dim, _, query_copy, _, output_copy, pages in self.layers}
+            self._views[rows] = views
+        return views
+
     def release(self) -> None:
         event = None
         if self.index.is_cuda:
             import torch
 
+            from kvdbg.capture.buffers import current_stream
+
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
+            event.record(current_stream(self.device))
         with self._lock:
             if event is not None:
                 self._released.append(event)
@@ -243,11 +262,14 @@ class _Program:
             self.index.copy_(host)
             self._body()
             return None
-        stream = torch.cuda.current_stream(self.device)
-        with self._lock:
-            released, self._released = self._released, []
-        for event in released:  # the last holders' reads of these buffers come first (a wait on the device)
-            stream.wait_event(event)
+        from kvdbg.capture.buffers import current_stream
+
+        stream = current_stream(self.device)
+        if self._released:
+            with self._lock:
+                released, self._released = self._released, []
+            for event in released:  # the last holders' reads of these buffers come first (a wait on the device)
+                stream.wait_event(event)
         self.index.copy_(host, non_blocking=True)
         if self.graph is not None:
             self.graph.replay()
@@ -302,6 +324,7 @@ class GraphStager:
         self.recordings = 0  # staging graphs recorded, on the engine's thread
         self.recording_ms = 0.0
         self._said: set[str] = set()
+        self._keys: dict[int, tuple] = {}
 
     def stage(self, layers: list[tuple], hint: StageHint, page_size: int, rows: int) -> StagedStep | None:
         """Stage one step (engine's thread, right after the graph's replay). ``layers``: per selected layer,
@@ -324,25 +347,34 @@ class GraphStager:
         if total == 0:
             return self._not("empty", "the step reads no page")
         size = max(MIN_PAGES, 1 << (total - 1).bit_length())
-        key = (size, table.data_ptr(), table.stride(0), table.dtype, tuple(layer[0] for layer in layers),
-               tuple(layer[1].data_ptr() for layer in layers))
+        key = (size, table.data_ptr(), table.stride(0), table.dtype, self._layers_key(layers))
         program = self._program(key, table, layers, size)
         if program is None:
             return None
         starts = np.cumsum(counts) - counts
-        rows_of = np.repeat(np.arange(n, dtype=np.int64), counts)
-        flat = rows_of * table.stride(0) + (np.arange(total, dtype=np.int64) - np.repeat(starts, counts))
+        # Entry j of request r's pages is at flat position r * stride + j: the staged position of that entry is
+        # starts[r] + j, so the flat position is the staged position plus (r * stride - starts[r]).
+        shift = np.arange(n, dtype=np.int64) * table.stride(0) - starts
+        flat = np.repeat(shift, counts) + np.arange(total, dtype=np.int64)
         recorded = program.graph is not None
         ready = program.run(flat)
         if program.graph is not None and not recorded:  # its first run recorded it: once per size, said at exit
             self.recordings += 1
             self.recording_ms += program.recorded_ms
         self.staged += 1
-        staged = {}
-        for name, _, page_dim, query, query_copy, output, output_copy, pages in program.layers:
-            staged[name] = StagedLayer(pages, page_dim, query_copy[:rows],
-                                       None if output_copy is None else output_copy[:rows])
-        return StagedStep(program, staged, total, counts, starts, page_size, ready)
+        return StagedStep(program, rows, total, counts, starts, page_size, ready)
+
+    def _layers_key(self, layers: list[tuple]) -> tuple:
+        """The layers' names and caches, as a program's key (kept per list: a caller hands the same list for the
+        same graph's layers on every step, and this is a call per layer)."""
+        hit = self._keys.get(id(layers))
+        if hit is not None and hit[0] is layers:
+            return hit[1]
+        key = (tuple(layer[0] for layer in layers), tuple(layer[1].data_ptr() for layer in layers))
+        self._keys[id(layers)] = (layers, key)  # the list held: its id is never another's
+        if len(self._keys) > 4 * MAX_PROGRAMS:
+            self._keys.pop(next(iter(self._keys)))
+        return key
 
     def _program(self, key: tuple, table: Any, layers: list[tuple], size: int) -> _Program | None:
         programs = self._programs.pop(key, [])

@@ -89,6 +89,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._graph_thread = None  # the graph capture thread, started with the first wanted graph step
         self._graph_job = None  # the step last handed to it, until the engine's next work waits for its copies
         self._stager = None  # graph_staging.GraphStager, made with the first wanted graph step
+        self._stage_layouts: dict = {}  # graph layers (slots) -> the stager's layers and page size (graph_hooks)
 
     # ---------------------------------------------------------------- patching
 

@@ -235,12 +235,14 @@ def _requests_with_tokens(common: Any) -> int:
     offsets = getattr(common, "query_start_loc_cpu", None)
     if num_reqs == 0 or offsets is None or len(offsets) < num_reqs + 1:
         return num_reqs
-    total = offsets[num_reqs]
-    if offsets[num_reqs - 1] != total:  # the last row has tokens: no padding (every eager step)
-        return num_reqs
-    import torch
+    import numpy as np
 
-    return int(torch.searchsorted(offsets[: num_reqs + 1], total))  # the first row that ends where the batch does
+    # numpy's view of the host tensor: an index of a torch tensor is a torch call (a build runs on every step).
+    values = offsets.numpy() if hasattr(offsets, "numpy") else np.asarray(offsets)
+    total = values[num_reqs]
+    if values[num_reqs - 1] != total:  # the last row has tokens: no padding (every eager step)
+        return num_reqs
+    return int(np.searchsorted(values[: num_reqs + 1], total))  # the first row that ends where the batch does
 
 
 def _graph_capturing(t: Any) -> bool:
