@@ -15,4 +15,7 @@ source tests/gpu/vllm_env.sh
 # conform's workers, which start side by side, do not each compile every module they import.
 python3 -m compileall -q -j 0 "$SRC/vllm" > /dev/null 2>&1 || true
 [ $# -gt 0 ] || set -- --backend TRITON_ATTN
-python3 -m kvdbg conform --device cuda "$@"
+# exec: `timeout -s TERM N run_conform.sh ...` then signals and waits for conform itself, which stops with the
+# table and JSON of the cells that ran. Under a shell that dies at the signal, a command that went on at once
+# could end the session (and conform with it) before conform had printed them: a cut run once lost its JSON so.
+exec python3 -m kvdbg conform --device cuda "$@"
