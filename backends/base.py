@@ -78,6 +78,10 @@ class ReplayOptions:
     compile: bool | None = None  # flex: None = eager on CPU; on CUDA compiled only for big steps
     force_emulation: bool = False  # flashinfer_ts: emulate even where the real kernel could run
     flex_q_block: int | None = None  # flex: the BlockMask's query block (None = vLLM's 16 tokens)
+    # reference: a non-causal window's sides. "symmetric" is vLLM's |p - k| < w (the snapshot format's meaning);
+    # "left" bounds keys on the left only, p - w < k, as FlashInfer's window_left does: a what-if of
+    # kvdbg.judge.whatif, never a replay's default.
+    dense_window: str = "symmetric"
 
 
 @dataclass

@@ -141,9 +141,10 @@ def _budget_bytes(device: "torch.device") -> int:
 
 
 class ReferenceImpl:
-    def __init__(self, meta: "SnapshotMeta", compute_dtype: "torch.dtype"):
+    def __init__(self, meta: "SnapshotMeta", compute_dtype: "torch.dtype", dense_window: str = "symmetric"):
         self.meta = meta
         self.compute_dtype = compute_dtype
+        self.left_window_only = dense_window == "left"  # ReplayOptions.dense_window: a what-if only
 
     def forward(self, query, kv_cache, md: ReferenceMetadata, output):
         layer = self.meta.layer
@@ -203,7 +204,10 @@ class ReferenceImpl:
                     allowed = allowed & (torch.div(p, chunk, rounding_mode="floor")
                                          - torch.div(k, chunk, rounding_mode="floor") <= lookback)
                 elif window is not None:
-                    allowed = allowed & ((p - k).abs() < window)
+                    if md.causal or not self.left_window_only:
+                        allowed = allowed & ((p - k).abs() < window)
+                    else:
+                        allowed = allowed & (p - k < window)
                 allowed = allowed & real.unsqueeze(2)
                 scores = scores.view(hkv, n, group, qmax, kv_len)
                 if slopes is not None:  # in place: the bias never exists at the size of the scores
@@ -374,7 +378,7 @@ class ReferenceInstance:
         self.compute_dtype = torch.float64 if options.exact else torch.float32
         self.output_dtype = self.compute_dtype
         self.builder = ReferenceBuilder(meta, self.compute_dtype)
-        self.impl = ReferenceImpl(meta, self.compute_dtype)
+        self.impl = ReferenceImpl(meta, self.compute_dtype, options.dense_window)
 
     def describe(self) -> RunInfo:
         name = "float64" if self.options.exact else "float32"
@@ -386,6 +390,9 @@ class ReferenceInstance:
             cap = layer.logits_soft_cap
             notes.append(f"logits soft-capped: {cap:g} * tanh(scale * q.k / {cap:g}) before the mask")
         notes.extend(feature_notes(layer))
+        if self.impl.left_window_only and not layer.causal and layer.sliding_window:
+            notes.append("what-if: a non-causal window bounding keys on the left only (p - w < k), not vLLM's "
+                         "|p - k| < w")
         return RunInfo(backend="reference", kernel=f"exact torch attention ({name} accumulate)",
                        device=self.options.device, dtype=name, notes=notes)
 

@@ -92,6 +92,9 @@ class Cell:
     cause: str | None = None  # FAIL: semantic | rounding | unknown
     cause_detail: str | None = None
     minimal: dict | None = None  # FAIL: the smallest row that still fails in this kind
+    # FAIL (not rounding): what the output is instead, kvdbg.judge.whatif's answer as JSON; None: no change of the
+    # layer's features explains it ({"error": ...} when the what-if itself could not run)
+    engine_computed: dict | None = None
     snapshot_path: str | None = None
     minimal_path: str | None = None
     probe: bool = False  # a refused level alone (left out of the matrix)
@@ -104,7 +107,7 @@ class Cell:
         return {"row": self.row_id, "combination": self.label, "features": dict(self.row), "kind": self.kind,
                 "status": self.status, "max_abs": self.max_abs, "first_wrong": self.first, "reason": self.reason,
                 "tolerance": self.tolerance, "kernel": self.kernel, "cause": self.cause,
-                "cause_detail": self.cause_detail,
+                "cause_detail": self.cause_detail, "engine_computed": self.engine_computed,
                 "minimal": None if self.minimal is None else label(self.minimal),
                 "minimal_features": self.minimal, "snapshot": self.snapshot_path,
                 "minimal_snapshot": self.minimal_path, "level_probe": self.probe}
@@ -386,6 +389,7 @@ def _conform_cells(result: BackendConform, stage: _Stage, runner: Runner, cached
         answers = _drive_all(chains, cached, progress, runner.backend)
         for cell in failing:
             cell.cause, cell.cause_detail, cell.minimal = answers[id(cell)]
+            _what_the_output_is(cell, cached, runner)
             _write_cell(cell, cached, out_dir, force, runner.backend)
     result.cells += stage.probe_cells
 
@@ -499,6 +503,31 @@ def _drive_all(chains: dict, cached: _Cached, progress, backend: str) -> dict:
                 answers[key] = stop.value
                 del asked[key]
     return answers
+
+
+def _what_the_output_is(cell: Cell, cached: "_Cached", runner: Runner) -> None:
+    """A failing cell that is not rounding: whether its output is exact attention of the layer with a feature taken
+    away (kvdbg.judge.whatif), on this process's CPU from the cell's snapshot. A match makes an unknown cause
+    semantic (a backend with no float32 path, FLASHINFER) and says which feature the backend did not apply."""
+    if cell.cause == "rounding":
+        return
+    snapshot = cached.run(cell.row, cell.kind).snapshot
+    if snapshot is None:
+        return
+    from kvdbg.judge.whatif import explain_output
+
+    args = getattr(runner, "args", runner)
+    try:
+        found = explain_output(snapshot, atol=getattr(args, "atol", None), rtol=getattr(args, "rtol", None))
+    except Exception as exc:  # noqa: BLE001 - the cell's verdict stands; the JSON says the what-if did not run
+        cell.engine_computed = {"error": f"{type(exc).__name__}: {exc}"}
+        return
+    if found is None:
+        return
+    cell.engine_computed = found.to_json()
+    if cell.cause == "unknown":
+        cell.cause = "semantic"
+    cell.cause_detail = f"{cell.cause_detail}; {found.sentence()}" if cell.cause_detail else found.sentence()
 
 
 def _write_cell(cell: Cell, cached: _Cached, out_dir: str | None, force: bool, backend: str) -> None:

@@ -1,0 +1,115 @@
+"""kvdbg.judge.whatif: a failing output named as exact attention of the layer with a feature taken away."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvdbg.backends.base import ReplayOptions
+from kvdbg.judge.whatif import WHAT_IFS, explain_output
+from kvdbg.moves.conform.matrix import spec_for
+from kvdbg.moves.synth import synth_snapshot
+from kvdbg.replayer.runner import replay
+from kvdbg.snapshot.store import load_snapshot, torch_dtype
+from tests.helpers import ROOT
+
+WHAT = {w.what: w for w in WHAT_IFS}
+
+
+def _cell(row: dict, kind: str = "prefill"):
+    return synth_snapshot(spec_for("TRITON_ATTN", row, kind, 0))
+
+
+def _engine_computes(snapshot, whats: tuple[str, ...]) -> None:
+    """Store as the engine's output exact attention of the layer changed by ``whats`` (what a backend that skips
+    those features returns)."""
+    variant, options = snapshot, {}
+    for what in whats:
+        variant = WHAT[what].change(variant)
+        options.update(WHAT[what].options)
+    result = replay(variant, ["reference"], ReplayOptions(device="cpu", **options))
+    for step in result.steps:
+        out = step.runs["reference"].output
+        snapshot.steps[step.step].output = out.to(torch_dtype(snapshot.meta.layer.dtype))
+
+
+@pytest.mark.parametrize("row, whats", [
+    ({"alibi": "on"}, ("without ALiBi",)),
+    ({"soft_cap": "on", "dtype": "float16"}, ("without the soft cap",)),
+    ({"window": "short"}, ("without the sliding window",)),
+    ({"window": "short", "mask": "dense"}, ("with the window bounding keys on the left only",)),
+    ({"sinks": "on"}, ("without the sinks",)),
+    ({"kv_cache": "fp8"}, ("with the logits scaled by the query scale once more",)),
+    ({"alibi": "on", "kv_cache": "fp8"}, ("without ALiBi", "with the logits scaled by the query scale once more")),
+], ids=["alibi", "soft-cap", "window", "left-window", "sinks", "q-scale", "alibi+q-scale"])
+def test_an_output_that_skips_features_is_named_by_them(row, whats):
+    snapshot = _cell(row)
+    _engine_computes(snapshot, whats)
+    found = explain_output(snapshot)
+    assert found is not None and found.what == " and ".join(whats)
+    assert found.max_abs < 1e-2 and "the backend " in found.sentence()
+
+
+def test_an_output_no_change_of_the_layer_explains_is_left_unexplained():
+    snapshot = _cell({"alibi": "on", "window": "short", "soft_cap": "on"})
+    _engine_computes(snapshot, ())
+    for step in snapshot.steps:
+        step.output = step.output * 1.5  # wrong in a way no missing feature accounts for
+    assert explain_output(snapshot) is None
+
+
+def test_a_snapshot_without_an_output_or_without_features_has_nothing_to_explain():
+    snapshot = _cell({"alibi": "on"})
+    for step in snapshot.steps:
+        step.output = None
+    assert explain_output(snapshot) is None
+    plain = _cell({})
+    _engine_computes(plain, ())
+    for step in plain.steps:
+        step.output = -step.output
+    assert explain_output(plain) is None  # no feature to take away
+
+
+def test_flashinfers_real_fp8_decode_on_an_h200_is_attention_without_alibi_with_the_query_scale_twice():
+    """FlashInfer's kernel on an H200 through vLLM 0.33's FLASHINFER (tests/flashinfer_h200/README.md): it fails
+    by 1.25 against the reference; either change alone leaves it far off, both together explain it."""
+    snapshot = load_snapshot(os.path.join(ROOT, "tests", "flashinfer_h200", "fp8_alibi_window_softcap_decode.safetensors"))
+    found = explain_output(snapshot)
+    assert found is not None
+    assert found.what == "without ALiBi and with the logits scaled by the query scale once more"
+    assert found.max_abs < 5e-3
+    alone = explain_output(snapshot, pairs=False)
+    assert alone is None or alone.max_abs > 0.1  # a single change passes only by the FP8 tolerance's width
+
+
+def test_conform_names_what_a_failing_cell_computed_and_a_cause_it_could_not_test_becomes_semantic():
+    """A FLASHINFER-like cell (no float32 path: cause unknown) whose output is attention without ALiBi: conform's
+    cell says so, in its JSON and its table, and the cause becomes semantic; a rounding cell is not asked."""
+    from kvdbg.moves.conform.run import FAIL, Cell, Outcome, _what_the_output_is
+    from kvdbg.render.conform import _failure_lines
+
+    row = {"alibi": "on"}
+    snapshot = _cell(row)
+    _engine_computes(snapshot, ("without ALiBi",))
+
+    class Cached:
+        def run(self, row, kind, exact=False):
+            return Outcome(FAIL, max_abs=0.7, snapshot=snapshot)
+
+    class Runner:
+        atol = rtol = None
+
+    cell = Cell(2, dict(row), "prefill", FAIL, max_abs=0.7, cause="unknown",
+                cause_detail="no float32 path: the backend takes float16 and bfloat16 only")
+    _what_the_output_is(cell, Cached(), Runner())
+    assert cell.cause == "semantic" and cell.engine_computed["what"] == "without ALiBi"
+    assert cell.cause_detail.startswith("no float32 path") and "ignores the layer's ALiBi slopes" in cell.cause_detail
+    assert cell.to_json()["engine_computed"]["max_abs"] < 1e-2
+    lines = " ".join(text for text, _ in _failure_lines(cell))
+    assert "semantic: no float32 path" in lines and "exact attention without ALiBi" in lines
+
+    rounding = Cell(3, dict(row), "prefill", FAIL, max_abs=0.01, cause="rounding", cause_detail="passes on float32")
+    _what_the_output_is(rounding, Cached(), Runner())
+    assert rounding.engine_computed is None and rounding.cause_detail == "passes on float32"
