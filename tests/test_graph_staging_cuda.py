@@ -113,3 +113,20 @@ def test_the_kept_current_stream_is_torchs_and_follows_a_stream_context():
     with torch.cuda.stream(side):
         assert current_stream(device) == side and current_stream(device).cuda_stream == side.cuda_stream
     assert current_stream(device) == torch.cuda.current_stream(device)
+
+
+def test_a_staged_span_goes_to_the_host_in_one_copy_and_its_pages_are_picked_there():
+    from kvdbg.capture.buffers import HostBuffers, StepCopies
+
+    staged = torch.randn(64, 2, 16, 8, 64, device="cuda").to(torch.bfloat16)  # pages first: spans are contiguous
+    positions = torch.tensor([40, 3, 17, 3, 39])
+    for buffers in (None, HostBuffers()):  # 38 pages of 32 KiB: pooled when a pool is given
+        copies = StepCopies(staged.device, buffers)
+        host, within = copies.block(staged, 0, positions)
+        copies.close()
+        copies.wait()
+        assert host.is_pinned() and host.shape[0] == 38 and within.tolist() == [37, 0, 14, 0, 36]
+        assert torch.equal(host.index_select(0, within), staged.cpu().index_select(0, positions))
+        copies.release()
+    pages_inside = staged.permute(1, 0, 2, 3, 4)  # pages not outermost: a span is not contiguous
+    assert StepCopies(staged.device).block(pages_inside, 1, positions) is None

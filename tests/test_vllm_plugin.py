@@ -1118,13 +1118,34 @@ def _unstaged(monkeypatch):
     monkeypatch.setattr(GraphHooks, "_stage", lambda self, items: None)
 
 
-@pytest.mark.parametrize("staged", [True, False], ids=["staged", "unstaged"])
+def _staged_spans_on_the_host(monkeypatch) -> list:
+    """StepCopies.block as it works on a GPU (the staged span in one copy, the writer picking the step's pages
+    from it), here on the host, where StepCopies gathers instead; returns the list of the spans it copied."""
+    from kvdbg.capture.buffers import StepCopies
+
+    spans = []
+
+    def block(self, source, dim, positions):
+        lo, hi = int(positions.min()), int(positions.max()) + 1
+        span = source.narrow(dim, lo, hi - lo)
+        if not span.is_contiguous():
+            return None
+        spans.append(span.shape[dim])
+        return span.clone(), positions - lo
+
+    monkeypatch.setattr(StepCopies, "block", block)
+    return spans
+
+
+@pytest.mark.parametrize("staged", [True, "span", False], ids=["staged", "staged-span", "unstaged"])
 def test_a_step_replayed_from_a_full_cuda_graph_is_captured_from_the_graphs_copies(standins, tmp_path, caplog,
                                                                                      monkeypatch, staged):
     """The snapshot holds what the kernel saw in the replayed graph: the query and output its copies wrote, the
     cache after the step's update (pages the layer keeps outside the graph), the real requests' metadata; the
-    same whether the step was staged on the device first or read from the engine's memory."""
+    same whether the step was staged on the device first (its pages gathered, or copied as one span that the
+    writer picks them from) or read from the engine's memory."""
     caplog.set_level(logging.INFO, logger="kvdbg.capture")
+    spans = _staged_spans_on_the_host(monkeypatch) if staged == "span" else None
     if not staged:
         _unstaged(monkeypatch)
     enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="1")
@@ -1157,6 +1178,8 @@ def test_a_step_replayed_from_a_full_cuda_graph_is_captured_from_the_graphs_copi
         torch.testing.assert_close(snap.kv_cache, cache[snap.page_ids.long()], rtol=0, atol=0)
         assert "absent" in snap.meta.capture["new_kv"]
     assert vllm_plugin.active_capturer().engine_time.staged == (1 if staged else 0)
+    if spans is not None:  # one span a layer, more pages than the step reads (the host's bound, shared pages)
+        assert len(spans) == len(engine.names) and all(n >= len(s.page_ids) for n, s in zip(spans, snaps))
 
 
 def test_a_wanted_graph_step_is_captured_off_the_engines_thread_and_before_the_next_step_overwrites(

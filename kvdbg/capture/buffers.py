@@ -237,6 +237,31 @@ class StepCopies:
         self._events.append(in_flight[-1])  # the side stream is in order: its last event covers every slice
         return host
 
+    def block(self, source: torch.Tensor, dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A host copy of the pages ``positions`` span in ``source`` (a device buffer of kvdbg's own that nothing
+        overwrites meanwhile: a staged step's), as one copy on the current stream, and the positions within it:
+        the writer picks the pages on the host (``index_select(dim, within)``). None where it does not apply (a
+        CPU, or a span not contiguous in memory): then :meth:`gather`.
+
+        A gather on the device keeps at most two slices in device memory and waits for the older one, so the
+        copies of a step's layers reach the device one wait apart; a staged buffer needs no slice, so each layer
+        costs one copy, issued at once."""
+        if not self.cuda or source.is_cpu or positions.numel() == 0:
+            return None
+        lo, hi = int(positions.min()), int(positions.max()) + 1
+        span = source.narrow(dim, lo, hi - lo)
+        if not span.is_contiguous():
+            return None
+        nbytes = span.numel() * span.element_size()
+        if self.buffers is not None and nbytes >= POOLED_MIN_BYTES:
+            buffer = self.buffers.take(nbytes, pinned=True)
+            self.pooled.append(buffer)
+            host = buffer[:nbytes].view(span.dtype).view(span.shape)
+        else:
+            host = torch.empty(span.shape, dtype=span.dtype, pin_memory=True)
+        host.copy_(span, non_blocking=True)  # the current stream: the event close() records there covers it
+        return host, positions - lo
+
     def mark(self) -> None:
         """Remember the current stream, whose copies so far :meth:`close` must cover (CUDA; a no-op on CPU).
 

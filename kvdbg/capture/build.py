@@ -116,7 +116,7 @@ def build_snapshot(pending: PendingCapture) -> Snapshot:
         # Its K/V are read below, and it may have been copied on another stream than the forward's pages.
         pre.copies.wait()
     layout = plan.layout
-    pages = layout.convert(pending.pages)
+    pages = layout.convert(pending.step_pages())
     read_back = None
     if pre is not None and pre.check_written:
         read_back = _read_back(plan, pages, pre)  # before the restore: these pages are as the update left them

@@ -239,12 +239,19 @@ class CapturePlan:
         if self.copies is None:
             self.copies = StepCopies(self.kv_cache.device)
         staged = self.staged
+        select = None
         if staged is not None:  # the same pages, from the copy staged on the device when the step ran
-            pages = self.copies.gather(staged.pages, staged.page_dim, staged.positions(self.page_ids.numpy()))
+            positions = staged.positions(self.page_ids.numpy())
+            block = self.copies.block(staged.pages, staged.page_dim, positions)
+            if block is not None:  # the staged span in one copy; the writer picks the step's pages from it
+                pages, within = block
+                select = (staged.page_dim, within)
+            else:
+                pages = self.copies.gather(staged.pages, staged.page_dim, positions)
         else:
             pages = self.copies.gather(self.kv_cache, self.layout.page_dim, self.page_ids)
         self.copies.mark()  # the copies so far are on this stream (the engine may switch before finish)
-        return PendingCapture(plan=self, pages=pages)
+        return PendingCapture(plan=self, pages=pages, select=select)
 
 
 @dataclass
@@ -254,6 +261,15 @@ class PendingCapture:
     plan: CapturePlan
     pages: torch.Tensor  # the step's pages in the engine's layout, on the host
     output: torch.Tensor | None = None
+    # (dim, positions): ``pages`` is a staged span holding the step's pages at these positions along dim, picked
+    # by the writer (StepCopies.block); None: ``pages`` are the step's pages
+    select: tuple[int, torch.Tensor] | None = None
+
+    def step_pages(self) -> torch.Tensor:
+        """The step's pages in the engine's layout (writer side, once the copies are complete)."""
+        if self.select is None:
+            return self.pages
+        return self.pages.index_select(self.select[0], self.select[1])
 
     @property
     def layer(self) -> CaptureLayer:
@@ -276,6 +292,8 @@ class PendingCapture:
         """Host memory this step holds until it is written (a little more than its file's data)."""
         plan = self.plan
         total = plan.lower_bound_bytes + (0 if self.output is None else plan.output_bytes)
+        if self.select is not None:  # the staged span is held besides the pages picked from it
+            total += _nbytes(self.pages)
         pre = plan.pre_update
         if pre is not None:
             total += _nbytes(pre.pages) + _nbytes(pre.key) + _nbytes(pre.value) + _nbytes(pre.slot_mapping)
