@@ -365,12 +365,14 @@ class GraphStager:
         return StagedStep(program, rows, total, counts, starts, page_size, ready)
 
     def _layers_key(self, layers: list[tuple]) -> tuple:
-        """The layers' names and caches, as a program's key (kept per list: a caller hands the same list for the
-        same graph's layers on every step, and this is a call per layer)."""
+        """The layers' names, caches and the buffers the graph copies their query and output into, as a program's
+        key (a program copies from those buffers: a graph recorded later may give a layer new ones); kept per
+        list, since a caller hands the same list for the same graph's layers on every step."""
         hit = self._keys.get(id(layers))
         if hit is not None and hit[0] is layers:
             return hit[1]
-        key = (tuple(layer[0] for layer in layers), tuple(layer[1].data_ptr() for layer in layers))
+        key = tuple((name, cache.data_ptr(), query.data_ptr(), 0 if output is None else output.data_ptr())
+                    for name, cache, _, query, output in layers)
         self._keys[id(layers)] = (layers, key)  # the list held: its id is never another's
         if len(self._keys) > 4 * MAX_PROGRAMS:
             self._keys.pop(next(iter(self._keys)))
