@@ -113,3 +113,50 @@ def test_conform_names_what_a_failing_cell_computed_and_a_cause_it_could_not_tes
     rounding = Cell(3, dict(row), "prefill", FAIL, max_abs=0.01, cause="rounding", cause_detail="passes on float32")
     _what_the_output_is(rounding, Cached(), Runner())
     assert rounding.engine_computed is None and rounding.cause_detail == "passes on float32"
+
+
+REAL = os.path.join(ROOT, "tests", "flashinfer_h200", "fp8_alibi_window_softcap_decode.safetensors")
+
+
+def _replay(*args):
+    from click.testing import CliRunner
+
+    from kvdbg.cli import cli
+
+    return CliRunner().invoke(cli, ["replay", *map(str, args)], env={"COLUMNS": "80", "NO_COLOR": "1"})
+
+
+def test_replay_what_if_names_what_the_engines_failing_output_is_and_keeps_the_verdict():
+    import json
+
+    done = _replay(REAL, "--what-if", "--json")
+    assert done.exit_code == 1, done.output
+    record = json.loads(done.output)
+    assert list(record)[-1] == "verdict" and record["verdict"]["exit_code"] == 1
+    found = record["what_if"]["explained"]
+    assert found["what"] == "without ALiBi and with the logits scaled by the query scale once more"
+    assert found["max_abs"] < 5e-3 and "without ALiBi" in record["what_if"]["changes"]
+    table = _replay(REAL, "--what-if")
+    assert table.exit_code == 1
+    lines = table.output.splitlines()
+    assert lines[-1].startswith("FAIL") and "what-if: the captured output is exact attention without ALiBi" in \
+        " ".join(lines)
+    assert all(len(line) <= 80 for line in lines)
+
+
+def test_replay_suggests_the_what_if_for_a_failing_engine_output_and_says_when_there_is_nothing_to_explain(tmp_path):
+    plain = _replay(REAL)
+    assert "--what-if" in plain.output  # a next command: the engine's output fails on a layer with features
+    snapshot = _cell({"alibi": "on"})
+    _engine_computes(snapshot, ())  # the engine's output is right
+    from kvdbg.snapshot.store import save_snapshot
+
+    path = save_snapshot(snapshot, str(tmp_path / "right.safetensors"))
+    done = _replay(path, "--what-if")
+    assert done.exit_code == 0 and "what-if: nothing to explain: the captured output passes" in done.output
+    assert "--what-if" not in _replay(path).output
+
+
+def test_replay_what_if_is_for_one_snapshot():
+    done = _replay(REAL, REAL, "--what-if")
+    assert done.exit_code == 2 and "--what-if" in done.output and "Traceback" not in done.output

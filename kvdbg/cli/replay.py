@@ -34,6 +34,11 @@ from kvdbg.errors import OptionError
 @output_option("Also write every backend's output tensors to this safetensors file.",
                hidden_aliases=("--save-outputs",))
 @force_option()
+@click.option("--what-if", "what_if", is_flag=True,
+              help="When the engine's captured output fails against the reference: whether it is exact attention "
+                   "of the layer with a feature taken away (ALiBi, soft cap, window, sinks), a non-causal window "
+                   "bounded on the left only, or an FP8 query scale applied twice, alone or in pairs; names the "
+                   "closest that passes (a reference replay per change, on the CPU).")
 @click.option("--picture", is_flag=True,
               help="Also draw which heads are wrong: a request x head error map per comparison (failing cells "
                    "marked) and, over several steps, each comparison's error step by step.")
@@ -55,7 +60,7 @@ from kvdbg.errors import OptionError
 @json_option
 @guarded
 def replay(snapshot, backend, step, request, head, device, exact, compile_, atol, rtol, explain, full,
-           output, force, picture, svg_path, png_path, jobs, recursive, results, resume, ray, as_json):
+           output, force, what_if, picture, svg_path, png_path, jobs, recursive, results, resume, ray, as_json):
     """Replay a snapshot through the exact reference and the backends, and diff them per head.
 
     Prints one screen: the verdict, one row per comparison with its failing
@@ -84,6 +89,7 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
       kvdbg replay snapshot.safetensors
       kvdbg replay snapshot.safetensors --full
       kvdbg replay snapshot.safetensors --backend flex --head 0-3 --json
+      kvdbg replay snapshot.safetensors --what-if
       kvdbg replay --builder -o outputs.safetensors
       kvdbg replay captures/ --jobs 4
       kvdbg replay captures/ --device cuda --results r.jsonl --resume
@@ -100,8 +106,8 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
                               atol=atol, rtol=rtol, jobs=jobs, recursive=recursive, as_json=as_json,
                               results=results, resume=resume, ray=ray, force=force, full=full,
                               single_only={"--request": request, "--head": head, "--builder": explain,
-                                           "--output": output, "--picture": picture, "--svg": svg_path,
-                                           "--png": png_path})
+                                           "--output": output, "--what-if": what_if, "--picture": picture,
+                                           "--svg": svg_path, "--png": png_path})
     given = [name for name, value in several.items() if value]
     if given:
         raise OptionError(f"{given[0]} needs snapshots to replay: name a directory or files")
@@ -127,6 +133,7 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
     result = report.result
     if output:
         write_outputs(result, output, overwrite=force)
+    what_if_record = _what_if(snap, report, atol, rtol) if what_if else None
     pictures = api.error_pictures(report) if picture or svg_path or png_path else None
     written = []
     if pictures is not None:
@@ -135,9 +142,13 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
         written = write_pictures(lambda: error_drawing(pictures), svg_path, png_path, force=force)
     if as_json:
         record = report.to_json(explain=explain)
-        if pictures is not None:
+        if pictures is not None or what_if_record is not None:
             verdict = record.pop("verdict")
-            record.update(pictures=pictures.to_json(), verdict=verdict)
+            if pictures is not None:
+                record["pictures"] = pictures.to_json()
+            if what_if_record is not None:
+                record["what_if"] = what_if_record
+            record["verdict"] = verdict
         emit_json(record)
     else:
         from rich.text import Text
@@ -148,6 +159,9 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
 
             extra = [ErrorMapText(pictures, full=full)] + ([StepsText(pictures.series)] if pictures.series else [])
         extra += [Text(f"picture written to {path}", style="dim") for path in written]
+        if what_if_record is not None:
+            extra.append(Text(f"what-if: {what_if_record['said']}", style="bold" if what_if_record["explained"]
+                              else ""))
         if full:
             page = render_replay(report, explain=explain, full=True, saved=output, before_verdict=extra)
         else:
@@ -158,6 +172,32 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
         console().print(page, crop=False)  # a next command whose path is wider than the line is shown whole
     if report.verdict.exit_code:
         sys.exit(report.verdict.exit_code)
+
+
+def _what_if(snap, report, atol, rtol) -> dict:
+    """``--what-if``: whether the engine's captured output, failing against the reference, is exact attention of
+    the layer with a feature taken away (kvdbg.judge.whatif); a JSON record with the sentence the table shows."""
+    from kvdbg.judge.whatif import WHAT_IFS, explain_output
+
+    applicable = [w.what for w in WHAT_IFS if w.applies(snap.meta.layer)]
+    captured = [c for c in report.comparisons if c.actual == "captured" and c.expected == "reference" and c.heads]
+    record = {"explained": None, "changes": applicable, "said": ""}
+    if not captured:
+        record["said"] = "nothing to explain: the snapshot holds no engine output compared with the reference"
+    elif all(c.passed for c in captured):
+        record["said"] = "nothing to explain: the captured output passes against the reference"
+    elif not applicable:
+        record["said"] = ("no change to try: the layer has none of ALiBi, a soft cap, a window, sinks or an FP8 "
+                          "query scale")
+    else:
+        found = explain_output(snap, atol=atol, rtol=rtol)
+        if found is None:
+            record["said"] = (f"no change of the layer explains the captured output (tried {len(applicable)} "
+                              f"alone and in pairs: {'; '.join(applicable)})")
+        else:
+            record["explained"] = found.to_json()
+            record["said"] = found.sentence().replace("the output is", "the captured output is", 1)
+    return record
 
 
 def replay_several(paths, *, backends, steps, device, exact, compile_, atol, rtol, jobs, recursive, as_json,

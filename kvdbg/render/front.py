@@ -153,7 +153,8 @@ def next_commands(report: ReplayReport, snapshot: str) -> list[Hint]:
 
     A failing comparison: `attention` on its worst head. A finding: the table that shows its condition
     (`map` for paging and inputs, `window` for the FLASHINFER_TS rules) and `explain CODE`. A failure:
-    `shrink` to a small repro. Always: `replay --full`, everything this summary leaves out.
+    `shrink` to a small repro. The engine's own output failing, on a layer with features: `replay --what-if`.
+    Always: `replay --full`, everything this summary leaves out.
     """
     path = shlex.quote(snapshot)
     hints: list[Hint] = []
@@ -184,6 +185,12 @@ def next_commands(report: ReplayReport, snapshot: str) -> list[Hint]:
     # shrink keeps one backend's failure: there must be a counted backend column (not the engine's output) failing.
     if any(c.actual in counted and c.actual != "captured" for c in failing):
         hints.append(Hint(f"kvdbg shrink {path} -o small.safetensors", "the smallest snapshot that still fails"))
+    if any(c.actual == "captured" for c in failing):
+        from kvdbg.judge.whatif import WHAT_IFS
+
+        if any(w.applies(report.result.meta.layer) for w in WHAT_IFS):
+            hints.append(Hint(f"kvdbg replay {path} --what-if",
+                              "whether the engine's output is attention with a feature of the layer left out"))
     hints.append(Hint(f"kvdbg replay {path} --full", "every table: backends, notes, each head, the pass rule"))
     seen: set[str] = set()
     return [h for h in hints if not (h.command in seen or seen.add(h.command))]
