@@ -80,7 +80,7 @@ class ReplayOptions:
     flex_q_block: int | None = None  # flex: the BlockMask's query block (None = vLLM's 16 tokens)
     # reference: a non-causal window's sides. "symmetric" is vLLM's |p - k| < w (the snapshot format's meaning);
     # "left" bounds keys on the left only, p - w < k, as FlashInfer's window_left does: a what-if of
-    # kvdbg.judge.whatif, never a replay's default.
+    # kvdbg.moves.whatif, never a replay's default.
     dense_window: str = "symmetric"
 
 

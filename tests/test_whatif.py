@@ -1,4 +1,4 @@
-"""kvdbg.judge.whatif: a failing output named as exact attention of the layer with a feature taken away."""
+"""kvdbg.moves.whatif: a failing output named as exact attention of the layer with a feature taken away."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvdbg.backends.base import ReplayOptions
-from kvdbg.judge.whatif import WHAT_IFS, explain_output
+from kvdbg.moves.whatif import WHAT_IFS, explain_output
 from kvdbg.moves.conform.matrix import spec_for
 from kvdbg.moves.synth import synth_snapshot
 from kvdbg.replayer.runner import replay

@@ -176,8 +176,8 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
 
 def _what_if(snap, report, atol, rtol) -> dict:
     """``--what-if``: whether the engine's captured output, failing against the reference, is exact attention of
-    the layer with a feature taken away (kvdbg.judge.whatif); a JSON record with the sentence the table shows."""
-    from kvdbg.judge.whatif import WHAT_IFS, explain_output
+    the layer with a feature taken away (kvdbg.moves.whatif); a JSON record with the sentence the table shows."""
+    from kvdbg.moves.whatif import WHAT_IFS, explain_output
 
     applicable = [w.what for w in WHAT_IFS if w.applies(snap.meta.layer)]
     captured = [c for c in report.comparisons if c.actual == "captured" and c.expected == "reference" and c.heads]

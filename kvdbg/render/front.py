@@ -186,7 +186,7 @@ def next_commands(report: ReplayReport, snapshot: str) -> list[Hint]:
     if any(c.actual in counted and c.actual != "captured" for c in failing):
         hints.append(Hint(f"kvdbg shrink {path} -o small.safetensors", "the smallest snapshot that still fails"))
     if any(c.actual == "captured" for c in failing):
-        from kvdbg.judge.whatif import WHAT_IFS
+        from kvdbg.moves.whatif import WHAT_IFS
 
         if any(w.applies(report.result.meta.layer) for w in WHAT_IFS):
             hints.append(Hint(f"kvdbg replay {path} --what-if",

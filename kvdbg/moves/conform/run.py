@@ -92,7 +92,7 @@ class Cell:
     cause: str | None = None  # FAIL: semantic | rounding | unknown
     cause_detail: str | None = None
     minimal: dict | None = None  # FAIL: the smallest row that still fails in this kind
-    # FAIL (not rounding): what the output is instead, kvdbg.judge.whatif's answer as JSON; None: no change of the
+    # FAIL (not rounding): what the output is instead, kvdbg.moves.whatif's answer as JSON; None: no change of the
     # layer's features explains it ({"error": ...} when the what-if itself could not run)
     engine_computed: dict | None = None
     snapshot_path: str | None = None
@@ -507,14 +507,14 @@ def _drive_all(chains: dict, cached: _Cached, progress, backend: str) -> dict:
 
 def _what_the_output_is(cell: Cell, cached: "_Cached", runner: Runner) -> None:
     """A failing cell that is not rounding: whether its output is exact attention of the layer with a feature taken
-    away (kvdbg.judge.whatif), on this process's CPU from the cell's snapshot. A match makes an unknown cause
+    away (kvdbg.moves.whatif), on this process's CPU from the cell's snapshot. A match makes an unknown cause
     semantic (a backend with no float32 path, FLASHINFER) and says which feature the backend did not apply."""
     if cell.cause == "rounding":
         return
     snapshot = cached.run(cell.row, cell.kind).snapshot
     if snapshot is None:
         return
-    from kvdbg.judge.whatif import explain_output
+    from kvdbg.moves.whatif import explain_output
 
     args = getattr(runner, "args", runner)
     try:
