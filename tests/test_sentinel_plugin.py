@@ -158,8 +158,11 @@ def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sen
     """The sentinel under a full CUDA graph: it checks what the graph's copies wrote, after each replay."""
     from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _run_as_graph
 
+    from tests.test_vllm_plugin import _staged_spans_on_the_host
+
     monkeypatch, directory = sentinel_env
     _wrong_head_2_of_layer_1(monkeypatch)
+    spans = _staged_spans_on_the_host(monkeypatch)
     with caplog.at_level(logging.INFO, logger="kvdbg"):
         vllm_plugin.register()
         engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)
@@ -175,6 +178,8 @@ def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sen
     # Both steps were staged (checked and captured from kvdbg's copies), and their staging was let go.
     stager = vllm_plugin._state._stager
     assert stager.staged == 2 and not any(p.held for ps in stager._programs.values() for p in ps)
+    # Captured on the engine's thread: gathered as ever, never one span copy that its stream would wait for.
+    assert spans == []
     lines = [r.getMessage() for r in caplog.records if "is wrong" in r.getMessage()]
     assert lines == [f"kvdbg sentinel: layer model.layers.1.self_attn.attn step 0 is wrong (output disagrees with "
                      f"the exact reference): first failing request 0 head 2; snapshot {path}"]

@@ -239,7 +239,8 @@ class StepCopies:
 
     def block(self, source: torch.Tensor, dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A host copy of the pages ``positions`` span in ``source`` (a device buffer of kvdbg's own that nothing
-        overwrites meanwhile: a staged step's), as one copy on the current stream, and the positions within it:
+        overwrites meanwhile: a staged step's), as one copy on the current stream (one of kvdbg's own: the engine's
+        would wait for it), and the positions within it:
         the writer picks the pages on the host (``index_select(dim, within)``). None where it does not apply (a
         CPU, or a span not contiguous in memory): then :meth:`gather`.
 

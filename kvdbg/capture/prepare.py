@@ -242,7 +242,7 @@ class CapturePlan:
         select = None
         if staged is not None:  # the same pages, from the copy staged on the device when the step ran
             positions = staged.positions(self.page_ids.numpy())
-            block = self.copies.block(staged.pages, staged.page_dim, positions)
+            block = self.copies.block(staged.pages, staged.page_dim, positions) if staged.own_stream else None
             if block is not None:  # the staged span in one copy; the writer picks the step's pages from it
                 pages, within = block
                 select = (staged.page_dim, within)

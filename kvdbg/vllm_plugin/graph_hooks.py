@@ -426,7 +426,7 @@ class GraphHooks:
                     query, output, pages = slot.query, slot.output, None
                     if staged is not None:  # the step's copies on the device, which no later step overwrites
                         copies = staged.layers[slot.name]
-                        query, output, pages = copies.query, copies.output, staged.pages_for(slot.name)
+                        query, output, pages = copies.query, copies.output, staged.pages_for(slot.name, True)
                     try:
                         pending = self.start_capture(slot.impl, slot.layer, step, query, None, None,
                                                      slot.kv_cache, ctx, None, output.dtype

@@ -85,6 +85,10 @@ class StagedPages:
     step: "StagedStep"
     pages: "torch.Tensor"
     page_dim: int
+    # Read on a stream of kvdbg's own (the graph capture thread's): there a layer's staged span may go to the host
+    # in one copy (StepCopies.block), which holds up no engine work. Read on the engine's thread (the sentinel's
+    # capture of a wrong step), the pages are gathered as ever, their copy on capture's side stream.
+    own_stream: bool = False
 
     def positions(self, page_ids: np.ndarray) -> "torch.Tensor":
         """The staged position of each engine page id (int64, host); CaptureInputError naming one not staged."""
@@ -146,9 +150,9 @@ class StagedStep:
         a view is a torch call, which the engine's thread is spared)."""
         return self.program.views(self.rows)
 
-    def pages_for(self, name: str) -> StagedPages:
+    def pages_for(self, name: str, own_stream: bool = False) -> StagedPages:
         layer = self.layers[name]
-        return StagedPages(self, layer.pages, layer.page_dim)
+        return StagedPages(self, layer.pages, layer.page_dim, own_stream)
 
     def position_table(self) -> np.ndarray:
         """The step's block table in staged positions ([requests, most pages], -1 past a row's pages): what a
