@@ -160,3 +160,21 @@ def test_replay_suggests_the_what_if_for_a_failing_engine_output_and_says_when_t
 def test_replay_what_if_is_for_one_snapshot():
     done = _replay(REAL, REAL, "--what-if")
     assert done.exit_code == 2 and "--what-if" in done.output and "Traceback" not in done.output
+
+
+def test_a_change_the_reference_refuses_is_no_explanation_and_the_others_are_still_tried(monkeypatch):
+    from kvdbg.errors import SnapshotError
+    from kvdbg.moves import whatif
+
+    snapshot = _cell({"alibi": "on", "soft_cap": "on", "dtype": "float16"})
+    _engine_computes(snapshot, ("without ALiBi",))
+    held = whatif._held
+
+    def refusing(variant, options, atol, rtol):
+        if variant.meta.layer.logits_soft_cap is None:  # every change that takes the soft cap away
+            raise SnapshotError("meta field layer.logits_soft_cap: refused (a stand-in refusal)")
+        return held(variant, options, atol, rtol)
+
+    monkeypatch.setattr(whatif, "_held", refusing)
+    found = explain_output(snapshot)
+    assert found is not None and found.what == "without ALiBi"

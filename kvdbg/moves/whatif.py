@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import TYPE_CHECKING, Callable
 
+from kvdbg.errors import KvdbgError
+
 if TYPE_CHECKING:
     from kvdbg.snapshot.meta import LayerMeta
     from kvdbg.snapshot.store import Snapshot
@@ -115,7 +117,10 @@ def explain_output(snapshot: "Snapshot", *, atol: float | None = None, rtol: flo
         for what_if in group:
             variant = what_if.change(variant)
             options.update(what_if.options)
-        held = _held(variant, options, atol, rtol)
+        try:
+            held = _held(variant, options, atol, rtol)
+        except KvdbgError:  # a layer the reference refuses without that feature cannot be what the engine ran
+            held = None
         # The closest match wins; a pair must be four times closer than a single (len(group) ** 2).
         if held is not None and (best is None or held[0] * len(group) ** 2 < best.max_abs * len(best.what_ifs) ** 2):
             best = OutputExplained(group, *held)
