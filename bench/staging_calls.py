@@ -68,9 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     bound = np.full(n, args.pages_per_request * page, dtype=np.int64)
     hint = StageHint(table, n, bound, int(bound.max()))
     stager = GraphStager()
-    first = stager.stage(layers, hint, page, n)  # makes and records the program
-    first.release() if first.program.held else None
-    program = first.program
+    program = stager.stage(layers, hint, page, n).program  # made, and recorded as a graph of its own
     flat = np.arange(n * args.pages_per_request, dtype=np.int64)
     pinned = torch.empty(program.size, dtype=torch.int64, pin_memory=True)
     rows = [table, seq_lens, qsl, slots, None]
