@@ -141,7 +141,8 @@ def test_replay_what_if_names_what_the_engines_failing_output_is_and_keeps_the_v
     lines = table.output.splitlines()
     assert lines[-1].startswith("FAIL") and "what-if: the captured output is exact attention without ALiBi" in \
         " ".join(lines)
-    assert all(len(line) <= 80 for line in lines)
+    # A next command's path longer than the line (in a deep checkout) is shown whole, alone on its line.
+    assert all(len(line) <= 80 for line in lines if not line.lstrip().startswith(REAL))
 
 
 def test_replay_suggests_the_what_if_for_a_failing_engine_output_and_says_when_there_is_nothing_to_explain(tmp_path):
