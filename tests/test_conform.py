@@ -632,3 +632,42 @@ def test_sigterm_stops_the_command_as_ctrl_c_does():
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_rows_runs_only_the_rows_named_by_the_tables_numbers_and_the_verdict_says_so(fake_engine):
+    args = ("--backend", "FAKE_ATTN", "--features", "window,sinks,soft-cap", "--batch", "decode")
+    whole = strict(invoke(*args, "--json").stdout)
+    failing = sorted({c["row"] for c in whole["cells"] if c["status"] == FAIL})
+    passing = sorted({c["row"] for c in whole["cells"] if c["status"] == PASS} - set(failing))
+    asked = [failing[-1], passing[0]]
+    res = invoke(*args, "--rows", f"{asked[0]},{asked[1]},{asked[0]}", "--json")
+    assert res.exit_code == 1, res.output
+    data = strict(res.stdout)
+    again = {(c["row"], c["combination"]): c["status"] for c in data["cells"] if not c["level_probe"]}
+    # the same numbers name the same combinations as in the whole run, and only they ran
+    assert again == {(c["row"], c["combination"]): c["status"] for c in whole["cells"]
+                     if c["row"] in asked and not c["level_probe"]}
+    backend = data["backends"][0]
+    size = len([r for r in whole["backends"][0]["rows"]]) - len({c["row"] for c in whole["cells"]
+                                                                 if c["level_probe"]})
+    assert backend["only_rows"] == sorted(asked) and backend["planned_cells"] == 2
+    assert whole["backends"][0]["only_rows"] is None
+    note = f"rows {', '.join(map(str, sorted(asked)))} of {size}"
+    assert data["verdict"]["summary"].startswith(f"FAIL: 1 of 2 cell(s) of FAKE_ATTN ({note})")
+    table = invoke(*args, "--rows", str(passing[0]))
+    assert table.exit_code == 0 and f"FAKE_ATTN (pairwise, row {passing[0]} of {size} × 1" in table.stdout
+    assert f"PASS: 1 cell(s) of FAKE_ATTN (row {passing[0]} of {size})" in " ".join(table.stdout.split())
+
+
+@pytest.mark.parametrize("rows", ["a", "1,-2", "", "1;2", "9999999"])
+def test_rows_must_be_row_numbers(fake_engine, rows):
+    res = invoke("--backend", "FAKE_ATTN", "--features", "window", "--rows", rows)
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "--rows" in res.output, res.output
+
+
+def test_a_row_beyond_the_matrix_is_refused_naming_its_rows(fake_engine):
+    res = invoke("--backend", "FAKE_ATTN", "--features", "window", "--rows", "0,40")
+    # after the progress lines (the matrix is made first), one line of error
+    error = res.output.splitlines()[-1]
+    assert res.exit_code == 2 and error.startswith("Error: --rows: FAKE_ATTN's matrix has rows 0 to") and \
+        "not 40" in error and "Traceback" not in res.output

@@ -18,6 +18,16 @@ def _names(ctx, param, values) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names)) or None
 
 
+def _row_numbers(ctx, param, value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    parts = [part.strip() for part in value.split(",") if part.strip()]
+    if not parts or not all(part.isdigit() and len(part) <= 6 for part in parts):
+        raise BadInput(f"--rows must be row numbers from 0 separated by commas (as conform's table numbers "
+                       f"them), got {value!r}")
+    return tuple(sorted({int(part) for part in parts}))
+
+
 def _seed(ctx, param, value: int) -> int:
     if not 0 <= value <= MAX_SEED:
         raise BadInput(f"--seed must be from 0 to 2**62, got {value}")
@@ -34,6 +44,9 @@ def _seed(ctx, param, value: int) -> int:
                    "soft-cap, alibi, gqa, head-size, page-size, kv-cache, dtype, mask, pages [default: all].")
 @click.option("--batch", "batch", default="decode,prefill,mixed", show_default=True, metavar="KIND[,KIND]",
               help="Batch kinds each combination runs in: decode, prefill, mixed.")
+@click.option("--rows", "rows", default=None, metavar="N[,N]", callback=_row_numbers,
+              help="Run only these rows of the matrix, by the numbers its table gives them (the matrix is made "
+                   "as without it, so a number names the same combination): re-run failing rows alone.")
 @click.option("--full", is_flag=True, help="Every combination (the whole product, when it is at most 512 rows) "
                                            "instead of a pairwise covering array.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), metavar="DIR",
@@ -47,7 +60,7 @@ def _seed(ctx, param, value: int) -> int:
 @tolerance_options()
 @json_option
 @guarded
-def conform(backend, device, features, batch, full, out_dir, jobs, force, seed, atol, rtol, as_json):
+def conform(backend, device, features, batch, rows, full, out_dir, jobs, force, seed, atol, rtol, as_json):
     """Hold an installed engine's attention backend to the exact reference, feature by feature.
 
     Every feature the snapshot format models (window, chunked lookback, sinks,
@@ -72,6 +85,7 @@ def conform(backend, device, features, batch, full, out_dir, jobs, force, seed, 
       kvdbg conform --backend CPU_ATTN
       kvdbg conform --backend FLEX_ATTENTION --features window,pages,mask --full
       kvdbg conform --out conform-failures --json
+      kvdbg conform --backend FLASHINFER --device cuda --rows 1,3
     """
     from kvdbg.moves.conform.run import conform as run_conform, conform_verdict
 
@@ -88,7 +102,7 @@ def conform(backend, device, features, batch, full, out_dir, jobs, force, seed, 
     previous = _sigterm_as_interrupt()
     try:
         result = run_conform(backend, device, features=feature_names, kinds=kinds, full=full, out_dir=out_dir,
-                             force=force, seed=seed, atol=atol, rtol=rtol, progress=bar,
+                             force=force, seed=seed, atol=atol, rtol=rtol, progress=bar, rows=rows,
                              make_runner=_runner_maker(device, jobs, seed, atol, rtol))
     finally:
         bar.close()

@@ -28,8 +28,9 @@ def cell_text(cell: Cell, refusal_note: dict[str, int]) -> str:
 
 
 def render_backend(result: BackendConform) -> Group:
-    title = Text(f"conform: {result.backend} ({result.matrix}, {len(result.rows)} rows × {len(result.kinds)} "
-                 f"batch kinds)", style="bold")
+    rows = result.rows_note() or f"{len(result.rows)} rows"
+    title = Text(f"conform: {result.backend} ({result.matrix}, {rows} × {len(result.kinds)} batch kinds)",
+                 style="bold")
     if result.reason is not None:
         return Group(title, Text(f"not run: {result.reason}", style="yellow"))
     stopped = None

@@ -133,6 +133,15 @@ class BackendConform:
     # Interrupted (Ctrl-C, SIGTERM): the cells that ran, of ``planned``; failing ones unexplained past the stop.
     interrupted: bool = False
     planned: int = 0  # cells of the matrix (levels refused alone not counted)
+    only_rows: list[int] | None = None  # `--rows`: the matrix's rows that ran (None: every row)
+    matrix_size: int = 0  # rows of the matrix (``rows`` less the refused levels' rows)
+
+    def rows_note(self) -> str:
+        """``rows 1, 3 of 15`` when only some rows ran, else ``""``."""
+        if self.only_rows is None:
+            return ""
+        return f"row{'s' if len(self.only_rows) > 1 else ''} {', '.join(map(str, self.only_rows))} of " \
+               f"{self.matrix_size}"
 
     def counts(self) -> dict[str, int]:
         return {s: sum(c.status == s for c in self.cells) for s in (PASS, FAIL, REFUSED)}
@@ -143,7 +152,8 @@ class BackendConform:
                 "rows": [{"row": i, "combination": label(r), "features": r} for i, r in enumerate(self.rows)],
                 "counts": self.counts(), "seconds": self.seconds, "runs": self.runs, "jobs": self.jobs,
                 "cell_seconds": self.cell_seconds, "jit_build_seconds": self.build_seconds,
-                "jit_built_runs": self.built_runs, "interrupted": self.interrupted, "planned_cells": self.planned}
+                "jit_built_runs": self.built_runs, "interrupted": self.interrupted, "planned_cells": self.planned,
+                "only_rows": self.only_rows}
 
 
 @dataclass
@@ -175,7 +185,8 @@ def conform_verdict(result: ConformResult) -> "Verdict":
     failed = [c for c in cells if c.status == FAIL]
     ran = [c for c in cells if c.status in (PASS, FAIL)]
     refused = sum(c.status == REFUSED for c in cells)
-    names = ", ".join(b.backend for b in result.backends) or "no backend"
+    names = ", ".join(b.backend + (f" ({b.rows_note()})" if b.rows_note() else "") for b in result.backends) \
+        or "no backend"
     aside = f"; {refused} refused by the backend" if refused else ""
     if result.interrupted:
         from kvdbg.judge.verdict import EXIT_INTERRUPTED
@@ -275,16 +286,21 @@ def _refusals(runner: Runner, rows: list[dict], progress, offered: int) -> list[
 
 def conform_backend(runner: Runner, factors: Iterable[Factor] = FACTORS, *, kinds: Iterable[str] = KINDS,
                     full: bool = False, out_dir: str | None = None, force: bool = False,
-                    progress: Callable[[int, int, str], None] | None = None) -> BackendConform:
-    """Every cell of ``runner``'s backend over ``factors`` (the others at baseline); see the module doc."""
+                    progress: Callable[[int, int, str], None] | None = None,
+                    only_rows: Iterable[int] | None = None) -> BackendConform:
+    """Every cell of ``runner``'s backend over ``factors`` (the others at baseline); see the module doc.
+    ``only_rows``: run only these rows of the matrix (numbered as its table numbers them; the matrix itself is
+    made as without them, so a row's number names the same combination)."""
     started = time.perf_counter()
     kinds = tuple(kinds)
     factors = list(factors)
     result = BackendConform(runner.backend, "full" if full else "pairwise", kinds)
+    result.only_rows = None if only_rows is None else sorted(set(only_rows))
     cached = _Cached(runner)
     stage = _Stage()
     try:
-        _conform_cells(result, stage, runner, cached, factors, kinds, full, out_dir, force, progress)
+        _conform_cells(result, stage, runner, cached, factors, kinds, full, out_dir, force, progress,
+                       result.only_rows)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (the command turns it into this): keep what ran
         _keep_what_ran(result, stage, cached, out_dir, force)
     if progress:
@@ -320,7 +336,8 @@ def _keep_what_ran(result: BackendConform, stage: _Stage, cached: _Cached, out_d
     if not stage.collected:
         result.cells = [_cell(row_id, row, kind, cached.outcomes[cell_key(row, kind)])
                         for row_id, row in enumerate(stage.rows) for kind in result.kinds
-                        if cell_key(row, kind) in cached.outcomes]
+                        if cell_key(row, kind) in cached.outcomes
+                        and (result.only_rows is None or row_id in result.only_rows)]
     result.cells += stage.probe_cells
     for cell in result.cells:
         if cell.status == FAIL and cell.snapshot_path is None:
@@ -332,7 +349,8 @@ def _keep_what_ran(result: BackendConform, stage: _Stage, cached: _Cached, out_d
 
 
 def _conform_cells(result: BackendConform, stage: _Stage, runner: Runner, cached: _Cached, factors: list,
-                   kinds: tuple, full: bool, out_dir: str | None, force: bool, progress) -> None:
+                   kinds: tuple, full: bool, out_dir: str | None, force: bool, progress,
+                   only_rows: list[int] | None = None) -> None:
     serial = getattr(runner, "run_many", None) is None
 
     # 1. each level alone: a level the backend refuses leaves the matrix and shows as one refused row
@@ -353,13 +371,20 @@ def _conform_cells(result: BackendConform, stage: _Stage, runner: Runner, cached
     result.factors = kept
     rows = matrix_rows(kept, full)
     result.rows = rows + [row for row, _ in probes]
+    result.matrix_size = len(rows)
     stage.rows = rows
     stage.probe_cells = [Cell(len(rows) + offset, row, kind, REFUSED, reason=reason, probe=True)
                          for offset, (row, reason) in enumerate(probes) for kind in kinds]
 
-    # 2. every cell
-    total = result.planned = len(rows) * len(kinds)
-    cells = [(row_id, row, kind) for row_id, row in enumerate(rows) for kind in kinds]
+    # 2. every cell (of the rows asked for)
+    if only_rows is not None:
+        beyond = [r for r in only_rows if r >= len(rows)]
+        if beyond:
+            raise OptionError(f"--rows: {runner.backend}'s matrix has rows 0 to {len(rows) - 1}, not "
+                              f"{', '.join(map(str, beyond))} (its table numbers them)")
+    run_rows = [(row_id, row) for row_id, row in enumerate(rows) if only_rows is None or row_id in only_rows]
+    total = result.planned = len(run_rows) * len(kinds)
+    cells = [(row_id, row, kind) for row_id, row in run_rows for kind in kinds]
     count = [0]
 
     def done(request, outcome):
@@ -731,16 +756,20 @@ def conform(backends: Iterable[str] | None = None, device: str = "cpu", *, featu
             kinds: Iterable[str] = KINDS, full: bool = False, out_dir: str | None = None, force: bool = False,
             seed: int = 0, atol: float | None = None, rtol: float | None = None,
             progress: Callable[[int, int, str], None] | None = None,
-            make_runner: Callable[[str], Runner] | None = None) -> ConformResult:
+            make_runner: Callable[[str], Runner] | None = None,
+            rows: Iterable[int] | None = None) -> ConformResult:
     """Conform the named backends (default: every backend of the installed engine that runs on ``device``).
 
     ``make_runner(name)`` makes each backend's runner (default: an :class:`EngineRunner` in this process;
     `kvdbg conform --jobs N` gives worker processes, kvdbg.fleet.conform_pool); a runner with ``close``
-    is closed when its backend is done."""
+    is closed when its backend is done. ``rows``: only these rows of each backend's matrix (`--rows`)."""
     from kvdbg.moves.conform.matrix import factors_named
 
     factors = list(FACTORS if features is None else factors_named(features))
     kinds = tuple(dict.fromkeys(kinds))
+    rows = None if rows is None else sorted(set(rows))
+    if rows is not None and (not rows or rows[0] < 0):
+        raise OptionError("--rows: give row numbers from 0, as conform's table numbers them")
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         raise OptionError(f"--batch: unknown batch kind {bad[0]!r} (choose from: {', '.join(KINDS)})" if bad
@@ -771,7 +800,7 @@ def conform(backends: Iterable[str] | None = None, device: str = "cpu", *, featu
             continue
         try:
             result.backends.append(conform_backend(runner, factors, kinds=kinds, full=full, out_dir=out_dir,
-                                                   force=force, progress=progress))
+                                                   force=force, progress=progress, only_rows=rows))
         finally:
             close = getattr(runner, "close", None)
             if close is not None:
