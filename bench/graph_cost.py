@@ -37,6 +37,12 @@ kvdbg's side stream; with the capture thread, the events it records after its co
 time, against the step's bytes (pages, query, output, metadata)
 over the device-to-host bandwidth of a 256 MiB copy into pinned memory, measured in the same process.
 
+With ``--thread-times``, the engine's thread's two parts of a wanted step (the build's metadata copy to the
+host and the staging program) are also timed in that thread's own CPU time and its voluntary context switches
+(``getrusage(RUSAGE_THREAD)``), about 2 us of their own each, outside their wall time: a part whose wall time
+is far above its CPU time waited (for the GIL, or in a runtime call that blocks), one whose CPU time is as
+high ran that long (its calls dearer in the engine than alone: ``bench/staging_calls.py``).
+
 Prints a line per part, the figures against their lines, and one line ``GCOST-SUMMARY {json}``. Writes
 OUT/records/PART.json (each part's raw record) and OUT/logs/PART.log; snapshots go to ``--scratch`` and are
 deleted once counted. Exit 0: every part ran, every check passed and every figure is within its line; 1: every
@@ -74,6 +80,8 @@ SENTINEL_RATE = "0.01"
 # A step the capture filter names while "armed": never reached in a run.
 UNREACHED_STEP = 10**15
 KVDBG_HOOKS = ("after_build", "graph_call", "before_graph_replay", "after_graph_replay")
+# The engine's thread's parts of a wanted step that --thread-times also times in thread CPU time and switches.
+ENGINE_PARTS = ("metadata_copy", "stage")
 # vLLM's IR ops on its native torch implementations (its compiled kernels are not carried): as the engine stage.
 NATIVE_IR_OPS = {"rms_norm": ["native"], "fused_add_rms_norm": ["native"], "gelu_and_mul_sparse": ["native"]}
 # Steps after a wanted one whose wall time beyond the round's median is reported with it.
@@ -166,14 +174,16 @@ def prompts(round_index: int, batch: int, length: int, vocab: int = 32000) -> li
 
 
 def _new_step() -> dict:
-    return {"wall_ns": 0, "replays": 0, "graph_events": [], "hooks": {}, "inner": {}, "replayed_step": None,
+    return {"wall_ns": 0, "replays": 0, "graph_events": [], "hooks": {}, "inner": {}, "thread": {},
+            "replayed_step": None,
             "copied": False, "captured_bytes": 0, "captures": 0, "device_mark": None, "device_job": None}
 
 
 class Timing:
     """The bench's wrappers: engine steps, graph replays on the device, kvdbg's hooks. Records only in rounds."""
 
-    def __init__(self):
+    def __init__(self, thread_times: bool = False):
+        self.thread_times = thread_times  # --thread-times: ENGINE_PARTS also in thread CPU time and switches
         self.current: dict | None = None
         self.steps: list[dict] = []
         self.recording = False
@@ -439,6 +449,9 @@ def _record_for(timing: "Timing") -> dict | None:
 
 
 def _timed(timing: Timing, name: str, original, where: str):
+    if timing.thread_times and name in ENGINE_PARTS:
+        return _thread_timed(timing, name, original, where)
+
     def timed(*args, **kwargs):
         record = _record_for(timing)
         if record is None:
@@ -448,6 +461,34 @@ def _timed(timing: Timing, name: str, original, where: str):
             return original(*args, **kwargs)
         finally:
             record[where][name] = record[where].get(name, 0) + time.perf_counter_ns() - began
+
+    return timed
+
+
+def _thread_timed(timing: Timing, name: str, original, where: str):
+    """As _timed, and the calling thread's CPU time and voluntary context switches over the call (read outside
+    its wall time), into ``record["thread"][name]``."""
+    import resource
+
+    usage, who = resource.getrusage, resource.RUSAGE_THREAD
+
+    def timed(*args, **kwargs):
+        record = _record_for(timing)
+        if record is None:
+            return original(*args, **kwargs)
+        switches = usage(who).ru_nvcsw
+        cpu = time.thread_time_ns()
+        began = time.perf_counter_ns()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            wall = time.perf_counter_ns() - began
+            cpu = time.thread_time_ns() - cpu
+            switches = usage(who).ru_nvcsw - switches
+            record[where][name] = record[where].get(name, 0) + wall
+            kept = record.setdefault("thread", {}).setdefault(name, {"cpu_ns": 0, "switches": 0})
+            kept["cpu_ns"] += cpu
+            kept["switches"] += switches
 
     return timed
 
@@ -537,6 +578,8 @@ def summarize_wanted(steps: list[dict], wanted: int) -> dict:
                step_ms=hit["wall_ns"] / 1e6, step_added_ms=(hit["wall_ns"] - base_wall) / 1e6,
                following_added_ms=sum(s["wall_ns"] - base_wall for s in following) / 1e6,
                inner_us={k: v / 1e3 for k, v in hit.get("inner", {}).items()},
+               thread={k: {"cpu_us": v["cpu_ns"] / 1e3, "switches": v["switches"]}
+                       for k, v in hit.get("thread", {}).items()},
                hooks_added_by_name_us={name: (hit["hooks"].get(name, 0)
                                               - statistics.median(s["hooks"].get(name, 0) for s in others)) / 1e3
                                        for name in KVDBG_HOOKS},
@@ -567,6 +610,16 @@ def ratio_of_rounds(rounds: list[dict], baseline_rounds: list[dict], key: str = 
     reference = statistics.median(base)
     return {"ratio": statistics.median(mine) / reference, "rounds": spread([v / reference for v in mine]),
             "value": statistics.median(mine), "baseline": reference}
+
+
+def _thread_figures(timed: list[dict]) -> dict:
+    """--thread-times: per engine-thread part, its wall time, its thread CPU time and its voluntary switches
+    (spreads over the timed wanted steps); {} without."""
+    names = sorted({k for w in timed for k in w.get("thread", {})})
+    return {k: {"wall_us": spread([w.get("inner_us", {}).get(k) for w in timed if k in w.get("thread", {})]),
+                "cpu_us": spread([w["thread"][k]["cpu_us"] for w in timed if k in w.get("thread", {})]),
+                "switches": spread([w["thread"][k]["switches"] for w in timed if k in w.get("thread", {})])}
+            for k in names}
 
 
 def figures(records: dict[str, dict]) -> dict:
@@ -601,6 +654,7 @@ def figures(records: dict[str, dict]) -> dict:
                                 "hooks_added_by_name_us": {
                                     k: spread([w.get("hooks_added_by_name_us", {}).get(k) for w in timed])
                                     for k in sorted({k for w in timed for k in w.get("hooks_added_by_name_us", {})})},
+                                "thread": _thread_figures(timed),
                                 "first": next((w for w in wanted if w.get("role") == "warm-up"), None)}
     device = [w for w in wanted if w.get("role") == "device" and w.get("device")]
     bandwidth = capture.get("d2h", {}).get("gb_s")
@@ -742,7 +796,7 @@ def engine_child(args) -> dict:
         import torch
 
         record["load_before"] = os.getloadavg()
-        timing = Timing()
+        timing = Timing(thread_times=args.thread_times)
         timing.install_graphs()
         if kind != "absent":
             timing.install_kvdbg()
@@ -885,7 +939,7 @@ def child_command(args, kind: str, limit: float) -> list[str]:
             "--layers", str(args.layers), "--batch", str(args.batch), "--prompt", str(args.prompt),
             "--decode", str(args.decode), "--rounds", str(args.rounds), "--wanted-rounds", str(args.wanted_rounds),
             "--device-rounds", str(args.device_rounds), "--wanted-offset", str(args.wanted_offset),
-            "--scratch", args.scratch, "--child-limit", str(limit)]
+            "--scratch", args.scratch, "--child-limit", str(limit)] + (["--thread-times"] if args.thread_times else [])
 
 
 def run_part(args, part: str, kind: str, limit: float) -> dict:
@@ -964,6 +1018,11 @@ def print_figures(figs: dict, records: dict) -> None:
         if by_hook:
             print("    engine's thread by hook (added, medians): " + ", ".join(f"{k} {v:.0f} us"
                                                                           for k, v in by_hook.items()))
+        for name, t in f.get("thread", {}).items():
+            if t.get("wall_us") and t.get("cpu_us"):
+                wall, cpu = t["wall_us"]["median"], t["cpu_us"]["median"]
+                print(f"    {name} on the engine's thread (medians): wall {wall:.0f} us, on the CPU {cpu:.0f} us "
+                      f"({cpu / wall if wall else 0:.0%}), voluntary switches {t['switches'].get('median', 0):g}")
         inner = {k: v.get("median") for k, v in f.get("inner_us", {}).items() if v.get("median") is not None}
         if inner:
             print("    parts (medians; stage and metadata_copy on the engine's thread, the rest in the capture "
@@ -1048,6 +1107,9 @@ def main() -> int:
     parser.add_argument("--wanted-offset", type=int, default=48,
                         help="the wanted step: this many forwards into a round")
     parser.add_argument("--scratch", default="/tmp/kvdbg-graph-cost", help="snapshots (deleted once counted)")
+    parser.add_argument("--thread-times", action="store_true",
+                        help="also time the engine's thread's parts of a wanted step (metadata copy, staging) in "
+                             "its CPU time and voluntary context switches (about 2 us of their own each)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--phases", default="-", help=argparse.SUPPRESS)
     parser.add_argument("--child-limit", type=float, default=200.0, help=argparse.SUPPRESS)

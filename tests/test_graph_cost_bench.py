@@ -103,6 +103,45 @@ def test_the_wanted_steps_capture_thread_time_is_split_into_its_parts():
     assert inner["buffer_take"]["n"] == 2  # a step that took no buffer has no such part
 
 
+def test_thread_times_tell_a_part_that_waited_from_one_that_ran():
+    """--thread-times: an engine-thread part's wall time beside its thread CPU time and voluntary switches (a
+    part that sleeps waited: little CPU, a switch; one that spins ran: CPU near its wall time); others as ever."""
+    import time
+
+    timing = gc.Timing(thread_times=True)
+    timing.current = record = gc._new_step()
+
+    def spin(seconds):  # until the thread has run that long (a loaded machine only stretches its wall time)
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    gc._timed(timing, "stage", time.sleep, "inner")(0.02)
+    gc._timed(timing, "metadata_copy", spin, "inner")(0.02)
+    gc._timed(timing, "begin", time.sleep, "inner")(0.001)  # not an engine-thread part: wall time only
+    assert record["inner"]["stage"] >= 20e6 and record["thread"]["stage"]["cpu_ns"] < 5e6
+    assert record["thread"]["stage"]["switches"] >= 1
+    assert record["inner"]["metadata_copy"] >= 20e6 and set(record["thread"]) == {"stage", "metadata_copy"}
+    assert record["thread"]["metadata_copy"]["cpu_ns"] >= 20e6
+    assert "begin" in record["inner"] and not gc.Timing().thread_times
+
+    records = _records()
+    engine = [w for w in records["capture"]["phases"]["wanted"] if w["role"] == "engine"]
+    for w, (wall, cpu, switches) in zip(engine, [(280.0, 70.0, 9), (300.0, 80.0, 11), (260.0, 75.0, 8)]):
+        w["inner_us"], w["thread"] = {"stage": wall}, {"stage": {"cpu_us": cpu, "switches": switches}}
+    thread = gc.figures(records)["wanted_engine"]["thread"]["stage"]
+    assert (thread["wall_us"]["median"], thread["cpu_us"]["median"], thread["switches"]["median"]) == (280, 75, 9)
+    assert gc.figures(_records())["wanted_engine"]["thread"] == {}  # a run without --thread-times
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        gc.print_figures(gc.figures(records), records)
+    assert "stage on the engine's thread (medians): wall 280 us, on the CPU 75 us (27%), voluntary switches 9" \
+        in out.getvalue()
+
+
 def test_every_line_met_exits_0_and_a_failed_part_exits_2():
     records = _records(hooks_added=40.0)
     parts = list(gc.PARTS)

@@ -1,0 +1,163 @@
+"""What another Python thread's wish for the GIL costs a thread that makes small torch calls (any machine, CPU).
+
+Usage:
+    python bench/gil_handover.py [--calls 10] [--iters 400] [--switch-ms 5]
+
+A torch call releases the GIL while it dispatches. When another thread of the process is waiting for the
+GIL at that moment, it takes it, and the caller waits to get it back before it can go on: a hand-over, and a
+wait, at every call. This is the likeliest reading of why the engine's thread's part of a wanted CUDA-graph
+step costs about four times more inside vLLM's engine than in ``bench/staging_calls.py`` alone (docs/
+benchmarks.md §10), and this bench measures the mechanism on its own.
+
+A *caller* thread makes ``--calls`` small torch calls in a row (the shape of the wanted step's part: an
+allocation, copies, an index) ``--iters`` times. Each sequence is timed on the caller's thread: wall time
+(``perf_counter_ns``), the thread's own CPU time (``time.thread_time_ns``: wall less CPU is time off the CPU,
+waiting), and the thread's voluntary context switches (``getrusage(RUSAGE_THREAD)``: each wait for the GIL
+is one). It runs beside three kinds of *other* thread:
+
+- ``alone``: none;
+- ``torch-worker``: one that makes small torch and numpy calls in a loop (as kvdbg's capture thread and writer
+  do: work that releases the GIL often);
+- ``python-worker``: one that runs pure Python (it gives the GIL back only when the interpreter asks it to,
+  after ``sys.getswitchinterval()``).
+
+and the same with one call a sequence (``--calls 1``'s figure is printed beside), so the cost per call shows.
+Prints one line per case, the ratios against ``alone`` from this one run, and ``GIL-HANDOVER {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import threading
+import time
+
+
+def _sequence(calls: int, elements: int):
+    """``calls`` torch calls in a row, each a copy of ``elements`` int64 (about as long as a CUDA runtime call at
+    the default: a few µs, the GIL released meanwhile)."""
+    import torch
+
+    source = torch.arange(elements, dtype=torch.int64)
+    target = torch.empty(elements, dtype=torch.int64)
+
+    def run() -> None:
+        for _ in range(calls):
+            target.copy_(source)
+
+    return run
+
+
+def _time(run, iters: int) -> dict:
+    for _ in range(20):
+        run()
+    wall, cpu, switches = [], [], []
+    usage = resource.getrusage
+    who = resource.RUSAGE_THREAD
+    began = time.perf_counter_ns()
+    for _ in range(iters):
+        before = usage(who).ru_nvcsw
+        c0 = time.thread_time_ns()
+        w0 = time.perf_counter_ns()
+        run()
+        w1 = time.perf_counter_ns()
+        c1 = time.thread_time_ns()
+        switches.append(usage(who).ru_nvcsw - before)
+        wall.append(w1 - w0)
+        cpu.append(c1 - c0)
+    whole = time.perf_counter_ns() - began
+    ordered = sorted(wall)
+    return {"wall_us": statistics.median(wall) / 1e3, "wall_p90_us": ordered[int(0.9 * (iters - 1))] / 1e3,
+            "wall_p99_us": ordered[int(0.99 * (iters - 1))] / 1e3, "wall_max_us": ordered[-1] / 1e3,
+            "stalled": sum(w > 1_000_000 for w in wall) / iters,  # sequences that waited over a millisecond
+            "mean_us": statistics.fmean(wall) / 1e3, "loop_us": whole / iters / 1e3,
+            "cpu_us": statistics.median(cpu) / 1e3,
+            "off_cpu_us": statistics.median([max(0, w - c) for w, c in zip(wall, cpu)]) / 1e3,
+            "switches": statistics.fmean(switches)}
+
+
+class _Other:
+    """A second thread of the process, of one kind, running until stopped."""
+
+    def __init__(self, kind: str):
+        self.kind, self.stop, self.loops = kind, threading.Event(), 0
+        self.thread = threading.Thread(target=self._main, daemon=True)
+
+    def _main(self) -> None:
+        import numpy as np
+        import torch
+
+        a = torch.zeros(2048)
+        b = np.zeros(2048)
+        while not self.stop.is_set():
+            if self.kind == "torch-worker":
+                a.add_(1.0)
+                torch.index_select(a, 0, torch.arange(64))
+                b += 1.0
+            else:
+                total = 0
+                for i in range(2000):
+                    total += i * i
+            self.loops += 1
+
+    def __enter__(self):
+        self.thread.start()
+        time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=10, help="torch calls a sequence [10]")
+    parser.add_argument("--elements", type=int, default=32768,
+                        help="int64 elements each call copies [32768: about 5 us, as long as a CUDA launch]")
+    parser.add_argument("--iters", type=int, default=1000, help="sequences timed a case [1000]")
+    parser.add_argument("--switch-ms", type=float, default=None,
+                        help="the interpreter's switch interval for the run (default: as it is)")
+    args = parser.parse_args(argv)
+    if args.calls < 1 or args.iters < 10 or args.elements < 1 or (args.switch_ms is not None
+                                                                   and not 0 < args.switch_ms <= 1000):
+        print("gil_handover: --calls and --elements must be >= 1, --iters >= 10, --switch-ms in (0, 1000]",
+              file=sys.stderr)
+        return 2
+    if args.switch_ms is not None:
+        sys.setswitchinterval(args.switch_ms / 1e3)
+    import torch
+
+    torch.set_num_threads(1)  # one intra-op thread: the caller's calls stay on the caller's thread
+    cases = {}
+    for kind in ("alone", "torch-worker", "python-worker"):
+        for calls in dict.fromkeys((1, args.calls)):
+            run = _sequence(calls, args.elements)
+            if kind == "alone":
+                cases[(kind, calls)] = _time(run, args.iters)
+            else:
+                with _Other(kind):
+                    cases[(kind, calls)] = _time(run, args.iters)
+    print(f"gil_handover: {args.iters} sequences a case, calls of {args.elements} elements, switch interval "
+          f"{sys.getswitchinterval() * 1e3:g} ms, Python {sys.version.split()[0]}, torch {torch.__version__}")
+    rows = []
+    for (kind, calls), f in cases.items():
+        alone = cases[("alone", calls)]
+        ratio = f["wall_us"] / alone["wall_us"] if alone["wall_us"] else None
+        loop = f["loop_us"] / alone["loop_us"] if alone["loop_us"] else None
+        rows.append({"other": kind, "calls": calls, **f, "median_to_alone": ratio, "loop_to_alone": loop})
+        print(f"  {kind:13s} {calls:2d} call(s): median {f['wall_us']:7.1f} us ({ratio:5.2f}x alone), p99 "
+              f"{f['wall_p99_us']:8.1f}, max {f['wall_max_us']:8.1f}; stalled > 1 ms {f['stalled']:6.1%}; off the "
+              f"CPU {f['off_cpu_us']:6.1f} us, switches {f['switches']:5.2f} a sequence; a loop turn "
+              f"{loop:5.2f}x alone")
+    print("GIL-HANDOVER " + json.dumps({"switch_interval_ms": sys.getswitchinterval() * 1e3, "iters": args.iters,
+                                        "elements": args.elements, "python": sys.version.split()[0],
+                                        "torch": torch.__version__, "cases": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
