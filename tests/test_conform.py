@@ -671,3 +671,26 @@ def test_a_row_beyond_the_matrix_is_refused_naming_its_rows(fake_engine):
     error = res.output.splitlines()[-1]
     assert res.exit_code == 2 and error.startswith("Error: --rows: FAKE_ATTN's matrix has rows 0 to") and \
         "not 40" in error and "Traceback" not in res.output
+
+
+def test_rows_beyond_a_later_backends_matrix_keep_what_the_earlier_ones_ran(fake_engine):
+    """Each backend numbers its own matrix: a row beyond a later backend's leaves that backend not run, with the
+    reason, and never loses the cells an earlier backend ran."""
+    sizes = {}
+    for name in ("NO_ATTN", "FAKE_ATTN"):
+        data = strict(invoke("--backend", name, "--features", "window,sinks,page-size", "--batch", "decode",
+                             "--json").stdout)
+        sizes[name] = len({c["row"] for c in data["cells"] if not c["level_probe"]})
+    assert sizes["NO_ATTN"] > sizes["FAKE_ATTN"]  # it refuses no level: a larger matrix
+    row = sizes["FAKE_ATTN"]
+    res = invoke("--backend", "NO_ATTN,FAKE_ATTN", "--features", "window,sinks,page-size", "--batch", "decode",
+                 "--rows", str(row), "--json")
+    data = strict(res.stdout)
+    first, second = data["backends"]
+    assert first["only_rows"] == [row] and [c["row"] for c in data["cells"]] == [row]
+    assert second["backend"] == "FAKE_ATTN" and second["reason"].startswith(
+        f"--rows: FAKE_ATTN's matrix has rows 0 to {row - 1}, not {row}")
+    assert res.exit_code == 3  # the one cell that ran was refused: nothing verified, nothing lost
+    table = invoke("--backend", "NO_ATTN,FAKE_ATTN", "--features", "window,sinks,page-size", "--batch", "decode",
+                   "--rows", str(row))
+    assert "not run: --rows: FAKE_ATTN's matrix has rows" in " ".join(table.stdout.split())

@@ -801,6 +801,11 @@ def conform(backends: Iterable[str] | None = None, device: str = "cpu", *, featu
         try:
             result.backends.append(conform_backend(runner, factors, kinds=kinds, full=full, out_dir=out_dir,
                                                    force=force, progress=progress, only_rows=rows))
+        except OptionError as exc:
+            if rows is None or not result.backends:
+                raise  # nothing ran yet: the option is refused outright
+            # --rows beyond a later backend's (smaller) matrix: the backends before it keep what they ran
+            result.backends.append(BackendConform(name, "full" if full else "pairwise", kinds, reason=str(exc)))
         finally:
             close = getattr(runner, "close", None)
             if close is not None:
