@@ -197,11 +197,11 @@ def test_the_engine_fits_a_round_and_prefills_it_in_one_step():
             config["num_key_value_heads"], config["head_dim"]) == (8, 4096, 32, 8, 128)
 
 
-def _armed_graph_engine(standins, tmp_path, monkeypatch):
+def _armed_graph_engine(standins, tmp_path, monkeypatch, thread_times=False):
     """Capture armed (no step wanted yet), the bench's wrappers installed, and a stand-in engine of 2 layers
     whose 16-token full graph is recorded: (timing, engine); the caller restores ``timing``."""
     enable(standins, tmp_path, KVDBG_CAPTURE_STEPS=str(gc.UNREACHED_STEP))
-    timing = gc.Timing()
+    timing = gc.Timing(thread_times=thread_times)
     timing.install_kvdbg()
     try:
         engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
@@ -221,16 +221,18 @@ def _replaced_by_the_bench():
              (StepCopies, "gather"))]
 
 
-def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(standins, tmp_path, monkeypatch):
+@pytest.mark.parametrize("thread_times", [False, True])
+def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(standins, tmp_path, monkeypatch,
+                                                                             thread_times):
     """The bench's wrappers on the real plugin (vLLM stand-ins, CPU): hooks timed per step, the replayed step
     and whether it was copied, the captured bytes (counted by the graph capture thread into the step that handed
-    it over); then everything put back."""
+    it over); with --thread-times the staging program's thread CPU time too; then everything put back."""
     from kvdbg.util.ranges import IntRanges
     from kvdbg.vllm_plugin import state as plugin_state
 
     before = {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS}
     replaced_before = _replaced_by_the_bench()
-    timing, engine = _armed_graph_engine(standins, tmp_path, monkeypatch)
+    timing, engine = _armed_graph_engine(standins, tmp_path, monkeypatch, thread_times)
     try:
         records = []
         for step in range(3):
@@ -249,6 +251,10 @@ def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(sta
         # the capture's parts (on a CPU no metadata event and no pooled buffer: begin, finish, the pages' gather)
         # and the engine's thread's part of it: the staging program (the build's packed copy is a device one)
         assert set(records[2]["inner"]) == {"begin", "finish", "gather", "stage"} and not records[0]["inner"]
+        if thread_times:  # the engine's thread's part, also in its CPU time (the metadata copy is a GPU one)
+            assert set(records[2]["thread"]) == {"stage"} and records[2]["thread"]["stage"]["cpu_ns"] > 0
+        else:
+            assert not records[2]["thread"]
         assert len(snapshots(tmp_path)) == 2
     finally:
         timing.restore()
