@@ -140,8 +140,8 @@ class BackendConform:
         """``rows 1, 3 of 15`` when only some rows ran, else ``""``."""
         if self.only_rows is None:
             return ""
-        return f"row{'s' if len(self.only_rows) > 1 else ''} {', '.join(map(str, self.only_rows))} of " \
-               f"{self.matrix_size}"
+        of = f" of {self.matrix_size}" if self.matrix_size else ""  # none yet: stopped before the matrix was made
+        return f"row{'s' if len(self.only_rows) > 1 else ''} {', '.join(map(str, self.only_rows))}{of}"
 
     def counts(self) -> dict[str, int]:
         return {s: sum(c.status == s for c in self.cells) for s in (PASS, FAIL, REFUSED)}
