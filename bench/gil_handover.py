@@ -1,16 +1,21 @@
 """What another Python thread's wish for the GIL costs a thread that makes small torch calls (any machine, CPU).
 
 Usage:
-    python bench/gil_handover.py [--calls 10] [--iters 400] [--switch-ms 5]
+    python bench/gil_handover.py [--calls 10] [--elements 32768] [--iters 1000] [--switch-ms 5]
 
 A torch call releases the GIL while it dispatches. When another thread of the process is waiting for the
-GIL at that moment, it takes it, and the caller waits to get it back before it can go on: a hand-over, and a
-wait, at every call. This is the likeliest reading of why the engine's thread's part of a wanted CUDA-graph
-step costs about four times more inside vLLM's engine than in ``bench/staging_calls.py`` alone (docs/
-benchmarks.md §10), and this bench measures the mechanism on its own.
+GIL and wakes while the call runs (a free core), it takes it, and the caller waits to get it back before it
+can go on: a hand-over, and a wait, at such a call. A thread running pure Python gives the lock back only
+when the interpreter asks it to (after ``sys.getswitchinterval()``, 5 ms by default), so each such call
+then costs the caller a whole interval. Run it on an idle machine: on a loaded one the other thread wakes
+late and the hand-overs mostly do not happen (the bench says so when the load is over half the cores).
 
-A *caller* thread makes ``--calls`` small torch calls in a row (the shape of the wanted step's part: an
-allocation, copies, an index) ``--iters`` times. Each sequence is timed on the caller's thread: wall time
+This is a reading of why the engine's thread's part of a wanted CUDA-graph step costs about four times more
+inside vLLM's engine than in ``bench/staging_calls.py`` alone (docs/benchmarks.md §10); this bench measures
+the mechanism on its own.
+
+A *caller* thread makes ``--calls`` torch calls in a row (copies of ``--elements`` int64, a few µs each, as
+long as a CUDA runtime call) ``--iters`` times. Each sequence is timed on the caller's thread: wall time
 (``perf_counter_ns``), the thread's own CPU time (``time.thread_time_ns``: wall less CPU is time off the CPU,
 waiting), and the thread's voluntary context switches (``getrusage(RUSAGE_THREAD)``: each wait for the GIL
 is one). It runs beside three kinds of *other* thread:
@@ -129,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.switch_ms is not None:
         sys.setswitchinterval(args.switch_ms / 1e3)
+    import os
+
     import torch
+
+    load, cores = os.getloadavg(), os.cpu_count() or 1  # the machine as the cases begin
 
     torch.set_num_threads(1)  # one intra-op thread: the caller's calls stay on the caller's thread
     cases = {}
@@ -142,7 +151,13 @@ def main(argv: list[str] | None = None) -> int:
                 with _Other(kind):
                     cases[(kind, calls)] = _time(run, args.iters)
     print(f"gil_handover: {args.iters} sequences a case, calls of {args.elements} elements, switch interval "
-          f"{sys.getswitchinterval() * 1e3:g} ms, Python {sys.version.split()[0]}, torch {torch.__version__}")
+          f"{sys.getswitchinterval() * 1e3:g} ms, Python {sys.version.split()[0]}, torch {torch.__version__}, "
+          f"{cores} cores, load {load[0]:.2f} before the cases, {os.getloadavg()[0]:.2f} after")
+    if max(load[0], os.getloadavg()[0]) > cores / 2:
+        # A waiting thread takes the lock only if it wakes within the call: with no core free it wakes late and
+        # the hand-overs this bench measures mostly do not happen.
+        print("  (a loaded machine: the other thread wakes late and takes the lock less often than on an idle "
+              "one; run it idle)")
     rows = []
     for (kind, calls), f in cases.items():
         alone = cases[("alone", calls)]
@@ -154,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
               f"CPU {f['off_cpu_us']:6.1f} us, switches {f['switches']:5.2f} a sequence; a loop turn "
               f"{loop:5.2f}x alone")
     print("GIL-HANDOVER " + json.dumps({"switch_interval_ms": sys.getswitchinterval() * 1e3, "iters": args.iters,
+                                        "cores": cores, "load_before": load[0], "load_after": os.getloadavg()[0],
                                         "elements": args.elements, "python": sys.version.split()[0],
                                         "torch": torch.__version__, "cases": rows}))
     return 0
