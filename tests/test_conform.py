@@ -587,6 +587,15 @@ def test_an_interrupt_keeps_the_cells_that_ran_and_says_it_stopped():
     assert verdict.exit_code == 130 and verdict.summary.startswith("INTERRUPTED: FAKE_ATTN stopped after 4 of 16")
 
 
+def test_an_interrupted_rows_run_keeps_only_its_rows_and_counts_only_their_cells():
+    factors = [Factor("window", ("none", "short")), Factor("sinks", ("off", "on")), Factor("soft_cap", ("off", "on"))]
+    stopped = conform_backend(StopsAfter(after=4), factors, kinds=("decode", "mixed"), full=True, only_rows=[5, 2])
+    assert stopped.interrupted and stopped.planned == 4 and stopped.only_rows == [2, 5]
+    assert [(c.row_id, c.kind) for c in stopped.cells if not c.probe] == [(2, "decode"), (2, "mixed"), (5, "decode")]
+    verdict = conform_verdict(ConformResult([stopped]))
+    assert verdict.summary.startswith("INTERRUPTED: FAKE_ATTN stopped after 3 of 4")
+
+
 def test_an_interrupt_while_explaining_keeps_every_cell_and_the_failures_snapshots(tmp_path):
     factors = [Factor("window", ("none", "short")), Factor("sinks", ("off", "on"))]
     # 4 cells in decode, then the failing one's float32 re-run: the interrupt comes while explaining
