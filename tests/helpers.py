@@ -24,6 +24,23 @@ def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 
     tol = ulps * torch.finfo(expected.dtype).eps
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol, **kw)
 FIXTURES = os.path.join(ROOT, "fixtures")
+_SHORT: list[str] = []
+
+
+def short_fixtures() -> str:
+    """FIXTURES through a short path (a link in a temp dir of this run, removed at exit). A command prints a
+    snapshot's path as given, and whole: tests of line widths and line counts then see the same lines whatever
+    the depth of the checkout they run in (a deeper one than the author's once failed CI)."""
+    if not _SHORT:
+        import atexit
+        import shutil
+        import tempfile
+
+        directory = tempfile.mkdtemp(prefix="kvf-")
+        atexit.register(shutil.rmtree, directory, True)
+        os.symlink(FIXTURES, os.path.join(directory, "f"))
+        _SHORT.append(os.path.join(directory, "f"))
+    return _SHORT[0]
 
 
 def write_raw(path, tensors: dict[str, torch.Tensor], meta, *, fmt: str | None = "1", extra_meta=None) -> str:

@@ -155,14 +155,17 @@ def test_every_table_command_reads_whole_at_80_columns(name, short_tmp):
 
 
 def test_directory_triage_and_explain_read_whole_at_80_columns(tmp_path):
+    from tests.helpers import short_fixtures
+
+    fixtures = short_fixtures()  # the triage's `$ kvdbg replay PATH` prints the path whole, as given
     results = tmp_path / "r.jsonl"
     problems = []
-    for args in (("replay", FIXTURES), ("replay", FIXTURES, "--full"), ("explain",), ("explain", "live_page_zero"),
+    for args in (("replay", fixtures), ("replay", fixtures, "--full"), ("explain",), ("explain", "live_page_zero"),
                  ("window", "--seq-len", "9000", "--window", "4096", "--query-len", "8", "--full")):
         too_wide, split = split_tokens(args)
         if too_wide or split:
             problems.append(f"kvdbg {' '.join(args)}: wider than 80: {too_wide[:3]}; split: {split[:8]}")
-    run(WIDTH, "replay", FIXTURES, "--results", str(results))
+    run(WIDTH, "replay", fixtures, "--results", str(results))
     for args in (("triage", str(results)), ("triage", str(results), "--full")):
         too_wide, split = split_tokens(args)
         if too_wide or split:

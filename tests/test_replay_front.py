@@ -16,9 +16,12 @@ from click.testing import CliRunner
 
 from kvdbg.cli import cli
 from kvdbg.judge.findings import lookup
-from tests.helpers import FIXTURES
+from tests.helpers import FIXTURES as CHECKOUT_FIXTURES, short_fixtures
 
-FIXTURE_FILES = sorted(p.name for p in pathlib.Path(FIXTURES).glob("*.safetensors"))
+FIXTURE_FILES = sorted(p.name for p in pathlib.Path(CHECKOUT_FIXTURES).glob("*.safetensors"))
+# The fixtures by a short path: the next commands print it whole, so the page's lines do not depend on where the
+# checkout lies.
+FIXTURES = short_fixtures()
 ENV = {"COLUMNS": "80", "NO_COLOR": "1"}
 
 
