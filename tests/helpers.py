@@ -27,6 +27,37 @@ FIXTURES = os.path.join(ROOT, "fixtures")
 _SHORT: list[str] = []
 
 
+def wider_than(lines: list[str], width: int = 80) -> list[str]:
+    """The lines wider than ``width``, less those that are one shell word (a path, quoted if it holds a space)
+    shown whole: a printed command breaks only between words, so a longer word stands alone on its line."""
+    import shlex
+
+    def one_word(line: str) -> bool:
+        try:
+            return len(shlex.split(line.strip().removesuffix(" \\"))) == 1
+        except ValueError:
+            return False
+
+    return [line for line in lines if len(line) > width and not one_word(line)]
+
+
+def shown_commands(text: str, start: str = "$ kvdbg ") -> list[str]:
+    """The commands printed from lines beginning (after their indent) with ``start``, each joined back from
+    its continuation lines (a line ending `` \\`` goes on), as one line of shell without ``start``'s ``$ ``."""
+    commands: list[str] = []
+    going_on = False
+    for line in text.splitlines():
+        body = line.strip()
+        if not going_on and not body.startswith(start):
+            continue
+        if not going_on:
+            commands.append("")
+            body = body.removeprefix("$ ")
+        going_on = body.endswith(" \\")
+        commands[-1] += body.removesuffix(" \\") + (" " if going_on else "")
+    return commands
+
+
 def short_fixtures() -> str:
     """FIXTURES through a short path (a link in a temp dir of this run, removed at exit). A command prints a
     snapshot's path as given, and whole: tests of line widths and line counts then see the same lines whatever

@@ -15,7 +15,7 @@ from kvdbg.replayer.batch import (STATUS_BAD_INPUT, STATUS_CRASHED, STATUS_FAIL,
 from kvdbg.cli import cli
 from kvdbg.snapshot.store import save_snapshot
 
-from tests.helpers import FIXTURES, assert_close_ulps
+from tests.helpers import FIXTURES, assert_close_ulps, shown_commands, wider_than
 
 
 def invoke(*args):
@@ -180,8 +180,9 @@ def test_fixtures_directory_at_80_columns(monkeypatch, tmp_path):
     res = invoke(str(tmp_path), "--full")
     assert res.exit_code == 1
     lines = res.output.splitlines()
-    # The example command of each group of failures is printed whole on its line, to be copied.
-    assert max(len(line) for line in lines if not line.lstrip().startswith("$ kvdbg ")) <= 80
+    # The example command of each group of failures breaks only between words (a path longer than the line
+    # stands alone), so that it is copied whole.
+    assert not wider_than(lines)
     rows = [line for line in lines if line.startswith("│ ") and ("PASS" in line or "FAIL" in line)]
     assert [("FAIL" in r, "PASS" in r) for r in rows] == [(False, True), (True, False), (True, False)]
     # Without --full: no row per file, the groups by cause with their commands, and how to get the rows.
@@ -192,9 +193,10 @@ def test_fixtures_directory_at_80_columns(monkeypatch, tmp_path):
     assert flat.startswith(f"3 snapshot(s) in {tmp_path} By cause: 3 row(s): 1 pass; 2 fail, 2 causes")
     assert not [line for line in lines if line.lstrip().startswith(("│", "┃"))]
     assert sum(line.lstrip().startswith("$ kvdbg replay ") for line in lines) == 2
+    assert [c.split()[:2] for c in shown_commands(brief.output)] == [["kvdbg", "replay"]] * 2
     assert f"next: kvdbg replay {tmp_path} --full" in flat.replace(" \\ ", " ")
     assert flat.endswith("(exit 1)") and "FAIL: 3 snapshot(s)" in flat
-    assert max(len(line) for line in lines if not line.lstrip().startswith("$ kvdbg ")) <= 80
+    assert not wider_than(lines)
 
 
 def test_the_ranks_of_a_step_are_one_row_with_one_verdict(tmp_path):

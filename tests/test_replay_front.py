@@ -182,3 +182,33 @@ def test_a_long_path_stays_within_the_line():
     assert lines[5] == f"{path} \\"  # longer than the line: whole, from the first column
     assert hinted_commands(text) == [["kvdbg", "replay", shorter, "--full"], ["kvdbg", "replay", path, "--full"]]
 
+
+
+def test_a_shell_command_breaks_only_between_the_shells_words_and_a_longer_word_stands_alone():
+    """kvdbg.render.shell: the triage's `$ kvdbg replay ...` lines. Pasted whole (continuations included), each
+    printed command is the same argv: a quoted path with a space is one word, and a word longer than the line is
+    shown whole on a line of its own."""
+    import io
+
+    from rich.console import Console
+
+    from kvdbg.render.shell import ShellCommand, shell_lines
+    from tests.helpers import shown_commands, wider_than
+
+    def shown(command):
+        out = io.StringIO()
+        Console(file=out, width=80, no_color=True).print(ShellCommand(command, "   $ "), crop=False)
+        return out.getvalue()
+
+    spaced = shlex.join(["kvdbg", "replay", "/data/my captures/" + "d" * 40 + "/layer 7.safetensors", "--full"])
+    deep = shlex.join(["kvdbg", "replay", "/" + "x" * 90 + ".safetensors", "--device", "cuda"])
+    short = "kvdbg replay a.safetensors"
+    for command in (spaced, deep, short):
+        text = shown(command)
+        lines = text.splitlines()
+        assert not wider_than(lines) and lines[0].startswith("   $ kvdbg replay")
+        assert shown_commands(text) == [command] and shlex.split(shown_commands(text)[0]) == shlex.split(command)
+    assert len(shown(short).splitlines()) == 1 and len(shown(spaced).splitlines()) > 1
+    assert any(line.strip() == "/" + "x" * 90 + ".safetensors \\" for line in shown(deep).splitlines())
+    # A command not in the form shlex writes (here an unbalanced quote) is never broken.
+    assert shell_lines("kvdbg replay 'a b " + "c" * 80, 40) == ["kvdbg replay 'a b " + "c" * 80]

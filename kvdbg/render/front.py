@@ -20,6 +20,7 @@ from rich.text import Text
 from kvdbg.judge.compare import Comparison, HeadDiff
 from kvdbg.judge.findings import SEVERITY_STYLES, lookup
 from kvdbg.render.fit import Column, FitTable
+from kvdbg.render.shell import shell_lines
 from kvdbg.render.replay import _fmt, dedupe_findings, nothing_to_compare, render_verdict
 from kvdbg.replayer.runner import ReplayReport
 
@@ -218,25 +219,6 @@ class HintLines:
                 yield text
 
 
-def shell_lines(command: str, width: int) -> list[str]:
-    """``command`` in lines of at most ``width`` (the first; later ones are indented 4 more), broken between
-    words with a trailing `` \\``, so that pasted whole it is still one shell command."""
-    words = command.split(" ")
-    lines: list[str] = []
-    line = ""
-    for word in words:
-        room = width - (4 if lines else 0) - 2  # the " \\" a broken line ends with
-        if line and len(line) + 1 + len(word) > room:
-            lines.append(line + " \\")
-            line = word
-        else:
-            line = f"{line} {word}" if line else word
-    lines.append(line)
-    if len(lines) > 1 and len(" ".join(words)) <= width:
-        return [command]
-    return lines
-
-
 def _backends_line(report: ReplayReport) -> Text:
     """``backends: reference, flex, flashinfer_ts (emulated) ran on cpu; unavailable: vllm``."""
     result = report.result
@@ -296,5 +278,5 @@ def render_front(report: ReplayReport, snapshot: str, *, explain: bool = False, 
     return Group(*parts)
 
 
-__all__ = ["Hint", "HintLines", "next_commands", "ranges", "shell_lines", "render_comparisons", "render_findings_brief",
-           "render_front"]
+__all__ = ["Hint", "HintLines", "next_commands", "ranges", "shell_lines", "render_comparisons",
+           "render_findings_brief", "render_front"]

@@ -1,8 +1,9 @@
 """The failing rows grouped by cause (kvdbg.fleet.triage), where a run's files ran, and the JSON of both.
 
 `kvdbg replay DIR` prints these under its per-file table; `kvdbg triage RESULTS`
-prints them from a results file. Text wraps to the console's width; the example
-commands stay on one line each (to be copied whole), so print with ``crop=False``.
+prints them from a results file. Text wraps to the console's width; an example
+command too wide for the line breaks between words with a trailing backslash (still
+one shell command), a path wider than the line is shown whole: print with ``crop=False``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvdbg.fleet.triage import KIND_BAD_INPUT, KIND_FAIL, Triage
+from kvdbg.render.shell import ShellCommand
 
 KIND_STYLE = {KIND_FAIL: "bold red", KIND_BAD_INPUT: "bold red", "crashed": "bold red", "worker died": "bold red",
               "unverified": "yellow"}
@@ -47,9 +49,9 @@ def render_triage(result: Triage, *, full: bool = False) -> Group:
         more = len(names) - len(shown)
         grid.add_row("", "files: " + ", ".join(shown) + (f", … {more} more (--full, --json)" if more else ""))
         parts.append(grid)
-        # Not wrapped, so that it is copied whole (printed with crop=False).
+        # Broken only between words, with a trailing backslash, so that it is still copied whole (crop=False).
         indent = " " * (len(f"{number}.") + 1)
-        parts.append(Text(f"{indent}$ {result.command(group)}", no_wrap=True, overflow="ignore", style="cyan"))
+        parts.append(ShellCommand(result.command(group), f"{indent}$ "))
     return Group(*parts)
 
 
