@@ -20,7 +20,7 @@ from rich.text import Text
 from kvdbg.judge.compare import Comparison, HeadDiff
 from kvdbg.judge.findings import SEVERITY_STYLES, lookup
 from kvdbg.render.fit import Column, FitTable
-from kvdbg.render.shell import shell_lines
+from kvdbg.render.shell import continuation_indent, shell_lines
 from kvdbg.render.replay import _fmt, dedupe_findings, nothing_to_compare, render_verdict
 from kvdbg.replayer.runner import ReplayReport
 
@@ -211,8 +211,7 @@ class HintLines:
             lines = shell_lines(hint.command, options.max_width - 2)
             comment = f"  # {hint.why}"
             for number, line in enumerate(lines):
-                # A continuation indents 4 more, less where a long word (a path) would then pass the line's end.
-                indent = 2 if number == 0 else max(0, min(6, options.max_width - len(line)))
+                indent = 2 if number == 0 else continuation_indent(2, line, options.max_width)
                 text = Text(" " * indent + line, style="cyan", no_wrap=True, overflow="ignore")
                 if len(lines) == 1 and len(text) + len(comment) <= options.max_width:
                     text.append(comment, style="dim")

@@ -19,8 +19,14 @@ class ShellCommand:
     def __rich_console__(self, console, options):
         width = max(1, options.max_width - len(self.lead))
         for number, line in enumerate(shell_lines(self.command, width)):
-            lead = self.lead if number == 0 else " " * (len(self.lead) + max(0, min(4, width - len(line))))
+            lead = self.lead if number == 0 else " " * continuation_indent(len(self.lead), line, options.max_width)
             yield Text(lead + line, style=self.style, no_wrap=True, overflow="ignore")
+
+
+def continuation_indent(lead: int, line: str, max_width: int) -> int:
+    """Where a continuation line of a command after a lead of ``lead`` columns begins: 4 further in than the
+    command, less where the line (a long path) would then pass ``max_width``."""
+    return max(0, min(lead + 4, max_width - len(line)))
 
 
 def shell_lines(command: str, width: int) -> list[str]:
@@ -49,4 +55,4 @@ def shell_lines(command: str, width: int) -> list[str]:
     return lines
 
 
-__all__ = ["ShellCommand", "shell_lines"]
+__all__ = ["ShellCommand", "continuation_indent", "shell_lines"]
