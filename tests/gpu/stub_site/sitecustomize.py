@@ -130,10 +130,8 @@ def _register_weak_ref_tensor():
 
     if hasattr(torch.ops._C, "weak_ref_tensor"):
         return
-    library = torch.library.Library("_C", "FRAGMENT")
-    library.define("weak_ref_tensor(Tensor(a) input) -> Tensor(a)")
-    library.impl("weak_ref_tensor", lambda tensor: tensor.view(tensor.shape), "CompositeImplicitAutograd")
-    _LIBRARIES.append(library)
+    _stand_in("_C", "weak_ref_tensor(Tensor(a) input) -> Tensor(a)", lambda tensor: tensor.view(tensor.shape),
+              "CompositeImplicitAutograd")
 
 
 def _register_cache_write():
@@ -146,10 +144,19 @@ def _register_cache_write():
         return  # the real op is there
     except (AttributeError, RuntimeError):
         pass
-    library = torch.library.Library("_C_cache_ops", "FRAGMENT")
-    library.define("reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-                   "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()")
-    library.impl("reshape_and_cache_flash", _reshape_and_cache_flash, "CompositeExplicitAutograd")
+    _stand_in("_C_cache_ops", "reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, "
+              "Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()",
+              _reshape_and_cache_flash)
+
+
+def _stand_in(namespace: str, schema: str, impl, dispatch: str = "CompositeExplicitAutograd") -> None:
+    """One compiled op of vLLM's, ``torch.ops.<namespace>.<name>`` by its ``schema``, as ``impl`` (plain torch);
+    its library kept alive with the others."""
+    import torch
+
+    library = torch.library.Library(namespace, "FRAGMENT")
+    library.define(schema)
+    library.impl(schema.split("(", 1)[0], impl, dispatch)
     _LIBRARIES.append(library)
 
 
@@ -175,11 +182,8 @@ def _register_query_quant():
 
     if hasattr(torch.ops._C, "static_scaled_fp8_quant"):
         return
-    library = torch.library.Library("_C", "FRAGMENT")
-    library.define("static_scaled_fp8_quant(Tensor(a!) result, Tensor input, Tensor scale, "
-                   "(int, int)? group_shape=None) -> ()")
-    library.impl("static_scaled_fp8_quant", _static_scaled_fp8_quant, "CompositeExplicitAutograd")
-    _LIBRARIES.append(library)
+    _stand_in("_C", "static_scaled_fp8_quant(Tensor(a!) result, Tensor input, Tensor scale, "
+              "(int, int)? group_shape=None) -> ()", _static_scaled_fp8_quant)
 
 
 # The compiled ops that vLLM's torch.compile passes (vllm/compilation/passes) name at import time, outside any
