@@ -15,6 +15,9 @@ from kvdbg.replayer.runner import replay
 from kvdbg.snapshot.store import load_snapshot, torch_dtype
 from tests.helpers import ROOT
 
+# A real FLASHINFER decode from the H200 (tests/flashinfer_h200/README.md): FP8, ALiBi, window, soft cap.
+REAL = os.path.join(ROOT, "tests", "flashinfer_h200", "fp8_alibi_window_softcap_decode.safetensors")
+
 WHAT = {w.what: w for w in WHAT_IFS}
 
 
@@ -75,7 +78,7 @@ def test_a_snapshot_without_an_output_or_without_features_has_nothing_to_explain
 def test_flashinfers_real_fp8_decode_on_an_h200_is_attention_without_alibi_with_the_query_scale_twice():
     """FlashInfer's kernel on an H200 through vLLM 0.33's FLASHINFER (tests/flashinfer_h200/README.md): it fails
     by 1.25 against the reference; either change alone leaves it far off, both together explain it."""
-    snapshot = load_snapshot(os.path.join(ROOT, "tests", "flashinfer_h200", "fp8_alibi_window_softcap_decode.safetensors"))
+    snapshot = load_snapshot(REAL)
     found = explain_output(snapshot)
     assert found is not None
     assert found.what == "without ALiBi and with the logits scaled by the query scale once more"
@@ -113,9 +116,6 @@ def test_conform_names_what_a_failing_cell_computed_and_a_cause_it_could_not_tes
     rounding = Cell(3, dict(row), "prefill", FAIL, max_abs=0.01, cause="rounding", cause_detail="passes on float32")
     _what_the_output_is(rounding, Cached(), Runner())
     assert rounding.engine_computed is None and rounding.cause_detail == "passes on float32"
-
-
-REAL = os.path.join(ROOT, "tests", "flashinfer_h200", "fp8_alibi_window_softcap_decode.safetensors")
 
 
 def _replay(*args):

@@ -237,7 +237,8 @@ class StepCopies:
         self._events.append(in_flight[-1])  # the side stream is in order: its last event covers every slice
         return host
 
-    def block(self, source: torch.Tensor, dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def block(self, source: torch.Tensor, dim: int,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A host copy of the pages ``positions`` span in ``source`` (a device buffer of kvdbg's own that nothing
         overwrites meanwhile: a staged step's), as one copy on the current stream (one of kvdbg's own: the engine's
         would wait for it), and the positions within it:

@@ -8,10 +8,11 @@ path to tell rounding from semantics (FLASHINFER takes float16 and bfloat16 only
 
 :func:`explain_output` replays the snapshot's reference on variants of its layer: without ALiBi, without the
 soft cap, without the sliding window, a non-causal window bounding keys on the left only (FlashInfer's
-``window_left``), without the sinks, with the logits scaled by an FP8 layer's query scale once more. It tries each variant alone and each pair of them, and holds the engine's output to each with the
-tolerance the failing comparison used. Of the variants under which every compared head passes, the closest is
-the answer, a pair only when its largest error is under a quarter of the best single one's: an FP8 cell's
-tolerance is wide enough that a change that is half the story can pass too.
+``window_left``), without the sinks, with the logits scaled by an FP8 layer's query scale once more. It tries
+each variant alone and each pair of them, and holds the engine's output to each with the tolerance the failing
+comparison used. Of the variants under which every compared head passes, the closest is the answer, a pair
+only when its largest error is under a quarter of the best single one's: an FP8 cell's tolerance is wide
+enough that a change that is half the story can pass too.
 Only the layer's own features are taken away, so a match says which feature the backend did not apply, not
 why.
 """
