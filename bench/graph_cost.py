@@ -405,6 +405,8 @@ class Timing:
         self._replace(capture_buffers, "copies_to_host",
                       _timed(timing, "metadata_copy", capture_buffers.copies_to_host, "inner"))
         self._replace(GraphStager, "stage", _timed(timing, "stage", GraphStager.stage, "inner"))
+        # The capture thread's read of a staged step's metadata (the build copies none when a graph replays it).
+        self._replace(StagedStep, "metadata", _timed(timing, "metadata_read", StagedStep.metadata, "inner"))
         self._replace(Capturer, "begin", _timed(timing, "begin", Capturer.begin, "inner"))
         # Where a capture's time goes (in the capture thread, for a step replayed from a graph): waiting for the
         # device to pass the build's metadata copies, taking host buffers (a new page-locked one is dear), and

@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     outputs = [torch.zeros(n, 32 * 128, dtype=torch.bfloat16, device=dev) for _ in range(args.layers)]
     layers = [(f"model.layers.{i}.self_attn.attn", caches[i], 0, queries[i], outputs[i]) for i in range(args.layers)]
     bound = np.full(n, args.pages_per_request * page, dtype=np.int64)
-    hint = StageHint(table, n, bound, int(bound.max()))
+    # With the runner's lengths and offsets: the program also stages the step's metadata (no build copies).
+    hint = StageHint(table, n, bound, int(bound.max()), seq_lens, qsl, n)
     stager = GraphStager()
     program = stager.stage(layers, hint, page, n).program  # made, and recorded as a graph of its own
     flat = np.arange(n * args.pages_per_request, dtype=np.int64)
@@ -91,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         "kvdbg's kept current stream": lambda: current_stream(dev),
         "pinned torch.empty (the index)": lambda: torch.empty(program.size, dtype=torch.int64, pin_memory=True),
         "numpy fill of the index": fill,
-        "index copy to the device": lambda: program.index.copy_(pinned, non_blocking=True),
+        "index copy to the device": lambda: program.index.copy_(program.host_index, non_blocking=True),
         "staging graph replay": program.graph.replay,
         "event made and recorded": event,
+        "the program's own event recorded": lambda: program.ready.record(current_stream(dev)),
         "stager.stage, whole": lambda: stager.stage(layers, hint, page, n),
         "one small copy to the host": lambda: seq_lens.to("cpu", non_blocking=True),
         "copies_to_host (4) + event, whole": copies,

@@ -248,9 +248,11 @@ def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(sta
         assert [r["copied"] for r in records] == [False, False, True]
         assert all(r["hooks"]["after_build"] > 0 and r["hooks"]["after_graph_replay"] > 0 for r in records)
         assert records[2]["captures"] == 2 and records[2]["captured_bytes"] > 12 * 4 * 16 * 2  # pages too
-        # the capture's parts (on a CPU no metadata event and no pooled buffer: begin, finish, the pages' gather)
-        # and the engine's thread's part of it: the staging program (the build's packed copy is a device one)
-        assert set(records[2]["inner"]) == {"begin", "finish", "gather", "stage"} and not records[0]["inner"]
+        # the capture's parts (on a CPU no metadata event and no pooled buffer: begin, finish, the pages' gather,
+        # the staged metadata's read) and the engine's thread's part of it: the staging program (the build copied
+        # nothing: the program staged its metadata)
+        assert set(records[2]["inner"]) == {"begin", "finish", "gather", "metadata_read", "stage"} \
+            and not records[0]["inner"]
         if thread_times:  # the engine's thread's part, also in its CPU time (the metadata copy is a GPU one)
             assert set(records[2]["thread"]) == {"stage"} and records[2]["thread"]["stage"]["cpu_ns"] > 0
         else:
@@ -293,7 +295,7 @@ def test_a_capture_thread_that_takes_the_job_at_once_still_counts_into_the_step_
         timing.current = None
         vllm_plugin._state.await_graph_capture()
         assert record["copied"] and record["captures"] == 2 and record["captured_bytes"] > 0
-        assert set(record["inner"]) == {"begin", "finish", "gather", "stage"}
+        assert set(record["inner"]) == {"begin", "finish", "gather", "metadata_read", "stage"}
     finally:
         timing.restore()
 

@@ -33,3 +33,105 @@ def test_a_layer_given_new_copy_buffers_by_a_later_recording_gets_a_program_that
     same = [_layer("l0", cache, new_query, new_output)]  # the same buffers again, in a list of its own
     assert stager.stage(same, hint, 16, 12).program is second.program
     assert stager.stage(same, hint, 16, 12).program is second.program  # and that list kept
+
+
+def _runner(rows=8, width=24, pages=40):
+    """A runner's persistent buffers (block table, lengths, offsets) with a batch of three requests in them."""
+    table = torch.randint(1, pages, (rows, width), dtype=torch.int32)
+    seq_lens = torch.zeros(rows, dtype=torch.int32)
+    seq_lens[:3] = torch.tensor([150, 40, 90], dtype=torch.int32)
+    offsets = torch.zeros(rows + 1, dtype=torch.int32)
+    offsets[1:4] = torch.tensor([4, 8, 12], dtype=torch.int32)
+    offsets[4:] = 12
+    return table, seq_lens, offsets
+
+
+def _hint(table, seq_lens, offsets, n=3, rows=4):
+    return StageHint(table[:n], n, None, 150, seq_lens[:n], offsets[:n + 1], rows)
+
+
+def test_a_step_s_metadata_is_staged_as_the_graph_read_it_whatever_the_runner_writes_next():
+    """The program copies the runner's block table, lengths and offsets after the replay: what the capture thread
+    reads later is the step's, not the next step's; the block table keeps the build's columns."""
+    torch.manual_seed(1)
+    cache = torch.randn(40, 2, 16, 2, 8)
+    table, seq_lens, offsets = _runner()
+    step_table, step_lens, step_offsets = table[:3, :20].clone(), seq_lens[:3].clone(), offsets[:4].clone()
+    stager = GraphStager()
+    hint = StageHint(table[:3, :20], 3, None, 150, seq_lens[:3], offsets[:4], 4)
+    staged = stager.stage([_layer("l0", cache, torch.randn(16, 4, 8), None)], hint, 16, 12)
+    assert staged.with_metadata
+    table.random_(1, 40)  # the runner's next step
+    seq_lens.fill_(7)
+    offsets.fill_(2)
+    bt, sl, qsl = staged.metadata()
+    assert bt.shape == (3, 20) and bt.dtype == torch.int32
+    torch.testing.assert_close(bt, step_table, rtol=0, atol=0)
+    assert sl.tolist() == step_lens.tolist() and qsl.tolist() == step_offsets.tolist()
+
+
+def test_a_build_whose_lengths_lie_elsewhere_is_staged_without_its_metadata():
+    """A program reads the buffers it was made for; a build that hands other ones (a runner that keeps none) is
+    staged without metadata (its build's own copies are read), never with another step's."""
+    cache = torch.randn(40, 2, 16, 2, 8)
+    table, seq_lens, offsets = _runner()
+    layers = [_layer("l0", cache, torch.randn(16, 4, 8), None)]
+    stager = GraphStager()
+    first = stager.stage(layers, _hint(table, seq_lens, offsets), 16, 12)
+    assert first.with_metadata
+    other = stager.stage(layers, _hint(table, seq_lens.clone(), offsets.clone()), 16, 12)
+    assert other.program is first.program and not other.with_metadata and other.metadata() is None
+    bare = stager.stage(layers, StageHint(table[:3], 3, None, 150), 16, 12)
+    assert not bare.with_metadata and bare.metadata() is None
+
+
+def test_stale_ids_outside_the_cache_are_clamped_never_indexed():
+    """Entries past a request's pages hold whatever the runner left: the program reads pages only inside the cache."""
+    cache = torch.randn(40, 2, 16, 2, 8)
+    table, seq_lens, offsets = _runner()
+    table[0, 5:] = 10**6
+    table[1, 2:] = -5
+    staged = GraphStager().stage([_layer("l0", cache, torch.randn(16, 4, 8), None)],
+                                 _hint(table, seq_lens, offsets), 16, 12)
+    ids = staged.program.ids[: staged.count]
+    assert int(ids.min()) >= 0 and int(ids.max()) <= 39
+
+
+def test_a_program_s_positions_are_rewritten_only_once_its_last_run_is_done():
+    """The positions go to the device from the program's own page-locked buffer: a run whose copy the device may not
+    have made yet (no reader waited for it, its event not passed) keeps the program from the next step, which then
+    gets a program of its own; each run's pages are its own."""
+    torch.manual_seed(2)
+    cache = torch.randn(40, 2, 16, 2, 8)
+    table, seq_lens, offsets = _runner()
+    layers = [_layer("l0", cache, torch.randn(16, 4, 8), None)]
+    stager = GraphStager()
+    first = stager.stage(layers, _hint(table, seq_lens, offsets), 16, 12)
+    program = first.program
+
+    class Pending:  # the run's event, not yet passed on the device
+        done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    program.ready = event = Pending()
+    assert not program.reusable()
+    second = stager.stage(layers, _hint(table, seq_lens, offsets), 16, 12)
+    assert second.program is not program
+    event.done = True
+    assert program.reusable()  # its event passed: asked once, then known
+    event.done = False
+    assert program.reusable()
+    program.runs += 1  # another run, which a reader waits for
+    assert not program.reusable()
+    first.run = program.runs
+    first.unique_ids()
+    assert program.reusable()
+    for staged in (first, second):  # every run staged the step's pages (block-table positions of its rows)
+        ids, _ = staged.unique_ids()
+        expected = {int(p) for r, n in enumerate([150, 40, 90]) for p in table[r, :-(-150 // 16)]}
+        assert set(ids.tolist()) == expected

@@ -76,10 +76,39 @@ def test_a_held_program_gets_a_twin_and_a_third_step_is_refused():
     assert a.program is not b.program
     assert stager.stage(layers, hint, 16, 12) is None and stager.not_staged == {"held": 1}
     a.release()
+    torch.cuda.synchronize()  # a's run done on the device: its positions' buffer may be written again
     c = stager.stage(layers, hint, 16, 12)
     assert c.program is a.program
     torch.cuda.synchronize()
     _expect(c, layers, table.cpu(), [150, 150, 150], 16)
+
+
+def test_the_metadata_is_staged_by_the_recorded_graph_as_the_step_left_it():
+    """The program's graph copies the runner's block table, lengths and offsets after the step (its first, eager
+    run and its replays alike), from the positions' page-locked buffer of its own; what the runner writes next
+    never reaches them."""
+    layers = _layers(count=2)
+    table = torch.randint(1, 40, (8, 24), dtype=torch.int32, device="cuda")
+    seq_lens = torch.zeros(8, dtype=torch.int32, device="cuda")
+    offsets = torch.zeros(9, dtype=torch.int32, device="cuda")
+    stager = GraphStager()
+    for run in range(3):  # eager and recorded, then replayed twice
+        lengths = [300 - run, 77 + run, 150]
+        seq_lens[:3] = torch.tensor(lengths, dtype=torch.int32)
+        offsets[:4] = torch.tensor([0, 4, 8, 12], dtype=torch.int32) + run
+        table.random_(1, 40)
+        expected = (table[:3, :20].cpu(), seq_lens[:3].cpu(), offsets[:4].cpu())
+        hint = StageHint(table[:3, :20], 3, torch.tensor(lengths), max(lengths), seq_lens[:3], offsets[:4], 4)
+        step = stager.stage(layers, hint, 16, 12).hold()
+        assert step.with_metadata and step.program.host_index.is_pinned()
+        table.random_(1, 40)  # the runner's next step, queued after the program
+        seq_lens.fill_(1)
+        offsets.fill_(2)
+        for got, want in zip(step.metadata(), expected):
+            assert got.device.type == "cpu" and torch.equal(got, want)
+        _expect(step, layers, expected[0], lengths, 16)
+        step.release()
+    assert stager.recordings == 1
 
 
 def test_staging_over_its_device_budget_is_refused_in_words():

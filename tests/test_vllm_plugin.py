@@ -1034,25 +1034,44 @@ def test_each_snapshot_records_its_place_among_the_engine_ranks(standins, tmp_pa
 # --------------------------------------------------------------------------- steps replayed from full CUDA graphs
 
 
-def _padded(common, *, reqs: int, tokens: int, table_buffer=None):
-    """``common`` as vLLM pads it for a full CUDA graph of ``tokens``: requests of no tokens on the null block
-    after the real ones (their offsets repeat the last, their lengths are 0). ``table_buffer``: the runner's
-    persistent block table, which the padded table is written into (as vLLM does for its graphs)."""
+# The runner's persistent device buffers (vLLM keeps its block table, lengths and query offsets at one place, which
+# its full graphs read): the padded batches below are written into them, as vLLM's runner writes its batches.
+_RUNNER: dict[str, torch.Tensor] = {}
+
+
+def _runner_buffer(name: str, shape: tuple, dtype=torch.int32) -> torch.Tensor:
+    buffer = _RUNNER.get(name)
+    if buffer is None or buffer.shape[0] < shape[0] or buffer.shape[1:] != shape[1:]:
+        buffer = _RUNNER[name] = torch.zeros((max(64, shape[0]), *shape[1:]), dtype=dtype)
+    return buffer
+
+
+def _padded(common, *, reqs: int, tokens: int, table_buffer=None, persistent: bool = True):
+    """``common`` as vLLM 0.33 pads it for a full CUDA graph of ``tokens``: requests of no tokens on the null block
+    after the real ones (their offsets repeat the last, their lengths are 0), the padded tokens as its
+    ``num_actual_tokens``; the block table, lengths and offsets written into the runner's persistent buffers
+    (``table_buffer``, if given, for the block table), as vLLM does for its graphs. ``persistent=False``: new
+    tensors every step (a runner that keeps no buffers)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     real = int(common.num_reqs)
     qsl = torch.cat([common.query_start_loc, common.query_start_loc[-1:].repeat(reqs - real)])
     table = torch.cat([common.block_table_tensor,
                        torch.zeros(reqs - real, common.block_table_tensor.shape[1], dtype=torch.int32)])
+    seq_lens = torch.cat([common.seq_lens, torch.zeros(reqs - real, dtype=torch.int32)])
+    if persistent and table_buffer is None:
+        table_buffer = _runner_buffer("table", (reqs, table.shape[1]))
     if table_buffer is not None:
         table_buffer[:reqs, :table.shape[1]].copy_(table)
         table = table_buffer[:reqs, :table.shape[1]]
+    if persistent:
+        seq_lens = _runner_buffer("seq_lens", (reqs,))[:reqs].copy_(seq_lens)
+        qsl = _runner_buffer("query_start_loc", (reqs + 1,))[:reqs + 1].copy_(qsl)
     slots = torch.cat([common.slot_mapping, torch.full((tokens - common.slot_mapping.shape[0],), -1,
                                                        dtype=torch.int64)])
     return CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
-        seq_lens=torch.cat([common.seq_lens, torch.zeros(reqs - real, dtype=torch.int32)]), num_reqs=reqs,
-        num_actual_tokens=common.num_actual_tokens, max_query_len=common.max_query_len,
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=reqs,
+        num_actual_tokens=tokens, max_query_len=common.max_query_len,
         max_seq_len=common.max_seq_len, block_table_tensor=table, slot_mapping=slots, causal=common.causal)
 
 
@@ -1326,24 +1345,25 @@ def _staged_engine(standins, tmp_path, monkeypatch, steps: str, layers: int = 2)
 
 
 def _held_capture_thread(state, monkeypatch):
-    """The capture thread stuck at its first layer until the returned event is set."""
+    """The capture thread stuck before it reads anything of its first job until the returned event is set."""
     import threading
 
-    started, release, real = threading.Event(), threading.Event(), state.start_capture
+    started, release, real = threading.Event(), threading.Event(), state._capture_graph_job
 
     def held(*args, **kwargs):
         started.set()
         assert release.wait(10)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(state, "start_capture", held)
+    monkeypatch.setattr(state, "_capture_graph_job", held)
     return started, release
 
 
 def test_a_staged_graph_step_is_exact_however_late_the_capture_thread_reads_it(standins, tmp_path, monkeypatch):
     """The engine's thread stages the wanted step on its stream and goes on, never waiting; the next step then
-    overwrites the graph's buffers, the caches and the runner's block table before the capture thread has read
-    anything, and the snapshots still hold the step as the kernel saw it."""
+    overwrites the graph's buffers, the caches and the runner's block table, lengths and offsets before the capture
+    thread has read anything, and the snapshots still hold the step as the kernel saw it. The build copied none of
+    its metadata: the staging program did, after the replay."""
     import time as clock
 
     engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0")
@@ -1363,13 +1383,17 @@ def test_a_staged_graph_step_is_exact_however_late_the_capture_thread_reads_it(s
         state._graph_buffers[name].output.fill_(7.0)
         layer.kv_cache.fill_(7.0)
     table.random_(1, 70)
+    common.seq_lens.fill_(5)
+    common.query_start_loc.fill_(1)
     release.set()
     snaps = sorted(snapshots(tmp_path), key=lambda s: s.meta.capture["layer"])
     assert len(snaps) == 2
+    assert all(state._graph_builds[name][1].deferred is not None for name in engine.names)  # never copied
     for snap, output, query, cache in zip(snaps, outputs, queries, caches):
         step = snap.steps[0]
-        assert step.seq_lens.tolist() == [300, 77, 150]
-        torch.testing.assert_close(step.block_table[:, :block_table.shape[1]], block_table, rtol=0, atol=0)
+        assert step.seq_lens.tolist() == [300, 77, 150] and step.query_start_loc.tolist() == [0, 4, 8, 12]
+        assert step.block_table.shape == block_table.shape
+        torch.testing.assert_close(step.block_table, block_table, rtol=0, atol=0)
         torch.testing.assert_close(step.query.reshape(12, -1), query.reshape(12, -1), rtol=0, atol=0)
         torch.testing.assert_close(step.output.reshape(12, -1), output[:12].reshape(12, -1), rtol=0, atol=0)
         torch.testing.assert_close(snap.kv_cache, cache[snap.page_ids.long()], rtol=0, atol=0)
@@ -1378,6 +1402,94 @@ def test_a_staged_graph_step_is_exact_however_late_the_capture_thread_reads_it(s
     account = vllm_plugin.active_capturer().engine_time
     assert account.handed == 1 and account.staged == 1 and account.waits == 0
     assert "1 graph step(s) handed to the capture thread (1 staged on the device first)" in account.describe()
+
+
+class _TorchCalls(torch.overrides.TorchFunctionMode):
+    """The torch functions and methods called while it is on (their names), but for those of the staging program's
+    body, which runs eagerly on a CPU and is one graph launch on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+        self.paused = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_wanted_graph_step_costs_the_engines_thread_a_handful_of_torch_calls(standins, tmp_path, monkeypatch):
+    """A wanted step that a full graph replays: its build copies and slices nothing (the staging program copies the
+    metadata after the replay), and the replay's hook makes a handful of torch calls whatever the number of
+    layers (here 8): the positions to the device, the program, an event on a GPU; every torch call is a chance for
+    another thread to take Python's lock from the engine's (docs/benchmarks.md, section 10)."""
+    from kvdbg.vllm_plugin.graph_staging import _Program
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0-1", layers=8)
+    calls = {"after_build": _TorchCalls(), "after_graph_replay": _TorchCalls()}
+    for hook, counter in calls.items():
+        def counted(*args, _real=getattr(state, hook), _counter=counter, **kwargs):
+            with _counter:
+                return _real(*args, **kwargs)
+
+        monkeypatch.setattr(state, hook, counted)
+    body = _Program._body
+
+    def uncounted(program):
+        for counter in calls.values():
+            counter.paused = True
+        try:
+            body(program)
+        finally:
+            for counter in calls.values():
+                counter.paused = False
+
+    monkeypatch.setattr(_Program, "_body", uncounted)
+    for step in range(2):  # the first makes the program; the second reuses it, counted
+        for counter in calls.values():
+            counter.names.clear()
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch)
+        assert state.drain_graph_capture(10)  # the capture thread done: the program free again
+    built, replayed = calls["after_build"].names, calls["after_graph_replay"].names
+    reads = {"__get__", "__len__", "dim", "stride", "data_ptr", "numel", "numpy"}  # a tensor's facts, no op
+    assert built and [n for n in built if n not in reads] == [] and len(built) <= 4, built
+    # The positions' copy the one op (on a GPU, then the program's launch and its event); no call per layer.
+    assert [n for n in replayed if n not in reads] == ["copy_"] and len(replayed) <= 20, replayed
+    assert len(snapshots(tmp_path)) == 16 and state._stager.staged == 2 and len(state._stager._programs) == 1
+
+
+def test_a_build_guessed_to_be_a_graphs_that_runs_eagerly_is_copied_at_its_first_hook(standins, tmp_path,
+                                                                                     monkeypatch):
+    """vLLM pads only a full graph's batch, so a build of a recorded graph's tokens and rows is left uncopied; should
+    its step run eagerly after all, its first hook (the cache update's) copies it, before the forward writes
+    anything, and the snapshot is the step's, whatever the runner writes afterwards."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0")
+    common = _padded(engine.common(), reqs=4, tokens=16)
+    expected = (common.block_table_tensor[:3].clone(), common.seq_lens[:3].clone())
+    real, deferred = state.after_build, []
+
+    def build(*args, **kwargs):
+        done = real(*args, **kwargs)
+        deferred.append(state._graph_builds[engine.names[0]][1].deferred is not None)
+        return done
+
+    monkeypatch.setattr(state, "after_build", build)
+    _, _, seen = engine.step(common=common, inputs=_padded_inputs(engine, 16))
+    assert deferred == [True]  # left uncopied at the build
+    ctx = state._graph_builds[engine.names[0]][1]
+    assert ctx.deferred is None and ctx.block_table.data_ptr() != common.block_table_tensor.data_ptr()
+    common.block_table_tensor.fill_(1)  # the runner's next step
+    common.seq_lens.fill_(3)
+    snaps = sorted(snapshots(tmp_path), key=lambda s: s.meta.capture["layer"])
+    assert len(snaps) == 2
+    for snap, layer_seen in zip(snaps, seen):
+        step = snap.steps[0]
+        torch.testing.assert_close(step.block_table, expected[0], rtol=0, atol=0)
+        assert step.seq_lens.tolist() == expected[1].tolist()
+        torch.testing.assert_close(snap.kv_cache, layer_seen["cache_before"][snap.page_ids.long()], rtol=0, atol=0)
+        assert "before do_kv_cache_update" in snap.meta.capture["new_kv"]  # taken at the cache update
 
 
 def test_a_step_longer_than_its_hosts_bound_is_refused_not_half_captured(standins, tmp_path, monkeypatch, caplog):
@@ -1399,15 +1511,16 @@ def test_a_step_longer_than_its_hosts_bound_is_refused_not_half_captured(standin
 
 def test_a_block_tables_stale_entries_within_the_bound_are_never_read_outside_the_cache(standins, tmp_path,
                                                                                        monkeypatch):
-    """Without per-request bounds every row is read up to max_seq_len, through entries the runner left stale:
-    ids outside the cache are clamped into it, never indexed, and the snapshot keeps only the pages read."""
+    """Without per-request bounds every row is read up to max_seq_len, through entries the runner left stale (other
+    requests' pages): the snapshot keeps only the pages read, and the block table as the graph read it. (Ids
+    outside the cache are clamped by the program: tests/test_graph_staging.py.)"""
     engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0", layers=1)
     common = _padded(engine.common(), reqs=4, tokens=16)
     real_stage = state._stage
 
     def stale_then_stage(items):  # the runner's buffer past each row's pages, as the staging program reads it
         for r, n in enumerate([300, 77, 150]):
-            common.block_table_tensor[r, -(-n // 16):] = 10**6 if r % 2 else -5
+            common.block_table_tensor[r, -(-n // 16):] = 71 if r % 2 else 1
         return real_stage(items)
 
     monkeypatch.setattr(state, "_stage", stale_then_stage)
@@ -1417,6 +1530,8 @@ def test_a_block_tables_stale_entries_within_the_bound_are_never_read_outside_th
     assert vllm_plugin.active_capturer().engine_time.staged == 1
     torch.testing.assert_close(snap.kv_cache, caches[0][snap.page_ids.long()], rtol=0, atol=0)
     assert snap.page_ids.max() < 72 and snap.page_ids.min() >= 0
+    assert 71 not in snap.page_ids.tolist()  # a stale entry, never a page the step read
+    assert snap.steps[0].block_table[1, -1] == 71  # the table as the graph read it, stale tail and all
     torch.testing.assert_close(snap.steps[0].output.reshape(12, -1), outputs[0][:12].reshape(12, -1), rtol=0,
                                atol=0)
 

@@ -1,5 +1,12 @@
 """Every build of the metadata builder: keep the step's engine-level metadata (host copies for capture,
-device clones for the sentinel) for the forwards of its layers, and decide there whether a step is wanted."""
+device clones for the sentinel) for the forwards of its layers, and decide there whether a step is wanted.
+
+A wanted build that a full CUDA graph will likely replay (its padded tokens and rows are a recorded full
+graph's: vLLM pads only such a batch) copies nothing: its context keeps the runner's buffers
+(:class:`~kvdbg.vllm_plugin.records._Deferred`), and the staging program copies them after the replay, as
+the graph read them (``graph_staging``), off the engine's thread. Should the step run eagerly after all,
+its first hook (the cache update's, else the forward's) makes the build's copies then, before anything of
+the step is read and before the runner's next step rewrites its buffers."""
 
 from __future__ import annotations
 
@@ -7,7 +14,7 @@ import logging
 from typing import Any
 
 from kvdbg.vllm_plugin import vllm_facts
-from kvdbg.vllm_plugin.records import _EngineContext, _HostMetadata, _builder_facts
+from kvdbg.vllm_plugin.records import _Deferred, _EngineContext, _HostMetadata, _builder_facts
 from kvdbg.vllm_plugin.vllm_facts import (
     _ENGINE_ATTR, _HOST_SLOTS_KEPT, _SIDE_TABLE_SIZE, _parallel_facts, _requests_with_tokens, _rows,
     _step_refusal, _tensor_key
@@ -47,27 +54,25 @@ class BuilderHooks:
                 facts = self._builder_facts[id(builder)] = _builder_facts(builder)
                 if self._parallel is None:
                     self._parallel = _parallel_facts(getattr(builder, "vllm_config", None))
-            rows = (_rows(common.block_table_tensor, num_reqs), _rows(common.seq_lens, num_reqs),
-                    _rows(common.query_start_loc, num_reqs + 1))
             # Only a backend that writes the new K/V inside forward needs them (the others' are saved before
             # do_kv_cache_update).
             tokens = None if slot_mapping is None or not self._update_in_forward else int(common.num_actual_tokens)
-            host = self._copy_to_host(builder, rows, slot_mapping, tokens, causal) if rows[0].is_cuda else None
-            if host is not None and self.sentinel is None:
-                bt, sl, qsl, slots, causal = (host.block_table, host.seq_lens, host.query_start_loc,
-                                              host.slot_mapping, host.causal)
+            if self._graph_step(common, tokens, causal):
+                # Nothing copied, nothing sliced (a slice is a torch call): the staging program copies the
+                # metadata after the graph's replay, as the graph read it, and the capture thread takes the real
+                # requests' rows; should the step run eagerly after all, its first hook copies them.
+                rows = (common.block_table_tensor, common.seq_lens, common.query_start_loc)
+                ctx = _EngineContext(id(metadata), *rows, None, causal, facts, _step_refusal(common),
+                                     deferred=_Deferred(builder, rows, slot_mapping, num_reqs))
             else:
-                # Clones are stream-ordered copies on the engine's device: no host sync
-                # here, and a later in-place update of the runner's buffers cannot reach them.
-                bt, sl, qsl = (t.clone() for t in rows)
-                slots = None if tokens is None else slot_mapping[:tokens].clone()
-                causal = causal.clone() if hasattr(causal, "clone") else causal
-            ctx = _EngineContext(id(metadata), bt, sl, qsl, slots, causal, facts, _step_refusal(common), host)
+                rows = (_rows(common.block_table_tensor, num_reqs), _rows(common.seq_lens, num_reqs),
+                        _rows(common.query_start_loc, num_reqs + 1))
+                ctx = self._copied(builder, metadata, rows, slot_mapping, tokens, causal, facts, common)
             self._stash(metadata, ctx)
             if self._graph_layers:  # a full CUDA graph may run this step: its replay finds the context by layer
                 from kvdbg.vllm_plugin.graph_staging import stage_hint
 
-                ctx.stage = stage_hint(common, rows[0], num_reqs)
+                ctx.stage = stage_hint(common, rows, num_reqs)
                 counts, builds = self._forward_counts, self._graph_builds
                 for name in getattr(builder, "layer_names", None) or ():  # capture's and the sentinel's layers
                     builds[name] = (counts.get(name, 0), ctx)
@@ -76,14 +81,59 @@ class BuilderHooks:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
             return False
 
+    def _copied(self, builder: Any, metadata: Any, rows: tuple, slot_mapping: Any, tokens: int | None, causal: Any,
+                facts: Any, common: Any) -> _EngineContext:
+        """The build's context with its copies: on a device, host copies for capture (device clones when the
+        sentinel may check the step); on the host, clones."""
+        host = self._copy_to_host(builder, rows, slot_mapping, tokens, causal) if rows[0].is_cuda else None
+        if host is not None and self.sentinel is None:
+            bt, sl, qsl, slots, causal = (host.block_table, host.seq_lens, host.query_start_loc,
+                                          host.slot_mapping, host.causal)
+        else:
+            # Clones are stream-ordered copies on the engine's device: no host sync
+            # here, and a later in-place update of the runner's buffers cannot reach them.
+            bt, sl, qsl = (t.clone() for t in rows)
+            slots = None if tokens is None else slot_mapping[:tokens].clone()
+            causal = causal.clone() if hasattr(causal, "clone") else causal
+        return _EngineContext(id(metadata), bt, sl, qsl, slots, causal, facts, _step_refusal(common), host)
+
+    def _graph_step(self, common: Any, tokens: int | None, causal: Any) -> bool:
+        """Whether a build's copies wait until its step is read (:class:`_Deferred`): a full CUDA graph recorded
+        for the build's padded tokens and rows will likely replay it (vLLM pads only a full graph's batch), and
+        nothing else needs its copies now (the sentinel's device clones, a slot mapping for an update inside
+        forward, a tensor ``causal``). A step guessed wrongly is still right: its first eager hook copies."""
+        shapes = self._graph_shapes
+        if not shapes or self.sentinel is not None or tokens is not None or hasattr(causal, "clone"):
+            return False
+        size = int(common.num_actual_tokens)
+        return (size, int(common.num_reqs)) in shapes or (size, None) in shapes
+
+    def resolve(self, ctx: _EngineContext) -> None:
+        """A deferred build's copies, now (engine's thread, before anything of its step is read on the host, and
+        before the runner's next step rewrites its buffers): what the build would have copied."""
+        deferred = ctx.deferred
+        if deferred is None:
+            return
+        ctx.deferred = None
+        n = deferred.num_reqs
+        table, seq_lens, offsets = deferred.rows
+        rows = (_rows(table, n), _rows(seq_lens, n), _rows(offsets, n + 1))
+        if rows[0].is_cuda:
+            host = self._copy_to_host(deferred.builder, rows, deferred.slot_mapping, None, ctx.causal, ctx)
+            ctx.block_table, ctx.seq_lens, ctx.query_start_loc, ctx.host = (host.block_table, host.seq_lens,
+                                                                            host.query_start_loc, host)
+        else:
+            ctx.block_table, ctx.seq_lens, ctx.query_start_loc = (t.clone() for t in rows)
+
     def _copy_to_host(self, builder: Any, rows: tuple, slot_mapping: Any, tokens: int | None,
-                      causal: Any) -> _HostMetadata:
+                      causal: Any, deferred: _EngineContext | None = None) -> _HostMetadata:
         """Host copies of a device build's metadata and of its whole slot mapping, issued on the engine's
         stream (one copy a tensor) with one event after them: no hook of the step then reads device
         metadata (see _HostMetadata).
 
         The slot mapping is copied whole, as the builder has it, because do_kv_cache_update is given that
-        tensor (found again in :meth:`host_slots`, for the builder's layers' next forwards only).
+        tensor (found again in :meth:`host_slots`, for the builder's layers' next forwards only). For a
+        ``deferred`` build, copied later, the forwards that were next when it built.
         """
         from kvdbg.capture.buffers import HostCopiesReady, copies_to_host
 
@@ -95,9 +145,14 @@ class BuilderHooks:
             self._host_slots[key] = (slots, ready)
             while len(self._host_slots) > _HOST_SLOTS_KEPT:
                 self._host_slots.popitem(last=False)
-            counts = self._forward_counts
+            counts, builds = self._forward_counts, self._graph_builds
             for name in getattr(builder, "layer_names", None) or ():  # a builder that names none: device reads
-                self._slots_layers[name] = (key, counts.get(name, 0))
+                if deferred is None:
+                    self._slots_layers[name] = (key, counts.get(name, 0))
+                else:
+                    built = builds.get(name)
+                    if built is not None and built[1] is deferred:
+                        self._slots_layers[name] = (key, built[0])
         return _HostMetadata(bt, sl, qsl, None if tokens is None or slots is None else slots[:tokens],
                              causal if tensor_causal is None else host_causal, ready)
 
@@ -109,6 +164,9 @@ class BuilderHooks:
         The copy is taken only when that build was the layer's builder's latest copying one, was given this
         very tensor (the same memory, seen the same way), and the layer has run no forward since.
         """
+        built = self._graph_builds.get(name)
+        if built is not None and built[1].deferred is not None and built[0] == self._forward_counts.get(name, 0):
+            self.resolve(built[1])  # the layer's step runs eagerly after all: its build's copies now
         if slot_mapping is None or slot_mapping.is_cpu or not self._host_slots:
             return slot_mapping, None
         key = _tensor_key(slot_mapping)

@@ -17,11 +17,15 @@ the step's block table, lengths and query offsets as for any step) and vLLM's ``
   wants or the sentinel samples is first *staged* (``graph_staging``): on the engine's stream, right after the
   graph's work, a small program of kvdbg's (recorded once per size as a CUDA graph of its own) copies the
   page ids the step's block table names (within the host's bound on each request's length, known at the build),
-  those pages of each layer, and the layers' query and output buffers into kvdbg's device buffers. Nothing a
-  later step does can reach those copies, so the engine's thread goes on at once and never waits: the wanted
-  step is handed, whole (every wanted layer, with the metadata its build kept), to the plugin's *graph capture
-  thread*, which reads the page ids back, keeps the pages the step's exact lengths read and copies them to the
-  host from the staged buffers whenever it gets to them; a sampled step's check runs in the sentinel's worker
+  those pages of each layer, the layers' query and output buffers and the step's metadata (block table, lengths,
+  offsets, as the graph read them) into kvdbg's device buffers. Nothing a later step does can reach those
+  copies, so the engine's thread goes on at once and never waits: the wanted step is handed, whole (every
+  wanted layer, with its build's context), to the plugin's *graph capture thread*, which reads the metadata and
+  the page ids back, keeps the pages the step's exact lengths read and copies them to the host from the staged
+  buffers whenever it gets to them. The build of such a step copied nothing (``builder_hooks``: a build whose
+  padded batch is a recorded full graph's is left uncopied until its step is read); for a step not staged, the
+  engine's thread makes the build's copies right after the replay; a sampled step's check runs in the
+  sentinel's worker
   on the same copies and is collected when it is done (a wrong step is captured from them too). Each reader
   releases the staged buffers with an event on which their next use waits, on the device.
 - a step staging cannot serve (its program still held by earlier readers, over kvdbg's staging memory, a
@@ -180,6 +184,7 @@ class GraphHooks:
         """A full graph for ``batch`` (vLLM's batch descriptor) is about to be recorded: its selected layers are
         learnt anew."""
         self._graph_layers[batch] = []
+        self._graph_shapes.add((int(batch.num_tokens), getattr(batch, "num_reqs", None)))
         self._stage_layouts.clear()  # a recording may give a layer larger copy buffers: worked out again
         self._recording = batch
 
@@ -275,6 +280,11 @@ class GraphHooks:
             return False
         job = _GraphJob(wanted, batch.num_tokens)
         try:
+            if staged is None or not staged.with_metadata:
+                # The build's copies, now, on the engine's stream right after the replay: later work of this very
+                # step (a drafter's) may rewrite the runner's buffers before the capture thread would read them.
+                for _, _, ctx in wanted:
+                    self.resolve(ctx)
             if staged is not None:
                 job.staged = staged.hold()
                 self.capturer.engine_time.staged += 1
@@ -418,11 +428,17 @@ class GraphHooks:
         else:
             stream, where = None, contextlib.nullcontext()
         staged = job.staged
+        read: dict[int, Any] = {}
         with where:
             try:
                 for slot, step, ctx in job.items:
                     if job.abandoned:
                         break
+                    if ctx.deferred is not None:
+                        known = read.get(id(ctx))
+                        if known is None:
+                            known = read[id(ctx)] = self._graph_metadata(ctx, staged)
+                        ctx = known
                     query, output, pages = slot.query, slot.output, None
                     if staged is not None:  # the step's copies on the device, which no later step overwrites
                         copies = staged.layers[slot.name]
@@ -445,3 +461,16 @@ class GraphHooks:
 
                 job.issued = torch.cuda.Event()
                 job.issued.record(stream)
+
+    def _graph_metadata(self, ctx: Any, staged: Any) -> Any:
+        """The capture thread's copy of a deferred build's context, with its metadata as the staging program copied
+        it after the replay (the engine's context is left as it is)."""
+        import dataclasses
+
+        metadata = None if staged is None else staged.metadata()
+        if metadata is None:  # after_graph_replay copies a step's build whenever staging did not
+            from kvdbg.capture.capturer import CaptureInputError
+
+            raise CaptureInputError("the step's metadata was neither copied by its build nor staged after the replay")
+        bt, sl, qsl = metadata
+        return dataclasses.replace(ctx, block_table=bt, seq_lens=sl, query_start_loc=qsl, host=None, deferred=None)

@@ -13,17 +13,22 @@ Staging orders the reads on the device instead, with no host wait and a constant
   entries each request may read: the flat positions ``row * stride + column`` of those entries;
 - right after the replay, on the engine's stream, a *staging program* reads them: the page ids from the
   block table the step used (the runner's persistent one, as the graph did), clamped into the cache, then
-  each selected layer's pages by those ids, its query and its output, into device buffers of its own.
+  each selected layer's pages by those ids, its query and its output, into device buffers of its own; and
+  the step's metadata as the graph read it (the runner's block table, lengths and query offsets, which a
+  full graph reads at one place every step), so the build copies none of it to the host (``builder_hooks``).
   On a GPU the program is a small CUDA graph of kvdbg's, recorded once per size (the first use of a size
-  runs it eagerly, then records it), so a step costs one index copy and one graph launch whatever the
-  number of layers;
-- the graph capture thread then takes its time: it reads the page ids back, keeps the pages the step's
-  exact lengths read (its host copies of the metadata, as for any step) and copies them to the host from
-  the staged buffers, never from the engine's.
+  runs it eagerly, then records it), so a step costs the engine's thread three torch calls whatever the
+  number of layers: the positions' copy (from a page-locked buffer of the program's own), the graph's
+  launch and an event (the program's own);
+- the graph capture thread then takes its time: it reads the metadata and the page ids back, keeps the
+  pages the step's exact lengths read and copies them to the host from the staged buffers, never from the
+  engine's.
 
 A program's buffers are reused by its next step; the capture thread (or the sentinel's check) *holds* a
 program until it has read what it needs and then records an event, on which the next run waits on the
-device. A program still held when another step wants it is not waited for: a second program of that size
+device; its positions' buffer is written again only once the last run's copy of it is known done (a reader
+waited for the run, or its event has passed). A program not free when another step wants it is not waited
+for: a second program of that size
 is made, up to :data:`PROGRAMS_PER_SIZE`, and past that (or past :data:`STAGING_MAX_BYTES` of device
 memory) the step is captured the way it was before staging, the engine's thread waiting for the capture
 thread's copies (said once at INFO). The exit line counts the steps staged among those handed over, and the
@@ -52,6 +57,8 @@ MIN_PAGES = 64
 PROGRAMS_PER_SIZE = 2
 # Programs kept in all: past this, those of the sizes least recently used are let go (when not held).
 MAX_PROGRAMS = 8
+# Programs copy the metadata of batches of up to a power of two of rows, at least this one.
+MIN_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -64,17 +71,25 @@ class StageHint:
     num_reqs: int
     seq_lens_bound: Any  # a host tensor or array of >= num_reqs entries, or None
     max_seq_len: int
+    # The build's lengths and query offsets on the device (the runner's buffers, as the graph reads them) and the
+    # batch's rows with padding: with them the program also stages the step's metadata (StagedStep.metadata), so
+    # the build copies nothing to the host; without them the build's own copies are used.
+    seq_lens: Any = None
+    query_start_loc: Any = None
+    rows: int = 0
 
 
-def stage_hint(common: Any, block_table: Any, num_reqs: int) -> StageHint | None:
-    """The hint for a build's ``common`` metadata (None when it says too little to bound the step's pages)."""
+def stage_hint(common: Any, rows: tuple, num_reqs: int) -> StageHint | None:
+    """The hint for a build's ``common`` metadata and its ``rows`` (the block table, lengths and query offsets of
+    the real requests, views of the runner's buffers); None when it says too little to bound the step's pages."""
     max_seq_len = getattr(common, "max_seq_len", None)
     bound = getattr(common, "seq_lens_cpu_upper_bound", None)
     if bound is not None and (getattr(bound, "is_cuda", False) or len(bound) < num_reqs):
         bound = None
     if bound is None and not isinstance(max_seq_len, int):
         return None
-    return StageHint(block_table, num_reqs, bound, int(max_seq_len or 0))
+    return StageHint(rows[0], num_reqs, bound, int(max_seq_len or 0), rows[1], rows[2],
+                     int(common.block_table_tensor.shape[0]))
 
 
 @dataclass(eq=False)
@@ -128,21 +143,50 @@ class StagedStep:
     counts: np.ndarray
     row_starts: np.ndarray
     page_size: int
-    ready: Any  # torch.cuda.Event after the program (None on a CPU)
+    ready: Any  # torch.cuda.Event after the program (None on a CPU); the program's own, recorded again next run
+    run: int = 0  # the program's run that staged this step
+    num_reqs: int = 0
+    width: int = 0  # the block table's columns, as the build gave it
+    # The program copied this step's metadata: it reads the runner's buffers the build handed over (a runner keeps
+    # them at one place, which a graph needs; one that does not is read from the build's own copies).
+    with_metadata: bool = False
     _unique: tuple | None = field(default=None, repr=False)
     _table: np.ndarray | None = field(default=None, repr=False)
+    _metadata: tuple | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def _wait(self) -> None:
+        """The program's work for this step is done (a host wait, by a reader: never the engine's thread)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        self.program.seen(self.run)
 
     def unique_ids(self) -> tuple[np.ndarray, np.ndarray]:
         """(sorted engine page ids staged, the first staged position of each): read from the device once."""
         with self._lock:
             if self._unique is None:
-                if self.ready is not None:
-                    self.ready.synchronize()
+                self._wait()
                 staged = self.program.ids[: self.count].to("cpu", dtype=self.program.ids.dtype).numpy()
                 ids, first = np.unique(staged.astype(np.int64, copy=False), return_index=True)
                 self._unique = (ids, first.astype(np.int64, copy=False))
             return self._unique
+
+    def metadata(self) -> tuple | None:
+        """(block table, lengths, query offsets) of the step's real requests, on the host, as the graph read them
+        (the program copied the runner's buffers right after the replay); read from the device once. None: the
+        program did not stage them (the build's own copies hold them)."""
+        copies = self.program.metadata
+        if copies is None or not self.with_metadata:
+            return None
+        with self._lock:
+            if self._metadata is None:
+                self._wait()
+                table, seq_lens, offsets = copies[:3]
+                n, stride = self.num_reqs, self.program.table_stride
+                rows = table[: n * stride].view(n, stride)[:, : self.width]
+                self._metadata = tuple(t.clone() if t.is_cpu else t.to("cpu")
+                                       for t in (rows, seq_lens[:n], offsets[: n + 1]))
+            return self._metadata
 
     @property
     def layers(self) -> dict[str, StagedLayer]:
@@ -179,17 +223,27 @@ class StagedStep:
 class _Program:
     """The device work that stages a step for one block table, one set of layers and one number of pages."""
 
-    def __init__(self, device: Any, block_table: "torch.Tensor", layers: list[tuple], pages: int):
+    def __init__(self, device: Any, hint: StageHint, layers: list[tuple], pages: int, rows: int = 0):
         import torch
 
+        block_table = hint.block_table
+        cuda = block_table.is_cuda
         self.device = device
         self.size = pages
         # The block table as one flat view from its first entry to the end of its storage: the program
         # reads any row of the runner's buffer through it, whatever the batch's number of rows.
-        elements = block_table.untyped_storage().nbytes() // block_table.element_size() - block_table.storage_offset()
-        self.table = block_table.as_strided((elements,), (1,))
+        self.table = _to_storage_end(block_table)
+        self.table_stride = block_table.stride(0)
         self.index = torch.zeros(pages, dtype=torch.int64, device=block_table.device)
         self.ids = torch.zeros(pages, dtype=block_table.dtype, device=block_table.device)
+        # The positions are written into a page-locked buffer of the program's own, not one allocated per step
+        # (a torch call less on the engine's thread); it is written again only once the last run's copy of it
+        # is known to be done (see reusable). The event after a run is the program's own too.
+        self.host_index = torch.zeros(pages, dtype=torch.int64, pin_memory=cuda)
+        self.host_values = self.host_index.numpy()
+        self.ready = torch.cuda.Event() if cuda else None
+        self.runs = 0
+        self._seen = 0  # the latest run a reader waited for on the host
         self.layers = []  # (name, cache, page_dim, query source, query copy, output source, output copy, pages)
         highest = None
         for name, cache, page_dim, query, output in layers:
@@ -199,8 +253,13 @@ class _Program:
                                 None if output is None else torch.empty_like(output),
                                 _laid_out_like(cache, page_dim, pages)))
         self.highest = max(0, highest or 0)
+        # The step's metadata as the graph read it: (table copy, lengths copy, offsets copy, their sources), the
+        # first ``rows`` rows of the runner's buffers; None when the build gave no device lengths and offsets.
+        self.metadata = _metadata_buffers(self.table, self.table_stride, hint, rows)
         self.nbytes = sum(t.numel() * t.element_size() for layer in self.layers for t in (layer[4], layer[6], layer[7])
-                          if t is not None) + 2 * pages * 8
+                          if t is not None) + 3 * pages * 8
+        if self.metadata is not None:
+            self.nbytes += sum(t.numel() * t.element_size() for t in self.metadata[:3])
         self.graph = None
         self.recorded_ms = 0.0
         self._views: dict[int, dict[str, StagedLayer]] = {}
@@ -211,6 +270,31 @@ class _Program:
     @property
     def held(self) -> bool:
         return self._holders > 0
+
+    def reads_metadata_of(self, hint: StageHint) -> bool:
+        """Whether the program's metadata copies read the buffers of this build (those it was made for)."""
+        meta = self.metadata
+        if meta is None or hint.seq_lens is None or hint.query_start_loc is None:
+            return False
+        return hint.seq_lens.data_ptr() == meta[4].data_ptr() and \
+            hint.query_start_loc.data_ptr() == meta[5].data_ptr() and hint.num_reqs <= meta[4].numel()
+
+    def seen(self, run: int) -> None:
+        """A reader waited on the host for ``run``'s work: its copy of the positions is done."""
+        with self._lock:
+            self._seen = max(self._seen, run)
+
+    def reusable(self) -> bool:
+        """Whether a step may be staged with this program now: no reader holds it, and its last run's copy of
+        the positions is done (a reader waited for it, else the run's event says so: one query, no wait)."""
+        if self._holders:
+            return False
+        if self.ready is None or self._seen >= self.runs:
+            return True
+        if self.ready.query():
+            self.seen(self.runs)
+            return True
+        return False
 
     def hold(self) -> None:
         with self._lock:
@@ -246,6 +330,9 @@ class _Program:
         torch.index_select(self.table, 0, self.index, out=self.ids)
         # Entries past a request's pages may hold anything the runner left there: never an id outside the cache.
         self.ids.clamp_(0, self.highest)
+        if self.metadata is not None:
+            for copy, source in zip(self.metadata[:3], self.metadata[3:]):
+                copy.copy_(source)
         for _, cache, page_dim, query, query_copy, output, output_copy, pages in self.layers:
             torch.index_select(cache, page_dim, self.ids, out=pages)
             query_copy.copy_(query)
@@ -253,17 +340,15 @@ class _Program:
                 output_copy.copy_(output)
 
     def run(self, flat: np.ndarray) -> Any:
-        """Stage a step whose block-table positions are ``flat`` (engine's thread, engine's stream); returns the
-        event after the work (None on a CPU)."""
-        import torch
-
-        cuda = self.index.is_cuda
-        host = torch.empty(self.size, dtype=torch.int64, pin_memory=cuda)
-        values = host.numpy()
+        """Stage a step whose block-table positions are ``flat`` (engine's thread, engine's stream; only when
+        :meth:`reusable`); returns the event after the work (None on a CPU). A step costs the engine's thread
+        three torch calls: the positions' copy, the graph's launch, the event."""
+        values = self.host_values
         values[: flat.size] = flat
         values[flat.size:] = 0  # the first entry of the table: a real page of the first request, read again
-        if not cuda:
-            self.index.copy_(host)
+        self.runs += 1
+        if self.ready is None:
+            self.index.copy_(self.host_index)
             self._body()
             return None
         from kvdbg.capture.buffers import current_stream
@@ -274,15 +359,14 @@ class _Program:
                 released, self._released = self._released, []
             for event in released:  # the last holders' reads of these buffers come first (a wait on the device)
                 stream.wait_event(event)
-        self.index.copy_(host, non_blocking=True)
+        self.index.copy_(self.host_index, non_blocking=True)
         if self.graph is not None:
             self.graph.replay()
         else:
             self._body()
             self._record(stream)
-        ready = torch.cuda.Event()
-        ready.record(stream)
-        return ready
+        self.ready.record(stream)
+        return self.ready
 
     def _record(self, stream: Any) -> None:
         """Record the program as a CUDA graph of its own (once; its buffers are fixed, nothing is allocated)."""
@@ -304,6 +388,33 @@ class _Program:
         stream.wait_stream(side)
         self.graph = graph
         self.recorded_ms = (time.perf_counter() - start) * 1e3
+
+
+def _to_storage_end(t: "torch.Tensor") -> "torch.Tensor":
+    """``t`` as one flat view from its first element to the end of its storage (a runner's buffer, whatever rows
+    of it a build handed over); ``t`` must be laid out with its last dimension contiguous."""
+    elements = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    return t.as_strided((elements,), (1,))
+
+
+def _metadata_buffers(table: "torch.Tensor", stride: int, hint: StageHint, rows: int) -> tuple | None:
+    """(table copy, lengths copy, offsets copy, table source, lengths source, offsets source) for a program that
+    serves batches of up to ``rows`` rows, or None when the hint has no device lengths and offsets, or they are
+    not the flat buffers a runner keeps (then the build's own host copies are what capture reads)."""
+    seq_lens, offsets = hint.seq_lens, hint.query_start_loc
+    n = hint.num_reqs
+    if seq_lens is None or offsets is None or rows < n or seq_lens.device != table.device \
+            or offsets.device != table.device:
+        return None
+    if seq_lens.dim() != 1 or offsets.dim() != 1 or seq_lens.stride(0) != 1 or offsets.stride(0) != 1:
+        return None
+    seq_lens, offsets = _to_storage_end(seq_lens), _to_storage_end(offsets)
+    table_rows = min(rows, table.numel() // max(1, stride))
+    if table_rows < n or seq_lens.numel() < n or offsets.numel() < n + 1:
+        return None
+    sources = (table[: table_rows * stride], seq_lens[: min(rows, seq_lens.numel())],
+               offsets[: min(rows + 1, offsets.numel())])
+    return (*(source.clone() for source in sources), *sources)
 
 
 def _laid_out_like(cache: "torch.Tensor", page_dim: int, pages: int) -> "torch.Tensor":
@@ -351,8 +462,10 @@ class GraphStager:
         if total == 0:
             return self._not("empty", "the step reads no page")
         size = max(MIN_PAGES, 1 << (total - 1).bit_length())
-        key = (size, table.data_ptr(), table.stride(0), table.dtype, self._layers_key(layers))
-        program = self._program(key, table, layers, size)
+        # Programs serve batches of up to a power of two of rows (their metadata copies are that long).
+        reqs = max(MIN_ROWS, 1 << (max(n, hint.rows) - 1).bit_length())
+        key = (size, table.data_ptr(), table.stride(0), table.dtype, reqs, self._layers_key(layers))
+        program = self._program(key, hint, layers, size, reqs)
         if program is None:
             return None
         starts = np.cumsum(counts) - counts
@@ -366,7 +479,8 @@ class GraphStager:
             self.recordings += 1
             self.recording_ms += program.recorded_ms
         self.staged += 1
-        return StagedStep(program, rows, total, counts, starts, page_size, ready)
+        return StagedStep(program, rows, total, counts, starts, page_size, ready, program.runs, n, width,
+                          program.reads_metadata_of(hint))
 
     def _layers_key(self, layers: list[tuple]) -> tuple:
         """The layers' names, caches and the buffers the graph copies their query and output into, as a program's
@@ -382,22 +496,23 @@ class GraphStager:
             self._keys.pop(next(iter(self._keys)))
         return key
 
-    def _program(self, key: tuple, table: Any, layers: list[tuple], size: int) -> _Program | None:
+    def _program(self, key: tuple, hint: StageHint, layers: list[tuple], size: int, reqs: int) -> _Program | None:
         programs = self._programs.pop(key, [])
         self._programs[key] = programs  # the most recently used size last
         for program in programs:
-            if not program.held:
+            if program.reusable():
                 return program
         if len(programs) >= PROGRAMS_PER_SIZE:
-            return self._not("held", "the graph capture thread still holds the staged buffers of earlier "
-                                     "wanted steps")
+            return self._not("held", "the staged buffers of earlier wanted steps are still held by their readers "
+                                     "(the graph capture thread, the sentinel) or in use on the device")
         need = sum(cache.element_size() * (cache.numel() // max(1, cache.shape[page_dim])) * size
                    + query.numel() * query.element_size() * 2 for _, cache, page_dim, query, _ in layers)
+        need += reqs * hint.block_table.stride(0) * hint.block_table.element_size()  # the metadata's copy
         if self.nbytes + need > self.max_bytes:
             return self._not("budget", f"staging it needs {need / 2**20:,.0f} MiB of device memory, over the "
                                        f"{self.max_bytes / 2**20:,.0f} MiB kvdbg keeps for staging "
                                        f"({self.nbytes / 2**20:,.0f} MiB in use)")
-        program = _Program(table.device, table, layers, size)
+        program = _Program(hint.block_table.device, hint, layers, size, reqs)
         programs.append(program)
         self.nbytes += program.nbytes
         self._let_go()

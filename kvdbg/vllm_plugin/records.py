@@ -82,6 +82,10 @@ class _EngineContext:
     refused: str | None = None  # why this batch's mask cannot be stored (a feature of the step, not the layer)
     host: _HostMetadata | None = None
     stage: Any = None  # graph_staging.StageHint: what staging a replayed graph's step needs from this build
+    # A build that a full CUDA graph will likely replay: nothing copied yet, the tensors above are the runner's
+    # (see BuilderHooks.after_build). Whoever reads the step first resolves it: the staging program copies the
+    # metadata as the graph read it; an eager forward or cache update copies it then (BuilderHooks.resolve).
+    deferred: "_Deferred | None" = None
 
     @property
     def builder(self) -> str:
@@ -90,6 +94,18 @@ class _EngineContext:
     @property
     def max_model_len(self) -> int | None:
         return self.facts.max_model_len
+
+
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    """What a deferred build's copies need: the builder, the runner's buffers as the build was given them (block
+    table, lengths, query offsets, padding rows included), its slot mapping (copied whole for the cache update's
+    hook, as at any build) and its real requests (the rows copied)."""
+
+    builder: Any
+    rows: tuple
+    slot_mapping: Any
+    num_reqs: int
 
 
 @dataclass(frozen=True)

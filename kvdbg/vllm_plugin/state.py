@@ -81,6 +81,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         # size the engine declares.
         self.graphs_watched = False
         self._graph_layers: dict[Any, list[Any]] = {}
+        self._graph_shapes: set[tuple] = set()  # (tokens, rows or None) of every full graph recorded
         self._graph_buffers: dict[str, Any] = {}
         self._graph_builds: dict[str, tuple[int, _EngineContext]] = {}
         self._recording: Any = None

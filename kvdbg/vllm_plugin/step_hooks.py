@@ -105,6 +105,8 @@ class StepHooks:
 
         if isinstance(ctx, str):  # the step's metadata is unknown: the step is lost, not the layer
             raise CaptureInputError(ctx)
+        if ctx.deferred is not None:  # a step guessed to be a graph's runs eagerly: its build's copies now
+            self.resolve(ctx)
         name = layer.layer_name
         kv_layout = self.engine_layout(impl, layer, self._info(impl), kv_cache)
         if kv_layout is None:
