@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import statistics
 
 import pytest
 import torch
@@ -170,6 +171,67 @@ def test_over_a_line_is_said(capsys):
     assert "wanted step, engine's thread: +10 us" in out and "line <= 50 us: met" in out
     assert "wanted step, device: 4.00 ms against 2.00 ms for its bytes at 50.0 GB/s: 2.0000x" in out
     assert "stand-ins, armed      8 layers" in out
+
+
+def test_armed_and_sentinel_are_judged_on_rounds_paired_in_their_own_process(capsys):
+    """Two processes of the same engine differ by more than the 1-2 % lines (baseline_drift): a line is judged on
+    the ratio of each round with kvdbg to its paired round with kvdbg's patches off, in the same process, times
+    the most kvdbg's recorded graph copies can add (the graph's device time over the kvdbg-absent engine's)."""
+    records = _records(armed_ms=5.6, sentinel_ms=5.6)  # 11 % over the other process: its drift, not kvdbg
+    records["baseline"]["phases"]["rounds"] = [_round(5.0, graph_ms=2.0) for _ in range(4)]
+    records["baseline2"]["phases"]["rounds"] = [_round(5.0, graph_ms=2.0) for _ in range(4)]
+    records["capture"]["phases"]["armed"] = [_round(5.6 + 0.01 * i, graph_ms=2.02) for i in range(4)]
+    records["capture"]["phases"]["bypassed"] = [_round(5.56 + 0.01 * i, graph_ms=2.02, hooks_us=0) for i in range(4)]
+    records["sentinel"]["phases"]["rounds"] = [_round(5.7, graph_ms=2.02) for _ in range(4)]
+    records["sentinel"]["phases"]["bypassed"] = [_round(5.5, graph_ms=2.02, hooks_us=0) for _ in range(4)]
+    figs = gc.figures(records)
+    armed, sentinel = figs["armed"], figs["sentinel"]
+    assert armed["ratio"] == pytest.approx(5.615 / 5.0)  # across processes: far over the line
+    host = statistics.median((5.6 + 0.01 * i) / (5.56 + 0.01 * i) for i in range(4))
+    assert armed["paired"]["host"]["median"] == pytest.approx(host) and armed["paired"]["pairs"] == 4
+    assert armed["paired"]["device"] == pytest.approx(1 + 0.02 / 5.0)  # 20 us of copies against a 5 ms step
+    assert armed["paired"]["ratio"] == pytest.approx(host * 1.004)
+    assert armed["judged_on"] == "paired" and armed["met"]  # 1.0111x
+    assert sentinel["judged_on"] == "paired" and not sentinel["met"]  # 5.7 / 5.5: kvdbg's own cost, 3.6 %
+    gc.print_figures(figs, records)
+    out = capsys.readouterr().out
+    assert "armed     paired in its process (4 pairs of rounds, kvdbg's patches on and off): 1.0072x" in out
+    assert "x 1.0040 (kvdbg's graph copies, at most) = 1.0112x; judged on the paired figure" in out
+    # Without paired rounds (--no-paired, or an older record): judged across processes, as before.
+    del records["capture"]["phases"]["bypassed"]
+    figs = gc.figures(records)
+    assert figs["armed"]["judged_on"] == "processes" and not figs["armed"]["met"]
+    assert figs["armed"]["paired"] == {}
+
+
+def test_the_bypass_swaps_kvdbgs_patches_for_vllms_originals_and_back(standins, tmp_path, monkeypatch):
+    """A round with kvdbg's patches off runs vLLM's own methods (no kvdbg hook, no count); on again, kvdbg's."""
+    from kvdbg.vllm_plugin import vllm_facts  # noqa: F401  (the stand-ins' vLLM is loaded)
+
+    timing, engine = _armed_graph_engine(standins, tmp_path, monkeypatch)
+    try:
+        state = vllm_plugin._state
+        builder_cls = type(engine.builder)
+        wrapped = builder_cls.__dict__["build"]
+        bypass = gc.Bypass(state)
+        assert bypass.items and all(attr not in gc.Bypass.KEPT for _, attr, *_ in bypass.items)
+        bypass.off()
+        assert builder_cls.build is wrapped._kvdbg_original
+        counts = dict(state._forward_counts)
+        timing.current = record = gc._new_step()
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch)
+        assert record["hooks"].get("after_build", 0) == 0  # the build ran without kvdbg's hook
+        bypass.on()
+        assert builder_cls.__dict__["build"] is wrapped
+        record = timing.current = gc._new_step()
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch)
+        assert record["hooks"]["after_build"] > 0
+        assert all(state._forward_counts[n] >= counts.get(n, 0) + 1 for n in engine.names)
+        timing.current = None
+    finally:
+        timing.restore()
 
 
 def test_each_engine_gets_variables_kvdbg_reads_as_meant(tmp_path):
