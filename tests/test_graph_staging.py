@@ -135,3 +135,33 @@ def test_a_program_s_positions_are_rewritten_only_once_its_last_run_is_done():
         ids, _ = staged.unique_ids()
         expected = {int(p) for r, n in enumerate([150, 40, 90]) for p in table[r, :-(-150 // 16)]}
         assert set(ids.tolist()) == expected
+
+
+def test_graphs_of_other_batch_sizes_share_a_program_that_copies_every_graphs_rows():
+    """A program copies the metadata of up to ``meta_rows`` rows (the largest graph's batch), so steps of graphs of
+    other sizes share it rather than each making (and recording) programs of their own."""
+    cache = torch.randn(40, 2, 16, 2, 8)
+    table, seq_lens, offsets = _runner()
+    layers = [_layer("l0", cache, torch.randn(16, 4, 8), None)]
+    stager = GraphStager()
+    small = stager.stage(layers, _hint(table, seq_lens, offsets, rows=4), 16, 12, meta_rows=8)
+    large = stager.stage(layers, _hint(table, seq_lens, offsets, rows=8), 16, 12, meta_rows=8)
+    assert large.program is small.program and small.with_metadata and large.with_metadata
+    assert small.program.metadata[1].numel() == 8  # the lengths of every graph's rows
+
+
+def test_whether_a_program_is_likely_free_for_the_next_step():
+    """A build leaves its metadata to the program only when the size staged last has a program free or room for
+    one more: with both held by readers, it copies as ever."""
+    cache = torch.randn(40, 2, 16, 2, 8)
+    table, seq_lens, offsets = _runner()
+    layers = [_layer("l0", cache, torch.randn(16, 4, 8), None)]
+    stager = GraphStager()
+    assert stager.likely_free()
+    first = stager.stage(layers, _hint(table, seq_lens, offsets), 16, 12).hold()
+    assert stager.likely_free()  # room for a second program
+    second = stager.stage(layers, _hint(table, seq_lens, offsets), 16, 12).hold()
+    assert not stager.likely_free()
+    first.release()
+    assert stager.likely_free()
+    second.release()

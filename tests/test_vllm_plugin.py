@@ -1492,6 +1492,42 @@ def test_a_build_guessed_to_be_a_graphs_that_runs_eagerly_is_copied_at_its_first
         assert "before do_kv_cache_update" in snap.meta.capture["new_kv"]  # taken at the cache update
 
 
+def test_a_build_of_one_cache_group_among_several_copies_as_ever(standins, tmp_path, monkeypatch):
+    """Staging serves a step only when one build holds every layer the graphs copy for kvdbg; a model of several
+    cache groups builds once a group, so its builds make their copies as any build does (not left to a program
+    that will not run)."""
+    from types import SimpleNamespace
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0")
+    assert state._covers_graph_layers(engine.builder)
+    assert not state._covers_graph_layers(SimpleNamespace(layer_names=engine.names[:1]))
+    assert not state._covers_graph_layers(SimpleNamespace(layer_names=None))
+    common = _padded(engine.common(), reqs=4, tokens=16)
+    assert state._graph_step(engine.builder, common, None, False)
+    assert not state._graph_step(SimpleNamespace(layer_names=engine.names[:1]), common, None, False)
+    assert not state._graph_step(engine.builder, _padded(engine.common(), reqs=4, tokens=12), None, False)
+
+
+def test_a_deferred_build_whose_copy_fails_stays_deferred(standins, tmp_path, monkeypatch):
+    """resolve marks a context resolved only once its copies are made: one that raised still says its tensors are
+    the runner's, never passing them off as the step's own copies."""
+    from kvdbg.vllm_plugin import builder_hooks
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0")
+    common = _padded(engine.common(), reqs=4, tokens=16)
+    engine.builder.build(0, common)
+    ctx = state._graph_builds[engine.names[0]][1]
+    assert ctx.deferred is not None
+
+    def broken(t, n):
+        raise RuntimeError("no copy")
+
+    monkeypatch.setattr(builder_hooks, "_rows", broken)
+    with pytest.raises(RuntimeError):
+        state.resolve(ctx)
+    assert ctx.deferred is not None and ctx.host is None
+
+
 def test_a_step_longer_than_its_hosts_bound_is_refused_not_half_captured(standins, tmp_path, monkeypatch, caplog):
     """The host bounds each request's pages when the builder builds (vLLM's seq_lens_cpu_upper_bound): a request
     longer than its bound has pages that were never staged, and its step is refused in words, not stored short."""

@@ -57,22 +57,25 @@ class BuilderHooks:
             # Only a backend that writes the new K/V inside forward needs them (the others' are saved before
             # do_kv_cache_update).
             tokens = None if slot_mapping is None or not self._update_in_forward else int(common.num_actual_tokens)
-            if self._graph_step(common, tokens, causal):
+            buffers = (common.block_table_tensor, common.seq_lens, common.query_start_loc)
+            hint = None
+            if self._graph_layers:  # a full CUDA graph may run this step: what staging it needs
+                from kvdbg.vllm_plugin.graph_staging import stage_hint
+
+                hint = stage_hint(common, buffers, num_reqs)
+            if hint is not None and self._graph_step(builder, common, tokens, causal):
                 # Nothing copied, nothing sliced (a slice is a torch call): the staging program copies the
                 # metadata after the graph's replay, as the graph read it, and the capture thread takes the real
                 # requests' rows; should the step run eagerly after all, its first hook copies them.
-                rows = (common.block_table_tensor, common.seq_lens, common.query_start_loc)
-                ctx = _EngineContext(id(metadata), *rows, None, causal, facts, _step_refusal(common),
-                                     deferred=_Deferred(builder, rows, slot_mapping, num_reqs))
+                ctx = _EngineContext(id(metadata), *buffers, None, causal, facts, _step_refusal(common),
+                                     deferred=_Deferred(builder, buffers, slot_mapping, num_reqs))
             else:
                 rows = (_rows(common.block_table_tensor, num_reqs), _rows(common.seq_lens, num_reqs),
                         _rows(common.query_start_loc, num_reqs + 1))
                 ctx = self._copied(builder, metadata, rows, slot_mapping, tokens, causal, facts, common)
             self._stash(metadata, ctx)
-            if self._graph_layers:  # a full CUDA graph may run this step: its replay finds the context by layer
-                from kvdbg.vllm_plugin.graph_staging import stage_hint
-
-                ctx.stage = stage_hint(common, rows, num_reqs)
+            if self._graph_layers:  # its replay finds the context by layer
+                ctx.stage = hint
                 counts, builds = self._forward_counts, self._graph_builds
                 for name in getattr(builder, "layer_names", None) or ():  # capture's and the sentinel's layers
                     builds[name] = (counts.get(name, 0), ctx)
@@ -97,33 +100,55 @@ class BuilderHooks:
             causal = causal.clone() if hasattr(causal, "clone") else causal
         return _EngineContext(id(metadata), bt, sl, qsl, slots, causal, facts, _step_refusal(common), host)
 
-    def _graph_step(self, common: Any, tokens: int | None, causal: Any) -> bool:
+    def _graph_step(self, builder: Any, common: Any, tokens: int | None, causal: Any) -> bool:
         """Whether a build's copies wait until its step is read (:class:`_Deferred`): a full CUDA graph recorded
-        for the build's padded tokens and rows will likely replay it (vLLM pads only a full graph's batch), and
-        nothing else needs its copies now (the sentinel's device clones, a slot mapping for an update inside
-        forward, a tensor ``causal``). A step guessed wrongly is still right: its first eager hook copies."""
+        for the build's padded tokens and rows will likely replay it (vLLM pads only a full graph's batch), the
+        staging program will likely copy its metadata (this builder's layers are every layer the graphs copy for
+        kvdbg, and a program is likely free), and nothing else needs its copies now (the sentinel's device
+        clones, a slot mapping for an update inside forward, a tensor ``causal``). A step guessed wrongly is
+        still right: an eager step's first hook copies, and for a replayed step that staging did not serve the
+        engine's thread copies right after the replay (its capture then waits for the graph's work)."""
         shapes = self._graph_shapes
         if not shapes or self.sentinel is not None or tokens is not None or hasattr(causal, "clone"):
             return False
         size = int(common.num_actual_tokens)
-        return (size, int(common.num_reqs)) in shapes or (size, None) in shapes
+        if (size, int(common.num_reqs)) not in shapes and (size, None) not in shapes:
+            return False
+        if not self._covers_graph_layers(builder):
+            return False
+        return self._stager is None or self._stager.likely_free()
 
-    def resolve(self, ctx: _EngineContext) -> None:
+    def _covers_graph_layers(self, builder: Any) -> bool:
+        """Whether the builder's layers are all those the recorded full graphs copy for kvdbg: staging serves a
+        step only when one build holds every layer of it (a model of several cache groups has several builds);
+        worked out once per builder and set of recorded graphs."""
+        known = self._covers.get(id(builder))
+        recorded = len(self._graph_layers)
+        if known is not None and known[0] == recorded:
+            return known[1]
+        names = set(getattr(builder, "layer_names", None) or ())
+        covers = bool(names) and all(slot.name in names for slots in self._graph_layers.values() for slot in slots)
+        self._covers[id(builder)] = (recorded, covers)
+        return covers
+
+    def resolve(self, ctx: _EngineContext, slots: bool = True) -> None:
         """A deferred build's copies, now (engine's thread, before anything of its step is read on the host, and
-        before the runner's next step rewrites its buffers): what the build would have copied."""
+        before the runner's next step rewrites its buffers): what the build would have copied. ``slots=False``:
+        not the slot mapping (after a graph's replay, no cache update of the step is left to read it)."""
         deferred = ctx.deferred
         if deferred is None:
             return
-        ctx.deferred = None
         n = deferred.num_reqs
         table, seq_lens, offsets = deferred.rows
         rows = (_rows(table, n), _rows(seq_lens, n), _rows(offsets, n + 1))
         if rows[0].is_cuda:
-            host = self._copy_to_host(deferred.builder, rows, deferred.slot_mapping, None, ctx.causal, ctx)
+            host = self._copy_to_host(deferred.builder, rows, deferred.slot_mapping if slots else None, None,
+                                      ctx.causal, ctx)
             ctx.block_table, ctx.seq_lens, ctx.query_start_loc, ctx.host = (host.block_table, host.seq_lens,
                                                                             host.query_start_loc, host)
         else:
             ctx.block_table, ctx.seq_lens, ctx.query_start_loc = (t.clone() for t in rows)
+        ctx.deferred = None  # last: a copy that raised leaves the context deferred, never half resolved
 
     def _copy_to_host(self, builder: Any, rows: tuple, slot_mapping: Any, tokens: int | None,
                       causal: Any, deferred: _EngineContext | None = None) -> _HostMetadata:

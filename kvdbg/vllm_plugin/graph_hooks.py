@@ -184,7 +184,9 @@ class GraphHooks:
         """A full graph for ``batch`` (vLLM's batch descriptor) is about to be recorded: its selected layers are
         learnt anew."""
         self._graph_layers[batch] = []
-        self._graph_shapes.add((int(batch.num_tokens), getattr(batch, "num_reqs", None)))
+        shape = (int(batch.num_tokens), getattr(batch, "num_reqs", None))
+        self._graph_shapes.add(shape)
+        self._graph_rows = max(self._graph_rows, shape[1] or shape[0])
         self._stage_layouts.clear()  # a recording may give a layer larger copy buffers: worked out again
         self._recording = batch
 
@@ -284,7 +286,7 @@ class GraphHooks:
                 # The build's copies, now, on the engine's stream right after the replay: later work of this very
                 # step (a drafter's) may rewrite the runner's buffers before the capture thread would read them.
                 for _, _, ctx in wanted:
-                    self.resolve(ctx)
+                    self.resolve(ctx, slots=False)
             if staged is not None:
                 job.staged = staged.hold()
                 self.capturer.engine_time.staged += 1
@@ -328,7 +330,7 @@ class GraphHooks:
         _, layers, page_size = known
         if layers is None:
             return None
-        staged = stager.stage(layers, hint, page_size, int(slots[0].query.shape[0]))
+        staged = stager.stage(layers, hint, page_size, int(slots[0].query.shape[0]), self._graph_rows)
         account = self.capturer.engine_time
         account.staging_graphs, account.staging_ms = stager.recordings, stager.recording_ms
         return staged
@@ -434,16 +436,16 @@ class GraphHooks:
                 for slot, step, ctx in job.items:
                     if job.abandoned:
                         break
-                    if ctx.deferred is not None:
-                        known = read.get(id(ctx))
-                        if known is None:
-                            known = read[id(ctx)] = self._graph_metadata(ctx, staged)
-                        ctx = known
                     query, output, pages = slot.query, slot.output, None
                     if staged is not None:  # the step's copies on the device, which no later step overwrites
                         copies = staged.layers[slot.name]
                         query, output, pages = copies.query, copies.output, staged.pages_for(slot.name, True)
                     try:
+                        if ctx.deferred is not None:  # the metadata as the program staged it, read once a step
+                            known = read.get(id(ctx))
+                            if known is None:
+                                known = read[id(ctx)] = self._graph_metadata(ctx, staged)
+                            ctx = known
                         pending = self.start_capture(slot.impl, slot.layer, step, query, None, None,
                                                      slot.kv_cache, ctx, None, output.dtype
                                                      if output is not None else slot.layer.dtype,

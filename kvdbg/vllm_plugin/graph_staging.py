@@ -17,9 +17,10 @@ Staging orders the reads on the device instead, with no host wait and a constant
   the step's metadata as the graph read it (the runner's block table, lengths and query offsets, which a
   full graph reads at one place every step), so the build copies none of it to the host (``builder_hooks``).
   On a GPU the program is a small CUDA graph of kvdbg's, recorded once per size (the first use of a size
-  runs it eagerly, then records it), so a step costs the engine's thread three torch calls whatever the
+  runs it eagerly, then records it), so a step costs the engine's thread three torch ops whatever the
   number of layers: the positions' copy (from a page-locked buffer of the program's own), the graph's
-  launch and an event (the program's own);
+  launch and an event (the program's own), and a wait on the device for each reader that let the program
+  go since its last run;
 - the graph capture thread then takes its time: it reads the metadata and the page ids back, keeps the
   pages the step's exact lengths read and copies them to the host from the staged buffers, never from the
   engine's.
@@ -57,8 +58,6 @@ MIN_PAGES = 64
 PROGRAMS_PER_SIZE = 2
 # Programs kept in all: past this, those of the sizes least recently used are let go (when not held).
 MAX_PROGRAMS = 8
-# Programs copy the metadata of batches of up to a power of two of rows, at least this one.
-MIN_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -80,8 +79,9 @@ class StageHint:
 
 
 def stage_hint(common: Any, rows: tuple, num_reqs: int) -> StageHint | None:
-    """The hint for a build's ``common`` metadata and its ``rows`` (the block table, lengths and query offsets of
-    the real requests, views of the runner's buffers); None when it says too little to bound the step's pages."""
+    """The hint for a build's ``common`` metadata and its ``rows`` (the block table, lengths and query offsets as
+    the build was given them, views of the runner's buffers from their first row; padding rows may follow the
+    real requests); None when it says too little to bound the step's pages."""
     max_seq_len = getattr(common, "max_seq_len", None)
     bound = getattr(common, "seq_lens_cpu_upper_bound", None)
     if bound is not None and (getattr(bound, "is_cuda", False) or len(bound) < num_reqs):
@@ -342,7 +342,8 @@ class _Program:
     def run(self, flat: np.ndarray) -> Any:
         """Stage a step whose block-table positions are ``flat`` (engine's thread, engine's stream; only when
         :meth:`reusable`); returns the event after the work (None on a CPU). A step costs the engine's thread
-        three torch calls: the positions' copy, the graph's launch, the event."""
+        three torch ops: the positions' copy, the graph's launch, the event (and a device wait per reader that
+        released the program since)."""
         values = self.host_values
         values[: flat.size] = flat
         values[flat.size:] = 0  # the first entry of the table: a real page of the first request, read again
@@ -441,11 +442,13 @@ class GraphStager:
         self._said: set[str] = set()
         self._keys: dict[int, tuple] = {}
 
-    def stage(self, layers: list[tuple], hint: StageHint, page_size: int, rows: int) -> StagedStep | None:
+    def stage(self, layers: list[tuple], hint: StageHint, page_size: int, rows: int,
+              meta_rows: int = 0) -> StagedStep | None:
         """Stage one step (engine's thread, right after the graph's replay). ``layers``: per selected layer,
         (name, cache, page_dim, query buffer, output buffer or None), the buffers the graph copied into;
-        ``rows``: the graph's tokens. None (said once, counted) when it cannot: the caller then captures the
-        way it did before staging."""
+        ``rows``: the graph's tokens; ``meta_rows``: the most rows of any graph's batch, the rows of the
+        runner's buffers a program copies as the step's metadata (one program serves every graph). None (said
+        once, counted) when it cannot: the caller then captures the way it did before staging."""
         bound = hint.seq_lens_bound
         n = hint.num_reqs
         table = hint.block_table
@@ -462,8 +465,9 @@ class GraphStager:
         if total == 0:
             return self._not("empty", "the step reads no page")
         size = max(MIN_PAGES, 1 << (total - 1).bit_length())
-        # Programs serve batches of up to a power of two of rows (their metadata copies are that long).
-        reqs = max(MIN_ROWS, 1 << (max(n, hint.rows) - 1).bit_length())
+        # A program copies the metadata of batches of up to ``reqs`` rows: every graph's, known once they are
+        # recorded, so that graphs of other sizes share programs (else this batch's rows).
+        reqs = max(meta_rows, hint.rows, n)
         key = (size, table.data_ptr(), table.stride(0), table.dtype, reqs, self._layers_key(layers))
         program = self._program(key, hint, layers, size, reqs)
         if program is None:
@@ -517,6 +521,14 @@ class GraphStager:
         self.nbytes += program.nbytes
         self._let_go()
         return program
+
+    def likely_free(self) -> bool:
+        """Whether a step of the size staged last would find a program free (or room for one more): a build asks
+        it before leaving its copies to the program (``builder_hooks``); a guess, not a reservation."""
+        if not self._programs:
+            return self.nbytes < self.max_bytes
+        programs = next(reversed(self._programs.values()))
+        return len(programs) < PROGRAMS_PER_SIZE or any(program.reusable() for program in programs)
 
     def _let_go(self) -> None:
         """Past MAX_PROGRAMS, let the least recently used programs go (a held one is kept until released)."""

@@ -69,7 +69,9 @@ class _EngineContext:
 
     Made on every build of a captured step, so its constant part is the builder's :class:`_BuilderFacts`.
     On a device, ``host`` holds host copies for capture; the tensors here are device clones when the
-    sentinel may check the step (its checks run on the device), else the host copies again.
+    sentinel may check the step (its checks run on the device), else the host copies again. A ``deferred``
+    context (a build a full graph will likely replay) holds the runner's own buffers, padding rows included,
+    until :meth:`BuilderHooks.resolve` copies them or the staging program does.
     """
 
     owner_id: int
