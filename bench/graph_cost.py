@@ -29,7 +29,8 @@ That difference (0.95-1.12x in earlier runs) is larger than the armed and sentin
 judged within one process: the capture and sentinel engines run their rounds in pairs, one with kvdbg and one
 with kvdbg's patches of vLLM swapped back for vLLM's originals (``Bypass``; the pairs alternate their order),
 and the figure is the median over pairs of the ratio of the two (kvdbg's Python on the engine's thread, its
-threads, its device work outside the graph), times ``1 + (graph - graph_absent) / step_absent``: the most the
+threads, its device work outside the graph; the capture thread and the sentinel's checks are let finish
+between rounds, untimed, so none spills into the next round), times ``1 + (graph - graph_absent) / step_absent``: the most the
 copies kvdbg recorded into the graph (present in both rounds of a pair) can add to a step, from the graph's
 device time against the kvdbg-absent engine's (``paired_figure``). The ratio across processes is printed
 beside it. ``--no-paired`` leaves the pairs out (and the lines are then judged across processes).
@@ -778,6 +779,7 @@ class Bypass:
     KEPT = ("shutdown", "__init__")
 
     def __init__(self, state):
+        self.state = state
         self.items = [(cls, attr, had_own, original, cls.__dict__[attr])
                       for cls, attr, had_own, original in state._patches if attr not in self.KEPT]
 
@@ -806,9 +808,22 @@ def run_paired_rounds(llm, timing: Timing, count: int, first_index: int, args, b
                 [steps] = run_rounds(llm, timing, 1, index, args)
             finally:
                 bypass.on()
+            settle(bypass.state)
             index += 1
             (on if kvdbg else off).append(steps)
     return on, off
+
+
+def settle(state, timeout: float = 30.0) -> None:
+    """kvdbg's background work of a round done before the next one starts (untimed): the graph capture thread's
+    steps and the sentinel's checks still out, so that a round with kvdbg's patches off never pays for them."""
+    state.drain_graph_capture(timeout)
+    hooks = state.sentinel
+    if hooks is not None:
+        for name in list(hooks._waiting):
+            hooks._collect(state, name, timeout)
+        if hooks._staged:
+            hooks.poll_staged(state, wait=timeout)
 
 
 def save(record: dict) -> None:

@@ -205,7 +205,8 @@ def test_armed_and_sentinel_are_judged_on_rounds_paired_in_their_own_process(cap
 
 
 def test_the_bypass_swaps_kvdbgs_patches_for_vllms_originals_and_back(standins, tmp_path, monkeypatch):
-    """A round with kvdbg's patches off runs vLLM's own methods (no kvdbg hook, no count); on again, kvdbg's."""
+    """A round with kvdbg's patches off runs vLLM's own methods (no kvdbg hook, no count); on again, kvdbg's; and
+    between rounds the bench lets kvdbg's background work finish (a wanted step's capture), untimed."""
     from kvdbg.vllm_plugin import vllm_facts  # noqa: F401  (the stand-ins' vLLM is loaded)
 
     timing, engine = _armed_graph_engine(standins, tmp_path, monkeypatch)
@@ -230,6 +231,22 @@ def test_the_bypass_swaps_kvdbgs_patches_for_vllms_originals_and_back(standins, 
         assert record["hooks"]["after_build"] > 0
         assert all(state._forward_counts[n] >= counts.get(n, 0) + 1 for n in engine.names)
         timing.current = None
+        # settle: a wanted step's capture, slow on the capture thread, is done before settle returns.
+        import time as clock
+
+        from kvdbg.util.ranges import IntRanges
+
+        jobs, slow = [], state.start_capture
+        monkeypatch.setattr(state, "start_capture", lambda *a, **k: (clock.sleep(0.2), slow(*a, **k))[1])
+        hand_over = state._hand_over
+        monkeypatch.setattr(state, "_hand_over", lambda job: (jobs.append(job), hand_over(job))[1])
+        vllm_plugin.active_capturer().reconfigure(steps=IntRanges.of(state._forward_counts[engine.names[0]],
+                                                                     "steps"))
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch)
+        assert len(jobs) == 1 and not jobs[0].finished.is_set()
+        gc.settle(state)
+        assert jobs[0].finished.is_set()
     finally:
         timing.restore()
 

@@ -2,11 +2,13 @@
 device clones for the sentinel) for the forwards of its layers, and decide there whether a step is wanted.
 
 A wanted build that a full CUDA graph will likely replay (its padded tokens and rows are a recorded full
-graph's: vLLM pads only such a batch) copies nothing: its context keeps the runner's buffers
-(:class:`~kvdbg.vllm_plugin.records._Deferred`), and the staging program copies them after the replay, as
-the graph read them (``graph_staging``), off the engine's thread. Should the step run eagerly after all,
-its first hook (the cache update's, else the forward's) makes the build's copies then, before anything of
-the step is read and before the runner's next step rewrites its buffers."""
+graph's: vLLM pads only such a batch), and whose metadata staging will likely copy, copies nothing: its
+context keeps the runner's buffers (:class:`~kvdbg.vllm_plugin.records._Deferred`); the staging program,
+launched by the engine's thread right after the replay, copies them on the device as the graph read them
+(``graph_staging``), and the graph capture thread reads them back. Should the step run eagerly after all,
+its first hook (the cache update's, else the forward's) makes the build's copies then; should staging not
+serve it, the engine's thread makes them right after the replay: either way before anything of the step is
+read and before the runner's next step rewrites its buffers."""
 
 from __future__ import annotations
 
