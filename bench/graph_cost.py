@@ -25,15 +25,18 @@ kvdbg, each of the plugin's hooks a graph step runs (``after_build``, ``graph_ca
 two last left out); a figure is the median over rounds, against the median of the kvdbg-absent rounds. A
 second kvdbg-absent engine at the end (``baseline2``) says how much two processes of the same engine differ.
 
-That difference (0.95-1.12x in earlier runs) is larger than the armed and sentinel lines, so those two are
-judged within one process: the capture and sentinel engines run their rounds in pairs, one with kvdbg and one
-with kvdbg's patches of vLLM swapped back for vLLM's originals (``Bypass``; the pairs alternate their order),
-and the figure is the median over pairs of the ratio of the two (kvdbg's Python on the engine's thread, its
-threads, its device work outside the graph; the capture thread and the sentinel's checks are let finish
-between rounds, untimed, so none spills into the next round), times ``1 + (graph - graph_absent) / step_absent``: the most the
-copies kvdbg recorded into the graph (present in both rounds of a pair) can add to a step, from the graph's
-device time against the kvdbg-absent engine's (``paired_figure``). The ratio across processes is printed
-beside it. ``--no-paired`` leaves the pairs out (and the lines are then judged across processes).
+That difference (0.95-1.41x in earlier runs) is larger than the armed and sentinel lines, so those two are
+judged within one process, and within each round: the capture and sentinel engines switch kvdbg's patches of
+vLLM off (vLLM's originals back, ``Bypass``) and on again between steps, by blocks of ``--block`` steps in the
+order on, off, off, on (``Interleave``), so that the host's drift (the same engine's step time moved by 1.2-1.5x
+from one round to the next on the H200) falls on both alike. A round's figure is the mean of its decode steps
+with kvdbg against the mean of those without (the first step of each block left out: the batch queue still
+holds a step of the other kind), and the figure is the median over rounds of that ratio (kvdbg's Python on the
+engine's thread, its threads, its device work outside the graph; the capture thread and the sentinel's checks
+are let finish between rounds, untimed), times ``1 + (graph - graph_absent) / step_absent``: the most the copies
+kvdbg recorded into the graph (present with the patches off too) can add to a step, from the graph's device
+time against the kvdbg-absent engine's (``paired_figure``). The ratio across processes is printed beside it.
+``--no-paired`` leaves the switching out (and the lines are then judged across processes).
 
 The wanted step, in the capture engine after its armed rounds: one round to warm up (pinned buffers are
 allocated for the first capture), then rounds with one wanted decode step each (the filter set to that step
@@ -91,7 +94,7 @@ SENTINEL_RATE = "0.01"
 UNREACHED_STEP = 10**15
 KVDBG_HOOKS = ("after_build", "graph_call", "before_graph_replay", "after_graph_replay")
 # The engine's thread's parts of a wanted step that --thread-times also times in thread CPU time and switches.
-ENGINE_PARTS = ("metadata_copy", "stage")
+ENGINE_PARTS = ("metadata_copy", "stage", "program_run")
 # vLLM's IR ops on its native torch implementations (its compiled kernels are not carried): as the engine stage.
 NATIVE_IR_OPS = {"rms_norm": ["native"], "fused_add_rms_norm": ["native"], "gelu_and_mul_sparse": ["native"]}
 # Steps after a wanted one whose wall time beyond the round's median is reported with it.
@@ -205,6 +208,9 @@ class Timing:
         self.handing: tuple[dict | None, object] | None = None
         self.handed_job = None  # the job the latest after_graph_replay handed to the capture thread
         self._replaced: list[tuple[object, str, object]] = []
+        # Called with a step's index in its round before the step, untimed: (kvdbg's patches on, the step is the
+        # first of its block); ``Interleave``. None: the patches stay as they are.
+        self.switch = None
 
     def _replace(self, owner, name: str, wrapper) -> None:
         # A class's own attribute (None: inherited, deleted again at restore); a module's attribute as it is.
@@ -229,6 +235,8 @@ class Timing:
             if not timing.recording:
                 return original(*args, **kwargs)
             record = timing.current = _new_step()
+            if timing.switch is not None:  # kvdbg's patches set for this step, before its clock starts
+                record["kvdbg"], record["block_first"] = timing.switch(len(timing.steps))
             start = time.perf_counter_ns()
             try:
                 return original(*args, **kwargs)
@@ -415,6 +423,11 @@ class Timing:
         self._replace(capture_buffers, "copies_to_host",
                       _timed(timing, "metadata_copy", capture_buffers.copies_to_host, "inner"))
         self._replace(GraphStager, "stage", _timed(timing, "stage", GraphStager.stage, "inner"))
+        # Within the stage: the program's run (the positions' copy, the graph's launch, its event); the rest of the
+        # stage is its Python and numpy.
+        from kvdbg.vllm_plugin.graph_staging import _Program
+
+        self._replace(_Program, "run", _timed(timing, "program_run", _Program.run, "inner"))
         # The capture thread's read of a staged step's metadata (the build copies none when a graph replays it).
         self._replace(StagedStep, "metadata", _timed(timing, "metadata_read", StagedStep.metadata, "inner"))
         self._replace(Capturer, "begin", _timed(timing, "begin", Capturer.begin, "inner"))
@@ -551,9 +564,10 @@ def hooks_ns(step: dict) -> int:
     return sum(step.get("hooks", {}).values())
 
 
-def summarize_round(steps: list[dict]) -> dict:
-    """One round: its decode steps' wall time (mean and median), graph device time, kvdbg's hooks per step."""
-    window = decode_window(steps)
+def summarize_round(steps: list[dict], window: list[dict] | None = None) -> dict:
+    """One round: its decode steps' wall time (mean and median), graph device time, kvdbg's hooks per step;
+    ``window``: the decode steps to take (default ``decode_window(steps)``)."""
+    window = decode_window(steps) if window is None else window
     if not window:
         return {"steps": len(steps), "decode_steps": 0}
     walls = [s["wall_ns"] / 1e6 for s in window]
@@ -624,17 +638,19 @@ def ratio_of_rounds(rounds: list[dict], baseline_rounds: list[dict], key: str = 
             "value": statistics.median(mine), "baseline": reference}
 
 
-def paired_figure(rounds: list[dict], bypassed: list[dict], graph: dict, baseline_rounds: list[dict]) -> dict:
-    """kvdbg's cost on the step from within its own process: each round with kvdbg against its paired round with
-    kvdbg's patches off (``run_paired_rounds``), times what kvdbg's copies recorded into the graph add on the
-    device, which those rounds share (the graph's device time against the kvdbg-absent engine's, over that
-    engine's step: the most it can add, were the step waiting for the device throughout). {} without pairs."""
+def paired_figure(rounds: list[dict], bypassed: list[dict], graph: dict, baseline_rounds: list[dict],
+                  block: int | None = None) -> dict:
+    """kvdbg's cost on the step from within its own process: in each round, its steps with kvdbg against its steps
+    with kvdbg's patches off (``run_interleaved_rounds``; ``rounds`` and ``bypassed`` summarise the two halves of
+    each round, ``block`` steps a block), times what kvdbg's copies recorded into the graph add on the device,
+    which both halves share (the graph's device time against the kvdbg-absent engine's, over that engine's step:
+    the most it can add, were the step waiting for the device throughout). {} without both halves."""
     pairs = [a["step_ms"] / b["step_ms"] for a, b in zip(rounds, bypassed)
              if a.get("step_ms") and b.get("step_ms")]
     if not pairs:
         return {}
     host = spread(pairs)
-    out = {"host": host, "pairs": len(pairs)}
+    out = {"host": host, "pairs": len(pairs), "block": block}
     base_step = statistics.median(r["step_ms"] for r in baseline_rounds if r.get("step_ms")) \
         if any(r.get("step_ms") for r in baseline_rounds) else None
     if graph.get("value") is not None and graph.get("baseline") is not None and base_step:
@@ -677,7 +693,8 @@ def figures(records: dict[str, dict]) -> dict:
                         "hooks_us": spread([r.get("hooks_us") for r in capture["armed"]]),
                         "hooks_us_mean": spread([r.get("hooks_us_mean") for r in capture["armed"]]),
                         **judged(step, paired_figure(capture["armed"], capture.get("bypassed", []), graph,
-                                                     baseline_rounds), ARMED_LINE)}
+                                                     baseline_rounds, records["capture"].get("interleaved_block")),
+                                 ARMED_LINE)}
     wanted = capture.get("wanted", [])
     timed = [w for w in wanted if w.get("role") == "engine" and "hooks_added_us" in w]
     if timed:
@@ -718,7 +735,9 @@ def figures(records: dict[str, dict]) -> dict:
         graph = ratio_of_rounds(sentinel, baseline_rounds, "graph_ms")
         out["sentinel"] = {**step, "line": SENTINEL_LINE, "graph": graph,
                            **judged(step, paired_figure(sentinel, sentinel_phases.get("bypassed", []), graph,
-                                                        baseline_rounds), SENTINEL_LINE),
+                                                        baseline_rounds,
+                                                        records["sentinel"].get("interleaved_block")),
+                                    SENTINEL_LINE),
                            "hooks_us": spread([r.get("hooks_us") for r in sentinel]),
                            "hooks_us_mean": spread([r.get("hooks_us_mean") for r in sentinel]),
                            "hooks_us_mean_by_name": {name: spread([r.get("hooks_us_mean_by_name", {}).get(name)
@@ -795,22 +814,52 @@ class Bypass:
             setattr(cls, attr, wrapped)
 
 
-def run_paired_rounds(llm, timing: Timing, count: int, first_index: int, args, bypass: Bypass) -> tuple[list, list]:
-    """``count`` pairs of rounds, kvdbg on and kvdbg's patches off (``Bypass``), in alternating order (on, off; off,
-    on; ...) so that a drift of the engine over the run falls on both alike; each round's steps."""
+class Interleave:
+    """kvdbg's patches on and off between the steps of a round, by blocks of ``block`` steps in the order on, off,
+    off, on (a drift within the four blocks falls on both alike): the bench's step wrapper calls it with each
+    step's index before the step's clock starts. The patches are swapped only where the kind changes."""
+
+    def __init__(self, bypass: "Bypass", block: int):
+        self.bypass, self.block, self.on = bypass, max(1, block), True
+
+    def __call__(self, index: int) -> tuple[bool, bool]:
+        on = (index // self.block) % 4 in (0, 3)
+        if on != self.on:
+            (self.bypass.on if on else self.bypass.off)()
+            self.on = on
+        return on, index % self.block == 0
+
+    def end(self) -> None:
+        if not self.on:
+            self.bypass.on()
+            self.on = True
+
+
+def split_interleaved(steps: list[dict]) -> tuple[list[dict], list[dict]]:
+    """A round's decode window (``decode_window``) split into its steps with kvdbg's patches on and off, the first
+    step of each block left out (the batch queue still holds a step of the other kind)."""
+    window = [s for s in decode_window(steps) if not s.get("block_first")]
+    return [s for s in window if s.get("kvdbg") is True], [s for s in window if s.get("kvdbg") is False]
+
+
+def run_interleaved_rounds(llm, timing: Timing, count: int, first_index: int, args,
+                           bypass: Bypass) -> tuple[list, list]:
+    """``count`` rounds, each switching kvdbg's patches on and off by blocks of ``args.block`` steps
+    (``Interleave``); kvdbg's background work let finish between rounds, untimed (``settle``). Each round's
+    decode steps with kvdbg and without (``split_interleaved``)."""
     on, off = [], []
-    index = first_index
     for i in range(count):
-        for kvdbg in ((True, False) if i % 2 == 0 else (False, True)):
-            if not kvdbg:
-                bypass.off()
-            try:
-                [steps] = run_rounds(llm, timing, 1, index, args)
-            finally:
-                bypass.on()
-            settle(bypass.state)
-            index += 1
-            (on if kvdbg else off).append(steps)
+        interleave = Interleave(bypass, args.block)
+        timing.switch = interleave
+        try:
+            [steps] = run_rounds(llm, timing, 1, first_index + i, args)
+        finally:
+            timing.switch = None
+            interleave.end()
+        settle(bypass.state)
+        with_kvdbg, without = split_interleaved(steps)
+        on.append(with_kvdbg)
+        off.append(without)
     return on, off
 
 
@@ -929,15 +978,18 @@ def engine_child(args) -> dict:
         index = 1
         if kind in ("absent", "sentinel") or "armed" in phases:
             if state is not None and args.paired:
-                rounds, bypassed = run_paired_rounds(llm, timing, args.rounds, index, args, Bypass(state))
+                # As many rounds as pairs of rounds took before: each round is half with kvdbg, half without.
+                on, off = run_interleaved_rounds(llm, timing, 2 * args.rounds, index, args, Bypass(state))
                 index += 2 * args.rounds
-                record["phases"]["bypassed"] = [summarize_round(r) for r in bypassed]
+                summaries = [summarize_round(w, w) for w in on]
+                record["phases"]["bypassed"] = [summarize_round(w, w) for w in off]
+                record["interleaved_block"] = args.block
                 if any(b.get("hooks_us_max", 0) > 0 for b in record["phases"]["bypassed"]):
-                    record["problems"].append("a kvdbg hook ran in a round with kvdbg's patches off")
+                    record["problems"].append("a kvdbg hook ran in a step with kvdbg's patches off")
             else:
                 rounds = run_rounds(llm, timing, args.rounds, index, args)
                 index += args.rounds
-            summaries = [summarize_round(r) for r in rounds]
+                summaries = [summarize_round(r) for r in rounds]
             record["phases"]["rounds" if kind != "capture" else "armed"] = summaries
             if any(s.get("decode_steps", 0) < 8 for s in summaries + record["phases"].get("bypassed", [])):
                 record["problems"].append("a round had fewer than 8 decode steps replayed from the graph")
@@ -1047,8 +1099,8 @@ def child_command(args, kind: str, limit: float) -> list[str]:
             "--layers", str(args.layers), "--batch", str(args.batch), "--prompt", str(args.prompt),
             "--decode", str(args.decode), "--rounds", str(args.rounds), "--wanted-rounds", str(args.wanted_rounds),
             "--device-rounds", str(args.device_rounds), "--wanted-offset", str(args.wanted_offset),
-            "--scratch", args.scratch, "--child-limit", str(limit)] + (["--thread-times"] if args.thread_times else []) \
-        + ([] if args.paired else ["--no-paired"])
+            "--block", str(args.block), "--scratch", args.scratch, "--child-limit", str(limit)] \
+        + (["--thread-times"] if args.thread_times else []) + ([] if args.paired else ["--no-paired"])
 
 
 def run_part(args, part: str, kind: str, limit: float) -> dict:
@@ -1122,8 +1174,9 @@ def print_figures(figs: dict, records: dict) -> None:
                 host = p["host"]
                 device = "" if p.get("device") is None else (
                     f" x {p['device']:.4f} (kvdbg's graph copies, at most) = {pct(p.get('ratio'))}")
-                print(f"  {name:9s} paired in its process ({p['pairs']} pairs of rounds, kvdbg's patches on and off): "
-                      f"{pct(host['median'])} (pairs {host['min']:.4f}..{host['max']:.4f}){device}; judged on the "
+                print(f"  {name:9s} paired in its process ({p['pairs']} rounds, kvdbg's patches on and off by "
+                      f"blocks of {p.get('block') or '?'} steps): {pct(host['median'])} (rounds "
+                      f"{host['min']:.4f}..{host['max']:.4f}){device}; judged on the "
                       f"{'paired figure' if f.get('judged_on') == 'paired' else 'ratio across processes'}")
     f = figs.get("wanted_engine")
     if f:
@@ -1142,8 +1195,8 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"({cpu / wall if wall else 0:.0%}), voluntary switches {t['switches'].get('median', 0):g}")
         inner = {k: v.get("median") for k, v in f.get("inner_us", {}).items() if v.get("median") is not None}
         if inner:
-            print("    parts (medians; stage and metadata_copy on the engine's thread, the rest in the capture "
-                  "thread): " + ", ".join(f"{k} {v / 1e3:.3f} ms" for k, v in inner.items()))
+            print("    parts (medians; stage, program_run within it, and metadata_copy on the engine's thread, the "
+                  "rest in the capture thread): " + ", ".join(f"{k} {v / 1e3:.3f} ms" for k, v in inner.items()))
     f = figs.get("wanted_device")
     if f:
         print(f"  wanted step, device: {f['span_ms']['median']:.2f} ms against "
@@ -1220,7 +1273,9 @@ def main() -> int:
     parser.add_argument("--decode", type=int, default=128, help="tokens generated per request in a round")
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per engine")
     parser.add_argument("--no-paired", dest="paired", action="store_false",
-                        help="no rounds with kvdbg's patches off in the capture and sentinel engines")
+                        help="no steps with kvdbg's patches off in the capture and sentinel engines")
+    parser.add_argument("--block", type=int, default=8,
+                        help="steps in a block of kvdbg's patches on or off (the capture and sentinel engines)")
     parser.add_argument("--wanted-rounds", type=int, default=4, help="rounds timing a wanted step's engine thread")
     parser.add_argument("--device-rounds", type=int, default=2, help="rounds timing a wanted step's device work")
     parser.add_argument("--wanted-offset", type=int, default=48,

@@ -184,6 +184,7 @@ def test_armed_and_sentinel_are_judged_on_rounds_paired_in_their_own_process(cap
     records["capture"]["phases"]["bypassed"] = [_round(5.56 + 0.01 * i, graph_ms=2.02, hooks_us=0) for i in range(4)]
     records["sentinel"]["phases"]["rounds"] = [_round(5.7, graph_ms=2.02) for _ in range(4)]
     records["sentinel"]["phases"]["bypassed"] = [_round(5.5, graph_ms=2.02, hooks_us=0) for _ in range(4)]
+    records["capture"]["interleaved_block"] = records["sentinel"]["interleaved_block"] = 8
     figs = gc.figures(records)
     armed, sentinel = figs["armed"], figs["sentinel"]
     assert armed["ratio"] == pytest.approx(5.615 / 5.0)  # across processes: far over the line
@@ -195,13 +196,82 @@ def test_armed_and_sentinel_are_judged_on_rounds_paired_in_their_own_process(cap
     assert sentinel["judged_on"] == "paired" and not sentinel["met"]  # 5.7 / 5.5: kvdbg's own cost, 3.6 %
     gc.print_figures(figs, records)
     out = capsys.readouterr().out
-    assert "armed     paired in its process (4 pairs of rounds, kvdbg's patches on and off): 1.0072x" in out
+    assert "armed     paired in its process (4 rounds, kvdbg's patches on and off by blocks of 8 steps): 1.0072x" in out
     assert "x 1.0040 (kvdbg's graph copies, at most) = 1.0112x; judged on the paired figure" in out
     # Without paired rounds (--no-paired, or an older record): judged across processes, as before.
     del records["capture"]["phases"]["bypassed"]
     figs = gc.figures(records)
     assert figs["armed"]["judged_on"] == "processes" and not figs["armed"]["met"]
     assert figs["armed"]["paired"] == {}
+
+
+class _Switches:
+    """A stand-in for Bypass: kvdbg's patches as a flag, and every swap counted."""
+
+    def __init__(self):
+        self.patched, self.swaps = True, []
+
+    def on(self):
+        self.patched = True
+        self.swaps.append("on")
+
+    def off(self):
+        self.patched = False
+        self.swaps.append("off")
+
+
+def test_kvdbgs_patches_switch_by_blocks_within_a_round_before_each_steps_clock():
+    """The host's speed drifts from one round to the next by more than the armed and sentinel lines (1.2-1.5x on
+    the H200), so kvdbg's patches go off and on within a round, by blocks in the order on, off, off, on; each step
+    runs with the patches its record says, set before its clock starts, and swapped only where the kind changes."""
+    switches = _Switches()
+
+    class Engine:
+        def __init__(self):
+            self.seen = []
+
+        def step(self):
+            self.seen.append(switches.patched)
+
+    engine, timing = Engine(), gc.Timing()
+    timing.install_steps(engine)
+    timing.recording, timing.steps = True, []
+    interleave = timing.switch = gc.Interleave(switches, 2)
+    for _ in range(10):
+        engine.step()
+    interleave.end()
+    kinds = [s["kvdbg"] for s in timing.steps]
+    assert kinds == [True, True, False, False, False, False, True, True, True, True]
+    assert engine.seen == kinds  # each step ran as its record says
+    assert [s["block_first"] for s in timing.steps] == [i % 2 == 0 for i in range(10)]
+    assert switches.swaps == ["off", "on"] and switches.patched  # no swap within a kind
+    interleave = gc.Interleave(switches, 8)
+    interleave(8)
+    interleave.end()  # a round ending in an off block leaves the patches on
+    assert switches.swaps[-2:] == ["off", "on"] and switches.patched
+
+
+def test_an_interleaved_round_splits_into_its_steps_with_kvdbg_and_without():
+    """The decode window (no prefill, the two first and two last steps left out) split by kind, the first step of
+    each block left out (the batch queue still holds a step of the other kind); the halves' ratio is the paired
+    figure of that round."""
+    steps = [_step(30.0, replays=0, kvdbg=True, block_first=True)]
+    for i in range(1, 33):
+        on = ((i // 4) % 4) in (0, 3)
+        steps.append(_step(5.5 if on else 5.0, hooks_us=10.0 if on else 0.0, kvdbg=on, block_first=i % 4 == 0))
+    steps[8]["wall_ns"] = steps[12]["wall_ns"] = int(50e6)  # a block's first step: the other kind's still queued
+    with_kvdbg, without = gc.split_interleaved(steps)
+    window = gc.decode_window(steps)
+    assert len(with_kvdbg) + len(without) == len([s for s in window if not s["block_first"]])
+    assert all(s["kvdbg"] for s in with_kvdbg) and not any(s["kvdbg"] for s in without)
+    assert with_kvdbg and without and not any(s["block_first"] for s in with_kvdbg + without)
+    on, off = gc.summarize_round(with_kvdbg, with_kvdbg), gc.summarize_round(without, without)
+    assert on["step_ms"] == pytest.approx(5.5) and off["step_ms"] == pytest.approx(5.0)
+    assert off["hooks_us_max"] == 0
+    base = [_round(5.0) for _ in range(2)]
+    paired = gc.paired_figure([on, on], [off, off], {"value": 2.0, "baseline": 2.0}, base, 4)
+    assert paired["host"]["median"] == pytest.approx(1.1) and paired["block"] == 4 and paired["ratio"] == \
+        pytest.approx(1.1)
 
 
 def test_the_bypass_swaps_kvdbgs_patches_for_vllms_originals_and_back(standins, tmp_path, monkeypatch):
@@ -330,10 +400,13 @@ def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(sta
         # the capture's parts (on a CPU no metadata event and no pooled buffer: begin, finish, the pages' gather,
         # the staged metadata's read) and the engine's thread's part of it: the staging program (the build copied
         # nothing: the program staged its metadata)
-        assert set(records[2]["inner"]) == {"begin", "finish", "gather", "metadata_read", "stage"} \
+        # (the program's run within the stage: its copy, launch and event apart from the stage's own Python)
+        assert set(records[2]["inner"]) == {"begin", "finish", "gather", "metadata_read", "stage", "program_run"} \
             and not records[0]["inner"]
-        if thread_times:  # the engine's thread's part, also in its CPU time (the metadata copy is a GPU one)
-            assert set(records[2]["thread"]) == {"stage"} and records[2]["thread"]["stage"]["cpu_ns"] > 0
+        assert 0 < records[2]["inner"]["program_run"] <= records[2]["inner"]["stage"]
+        if thread_times:  # the engine's thread's parts, also in its CPU time (the metadata copy is a GPU one)
+            assert set(records[2]["thread"]) == {"stage", "program_run"}
+            assert 0 < records[2]["thread"]["program_run"]["cpu_ns"] <= records[2]["thread"]["stage"]["cpu_ns"]
         else:
             assert not records[2]["thread"]
         assert len(snapshots(tmp_path)) == 2
@@ -374,7 +447,7 @@ def test_a_capture_thread_that_takes_the_job_at_once_still_counts_into_the_step_
         timing.current = None
         vllm_plugin._state.await_graph_capture()
         assert record["copied"] and record["captures"] == 2 and record["captured_bytes"] > 0
-        assert set(record["inner"]) == {"begin", "finish", "gather", "metadata_read", "stage"}
+        assert set(record["inner"]) == {"begin", "finish", "gather", "metadata_read", "stage", "program_run"}
     finally:
         timing.restore()
 
