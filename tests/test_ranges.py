@@ -47,6 +47,17 @@ def test_membership_is_exact_at_every_edge():
     assert 5 not in IntRanges(())
 
 
+def test_whether_a_span_meets_the_set_is_one_search_exact_at_every_edge():
+    """meets(lo, hi) is whether any member lies from lo to hi: the plugin's hooks let an armed engine's step go
+    for all its layers at once with it."""
+    ranges = parse_ranges("0,4,10-20,100-", "KVDBG_CAPTURE_STEPS")
+    for lo in range(0, 130):
+        for hi in range(lo, lo + 12):
+            assert ranges.meets(lo, hi) == any(v in ranges for v in range(lo, hi + 1)), (lo, hi)
+    assert ranges.meets(10**30, 10**30 + 5) and not ranges.meets(5, 4)  # open-ended; an empty span
+    assert not IntRanges(()).meets(0, 10**18)
+
+
 @pytest.mark.parametrize("text, says", [
     ("", "is empty; give numbers or ranges like 3, 1,4 or 2-5 or 100-"),
     ("  ", "is empty"),

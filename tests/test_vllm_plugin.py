@@ -1460,6 +1460,42 @@ def test_a_wanted_graph_step_costs_the_engines_thread_a_handful_of_torch_calls(s
     assert len(snapshots(tmp_path)) == 16 and state._stager.staged == 2 and len(state._stager._programs) == 1
 
 
+def test_an_armed_graph_step_the_step_filter_excludes_is_let_go_for_all_its_layers_at_once(standins, tmp_path,
+                                                                                             monkeypatch):
+    """Armed, most steps are ones the step filter excludes: the build and the replay's hook tell so with one search
+    for every layer (no per-layer filter call), each layer's count still moves on, and the wanted step is
+    captured on every layer as before."""
+    from kvdbg.capture.capturer import Capturer
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "3", layers=8)
+    asked = []
+    for name in ("selects", "wants"):
+        real = getattr(Capturer, name)
+        monkeypatch.setattr(Capturer, name, lambda self, *a, _real=real, _name=name, **k: (asked.append(_name),
+                                                                                          _real(self, *a, **k))[1])
+    for step in range(5):
+        engine.seq_lens = [300, 77, 150]
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch)
+        assert state.drain_graph_capture(10)  # the capture thread's own calls (a wanted step's) counted here
+        assert set(state._forward_counts[n] for n in engine.names) == {step + 1}
+        # excluded steps: no filter call at all; the wanted one: the layers asked one by one, as before
+        assert (asked == []) == (step != 3), (step, asked)
+        asked.clear()
+    snaps = snapshots(tmp_path)
+    assert len(snaps) == 8 and {snap.meta.capture["step"] for snap in snaps} == {3}
+
+
+def test_a_layer_a_graph_runs_twice_is_counted_twice_a_step(standins, tmp_path, monkeypatch):
+    """A graph whose slots name one layer twice (a layer run twice in one forward) counts that layer's forwards one
+    by one, as an eager step would."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "100", layers=2)
+    [slots] = state._graph_layers.values()
+    slots.append(slots[0])
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch)
+    assert [state._forward_counts[n] for n in engine.names] == [2, 1]
+
+
 def test_a_build_guessed_to_be_a_graphs_that_runs_eagerly_is_copied_at_its_first_hook(standins, tmp_path,
                                                                                      monkeypatch):
     """vLLM pads only a full graph's batch, so a build of a recorded graph's tokens and rows is left uncopied; should

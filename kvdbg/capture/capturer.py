@@ -258,6 +258,12 @@ class Capturer(CaptureWriter):
             hit = self._layer_cache[layer_name] = bool(self.config.layers(layer_name))
         return hit
 
+    def takes_no_step(self, lo: int, hi: int) -> bool:
+        """Whether the step filter takes no step from ``lo`` to ``hi`` (both included): then no layer's step there
+        is selected, wanted or counted, and a hook may skip its layers at once (a build, a graph's replay)."""
+        steps = self.config.steps
+        return steps is not None and not steps.meets(lo, hi)
+
     def selects(self, layer_name: str, step: int | None = None, rank: int | None = None) -> bool:
         """Whether the filters (layers, steps, ranks) take this step; budgets and state aside, nothing counted."""
         return self._filtered_in(layer_name, step, rank)

@@ -147,6 +147,14 @@ class IntRanges:
         hi = self.spans[i][1]
         return hi is None or value <= hi
 
+    def meets(self, lo: int, hi: int) -> bool:
+        """Whether a member lies from ``lo`` to ``hi``, both included (one search, whatever the spans)."""
+        i = bisect.bisect_right(self._starts, hi) - 1  # the last range starting at or before hi
+        if i < 0 or hi < lo:
+            return False
+        end = self.spans[i][1]
+        return end is None or end >= lo
+
     @property
     def empty(self) -> bool:
         return not self.spans

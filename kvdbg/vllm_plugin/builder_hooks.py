@@ -13,6 +13,7 @@ read and before the runner's next step rewrites its buffers."""
 from __future__ import annotations
 
 import logging
+from itertools import repeat
 from typing import Any
 
 from kvdbg.vllm_plugin import vllm_facts
@@ -42,9 +43,17 @@ class BuilderHooks:
                 # This build's buffer may be an earlier build's (runners reuse theirs): never read a stale copy.
                 self._host_slots.pop(_tensor_key(slot_mapping), None)
             names = self._selected_layers(builder)
-            # The step each layer's next forward will be: nothing is kept for a build no capture will use.
-            for_capture = names is None or any(self.capturer.selects(n, self._forward_counts.get(n, 0))
-                                               for n in names)
+            # The step each layer's next forward will be: nothing is kept for a build no capture will use. Most
+            # builds of an armed engine are of steps the step filter excludes, told by one search for every layer.
+            counts = self._forward_counts
+            if names is None:
+                for_capture = True
+            elif not names:
+                for_capture = False
+            else:
+                steps = list(map(counts.get, names, repeat(0)))
+                for_capture = not self.capturer.takes_no_step(min(steps), max(steps)) and any(
+                    self.capturer.selects(n, step) for n, step in zip(names, steps))
             if not for_capture and not self._sentinel_checks(builder):
                 return False
             if vllm_facts._graph_capturing(common.seq_lens):

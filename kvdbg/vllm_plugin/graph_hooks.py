@@ -47,6 +47,8 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import add
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -251,11 +253,20 @@ class GraphHooks:
         if not slots:
             return False
         counts = self._forward_counts
+        names, distinct = self._slot_names(batch, slots)
+        if distinct:  # every layer's count moved on at once, and, armed, most steps let go with one search
+            steps = list(map(counts.get, names, repeat(0)))
+            counts.update(zip(names, map(add, steps, repeat(1))))
+            if self.sentinel is None and self.capturer.takes_no_step(min(steps), max(steps)):
+                return False
+        else:  # a layer run twice in one graph: its forwards counted one by one
+            steps = []
+            for name in names:
+                steps.append(counts.get(name, 0))
+                counts[name] = steps[-1] + 1
         wanted, sampled = [], []
-        for slot in slots:
+        for slot, step in zip(slots, steps):
             name = slot.name
-            step = counts.get(name, 0)
-            counts[name] = step + 1
             built = self._graph_builds.get(name)
             ctx = built[1] if built is not None and built[0] == step else None
             if self.sentinel is not None and self.sentinel.sentinel.sampled(name, step):
@@ -297,6 +308,15 @@ class GraphHooks:
             self.capturer.report(exc, "after a CUDA graph's replay", step_lost=True)
             return False
         return True
+
+    def _slot_names(self, batch: Any, slots: list) -> tuple[tuple[str, ...], bool]:
+        """The layer names of a graph's slots, and whether they are distinct; kept per graph until it records
+        again (a new list) or more slots."""
+        hit = self._graph_names.get(batch)
+        if hit is None or hit[0] is not slots or hit[1] != len(slots):
+            names = tuple(slot.name for slot in slots)
+            hit = self._graph_names[batch] = (slots, len(slots), names, len(set(names)) == len(names))
+        return hit[2], hit[3]
 
     def _stage(self, items: list) -> Any:
         """Stage the layers of a step that capture wants or the sentinel checks, on the device (engine's thread,

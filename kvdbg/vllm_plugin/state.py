@@ -81,6 +81,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         # size the engine declares.
         self.graphs_watched = False
         self._graph_layers: dict[Any, list[Any]] = {}
+        self._graph_names: dict[Any, tuple] = {}  # per graph: (its slots, how many, their names, distinct)
         self._graph_shapes: set[tuple] = set()  # (tokens, rows or None) of every full graph recorded
         self._graph_rows = 0  # the most rows of a recorded full graph's batch (its tokens where it names no rows)
         self._covers: dict[int, tuple[int, bool]] = {}  # per builder: whether its layers are all the graphs' (kvdbg's)
