@@ -217,3 +217,26 @@ def test_a_kept_page_buffer_fits_the_next_steps_whose_sequences_grew(pinned):
     # A later step holds a page or two more: the same buffer serves it.
     assert pool.take(40 * POOLED_MIN_BYTES + 2 * 65536, pinned=pinned) is first
     assert _headroom(40 * POOLED_MIN_BYTES, False) <= 40 * POOLED_MIN_BYTES * 9 // 8
+
+
+def test_a_span_is_one_copy_when_it_is_one_dense_run_of_memory_in_any_order_of_axes():
+    """StepCopies.block takes a staged span to the host in one copy when its elements are one dense run of memory:
+    a vLLM cache is a permuted view (TRITON_ATTN's LBNHC: pages outermost, heads and tokens swapped in the view),
+    and so is its staged copy; a span of pages inside the K and V planes is two runs, gathered instead."""
+    from kvdbg.capture.buffers import in_memory_order
+    from kvdbg.vllm_plugin.graph_staging import _laid_out_like
+
+    base = torch.arange(6 * 16 * 2 * 8, dtype=torch.float32).view(6, 16, 2, 8)
+    physical, back = in_memory_order(base)
+    assert physical.data_ptr() == base.data_ptr() and back == (0, 1, 2, 3) and physical.is_contiguous()
+    cache = base.permute(0, 2, 1, 3)  # [pages, heads, tokens, dim] seen, [pages, tokens, heads, dim] in memory
+    assert not cache.is_contiguous()
+    for span in (cache, cache.narrow(0, 2, 3)):
+        physical, back = in_memory_order(span)
+        assert physical.is_contiguous() and torch.equal(physical.permute(*back), span)
+        assert physical.data_ptr() == span.data_ptr()  # a view: one copy of it is one run
+    assert in_memory_order(cache.narrow(2, 0, 8)) is None  # some tokens of each page: many runs
+    planes = torch.zeros(2, 6, 16, 8)  # K and V planes outermost, pages inside
+    assert in_memory_order(planes.narrow(1, 2, 3)) is None
+    staged = _laid_out_like(cache, 0, 4)  # the staging program's buffer lies as the cache does
+    assert staged.stride() != staged.contiguous().stride() and in_memory_order(staged.narrow(0, 1, 2)) is not None

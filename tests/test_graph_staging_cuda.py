@@ -157,5 +157,15 @@ def test_a_staged_span_goes_to_the_host_in_one_copy_and_its_pages_are_picked_the
         assert host.is_pinned() and host.shape[0] == 38 and within.tolist() == [37, 0, 14, 0, 36]
         assert torch.equal(host.index_select(0, within), staged.cpu().index_select(0, positions))
         copies.release()
-    pages_inside = staged.permute(1, 0, 2, 3, 4)  # pages not outermost: a span is not contiguous
-    assert StepCopies(staged.device).block(pages_inside, 1, positions) is None
+    # As vLLM lays a TRITON_ATTN cache out (LBNHC): pages outermost in memory, heads and tokens swapped in the
+    # view: the span is one dense run, copied in memory order and handed back in the cache's axes.
+    permuted = staged.permute(0, 2, 1, 3, 4)
+    copies = StepCopies(staged.device)
+    host, within = copies.block(permuted, 0, positions)
+    copies.close()
+    copies.wait()
+    assert host.shape == (38, 16, 2, 8, 64) and host.stride() == permuted[:38].stride()
+    assert torch.equal(host.index_select(0, within), permuted.cpu().index_select(0, positions))
+    copies.release()
+    planes = torch.randn(2, 64, 16, 8, 64, device="cuda").to(torch.bfloat16)  # K and V planes outside the pages
+    assert StepCopies(staged.device).block(planes, 1, positions) is None

@@ -1145,9 +1145,11 @@ def _staged_spans_on_the_host(monkeypatch) -> list:
     spans = []
 
     def block(self, source, dim, positions):
+        from kvdbg.capture.buffers import in_memory_order
+
         lo, hi = int(positions.min()), int(positions.max()) + 1
         span = source.narrow(dim, lo, hi - lo)
-        if not span.is_contiguous():
+        if in_memory_order(span) is None:  # the GPU's rule: one dense run of memory, in any order of axes
             return None
         spans.append(span.shape[dim])
         return span.clone(), positions - lo

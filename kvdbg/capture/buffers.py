@@ -148,6 +148,16 @@ class HostBuffers:
             return sum(b.numel() for b in self._free)
 
 
+def in_memory_order(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """``tensor`` with its axes permuted into their order in memory (outermost first), and the permutation that
+    gives its own axes back; None when its elements are not one dense run of memory (no single copy takes it)."""
+    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d))
+    physical = tensor.permute(*order)
+    if not physical.is_contiguous():
+        return None
+    return physical, tuple(order.index(d) for d in range(tensor.dim()))
+
+
 class StepCopies:
     """The host copies of one step, and what the writer must wait for before reading them.
 
@@ -243,7 +253,8 @@ class StepCopies:
         overwrites meanwhile: a staged step's), as one copy on the current stream (one of kvdbg's own: the engine's
         would wait for it), and the positions within it:
         the writer picks the pages on the host (``index_select(dim, within)``). None where it does not apply (a
-        CPU, or a span not contiguous in memory): then :meth:`gather`.
+        CPU, or a span that is not one dense run of memory, whatever the order of its axes there: then
+        :meth:`gather`).
 
         A gather on the device keeps at most two slices in device memory and waits for the older one, so the
         copies of a step's layers reach the device one wait apart; a staged buffer needs no slice, so each layer
@@ -251,9 +262,12 @@ class StepCopies:
         if not self.cuda or source.is_cpu or positions.numel() == 0:
             return None
         lo, hi = int(positions.min()), int(positions.max()) + 1
-        span = source.narrow(dim, lo, hi - lo)
-        if not span.is_contiguous():
+        dense = in_memory_order(source.narrow(dim, lo, hi - lo))
+        if dense is None:
             return None
+        # A vLLM cache is a permuted view (its layout names the order of its axes in memory): the span goes to
+        # the host in that order, one copy, and is handed back in the cache's axes.
+        span, back = dense
         nbytes = span.numel() * span.element_size()
         if self.buffers is not None and nbytes >= POOLED_MIN_BYTES:
             buffer = self.buffers.take(nbytes, pinned=True)
@@ -262,7 +276,7 @@ class StepCopies:
         else:
             host = torch.empty(span.shape, dtype=span.dtype, pin_memory=True)
         host.copy_(span, non_blocking=True)  # the current stream: the event close() records there covers it
-        return host, positions - lo
+        return host.permute(*back), positions - lo
 
     def mark(self) -> None:
         """Remember the current stream, whose copies so far :meth:`close` must cover (CUDA; a no-op on CPU).
@@ -396,4 +410,4 @@ def _side_stream(device: torch.device):
 
 
 __all__ = ["GATHER_CHUNK_BYTES", "IDLE_RELEASE_SECONDS", "SIDE_STREAM_MIN_BYTES", "HostBuffers", "HostCopiesReady",
-           "StepCopies", "copies_to_host", "current_stream"]
+           "StepCopies", "copies_to_host", "current_stream", "in_memory_order"]
