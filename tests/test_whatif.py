@@ -17,6 +17,8 @@ from tests.helpers import ROOT
 
 # A real FLASHINFER decode from the H200 (tests/flashinfer_h200/README.md): FP8, ALiBi, window, soft cap.
 REAL = os.path.join(ROOT, "tests", "flashinfer_h200", "fp8_alibi_window_softcap_decode.safetensors")
+# A real FLASHINFER step from the H200: FP8, ALiBi, soft cap, a dense (non-causal) mask, so SM90's FP8 prefill.
+REAL_DENSE = os.path.join(ROOT, "tests", "flashinfer_h200", "fp8_alibi_softcap_dense_decode.safetensors")
 
 WHAT = {w.what: w for w in WHAT_IFS}
 
@@ -85,6 +87,18 @@ def test_flashinfers_real_fp8_decode_on_an_h200_is_attention_without_alibi_with_
     assert found.max_abs < 5e-3
     alone = explain_output(snapshot, pairs=False)
     assert alone is None or alone.max_abs > 0.1  # a single change passes only by the FP8 tolerance's width
+
+
+def test_flashinfers_real_fp8_prefill_on_an_h200_is_attention_without_alibi_and_without_the_soft_cap():
+    """FlashInfer's SM90 FP8 prefill kernel on an H200, running a non-causal decode batch
+    (tests/flashinfer_h200/README.md): it fails by 1.55; vLLM drops the ALiBi slopes and FlashInfer's FP8 variant
+    the soft cap; no single change comes close."""
+    snapshot = load_snapshot(REAL_DENSE)
+    found = explain_output(snapshot)
+    assert found is not None
+    assert found.what == "without ALiBi and without the soft cap"
+    assert found.max_abs < 5e-2  # the FP8 kernel's rounding of P, under a 0.29 tolerance
+    assert explain_output(snapshot, pairs=False) is None
 
 
 def test_conform_names_what_a_failing_cell_computed_and_a_cause_it_could_not_test_becomes_semantic():
