@@ -30,10 +30,10 @@ judged within one process, and within each round: the capture and sentinel engin
 vLLM off (vLLM's originals back, ``Bypass``) and on again between steps, by blocks of ``--block`` steps in the
 order on, off, off, on (``Interleave``), so that the host's drift (the same engine's step time moved by 1.2-1.5x
 from one round to the next on the H200) falls on both alike. A round's figure is the mean of its decode steps
-with kvdbg against the mean of those without (the first step of each block left out: the batch queue still
+with kvdbg against the mean of those without (the step at each change of kind left out: the batch queue still
 holds a step of the other kind), and the figure is the median over rounds of that ratio (kvdbg's Python on the
 engine's thread, its threads, its device work outside the graph; the capture thread and the sentinel's checks
-are let finish between rounds, untimed), times ``1 + (graph - graph_absent) / step_absent``: the most the copies
+are let finish, untimed, before the patches go off and between rounds), times ``1 + (graph - graph_absent) / step_absent``: the most the copies
 kvdbg recorded into the graph (present with the patches off too) can add to a step, from the graph's device
 time against the kvdbg-absent engine's (``paired_figure``). The ratio across processes is printed beside it.
 ``--no-paired`` leaves the switching out (and the lines are then judged across processes).
@@ -234,9 +234,12 @@ class Timing:
         def step(*args, **kwargs):
             if not timing.recording:
                 return original(*args, **kwargs)
-            record = timing.current = _new_step()
+            switched = None
             if timing.switch is not None:  # kvdbg's patches set for this step, before its clock starts
-                record["kvdbg"], record["block_first"] = timing.switch(len(timing.steps))
+                switched = timing.switch(len(timing.steps))
+            record = timing.current = _new_step()
+            if switched is not None:
+                record["kvdbg"], record["block_first"] = switched
             start = time.perf_counter_ns()
             try:
                 return original(*args, **kwargs)
@@ -817,37 +820,44 @@ class Bypass:
 class Interleave:
     """kvdbg's patches on and off between the steps of a round, by blocks of ``block`` steps in the order on, off,
     off, on (a drift within the four blocks falls on both alike): the bench's step wrapper calls it with each
-    step's index before the step's clock starts. The patches are swapped only where the kind changes."""
+    step's index before the step's clock starts. The patches are swapped only where the kind changes; before they
+    go off, kvdbg's work still out (the capture thread's steps, the sentinel's checks, which read buffers the
+    graph's recorded copies rewrite on every replay, patched or not) is let finish (``settle``), untimed.
+    Returns (the step's kind, whether the kind changed at it: that step is left out of the figure)."""
 
     def __init__(self, bypass: "Bypass", block: int):
         self.bypass, self.block, self.on = bypass, max(1, block), True
 
     def __call__(self, index: int) -> tuple[bool, bool]:
         on = (index // self.block) % 4 in (0, 3)
-        if on != self.on:
-            (self.bypass.on if on else self.bypass.off)()
+        changed = on != self.on
+        if changed:
+            if on:
+                self.bypass.on()
+            else:
+                settle(self.bypass.state)
+                self.bypass.off()
             self.on = on
-        return on, index % self.block == 0
+        return on, changed
 
     def end(self) -> None:
-        if not self.on:
-            self.bypass.on()
-            self.on = True
+        self.bypass.on()  # whatever state a failed swap left: setting the patches again is harmless
+        self.on = True
 
 
 def split_interleaved(steps: list[dict]) -> tuple[list[dict], list[dict]]:
-    """A round's decode window (``decode_window``) split into its steps with kvdbg's patches on and off, the first
-    step of each block left out (the batch queue still holds a step of the other kind)."""
+    """A round's decode window (``decode_window``) split into its steps with kvdbg's patches on and off, the step
+    at each change of kind left out (the batch queue still holds a step of the other kind)."""
     window = [s for s in decode_window(steps) if not s.get("block_first")]
     return [s for s in window if s.get("kvdbg") is True], [s for s in window if s.get("kvdbg") is False]
 
 
 def run_interleaved_rounds(llm, timing: Timing, count: int, first_index: int, args,
-                           bypass: Bypass) -> tuple[list, list]:
+                           bypass: Bypass) -> list[list[dict]]:
     """``count`` rounds, each switching kvdbg's patches on and off by blocks of ``args.block`` steps
     (``Interleave``); kvdbg's background work let finish between rounds, untimed (``settle``). Each round's
-    decode steps with kvdbg and without (``split_interleaved``)."""
-    on, off = [], []
+    steps (``split_interleaved`` splits them)."""
+    rounds = []
     for i in range(count):
         interleave = Interleave(bypass, args.block)
         timing.switch = interleave
@@ -857,10 +867,8 @@ def run_interleaved_rounds(llm, timing: Timing, count: int, first_index: int, ar
             timing.switch = None
             interleave.end()
         settle(bypass.state)
-        with_kvdbg, without = split_interleaved(steps)
-        on.append(with_kvdbg)
-        off.append(without)
-    return on, off
+        rounds.append(steps)
+    return rounds
 
 
 def settle(state, timeout: float = 30.0) -> None:
@@ -979,10 +987,14 @@ def engine_child(args) -> dict:
         if kind in ("absent", "sentinel") or "armed" in phases:
             if state is not None and args.paired:
                 # As many rounds as pairs of rounds took before: each round is half with kvdbg, half without.
-                on, off = run_interleaved_rounds(llm, timing, 2 * args.rounds, index, args, Bypass(state))
+                if args.decode < 4 * args.block:
+                    record["problems"].append(f"--decode {args.decode} is under 4 blocks of {args.block} steps: "
+                                              "a round cannot hold the on, off, off, on order")
+                rounds = run_interleaved_rounds(llm, timing, 2 * args.rounds, index, args, Bypass(state))
                 index += 2 * args.rounds
-                summaries = [summarize_round(w, w) for w in on]
-                record["phases"]["bypassed"] = [summarize_round(w, w) for w in off]
+                halves = [split_interleaved(r) for r in rounds]
+                summaries = [summarize_round(r, on) for r, (on, _) in zip(rounds, halves)]
+                record["phases"]["bypassed"] = [summarize_round(r, off) for r, (_, off) in zip(rounds, halves)]
                 record["interleaved_block"] = args.block
                 if any(b.get("hooks_us_max", 0) > 0 for b in record["phases"]["bypassed"]):
                     record["problems"].append("a kvdbg hook ran in a step with kvdbg's patches off")

@@ -206,10 +206,21 @@ def test_armed_and_sentinel_are_judged_on_rounds_paired_in_their_own_process(cap
 
 
 class _Switches:
-    """A stand-in for Bypass: kvdbg's patches as a flag, and every swap counted."""
+    """A stand-in for Bypass: kvdbg's patches as a flag, every swap counted, and its plugin state's background
+    work let finish (``settle``) counted among the swaps."""
 
     def __init__(self):
         self.patched, self.swaps = True, []
+        switches = self
+
+        class State:
+            sentinel = None
+
+            def drain_graph_capture(self, timeout):
+                switches.swaps.append("settle")
+                return True
+
+        self.state = State()
 
     def on(self):
         self.patched = True
@@ -223,7 +234,9 @@ class _Switches:
 def test_kvdbgs_patches_switch_by_blocks_within_a_round_before_each_steps_clock():
     """The host's speed drifts from one round to the next by more than the armed and sentinel lines (1.2-1.5x on
     the H200), so kvdbg's patches go off and on within a round, by blocks in the order on, off, off, on; each step
-    runs with the patches its record says, set before its clock starts, and swapped only where the kind changes."""
+    runs with the patches its record says, set before its clock starts, and swapped only where the kind changes;
+    before they go off, kvdbg's background work is let finish (a sentinel check reads buffers the graph's
+    recorded copies rewrite on every replay, patched or not)."""
     switches = _Switches()
 
     class Engine:
@@ -243,23 +256,35 @@ def test_kvdbgs_patches_switch_by_blocks_within_a_round_before_each_steps_clock(
     kinds = [s["kvdbg"] for s in timing.steps]
     assert kinds == [True, True, False, False, False, False, True, True, True, True]
     assert engine.seen == kinds  # each step ran as its record says
-    assert [s["block_first"] for s in timing.steps] == [i % 2 == 0 for i in range(10)]
-    assert switches.swaps == ["off", "on"] and switches.patched  # no swap within a kind
+    assert [s["block_first"] for s in timing.steps] == [i in (2, 6) for i in range(10)]  # where the kind changed
+    assert switches.swaps == ["settle", "off", "on", "on"] and switches.patched  # no swap within a kind
     interleave = gc.Interleave(switches, 8)
     interleave(8)
     interleave.end()  # a round ending in an off block leaves the patches on
-    assert switches.swaps[-2:] == ["off", "on"] and switches.patched
+    assert switches.swaps[-3:] == ["settle", "off", "on"] and switches.patched
+
+    def failing_off():
+        raise RuntimeError("a swap failed halfway")
+
+    switches.off = failing_off
+    interleave = timing.switch = gc.Interleave(switches, 1)  # step 10 of the round: an off block
+    with pytest.raises(RuntimeError):
+        engine.step()  # the switch to off fails: no record left half made
+    assert timing.current is None and len(timing.steps) == 10
+    interleave.end()
+    assert switches.patched
 
 
 def test_an_interleaved_round_splits_into_its_steps_with_kvdbg_and_without():
     """The decode window (no prefill, the two first and two last steps left out) split by kind, the first step of
     each block left out (the batch queue still holds a step of the other kind); the halves' ratio is the paired
     figure of that round."""
-    steps = [_step(30.0, replays=0, kvdbg=True, block_first=True)]
+    steps = [_step(30.0, replays=0, kvdbg=True, block_first=False)]
     for i in range(1, 33):
         on = ((i // 4) % 4) in (0, 3)
-        steps.append(_step(5.5 if on else 5.0, hooks_us=10.0 if on else 0.0, kvdbg=on, block_first=i % 4 == 0))
-    steps[8]["wall_ns"] = steps[12]["wall_ns"] = int(50e6)  # a block's first step: the other kind's still queued
+        steps.append(_step(5.5 if on else 5.0, hooks_us=10.0 if on else 0.0, kvdbg=on,
+                           block_first=on != steps[-1]["kvdbg"]))
+    steps[4]["wall_ns"] = steps[12]["wall_ns"] = int(50e6)  # where the kind changed: the other kind's still queued
     with_kvdbg, without = gc.split_interleaved(steps)
     window = gc.decode_window(steps)
     assert len(with_kvdbg) + len(without) == len([s for s in window if not s["block_first"]])
