@@ -19,6 +19,9 @@ from tests.helpers import ROOT
 REAL = os.path.join(ROOT, "tests", "flashinfer_h200", "fp8_alibi_window_softcap_decode.safetensors")
 # A real FLASHINFER step from the H200: FP8, ALiBi, soft cap, a dense (non-causal) mask, so SM90's FP8 prefill.
 REAL_DENSE = os.path.join(ROOT, "tests", "flashinfer_h200", "fp8_alibi_softcap_dense_decode.safetensors")
+# A real FLASHINFER mixed batch from the H200: one decode request on the decode kernel, three prefills on SM90's
+# FP8 prefill kernel, each dropping a different feature.
+REAL_MIXED = os.path.join(ROOT, "tests", "flashinfer_h200", "fp8_alibi_window_softcap_mixed.safetensors")
 
 WHAT = {w.what: w for w in WHAT_IFS}
 
@@ -183,13 +186,88 @@ def test_a_change_the_reference_refuses_is_no_explanation_and_the_others_are_sti
 
     snapshot = _cell({"alibi": "on", "soft_cap": "on", "dtype": "float16"})
     _engine_computes(snapshot, ("without ALiBi",))
-    held = whatif._held
+    compared = whatif._compared
 
-    def refusing(variant, options, atol, rtol):
+    def refusing(variant, options, atol, rtol, requests):
         if variant.meta.layer.logits_soft_cap is None:  # every change that takes the soft cap away
             raise SnapshotError("meta field layer.logits_soft_cap: refused (a stand-in refusal)")
-        return held(variant, options, atol, rtol)
+        return compared(variant, options, atol, rtol, requests)
 
-    monkeypatch.setattr(whatif, "_held", refusing)
+    monkeypatch.setattr(whatif, "_compared", refusing)
     found = explain_output(snapshot)
     assert found is not None and found.what == "without ALiBi"
+
+
+def _engine_computes_per_request(snapshot, whats_for) -> None:
+    """Store as the engine's output, request by request, exact attention of the layer changed by
+    ``whats_for(request)`` (a backend that runs a batch's requests through different kernels)."""
+    outputs = {}
+    for request in range(snapshot.steps[0].num_reqs):
+        whats = whats_for(request)
+        if whats not in outputs:
+            copy = synth_snapshot(spec_for("TRITON_ATTN", ROW_SPLIT, "mixed", 0))
+            _engine_computes(copy, whats)
+            outputs[whats] = copy.steps[0].output
+    step = snapshot.steps[0]
+    qsl = step.query_start_loc.tolist()
+    out = next(iter(outputs.values())).clone()
+    for request in range(step.num_reqs):
+        out[qsl[request]:qsl[request + 1]] = outputs[whats_for(request)][qsl[request]:qsl[request + 1]]
+    step.output = out
+
+
+ROW_SPLIT = {"alibi": "on", "soft_cap": "on", "dtype": "float16"}
+
+
+def test_a_batch_whose_requests_each_skip_a_different_feature_is_named_request_by_request():
+    """Request 0 computed without ALiBi, the others without the soft cap: no one change explains the batch; per
+    request each is named, and narrowing to one request gives that request's change alone."""
+    from kvdbg.moves.whatif import OutputExplained, SplitExplained
+
+    snapshot = synth_snapshot(spec_for("TRITON_ATTN", ROW_SPLIT, "mixed", 0))
+    num_reqs = snapshot.steps[0].num_reqs
+    assert num_reqs >= 3
+    _engine_computes_per_request(snapshot, lambda r: ("without ALiBi",) if r == 0 else ("without the soft cap",))
+    found = explain_output(snapshot)
+    assert isinstance(found, SplitExplained)
+    assert [([key[1] for key in keys], part.what) for keys, part in found.parts] == [
+        ([0], "without ALiBi"), (list(range(1, num_reqs)), "without the soft cap")]
+    assert found.what == f"per request: request 0 without ALiBi; requests 1-{num_reqs - 1} without the soft cap"
+    assert found.max_abs < 1e-2 and "no one change of the layer explains every request" in found.sentence()
+    record = found.to_json()
+    assert [r["what"] for r in record["requests"]] == ["without ALiBi", "without the soft cap"]
+    assert record["requests"][0]["step_requests"] == [[0, 0]]
+    alone = explain_output(snapshot, requests=[1])
+    assert isinstance(alone, OutputExplained) and alone.what == "without the soft cap"
+
+
+def test_a_request_that_passes_as_the_layer_is_needs_no_change_and_one_no_change_explains_leaves_it_unexplained():
+    from kvdbg.moves.whatif import SplitExplained
+
+    snapshot = synth_snapshot(spec_for("TRITON_ATTN", ROW_SPLIT, "mixed", 0))
+    _engine_computes_per_request(snapshot, lambda r: ("without ALiBi",) if r == 0 else ())
+    found = explain_output(snapshot)
+    assert isinstance(found, SplitExplained)
+    assert [part.what_ifs == () for _, part in found.parts] == [False, True]
+    assert "as the layer is" in found.what and "of the layer as it is" in found.sentence()
+    step = snapshot.steps[0]
+    last = step.query_start_loc.tolist()[-2]
+    step.output[last:] = step.output[last:] * 1.5  # the last request: wrong in a way no change accounts for
+    assert explain_output(snapshot) is None
+
+
+def test_flashinfers_real_mixed_batch_on_an_h200_runs_two_kernels_each_dropping_something_else():
+    """A mixed FP8 batch through vLLM 0.33's FLASHINFER on an H200 (tests/flashinfer_h200/README.md): the decode
+    request ran the decode kernel (no ALiBi, the query scale twice), the prefills SM90's FP8 prefill kernel (no
+    ALiBi, no soft cap). No one change explains the batch; the what-if names each request's."""
+    found = explain_output(load_snapshot(REAL_MIXED))
+    assert found is not None and found.what == (
+        "per request: request 0 without ALiBi and with the logits scaled by the query scale once more; "
+        "requests 1-3 without ALiBi and without the soft cap")
+    assert found.max_abs < 0.1  # FP8 P rounding, under a 0.31 tolerance
+    done = _replay(REAL_MIXED, "--what-if", "--json")
+    assert done.exit_code == 1
+    import json
+
+    record = json.loads(done.output)["what_if"]
+    assert record["explained"]["what"] == found.what and record["said"].startswith("no one change")

@@ -38,7 +38,9 @@ from kvdbg.errors import OptionError
               help="When the engine's captured output fails against the reference: whether it is exact attention "
                    "of the layer with a feature taken away (ALiBi, soft cap, window, sinks), a non-causal window "
                    "bounded on the left only, or an FP8 query scale applied twice, alone or in pairs; names the "
-                   "closest that passes (a reference replay per change, on the CPU).")
+                   "closest that passes, or, when no one change explains every request (a batch split between two "
+                   "kernels), each request's; over --request's requests only (a reference replay per change, on "
+                   "the CPU).")
 @click.option("--picture", is_flag=True,
               help="Also draw which heads are wrong: a request x head error map per comparison (failing cells "
                    "marked) and, over several steps, each comparison's error step by step.")
@@ -133,7 +135,7 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
     result = report.result
     if output:
         write_outputs(result, output, overwrite=force)
-    what_if_record = _what_if(snap, report, atol, rtol) if what_if else None
+    what_if_record = _what_if(snap, report, atol, rtol, request_ids) if what_if else None
     pictures = api.error_pictures(report) if picture or svg_path or png_path else None
     written = []
     if pictures is not None:
@@ -174,7 +176,7 @@ def replay(snapshot, backend, step, request, head, device, exact, compile_, atol
         sys.exit(report.verdict.exit_code)
 
 
-def _what_if(snap, report, atol, rtol) -> dict:
+def _what_if(snap, report, atol, rtol, requests=None) -> dict:
     """``--what-if``: whether the engine's captured output, failing against the reference, is exact attention of
     the layer with a feature taken away (kvdbg.moves.whatif); a JSON record with the sentence the table shows."""
     from kvdbg.moves.whatif import WHAT_IFS, explain_output
@@ -190,7 +192,7 @@ def _what_if(snap, report, atol, rtol) -> dict:
         record["said"] = ("no change to try: the layer has none of ALiBi, a soft cap, a window, sinks or an FP8 "
                           "query scale")
     else:
-        found = explain_output(snap, atol=atol, rtol=rtol)
+        found = explain_output(snap, atol=atol, rtol=rtol, requests=requests)
         if found is None:
             record["said"] = (f"no change of the layer explains the captured output (tried {len(applicable)} "
                               f"alone and in pairs: {'; '.join(applicable)})")
