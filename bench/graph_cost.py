@@ -95,6 +95,9 @@ UNREACHED_STEP = 10**15
 KVDBG_HOOKS = ("after_build", "graph_call", "before_graph_replay", "after_graph_replay")
 # The engine's thread's parts of a wanted step that --thread-times also times in thread CPU time and switches.
 ENGINE_PARTS = ("metadata_copy", "stage", "program_run")
+# The capture thread's parts timed the same way with --thread-times: CPU time well under the wall time there is time
+# spent waiting (for the device, or for the interpreter's lock the engine's thread holds).
+CAPTURE_THREAD_PARTS = ("copies_ahead", "begin", "finish")
 # vLLM's IR ops on its native torch implementations (its compiled kernels are not carried): as the engine stage.
 NATIVE_IR_OPS = {"rms_norm": ["native"], "fused_add_rms_norm": ["native"], "gelu_and_mul_sparse": ["native"]}
 # Steps after a wanted one whose wall time beyond the round's median is reported with it.
@@ -196,7 +199,8 @@ class Timing:
     """The bench's wrappers: engine steps, graph replays on the device, kvdbg's hooks. Records only in rounds."""
 
     def __init__(self, thread_times: bool = False):
-        self.thread_times = thread_times  # --thread-times: ENGINE_PARTS also in thread CPU time and switches
+        # --thread-times: ENGINE_PARTS and CAPTURE_THREAD_PARTS also in thread CPU time and switches
+        self.thread_times = thread_times
         self.current: dict | None = None
         self.steps: list[dict] = []
         self.recording = False
@@ -419,6 +423,16 @@ class Timing:
             return out
 
         self._replace(StagedStep, "unique_ids", staged_ids)
+        copies_ahead = cls._copies_ahead
+
+        def ahead(state, job):
+            """A staged step's copies issued for every layer at once: its copies to the host begin here."""
+            if getattr(job, "bench_start", None) is not None and getattr(job, "bench_copies_begin", None) is None:
+                job.bench_copies_begin = torch.cuda.Event(enable_timing=True)
+                job.bench_copies_begin.record()
+            return copies_ahead(state, job)
+
+        self._replace(cls, "_copies_ahead", _timed(timing, "copies_ahead", ahead, "inner"))
         # The engine's thread's part of a wanted step: the build's copies to the host, the staging program.
         from kvdbg.capture import buffers as capture_buffers
         from kvdbg.vllm_plugin.graph_staging import GraphStager
@@ -477,7 +491,7 @@ def _record_for(timing: "Timing") -> dict | None:
 
 
 def _timed(timing: Timing, name: str, original, where: str):
-    if timing.thread_times and name in ENGINE_PARTS:
+    if timing.thread_times and (name in ENGINE_PARTS or name in CAPTURE_THREAD_PARTS):
         return _thread_timed(timing, name, original, where)
 
     def timed(*args, **kwargs):
@@ -1203,7 +1217,8 @@ def print_figures(figs: dict, records: dict) -> None:
         for name, t in f.get("thread", {}).items():
             if t.get("wall_us") and t.get("cpu_us"):
                 wall, cpu = t["wall_us"]["median"], t["cpu_us"]["median"]
-                print(f"    {name} on the engine's thread (medians): wall {wall:.0f} us, on the CPU {cpu:.0f} us "
+                where = "the capture thread" if name in CAPTURE_THREAD_PARTS else "the engine's thread"
+                print(f"    {name} on {where} (medians): wall {wall:.0f} us, on the CPU {cpu:.0f} us "
                       f"({cpu / wall if wall else 0:.0%}), voluntary switches {t['switches'].get('median', 0):g}")
         inner = {k: v.get("median") for k, v in f.get("inner_us", {}).items() if v.get("median") is not None}
         if inner:

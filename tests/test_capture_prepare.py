@@ -240,3 +240,21 @@ def test_a_span_is_one_copy_when_it_is_one_dense_run_of_memory_in_any_order_of_a
     assert in_memory_order(planes.narrow(1, 2, 3)) is None
     staged = _laid_out_like(cache, 0, 4)  # the staging program's buffer lies as the cache does
     assert staged.stride() != staged.contiguous().stride() and in_memory_order(staged.narrow(0, 1, 2)) is not None
+
+
+def test_a_copy_issued_ahead_is_handed_back_as_it_is_and_only_its_own():
+    """StepCopies.ahead: a later copy of that host tensor, or of a view of it, is the tensor itself (on a device it
+    is still being written; the writer waits for the step's events), any other host tensor is cloned as ever."""
+    from kvdbg.capture.buffers import StepCopies
+
+    copies = StepCopies(torch.device("cpu"))
+    source = torch.arange(24.0).view(6, 4)
+    early = copies.ahead(source)
+    assert early.data_ptr() != source.data_ptr() and torch.equal(early, source)
+    view = early[:3]
+    assert copies.copy(view) is view
+    other = torch.ones(3, 4)
+    again = copies.copy(other)
+    assert again is not other and torch.equal(again, other)
+    assert StepCopies(torch.device("cpu")).copy(view) is not view  # another step's copies: cloned
+    assert not copies.span_ahead(source, 0, 0, 6)  # on the host a span is read where it lies, nothing ahead

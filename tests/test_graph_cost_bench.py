@@ -119,12 +119,14 @@ def test_thread_times_tell_a_part_that_waited_from_one_that_ran():
 
     gc._timed(timing, "stage", time.sleep, "inner")(0.02)
     gc._timed(timing, "metadata_copy", spin, "inner")(0.02)
-    gc._timed(timing, "begin", time.sleep, "inner")(0.001)  # not an engine-thread part: wall time only
+    gc._timed(timing, "begin", time.sleep, "inner")(0.02)  # the capture thread's: timed the same way
+    gc._timed(timing, "buffer_take", time.sleep, "inner")(0.001)  # neither thread's timed part: wall time only
     assert record["inner"]["stage"] >= 20e6 and record["thread"]["stage"]["cpu_ns"] < 5e6
     assert record["thread"]["stage"]["switches"] >= 1
-    assert record["inner"]["metadata_copy"] >= 20e6 and set(record["thread"]) == {"stage", "metadata_copy"}
-    assert record["thread"]["metadata_copy"]["cpu_ns"] >= 20e6
-    assert "begin" in record["inner"] and not gc.Timing().thread_times
+    assert record["inner"]["metadata_copy"] >= 20e6
+    assert set(record["thread"]) == {"stage", "metadata_copy", "begin"}
+    assert record["thread"]["metadata_copy"]["cpu_ns"] >= 20e6 and record["thread"]["begin"]["cpu_ns"] < 5e6
+    assert "buffer_take" in record["inner"] and not gc.Timing().thread_times
 
     records = _records()
     engine = [w for w in records["capture"]["phases"]["wanted"] if w["role"] == "engine"]
@@ -429,8 +431,9 @@ def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(sta
         assert set(records[2]["inner"]) == {"begin", "finish", "gather", "metadata_read", "stage", "program_run"} \
             and not records[0]["inner"]
         assert 0 < records[2]["inner"]["program_run"] <= records[2]["inner"]["stage"]
-        if thread_times:  # the engine's thread's parts, also in its CPU time (the metadata copy is a GPU one)
-            assert set(records[2]["thread"]) == {"stage", "program_run"}
+        if thread_times:  # the engine's thread's parts, also in its CPU time (the metadata copy is a GPU one), and
+            # the capture thread's (on a CPU nothing is issued ahead: no stream of its own)
+            assert set(records[2]["thread"]) == {"stage", "program_run", "begin", "finish"}
             assert 0 < records[2]["thread"]["program_run"]["cpu_ns"] <= records[2]["thread"]["stage"]["cpu_ns"]
         else:
             assert not records[2]["thread"]

@@ -169,3 +169,33 @@ def test_a_staged_span_goes_to_the_host_in_one_copy_and_its_pages_are_picked_the
     copies.release()
     planes = torch.randn(2, 64, 16, 8, 64, device="cuda").to(torch.bfloat16)  # K and V planes outside the pages
     assert StepCopies(staged.device).block(planes, 1, positions) is None
+
+
+def test_a_span_and_copies_issued_ahead_are_taken_by_the_capture_that_follows_not_copied_again():
+    """The graph capture thread issues a staged step's copies for every layer before planning any: the plan's
+    block within that span and its copies of the query and output rows take what was issued."""
+    from kvdbg.capture.buffers import HostBuffers, StepCopies
+
+    staged = torch.randn(64, 16, 2, 8, 64, device="cuda").to(torch.bfloat16).permute(0, 2, 1, 3, 4)
+    query = torch.randn(32, 4, 64, device="cuda").to(torch.bfloat16)
+    copies = StepCopies(staged.device, HostBuffers())
+    assert copies.span_ahead(staged, 0, 0, 50)
+    pooled = list(copies.pooled)
+    early_query = copies.ahead(query)
+    positions = torch.tensor([40, 3, 17, 3, 49])
+    host, within = copies.block(staged, 0, positions)
+    rows = copies.copy(early_query[:20])
+    assert copies.pooled == pooled  # nothing copied again
+    assert rows.data_ptr() == early_query.data_ptr() and rows.shape[0] == 20
+    assert host.shape[0] == 50 and within.tolist() == positions.tolist()
+    beyond = copies.block(staged, 0, torch.tensor([3, 60]))  # outside the span: a copy of its own
+    assert beyond is not None and beyond[0].shape[0] == 58
+    copies.close()
+    copies.wait()
+    assert torch.equal(host.index_select(0, within), staged.cpu().index_select(0, positions))
+    assert torch.equal(rows, query[:20].cpu())
+    copies.release()
+    discarded = StepCopies(staged.device, HostBuffers())
+    assert discarded.span_ahead(staged, 0, 0, 10) and discarded.pooled
+    discarded.discard()
+    assert not discarded.pooled and discarded.block(staged, 0, torch.tensor([1]))[0].shape[0] == 1

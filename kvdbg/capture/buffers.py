@@ -174,6 +174,10 @@ class StepCopies:
         self.pooled: list[torch.Tensor] = []
         self._events: list[Any] = []
         self._streams: list[Any] = []  # streams with copies that no event covers yet (see mark)
+        # Copies issued ahead (:meth:`ahead`, :meth:`span_ahead`): host tensors still being written, which
+        # :meth:`copy` hands back as they are, and staged spans :meth:`block` takes instead of copying again.
+        self._ahead: set[int] = set()
+        self._spans: list[tuple[torch.Tensor, int, int, int, torch.Tensor]] = []
 
     # ---------------------------------------------------------------- engine thread
 
@@ -186,6 +190,8 @@ class StepCopies:
         if t.requires_grad:
             t = t.detach()
         if t.is_cpu:
+            if self._ahead and t.untyped_storage().data_ptr() in self._ahead:
+                return t  # issued ahead by these copies: the events the writer waits for cover it
             return t.clone(memory_format=torch.contiguous_format)
         if self.cuda:
             return t.to("cpu", non_blocking=True)  # pinned from torch's caching host allocator
@@ -262,6 +268,13 @@ class StepCopies:
         if not self.cuda or source.is_cpu or positions.numel() == 0:
             return None
         lo, hi = int(positions.min()), int(positions.max()) + 1
+        for issued, issued_dim, first, end, host in self._spans:
+            if issued is source and issued_dim == dim and first <= lo and hi <= end:
+                return host, positions - first  # the span went to the host ahead (span_ahead)
+        return self._span(source, dim, lo, hi, positions)
+
+    def _span(self, source: torch.Tensor, dim: int, lo: int, hi: int,
+              positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         dense = in_memory_order(source.narrow(dim, lo, hi - lo))
         if dense is None:
             return None
@@ -276,7 +289,37 @@ class StepCopies:
         else:
             host = torch.empty(span.shape, dtype=span.dtype, pin_memory=True)
         host.copy_(span, non_blocking=True)  # the current stream: the event close() records there covers it
-        return host.permute(*back), positions - lo
+        return host.permute(*back), None if positions is None else positions - lo
+
+    def ahead(self, t: torch.Tensor) -> torch.Tensor:
+        """:meth:`copy`, issued before the capture that reads it is planned: a later :meth:`copy` of this host
+        tensor, or of a view of it, hands it back as it is (still being written; the writer waits for the events
+        :meth:`close` records). The graph capture thread issues a staged step's copies for every layer this way,
+        before it plans any layer, so the device copies them back to back instead of one layer's Python apart."""
+        host = self.copy(t)
+        if not host.is_cpu or host is t:
+            return host
+        self._ahead.add(host.untyped_storage().data_ptr())
+        return host
+
+    def span_ahead(self, source: torch.Tensor, dim: int, lo: int, hi: int) -> bool:
+        """Issue now the copy :meth:`block` would make of the pages ``lo`` to ``hi`` of ``source`` (a staged buffer);
+        a later :meth:`block` within that span takes it instead. False where :meth:`block` would not apply."""
+        if not self.cuda or source.is_cpu or hi <= lo:
+            return False
+        done = self._span(source, dim, lo, hi, None)
+        if done is None:
+            return False
+        self._spans.append((source, dim, lo, hi, done[0]))
+        return True
+
+    def discard(self) -> None:
+        """Copies issued ahead that no capture took over: once the device has made them, their buffers go back."""
+        self.close()
+        self.wait()
+        self.release()
+        self._spans.clear()
+        self._ahead.clear()
 
     def mark(self) -> None:
         """Remember the current stream, whose copies so far :meth:`close` must cover (CUDA; a no-op on CPU).

@@ -382,6 +382,16 @@ class Capturer(CaptureWriter):
                 self._queue_budget, self._queue_budget_why = int(configured), f"{ENV_QUEUE_BYTES}={configured}"
         return self._queue_budget
 
+    @property
+    def host_buffers(self) -> HostBuffers:
+        """The pool of host buffers this capturer's copies take (reused between steps)."""
+        return self._buffers
+
+    def queue_would_take(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more would fit the background writer's queue now (nothing counted or said: the
+        capture of each layer still asks on its own)."""
+        return not self.config.background or self._queued_bytes + nbytes <= self.queue_budget()
+
     def _queue_has_room(self, nbytes: int, where: str) -> bool:
         budget = self.queue_budget()
         if self._queued_bytes + nbytes <= budget:

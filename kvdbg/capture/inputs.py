@@ -249,6 +249,9 @@ class StepTensors:
     # The step's pages staged in device memory right after the engine ran it (a replayed CUDA graph's step,
     # kvdbg.vllm_plugin.graph_staging): read from there, by engine page id, instead of from kv_cache.
     staged: Any = None
+    # Host copies already issued for this step (kvdbg.capture.buffers.StepCopies, copies issued ahead: the graph
+    # capture thread issues a staged step's for every layer before it plans any): the capture takes them over.
+    copies: Any = None
 
 
 # --------------------------------------------------------------------------- engine facts

@@ -386,7 +386,7 @@ def plan_capture(layer: CaptureLayer, backend: CaptureBackend, tensors: StepTens
     # The metadata that decides which pages to copy: read now, on the host.
     if t.metadata_ready is not None:
         t.metadata_ready.synchronize()
-    copies = StepCopies(kv_cache.device, buffers)
+    copies = t.copies if t.copies is not None else StepCopies(kv_cache.device, buffers)
     own = _keep_on_host if t.metadata_copied else _copy_now
     bt, sl, qsl = own(t.block_table, copies), own(t.seq_lens, copies), own(t.query_start_loc, copies)
     if bt.ndim != 2:

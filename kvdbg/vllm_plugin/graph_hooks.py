@@ -452,14 +452,20 @@ class GraphHooks:
         staged = job.staged
         read: dict[int, Any] = {}
         with where:
+            ahead = self._copies_ahead(job) if staged is not None and stream is not None else {}
             try:
                 for slot, step, ctx in job.items:
                     if job.abandoned:
                         break
                     query, output, pages = slot.query, slot.output, None
-                    if staged is not None:  # the step's copies on the device, which no later step overwrites
+                    early = ahead.pop(slot.name, None)
+                    if early is not None:  # its copies to the host are on their way already
+                        early_copies, query, output = early
+                        pages = staged.pages_for(slot.name, True)
+                    elif staged is not None:  # the step's copies on the device, which no later step overwrites
                         copies = staged.layers[slot.name]
                         query, output, pages = copies.query, copies.output, staged.pages_for(slot.name, True)
+                    pending = None
                     try:
                         if ctx.deferred is not None:  # the metadata as the program staged it, read once a step
                             known = read.get(id(ctx))
@@ -470,12 +476,16 @@ class GraphHooks:
                                                      slot.kv_cache, ctx, None, output.dtype
                                                      if output is not None else slot.layer.dtype,
                                                      notes=f"replayed from a full CUDA graph of {job.tokens} tokens",
-                                                     staged=pages)
+                                                     staged=pages, copies=None if early is None else early_copies)
                         if pending is not None:
                             self.capturer.finish(pending, output)
                     except Exception as exc:
                         self.capturer.report(exc, "after a CUDA graph's replay", step_lost=True)
+                    if early is not None and pending is None:  # not captured after all: its copies let go
+                        early_copies.discard()
             finally:
+                for early_copies, _, _ in ahead.values():  # layers never reached (an abandoned job)
+                    early_copies.discard()
                 if staged is not None:
                     staged.release()  # every read of the staged buffers is issued: the next run may reuse them
             if stream is not None:
@@ -483,6 +493,41 @@ class GraphHooks:
 
                 job.issued = torch.cuda.Event()
                 job.issued.record(stream)
+
+    def _copies_ahead(self, job: _GraphJob) -> dict:
+        """A staged step's copies to the host for every layer, issued at once on the capture thread's stream, before
+        any layer is planned: per layer, its staged pages (every staged position: one copy in memory order), its
+        query and its output. The device then makes them back to back, where issued layer by layer they would
+        come one layer's Python apart (a millisecond and more, the engine's thread holding the interpreter's
+        lock meanwhile). {name: (StepCopies, query on the host, output on the host)}; empty when the copies
+        would not fit the writer's queue, or a layer's pages cannot go in one copy (each is then read as before)."""
+        from kvdbg.capture.buffers import StepCopies
+
+        staged, capturer = job.staged, self.capturer
+        layers = staged.layers
+        spans = []
+        total = 0
+        for slot, _, _ in job.items:
+            layer = layers.get(slot.name)
+            if layer is None:
+                return {}
+            pages = layer.pages
+            nbytes = pages.element_size() * (pages.numel() // max(1, pages.shape[layer.page_dim])) * staged.count
+            spans.append((slot.name, layer, nbytes))
+            total += nbytes + 2 * layer.query.numel() * layer.query.element_size()
+        if not capturer.queue_would_take(total):
+            return {}
+        ahead = {}
+        for name, layer, _ in spans:
+            copies = StepCopies(job.device, capturer.host_buffers)
+            if not copies.span_ahead(layer.pages, layer.page_dim, 0, staged.count):
+                copies.discard()
+                for other, _, _ in ahead.values():
+                    other.discard()
+                return {}
+            ahead[name] = (copies, copies.ahead(layer.query),
+                           None if layer.output is None else copies.ahead(layer.output))
+        return ahead
 
     def _graph_metadata(self, ctx: Any, staged: Any) -> Any:
         """The capture thread's copy of a deferred build's context, with its metadata as the staging program copied

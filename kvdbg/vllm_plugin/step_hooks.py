@@ -97,10 +97,11 @@ class StepHooks:
 
     def start_capture(self, impl: Any, layer: Any, step: int, query, key, value, kv_cache,
                       ctx: "_EngineContext | str", pre: "PreUpdate | None", model_dtype,
-                      notes: str = "", staged: Any = None) -> "PendingCapture | None":
+                      notes: str = "", staged: Any = None, copies: Any = None) -> "PendingCapture | None":
         """Begin capturing a step the filters want: its layout, its metadata (``ctx``, or why it is unknown),
         its copies. From a forward, or from the buffers a CUDA graph's replay wrote (``graph_hooks``); with
-        ``staged``, the pages are read from their copy staged on the device (``graph_staging``)."""
+        ``staged``, the pages are read from their copy staged on the device (``graph_staging``); ``copies``: the
+        step's host copies already issued (kvdbg.capture.buffers.StepCopies.ahead), taken over."""
         from kvdbg.capture.capturer import CaptureInputError
 
         if isinstance(ctx, str):  # the step's metadata is unknown: the step is lost, not the layer
@@ -123,7 +124,7 @@ class StepHooks:
         target = self.capture_layer(impl, layer, kv_layout, model_dtype)
         backend, tensors, provenance = self.step_capture(impl, ctx, query, key, value, kv_cache, pre, layer,
                                                          kv_layout)
-        tensors.staged = staged
+        tensors.staged, tensors.copies = staged, copies
         return self.capturer.begin(target, backend, tensors, step=step, info=provenance, notes=notes)
 
     def step_capture(self, impl: Any, ctx: _EngineContext, query, key, value, kv_cache, pre: "PreUpdate | None",
