@@ -440,7 +440,7 @@ class Timing:
         self._replace(capture_buffers, "copies_to_host",
                       _timed(timing, "metadata_copy", capture_buffers.copies_to_host, "inner"))
         self._replace(GraphStager, "stage", _timed(timing, "stage", GraphStager.stage, "inner"))
-        # Within the stage: the program's run (the positions' copy, the graph's launch, its event); the rest of the
+        # Within the stage: the program's run (the counts' copy, the graph's launch, its event); the rest of the
         # stage is its Python and numpy.
         from kvdbg.vllm_plugin.graph_staging import _Program
 

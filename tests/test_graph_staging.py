@@ -165,3 +165,29 @@ def test_whether_a_program_is_likely_free_for_the_next_step():
     first.release()
     assert stager.likely_free()
     second.release()
+
+
+def test_the_program_lays_each_requests_pages_out_after_the_last_and_reads_the_first_entry_past_them():
+    """The host hands the program only each request's number of pages (from its bound on the lengths); the
+    program works out where each staged page is read in the block table: requests one after another, a request of
+    no pages taking no place, a row's entries in order, the positions past the step's pages reading entry 0."""
+    cache = torch.randn(40, 2, 16, 2, 8)
+    table = torch.arange(1, 8 * 24 + 1, dtype=torch.int32).view(8, 24) % 40
+    bound = torch.tensor([20, 0, 40, 1, 16], dtype=torch.int32)  # pages of 16: 2, 0, 3, 1, 1
+    hint = StageHint(table[:5], 5, bound, 40)
+    staged = GraphStager().stage([_layer("l0", cache, torch.randn(16, 4, 8), None)], hint, 16, 12)
+    expected = [table[0, 0], table[0, 1], table[2, 0], table[2, 1], table[2, 2], table[3, 0], table[4, 0]]
+    assert staged.count == 7 and staged.counts.tolist() == [2, 0, 3, 1, 1]
+    program = staged.program
+    assert program.ids[:7].tolist() == [int(t) for t in expected]
+    assert set(program.ids[7:].tolist()) == {int(table[0, 0])}  # past the step's pages: entry 0 again
+    assert staged.row_starts.tolist() == [0, 2, 2, 5, 6]
+    assert staged.position_table().tolist() == [[0, 1, -1], [-1, -1, -1], [2, 3, 4], [5, -1, -1], [6, -1, -1]]
+    torch.testing.assert_close(staged.pages_for("l0").pages[:7], cache.index_select(0, program.ids[:7].long()),
+                               rtol=0, atol=0)
+    # A later step of fewer requests run by the same program: the rows past it count no pages.
+    again, layers = GraphStager(), [_layer("l0", cache, torch.randn(16, 4, 8), None)]
+    first = again.stage(layers, StageHint(table[:5], 5, bound, 40, None, None, 5), 16, 12)
+    fewer = again.stage(layers, StageHint(table[:5], 2, bound, 40, None, None, 5), 16, 12)
+    assert fewer.program is first.program and fewer.count == 2
+    assert fewer.program.ids.tolist() == [int(table[0, 0]), int(table[0, 1])] + [int(table[0, 0])] * 62

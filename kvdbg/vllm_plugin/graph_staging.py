@@ -10,15 +10,16 @@ Staging orders the reads on the device instead, with no host wait and a constant
 
 - the host knows, when the builder builds, a bound on every request's length (vLLM's
   ``seq_lens_cpu_upper_bound``, else ``max_seq_len`` for every row), so it knows how many block-table
-  entries each request may read: the flat positions ``row * stride + column`` of those entries;
-- right after the replay, on the engine's stream, a *staging program* reads them: the page ids from the
-  block table the step used (the runner's persistent one, as the graph did), clamped into the cache, then
+  entries each request may read: a count per request, all the host works out;
+- right after the replay, on the engine's stream, a *staging program* lays the requests' entries out one
+  after another, works out on the device where each is in the block table (``row * stride + column``), and
+  reads them: the page ids from the block table the step used (the runner's persistent one, as the graph did), clamped into the cache, then
   each selected layer's pages by those ids, its query and its output, into device buffers of its own; and
   the step's metadata as the graph read it (the runner's block table, lengths and query offsets, which a
   full graph reads at one place every step), so the build copies none of it to the host (``builder_hooks``).
   On a GPU the program is a small CUDA graph of kvdbg's, recorded once per size (the first use of a size
   runs it eagerly, then records it), so a step costs the engine's thread three torch ops whatever the
-  number of layers: the positions' copy (from a page-locked buffer of the program's own), the graph's
+  number of layers: the counts' copy (from a page-locked buffer of the program's own), the graph's
   launch and an event (the program's own), and a wait on the device for each reader that let the program
   go since its last run;
 - the graph capture thread then takes its time: it reads the metadata and the page ids back, keeps the
@@ -27,7 +28,7 @@ Staging orders the reads on the device instead, with no host wait and a constant
 
 A program's buffers are reused by its next step; the capture thread (or the sentinel's check) *holds* a
 program until it has read what it needs and then records an event, on which the next run waits on the
-device; its positions' buffer is written again only once the last run's copy of it is known done (a reader
+device; its counts' buffer is written again only once the last run's copy of it is known done (a reader
 waited for the run, or its event has passed). A program not free when another step wants it is not waited
 for: a second program of that size
 is made, up to :data:`PROGRAMS_PER_SIZE`, and past that (or past :data:`STAGING_MAX_BYTES` of device
@@ -141,7 +142,6 @@ class StagedStep:
     rows: int  # the graph's tokens: the rows of each layer's query and output buffers that were copied
     count: int
     counts: np.ndarray
-    row_starts: np.ndarray
     page_size: int
     ready: Any  # torch.cuda.Event after the program (None on a CPU); the program's own, recorded again next run
     run: int = 0  # the program's run that staged this step
@@ -198,6 +198,11 @@ class StagedStep:
         layer = self.layers[name]
         return StagedPages(self, layer.pages, layer.page_dim, own_stream)
 
+    @property
+    def row_starts(self) -> np.ndarray:
+        """Each request's first staged position (the program laid the requests' pages out one after another)."""
+        return np.cumsum(self.counts) - self.counts
+
     def position_table(self) -> np.ndarray:
         """The step's block table in staged positions ([requests, most pages], -1 past a row's pages): what a
         reader of the staged pages uses in place of the engine's block table (made once)."""
@@ -234,13 +239,21 @@ class _Program:
         # reads any row of the runner's buffer through it, whatever the batch's number of rows.
         self.table = _to_storage_end(block_table)
         self.table_stride = block_table.stride(0)
-        self.index = torch.zeros(pages, dtype=torch.int64, device=block_table.device)
-        self.ids = torch.zeros(pages, dtype=block_table.dtype, device=block_table.device)
-        # The positions are written into a page-locked buffer of the program's own, not one allocated per step
-        # (a torch call less on the engine's thread); it is written again only once the last run's copy of it
-        # is known to be done (see reusable). The event after a run is the program's own too.
-        self.host_index = torch.zeros(pages, dtype=torch.int64, pin_memory=cuda)
-        self.host_values = self.host_index.numpy()
+        # The host hands the program each request's number of pages to stage (at most ``rows`` requests, zero past
+        # the step's); the program lays them out one request after another and works out, on the device, the
+        # block-table position each staged page is read from (_body), so the engine's thread does no more than
+        # count pages. The counts are written into a page-locked buffer of the program's own, not one allocated
+        # per step (a torch call less on the engine's thread); it is written again only once the last run's copy
+        # of it is known to be done (see reusable). The event after a run is the program's own too.
+        reqs = max(1, rows, hint.num_reqs)
+        device = block_table.device
+        self.counts = torch.zeros(reqs, dtype=torch.int64, device=device)
+        self.host_counts = torch.zeros(reqs, dtype=torch.int64, pin_memory=cuda)
+        self.host_values = self.host_counts.numpy()
+        self.slots = torch.arange(pages, dtype=torch.int64, device=device)  # the staged positions 0 .. pages-1
+        self.index = torch.zeros(pages, dtype=torch.int64, device=device)
+        self.ids = torch.zeros(pages, dtype=block_table.dtype, device=device)
+        self.row_base = torch.arange(reqs, dtype=torch.int64, device=device) * self.table_stride
         self.ready = torch.cuda.Event() if cuda else None
         self.runs = 0
         self._seen = 0  # the latest run a reader waited for on the host
@@ -257,7 +270,7 @@ class _Program:
         # first ``rows`` rows of the runner's buffers; None when the build gave no device lengths and offsets.
         self.metadata = _metadata_buffers(self.table, self.table_stride, hint, rows)
         self.nbytes = sum(t.numel() * t.element_size() for layer in self.layers for t in (layer[4], layer[6], layer[7])
-                          if t is not None) + 3 * pages * 8
+                          if t is not None) + 4 * pages * 8 + 3 * reqs * 8
         if self.metadata is not None:
             self.nbytes += sum(t.numel() * t.element_size() for t in self.metadata[:3])
         self.graph = None
@@ -280,13 +293,13 @@ class _Program:
             hint.query_start_loc.data_ptr() == meta[5].data_ptr() and hint.num_reqs <= meta[4].numel()
 
     def seen(self, run: int) -> None:
-        """A reader waited on the host for ``run``'s work: its copy of the positions is done."""
+        """A reader waited on the host for ``run``'s work: its copy of the counts is done."""
         with self._lock:
             self._seen = max(self._seen, run)
 
     def reusable(self) -> bool:
         """Whether a step may be staged with this program now: no reader holds it, and its last run's copy of
-        the positions is done (a reader waited for it, else the run's event says so: one query, no wait)."""
+        the counts is done (a reader waited for it, else the run's event says so: one query, no wait)."""
         if self._holders:
             return False
         if self.ready is None or self._seen >= self.runs:
@@ -327,6 +340,14 @@ class _Program:
     def _body(self) -> None:
         import torch
 
+        # Staged position p belongs to the request r whose pages end first past it (the counts laid out one
+        # after another), as that request's entry j = p - (its first position); its block-table position is
+        # r * stride + j. Positions past the step's pages read entry 0: a real page of the first request.
+        ends = torch.cumsum(self.counts, 0)
+        request = torch.searchsorted(ends, self.slots, right=True).clamp_(max=self.counts.numel() - 1)
+        first = (ends - self.counts).index_select(0, request)
+        flat = self.row_base.index_select(0, request) + (self.slots - first)
+        self.index.copy_(flat.masked_fill_(self.slots >= ends[-1], 0))
         torch.index_select(self.table, 0, self.index, out=self.ids)
         # Entries past a request's pages may hold anything the runner left there: never an id outside the cache.
         self.ids.clamp_(0, self.highest)
@@ -339,17 +360,17 @@ class _Program:
             if output is not None:
                 output_copy.copy_(output)
 
-    def run(self, flat: np.ndarray) -> Any:
-        """Stage a step whose block-table positions are ``flat`` (engine's thread, engine's stream; only when
-        :meth:`reusable`); returns the event after the work (None on a CPU). A step costs the engine's thread
-        three torch ops: the positions' copy, the graph's launch, the event (and a device wait per reader that
-        released the program since)."""
+    def run(self, counts: np.ndarray) -> Any:
+        """Stage a step whose requests have ``counts`` pages each to stage, in the block table's rows from the
+        first (engine's thread, engine's stream; only when :meth:`reusable`); returns the event after the work
+        (None on a CPU). A step costs the engine's thread three torch ops: the counts' copy, the graph's launch,
+        the event (and a device wait per reader that released the program since)."""
         values = self.host_values
-        values[: flat.size] = flat
-        values[flat.size:] = 0  # the first entry of the table: a real page of the first request, read again
+        values[: counts.size] = counts
+        values[counts.size:] = 0
         self.runs += 1
         if self.ready is None:
-            self.index.copy_(self.host_index)
+            self.counts.copy_(self.host_counts)
             self._body()
             return None
         from kvdbg.capture.buffers import current_stream
@@ -360,7 +381,7 @@ class _Program:
                 released, self._released = self._released, []
             for event in released:  # the last holders' reads of these buffers come first (a wait on the device)
                 stream.wait_event(event)
-        self.index.copy_(self.host_index, non_blocking=True)
+        self.counts.copy_(self.host_counts, non_blocking=True)
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -472,18 +493,13 @@ class GraphStager:
         program = self._program(key, hint, layers, size, reqs)
         if program is None:
             return None
-        starts = np.cumsum(counts) - counts
-        # Entry j of request r's pages is at flat position r * stride + j: the staged position of that entry is
-        # starts[r] + j, so the flat position is the staged position plus (r * stride - starts[r]).
-        shift = np.arange(n, dtype=np.int64) * table.stride(0) - starts
-        flat = np.repeat(shift, counts) + np.arange(total, dtype=np.int64)
         recorded = program.graph is not None
-        ready = program.run(flat)
+        ready = program.run(counts)  # the program lays the requests' pages out one after another, on the device
         if program.graph is not None and not recorded:  # its first run recorded it: once per size, said at exit
             self.recordings += 1
             self.recording_ms += program.recorded_ms
         self.staged += 1
-        return StagedStep(program, rows, total, counts, starts, page_size, ready, program.runs, n, width,
+        return StagedStep(program, rows, total, counts, page_size, ready, program.runs, n, width,
                           program.reads_metadata_of(hint))
 
     def _layers_key(self, layers: list[tuple]) -> tuple:
