@@ -191,7 +191,7 @@ class SplitExplained:
         return self.parts[0][1].tolerance
 
     def _who(self, keys) -> str:
-        from kvdbg.render.front import ranges
+        from kvdbg.util.ranges import ranges_text as ranges
 
         if not self.multi_step:
             numbers = [request for _, request in keys]

@@ -23,6 +23,7 @@ from kvdbg.render.fit import Column, FitTable
 from kvdbg.render.shell import continuation_indent, shell_lines
 from kvdbg.render.replay import _fmt, dedupe_findings, nothing_to_compare, render_verdict
 from kvdbg.replayer.runner import ReplayReport
+from kvdbg.util.ranges import ranges_text as ranges
 
 MAX_FAILING_REQUESTS = 3  # requests named per comparison row; the rest are counted (--full lists every head)
 # Finding topics whose condition a table of another command shows: paging -> map, the FLASHINFER_TS rules -> window.
@@ -36,21 +37,6 @@ class Hint:
 
     command: str
     why: str
-
-
-def ranges(numbers) -> str:
-    """``[0, 1, 2, 3, 7]`` -> ``0-3, 7``."""
-    numbers = sorted(set(numbers))
-    parts: list[str] = []
-    start = prev = None
-    for n in numbers + [None]:
-        if start is not None and (n is None or n != prev + 1):
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = None
-        if n is not None and start is None:
-            start = n
-        prev = n
-    return ", ".join(parts)
 
 
 def _pairs(comparisons: list[Comparison]) -> dict[tuple[str, str], list[Comparison]]:

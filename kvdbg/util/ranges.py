@@ -43,6 +43,7 @@ __all__ = [
     "RangeError",
     "parse_int_list",
     "parse_ranges",
+    "ranges_text",
 ]
 
 # The largest number the grammar reads (an int64 index); longer digit strings are refused before
@@ -210,6 +211,21 @@ def _merged(spans) -> tuple[tuple[int, int | None], ...]:
             continue
         out.append([lo, hi])
     return tuple((lo, hi) for lo, hi in out)
+
+
+def ranges_text(numbers) -> str:
+    """``[0, 1, 2, 3, 7]`` -> ``0-3, 7`` (sorted, each number once)."""
+    numbers = sorted(set(numbers))
+    parts: list[str] = []
+    start = prev = None
+    for n in numbers + [None]:
+        if start is not None and (n is None or n != prev + 1):
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if n is not None and start is None:
+            start = n
+        prev = n
+    return ", ".join(parts)
 
 
 def parse_ranges(text: str, what: str, *, open_ended: bool = True, max_value: int = MAX_VALUE) -> IntRanges:
