@@ -191,3 +191,55 @@ def test_the_program_lays_each_requests_pages_out_after_the_last_and_reads_the_f
     fewer = again.stage(layers, StageHint(table[:5], 2, bound, 40, None, None, 5), 16, 12)
     assert fewer.program is first.program and fewer.count == 2
     assert fewer.program.ids.tolist() == [int(table[0, 0]), int(table[0, 1])] + [int(table[0, 0])] * 62
+
+
+def test_copies_issued_ahead_are_all_given_back_when_a_layers_cannot_be_and_a_failure_falls_back_in_words(
+        monkeypatch):
+    """The graph capture thread's burst of copies: a layer whose pages cannot go in one copy (or a copy that
+    raises) leaves nothing issued behind (each StepCopies made is discarded) and the step's layers are then read
+    one by one; a raise is said once, never lost with the staged buffers still held."""
+    from types import SimpleNamespace
+
+    from kvdbg.capture import buffers
+    from kvdbg.vllm_plugin.graph_hooks import GraphHooks
+
+    made = []
+
+    class Copies:
+        def __init__(self, device, pool):
+            self.discarded = False
+            made.append(self)
+
+        def span_ahead(self, pages, dim, lo, hi):
+            if len(made) == 3:
+                raise RuntimeError("pinned memory exhausted (a stand-in failure)")
+            return len(made) < 2 or mode == "all"
+
+        def ahead(self, t):
+            return t
+
+        def discard(self):
+            self.discarded = True
+
+    monkeypatch.setattr(buffers, "StepCopies", Copies)
+    layer = SimpleNamespace(pages=torch.zeros(8, 2, 4), page_dim=0, query=torch.zeros(4, 2), output=None)
+    staged = SimpleNamespace(layers={"a": layer, "b": layer, "c": layer}, count=8)
+    job = SimpleNamespace(staged=staged, device="cpu",
+                          items=[(SimpleNamespace(name=n), 0, None) for n in ("a", "b", "c")])
+    notes = []
+    capturer = SimpleNamespace(queue_would_take=lambda n: True, host_buffers=None,
+                               _note_once=lambda key, text: notes.append(text))
+    state = SimpleNamespace(capturer=capturer)
+    state._copies_ahead = lambda j: GraphHooks._copies_ahead(state, j)
+
+    mode = "second refuses"
+    assert GraphHooks._issue_ahead(state, job) == {}
+    assert len(made) == 2 and all(c.discarded for c in made)  # the first layer's burst given back too
+    made.clear()
+    mode = "all"
+    assert GraphHooks._issue_ahead(state, job) == {}  # the third layer's copy raises
+    assert len(made) == 3 and all(c.discarded for c in made)
+    assert len(notes) == 1 and "copied one by one" in notes[0] and "stand-in failure" in notes[0]
+    made.clear()
+    capturer.queue_would_take = lambda n: False  # over the writer's queue: nothing issued at all
+    assert GraphHooks._issue_ahead(state, job) == {} and not made
