@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -9,12 +10,13 @@ import random
 import pytest
 import torch
 
+from kvdbg.backends.reference import ReferenceImpl
 from kvdbg.snapshot.layout import join_kv, quantize_fp8
 from kvdbg.capture.prepare import CaptureLayer
 from kvdbg.capture.engine_layouts import vllm_to_cpu_attn
 from kvdbg.errors import OptionError
 from kvdbg.snapshot.format import LAYOUT_KV_PLANES, LAYOUT_VLLM
-from kvdbg.sentinel.checker import Sentinel, StepInputs, check_step, choose_pairs
+from kvdbg.sentinel.checker import Sentinel, StepInputs, check_layers, check_step, choose_pairs
 from kvdbg.sentinel.config import DEFAULT_RATE, SentinelConfig, parse_rate, sentinel_requested
 
 HQ, HKV, D, PS, PAGES = 4, 2, 16, 8, 40
@@ -50,8 +52,10 @@ def _dense(q, k, v, scale, *, pos0, window=None, cap=None, sink=None, slope=None
     return torch.softmax(s, -1) @ v
 
 
-def make_step(layer: CaptureLayer, *, seed=0, seq_lens=(37, 9, 21), query_lens=(1, 4, 1), fp8=False):
-    """A cache in the layer's engine layout and the output an honest kernel would give, in the model dtype."""
+def make_step(layer: CaptureLayer, *, seed=0, seq_lens=(37, 9, 21), query_lens=(1, 4, 1), fp8=False,
+              table_seed=None):
+    """A cache in the layer's engine layout and the output an honest kernel would give, in the model dtype
+    (``table_seed``: the block table drawn apart from the rest, the same for every ``seed``)."""
     g = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, layer.dtype)
     keys = torch.randn(PAGES, HKV, PS, D, generator=g) * 2
@@ -67,7 +71,8 @@ def make_step(layer: CaptureLayer, *, seed=0, seq_lens=(37, 9, 21), query_lens=(
             cache = vllm_to_cpu_attn(cache)
         elif layer.kv_layout == LAYOUT_KV_PLANES:
             cache = join_kv(keys.to(dtype), values.to(dtype), LAYOUT_KV_PLANES)
-    perm = torch.randperm(PAGES - 1, generator=g) + 1  # page 0 is vLLM's null block
+    drawn = g if table_seed is None else torch.Generator().manual_seed(table_seed)
+    perm = torch.randperm(PAGES - 1, generator=drawn) + 1  # page 0 is vLLM's null block
     width = max(-(-n // PS) for n in seq_lens) + 1
     table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     used = 0
@@ -119,6 +124,72 @@ def test_an_honest_step_passes_every_pair(kw):
         assert len(result.pairs) == len(ALL_PAIRS)
         assert result.passed, [(p.request, p.head, p.diff.max_abs) for p in result.failed_pairs]
         assert result.finding() is None
+
+
+def _one_step_of_layers(count: int, **kw) -> list:
+    """``count`` layers of one step: their own caches, queries and outputs, the step's metadata tensors shared."""
+    entries = []
+    for i in range(count):
+        layer = _layer(name=f"model.layers.{i}.self_attn.attn", **kw)
+        inputs = make_step(layer, seed=10 + i, fp8=layer.kv_cache_dtype.startswith("fp8"), table_seed=3)
+        if entries:
+            shared = entries[0][1]
+            assert torch.equal(inputs.block_table, shared.block_table)
+            inputs = dataclasses.replace(inputs, block_table=shared.block_table, seq_lens=shared.seq_lens,
+                                         query_start_loc=shared.query_start_loc)
+        entries.append((layer, inputs))
+    return entries
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"kv_layout": LAYOUT_KV_PLANES},
+    {"sliding_window": 6, "logits_soft_cap": 5.0},
+    {"kv_cache_dtype": "fp8", "k_scale": 0.05, "v_scale": 0.02, "dtype": "float16"},
+    {"sinks": [0.5, -1.0, 2.0, 0.0]},
+], ids=["bf16", "kv_planes", "window_cap", "fp8", "sinks"])
+def test_a_steps_layers_checked_together_match_each_checked_alone(kw, monkeypatch):
+    entries = _one_step_of_layers(3, **kw)
+    out = entries[1][1].output.view(-1, HQ, D)
+    out[1:5, 2] += 0.5  # layer 1 only: request 1 (tokens 1..4), head 2
+    alone = [check_step(layer, inputs, pairs=ALL_PAIRS, step=4) for layer, inputs in entries]
+    calls = []
+    forward = ReferenceImpl.forward
+    monkeypatch.setattr(ReferenceImpl, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    together = check_layers(entries, pairs=ALL_PAIRS, step=4)
+    # One reference problem for the three layers (one per head where heads carry their own values).
+    assert len(calls) == (HQ if "sinks" in kw else 1)
+    assert [r.layer for r in together] == [layer.name for layer, _ in entries]
+    for one, both in zip(alone, together):
+        assert both.tolerance == one.tolerance
+        assert [(p.request, p.head, p.passed) for p in both.pairs] == [(p.request, p.head, p.passed)
+                                                                       for p in one.pairs]
+        for a, b in zip(one.pairs, both.pairs):
+            assert (a.diff is None) == (b.diff is None)
+            if a.diff is not None:
+                assert b.diff.max_abs == pytest.approx(a.diff.max_abs, rel=1e-6, abs=1e-6)
+    assert [p.passed for p in together[0].pairs + together[2].pairs] == [True] * (2 * len(ALL_PAIRS))
+    assert [(p.request, p.head) for p in together[1].failed_pairs] == [(1, 2)]
+
+
+def test_layers_unlike_each_other_are_checked_apart():
+    entries = _one_step_of_layers(2) + [(_layer(name="model.layers.9.self_attn.attn", sliding_window=6),
+                                         make_step(_layer(sliding_window=6), seed=4, table_seed=3))]
+    entries[2][1].output.view(-1, HQ, D)[0, 3] = float("nan")
+    results = check_layers(entries, pairs=ALL_PAIRS, step=2)
+    assert [r.passed for r in results] == [True, True, False]
+    assert results[2].nonfinite is not None and (results[2].nonfinite.request, results[2].nonfinite.head) == (0, 3)
+    assert results[0].nonfinite is None and len(results[0].pairs) == len(ALL_PAIRS)
+
+
+def test_one_layers_own_draw_of_pairs_when_checked_together():
+    entries = _one_step_of_layers(3)
+    rng = random.Random(5)
+    results = check_layers(entries, pairs=2, rng=rng, step=0)
+    again = random.Random(5)
+    expected = [sorted(choose_pairs([1, 4, 1], HQ, 2, again)) for _ in entries]
+    assert [[(p.request, p.head) for p in r.pairs] for r in results] == expected
+    assert all(r.passed for r in results)
 
 
 def test_one_corrupted_head_is_found_and_named():
@@ -206,6 +277,15 @@ def test_sampling_rate_layers_and_one_draw_per_step():
     assert all(sentinel.sampled("model.layers.1.attn", 9000) == first for _ in range(20))
     same = [Sentinel(SentinelConfig(directory="/tmp/x", rate=0.25, seed=11)) for _ in range(2)]
     assert [same[0].sampled("a", s) for s in range(50)] == [same[1].sampled("a", s) for s in range(50)]
+    # One draw a step for all its layers: a drawn step is checked on every selected layer at once (a graph's
+    # step is then staged once), and each layer's steps are still drawn at the rate.
+    both = Sentinel(SentinelConfig(directory="/tmp/x", rate=0.25, seed=5))
+    drawn = [(both.sampled("model.layers.0.attn", s), both.sampled("model.layers.7.attn", s)) for s in range(4000)]
+    assert all(a == b for a, b in drawn) and 850 < sum(a for a, _ in drawn) < 1150
+    # Layers a few steps apart (one asks for step s + 3 before the other asks for s) still share the draws.
+    pairs = [(both.sampled("model.layers.0.attn", s + 3), both.sampled("model.layers.7.attn", s))
+             for s in range(5000, 5400)]
+    assert [a for a, _ in pairs[:-3]] == [b for _, b in pairs[3:]] and any(a for a, _ in pairs)
 
 
 def test_dedupe_cap_and_interval():

@@ -64,3 +64,29 @@ def test_the_engine_stream_does_not_wait_for_the_check():
     # The copies the worker checks were taken on the engine's stream, after what it had queued.
     # Byte for byte (the output's padding rows hold NaN, which never equals itself).
     assert torch.equal(kept.output.cpu().view(torch.int16), inputs.output.cpu().view(torch.int16))
+
+
+@pytest.mark.parametrize("kw", [{}, {"kv_cache_dtype": "fp8", "k_scale": 0.05, "v_scale": 0.02, "dtype": "float16"},
+                                {"sinks": [0.5, -1.0, 2.0, 0.0]}], ids=["bf16", "fp8", "sinks"])
+def test_a_staged_steps_layers_are_one_job_with_each_layers_own_verdict(kw):
+    from tests.test_sentinel import _one_step_of_layers
+
+    sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0, pairs=len(ALL_PAIRS), seed=0))
+    deferred = DeferredChecks(sentinel, torch.device("cuda"))
+    entries = _one_step_of_layers(3, **kw)
+    entries[2][1].output.view(-1, HQ, D)[1:5, 1] += 1.0  # layer 2 only: request 1, head 1
+    host = [check_step(layer, inputs, pairs=ALL_PAIRS, step=6) for layer, inputs in entries]
+    shared = on_device(entries[0][1])
+    on_gpu = [(layer, dataclasses.replace(on_device(inputs), block_table=shared.block_table,
+                                          seq_lens=shared.seq_lens, query_start_loc=shared.query_start_loc))
+              for layer, inputs in entries]
+    ready = torch.cuda.Event()
+    ready.record()
+    job = deferred.submit_staged(on_gpu, 6, ready)
+    assert job.done.wait(120) and job.error is None, job.error
+    assert [r.layer for r in job.results] == [layer.name for layer, _ in entries]
+    for device, alone in zip(job.results, host):
+        assert [(p.request, p.head, p.passed) for p in device.pairs] == \
+            [(p.request, p.head, p.passed) for p in alone.pairs]
+    assert [r.passed for r in job.results] == [True, True, False]
+    assert [(p.request, p.head) for p in job.results[2].failed_pairs] == [(1, 1)]

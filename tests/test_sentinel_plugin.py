@@ -160,9 +160,15 @@ def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sen
 
     from tests.test_vllm_plugin import _staged_spans_on_the_host
 
+    from kvdbg.backends.reference import ReferenceImpl
+
     monkeypatch, directory = sentinel_env
     _wrong_head_2_of_layer_1(monkeypatch)
     spans = _staged_spans_on_the_host(monkeypatch)
+    problems = []  # the reference problems the checks made: both layers of a step are one
+    forward = ReferenceImpl.forward
+    monkeypatch.setattr(ReferenceImpl, "forward", lambda self, q, *a, **k: problems.append(q.shape[0])
+                        or forward(self, q, *a, **k))
     with caplog.at_level(logging.INFO, logger="kvdbg"):
         vllm_plugin.register()
         engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)
@@ -175,6 +181,8 @@ def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sen
                           _padded_inputs(engine, tokens), tokens, monkeypatch)
         (path,) = _files(directory)
     assert hooks.sentinel.counts["checked"] == 4 and hooks.sentinel.counts["failed"] == 2
+    # The two layers of a step are alike: their pairs went to the reference as one problem, one per step.
+    assert len(problems) == 2 and problems[0] == problems[1] > 0
     # Both steps were staged (checked and captured from kvdbg's copies), and their staging was let go.
     stager = vllm_plugin._state._stager
     assert stager.staged == 2 and not any(p.held for ps in stager._programs.values() for p in ps)
@@ -252,7 +260,7 @@ def test_checks_of_staged_graph_steps_are_collected_when_done_and_never_waited_f
     class Job:
         def __init__(self):
             self.done, self.error = threading.Event(), None
-            self.result = CheckResult(layer="x", step=3, tolerance=None)
+            self.results = [CheckResult(layer="x", step=3, tolerance=None)]
 
     staged = [_StagedStandIn(), _StagedStandIn()]
     jobs = [Job(), Job()]

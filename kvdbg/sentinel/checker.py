@@ -55,12 +55,15 @@ from kvdbg.sentinel.config import ENV_INTERVAL, ENV_MAX, SentinelConfig
 
 logger = logging.getLogger("kvdbg.sentinel")
 
-__all__ = ["CheckResult", "DeferredChecks", "PairResult", "Sentinel", "SentinelFinding", "StepInputs", "check_step",
-           "unchecked_reason"]
+__all__ = ["CheckResult", "DeferredChecks", "PairResult", "Sentinel", "SentinelFinding", "StepInputs", "check_layers",
+           "check_step", "unchecked_reason"]
 
 # Query rows of one request held to the reference per pair (its last ones): the whole output is still
 # checked for NaN/inf, but a long prefill costs no more than a short one.
 MAX_QUERY_ROWS = 16
+
+# Steps whose draw the sampler keeps (layers counting their steps apart, a few steps at most, share them).
+DRAWS_KEPT = 64
 
 # Backends whose forward leaves rows of the output unwritten by design (a decode-only kernel skips a
 # prefill's tokens, a ragged leftover is dropped): their output cannot be held to the reference row by row.
@@ -230,52 +233,135 @@ def check_step(layer: CaptureLayer, inputs: StepInputs, *, pairs: list[tuple[int
     ``pairs`` is a list of pairs, or how many to draw with ``rng``. Raises only
     on inputs that contradict each other (a kvdbg or engine bug the caller reports).
     """
+    return check_layers([(layer, inputs)], pairs=pairs, rng=rng, step=step)[0]
+
+
+def check_layers(entries: list[tuple[CaptureLayer, StepInputs]], *, pairs: list[tuple[int, int]] | int = 4,
+                 rng: random.Random | None = None, step: int | None = None) -> list[CheckResult]:
+    """:func:`check_step` for several layers of one step, one result each, in ``entries``' order (an int
+    ``pairs`` is drawn for each layer).
+
+    Layers alike in all the reference reads but their name, whose inputs are the same metadata tensors (a
+    step's layers, as a graph's staging hands them), are held to the reference together: their pairs make one
+    problem, so checking a step's layers costs about the operations of one. The tolerance, the non-finite
+    check and the comparison stay each layer's own.
+    """
+    rng = rng or random.Random()
+    results: list[CheckResult | None] = [None] * len(entries)
+    groups: list[list[int]] = []
+    for index, entry in enumerate(entries):
+        for members in groups:
+            if _alike(entries[members[0]], entry):
+                members.append(index)
+                break
+        else:
+            groups.append([index])
+    for members in groups:
+        for index, result in zip(members, _check_alike([entries[i] for i in members], pairs, rng, step)):
+            results[index] = result
+    return results
+
+
+def _alike(a: tuple[CaptureLayer, StepInputs], b: tuple[CaptureLayer, StepInputs]) -> bool:
+    """Whether two layers' steps can be one reference problem: the same constants but the name, the very same
+    metadata tensors, caches, queries and outputs of one shape and type."""
+    (la, ia), (lb, ib) = a, b
+    if any(getattr(la, f.name) != getattr(lb, f.name) for f in dataclasses.fields(la) if f.name != "name"):
+        return False
+    if not (ia.block_table is ib.block_table and ia.seq_lens is ib.seq_lens
+            and ia.query_start_loc is ib.query_start_loc and ia.causal == ib.causal
+            and ia.max_model_len == ib.max_model_len and ia.max_pages == ib.max_pages):
+        return False
+    return all(x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
+               for x, y in ((ia.kv_cache, ib.kv_cache), (ia.query, ib.query), (ia.output, ib.output)))
+
+
+def _check_alike(entries: list[tuple[CaptureLayer, StepInputs]], pairs: list[tuple[int, int]] | int,
+                 rng: random.Random, step: int | None) -> list[CheckResult]:
+    layer, first = entries[0]
     hq, d = layer.num_heads, layer.head_size
-    qsl = inputs.query_start_loc.to("cpu", torch.int64).tolist()
-    seq_lens = inputs.seq_lens.to("cpu", torch.int64).tolist()
+    qsl = first.query_start_loc.to("cpu", torch.int64).tolist()
+    seq_lens = first.seq_lens.to("cpu", torch.int64).tolist()
     num_tokens = qsl[-1]
     fp8 = layer.kv_cache_dtype.startswith("fp8")
     tolerance = default_tolerance(layer.dtype, fp8=fp8)
-    result = CheckResult(layer=layer.name, step=step, tolerance=tolerance, num_tokens=num_tokens)
+    results = [CheckResult(layer=entry[0].name, step=step, tolerance=tolerance, num_tokens=num_tokens)
+               for entry in entries]
     if num_tokens == 0:
-        return result
-    output = _rows(inputs.output, num_tokens, hq, d)
-    result.nonfinite = _nonfinite(output, qsl)
+        return results
+    outputs = [_rows(inputs.output, num_tokens, hq, d) for _, inputs in entries]
+    for result, nonfinite in zip(results, _nonfinite_rows(outputs, qsl)):
+        result.nonfinite = nonfinite
     query_lens = [qsl[r + 1] - qsl[r] for r in range(len(qsl) - 1)]
-    if isinstance(pairs, int):
-        pairs = choose_pairs(query_lens, hq, pairs, rng or random.Random())
-    query = _rows(inputs.query, num_tokens, hq, d)
+    chosen = [choose_pairs(query_lens, hq, pairs, rng) if isinstance(pairs, int) else list(pairs) for _ in entries]
+    queries = [_rows(inputs.query, num_tokens, hq, d) for _, inputs in entries]
     # One reference call for all pairs; a layer with per-head values (sinks, ALiBi) needs one per head.
+    # Within a call, each layer's pairs are one run of mini-requests (entry order).
     per_head = any(getattr(layer, name, None) is not None for name in ("sinks", "alibi_slopes"))
-    groups: dict[int | None, list[tuple[int, int]]] = {}
-    for pair in pairs:
-        groups.setdefault(pair[1] if per_head else None, []).append(pair)
+    calls: dict[int | None, list[list[tuple[int, int]]]] = {}
+    for e, layer_pairs in enumerate(chosen):
+        for pair in layer_pairs:
+            calls.setdefault(pair[1] if per_head else None, [[] for _ in entries])[e].append(pair)
     # The engine quantised the query (an FP8 cache on CUDA): its kernel rounded P to e4m3 before P·V, which
-    # the tolerance allows for from the values the sampled pairs read (kvdbg.judge.compare).
-    fp8_query = fp8 and holds_fp8(inputs.query)
-    checks = [(group, _reference_pairs(layer, inputs, query, output, group, qsl, seq_lens,
-                                       read_values=fp8_query)) for group in groups.values()]
+    # the tolerance allows for from the values each layer's sampled pairs read (kvdbg.judge.compare).
+    fp8_query = fp8 and holds_fp8(first.query)
+    checks = [(split, _reference_pairs(layer, [(entries[e][1], queries[e], outputs[e], split[e])
+                                               for e in range(len(entries))], qsl, seq_lens, read_values=fp8_query))
+              for split in calls.values()]
     if fp8_query:
-        allowance = max((fp8_query_allowance(*parts[4]) for _, parts in checks), default=0.0)
-        tolerance = result.tolerance = default_tolerance(layer.dtype, fp8=fp8, fp8_query=allowance)
-    for group, (expected, actual, mini_qsl, mini_lens, _) in checks:
-        ok = _within(actual, expected, mini_qsl, tolerance)
-        if all(ok):  # the usual case: the per-element statistics are not needed
-            result.pairs += [PairResult(r, h, None) for r, h in group]
-            continue
-        comparison = compare(actual, expected, mini_qsl, mini_lens, tolerance, actual_name="engine",
-                             expected_name="reference", step=0 if step is None else step)
-        result.pairs += [PairResult(r, h, diff) for (r, h), diff in zip(group, comparison.heads)]
-    result.pairs.sort(key=lambda p: (p.request, p.head))
-    return result
+        allowance = [0.0] * len(entries)
+        for split, parts in checks:
+            max_abs, keys = parts[4]
+            start = 0
+            for e, mine in enumerate(split):
+                if mine:
+                    allowance[e] = max(allowance[e], fp8_query_allowance(max_abs[start:start + len(mine)],
+                                                                         keys[start:start + len(mine)]))
+                start += len(mine)
+        for result, extra in zip(results, allowance):
+            result.tolerance = default_tolerance(layer.dtype, fp8=fp8, fp8_query=extra)
+    for split, (expected, actual, mini_qsl, mini_lens, _) in checks:
+        bounds = mini_qsl.tolist()
+        ok = _within(actual, expected, bounds, [results[e].tolerance for e, mine in enumerate(split) for _ in mine])
+        start = 0
+        for e, mine in enumerate(split):
+            stop = start + len(mine)
+            result = results[e]
+            if all(ok[start:stop]):  # the usual case: the per-element statistics are not needed
+                result.pairs += [PairResult(r, h, None) for r, h in mine]
+            elif mine:
+                rows = slice(bounds[start], bounds[stop])
+                comparison = compare(actual[rows], expected[rows], mini_qsl[start:stop + 1] - bounds[start],
+                                     mini_lens[start:stop], result.tolerance, actual_name="engine",
+                                     expected_name="reference", step=0 if step is None else step)
+                result.pairs += [PairResult(r, h, diff) for (r, h), diff in zip(mine, comparison.heads)]
+            start = stop
+    for result in results:
+        result.pairs.sort(key=lambda p: (p.request, p.head))
+    return results
 
 
-def _within(actual: torch.Tensor, expected: torch.Tensor, qsl: torch.Tensor, tolerance: Tolerance) -> list[bool]:
-    """Per mini-request: every element finite on both sides and within the tolerance (compare()'s rule)."""
+def _nonfinite_rows(outputs: list[torch.Tensor], qsl: list[int]) -> list[NonFinite | None]:
+    """:func:`_nonfinite` of each layer's output rows, with one read of the device for all of them."""
+    if len(outputs) == 1:
+        return [_nonfinite(outputs[0], qsl)]
+    finite = torch.stack([torch.isfinite(rows).all() for rows in outputs]).tolist()
+    return [None if ok else _nonfinite(rows, qsl) for ok, rows in zip(finite, outputs)]
+
+
+def _within(actual: torch.Tensor, expected: torch.Tensor, bounds: list[int], tolerances: list[Tolerance]) -> list[bool]:
+    """Per mini-request: every element finite on both sides and within its tolerance (compare()'s rule)."""
     a, e = actual.float(), expected.float()
-    good = torch.isfinite(a) & torch.isfinite(e) & ((a - e).abs() <= tolerance.atol + tolerance.rtol * e.abs())
+    if len(set(tolerances)) <= 1:
+        atol, rtol = (tolerances[0].atol, tolerances[0].rtol) if tolerances else (0.0, 0.0)
+    else:  # the layers' tolerances differ: each mini-request's rows get their own
+        counts = torch.tensor([bounds[i + 1] - bounds[i] for i in range(len(tolerances))])
+        shape = (-1,) + (1,) * (a.dim() - 1)
+        atol = torch.tensor([t.atol for t in tolerances], dtype=torch.float32).repeat_interleave(counts)
+        rtol = torch.tensor([t.rtol for t in tolerances], dtype=torch.float32).repeat_interleave(counts)
+        atol, rtol = atol.to(a.device).view(shape), rtol.to(a.device).view(shape)
+    good = torch.isfinite(a) & torch.isfinite(e) & ((a - e).abs() <= atol + rtol * e.abs())
     per_token = good.reshape(good.shape[0], -1).all(dim=1).cpu()
-    bounds = qsl.tolist()
     return [bool(per_token[bounds[i]:bounds[i + 1]].all()) for i in range(len(bounds) - 1)]
 
 
@@ -288,71 +374,91 @@ def _one_head_per_page(pages: torch.Tensor, layout: str, kv_heads: torch.Tensor)
     return pages[:, index, :, kv_heads].permute(1, 0, 2, 3).unsqueeze(3)
 
 
-def _reference_pairs(layer: CaptureLayer, inputs: StepInputs, query: torch.Tensor, output: torch.Tensor,
-                     pairs: list[tuple[int, int]], qsl: list[int], seq_lens: list[int], *, read_values: bool = False):
-    """(reference, engine output, query_start_loc, seq_lens, read values) of ``pairs``, each pair one request
-    of one head; read values (with ``read_values``): the largest |v| each pair reads and its key count
-    (:func:`kvdbg.snapshot.layout.read_value_magnitudes`), else None.
+def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, torch.Tensor, torch.Tensor, list]],
+                     qsl: list[int], seq_lens: list[int], *, read_values: bool = False):
+    """(reference, engine output, query_start_loc, seq_lens, read values) of every part's pairs, each pair one
+    request of one head; a part: one layer's (inputs, query rows, output rows, pairs), the parts alike
+    (:func:`_alike`) and sharing ``qsl`` and ``seq_lens``. Read values (with ``read_values``): the largest |v|
+    each pair reads and its key count (:func:`kvdbg.snapshot.layout.read_value_magnitudes`), else None.
 
-    The mini-problem has one query head and one KV head: pair ``i`` is request
-    ``i``, reading its own copies of the pages its request reads, cut to the
-    pair's KV head. Outputs are ``[T, 1, D]``.
+    The mini-problem has one query head and one KV head: pair ``i`` (the parts' pairs in order) is request
+    ``i``, reading its own copies of the pages its request reads in its layer, cut to the pair's KV head.
+    Outputs are ``[T, 1, D]``.
     """
-    layout = resolve_kv_layout(layer.kv_layout, inputs.kv_cache, layer.num_kv_heads, layer.head_size)
-    page_size = inputs.kv_cache.shape[layout.token_dim]
-    device = inputs.kv_cache.device
+    first = parts[0][0]
+    layout = resolve_kv_layout(layer.kv_layout, first.kv_cache, layer.num_kv_heads, layer.head_size)
+    page_size = first.kv_cache.shape[layout.token_dim]
+    device = first.kv_cache.device
     group = layer.num_heads // layer.num_kv_heads
-    id_lists, page_counts, kv_heads, tokens, heads = [], [], [], [], []
-    for r, head in pairs:
-        live = -(-seq_lens[r] // page_size)
-        if inputs.max_pages is not None and live > inputs.max_pages[r]:
-            raise ValueError(f"request {r} is {seq_lens[r]} tokens long, past the {inputs.max_pages[r]} pages staged "
-                             "for it from the host's bound on its length")
-        id_lists.append(inputs.block_table[r, :live])
-        page_counts.append(live)
-        kv_heads += [head // group] * live
-        # The last rows of the request's query block: a prefill's cost stays that of a few decode tokens,
-        # and the rows kept are still the positions L - q' .. L - 1 the reference masks for.
-        tokens.append(torch.arange(max(qsl[r], qsl[r + 1] - MAX_QUERY_ROWS), qsl[r + 1], device=query.device))
-        heads.append(torch.full_like(tokens[-1], head))
-    # Few, large operations (a check's cost on a busy CPU is mostly per operation): every pair's pages in
-    # one gather, converted to the snapshot layout at once, then each page's one KV head picked.
-    ids = torch.cat(id_lists).to(device, torch.int64)
-    pages = layout.convert(inputs.kv_cache.index_select(layout.page_dim, ids))
-    pages = _one_head_per_page(pages, layout.snapshot_layout, torch.tensor(kv_heads, device=device))
-    table = torch.full((len(pairs), max(page_counts)), -1, dtype=torch.int64)
-    start = 0
-    for i, count in enumerate(page_counts):
-        table[i, :count] = torch.arange(start, start + count)
+    # The pages each pair's request reads, from one read of the rows of the block table the parts need (the
+    # parts share it): a check's cost on a busy host is mostly per operation, so the indices are made as
+    # lists and each becomes a tensor once.
+    needed = sorted({r for *_, mine in parts for r, _ in mine})
+    table_rows = first.block_table.index_select(0, torch.tensor(needed, device=first.block_table.device))
+    row_of = dict(zip(needed, table_rows.tolist()))
+    page_counts, tokens, all_pages, queries, outputs, pairs = [], [], [], [], [], []
+    for inputs, query, output, mine in parts:
+        if not mine:
+            continue
+        ids, kv_heads, rows, heads = [], [], [], []
+        for r, head in mine:
+            live = -(-seq_lens[r] // page_size)
+            if inputs.max_pages is not None and live > inputs.max_pages[r]:
+                raise ValueError(f"request {r} is {seq_lens[r]} tokens long, past the {inputs.max_pages[r]} pages "
+                                 "staged for it from the host's bound on its length")
+            if live > len(row_of[r]):
+                raise ValueError(f"request {r} is {seq_lens[r]} tokens long, past the {len(row_of[r])} pages of its "
+                                 "block table row")
+            ids += row_of[r][:live]
+            page_counts.append(live)
+            kv_heads += [head // group] * live
+            # The last rows of the request's query block: a prefill's cost stays that of a few decode tokens,
+            # and the rows kept are still the positions L - q' .. L - 1 the reference masks for.
+            first_row = max(qsl[r], qsl[r + 1] - MAX_QUERY_ROWS)
+            rows += range(first_row, qsl[r + 1])
+            heads += [head] * (qsl[r + 1] - first_row)
+            tokens.append(qsl[r + 1] - first_row)
+        # Every pair's pages of a layer in one gather, converted to the snapshot layout at once, then each
+        # page's one KV head picked.
+        pages = layout.convert(inputs.kv_cache.index_select(layout.page_dim, torch.tensor(ids, device=device)))
+        all_pages.append(_one_head_per_page(pages, layout.snapshot_layout, torch.tensor(kv_heads, device=device)))
+        token_index = torch.tensor(rows, device=query.device)
+        head_index = torch.tensor(heads, device=query.device)
+        queries.append(query[token_index, head_index].unsqueeze(1))
+        outputs.append(output[token_index, head_index].unsqueeze(1))
+        pairs += mine
+    pages = all_pages[0] if len(all_pages) == 1 else torch.cat(all_pages, dim=page_dim(layout.snapshot_layout))
+    width, start, table_list = max(page_counts), 0, []
+    for count in page_counts:
+        table_list.append(list(range(start, start + count)) + [-1] * (width - count))
         start += count
-    table = table.to(device)
-    token_index, head_index = torch.cat(tokens), torch.cat(heads)
-    rows = [len(t) for t in tokens]
-    mini_qsl = torch.tensor([0] + rows, device=device).cumsum(0)
+    table = torch.tensor(table_list, dtype=torch.int64, device=device)
+    mini_qsl = torch.tensor([0] + tokens, device=device).cumsum(0)
     mini_lens = torch.tensor([seq_lens[r] for r, _ in pairs], dtype=torch.int64, device=device)
-    mini_layer = dataclasses.replace(layer.meta(causal=bool(inputs.causal)), num_heads=1, num_kv_heads=1)
-    meta = SnapshotMeta(layer=mini_layer, backend=BackendMeta("sentinel", page_size, inputs.max_model_len or
+    mini_layer = dataclasses.replace(layer.meta(causal=bool(first.causal)), num_heads=1, num_kv_heads=1)
+    meta = SnapshotMeta(layer=mini_layer, backend=BackendMeta("sentinel", page_size, first.max_model_len or
                                                               max(seq_lens), start),
                         kv_layout=layout.snapshot_layout)
     extra = {}
     for name in ("sinks", "alibi_slopes"):
         values = getattr(layer, name, None)
-        if values is not None:  # the layer's learned value of this group's one head
+        if values is not None:  # the layer's learned value of this call's one head
             extra[name] = torch.tensor([float(values[pairs[0][1]])], dtype=torch.float32, device=device)
     common = CommonMetadata(
         block_table=table, block_table_engine=table, seq_lens=mini_lens, query_start_loc=mini_qsl,
-        num_reqs=len(pairs), num_actual_tokens=int(token_index.numel()),
-        max_query_len=max(rows), max_seq_len=max(seq_lens[r] for r, _ in pairs),
-        causal=bool(inputs.causal), sliding_window=mini_layer.sliding_window, page_size=page_size,
+        num_reqs=len(pairs), num_actual_tokens=sum(tokens),
+        max_query_len=max(tokens), max_seq_len=max(seq_lens[r] for r, _ in pairs),
+        causal=bool(first.causal), sliding_window=mini_layer.sliding_window, page_size=page_size,
         num_pages=start, null_page=None, **extra)
     compute = torch.float32
     md = ReferenceBuilder(meta, compute).build(common)
-    q = query[token_index, head_index].unsqueeze(1)
+    q = torch.cat(queries) if len(queries) > 1 else queries[0]
     expected = torch.empty((q.shape[0], 1, layer.head_size), dtype=compute, device=device)
     ReferenceImpl(meta, compute).forward(q.to(device), pages, md, expected)
     read = (read_value_magnitudes(meta, pages, table, mini_lens, mini_qsl[1:] - mini_qsl[:-1])
             if read_values else None)
-    return expected, output[token_index, head_index].unsqueeze(1), mini_qsl, mini_lens, read
+    actual = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    return expected, actual, mini_qsl, mini_lens, read
 
 
 # --------------------------------------------------------------------------- the shell
@@ -367,7 +473,7 @@ class Sentinel:
         self._rng = random.Random(self.seed)
         self._pair_rng = random.Random(self.seed + 1)
         self._clock = clock
-        self._drawn: dict[str, tuple[int | None, bool]] = {}
+        self._draws: dict[int | None, bool] = {}  # the last steps' draws, oldest first
         self._layer_cache: dict[str, bool] = {}
         self._unchecked: dict[str, str | None] = {}
         self._signatures: set[tuple] = set()
@@ -391,12 +497,17 @@ class Sentinel:
         return hit
 
     def sampled(self, layer_name: str, step: int | None) -> bool:
-        """Whether this step of this layer is checked: drawn once per (layer, step), whichever hook asks first."""
-        drawn = self._drawn.get(layer_name)
-        if drawn is not None and drawn[0] == step:
-            return drawn[1]
-        hit = self.layer_selected(layer_name) and self._rng.random() < self.config.rate
-        self._drawn[layer_name] = (step, hit)
+        """Whether this step of this layer is checked. One draw per step, whichever hook asks first, shared by
+        every selected layer: each layer's steps are checked at the rate, and a drawn step on all its selected
+        layers at once (a replayed graph's are then staged once and checked as one problem: check_layers)."""
+        if not self.layer_selected(layer_name):
+            return False
+        draws = self._draws
+        hit = draws.get(step)
+        if hit is None:
+            hit = draws[step] = self._rng.random() < self.config.rate
+            if len(draws) > DRAWS_KEPT:  # layers a few steps apart still share their steps' draws
+                del draws[next(iter(draws))]
         return hit
 
     # ---------------------------------------------------------------- checking
@@ -416,6 +527,13 @@ class Sentinel:
         result = check_step(layer, inputs, pairs=self.config.pairs, rng=self._pair_rng, step=step)
         self.record(result)
         return result
+
+    def check_layers(self, entries: list[tuple[CaptureLayer, StepInputs]], step: int | None) -> list[CheckResult]:
+        """:meth:`check` for several layers of one step, alike ones as one problem (:func:`check_layers`)."""
+        results = check_layers(entries, pairs=self.config.pairs, rng=self._pair_rng, step=step)
+        for result in results:
+            self.record(result)
+        return results
 
     def record(self, result: CheckResult) -> None:
         self.counts["checked"] += 1
@@ -466,13 +584,16 @@ class Sentinel:
 
 @dataclass
 class _Job:
-    layer: CaptureLayer
-    inputs: StepInputs
+    entries: list  # (CaptureLayer, StepInputs) of one step: one layer, or a staged step's sampled layers
     step: int | None
-    ready: Any  # torch.cuda.Event recorded on the engine's stream after the forward
+    ready: Any  # torch.cuda.Event recorded on the engine's stream after the forward (or the staging)
     done: threading.Event = field(default_factory=threading.Event)
-    result: CheckResult | None = None
+    results: list | None = None  # a CheckResult per entry
     error: BaseException | None = None
+
+    @property
+    def result(self) -> CheckResult | None:
+        return None if self.results is None else self.results[0]
 
 
 class DeferredChecks:
@@ -503,19 +624,21 @@ class DeferredChecks:
         for t in (kept.query, kept.output, kept.kv_cache, kept.block_table, kept.seq_lens, kept.query_start_loc):
             if isinstance(t, torch.Tensor) and t.is_cuda:
                 t.record_stream(self.stream)  # the allocator keeps them until the side stream is done
-        job = _Job(layer, kept, step, ready)
+        job = _Job([(layer, kept)], step, ready)
         self._pending[layer.name] = job
         self._jobs.put(job)
         return kept
 
-    def submit_staged(self, layer: CaptureLayer, inputs: StepInputs, step: int | None, ready: Any) -> _Job:
-        """Hand a step staged on the device (kvdbg.vllm_plugin.graph_staging) to the worker: its query, output and
-        pages are kvdbg's own copies, which no later step overwrites, so nothing is cloned and the job is
-        collected whenever it is done (the caller keeps it; ``ready``: the event after the staging)."""
-        for t in (inputs.seq_lens, inputs.query_start_loc, inputs.block_table):
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                t.record_stream(self.stream)
-        job = _Job(layer, inputs, step, ready)
+    def submit_staged(self, entries: list[tuple[CaptureLayer, StepInputs]], step: int | None, ready: Any) -> _Job:
+        """Hand the sampled layers of a step staged on the device (kvdbg.vllm_plugin.graph_staging) to the worker,
+        as one job (:func:`check_layers`: alike layers make one reference problem): their query, output and pages
+        are kvdbg's own copies, which no later step overwrites, so nothing is cloned and the job is collected
+        whenever it is done (the caller keeps it; ``ready``: the event after the staging)."""
+        for _, inputs in entries:
+            for t in (inputs.seq_lens, inputs.query_start_loc, inputs.block_table):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(self.stream)
+        job = _Job(list(entries), step, ready)
         self._jobs.put(job)
         return job
 
@@ -536,8 +659,8 @@ class DeferredChecks:
                 with torch.cuda.stream(self.stream):
                     if job.ready is not None:
                         self.stream.wait_event(job.ready)
-                    job.result = check_step(job.layer, job.inputs, pairs=self.sentinel.config.pairs,
-                                            rng=self.sentinel._pair_rng, step=job.step)
+                    job.results = check_layers(job.entries, pairs=self.sentinel.config.pairs,
+                                               rng=self.sentinel._pair_rng, step=job.step)
                     self.stream.synchronize()
             except BaseException as exc:  # reported by the engine's thread when it collects the job
                 job.error = exc

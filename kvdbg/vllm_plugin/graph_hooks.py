@@ -291,8 +291,8 @@ class GraphHooks:
         if all(item[2] is not None for item in sampled):
             taken = {id(item[0]) for item in wanted}
             staged = self._stage(wanted + [item for item in sampled if id(item[0]) not in taken])
-        for slot, step, ctx in sampled:
-            self.sentinel.after_graph_replay(self, slot, ctx, step, staged)
+        if sampled:
+            self.sentinel.after_graph_replay(self, sampled, staged)
         if not wanted:
             return False
         job = _GraphJob(wanted, batch.num_tokens)

@@ -57,7 +57,8 @@ class _Waiting:
     step: int
     staged: Any = None  # graph_staging.StagedStep held for this check (its pages, query and output)
     cache: Any = None  # with staged: the engine's cache of the layer (its layout and size; nothing is read)
-    job: Any = None  # a staged check's job in the worker, collected whenever it is done
+    job: Any = None  # a staged check's job in the worker (the step's sampled layers), collected whenever done
+    index: int = 0  # this layer's entry in the job
 
 
 class SentinelHooks:
@@ -70,6 +71,8 @@ class SentinelHooks:
         self._waiting: dict[str, _Waiting] = {}
         self._staged: list[_Waiting] = []  # checks of staged graph steps, in the worker; polled, never waited for
         self._deferred: DeferredChecks | None = None
+        self._table_for: Any = None  # the staged step whose table _table holds (_staged_table)
+        self._table: tuple = ()
         self._said: set[str] = set()
         self._closed = False
         atexit.register(self.close)
@@ -149,15 +152,51 @@ class SentinelHooks:
         except Exception as exc:
             self._failed(exc, "before a CUDA graph's replay")
 
-    def after_graph_replay(self, state, slot, ctx, step: int, staged: Any = None) -> None:
-        """A sampled step of a layer replayed from a full CUDA graph: checked from the graph's copies of its
-        query and output (``graph_hooks``), with the metadata its build kept (None: no build seen); with
-        ``staged``, from the step's copies staged on the device (``graph_staging``): query, output and pages."""
+    def after_graph_replay(self, state, sampled: list, staged: Any = None) -> None:
+        """The sampled layers of a step replayed from a full CUDA graph, ``(slot, step, ctx)`` each: checked from
+        the graph's copies of their query and output (``graph_hooks``), with the metadata their build kept (None:
+        no build seen); with ``staged``, from the step's copies staged on the device (``graph_staging``): query,
+        output and pages, all the step's layers handed to the worker as one job."""
+        batch: list[_Waiting] | None = [] if staged is not None else None
+        for slot, step, ctx in sampled:
+            try:
+                self._check(state, slot.impl, slot.layer, step, slot.query, None, None, slot.kv_cache, ctx,
+                            slot.output, None, staged=staged, batch=batch)
+            except Exception as exc:
+                self._failed(exc, "after a CUDA graph's replay")
+        if batch:
+            self._check_staged(state, batch, staged)
+
+    def _check_staged(self, state, batch: list[_Waiting], staged: Any) -> None:
+        """A staged step's sampled layers, checked together (:func:`kvdbg.sentinel.checker.check_layers`: alike
+        layers make one reference problem): on CUDA as one job in the worker, collected whenever it is done;
+        on a CPU now. Each layer holds the staging until its check is collected."""
+        if getattr(batch[0].cache, "is_cuda", False):
+            try:
+                if self._deferred is None:
+                    self._deferred = DeferredChecks(self.sentinel, batch[0].cache.device)
+                job = self._deferred.submit_staged([(w.target, w.inputs) for w in batch], batch[0].step,
+                                                   staged.ready)
+            except Exception as exc:
+                for waiting in batch:  # never handed over: nobody else would let the staging go
+                    waiting.staged.release()
+                self._failed(exc, "after a CUDA graph's replay")
+                return
+            for index, waiting in enumerate(batch):
+                waiting.job, waiting.index = job, index
+                self._staged.append(waiting)
+            return
         try:
-            self._check(state, slot.impl, slot.layer, step, slot.query, None, None, slot.kv_cache, ctx,
-                        slot.output, None, staged=staged)
+            results = self.sentinel.check_layers([(w.target, w.inputs) for w in batch], batch[0].step)
+            for waiting, result in zip(batch, results):
+                finding = result.finding()
+                if finding is not None:
+                    self._capture(state, finding, waiting)
         except Exception as exc:
             self._failed(exc, "after a CUDA graph's replay")
+        finally:
+            for waiting in batch:
+                waiting.staged.release()
 
     def poll_staged(self, state, wait: float | None = None) -> None:
         """Collect the checks of staged steps that are done (with ``wait``, every one, within that many seconds in
@@ -173,16 +212,18 @@ class SentinelHooks:
                 if job is None or job.error is not None:
                     self._failed(job.error if job is not None else RuntimeError("no check"), "in the device check")
                     continue
-                self.sentinel.record(job.result)
-                finding = job.result.finding()
+                result = job.results[waiting.index]
+                self.sentinel.record(result)
+                finding = result.finding()
                 if finding is not None:
                     self._capture(state, finding, waiting)
             finally:
                 waiting.staged.release()
 
     def _check(self, state, impl: Any, layer: Any, step: int, query, key, value, kv_cache, ctx, output,
-               pre: "PreUpdate | None", staged: Any = None) -> None:
-        """Check one sampled step (on CPU now; on CUDA in the worker, collected later) and capture it if wrong."""
+               pre: "PreUpdate | None", staged: Any = None, batch: "list[_Waiting] | None" = None) -> None:
+        """Check one sampled step (on CPU now; on CUDA in the worker, collected later) and capture it if wrong; a
+        staged step's layer on CUDA joins ``batch``, which the caller hands to the worker whole."""
         name = layer.layer_name
         if ctx is None:
             self._say_once("metadata", "kvdbg sentinel: a sampled step's metadata was not built by a wrapped "
@@ -205,32 +246,17 @@ class SentinelHooks:
         if not self.sentinel.can_check(target, info.backend_name if info else None):
             return
         if staged is not None:  # kvdbg's copies of the step, read through its block table in staged positions
-            import torch
-
             copies = staged.layers[name]
-            inputs = StepInputs(query=copies.query, kv_cache=copies.pages,
-                                block_table=torch.from_numpy(staged.position_table()), seq_lens=ctx.seq_lens,
+            table, max_pages = self._staged_table(staged)
+            inputs = StepInputs(query=copies.query, kv_cache=copies.pages, block_table=table, seq_lens=ctx.seq_lens,
                                 query_start_loc=ctx.query_start_loc, causal=causal, output=copies.output,
-                                max_model_len=ctx.max_model_len, max_pages=staged.counts.tolist())
+                                max_model_len=ctx.max_model_len, max_pages=max_pages)
             waiting = _Waiting(impl, layer, target, kv_layout, ctx, None, None, None, inputs, step,
                                staged=staged.hold(), cache=kv_cache)
-            if getattr(kv_cache, "is_cuda", False):
-                try:
-                    if self._deferred is None:
-                        self._deferred = DeferredChecks(self.sentinel, kv_cache.device)
-                    waiting.job = self._deferred.submit_staged(target, inputs, step, staged.ready)
-                except BaseException:
-                    staged.release()  # never handed over: nobody else would let the staging go
-                    raise
-                self._staged.append(waiting)
-                return
-            try:
-                result = self.sentinel.check(target, inputs, step)
-                finding = result.finding()
-                if finding is not None:
-                    self._capture(state, finding, waiting)
-            finally:
-                staged.release()
+            if batch is None:
+                self._check_staged(state, [waiting], staged)
+            else:
+                batch.append(waiting)
             return
         inputs = StepInputs(query=query, kv_cache=kv_cache, block_table=ctx.block_table, seq_lens=ctx.seq_lens,
                             query_start_loc=ctx.query_start_loc, causal=causal, output=output,
@@ -246,6 +272,16 @@ class SentinelHooks:
         if finding is not None:
             self._capture(state, finding, _Waiting(impl, layer, target, kv_layout, ctx, pre, key, value, inputs,
                                                    step))
+
+    def _staged_table(self, staged: Any) -> tuple:
+        """A staged step's block table in staged positions and its pages per request, made once for all its
+        layers (their checks then share them, as :func:`kvdbg.sentinel.checker.check_layers` asks)."""
+        if self._table_for is not staged:
+            import torch
+
+            self._table = (torch.from_numpy(staged.position_table()), staged.counts.tolist())
+            self._table_for = staged
+        return self._table
 
     # ---------------------------------------------------------------- capture
 
