@@ -36,7 +36,11 @@ engine's thread, its threads, its device work outside the graph; the capture thr
 are let finish, untimed, before the patches go off and between rounds), times ``1 + (graph - graph_absent) / step_absent``: the most the copies
 kvdbg recorded into the graph (present with the patches off too) can add to a step, from the graph's device
 time against the kvdbg-absent engine's (``paired_figure``). The ratio across processes is printed beside it.
-``--no-paired`` leaves the switching out (and the lines are then judged across processes).
+``--no-paired`` leaves the switching out (and the lines are then judged across processes). The paired rounds
+run kvdbg's hooks without the bench's timers around them (``Timing.hook_timers``: Python of the bench's, on the
+engine's thread in kvdbg's steps only, which would count as kvdbg's); ``--timed-rounds`` more rounds, paired the
+same way, time the hooks (the hooks' time a step comes from them) and give the paired ratio with the timers on,
+printed beside the figure, not judged.
 
 The wanted step, in the capture engine after its armed rounds: one round to warm up (pinned buffers are
 allocated for the first capture), then rounds with one wanted decode step each (the filter set to that step
@@ -212,6 +216,9 @@ class Timing:
         self.handing: tuple[dict | None, object] | None = None
         self.handed_job = None  # the job the latest after_graph_replay handed to the capture thread
         self._replaced: list[tuple[object, str, object]] = []
+        # kvdbg's hooks and their timers, (class, name, the class's own hook or None, the timed hook): hook_timers()
+        # swaps them
+        self._hook_timers: list[tuple[object, str, object, object]] = []
         # Called with a step's index in its round before the step, untimed: (kvdbg's patches on, the step is the
         # first of its block); ``Interleave``. None: the patches stay as they are.
         self.switch = None
@@ -220,6 +227,18 @@ class Timing:
         # A class's own attribute (None: inherited, deleted again at restore); a module's attribute as it is.
         self._replaced.append((owner, name, owner.__dict__.get(name)))
         setattr(owner, name, wrapper)
+
+    def hook_timers(self, on: bool) -> None:
+        """kvdbg's hooks timed (``on``) or as they are: rounds that give a step-time figure run without the timers,
+        which are Python of the bench's on the engine's thread in kvdbg's steps only."""
+        for owner, name, own, timed in self._hook_timers:
+            if on:
+                setattr(owner, name, timed)
+            elif own is None:  # an inherited hook: the class's own attribute goes, as restore() does
+                if name in owner.__dict__:
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, own)
 
     def restore(self) -> None:
         """Put back what :meth:`install_graphs` and :meth:`install_kvdbg` replaced (an engine's step stays)."""
@@ -340,8 +359,10 @@ class Timing:
         cls = plugin_state._PluginState
         for name in KVDBG_HOOKS:
             if name != "after_graph_replay":
+                own = cls.__dict__.get(name)
                 self._replace(cls, name, _timed(timing, name, getattr(cls, name), "hooks"))
-        replay_hook = cls.after_graph_replay
+                self._hook_timers.append((cls, name, own, cls.__dict__[name]))
+        replay_own, replay_hook = cls.__dict__.get("after_graph_replay"), cls.after_graph_replay
 
         def after_graph_replay(state, batch, *args, **kwargs):
             record = timing.current
@@ -374,6 +395,7 @@ class Timing:
             return copied
 
         self._replace(cls, "after_graph_replay", after_graph_replay)
+        self._hook_timers.append((cls, "after_graph_replay", replay_own, after_graph_replay))
         hand_over = cls._hand_over
 
         def _hand_over(state, job):
@@ -706,9 +728,13 @@ def figures(records: dict[str, dict]) -> dict:
     if capture.get("armed") and baseline_rounds:
         step = ratio_of_rounds(capture["armed"], baseline_rounds)
         graph = ratio_of_rounds(capture["armed"], baseline_rounds, "graph_ms")
+        hooked = capture.get("timed") or capture["armed"]  # the hooks' time, from the rounds that timed them
         out["armed"] = {**step, "line": ARMED_LINE, "graph": graph,
-                        "hooks_us": spread([r.get("hooks_us") for r in capture["armed"]]),
-                        "hooks_us_mean": spread([r.get("hooks_us_mean") for r in capture["armed"]]),
+                        "hooks_us": spread([r.get("hooks_us") for r in hooked]),
+                        "hooks_us_mean": spread([r.get("hooks_us_mean") for r in hooked]),
+                        "with_hook_timers": paired_figure(capture.get("timed", []), capture.get("timed_bypassed", []),
+                                                          graph, baseline_rounds,
+                                                          records["capture"].get("interleaved_block")),
                         **judged(step, paired_figure(capture["armed"], capture.get("bypassed", []), graph,
                                                      baseline_rounds, records["capture"].get("interleaved_block")),
                                  ARMED_LINE)}
@@ -750,15 +776,20 @@ def figures(records: dict[str, dict]) -> dict:
     if sentinel and baseline_rounds:
         step = ratio_of_rounds(sentinel, baseline_rounds)
         graph = ratio_of_rounds(sentinel, baseline_rounds, "graph_ms")
+        hooked = sentinel_phases.get("timed") or sentinel
         out["sentinel"] = {**step, "line": SENTINEL_LINE, "graph": graph,
                            **judged(step, paired_figure(sentinel, sentinel_phases.get("bypassed", []), graph,
                                                         baseline_rounds,
                                                         records["sentinel"].get("interleaved_block")),
                                     SENTINEL_LINE),
-                           "hooks_us": spread([r.get("hooks_us") for r in sentinel]),
-                           "hooks_us_mean": spread([r.get("hooks_us_mean") for r in sentinel]),
+                           "with_hook_timers": paired_figure(sentinel_phases.get("timed", []),
+                                                             sentinel_phases.get("timed_bypassed", []), graph,
+                                                             baseline_rounds,
+                                                             records["sentinel"].get("interleaved_block")),
+                           "hooks_us": spread([r.get("hooks_us") for r in hooked]),
+                           "hooks_us_mean": spread([r.get("hooks_us_mean") for r in hooked]),
                            "hooks_us_mean_by_name": {name: spread([r.get("hooks_us_mean_by_name", {}).get(name)
-                                                                   for r in sentinel]).get("median")
+                                                                   for r in hooked]).get("median")
                                                      for name in KVDBG_HOOKS},
                            "counts": records["sentinel"].get("sentinel_counts")}
     return out
@@ -1004,14 +1035,28 @@ def engine_child(args) -> dict:
                 if args.decode < 4 * args.block:
                     record["problems"].append(f"--decode {args.decode} is under 4 blocks of {args.block} steps: "
                                               "a round cannot hold the on, off, off, on order")
-                rounds = run_interleaved_rounds(llm, timing, 2 * args.rounds, index, args, Bypass(state))
+                # The figure's rounds without the bench's hook timers (its Python, in kvdbg's steps only); then
+                # a few rounds with them: kvdbg's hooks' time a step, and no hook run with the patches off.
+                timing.hook_timers(False)
+                try:
+                    rounds = run_interleaved_rounds(llm, timing, 2 * args.rounds, index, args, Bypass(state))
+                finally:
+                    timing.hook_timers(True)
                 index += 2 * args.rounds
                 halves = [split_interleaved(r) for r in rounds]
                 summaries = [summarize_round(r, on) for r, (on, _) in zip(rounds, halves)]
                 record["phases"]["bypassed"] = [summarize_round(r, off) for r, (_, off) in zip(rounds, halves)]
                 record["interleaved_block"] = args.block
-                if any(b.get("hooks_us_max", 0) > 0 for b in record["phases"]["bypassed"]):
+                timed = run_interleaved_rounds(llm, timing, args.timed_rounds, index, args, Bypass(state))
+                index += args.timed_rounds
+                timed_halves = [split_interleaved(r) for r in timed]
+                record["phases"]["timed"] = [summarize_round(r, on) for r, (on, _) in zip(timed, timed_halves)]
+                record["phases"]["timed_bypassed"] = [summarize_round(r, off)
+                                                      for r, (_, off) in zip(timed, timed_halves)]
+                if any(b.get("hooks_us_max", 0) > 0 for b in record["phases"]["timed_bypassed"]):
                     record["problems"].append("a kvdbg hook ran in a step with kvdbg's patches off")
+                if not any(t.get("hooks_us_max", 0) > 0 for t in record["phases"]["timed"]):
+                    record["problems"].append("no kvdbg hook was timed in a step with kvdbg's patches on")
             else:
                 rounds = run_rounds(llm, timing, args.rounds, index, args)
                 index += args.rounds
@@ -1125,7 +1170,8 @@ def child_command(args, kind: str, limit: float) -> list[str]:
             "--layers", str(args.layers), "--batch", str(args.batch), "--prompt", str(args.prompt),
             "--decode", str(args.decode), "--rounds", str(args.rounds), "--wanted-rounds", str(args.wanted_rounds),
             "--device-rounds", str(args.device_rounds), "--wanted-offset", str(args.wanted_offset),
-            "--block", str(args.block), "--scratch", args.scratch, "--child-limit", str(limit)] \
+            "--block", str(args.block), "--timed-rounds", str(args.timed_rounds), "--scratch", args.scratch,
+            "--child-limit", str(limit)] \
         + (["--thread-times"] if args.thread_times else []) + ([] if args.paired else ["--no-paired"])
 
 
@@ -1204,6 +1250,11 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"blocks of {p.get('block') or '?'} steps): {pct(host['median'])} (rounds "
                       f"{host['min']:.4f}..{host['max']:.4f}){device}; judged on the "
                       f"{'paired figure' if f.get('judged_on') == 'paired' else 'ratio across processes'}")
+            t = f.get("with_hook_timers") or {}
+            if t.get("host"):
+                print(f"  {name:9s} paired with the bench's hook timers on ({t['pairs']} rounds after those; not "
+                      f"judged): {pct(t['host']['median'])} (rounds {t['host']['min']:.4f}..{t['host']['max']:.4f})"
+                      f" x {t.get('device') or 1:.4f} = {pct(t.get('ratio'))}")
     f = figs.get("wanted_engine")
     if f:
         print(f"  wanted step, engine's thread: +{f['added_us']['median']:.0f} us (range {f['added_us']['min']:.0f}.."
@@ -1303,6 +1354,9 @@ def main() -> int:
                         help="no steps with kvdbg's patches off in the capture and sentinel engines")
     parser.add_argument("--block", type=int, default=8,
                         help="steps in a block of kvdbg's patches on or off (the capture and sentinel engines)")
+    parser.add_argument("--timed-rounds", type=int, default=2,
+                        help="rounds after the paired ones with kvdbg's hooks timed (the paired ones run without the "
+                             "bench's hook timers)")
     parser.add_argument("--wanted-rounds", type=int, default=4, help="rounds timing a wanted step's engine thread")
     parser.add_argument("--device-rounds", type=int, default=2, help="rounds timing a wanted step's device work")
     parser.add_argument("--wanted-offset", type=int, default=48,

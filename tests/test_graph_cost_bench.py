@@ -511,3 +511,52 @@ def test_the_staging_calls_bench_says_it_needs_a_gpu_and_exits_2():
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 2 and done.stdout.strip() == "staging_calls: needs a CUDA device", done
     assert "Traceback" not in done.stderr
+
+
+def test_the_figures_rounds_run_without_the_benchs_hook_timers(standins, tmp_path, monkeypatch):
+    """The rounds a step-time figure is made of run kvdbg's hooks without the bench's timers around them (Python
+    of the bench's own, on the engine's thread in kvdbg's steps only): the hooks still run (each layer's count
+    moves on) and nothing is timed; switched on again, they are timed as before; restore puts kvdbg's own back."""
+    from kvdbg.vllm_plugin import state as plugin_state
+
+    before = {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS}
+    timing, engine = _armed_graph_engine(standins, tmp_path, monkeypatch)
+    try:
+        timed = {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS}
+        assert all(timed[name] is not before[name] for name in gc.KVDBG_HOOKS)
+        records = []
+        for on in (False, True):
+            timing.hook_timers(on)
+            assert {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS} == \
+                (timed if on else before)
+            timing.current = gc._new_step()
+            _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                          monkeypatch)
+            records.append(timing.current)
+            timing.current = None
+        assert records[0]["hooks"] == {} and records[0].get("replayed_step") is None
+        assert records[1]["hooks"]["after_build"] > 0 and records[1]["replayed_step"] == 1
+        assert set(vllm_plugin._state._forward_counts.values()) == {2}  # both steps counted by kvdbg's hooks
+    finally:
+        timing.restore()
+    assert {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS} == before
+
+
+def test_the_hooks_time_comes_from_the_timed_rounds_and_the_timed_pairs_are_shown_apart(capsys):
+    records = _records(armed_ms=5.0, sentinel_ms=5.0)
+    for kind, phases in (("capture", records["capture"]["phases"]), ("sentinel", records["sentinel"]["phases"])):
+        first = "armed" if kind == "capture" else "rounds"
+        phases[first] = [_round(5.05, graph_ms=2.0, hooks_us=0) for _ in range(4)]
+        phases["bypassed"] = [_round(5.0, graph_ms=2.0, hooks_us=0) for _ in range(4)]
+        phases["timed"] = [_round(5.2, graph_ms=2.0, hooks_us=30) for _ in range(2)]
+        phases["timed_bypassed"] = [_round(5.0, graph_ms=2.0, hooks_us=0) for _ in range(2)]
+        records[kind]["interleaved_block"] = 8
+    figs = gc.figures(records)
+    for name in ("armed", "sentinel"):
+        f = figs[name]
+        assert f["hooks_us"]["median"] == 30  # from the timed rounds: the figure's rounds timed nothing
+        assert f["paired"]["host"]["median"] == pytest.approx(1.01) and f["judged_on"] == "paired"
+        assert f["with_hook_timers"]["host"]["median"] == pytest.approx(1.04)
+    gc.print_figures(figs, records)
+    out = capsys.readouterr().out
+    assert "armed     paired with the bench's hook timers on (2 rounds after those; not judged): 1.0400x" in out
