@@ -188,12 +188,17 @@ class SentinelHooks:
             return
         try:
             results = self.sentinel.check_layers([(w.target, w.inputs) for w in batch], batch[0].step)
+        except Exception as exc:
+            results = []
+            self._failed(exc, "after a CUDA graph's replay")
+        try:
             for waiting, result in zip(batch, results):
                 finding = result.finding()
                 if finding is not None:
-                    self._capture(state, finding, waiting)
-        except Exception as exc:
-            self._failed(exc, "after a CUDA graph's replay")
+                    try:  # one layer's capture failing leaves the others' as they are
+                        self._capture(state, finding, waiting)
+                    except Exception as exc:
+                        self._failed(exc, "capturing a wrong step")
         finally:
             for waiting in batch:
                 waiting.staged.release()
