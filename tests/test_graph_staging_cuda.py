@@ -100,7 +100,7 @@ def test_the_metadata_is_staged_by_the_recorded_graph_as_the_step_left_it():
         expected = (table[:3, :20].cpu(), seq_lens[:3].cpu(), offsets[:4].cpu())
         hint = StageHint(table[:3, :20], 3, torch.tensor(lengths), max(lengths), seq_lens[:3], offsets[:4], 4)
         step = stager.stage(layers, hint, 16, 12).hold()
-        assert step.with_metadata and step.program.host_index.is_pinned()
+        assert step.with_metadata and step.program.host_counts.is_pinned()
         table.random_(1, 40)  # the runner's next step, queued after the program
         seq_lens.fill_(1)
         offsets.fill_(2)
