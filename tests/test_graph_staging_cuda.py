@@ -85,7 +85,7 @@ def test_a_held_program_gets_a_twin_and_a_third_step_is_refused():
 
 def test_the_metadata_is_staged_by_the_recorded_graph_as_the_step_left_it():
     """The program's graph copies the runner's block table, lengths and offsets after the step (its first, eager
-    run and its replays alike), from the positions' page-locked buffer of its own; what the runner writes next
+    run and its replays alike), the counts from a page-locked buffer of its own; what the runner writes next
     never reaches them."""
     layers = _layers(count=2)
     table = torch.randint(1, 40, (8, 24), dtype=torch.int32, device="cuda")
