@@ -167,7 +167,7 @@ def test_a_steps_layers_checked_together_match_each_checked_alone(kw, monkeypatc
         for a, b in zip(one.pairs, both.pairs):
             assert (a.diff is None) == (b.diff is None)
             if a.diff is not None:
-                assert b.diff.max_abs == pytest.approx(a.diff.max_abs, rel=1e-6, abs=1e-6)
+                assert b.diff.max_abs == pytest.approx(a.diff.max_abs, rel=1e-5, abs=1e-5)  # a few ulps
     assert [p.passed for p in together[0].pairs + together[2].pairs] == [True] * (2 * len(ALL_PAIRS))
     assert [(p.request, p.head) for p in together[1].failed_pairs] == [(1, 2)]
 
