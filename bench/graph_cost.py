@@ -52,7 +52,12 @@ wanted step's capture hook, so that the device is still busy when the hook has i
 from an event recorded after the sleep to the end of the copies (events on the engine's stream and on
 kvdbg's side stream; with the capture thread, the events it records after its copies) is the copies' device
 time, against the step's bytes (pages, query, output, metadata)
-over the device-to-host bandwidth of a 256 MiB copy into pinned memory, measured in the same process.
+over the device-to-host bandwidth of a 256 MiB copy into pinned memory, measured in the same process. A staged
+step is the device's work: the staging program on the engine's stream, the copies the capture thread issues
+ahead for every layer (from the first to the last, back to back when every one was issued before the device
+reached the first: the run says when not), and the reads it makes later (the page ids, the metadata), each timed
+alone; the span from the program to the thread's last issue holds the thread's host time too, while its
+stream waits idle, and is printed beside.
 
 With ``--thread-times``, the engine's thread's parts of a wanted step (the staging program, and the build's
 metadata copy to the host where a build still makes one: a build that a full graph replays makes none) are also timed in that thread's own CPU time and its voluntary context switches
@@ -327,9 +332,18 @@ class Timing:
                 ends = [e for e in (getattr(job, "bench_engine_end", None), getattr(job, "bench_side_end", None))
                         if e is not None]
                 copies = [_elapsed(begin, e) for e in ends] if begin is not None else []
+                # The device's own work for the step: the program, the copies issued ahead (from the first to the
+                # last, made back to back when the host issued them all before the device reached the first),
+                # and each read the capture thread made later (its page ids, the step's metadata), timed alone.
+                copies_end = getattr(job, "bench_copies_end", None)
+                reads = [_elapsed(a, b) for a, b in getattr(job, "bench_reads", [])]
                 record["device"] = {"engine_ms": start.elapsed_time(staged_end),
                                     "side_ms": max([c for c in copies if c is not None], default=None),
-                                    "device_caught_up": None, "capture_thread": True, "staged": True}
+                                    "copies_ms": None if begin is None or copies_end is None
+                                    else _elapsed(begin, copies_end),
+                                    "reads_ms": sum(r for r in reads if r is not None), "reads": len(reads),
+                                    "device_caught_up": getattr(job, "bench_copies_caught_up", None),
+                                    "capture_thread": True, "staged": True}
             elif handed is not None:  # the copies the capture thread issued for this step, from the mark
                 start, job, _ = handed
                 job.finished.wait(60)
@@ -434,25 +448,44 @@ class Timing:
 
         unique_ids = StagedStep.unique_ids
 
-        def staged_ids(staged):
-            """A staged step's page ids read back by the capture thread: its copies to the host begin here."""
-            out = unique_ids(staged)
-            job = getattr(_capturing, "job", None)
-            if job is not None and getattr(job, "bench_start", None) is not None \
-                    and getattr(job, "bench_copies_begin", None) is None:
-                job.bench_copies_begin = torch.cuda.Event(enable_timing=True)
-                job.bench_copies_begin.record()
-            return out
+        def timed_read(read):
+            def staged_read(staged):
+                """A staged step's read by the capture thread (its page ids, its metadata), once the program is done
+                (the host wait outside the events): on a device-timed step, its device time alone."""
+                job = getattr(_capturing, "job", None)
+                if job is None or getattr(job, "bench_start", None) is None:
+                    return read(staged)
+                staged._wait()
+                if getattr(job, "bench_copies_begin", None) is None:  # no copies issued ahead: they begin here
+                    job.bench_copies_begin = torch.cuda.Event(enable_timing=True)
+                    job.bench_copies_begin.record()
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record()
+                try:
+                    return read(staged)
+                finally:
+                    after.record()
+                    job.bench_reads = [*getattr(job, "bench_reads", []), (before, after)]
+            return staged_read
 
-        self._replace(StagedStep, "unique_ids", staged_ids)
+        self._replace(StagedStep, "unique_ids", timed_read(StagedStep.unique_ids))
+        self._replace(StagedStep, "metadata", timed_read(StagedStep.metadata))
         copies_ahead = cls._copies_ahead
 
         def ahead(state, job):
-            """A staged step's copies issued for every layer at once: its copies to the host begin here."""
-            if getattr(job, "bench_start", None) is not None and getattr(job, "bench_copies_begin", None) is None:
+            """A staged step's copies issued for every layer at once: its copies to the host begin here, and end with
+            the last one issued (whether the device had already reached the first says if they ran back to back)."""
+            timed = getattr(job, "bench_start", None) is not None and getattr(job, "bench_copies_begin", None) is None
+            if timed:
                 job.bench_copies_begin = torch.cuda.Event(enable_timing=True)
                 job.bench_copies_begin.record()
-            return copies_ahead(state, job)
+            try:
+                return copies_ahead(state, job)
+            finally:
+                if timed:
+                    job.bench_copies_end = torch.cuda.Event(enable_timing=True)
+                    job.bench_copies_end.record()
+                    job.bench_copies_caught_up = job.bench_copies_begin.query()
 
         self._replace(cls, "_copies_ahead", _timed(timing, "copies_ahead", ahead, "inner"))
         # The engine's thread's part of a wanted step: the build's copies to the host, the staging program.
@@ -653,9 +686,14 @@ def summarize_wanted(steps: list[dict], wanted: int) -> dict:
         device = hit["device"]
         if device.get("staged"):  # the staging on the engine's stream, then the copies from the staged buffers
             span = (device["engine_ms"] or 0.0) + (device["side_ms"] or 0.0)
+            # The device's work: the program, the copies issued ahead, the later reads; the span above also holds
+            # the capture thread's host time between them (its stream idle, waiting for the thread).
+            work = None if device.get("copies_ms") is None else \
+                (device["engine_ms"] or 0.0) + device["copies_ms"] + device.get("reads_ms", 0.0)
         else:
             span = max(device["engine_ms"] or 0.0, device["side_ms"] or 0.0)
-        out["device"] = {**device, "span_ms": span}
+            work = span
+        out["device"] = {**device, "span_ms": span, "work_ms": work}
     return out
 
 
@@ -760,11 +798,20 @@ def figures(records: dict[str, dict]) -> dict:
     device = [w for w in wanted if w.get("role") == "device" and w.get("device")]
     bandwidth = capture.get("d2h", {}).get("gb_s")
     if device and bandwidth:
-        ratios = [w["device"]["span_ms"] / (w["captured_bytes"] / (bandwidth * 1e9) * 1e3) for w in device
+        def device_ms(w: dict) -> float:  # the device's work where the run could tell it apart, else the span
+            work = w["device"].get("work_ms")
+            return w["device"]["span_ms"] if work is None else work
+
+        ratios = [device_ms(w) / (w["captured_bytes"] / (bandwidth * 1e9) * 1e3) for w in device
                   if w.get("captured_bytes")]
         if ratios:
             r = spread(ratios)
             out["wanted_device"] = {"ratio": r, "line": WANTED_DEVICE_LINE, "met": r["median"] <= WANTED_DEVICE_LINE,
+                                    "device_ms": spread([device_ms(w) for w in device]),
+                                    "judged_on": "work" if all(w["device"].get("work_ms") is not None
+                                                               for w in device) else "span",
+                                    "copies_ms": spread([w["device"].get("copies_ms") for w in device]),
+                                    "reads_ms": spread([w["device"].get("reads_ms") for w in device]),
                                     "span_ms": spread([w["device"]["span_ms"] for w in device]),
                                     "engine_stream_ms": spread([w["device"]["engine_ms"] for w in device]),
                                     "copy_at_bandwidth_ms": spread([w["captured_bytes"] / (bandwidth * 1e9) * 1e3
@@ -962,7 +1009,7 @@ def wanted_phase(llm, timing: Timing, args, record: dict, first_index: int, dead
         capturer.reconfigure(steps=IntRanges.of(wanted, "steps"))
         timing.device_steps = {wanted} if role == "device" else set()
         engine_us = [w["hooks_us"] for w in results if w.get("role") == "engine" and "hooks_us" in w]
-        sleep_ms = min(300.0, max(20.0, 3 * statistics.median(engine_us) / 1e3 + 5)) if engine_us else 50.0
+        sleep_ms = min(300.0, max(50.0, 3 * statistics.median(engine_us) / 1e3 + 5)) if engine_us else 50.0
         timing.sleep_cycles = int(sleep_ms * 1e3 * clock)
         before = len(capturer.written)
         waited_before = capturer.engine_time.waited_ns
@@ -1277,11 +1324,16 @@ def print_figures(figs: dict, records: dict) -> None:
                   "rest in the capture thread): " + ", ".join(f"{k} {v / 1e3:.3f} ms" for k, v in inner.items()))
     f = figs.get("wanted_device")
     if f:
-        print(f"  wanted step, device: {f['span_ms']['median']:.2f} ms against "
+        print(f"  wanted step, device: {f['device_ms']['median']:.2f} ms against "
               f"{f['copy_at_bandwidth_ms']['median']:.2f} ms for its bytes at {f['d2h_gb_s']:.1f} GB/s: "
               f"{pct(f['ratio']['median'])} (line <= {f['line']}x: "
               f"{'met' if f['met'] else 'MISSED'}); engine's stream {f['engine_stream_ms']['median']:.2f} ms; "
               f"device caught up with the host in {f['device_caught_up']} of {f['ratio']['n']}")
+        if f.get("judged_on") == "work":
+            print(f"    the device's work: the program on the engine's stream, the copies issued ahead "
+                  f"{f['copies_ms']['median']:.2f} ms, the capture thread's later reads {f['reads_ms']['median']:.3f} "
+                  f"ms; from the program to the capture thread's last issue (its host time between them) "
+                  f"{f['span_ms']['median']:.2f} ms")
     hooks = records.get("hooks", {}).get("rows", [])
     for row in hooks:
         print(f"  stand-ins, {row['mode']:8s} {row['layers']:3d} layers: after_build {row['after_build_us']:.1f} us, "

@@ -89,6 +89,29 @@ def test_the_three_figures_against_their_lines():
     assert (code, problems, over) == (1, [], ["wanted_engine"])
 
 
+def test_a_staged_steps_device_figure_is_the_devices_work_not_the_capture_threads_host_time():
+    """A staged step: the program, the copies issued ahead and the later reads are the device's work; the span up to
+    the capture thread's last issue also holds the thread's host time (its stream idle) and is printed, not judged."""
+    steps = [_step(30.0, replays=0)] + [_step(5.0, replayed_step=i) for i in range(1, 40)]
+    steps[20] = _step(7.0, hooks_us=400.0, replayed_step=20, copied=True, captured_bytes=100e6, captures=8,
+                      device={"engine_ms": 0.4, "side_ms": 25.0, "copies_ms": 2.2, "reads_ms": 0.05, "reads": 2,
+                              "device_caught_up": False, "staged": True})
+    w = gc.summarize_wanted(steps, 20)
+    assert w["device"]["span_ms"] == pytest.approx(25.4)
+    assert w["device"]["work_ms"] == pytest.approx(0.4 + 2.2 + 0.05)
+    records = _records()
+    records["capture"]["phases"]["wanted"][-1] = {**w, "role": "device"}
+    f = gc.figures(records)["wanted_device"]
+    # 100 MB at 50 GB/s: 2 ms, against 2.65 ms of the device's work.
+    assert f["judged_on"] == "work" and f["ratio"]["median"] == pytest.approx(2.65 / 2.0) and f["met"]
+    assert f["span_ms"]["median"] == pytest.approx(25.4)
+    # Copies not issued ahead (no mark after them): the span is all the run can tell, and it is judged.
+    steps[20]["device"] = {**steps[20]["device"], "copies_ms": None}
+    records["capture"]["phases"]["wanted"][-1] = {**gc.summarize_wanted(steps, 20), "role": "device"}
+    f = gc.figures(records)["wanted_device"]
+    assert f["judged_on"] == "span" and f["ratio"]["median"] == pytest.approx(25.4 / 2.0) and not f["met"]
+
+
 def test_the_wanted_steps_capture_thread_time_is_split_into_its_parts():
     """Where a wanted step's wait goes: the medians of the capture thread's parts over the timed steps."""
     records = _records()
