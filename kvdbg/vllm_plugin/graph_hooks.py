@@ -199,11 +199,80 @@ class GraphHooks:
     def end_graph_recording(self) -> None:
         self._recording = None
 
+    # ---------------------------------------------------------------- two graphs of each size
+
+    def record_plain_graph(self, wrapper: Any, batch: Any, record: Any) -> None:
+        """vLLM has just recorded its full graph for ``batch`` with kvdbg's copies in it: record it once more
+        without them (``record()`` calls vLLM's wrapper again, its entry emptied so that it records anew) and keep
+        both. A step that nothing wants then replays the plain graph, exactly the engine's own work; a step that
+        capture wants or the sentinel samples replays the one with the copies (:meth:`choose_graph`). Should
+        the second recording fail, it is said once and every step replays the graph with the copies."""
+        entries = getattr(wrapper, "concrete_cudagraph_entries", None)
+        entry = entries.get(batch) if isinstance(entries, dict) else None
+        if not self._graph_layers.get(batch) or entry is None or getattr(entry, "cudagraph", None) is None:
+            return
+        copying = (entry.cudagraph, entry.output)
+        plain = None
+        entry.cudagraph = None
+        self._recording_plain = True
+        try:
+            with self.held_writers():
+                record()
+            plain = (entry.cudagraph, entry.output)
+        except Exception as exc:  # noqa: BLE001 - the graph with the copies serves every step, as before
+            self.capturer._note_once(f"plain:{type(exc).__name__}", f"kvdbg: recording vLLM's full CUDA graph of "
+                                     f"{batch} a second time, without kvdbg's copies, failed ({type(exc).__name__}: "
+                                     f"{exc}); every step of it replays the graph with the copies")
+        finally:
+            self._recording_plain = False
+            entry.cudagraph, entry.output = copying
+        if plain is None or plain[0] is None:
+            return
+        if not self._graph_variants:
+            logger.info("kvdbg: each full CUDA graph is recorded twice, with kvdbg's copies of the selected layers' "
+                        "query and output and without them; a step that capture wants or the sentinel samples "
+                        "replays the first, every other step the second (the engine's own work alone)")
+        self._graph_variants[(id(wrapper), batch)] = (entry, copying, plain)
+
+    def choose_graph(self, wrapper: Any, batch: Any) -> None:
+        """Before vLLM replays its full graph for ``batch``: the variant with kvdbg's copies when this step of any of
+        the graph's layers may be captured or checked (the filters, the sentinel's draw), else the plain one."""
+        variants = self._graph_variants.get((id(wrapper), batch)) if self._graph_variants else None
+        if variants is None:
+            self._plain_ran = False
+            return
+        entry, copying, plain = variants
+        use = copying if self._step_wants_copies(batch) else plain
+        self._plain_ran = use is plain
+        self.plain_replays += self._plain_ran
+        entry.cudagraph, entry.output = use
+
+    def _step_wants_copies(self, batch: Any) -> bool:
+        """Whether the coming replay of ``batch``'s graph is a step that capture's filters select or the sentinel
+        draws, on any of its layers (nothing counted: :meth:`after_graph_replay` decides and counts)."""
+        slots = self._graph_layers.get(batch)
+        if not slots:
+            return False
+        names, distinct = self._slot_names(batch, slots)
+        if not distinct:  # a layer run twice a step: its steps are counted one by one; always copied
+            return True
+        counts = self._forward_counts
+        steps = list(map(counts.get, names, repeat(0)))
+        sentinel = self.sentinel
+        if sentinel is not None and any(map(sentinel.sentinel.sampled, names, steps)):
+            return True
+        capturer = self.capturer
+        if not capturer.active or capturer.takes_no_step(min(steps), max(steps)):
+            return False
+        return any(map(capturer.selects, names, steps))
+
     # ---------------------------------------------------------------- recording (inside the graph)
 
     def record_in_graph(self, impl: Any, layer: Any, query, kv_cache, output) -> GraphSlot | None:
         """Called for a layer's forward while a graph records: note the layer's place in the graph and, for a
         layer capture selects, record the copy of its query (the output's follows the forward)."""
+        if self._recording_plain:  # the graph's plain variant: nothing of kvdbg's in it
+            return None
         batch = self._recording
         name = getattr(layer, "layer_name", None)
         if batch is None or name is None:  # a graph recorded outside vLLM's wrapper: not replayed through it
@@ -286,6 +355,12 @@ class GraphHooks:
                 continue
             wanted.append((slot, step, ctx))
         if not wanted and not sampled:
+            return False
+        if self._plain_ran:  # chosen before the replay, and the filters changed since: its buffers are stale
+            self._plain_ran = False
+            self.capturer._note_once("plain-ran", "kvdbg: a step of a full CUDA graph was wanted after its plain "
+                                     "graph (without kvdbg's copies) had been chosen for it (the filters changed "
+                                     "between); it is not captured or checked")
             return False
         staged = None
         if all(item[2] is not None for item in sampled):

@@ -88,6 +88,12 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._graph_buffers: dict[str, Any] = {}
         self._graph_builds: dict[str, tuple[int, _EngineContext]] = {}
         self._recording: Any = None
+        # Full graphs recorded twice (graph_hooks: with kvdbg's copies, and plain for the steps nothing wants):
+        # (wrapper id, batch) -> (vLLM's entry, (graph, output) with the copies, (graph, output) without).
+        self._graph_variants: dict[tuple, tuple] = {}
+        self._recording_plain = False  # vLLM is recording a graph's plain variant: kvdbg records nothing into it
+        self._plain_ran = False  # the graph just replayed was a plain variant: its copies' buffers are stale
+        self.plain_replays = 0
         self._max_graph_tokens: int | None = None
         self._forward_context = None
         self._graph_thread = None  # the graph capture thread, started with the first wanted graph step

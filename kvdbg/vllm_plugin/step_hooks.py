@@ -43,7 +43,7 @@ class StepHooks:
                 return False
             step = self._forward_counts.get(name, 0)  # the forward this update belongs to comes next
             if vllm_facts._graph_capturing(kv_cache):  # the forward records what the graph's steps need
-                if self._recording is None and self.capturer.layer_selected(name):
+                if self._recording is None and not self._recording_plain and self.capturer.layer_selected(name):
                     self.note_graph_recording(name)
                 return False
             if not self.capturer.wants(name, step):

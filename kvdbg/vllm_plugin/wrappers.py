@@ -145,9 +145,13 @@ def _wrap_graph_call(state: _PluginState, original):
             state.begin_graph_recording(batch)
             try:
                 with state.held_writers():
-                    return original(self, *args, **kwargs)
+                    result = original(self, *args, **kwargs)
             finally:
                 state.end_graph_recording()
+            # Once more without kvdbg's copies: the graph the steps nothing wants replay (graph_hooks).
+            state.record_plain_graph(self, batch, lambda: original(self, *args, **kwargs))
+            return result
+        state.choose_graph(self, batch)
         state.before_graph_replay()
         result = original(self, *args, **kwargs)
         start = _clock()

@@ -350,13 +350,17 @@ def check_pair(out: str, model: str, eager_name: str, graph_name: str, args) -> 
     result["graph_steps"] = {"wanted": len(wanted), "replayed_from_graphs": len(from_graphs),
                              "by_graph": dict(Counter(f"{shape_of(g_steps[r]).kind} {len(shape_of(g_steps[r]).rows)}"
                                                       f"->{replays[r]['num_tokens']}" for r in from_graphs)),
-                             "recorded_graphs": graph.get("recorded_graphs")}
+                             "recorded_graphs": graph.get("recorded_graphs"),
+                             "graph_variants": graph.get("graph_variants")}
     if not args.cpu and not piecewise:
         if len(from_graphs) < MIN_GRAPH_STEPS:
             problems.append(f"only {len(from_graphs)} wanted step(s) were replayed from full graphs "
                             f"(want >= {MIN_GRAPH_STEPS})")
         gaps = graph_plan.coverage_gaps([shape_of(g_steps[r]) for r in from_graphs])
         problems += [f"among the steps replayed from graphs: {g}" for g in gaps]
+        if from_graphs and not (graph.get("graph_variants") or {}).get("recorded"):
+            problems.append("no full graph was recorded a second time without kvdbg's copies: every step replayed "
+                            "the graph with them")
         if graph.get("cudagraph_mode") != graph["mode"]:
             warnings.append(f"vLLM resolved cudagraph_mode {graph['mode']} to {graph.get('cudagraph_mode')}")
     p, counts = python_per_layer(graph, layers)

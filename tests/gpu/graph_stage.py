@@ -442,6 +442,9 @@ def engine_child(out: str, spec: RunSpec, cpu: bool) -> dict:
             record["problems"].append("snapshots still unwritten after 120 s")
         capturer = state.capturer
         record["written"] = len(capturer.written)
+        # Full graphs recorded twice (with kvdbg's copies and without), and the replays of the plain ones.
+        record["graph_variants"] = {"recorded": len(getattr(state, "_graph_variants", {})),
+                                    "plain_replays": getattr(state, "plain_replays", 0)}
         record["dropped"] = dict(capturer.dropped)
         record["failures"] = dict(capturer.failures)
         if state.sentinel is not None:
