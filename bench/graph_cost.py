@@ -34,7 +34,8 @@ with kvdbg against the mean of those without (the step at each change of kind le
 holds a step of the other kind), and the figure is the median over rounds of that ratio (kvdbg's Python on the
 engine's thread, its threads, its device work outside the graph; the capture thread and the sentinel's checks
 are let finish, untimed, before the patches go off and between rounds), times ``1 + (graph - graph_absent) / step_absent``: the most the copies
-kvdbg recorded into the graph (present with the patches off too) can add to a step, from the graph's device
+kvdbg recorded into the graph (with the patches off vLLM replays the variant kvdbg installed last, nearly always
+the plain one: ``GraphHooks.choose_graph``) can add to a step, from the graph's device
 time against the kvdbg-absent engine's (``paired_figure``). The ratio across processes is printed beside it.
 ``--no-paired`` leaves the switching out (and the lines are then judged across processes). The paired rounds
 run kvdbg's hooks without the bench's timers around them (``Timing.hook_timers``: Python of the bench's, on the
