@@ -8,11 +8,15 @@ the step's block table, lengths and query offsets as for any step) and vLLM's ``
 
 - **while a graph is recorded** (once per batch size, at start-up), each attention layer's forward is also
   recorded copying its query and its output into buffers of the plugin's (one per layer, as large as the
-  largest graph, allocated while the first graph is recorded, from the graph's pool). The copies run at
-  every replay: a few hundred kilobytes of device-to-device copies per layer, no Python. They are recorded
-  only for the layers capture's or the sentinel's filter selects; the writer holds its device work meanwhile
+  largest graph, allocated while the first graph is recorded, from the graph's pool): a few hundred kilobytes
+  of device-to-device copies per layer, no Python. They are recorded only for the layers capture's or the
+  sentinel's filter selects; the writer holds its device work meanwhile
   (:meth:`~kvdbg.capture.writer.CaptureWriter.held_writer`: CUDA forbids, process-wide, what it does while a
-  stream captures), and the sentinel's checks still in its worker are collected before the recording starts;
+  stream captures), and the sentinel's checks still in its worker are collected before the recording starts.
+  Right after, vLLM records the graph once more with nothing of kvdbg's in it
+  (:meth:`GraphHooks.record_plain_graph`), and before each replay the plugin installs the one with the copies
+  for a step that capture's filters select or the sentinel draws, the plain one for any other
+  (:meth:`GraphHooks.choose_graph`): a step nothing wants is the engine's own device work alone;
 - **after each replay**, the selected layers' steps are counted as if their forwards had run. A step capture
   wants or the sentinel samples is first *staged* (``graph_staging``): on the engine's stream, right after the
   graph's work, a small program of kvdbg's (recorded once per size as a CUDA graph of its own) copies the
