@@ -84,6 +84,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -102,7 +103,7 @@ ENGINE_KIND = {"baseline": "absent", "armed": "capture", "wanted": "capture", "s
 SENTINEL_RATE = "0.01"
 # A step the capture filter names while "armed": never reached in a run.
 UNREACHED_STEP = 10**15
-KVDBG_HOOKS = ("after_build", "graph_call", "before_graph_replay", "after_graph_replay")
+KVDBG_HOOKS = ("after_build", "graph_call", "choose_graph", "before_graph_replay", "after_graph_replay")
 # The engine's thread's parts of a wanted step that --thread-times also times in thread CPU time and switches.
 ENGINE_PARTS = ("metadata_copy", "stage", "program_run")
 # The capture thread's parts timed the same way with --thread-times: CPU time well under the wall time there is time
@@ -1190,6 +1191,12 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
     common = _padded(engine.common(), reqs=4, tokens=4)
     metadata = type(engine.builder).build._kvdbg_original(engine.builder, 0, common)
     batch = _Batch((4,))
+    # vLLM's wrapper as kvdbg sees it once the graph is recorded twice (with kvdbg's copies, and plain).
+    entry = types.SimpleNamespace(cudagraph="with kvdbg's copies", output=None)
+    wrapper = types.SimpleNamespace(concrete_cudagraph_entries={batch: entry})
+    state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
+    if not state._graph_variants:
+        raise RuntimeError("the stand-in graph was not recorded twice")
     counts = state.sentinel.sentinel.counts if state.sentinel is not None else None
     build_ns, replay_ns = [], []
     for _ in range(2000):
@@ -1197,6 +1204,7 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
         t0 = time.perf_counter_ns()
         state.after_build(engine.builder, common, metadata)
         t1 = time.perf_counter_ns()
+        state.choose_graph(wrapper, batch)
         state.before_graph_replay()
         state.after_graph_replay(batch)
         t2 = time.perf_counter_ns()

@@ -199,6 +199,48 @@ def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sen
     assert sorted({h.head for h in comparison.failed}) == [2]
 
 
+def test_a_graph_step_the_sentinel_did_not_draw_is_let_go_for_all_its_layers_at_once(sentinel_env):
+    """Under full graphs at a low rate, most steps are not drawn: the replay's hook tells so with one draw for all
+    the graph's layers (no per-layer call), each layer's count still moves on; the graph chosen before the replay
+    is the plain one for those steps and the one with kvdbg's copies for a drawn step, which is checked."""
+    import types
+
+    from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _run_as_graph
+
+    from kvdbg.sentinel.checker import Sentinel
+
+    monkeypatch, _ = sentinel_env
+    monkeypatch.setenv("KVDBG_SENTINEL", "0.2")
+    monkeypatch.setenv("KVDBG_SENTINEL_SEED", "3")
+    vllm_plugin.register()
+    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=8, query_len=2)
+    tokens, reqs = 8, 4
+    _record_graph(engine, tokens, reqs, monkeypatch)
+    state, hooks = vllm_plugin._state, _hooks()
+    batch = next(iter(state._graph_layers))
+    entry = types.SimpleNamespace(cudagraph="copies", output=None)
+    wrapper = types.SimpleNamespace(concrete_cudagraph_entries={batch: entry})
+    state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
+    asked = []
+    real = Sentinel.sampled
+    monkeypatch.setattr(Sentinel, "sampled", lambda self, *a: (asked.append(a), real(self, *a))[1])
+    chosen, drawn = [], []
+    for step in range(20):
+        state.choose_graph(wrapper, batch)
+        chosen.append(entry.cudagraph)
+        drawn.append(hooks.sentinel.drawn(step))
+        asked.clear()
+        _run_as_graph(engine, _padded(engine.common(), reqs=reqs, tokens=tokens), _padded_inputs(engine, tokens),
+                      tokens, monkeypatch)
+        assert set(state._forward_counts[n] for n in engine.names) == {step + 1}
+        # a step not drawn: no layer asked one by one; a drawn one: every layer, as before
+        assert (asked == []) == (not drawn[-1]), (step, asked)
+    assert 0 < sum(drawn) < 20 and chosen == ["copies" if d else "plain" for d in drawn]
+    hooks.close(state, 30)
+    assert hooks.sentinel.counts["checked"] == 8 * sum(drawn) and hooks.sentinel.counts["failed"] == 0
+    assert state.plain_replays == 20 - sum(drawn)
+
+
 class _ChecksInFlight:
     """Device checks still in the sentinel's worker: which layers' checks were collected, in order."""
 

@@ -500,8 +500,10 @@ class Sentinel:
         """Whether this step of this layer is checked. One draw per step, whichever hook asks first, shared by
         every selected layer: each layer's steps are checked at the rate, and a drawn step on all its selected
         layers at once (a replayed graph's are then staged once and checked as one problem: check_layers)."""
-        if not self.layer_selected(layer_name):
-            return False
+        return self.layer_selected(layer_name) and self.drawn(step)
+
+    def drawn(self, step: int | None) -> bool:
+        """The step's draw, whichever layer asks (:meth:`sampled` less the layer filter)."""
         draws = self._draws
         hit = draws.get(step)
         if hit is None:

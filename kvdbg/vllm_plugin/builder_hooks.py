@@ -215,7 +215,16 @@ class BuilderHooks:
         if self.sentinel is None:
             return False
         names = getattr(builder, "layer_names", None) or ()
-        return any(self.sentinel.sentinel.sampled(n, self._forward_counts.get(n, 0)) for n in names)
+        sentinel = self.sentinel.sentinel
+        # The layers it checks, kept per builder (its names held: compared by identity); then one draw a step.
+        hit = self._sentinel_layers.get(id(builder))
+        if hit is None or hit[0] is not names:
+            hit = self._sentinel_layers[id(builder)] = (names, [n for n in names if sentinel.layer_selected(n)])
+        checked = hit[1]
+        if not checked:
+            return False
+        steps = set(map(self._forward_counts.get, checked, repeat(0)))
+        return any(map(sentinel.drawn, steps))
 
     def _selected_layers(self, builder: Any) -> "list[str] | None":
         """The builder's layers the layer filter selects (None: it names none), kept per builder and configuration:

@@ -260,15 +260,28 @@ class GraphHooks:
         names, distinct = self._slot_names(batch, slots)
         if not distinct:  # a layer run twice a step: its steps are counted one by one; always copied
             return True
-        counts = self._forward_counts
-        steps = list(map(counts.get, names, repeat(0)))
-        sentinel = self.sentinel
-        if sentinel is not None and any(map(sentinel.sentinel.sampled, names, steps)):
-            return True
+        return not self._nothing_wanted(batch, names, list(map(self._forward_counts.get, names, repeat(0))), True)
+
+    def _nothing_wanted(self, batch: Any, names: tuple, steps: list, active_only: bool = False) -> bool:
+        """Whether no layer of the graph is at a step capture's step filter may take (for a layer its layer filter
+        selects; ``active_only``: and capture is on) or the sentinel drew (for a layer it checks): one search
+        and a draw or two for all the layers, nothing counted. False is a maybe: the caller asks layer by layer."""
         capturer = self.capturer
-        if not capturer.active or capturer.takes_no_step(min(steps), max(steps)):
+        config = capturer.config
+        hit = self._graph_takers.get(batch)
+        if hit is None or hit[0] is not names or hit[1] is not config:
+            sentinel = self.sentinel
+            hit = self._graph_takers[batch] = (
+                names, config, any(map(capturer.layer_selected, names)),
+                sentinel is not None and any(map(sentinel.sentinel.layer_selected, names)))
+        lo, hi = min(steps), max(steps)
+        if hit[2] and (capturer.active or not active_only) and not capturer.takes_no_step(lo, hi):
             return False
-        return any(map(capturer.selects, names, steps))
+        if hit[3]:
+            drawn = self.sentinel.sentinel.drawn
+            if drawn(lo) if lo == hi else any(map(drawn, set(steps))):
+                return False
+        return True
 
     # ---------------------------------------------------------------- recording (inside the graph)
 
@@ -334,7 +347,7 @@ class GraphHooks:
         if distinct:  # every layer's count moved on at once, and, armed, most steps let go with one search
             steps = list(map(counts.get, names, repeat(0)))
             counts.update(zip(names, map(add, steps, repeat(1))))
-            if self.sentinel is None and self.capturer.takes_no_step(min(steps), max(steps)):
+            if self._nothing_wanted(batch, names, steps):
                 return False
         else:  # a layer run twice in one graph: its forwards counted one by one
             steps = []

@@ -94,6 +94,10 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._recording_plain = False  # vLLM is recording a graph's plain variant: kvdbg records nothing into it
         self._plain_ran = False  # the graph just replayed was a plain variant: its copies' buffers are stale
         self.plain_replays = 0
+        # Per graph: (its names, capture's configuration, whether capture's layer filter selects any of them,
+        # whether the sentinel's does), so that a step nothing wants is told with one search (graph_hooks).
+        self._graph_takers: dict[Any, tuple] = {}
+        self._sentinel_layers: dict[int, tuple] = {}  # per builder: (its layer names, those the sentinel checks)
         self._max_graph_tokens: int | None = None
         self._forward_context = None
         self._graph_thread = None  # the graph capture thread, started with the first wanted graph step
