@@ -887,8 +887,8 @@ def run_rounds(llm, timing: Timing, count: int, first_index: int, args) -> list[
 
 class Bypass:
     """kvdbg's patches of vLLM swapped for vLLM's originals (``off``) and back (``on``), in the engine's process: a
-    round run with them off is the same engine without kvdbg's Python, its recorded graph copies still inside the
-    graphs. Interleaved with the armed rounds, it gives kvdbg's host cost as a ratio within one process, which
+    round run with them off is the same engine without kvdbg's Python, replaying the plain variant of each of its
+    graphs (installed at ``off``; with a graph recorded once, its copies are still inside it). Interleaved with the armed rounds, it gives kvdbg's host cost as a ratio within one process, which
     two processes of the same engine cannot resolve (module docstring). The shutdown and layer-constructor
     wrappers stay (they run once)."""
 
@@ -905,6 +905,7 @@ class Bypass:
                 setattr(cls, attr, original)
             else:
                 delattr(cls, attr)
+        self.state.install_plain_graphs()  # vLLM then replays whichever graph is in its entry
 
     def on(self) -> None:
         for cls, attr, _, _, wrapped in self.items:

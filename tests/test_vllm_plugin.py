@@ -1488,6 +1488,23 @@ def test_an_armed_graph_step_the_step_filter_excludes_is_let_go_for_all_its_laye
     assert len(snaps) == 8 and {snap.meta.capture["step"] for snap in snaps} == {3}
 
 
+def test_a_wanted_step_whose_plain_graph_was_chosen_is_lost_in_words_never_read_stale(standins, tmp_path,
+                                                                                     monkeypatch):
+    """The graph without kvdbg's copies chosen before the replay, and the step wanted after it (the filters changed
+    between): its layers' buffers hold an older step, so nothing is captured; each layer's step is counted lost."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0", layers=2)
+    state._plain_ran = True  # as choose_graph leaves it when it installed the plain graph
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch)
+    assert state.drain_graph_capture(10) and state.capturer.flush(10)
+    assert snapshots(tmp_path) == [] and sum(state.capturer.dropped.values()) == 2
+    assert not state._plain_ran
+    # The next step, with the graph with the copies replayed, is captured as ever.
+    state.capturer.reconfigure(steps=None)
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch)
+    assert state.drain_graph_capture(10) and state.capturer.flush(10)
+    assert len(snapshots(tmp_path)) == 2
+
+
 def test_a_layer_a_graph_runs_twice_is_counted_twice_a_step(standins, tmp_path, monkeypatch):
     """A graph whose slots name one layer twice (a layer run twice in one forward) counts that layer's forwards one
     by one, as an eager step would."""

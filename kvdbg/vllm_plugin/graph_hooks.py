@@ -205,12 +205,13 @@ class GraphHooks:
 
     # ---------------------------------------------------------------- two graphs of each size
 
-    def record_plain_graph(self, wrapper: Any, batch: Any, record: Any) -> None:
+    def record_plain_graph(self, wrapper: Any, batch: Any, record: Any, forward_state: Any = None) -> None:
         """vLLM has just recorded its full graph for ``batch`` with kvdbg's copies in it: record it once more
         without them (``record()`` calls vLLM's wrapper again, its entry emptied so that it records anew) and keep
         both. A step that nothing wants then replays the plain graph, exactly the engine's own work; a step that
         capture wants or the sentinel samples replays the one with the copies (:meth:`choose_graph`). Should
         the second recording fail, it is said once and every step replays the graph with the copies."""
+        self._graph_variants.pop((id(wrapper), batch), None)  # an earlier recording's, which vLLM let go
         entries = getattr(wrapper, "concrete_cudagraph_entries", None)
         entry = entries.get(batch) if isinstance(entries, dict) else None
         if not self._graph_layers.get(batch) or entry is None or getattr(entry, "cudagraph", None) is None:
@@ -221,6 +222,8 @@ class GraphHooks:
         self._recording_plain = True
         try:
             with self.held_writers():
+                if forward_state is not None:  # what the first recording's forward moved on, as it found it
+                    forward_state()
                 record()
             plain = (entry.cudagraph, entry.output)
         except Exception as exc:  # noqa: BLE001 - the graph with the copies serves every step, as before
@@ -246,10 +249,26 @@ class GraphHooks:
             self._plain_ran = False
             return
         entry, copying, plain = variants
+        if wrapper.concrete_cudagraph_entries.get(batch) is not entry:  # vLLM let its graphs go since
+            del self._graph_variants[(id(wrapper), batch)]
+            self._plain_ran = False
+            return
         use = copying if self._step_wants_copies(batch) else plain
         self._plain_ran = use is plain
         self.plain_replays += self._plain_ran
         entry.cudagraph, entry.output = use
+
+    def forget_graphs(self, wrapper: Any) -> None:
+        """vLLM let a wrapper's graphs go (``clear_graphs``: after profiling their memory, at a reconfiguration):
+        kvdbg lets their variants go too, so that no graph's memory outlives vLLM's own hold on it."""
+        for key in [key for key in self._graph_variants if key[0] == id(wrapper)]:
+            del self._graph_variants[key]
+
+    def install_plain_graphs(self) -> None:
+        """Every graph's plain variant in vLLM's entries (the plugin going away, or its patches switched off):
+        what vLLM replays then is its own work alone, writing no buffer of kvdbg's."""
+        for entry, _, plain in self._graph_variants.values():
+            entry.cudagraph, entry.output = plain
 
     def _step_wants_copies(self, batch: Any) -> bool:
         """Whether the coming replay of ``batch``'s graph is a step that capture's filters select or the sentinel
@@ -272,7 +291,8 @@ class GraphHooks:
         if hit is None or hit[0] is not names or hit[1] is not config:
             sentinel = self.sentinel
             hit = self._graph_takers[batch] = (
-                names, config, any(map(capturer.layer_selected, names)),
+                names, config, any(map(capturer.layer_selected, names))
+                and (config.ranks is None or capturer.rank() in config.ranks),
                 sentinel is not None and any(map(sentinel.sentinel.layer_selected, names)))
         lo, hi = min(steps), max(steps)
         if hit[2] and (capturer.active or not active_only) and not capturer.takes_no_step(lo, hi):
@@ -375,9 +395,16 @@ class GraphHooks:
             return False
         if self._plain_ran:  # chosen before the replay, and the filters changed since: its buffers are stale
             self._plain_ran = False
-            self.capturer._note_once("plain-ran", "kvdbg: a step of a full CUDA graph was wanted after its plain "
-                                     "graph (without kvdbg's copies) had been chosen for it (the filters changed "
-                                     "between); it is not captured or checked")
+            from kvdbg.capture.capturer import CaptureInputError
+
+            for slot, step, _ in wanted:
+                self.capturer.report(CaptureInputError(
+                    f"step {step} of {slot.name} was wanted after the graph without kvdbg's copies had been chosen "
+                    "for it (the filters changed between): its query and output were not copied"),
+                    "after a CUDA graph's replay", step_lost=True)
+            if sampled:
+                self.capturer._note_once("plain-ran", "kvdbg sentinel: a step of a full CUDA graph was drawn after "
+                                         "the graph without kvdbg's copies had been chosen for it; it is not checked")
             return False
         staged = None
         if all(item[2] is not None for item in sampled):

@@ -22,8 +22,8 @@ from kvdbg.vllm_plugin.vllm_facts import (
     cudagraph_note
 )
 from kvdbg.vllm_plugin.wrappers import (
-    _wrap_build, _wrap_cache_update, _wrap_execute_model, _wrap_forward, _wrap_graph_call, _wrap_layer_init,
-    _wrap_shutdown
+    _wrap_build, _wrap_cache_update, _wrap_clear_graphs, _wrap_execute_model, _wrap_forward, _wrap_graph_call,
+    _wrap_layer_init, _wrap_shutdown
 )
 
 if TYPE_CHECKING:  # torch and the capture modules load only once capture is switched on
@@ -194,6 +194,8 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
                          module_name, class_name)
             return
         self._patch(wrapper_cls, "__call__", _wrap_graph_call)
+        if hasattr(wrapper_cls, "clear_graphs"):
+            self._patch(wrapper_cls, "clear_graphs", _wrap_clear_graphs)
         self.graphs_watched = True
 
     def held_writers(self):
@@ -280,6 +282,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
                        CUDAGRAPH_ADVICE)
 
     def restore(self) -> None:
+        self.install_plain_graphs()  # vLLM's replays then write no buffer of kvdbg's
         for cls, attr, had_own, original in reversed(self._patches):
             if had_own:
                 setattr(cls, attr, original)

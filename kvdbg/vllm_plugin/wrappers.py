@@ -127,6 +127,33 @@ def _wrap_build(state: _PluginState, original):
     return build
 
 
+def _forward_state():
+    """What a model's forward moves on in vLLM's forward context (the MoE layers' running index, where vLLM keeps
+    one), as a function that puts it back: a graph recorded twice runs its forward twice in one context."""
+    try:
+        from vllm.forward_context import get_forward_context
+
+        context = get_forward_context()
+    except Exception:  # noqa: BLE001 - no context: nothing to put back
+        return None
+    if not hasattr(context, "moe_layer_index"):
+        return None
+    index = context.moe_layer_index
+    return lambda: setattr(context, "moe_layer_index", index)
+
+
+def _wrap_clear_graphs(state: _PluginState, original):
+    """vLLM's CUDAGraphWrapper.clear_graphs: kvdbg's variants of the graphs go with vLLM's (graph_hooks)."""
+
+    @functools.wraps(original)
+    def clear_graphs(self, *args, **kwargs):
+        state.forget_graphs(self)
+        return original(self, *args, **kwargs)
+
+    clear_graphs._kvdbg_original = original
+    return clear_graphs
+
+
 def _wrap_graph_call(state: _PluginState, original):
     """vLLM's CUDAGraphWrapper.__call__: once per step and graph, not per layer (graph_hooks says why)."""
 
@@ -142,6 +169,7 @@ def _wrap_graph_call(state: _PluginState, original):
             with state.held_writers():
                 return original(self, *args, **kwargs)
         if kind == "record":
+            forward_state = _forward_state()
             state.begin_graph_recording(batch)
             try:
                 with state.held_writers():
@@ -149,7 +177,7 @@ def _wrap_graph_call(state: _PluginState, original):
             finally:
                 state.end_graph_recording()
             # Once more without kvdbg's copies: the graph the steps nothing wants replay (graph_hooks).
-            state.record_plain_graph(self, batch, lambda: original(self, *args, **kwargs))
+            state.record_plain_graph(self, batch, lambda: original(self, *args, **kwargs), forward_state)
             return result
         state.choose_graph(self, batch)
         state.before_graph_replay()

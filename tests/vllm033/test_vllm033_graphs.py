@@ -114,13 +114,17 @@ def test_a_full_graph_is_recorded_twice_and_steps_nothing_wants_replay_the_one_w
     recordings = []
 
     def runnable(x):
-        """The model: its attention layer as kvdbg's forward hook sees it while a graph records."""
+        """The model: its attention layer as kvdbg's forward hook sees it while a graph records; each recording's
+        output tensor its own (the graph's, which vLLM returns at a replay)."""
         slot = state.record_in_graph(None, layer, x, kv_cache, None)
         recordings.append(slot is not None)
         out = x * 2
         if slot is not None:
             state.record_graph_output(slot, out)
+        outputs.append(out)
         return out
+
+    outputs = []
 
     wrapper = object.__new__(CUDAGraphWrapper)
     wrapper.runnable, wrapper.runtime_mode, wrapper.concrete_cudagraph_entries = runnable, CUDAGraphMode.FULL, {}
@@ -140,12 +144,18 @@ def test_a_full_graph_is_recorded_twice_and_steps_nothing_wants_replay_the_one_w
         replayed = []
         for step in range(4):
             before = (copying.replays, plain.replays)
-            wrapper(x)
+            out = wrapper(x)
             replayed.append("copies" if copying.replays > before[0] else "plain" if plain.replays > before[1]
                             else None)
+            assert out is outputs[0 if replayed[-1] == "copies" else 1]  # the output of the graph replayed
         # Steps 0, 1 and 3 nothing wants: the plain graph; step 2 the filter selects: the graph with the copies.
         assert replayed == ["plain", "plain", "copies", "plain"]
         assert state.plain_replays == 3 and state._forward_counts[name] == 4
+        # vLLM lets its graphs go (after profiling their memory): kvdbg's variants go with them; recorded anew.
+        wrapper.clear_graphs()
+        assert not state._graph_variants
+        wrapper(x)
+        assert len(_Graph.made) == 4 and len(state._graph_variants) == 1
     # Without a layer of kvdbg's in the graph there is nothing to leave out: recorded once.
     recordings.clear()
     other = BatchDescriptor(num_tokens=2, num_reqs=2, uniform=True)
@@ -154,7 +164,7 @@ def test_a_full_graph_is_recorded_twice_and_steps_nothing_wants_replay_the_one_w
     with set_forward_context(None, wrapper.vllm_config, cudagraph_runtime_mode=CUDAGraphMode.FULL,
                              batch_descriptor=other):
         wrapper(torch.ones(2, 2, 8))
-    assert recordings == [False] and len(_Graph.made) == 3
+    assert recordings == [False] and len(_Graph.made) == 5
 
 
 def test_a_failed_second_recording_leaves_the_graph_with_the_copies_for_every_step(state, monkeypatch, caplog):
