@@ -1505,6 +1505,31 @@ def test_a_wanted_step_whose_plain_graph_was_chosen_is_lost_in_words_never_read_
     assert len(snapshots(tmp_path)) == 2
 
 
+def test_a_failing_choice_of_graph_replays_the_one_with_the_copies_and_never_raises_into_vllm(standins, tmp_path,
+                                                                                           monkeypatch, caplog):
+    import types
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0", layers=2)
+    batch = next(iter(state._graph_layers))
+    entry = types.SimpleNamespace(cudagraph="copies", output=None)
+    wrapper = types.SimpleNamespace(concrete_cudagraph_entries={batch: entry})
+    state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
+    assert entry.cudagraph == "copies" and state._graph_variants
+    state.choose_graph(wrapper, batch)
+    assert entry.cudagraph == "copies"  # step 0 is wanted
+    state._forward_counts.update({n: 1 for n in engine.names})
+    state.choose_graph(wrapper, batch)
+    assert entry.cudagraph == "plain"  # step 1 is not
+
+    def broken(self, batch):
+        raise RuntimeError("filter exploded")
+
+    monkeypatch.setattr(type(state), "_step_wants_copies", broken)
+    state.choose_graph(wrapper, batch)
+    assert entry.cudagraph == "copies" and not state._plain_ran
+    assert "choosing a CUDA graph to replay" in caplog.text and "filter exploded" in caplog.text
+
+
 def test_a_layer_a_graph_runs_twice_is_counted_twice_a_step(standins, tmp_path, monkeypatch):
     """A graph whose slots name one layer twice (a layer run twice in one forward) counts that layer's forwards one
     by one, as an eager step would."""

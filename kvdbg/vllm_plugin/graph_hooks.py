@@ -253,7 +253,11 @@ class GraphHooks:
             del self._graph_variants[(id(wrapper), batch)]
             self._plain_ran = False
             return
-        use = copying if self._step_wants_copies(batch) else plain
+        try:
+            use = copying if self._step_wants_copies(batch) else plain
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's forward: the copies then run, as before
+            self.capturer.report(exc, "choosing a CUDA graph to replay")
+            use = copying
         self._plain_ran = use is plain
         self.plain_replays += self._plain_ran
         entry.cudagraph, entry.output = use
