@@ -223,7 +223,7 @@ def test_copies_issued_ahead_are_all_given_back_when_a_layers_cannot_be_and_a_fa
 
     monkeypatch.setattr(buffers, "StepCopies", Copies)
     layer = SimpleNamespace(pages=torch.zeros(8, 2, 4), page_dim=0, query=torch.zeros(4, 2), output=None)
-    staged = SimpleNamespace(layers={"a": layer, "b": layer, "c": layer}, count=8)
+    staged = SimpleNamespace(layers={"a": layer, "b": layer, "c": layer}, count=8, sized=lambda: 8)
     job = SimpleNamespace(staged=staged, device="cpu",
                           items=[(SimpleNamespace(name=n), 0, None) for n in ("a", "b", "c")])
     notes = []

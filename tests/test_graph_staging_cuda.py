@@ -199,3 +199,55 @@ def test_a_span_and_copies_issued_ahead_are_taken_by_the_capture_that_follows_no
     assert discarded.span_ahead(staged, 0, 0, 10) and discarded.pooled
     discarded.discard()
     assert not discarded.pooled and discarded.block(staged, 0, torch.tensor([1]))[0].shape[0] == 1
+
+
+def test_staging_recorded_into_a_graph_is_ordered_for_another_thread_by_the_graphs_own_event():
+    """The program vLLM's staged graph runs (InGraphProgram), recorded after a slow kernel that stands for the
+    model's forward: after a replay the recording thread makes no call, and a reader thread whose stream waits on
+    the program's event (an external one, recorded by the graph) reads this replay's staging, never the last one's;
+    each request's pages are worked out on the device from the lengths the graph read."""
+    import threading
+
+    from kvdbg.vllm_plugin.graph_staging import InGraphProgram
+
+    layers = _layers()
+    table = torch.randint(1, 40, (8, 24), dtype=torch.int32, device="cuda")  # the runner's buffers
+    seq_lens = torch.zeros(8, dtype=torch.int32, device="cuda")
+    offsets = torch.arange(9, dtype=torch.int32, device="cuda")
+    hint = StageHint(table[:4], 3, None, 400, seq_lens[:4], offsets[:5], 4)
+    program = InGraphProgram(table.device, hint, layers, 256, InGraphProgram.rows_for(hint), 16)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        torch.cuda._sleep(100_000_000)  # tens of milliseconds: the reader, unordered, would read first
+        program.graph_body(12)
+    for lengths in ([300, 77, 150], [17, 250, 33]):
+        seq_lens[:3] = torch.tensor(lengths, dtype=torch.int32)
+        table.random_(1, 40)
+        for _, cache, _, query, _ in layers:
+            cache.add_(1)
+            query.add_(1)
+        torch.cuda.synchronize()
+        count = sum(-(-n // 16) for n in lengths)
+        ids = torch.cat([table[r, : -(-n // 16)] for r, n in enumerate(lengths)]).long()
+        expected = [(cache.index_select(dim, ids).cpu(), query[:12].cpu()) for _, cache, dim, query, _ in layers]
+        graph.replay()
+        step = program.staged_step(12, hint)
+        read: dict = {}
+
+        def reader():
+            stream = torch.cuda.Stream()
+            stream.wait_event(step.ready)
+            with torch.cuda.stream(stream):
+                read["ids"] = program.ids[:count].cpu()
+                read["pages"] = [(step.layers[name].pages.narrow(1, 0, count).cpu(), step.layers[name].query.cpu())
+                                 for name, *_ in layers]
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        thread.join(30)
+        assert read["ids"].long().tolist() == ids.cpu().tolist()
+        for (pages, query), (want_pages, want_query) in zip(read["pages"], expected):
+            torch.testing.assert_close(pages, want_pages, rtol=0, atol=0)
+            torch.testing.assert_close(query, want_query, rtol=0, atol=0)
+        assert step.sized() == count and step.counts.tolist() == [-(-n // 16) for n in lengths]

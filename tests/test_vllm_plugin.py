@@ -1086,14 +1086,18 @@ class _Batch(tuple):
     num_tokens = property(lambda self: self[0])
 
 
-def _run_as_graph(engine, common, inputs, tokens: int, monkeypatch):
+def _run_as_graph(engine, common, inputs, tokens: int, monkeypatch, wrapper=None):
     """What replaying a recorded full graph does, on the CPU: vLLM builds in Python (the wrapped build runs), the
     layers' kernels run with no Python hook (the originals), and the copies the plugin recorded into the graph
-    write its buffers; then vLLM's graph wrapper returns and the plugin's replay hook runs."""
+    write its buffers; then vLLM's graph wrapper returns and the plugin's replay hook runs. With ``wrapper`` (from
+    :func:`_record_variants`), the plugin first chooses the variant to replay, and the staged one also runs its
+    staging program after the layers, as the graph would."""
     from vllm.forward_context import set_forward_context
 
     state = vllm_plugin._state
     metadata = engine.builder.build(0, common)
+    if wrapper is not None:
+        state.choose_graph(wrapper, _Batch((tokens,)))
     impl_cls = type(engine.layers[0].impl)
     with monkeypatch.context() as m:
         for attr in ("forward", "do_kv_cache_update"):
@@ -1110,9 +1114,33 @@ def _run_as_graph(engine, common, inputs, tokens: int, monkeypatch):
                 buffers.query[:tokens].copy_(query.view(buffers.query[:tokens].shape))
                 buffers.output[:tokens].copy_(output.view(buffers.output[:tokens].shape))
             outputs.append(output)
+    if wrapper is not None and state._in_graph_ran is not None:  # the staged variant: its program, in the graph
+        state._in_graph_ran.graph_body(tokens)
     engine.seq_lens = [n + engine.query_len for n in engine.seq_lens]
     state.after_graph_replay(_Batch((tokens,)))
     return outputs
+
+
+def _record_variants(tokens: int):
+    """vLLM's wrapper, as kvdbg's has it record its graph of ``tokens`` twice more once the recording with the
+    copies is done (:func:`_record_graph`): plain, then with kvdbg's staging after the forward (on the CPU the
+    recording runs the forward, here nothing, and the staging program once). Returns the wrapper and its entry."""
+    import types
+
+    state = vllm_plugin._state
+    batch = _Batch((tokens,))
+    entry = types.SimpleNamespace(cudagraph="copies", output="copies")
+    wrapper = types.SimpleNamespace(concrete_cudagraph_entries={batch: entry}, runnable=lambda: None)
+
+    def record(name):
+        def recorded():
+            wrapper.runnable()
+            entry.cudagraph = entry.output = name
+        return recorded
+
+    state.record_plain_graph(wrapper, batch, record("plain"))
+    state.record_staged_graph(wrapper, batch, record("staged"))
+    return wrapper, entry
 
 
 def _record_graph(engine, tokens: int, reqs: int, monkeypatch):
@@ -1404,6 +1432,141 @@ def test_a_staged_graph_step_is_exact_however_late_the_capture_thread_reads_it(s
     account = vllm_plugin.active_capturer().engine_time
     assert account.handed == 1 and account.staged == 1 and account.waits == 0
     assert "1 graph step(s) handed to the capture thread (1 staged on the device first)" in account.describe()
+
+
+def test_a_wanted_step_replays_the_graph_with_the_staging_inside_and_costs_the_engines_thread_no_torch_op(
+        standins, tmp_path, monkeypatch, caplog):
+    """Each full graph is recorded a third time with kvdbg's staging after the forward. A step nothing wants replays
+    the plain graph; a wanted one the staged graph, which works each request's pages out from the lengths the graph
+    read: the engine's thread makes no torch call at the build or after the replay (none per layer, no program to
+    launch, no event). The next step then overwrites the graph's buffers, the caches and the runner's buffers before
+    the capture thread reads anything, and the snapshots still hold the step as the kernel saw it."""
+    caplog.set_level(logging.INFO, logger="kvdbg.capture")
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "1", layers=3)
+    wrapper, entry = _record_variants(16)
+    assert len(state._staged_variants) == 1 and "also recorded with kvdbg's staging in it" in caplog.text
+    program = next(iter(state._staged_variants.values()))[1]
+    started, release = _held_capture_thread(state, monkeypatch)
+    calls = {"after_build": _TorchCalls(), "after_graph_replay": _TorchCalls(), "choose_graph": _TorchCalls()}
+    for hook, counter in calls.items():
+        def counted(*args, _real=getattr(state, hook), _counter=counter, **kwargs):
+            with _counter:
+                return _real(*args, **kwargs)
+
+        monkeypatch.setattr(state, hook, counted)
+    replayed = []
+    for step in range(2):
+        for counter in calls.values():
+            counter.names.clear()
+        common = _padded(engine.common(), reqs=4, tokens=16)
+        inputs = _padded_inputs(engine, 16)
+        outputs = _run_as_graph(engine, common, inputs, 16, monkeypatch, wrapper=wrapper)
+        replayed.append(entry.cudagraph)
+    assert replayed == ["plain", "staged"] and state.staged_replays == 1 and state._graph_job is None
+    reads = {"__get__", "__len__", "dim", "stride", "data_ptr", "numel", "numpy"}  # a tensor's facts, no op
+    for hook, counter in calls.items():
+        assert [n for n in counter.names if n not in reads] == [], (hook, counter.names)
+    block_table = common.block_table_tensor[:3].clone()
+    queries = [state._graph_buffers[name].query[:12].clone() for name in engine.names]
+    caches = [layer.kv_cache.clone() for layer in engine.layers]
+    assert started.wait(5)
+    for name, layer in zip(engine.names, engine.layers):  # the next step, before the capture thread reads
+        state._graph_buffers[name].query.fill_(7.0)
+        state._graph_buffers[name].output.fill_(7.0)
+        layer.kv_cache.fill_(7.0)
+    common.block_table_tensor.random_(1, 70)
+    common.seq_lens.fill_(5)
+    common.query_start_loc.fill_(1)
+    release.set()
+    assert state.drain_graph_capture(10)
+    snaps = sorted(snapshots(tmp_path), key=lambda s: s.meta.capture["layer"])
+    assert len(snaps) == 3 and {s.meta.capture["step"] for s in snaps} == {1}
+    for snap, output, query, cache in zip(snaps, outputs, queries, caches):
+        step = snap.steps[0]
+        assert step.num_reqs == 3 and step.seq_lens.tolist() == [304, 81, 154]
+        assert step.query_start_loc.tolist() == [0, 4, 8, 12]
+        torch.testing.assert_close(step.block_table, block_table, rtol=0, atol=0)
+        torch.testing.assert_close(step.query.reshape(12, -1), query.reshape(12, -1), rtol=0, atol=0)
+        torch.testing.assert_close(step.output.reshape(12, -1), output[:12].reshape(12, -1), rtol=0, atol=0)
+        torch.testing.assert_close(snap.kv_cache, cache[snap.page_ids.long()], rtol=0, atol=0)
+        live = {int(p) for r, n in enumerate([304, 81, 154]) for p in block_table[r, :-(-n // 16)]}
+        assert set(snap.page_ids.tolist()) == live
+    account = vllm_plugin.active_capturer().engine_time
+    assert account.handed == 1 and account.staged == 1 and account.in_graph == 1 and account.waits == 0
+    assert "(1 staged on the device first, 1 of them inside vLLM's graph)" in account.describe()
+    assert not program.held and program.reusable()
+
+
+def test_a_wanted_step_while_the_graphs_staging_is_still_read_replays_the_graph_with_the_copies(
+        standins, tmp_path, monkeypatch):
+    """Two wanted steps in a row, the capture thread still on the first: the second cannot replay the staged graph
+    (its staging is held), so it replays the graph with the copies and is staged by the host's program; both exact."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0-1")
+    wrapper, entry = _record_variants(16)
+    started, release = _held_capture_thread(state, monkeypatch)
+    replayed, expected = [], []
+    for step in range(2):
+        common = _padded(engine.common(), reqs=4, tokens=16)
+        outputs = _run_as_graph(engine, common, _padded_inputs(engine, 16), 16, monkeypatch, wrapper=wrapper)
+        replayed.append(entry.cudagraph)
+        expected.append((common.seq_lens[:3].tolist(), [o[:12].clone() for o in outputs],
+                         [layer.kv_cache.clone() for layer in engine.layers]))
+    assert replayed == ["staged", "copies"]
+    release.set()
+    assert state.drain_graph_capture(10)
+    snaps = snapshots(tmp_path)
+    assert len(snaps) == 4
+    for snap in snaps:
+        seq_lens, outputs, caches = expected[snap.meta.capture["step"]]
+        layer = engine.names.index(snap.meta.capture["layer"])
+        assert snap.steps[0].seq_lens.tolist() == seq_lens
+        torch.testing.assert_close(snap.steps[0].output.reshape(12, -1), outputs[layer].reshape(12, -1), rtol=0,
+                                   atol=0)
+        torch.testing.assert_close(snap.kv_cache, caches[layer][snap.page_ids.long()], rtol=0, atol=0)
+    account = vllm_plugin.active_capturer().engine_time
+    assert account.staged == 2 and account.in_graph == 1 and state._stager.staged == 1
+
+
+def test_the_staging_inside_a_graph_stages_what_the_hosts_program_does_from_the_lengths_alone():
+    """The program recorded into vLLM's graph works each request's pages out on the device from the lengths (rows
+    past the batch's requests at zero, as vLLM keeps them): the same page ids, pages and metadata as the host's
+    program given the exact counts; a step over its positions is refused by name when read, never cut short."""
+    from kvdbg.capture.inputs import CaptureInputError
+    from kvdbg.vllm_plugin.graph_staging import InGraphProgram, StageHint, _Program
+
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(40, 2, 4, 2, 8, generator=gen)  # pages first, 4 tokens a page
+    query, output = torch.randn(6, 2, 8, generator=gen), torch.randn(6, 2, 8, generator=gen)
+    table = torch.randint(1, 40, (8, 10), dtype=torch.int32, generator=gen)
+    seq_lens = torch.tensor([13, 1, 40, 7, 0, 0, 0, 0], dtype=torch.int32)
+    offsets = torch.arange(9, dtype=torch.int32)
+    hint = StageHint(table[:6], 4, None, 40, seq_lens[:6], offsets[:7], 6)
+    layers = [("layer", cache, 0, query, output)]
+    inside = InGraphProgram(None, hint, layers, 64, InGraphProgram.rows_for(hint), 4)
+    assert inside.counts.numel() == 8 and inside.width == 10
+    inside.graph_body(6)
+    step = inside.staged_step(6, hint)
+    assert step.count == -1 and step.sized() == 4 + 1 + 10 + 2
+    assert step.counts.tolist() == [4, 1, 10, 2]
+    host = _Program(None, hint, layers, 64, 8)
+    host.run(step.counts)
+    torch.testing.assert_close(inside.ids[:17], host.ids[:17], rtol=0, atol=0)
+    torch.testing.assert_close(inside.layers[0][7][:17], host.layers[0][7][:17], rtol=0, atol=0)
+    torch.testing.assert_close(step.layers["layer"].query, query, rtol=0, atol=0)
+    torch.testing.assert_close(step.layers["layer"].output, output, rtol=0, atol=0)
+    bt, sl, qsl = step.metadata()
+    assert sl.tolist() == [13, 1, 40, 7] and qsl.tolist() == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(bt, table[:4], rtol=0, atol=0)
+    # The host's bound decides before the replay; past the program's positions the step is refused, by name.
+    small = InGraphProgram(None, hint, layers, 16, 8, 4)
+    assert inside.serves(hint) and not small.serves(hint)  # 4 requests of up to 10 pages: 40 positions
+    assert small.serves(StageHint(table[:6], 4, torch.tensor([13, 1, 16, 7]), 40, seq_lens[:6], offsets[:7], 6))
+    seq_lens[:4] = 400  # 100 pages each, cut to the table's 10 columns: 40 pages
+    inside.graph_body(6)
+    assert inside.staged_step(6, hint).sized() == 40
+    small.graph_body(6)
+    with pytest.raises(CaptureInputError, match="reads 40 pages, more than the 16"):
+        small.staged_step(6, hint).sized()
 
 
 class _TorchCalls(torch.overrides.TorchFunctionMode):

@@ -128,6 +128,9 @@ class EngineTime:
     # Of the handed steps, those staged on the device first (kvdbg.vllm_plugin.graph_staging): the next step does
     # not wait for them.
     staged: int = 0
+    # Of those, the steps staged by vLLM's own graph (its variant with kvdbg's staging recorded in): no torch call
+    # on the engine's thread.
+    in_graph: int = 0
     # Staging graphs recorded (once per size, on the engine's thread: the first wanted step of a size pays it).
     staging_graphs: int = 0
     staging_ms: float = 0.0
@@ -144,7 +147,9 @@ class EngineTime:
             parts.append(f"{_ms(self.other_ns)} in {self.other_calls:,} other hook call(s) "
                          f"({self.other_ns / self.other_calls / 1e3:,.1f} us each)")
         if self.handed:
-            staged = f" ({self.staged} staged on the device first)" if self.staged else ""
+            staged = f" ({self.staged} staged on the device first" if self.staged else ""
+            if self.staged:
+                staged += f", {self.in_graph} of them inside vLLM's graph)" if self.in_graph else ")"
             if self.staging_graphs:
                 staged += (f", {self.staging_graphs} staging graph(s) recorded in {self.staging_ms:,.1f} ms, once "
                            "per size")
@@ -275,6 +280,19 @@ class Capturer(CaptureWriter):
         if config.steps is not None and step not in config.steps:
             return False
         return config.ranks is None or self.rank(rank) in config.ranks
+
+    def wants_all(self, count: int, step: int) -> bool | None:
+        """Whether ``count`` layers that the layer filter selects would each be captured now at ``step``, told at
+        once (a replayed graph's layers, all at one step): True or False when it can tell without a call per layer
+        (on, nothing refused, room for them all under the snapshot limit); None: ask :meth:`wants` layer by layer."""
+        if not self.active or self._refused:
+            return None
+        config = self.config
+        if config.max_snapshots is not None and len(self.written) + self._in_flight + count > config.max_snapshots:
+            return None
+        if config.steps is not None and step not in config.steps:
+            return False
+        return config.ranks is None or self.rank() in config.ranks
 
     def wants(self, layer_name: str, step: int | None = None, rank: int | None = None) -> bool:
         """Whether a step of this layer would be captured now (filters and count budget).

@@ -38,6 +38,9 @@ class BuilderHooks:
             if metadata is None or common is None or (not self.capturer.active and self.sentinel is None):
                 return False
             self.declare(builder)
+            # The buffers a full graph recorded next reads (vLLM builds its dummy batch just before recording it):
+            # the graph's staged variant reads them too (graph_hooks.record_staged_graph).
+            self._last_builds[id(builder)] = (builder, common)
             slot_mapping = common.slot_mapping
             if self._host_slots and slot_mapping is not None:
                 # This build's buffer may be an earlier build's (runners reuse theirs): never read a stale copy.
@@ -127,7 +130,9 @@ class BuilderHooks:
             return False
         if not self._covers_graph_layers(builder):
             return False
-        return self._stager is None or self._stager.likely_free()
+        if self._stager is None or self._stager.likely_free():
+            return True
+        return any(program.reusable() for program in self._in_graph_programs.values())
 
     def _covers_graph_layers(self, builder: Any) -> bool:
         """Whether the builder's layers are all those the recorded full graphs copy for kvdbg: staging serves a

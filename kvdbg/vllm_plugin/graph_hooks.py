@@ -67,6 +67,34 @@ GRAPH_WRAPPER = ("vllm.compilation.cuda_graph", "CUDAGraphWrapper")
 GRAPH_CAPTURE_WAIT_S = 30.0
 
 
+class _Done:
+    """A one-shot flag that threads wait on, as ``threading.Event`` does, made with one lock (an Event makes a
+    condition and two locks: dearer, and a wanted graph step makes one on the engine's thread)."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            self._lock.release()  # the next waiter passes too
+            return True
+        return self._set
+
+
 class _NotAhead(Exception):
     """A layer's staged pages cannot go to the host in one copy: no copies are issued ahead for the step."""
 
@@ -104,7 +132,7 @@ class _GraphJob:
     ready: Any = None  # torch.cuda.Event on the engine's stream after the replay (None on a CPU)
     device: Any = None
     issued: Any = None  # torch.cuda.Event after the capture thread's copies (None on a CPU, or none issued)
-    finished: threading.Event = field(default_factory=threading.Event)
+    finished: _Done = field(default_factory=_Done)
     abandoned: bool = False  # the engine's thread stopped waiting for it (GRAPH_CAPTURE_WAIT_S)
     staged: Any = None  # graph_staging.StagedStep: the step's copies staged on the device (nothing to wait for)
 
@@ -212,6 +240,7 @@ class GraphHooks:
         capture wants or the sentinel samples replays the one with the copies (:meth:`choose_graph`). Should
         the second recording fail, it is said once and every step replays the graph with the copies."""
         self._graph_variants.pop((id(wrapper), batch), None)  # an earlier recording's, which vLLM let go
+        self._staged_variants.pop((id(wrapper), batch), None)
         entries = getattr(wrapper, "concrete_cudagraph_entries", None)
         entry = entries.get(batch) if isinstance(entries, dict) else None
         if not self._graph_layers.get(batch) or entry is None or getattr(entry, "cudagraph", None) is None:
@@ -241,9 +270,114 @@ class GraphHooks:
                         "replays the first, every other step the second (the engine's own work alone)")
         self._graph_variants[(id(wrapper), batch)] = (entry, copying, plain)
 
+    def record_staged_graph(self, wrapper: Any, batch: Any, record: Any, forward_state: Any = None) -> None:
+        """After the plain variant, a third recording of vLLM's full graph for ``batch`` when capture is on: the
+        layers' copies again, then, after the model's forward and inside the graph, the staging of the step
+        (:class:`~kvdbg.vllm_plugin.graph_staging.InGraphProgram`: the pages the step's lengths read, the
+        query and output copies, the metadata). A wanted step that replays it is staged with no torch call on
+        the engine's thread (:meth:`choose_graph`). Should it fail, it is said once, and wanted steps replay the
+        graph with the copies and are staged from the host as before."""
+        key = (id(wrapper), batch)
+        self._staged_variants.pop(key, None)
+        variants = self._graph_variants.get(key)
+        slots = self._graph_layers.get(batch)
+        if variants is None or not slots or not self.capturer.active:
+            return
+        entry, copying, _ = variants
+        staged = None
+        try:
+            program = self._in_graph_program(slots)
+            if program is None:
+                return
+            rows = int(slots[0].query.shape[0])
+            runnable = wrapper.runnable
+
+            def forward_then_stage(*args: Any, **kwargs: Any) -> Any:
+                output = runnable(*args, **kwargs)
+                program.graph_body(rows)
+                return output
+
+            entry.cudagraph = None
+            self._recording, self._recording_again = batch, True
+            wrapper.runnable = forward_then_stage
+            try:
+                with self.held_writers():
+                    if forward_state is not None:
+                        forward_state()
+                    record()
+                staged = (entry.cudagraph, entry.output)
+            finally:
+                wrapper.runnable = runnable
+                self._recording, self._recording_again = None, False
+        except Exception as exc:  # noqa: BLE001 - wanted steps are staged from the host, as before
+            self.capturer._note_once(f"in-graph:{type(exc).__name__}", f"kvdbg: recording vLLM's full CUDA graph of "
+                                     f"{batch} with kvdbg's staging in it failed ({type(exc).__name__}: {exc}); its "
+                                     "wanted steps are staged by the engine's thread after the replay")
+        finally:
+            entry.cudagraph, entry.output = copying
+        if staged is None or staged[0] is None:
+            return
+        if not self._staged_variants:
+            logger.info("kvdbg: each full CUDA graph is also recorded with kvdbg's staging in it (%d pages of every "
+                        "selected layer, %.0f MiB): a step capture wants replays that variant when its pages fit "
+                        "and no earlier step's staging is still being read", program.size, program.nbytes / 2**20)
+        self._staged_variants[key] = (staged, program)
+
+    def _in_graph_program(self, slots: list) -> Any:
+        """The program a staged variant of a graph with these slots runs (made once for the runner's buffers and the
+        layers' caches and copy buffers), or None when staging cannot read them or no build of theirs was seen."""
+        from kvdbg.vllm_plugin.graph_staging import IN_GRAPH_MAX_BYTES, MIN_PAGES, InGraphProgram, stage_hint
+
+        common = None
+        for builder, last in self._last_builds.values():
+            if self._covers_graph_layers(builder):
+                common = last
+        if common is None:
+            return None
+        buffers = (common.block_table_tensor, common.seq_lens, common.query_start_loc)
+        hint = stage_hint(common, buffers, int(common.num_reqs))
+        if hint is None or hint.seq_lens is None or hint.seq_lens.dim() != 1 or hint.seq_lens.stride(0) != 1 \
+                or hint.block_table.dim() != 2 or hint.block_table.stride(1) != 1:
+            return None
+        layers, page_size = self._staged_layers(tuple(slots))
+        if layers is None:
+            return None
+        rows = InGraphProgram.rows_for(hint)
+        key = (hint.block_table.data_ptr(), hint.block_table.stride(0), hint.seq_lens.data_ptr(), rows,
+               tuple((name, cache.data_ptr(), query.data_ptr(), 0 if output is None else output.data_ptr())
+                     for name, cache, _, query, output in layers))
+        program = self._in_graph_programs.get(key)
+        if program is None:
+            per_page = sum(cache.element_size() * (cache.numel() // max(1, cache.shape[dim]))
+                           for _, cache, dim, _, _ in layers)
+            pages = min(rows * int(hint.block_table.shape[1]), IN_GRAPH_MAX_BYTES // max(1, per_page))
+            if pages < MIN_PAGES:
+                return None
+            program = self._in_graph_programs[key] = InGraphProgram(hint.block_table.device, hint, layers, pages,
+                                                                    rows, page_size)
+        return program
+
+    def _in_graph_serves(self, batch: Any, program: Any) -> bool:
+        """Whether the coming replay of ``batch``'s graph, a step capture wants, may be the staged variant: its build
+        was seen and read the program's buffers, its pages fit the program, the sentinel did not draw it (its
+        checks read steps the host staged) and no reader still holds the program."""
+        slots = self._graph_layers[batch]
+        name = slots[0].name
+        step = self._forward_counts.get(name, 0)
+        built = self._graph_builds.get(name)
+        if built is None or built[0] != step or built[1].stage is None:
+            return False
+        if self.sentinel is not None:
+            names, _ = self._slot_names(batch, slots)
+            drawn = self.sentinel.sentinel.drawn
+            if any(map(drawn, set(map(self._forward_counts.get, names, repeat(0))))):
+                return False
+        return program.reusable() and program.serves(built[1].stage)
+
     def choose_graph(self, wrapper: Any, batch: Any) -> None:
         """Before vLLM replays its full graph for ``batch``: the variant with kvdbg's copies when this step of any of
         the graph's layers may be captured or checked (the filters, the sentinel's draw), else the plain one."""
+        self._in_graph_ran = None
         variants = self._graph_variants.get((id(wrapper), batch)) if self._graph_variants else None
         if variants is None:
             self._plain_ran = False
@@ -251,15 +385,22 @@ class GraphHooks:
         entry, copying, plain = variants
         if wrapper.concrete_cudagraph_entries.get(batch) is not entry:  # vLLM let its graphs go since
             del self._graph_variants[(id(wrapper), batch)]
+            self._staged_variants.pop((id(wrapper), batch), None)
             self._plain_ran = False
             return
         try:
-            use = copying if self._step_wants_copies(batch) else plain
+            use = plain
+            if self._step_wants_copies(batch):
+                use = copying
+                staged = self._staged_variants.get((id(wrapper), batch)) if self._staged_variants else None
+                if staged is not None and self._in_graph_serves(batch, staged[1]):
+                    use, self._in_graph_ran = staged[0], staged[1]
         except Exception as exc:  # noqa: BLE001 - never into vLLM's forward: the copies then run, as before
             self.capturer.report(exc, "choosing a CUDA graph to replay")
-            use = copying
+            use, self._in_graph_ran = copying, None
         self._plain_ran = use is plain
         self.plain_replays += self._plain_ran
+        self.staged_replays += self._in_graph_ran is not None
         entry.cudagraph, entry.output = use
 
     def forget_graphs(self, wrapper: Any) -> None:
@@ -267,6 +408,8 @@ class GraphHooks:
         kvdbg lets their variants go too, so that no graph's memory outlives vLLM's own hold on it."""
         for key in [key for key in self._graph_variants if key[0] == id(wrapper)]:
             del self._graph_variants[key]
+        for key in [key for key in self._staged_variants if key[0] == id(wrapper)]:
+            del self._staged_variants[key]
 
     def install_plain_graphs(self) -> None:
         """Every graph's plain variant in vLLM's entries (the plugin going away, or its patches switched off):
@@ -326,6 +469,12 @@ class GraphHooks:
             # Neither capture nor the sentinel will ever ask for this layer's steps: its count is never read.
             return None
         rows = int(query.shape[0])
+        if self._recording_again:  # the staged variant: the same copies into the same buffers, no slot learnt
+            buffers = self._graph_buffers.get(name)
+            if buffers is None or buffers.query.shape[0] < rows:
+                raise RuntimeError(f"layer {name} has no copy buffers of its graph's recording with kvdbg's copies")
+            buffers.query[:rows].copy_(query[:rows])
+            return GraphSlot(name, impl, layer, kv_cache, buffers.query[:rows])
         buffers = self._graph_buffers.get(name)
         if buffers is None or buffers.query.shape[0] < rows or buffers.query.shape[1:] != query.shape[1:] \
                 or buffers.query.dtype != query.dtype or buffers.query.device != query.device:
@@ -379,7 +528,10 @@ class GraphHooks:
                 steps.append(counts.get(name, 0))
                 counts[name] = steps[-1] + 1
         wanted, sampled = [], []
-        for slot, step in zip(slots, steps):
+        every = None
+        if distinct and self.sentinel is None and steps.count(steps[0]) == len(steps):
+            every = self._every_layer_wanted(batch, slots, names, steps[0])
+        for slot, step in zip(slots, steps) if every is None else ():
             name = slot.name
             built = self._graph_builds.get(name)
             ctx = built[1] if built is not None and built[0] == step else None
@@ -395,6 +547,8 @@ class GraphHooks:
                     "table and lengths are unknown"), "after a CUDA graph's replay", step_lost=True)
                 continue
             wanted.append((slot, step, ctx))
+        if every is not None:
+            wanted = every
         if not wanted and not sampled:
             return False
         if self._plain_ran:  # chosen before the replay, and the filters changed since: its buffers are stale
@@ -411,7 +565,9 @@ class GraphHooks:
                                          "the graph without kvdbg's copies had been chosen for it; it is not checked")
             return False
         staged = None
-        if all(item[2] is not None for item in sampled):
+        if not sampled:
+            staged = self._stage(wanted)
+        elif all(item[2] is not None for item in sampled):
             taken = {id(item[0]) for item in wanted}
             staged = self._stage(wanted + [item for item in sampled if id(item[0]) not in taken])
         if sampled:
@@ -436,6 +592,27 @@ class GraphHooks:
             return False
         return True
 
+    def _every_layer_wanted(self, batch: Any, slots: list, names: tuple, step: int) -> list | None:
+        """Every layer of the graph, all at ``step``, wanted with one build's context: told with one check of capture's
+        filters and budget instead of a call per layer (the layers' names all selected, kept per graph and
+        configuration); None: asked layer by layer."""
+        capturer = self.capturer
+        hit = self._graph_every.get(batch)
+        if hit is None or hit[0] is not names or hit[1] is not capturer.config:
+            hit = self._graph_every[batch] = (names, capturer.config, all(map(capturer.layer_selected, names)))
+        if not hit[2] or not capturer.wants_all(len(names), step):
+            return None
+        builds = self._graph_builds
+        built = builds.get(names[0])
+        if built is None or built[0] != step:
+            return None
+        ctx = built[1]
+        for name in names:
+            built = builds.get(name)
+            if built is None or built[0] != step or built[1] is not ctx:
+                return None
+        return [(slot, step, ctx) for slot in slots]
+
     def _slot_names(self, batch: Any, slots: list) -> tuple[tuple[str, ...], bool]:
         """The layer names of a graph's slots, and whether they are distinct; kept per graph until it records
         again (a new list) or more slots."""
@@ -458,12 +635,16 @@ class GraphHooks:
             return None
 
     def _stage_layers(self, items: list) -> Any:
+        program, self._in_graph_ran = self._in_graph_ran, None
         if not items or items[0][2] is None:
             return None
         ctx = items[0][2]
         hint = ctx.stage
         if hint is None or any(item[2] is not ctx for item in items):
             return None
+        if program is not None:  # vLLM's graph staged the step itself (its staged variant replayed)
+            self.capturer.engine_time.in_graph += 1
+            return program.staged_step(int(items[0][0].query.shape[0]), hint)
         stager = self._stager
         if stager is None:
             from kvdbg.vllm_plugin.graph_staging import GraphStager
@@ -579,11 +760,20 @@ class GraphHooks:
         staged = job.staged
         read: dict[int, Any] = {}
         with where:
-            ahead = self._issue_ahead(job) if staged is not None and stream is not None else {}
+            sizing = None
+            if staged is not None:
+                try:
+                    staged.sized()  # staged inside vLLM's graph: the counts the device worked out, read back
+                except Exception as exc:  # noqa: BLE001 - each layer's step said lost below
+                    sizing = exc
+            ahead = self._issue_ahead(job) if staged is not None and stream is not None and sizing is None else {}
             try:
                 for slot, step, ctx in job.items:
                     if job.abandoned:
                         break
+                    if sizing is not None:
+                        self.capturer.report(sizing, "after a CUDA graph's replay", step_lost=True)
+                        continue
                     query, output, pages = slot.query, slot.output, None
                     early = ahead.pop(slot.name, None)
                     if early is not None:  # its copies to the host are on their way already
@@ -650,7 +840,7 @@ class GraphHooks:
             if layer is None:
                 return {}
             pages = layer.pages
-            nbytes = pages.element_size() * (pages.numel() // max(1, pages.shape[layer.page_dim])) * staged.count
+            nbytes = pages.element_size() * (pages.numel() // max(1, pages.shape[layer.page_dim])) * staged.sized()
             spans.append((slot.name, layer, nbytes))
             total += nbytes + 2 * layer.query.numel() * layer.query.element_size()
         if not capturer.queue_would_take(total):
@@ -659,7 +849,7 @@ class GraphHooks:
         try:
             for name, layer, _ in spans:
                 copies = StepCopies(job.device, capturer.host_buffers)
-                if not copies.span_ahead(layer.pages, layer.page_dim, 0, staged.count):
+                if not copies.span_ahead(layer.pages, layer.page_dim, 0, staged.sized()):
                     raise _NotAhead
                 ahead[name] = (copies, copies.ahead(layer.query),
                                None if layer.output is None else copies.ahead(layer.output))

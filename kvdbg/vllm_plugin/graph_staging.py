@@ -53,6 +53,9 @@ logger = logging.getLogger("kvdbg.capture")
 
 # The most device memory all staging programs of a process may hold (pages, query and output copies).
 STAGING_MAX_BYTES = 2 * 1024**3
+# The most device memory one program recorded into vLLM's graphs may hold (graph_hooks' staged variant); it stages
+# as many pages as fit, at most every page of every row of the runner's block table.
+IN_GRAPH_MAX_BYTES = 1024**3
 # Programs are made for a number of pages rounded up to a power of two, at least this one.
 MIN_PAGES = 64
 # Programs of one size (and block table and layers): a second one serves a step wanted while the first is held.
@@ -85,7 +88,8 @@ def stage_hint(common: Any, rows: tuple, num_reqs: int) -> StageHint | None:
     real requests); None when it says too little to bound the step's pages."""
     max_seq_len = getattr(common, "max_seq_len", None)
     bound = getattr(common, "seq_lens_cpu_upper_bound", None)
-    if bound is not None and (getattr(bound, "is_cuda", False) or len(bound) < num_reqs):
+    if bound is not None and (getattr(bound, "is_cuda", False)
+                              or (bound.shape[0] if hasattr(bound, "shape") else len(bound)) < num_reqs):
         bound = None
     if bound is None and not isinstance(max_seq_len, int):
         return None
@@ -140,8 +144,8 @@ class StagedStep:
 
     program: "_Program"
     rows: int  # the graph's tokens: the rows of each layer's query and output buffers that were copied
-    count: int
-    counts: np.ndarray
+    count: int  # -1 until read back (staged inside vLLM's graph: the device worked the counts out)
+    counts: np.ndarray | None
     page_size: int
     ready: Any  # torch.cuda.Event after the program (None on a CPU); the program's own, recorded again next run
     run: int = 0  # the program's run that staged this step
@@ -161,12 +165,33 @@ class StagedStep:
             self.ready.synchronize()
         self.program.seen(self.run)
 
+    def sized(self) -> int:
+        """The staged positions; for a step staged inside vLLM's graph (:class:`InGraphProgram`), where the device
+        worked each request's pages out from the lengths the graph read, read back once (a reader's wait, never
+        the engine's thread). CaptureInputError when the step reads more pages than the program stages."""
+        if self.count >= 0:
+            return self.count
+        with self._lock:
+            if self.count < 0:
+                self._wait()
+                counts = self.program.counts[: self.num_reqs].to("cpu").numpy().astype(np.int64, copy=False)
+                total = int(counts.sum())
+                if total > self.program.size:
+                    from kvdbg.capture.inputs import CaptureInputError
+
+                    raise CaptureInputError(
+                        f"the step reads {total} pages, more than the {self.program.size} that kvdbg's staging "
+                        "inside the CUDA graph holds (the host's bound on the lengths at the build was exceeded)")
+                self.counts, self.count = counts, total
+        return self.count
+
     def unique_ids(self) -> tuple[np.ndarray, np.ndarray]:
         """(sorted engine page ids staged, the first staged position of each): read from the device once."""
+        count = self.sized()
         with self._lock:
             if self._unique is None:
                 self._wait()
-                staged = self.program.ids[: self.count].to("cpu", dtype=self.program.ids.dtype).numpy()
+                staged = self.program.ids[:count].to("cpu", dtype=self.program.ids.dtype).numpy()
                 ids, first = np.unique(staged.astype(np.int64, copy=False), return_index=True)
                 self._unique = (ids, first.astype(np.int64, copy=False))
             return self._unique
@@ -201,6 +226,7 @@ class StagedStep:
     @property
     def row_starts(self) -> np.ndarray:
         """Each request's first staged position (the program laid the requests' pages out one after another)."""
+        self.sized()
         return np.cumsum(self.counts) - self.counts
 
     def position_table(self) -> np.ndarray:
@@ -208,6 +234,7 @@ class StagedStep:
         reader of the staged pages uses in place of the engine's block table (made once)."""
         table = self._table
         if table is None:
+            self.sized()
             columns = np.arange(max(1, int(self.counts.max()) if self.counts.size else 0), dtype=np.int64)
             table = self.row_starts[:, None] + columns[None, :]
             table[columns[None, :] >= self.counts[:, None]] = -1
@@ -337,7 +364,9 @@ class _Program:
                 self._released.append(event)
             self._holders = max(0, self._holders - 1)
 
-    def _body(self) -> None:
+    def _body(self, rows: int | None = None) -> None:
+        """The staging (``rows``: only the first rows of each layer's query and output buffers, those of the graph
+        recorded; None: the whole buffers, which are that graph's own views)."""
         import torch
 
         # Staged position p belongs to the request r whose pages end first past it (the counts laid out one
@@ -356,9 +385,15 @@ class _Program:
                 copy.copy_(source)
         for _, cache, page_dim, query, query_copy, output, output_copy, pages in self.layers:
             torch.index_select(cache, page_dim, self.ids, out=pages)
-            query_copy.copy_(query)
+            if rows is None:
+                query_copy.copy_(query)
+            else:
+                query_copy[:rows].copy_(query[:rows])
             if output is not None:
-                output_copy.copy_(output)
+                if rows is None:
+                    output_copy.copy_(output)
+                else:
+                    output_copy[:rows].copy_(output[:rows])
 
     def run(self, counts: np.ndarray) -> Any:
         """Stage a step whose requests have ``counts`` pages each to stage, in the block table's rows from the
@@ -410,6 +445,82 @@ class _Program:
         stream.wait_stream(side)
         self.graph = graph
         self.recorded_ms = (time.perf_counter() - start) * 1e3
+
+
+class InGraphProgram(_Program):
+    """Staging recorded into vLLM's own full graphs: a third variant of each, recorded at start-up after the plain
+    one, runs this program's work right after the model's forward, inside the graph (``graph_hooks``).
+
+    Nothing of it is left to the engine's thread at a step: the device works each request's number of pages out
+    from the lengths the graph itself read (the runner's buffer, whose rows past the batch's requests vLLM
+    keeps at zero), and the event after the work is recorded by the graph (an external event of the program's
+    own). A wanted step that replays such a graph costs the engine's thread no torch call: it hands
+    :meth:`staged_step` to the capture thread, which reads the counts back with the page ids.
+
+    One program serves the staged variants of all of a wrapper's graphs: its buffers hold the runner's every row
+    and ``pages`` staged positions, a number fixed when it is made (every step stages that many, whatever it
+    reads). A step whose host bound on its pages is over it, or that comes while the program is still held by
+    the capture thread, replays the variant with the copies and is staged by a program of the host's instead.
+    """
+
+    def __init__(self, device: Any, hint: StageHint, layers: list[tuple], pages: int, rows: int, page_size: int):
+        import torch
+
+        super().__init__(device, hint, layers, pages, rows)
+        self.host_counts = self.host_values = None  # the device works the counts out
+        self.page_size = page_size
+        self.width = int(hint.block_table.shape[1])
+        self.lengths = _to_storage_end(hint.seq_lens)[: self.counts.numel()]
+        self.ready = torch.cuda.Event(external=True) if hint.block_table.is_cuda else None
+
+    @staticmethod
+    def rows_for(hint: StageHint) -> int:
+        """The rows a program for this build's buffers covers: every row of the runner's lengths and block table."""
+        table = hint.block_table
+        table_rows = _to_storage_end(table).numel() // max(1, table.stride(0))
+        return max(1, min(_to_storage_end(hint.seq_lens).numel(), table_rows))
+
+    def serves(self, hint: StageHint) -> bool:
+        """Whether a build's step can be staged by this program: the graph read the buffers it reads, and the
+        host's bound on the step's pages is within its positions (the cheap bound first, then the exact one)."""
+        if hint.seq_lens is None or hint.seq_lens.data_ptr() != self.lengths.data_ptr() \
+                or hint.block_table.data_ptr() != self.table.data_ptr() or hint.num_reqs > self.counts.numel():
+            return False
+        size, page = self.size, self.page_size
+        if hint.num_reqs * min(-(-max(0, hint.max_seq_len) // page), self.width) <= size:
+            return True
+        bound = hint.seq_lens_bound
+        if bound is None:
+            return False
+        lengths = (bound.numpy() if hasattr(bound, "numpy") else np.asarray(bound))[: hint.num_reqs]
+        return int(np.minimum((lengths.astype(np.int64) + (page - 1)) // page, self.width).sum()) <= size
+
+    def graph_body(self, rows: int) -> None:
+        """The program's work, recorded into vLLM's graph of ``rows`` tokens after its forward (the stream captures)."""
+        import torch
+
+        counts = torch.div(self.lengths.to(torch.int64) + (self.page_size - 1), self.page_size, rounding_mode="floor")
+        self.counts.copy_(counts.clamp_(0, self.width))
+        self._body(rows)
+        if self.ready is not None:
+            self.ready.record()
+
+    def reusable(self) -> bool:
+        """No reader holds the program and every released read of its buffers is done (queried, never waited)."""
+        if self._holders:
+            return False
+        if self._released:
+            with self._lock:
+                pending = [event for event in self._released if not event.query()]
+                self._released = pending
+            return not pending
+        return True
+
+    def staged_step(self, rows: int, hint: StageHint) -> StagedStep:
+        """The step the graph just staged (engine's thread: no torch call); its counts are read back by the reader."""
+        self.runs += 1
+        return StagedStep(self, rows, -1, None, self.page_size, self.ready, self.runs, hint.num_reqs,
+                          int(hint.block_table.shape[1]), self.reads_metadata_of(hint))
 
 
 def _to_storage_end(t: "torch.Tensor") -> "torch.Tensor":
@@ -572,4 +683,4 @@ class GraphStager:
         return None
 
 
-__all__ = ["GraphStager", "StageHint", "StagedPages", "StagedStep", "stage_hint"]
+__all__ = ["GraphStager", "InGraphProgram", "StageHint", "StagedPages", "StagedStep", "stage_hint"]

@@ -94,9 +94,21 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._recording_plain = False  # vLLM is recording a graph's plain variant: kvdbg records nothing into it
         self._plain_ran = False  # the graph just replayed was a plain variant: its copies' buffers are stale
         self.plain_replays = 0
+        # A third variant of a full graph, with kvdbg's staging recorded in after the forward (graph_hooks):
+        # (wrapper id, batch) -> ((graph, output), the graph_staging.InGraphProgram it runs); the programs by their
+        # buffers; whether vLLM is recording such a variant (the layers' copies recorded again, no slot learnt);
+        # the program the graph just replayed ran (None: another variant); the latest build of each builder, whose
+        # buffers a staged variant reads.
+        self._staged_variants: dict[tuple, tuple] = {}
+        self._in_graph_programs: dict[tuple, Any] = {}
+        self._recording_again = False
+        self._in_graph_ran: Any = None
+        self._last_builds: dict[int, tuple] = {}
+        self.staged_replays = 0
         # Per graph: (its names, capture's configuration, whether capture's layer filter selects any of them,
         # whether the sentinel's does), so that a step nothing wants is told with one search (graph_hooks).
         self._graph_takers: dict[Any, tuple] = {}
+        self._graph_every: dict[Any, tuple] = {}  # per graph: (its names, configuration, capture selects them all)
         self._sentinel_layers: dict[int, tuple] = {}  # per builder: (its layer names, those the sentinel checks)
         self._max_graph_tokens: int | None = None
         self._forward_context = None

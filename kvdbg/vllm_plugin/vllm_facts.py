@@ -233,7 +233,9 @@ def _requests_with_tokens(common: Any) -> int:
     (rows of no tokens, read from the host copy of the query offsets; without one, every row)."""
     num_reqs = int(common.num_reqs)
     offsets = getattr(common, "query_start_loc_cpu", None)
-    if num_reqs == 0 or offsets is None or len(offsets) < num_reqs + 1:
+    # A tensor's shape, not len(): len() of a tensor is a torch call in Python (a build runs on every step).
+    if num_reqs == 0 or offsets is None or (offsets.shape[0] if hasattr(offsets, "shape") else len(offsets)) \
+            < num_reqs + 1:
         return num_reqs
     import numpy as np
 
@@ -242,7 +244,7 @@ def _requests_with_tokens(common: Any) -> int:
     total = values[num_reqs]
     if values[num_reqs - 1] != total:  # the last row has tokens: no padding (every eager step)
         return num_reqs
-    return int(np.searchsorted(values[: num_reqs + 1], total))  # the first row that ends where the batch does
+    return int(values[: num_reqs + 1].searchsorted(total))  # the first row that ends where the batch does
 
 
 def _graph_capturing(t: Any) -> bool:

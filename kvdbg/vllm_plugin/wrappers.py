@@ -178,6 +178,8 @@ def _wrap_graph_call(state: _PluginState, original):
                 state.end_graph_recording()
             # Once more without kvdbg's copies: the graph the steps nothing wants replay (graph_hooks).
             state.record_plain_graph(self, batch, lambda: original(self, *args, **kwargs), forward_state)
+            # And once with kvdbg's staging after the forward: the graph a wanted step replays (graph_hooks).
+            state.record_staged_graph(self, batch, lambda: original(self, *args, **kwargs), forward_state)
             return result
         state.choose_graph(self, batch)
         state.before_graph_replay()

@@ -361,6 +361,9 @@ def check_pair(out: str, model: str, eager_name: str, graph_name: str, args) -> 
         if from_graphs and not (graph.get("graph_variants") or {}).get("recorded"):
             problems.append("no full graph was recorded a second time without kvdbg's copies: every step replayed "
                             "the graph with them")
+        if from_graphs and not (graph.get("graph_variants") or {}).get("staged_in_graph"):
+            problems.append("no wanted step was staged inside vLLM's graph (its variant with kvdbg's staging): "
+                            "every one was staged by the engine's thread after the replay")
         if graph.get("cudagraph_mode") != graph["mode"]:
             warnings.append(f"vLLM resolved cudagraph_mode {graph['mode']} to {graph.get('cudagraph_mode')}")
     p, counts = python_per_layer(graph, layers)

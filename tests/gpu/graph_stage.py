@@ -442,9 +442,14 @@ def engine_child(out: str, spec: RunSpec, cpu: bool) -> dict:
             record["problems"].append("snapshots still unwritten after 120 s")
         capturer = state.capturer
         record["written"] = len(capturer.written)
-        # Full graphs recorded twice (with kvdbg's copies and without), and the replays of the plain ones.
+        # Full graphs recorded twice (with kvdbg's copies and without) and a third time with kvdbg's staging in
+        # them; the replays of the plain ones, of the staged ones, and the wanted steps staged inside the graph.
         record["graph_variants"] = {"recorded": len(getattr(state, "_graph_variants", {})),
-                                    "plain_replays": getattr(state, "plain_replays", 0)}
+                                    "plain_replays": getattr(state, "plain_replays", 0),
+                                    "staged_recorded": len(getattr(state, "_staged_variants", {})),
+                                    "staged_replays": getattr(state, "staged_replays", 0),
+                                    "staged_in_graph": capturer.engine_time.in_graph,
+                                    "staged_by_host": capturer.engine_time.staged - capturer.engine_time.in_graph}
         record["dropped"] = dict(capturer.dropped)
         record["failures"] = dict(capturer.failures)
         if state.sentinel is not None:
