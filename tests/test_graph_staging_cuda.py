@@ -232,7 +232,7 @@ def test_staging_recorded_into_a_graph_is_ordered_for_another_thread_by_the_grap
         ids = torch.cat([table[r, : -(-n // 16)] for r, n in enumerate(lengths)]).long()
         expected = [(cache.index_select(dim, ids).cpu(), query[:12].cpu()) for _, cache, dim, query, _ in layers]
         graph.replay()
-        step = program.staged_step(12, hint)
+        step = program.staged_step(12, hint, program.serves(hint) == 2)
         read: dict = {}
 
         def reader():
@@ -251,3 +251,8 @@ def test_staging_recorded_into_a_graph_is_ordered_for_another_thread_by_the_grap
             torch.testing.assert_close(pages, want_pages, rtol=0, atol=0)
             torch.testing.assert_close(query, want_query, rtol=0, atol=0)
         assert step.sized() == count and step.counts.tolist() == [-(-n // 16) for n in lengths]
+        # Held by a reader until its reads are done on the device; let go by the reader, not asked by the engine.
+        step.hold()
+        assert not program.reusable()
+        step.release()
+        assert program.reusable() and not program._released

@@ -1115,7 +1115,7 @@ def _run_as_graph(engine, common, inputs, tokens: int, monkeypatch, wrapper=None
                 buffers.output[:tokens].copy_(output.view(buffers.output[:tokens].shape))
             outputs.append(output)
     if wrapper is not None and state._in_graph_ran is not None:  # the staged variant: its program, in the graph
-        state._in_graph_ran.graph_body(tokens)
+        state._in_graph_ran[1].graph_body(tokens)
     engine.seq_lens = [n + engine.query_len for n in engine.seq_lens]
     state.after_graph_replay(_Batch((tokens,)))
     return outputs
@@ -1545,7 +1545,7 @@ def test_the_staging_inside_a_graph_stages_what_the_hosts_program_does_from_the_
     inside = InGraphProgram(None, hint, layers, 64, InGraphProgram.rows_for(hint), 4)
     assert inside.counts.numel() == 8 and inside.width == 10
     inside.graph_body(6)
-    step = inside.staged_step(6, hint)
+    step = inside.staged_step(6, hint, inside.serves(hint) == 2)
     assert step.count == -1 and step.sized() == 4 + 1 + 10 + 2
     assert step.counts.tolist() == [4, 1, 10, 2]
     host = _Program(None, hint, layers, 64, 8)
@@ -1563,10 +1563,10 @@ def test_the_staging_inside_a_graph_stages_what_the_hosts_program_does_from_the_
     assert small.serves(StageHint(table[:6], 4, torch.tensor([13, 1, 16, 7]), 40, seq_lens[:6], offsets[:7], 6))
     seq_lens[:4] = 400  # 100 pages each, cut to the table's 10 columns: 40 pages
     inside.graph_body(6)
-    assert inside.staged_step(6, hint).sized() == 40
+    assert inside.staged_step(6, hint, True).sized() == 40
     small.graph_body(6)
     with pytest.raises(CaptureInputError, match="reads 40 pages, more than the 16"):
-        small.staged_step(6, hint).sized()
+        small.staged_step(6, hint, True).sized()
 
 
 class _TorchCalls(torch.overrides.TorchFunctionMode):

@@ -90,9 +90,12 @@ class BuilderHooks:
             self._stash(metadata, ctx)
             if self._graph_layers:  # its replay finds the context by layer
                 ctx.stage = hint
-                counts, builds = self._forward_counts, self._graph_builds
-                for name in getattr(builder, "layer_names", None) or ():  # capture's and the sentinel's layers
-                    builds[name] = (counts.get(name, 0), ctx)
+                names = getattr(builder, "layer_names", None) or ()  # capture's and the sentinel's layers
+                steps = list(map(self._forward_counts.get, names, repeat(0)))
+                if steps and steps.count(steps[0]) == len(steps):  # the usual case: one entry, shared
+                    self._graph_builds.update(dict.fromkeys(names, (steps[0], ctx)))
+                else:
+                    self._graph_builds.update(zip(names, zip(steps, repeat(ctx))))
             return for_capture
         except Exception as exc:
             self.capturer.report(exc, f"{type(builder).__name__}.build")

@@ -52,7 +52,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import add
+from operator import add, is_not
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -357,22 +357,25 @@ class GraphHooks:
                                                                     rows, page_size)
         return program
 
-    def _in_graph_serves(self, batch: Any, program: Any) -> bool:
-        """Whether the coming replay of ``batch``'s graph, a step capture wants, may be the staged variant: its build
-        was seen and read the program's buffers, its pages fit the program, the sentinel did not draw it (its
-        checks read steps the host staged) and no reader still holds the program."""
-        slots = self._graph_layers[batch]
-        name = slots[0].name
-        step = self._forward_counts.get(name, 0)
-        built = self._graph_builds.get(name)
-        if built is None or built[0] != step or built[1].stage is None:
-            return False
-        if self.sentinel is not None:
-            names, _ = self._slot_names(batch, slots)
-            drawn = self.sentinel.sentinel.drawn
-            if any(map(drawn, set(map(self._forward_counts.get, names, repeat(0))))):
-                return False
-        return program.reusable() and program.serves(built[1].stage)
+    def _in_graph_step(self, batch: Any, program: Any, slots: list, names: tuple, steps: list) -> tuple | None:
+        """The coming replay of ``batch``'s graph as a step the staged variant serves, or None: every layer of the
+        graph wanted at one step with one build's context (capture's filters and budget asked once), the sentinel's
+        draw not on it (its checks read steps the host staged), no reader holding the program, the build read the
+        program's buffers and its pages fit. Then (batch, program, names, steps, wanted layers, hint, metadata
+        staged) for :meth:`after_graph_replay`, which hands the step over with nothing asked again."""
+        step = steps[0]
+        if steps.count(step) != len(steps):
+            return None
+        if self.sentinel is not None and self.sentinel.sentinel.drawn(step):
+            return None
+        items = self._every_layer_wanted(batch, slots, names, step)
+        if items is None or not program.reusable():
+            return None
+        hint = items[0][2].stage
+        serves = 0 if hint is None else program.serves(hint)
+        if not serves:
+            return None
+        return batch, program, names, steps, items, hint, serves == 2
 
     def choose_graph(self, wrapper: Any, batch: Any) -> None:
         """Before vLLM replays its full graph for ``batch``: the variant with kvdbg's copies when this step of any of
@@ -390,11 +393,13 @@ class GraphHooks:
             return
         try:
             use = plain
-            if self._step_wants_copies(batch):
+            wants = self._step_wants_copies(batch)
+            if wants:
                 use = copying
                 staged = self._staged_variants.get((id(wrapper), batch)) if self._staged_variants else None
-                if staged is not None and self._in_graph_serves(batch, staged[1]):
-                    use, self._in_graph_ran = staged[0], staged[1]
+                fast = None if staged is None or wants is True else self._in_graph_step(batch, staged[1], *wants)
+                if fast is not None:
+                    use, self._in_graph_ran = staged[0], fast
         except Exception as exc:  # noqa: BLE001 - never into vLLM's forward: the copies then run, as before
             self.capturer.report(exc, "choosing a CUDA graph to replay")
             use, self._in_graph_ran = copying, None
@@ -417,16 +422,18 @@ class GraphHooks:
         for entry, _, plain in self._graph_variants.values():
             entry.cudagraph, entry.output = plain
 
-    def _step_wants_copies(self, batch: Any) -> bool:
+    def _step_wants_copies(self, batch: Any) -> Any:
         """Whether the coming replay of ``batch``'s graph is a step that capture's filters select or the sentinel
-        draws, on any of its layers (nothing counted: :meth:`after_graph_replay` decides and counts)."""
+        draws, on any of its layers (nothing counted: :meth:`after_graph_replay` decides and counts): falsy when
+        not; else (slots, names, the layers' steps), or True for a graph that runs a layer twice a step."""
         slots = self._graph_layers.get(batch)
         if not slots:
             return False
         names, distinct = self._slot_names(batch, slots)
         if not distinct:  # a layer run twice a step: its steps are counted one by one; always copied
             return True
-        return not self._nothing_wanted(batch, names, list(map(self._forward_counts.get, names, repeat(0))), True)
+        steps = list(map(self._forward_counts.get, names, repeat(0)))
+        return not self._nothing_wanted(batch, names, steps, True) and (slots, names, steps)
 
     def _nothing_wanted(self, batch: Any, names: tuple, steps: list, active_only: bool = False) -> bool:
         """Whether no layer of the graph is at a step capture's step filter may take (for a layer its layer filter
@@ -512,6 +519,11 @@ class GraphHooks:
         """The full graph for ``batch`` was replayed (its work is queued): count its selected layers' forwards (on
         every step, so only theirs), capture the steps wanted and hand the sentinel those it samples. Whether
         anything was copied for a capture."""
+        fast = self._in_graph_ran
+        if fast is not None:
+            self._in_graph_ran = None
+            if fast[0] == batch:  # the staged variant replayed: the step was told wanted when it was chosen
+                return self._hand_in_graph(fast)
         slots = self._graph_layers.get(batch)
         if not slots:
             return False
@@ -587,7 +599,28 @@ class GraphHooks:
             self._hand_over(job)
         except Exception as exc:
             if job.staged is not None:
-                job.staged.release()  # the capture thread never got it
+                job.staged.release(issued=False)  # the capture thread never got it
+            self.capturer.report(exc, "after a CUDA graph's replay", step_lost=True)
+            return False
+        return True
+
+    def _hand_in_graph(self, fast: tuple) -> bool:
+        """A wanted step the staged variant of its graph staged (:meth:`_in_graph_step`): its layers' forwards
+        counted, the step handed to the capture thread, holding the program until that thread has read it."""
+        batch, program, names, steps, items, hint, with_metadata = fast
+        self._forward_counts.update(zip(names, map(add, steps, repeat(1))))
+        job = _GraphJob(items, batch.num_tokens)
+        try:
+            if not with_metadata:  # the runner's buffers were not the program's: the build's copies, now
+                self.resolve(items[0][2], slots=False)
+            job.staged = program.staged_step(items[0][0].query.shape[0], hint, with_metadata).hold()
+            account = self.capturer.engine_time
+            account.staged += 1
+            account.in_graph += 1
+            self._hand_over(job)
+        except Exception as exc:
+            if job.staged is not None:
+                job.staged.release(issued=False)  # the capture thread never got it
             self.capturer.report(exc, "after a CUDA graph's replay", step_lost=True)
             return False
         return True
@@ -603,15 +636,16 @@ class GraphHooks:
         if not hit[2] or not capturer.wants_all(len(names), step):
             return None
         builds = self._graph_builds
-        built = builds.get(names[0])
-        if built is None or built[0] != step:
+        first = builds.get(names[0])
+        if first is None or first[0] != step:
             return None
-        ctx = built[1]
-        for name in names:
-            built = builds.get(name)
-            if built is None or built[0] != step or built[1] is not ctx:
-                return None
-        return [(slot, step, ctx) for slot in slots]
+        ctx = first[1]
+        if any(map(is_not, map(builds.get, names), repeat(first))):  # not one shared entry: each layer's asked
+            for name in names:
+                built = builds.get(name)
+                if built is None or built[0] != step or built[1] is not ctx:
+                    return None
+        return list(zip(slots, repeat(step), repeat(ctx)))
 
     def _slot_names(self, batch: Any, slots: list) -> tuple[tuple[str, ...], bool]:
         """The layer names of a graph's slots, and whether they are distinct; kept per graph until it records
@@ -635,16 +669,12 @@ class GraphHooks:
             return None
 
     def _stage_layers(self, items: list) -> Any:
-        program, self._in_graph_ran = self._in_graph_ran, None
         if not items or items[0][2] is None:
             return None
         ctx = items[0][2]
         hint = ctx.stage
         if hint is None or any(item[2] is not ctx for item in items):
             return None
-        if program is not None:  # vLLM's graph staged the step itself (its staged variant replayed)
-            self.capturer.engine_time.in_graph += 1
-            return program.staged_step(int(items[0][0].query.shape[0]), hint)
         stager = self._stager
         if stager is None:
             from kvdbg.vllm_plugin.graph_staging import GraphStager

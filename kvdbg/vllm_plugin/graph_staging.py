@@ -56,6 +56,8 @@ STAGING_MAX_BYTES = 2 * 1024**3
 # The most device memory one program recorded into vLLM's graphs may hold (graph_hooks' staged variant); it stages
 # as many pages as fit, at most every page of every row of the runner's block table.
 IN_GRAPH_MAX_BYTES = 1024**3
+# The longest a reader waits for its reads of a step staged inside vLLM's graph before it lets the program go.
+RELEASE_WAIT_S = 30.0
 # Programs are made for a number of pages rounded up to a power of two, at least this one.
 MIN_PAGES = 64
 # Programs of one size (and block table and layers): a second one serves a step wanted while the first is held.
@@ -64,7 +66,7 @@ PROGRAMS_PER_SIZE = 2
 MAX_PROGRAMS = 8
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StageHint:
     """What a build tells staging about its step (kept on the build's context; references, no copies):
     the block table the step reads (the runner's device buffer), the real requests, and a host bound on
@@ -247,9 +249,10 @@ class StagedStep:
         self.program.hold()
         return self
 
-    def release(self) -> None:
-        """The holder is done issuing its reads of the staged buffers (on the current stream)."""
-        self.program.release()
+    def release(self, issued: bool = True) -> None:
+        """The holder is done issuing its reads of the staged buffers (on the current stream; ``issued=False``: it
+        read nothing)."""
+        self.program.release(issued)
 
 
 class _Program:
@@ -350,9 +353,11 @@ class _Program:
             self._views[rows] = views
         return views
 
-    def release(self) -> None:
+    def release(self, issued: bool = True) -> None:
+        """A holder is done (``issued``: its reads of the buffers are issued on the current stream, which the next
+        run waits for on the device; False: it read nothing)."""
         event = None
-        if self.index.is_cuda:
+        if issued and self.index.is_cuda:
             import torch
 
             from kvdbg.capture.buffers import current_stream
@@ -480,20 +485,25 @@ class InGraphProgram(_Program):
         table_rows = _to_storage_end(table).numel() // max(1, table.stride(0))
         return max(1, min(_to_storage_end(hint.seq_lens).numel(), table_rows))
 
-    def serves(self, hint: StageHint) -> bool:
+    def serves(self, hint: StageHint) -> int:
         """Whether a build's step can be staged by this program: the graph read the buffers it reads, and the
-        host's bound on the step's pages is within its positions (the cheap bound first, then the exact one)."""
+        host's bound on the step's pages is within its positions (the cheap bound first, then the exact one).
+        0: it cannot; 1: it can; 2: it can, and its metadata copies read the build's (StagedStep.with_metadata)."""
         if hint.seq_lens is None or hint.seq_lens.data_ptr() != self.lengths.data_ptr() \
                 or hint.block_table.data_ptr() != self.table.data_ptr() or hint.num_reqs > self.counts.numel():
-            return False
+            return 0
         size, page = self.size, self.page_size
-        if hint.num_reqs * min(-(-max(0, hint.max_seq_len) // page), self.width) <= size:
-            return True
-        bound = hint.seq_lens_bound
-        if bound is None:
-            return False
-        lengths = (bound.numpy() if hasattr(bound, "numpy") else np.asarray(bound))[: hint.num_reqs]
-        return int(np.minimum((lengths.astype(np.int64) + (page - 1)) // page, self.width).sum()) <= size
+        if hint.num_reqs * min(-(-max(0, hint.max_seq_len) // page), self.width) > size:
+            bound = hint.seq_lens_bound
+            if bound is None:
+                return 0
+            lengths = (bound.numpy() if hasattr(bound, "numpy") else np.asarray(bound))[: hint.num_reqs]
+            if int(np.minimum((lengths.astype(np.int64) + (page - 1)) // page, self.width).sum()) > size:
+                return 0
+        meta = self.metadata
+        if meta is None or hint.query_start_loc is None or hint.query_start_loc.data_ptr() != meta[5].data_ptr():
+            return 1
+        return 2
 
     def graph_body(self, rows: int) -> None:
         """The program's work, recorded into vLLM's graph of ``rows`` tokens after its forward (the stream captures)."""
@@ -506,21 +516,40 @@ class InGraphProgram(_Program):
             self.ready.record()
 
     def reusable(self) -> bool:
-        """No reader holds the program and every released read of its buffers is done (queried, never waited)."""
-        if self._holders:
-            return False
-        if self._released:
-            with self._lock:
-                pending = [event for event in self._released if not event.query()]
-                self._released = pending
-            return not pending
-        return True
+        """No reader holds the program (a reader lets it go only once its reads are done on the device: the engine's
+        thread asks no event)."""
+        return not self._holders
 
-    def staged_step(self, rows: int, hint: StageHint) -> StagedStep:
-        """The step the graph just staged (engine's thread: no torch call); its counts are read back by the reader."""
+    def release(self, issued: bool = True) -> None:
+        """The holder's reads of the staged buffers are issued (on the current stream): the program is let go once
+        the device has made them, the releasing thread (the capture thread) waiting for it, never the engine's. A
+        device that does not make them within :data:`RELEASE_WAIT_S` leaves the program held, said once: its wanted
+        steps are then staged by the host's programs."""
+        if issued and self.ready is not None:
+            import time
+
+            import torch
+
+            from kvdbg.capture.buffers import current_stream
+
+            done = torch.cuda.Event()
+            done.record(current_stream(self.device))
+            deadline = time.monotonic() + RELEASE_WAIT_S
+            while not done.query():  # polled: the interpreter's lock is let go between the queries
+                if time.monotonic() > deadline:
+                    logger.warning("kvdbg capture: the reads of a step staged inside vLLM's graph were not done on the "
+                                   "device within %g s; its staging is not used again", RELEASE_WAIT_S)
+                    return
+                time.sleep(0.0002)
+        with self._lock:
+            self._holders = max(0, self._holders - 1)
+
+    def staged_step(self, rows: int, hint: StageHint, with_metadata: bool) -> StagedStep:
+        """The step the graph just staged (engine's thread: no torch call); its counts are read back by the reader.
+        ``with_metadata``: :meth:`serves` said 2."""
         self.runs += 1
         return StagedStep(self, rows, -1, None, self.page_size, self.ready, self.runs, hint.num_reqs,
-                          int(hint.block_table.shape[1]), self.reads_metadata_of(hint))
+                          hint.block_table.shape[1], with_metadata)
 
 
 def _to_storage_end(t: "torch.Tensor") -> "torch.Tensor":
