@@ -16,7 +16,11 @@ the step's block table, lengths and query offsets as for any step) and vLLM's ``
   Right after, vLLM records the graph once more with nothing of kvdbg's in it
   (:meth:`GraphHooks.record_plain_graph`), and before each replay the plugin installs the one with the copies
   for a step that capture's filters select or the sentinel draws, the plain one for any other
-  (:meth:`GraphHooks.choose_graph`): a step nothing wants is the engine's own device work alone;
+  (:meth:`GraphHooks.choose_graph`): a step nothing wants is the engine's own device work alone. With capture
+  on, vLLM records it a third time with the copies and, after the forward, kvdbg's staging program
+  (:meth:`GraphHooks.record_staged_graph`, ``graph_staging.InGraphProgram``): a step capture wants on every layer
+  replays that variant when the program is free and the step's pages fit, and is handed over with no torch call
+  on the engine's thread (:meth:`GraphHooks._hand_in_graph`); other wanted steps are staged as below;
 - **after each replay**, the selected layers' steps are counted as if their forwards had run. A step capture
   wants or the sentinel samples is first *staged* (``graph_staging``): on the engine's stream, right after the
   graph's work, a small program of kvdbg's (recorded once per size as a CUDA graph of its own) copies the
