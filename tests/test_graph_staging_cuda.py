@@ -254,5 +254,6 @@ def test_staging_recorded_into_a_graph_is_ordered_for_another_thread_by_the_grap
         # Held by a reader until its reads are done on the device; let go by the reader, not asked by the engine.
         step.hold()
         assert not program.reusable()
-        step.release()
-        assert program.reusable() and not program._released
+        step.release()  # pending until its reads are done on the device, asked by the capture thread
+        program.poll_released(wait=True)
+        assert program.reusable() and not program._pending

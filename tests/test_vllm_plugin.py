@@ -1527,6 +1527,81 @@ def test_a_wanted_step_while_the_graphs_staging_is_still_read_replays_the_graph_
     assert account.staged == 2 and account.in_graph == 1 and state._stager.staged == 1
 
 
+def test_a_staged_variant_missing_a_layers_copies_is_not_kept_and_cleared_graphs_let_their_staging_go(
+        standins, tmp_path, monkeypatch, caplog):
+    """vLLM lets its graphs go (after profiling their memory): the staged variants, their programs and the builds
+    kept for the next recording go with them. A staged recording in which a layer finds no copy buffers would
+    stage stale copies: it is said and not kept, and the graph's wanted steps are staged from the host."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "1")
+    wrapper, entry = _record_variants(16)
+    assert len(state._in_graph_programs) == 1 and state._last_builds
+    state.forget_graphs(wrapper)
+    assert not state._graph_variants and not state._staged_variants and not state._in_graph_programs
+    assert not state._last_builds
+    _record_graph(engine, 16, 4, monkeypatch)  # vLLM records the size again: its dummy build is kept again
+    batch = _Batch((16,))
+    entry = types_namespace(cudagraph="copies", output="copies")
+    wrapper = types_namespace(concrete_cudagraph_entries={batch: entry}, runnable=lambda: None)
+    state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
+
+    def record():
+        wrapper.runnable()
+        state._graph_buffers.pop(engine.names[0])  # as if the layer's buffers were gone by now
+        query = torch.zeros(16, engine.num_heads, engine.head_size)
+        assert state.record_in_graph(None, engine.layers[0], query, engine.layers[0].kv_cache, None) is None
+        entry.cudagraph = "staged"
+
+    caplog.set_level(logging.WARNING, logger="kvdbg.capture")
+    state.record_staged_graph(wrapper, batch, record)
+    assert not state._staged_variants and entry.cudagraph == "copies"
+    assert "with kvdbg's staging in it failed" in caplog.text and "no copy buffers" in caplog.text
+
+
+def test_a_read_staging_inside_a_graph_is_let_go_by_the_capture_thread_once_the_device_has_made_the_copies(
+        standins, tmp_path, monkeypatch):
+    """A reader's release is pending until its copies are done on the device: the capture thread asks between its
+    jobs (never the engine's thread), and the program serves the next wanted step only then; before a graph
+    records, the engine's thread waits for every pending one (nothing may query the device while it records)."""
+    import time as clock
+
+    from kvdbg.vllm_plugin.graph_hooks import _GraphCaptureThread
+
+    class Copies:  # the event after a reader's copies, as the device makes them
+        def __init__(self):
+            self.done, self.waited = False, False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = self.done = True
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "1")
+    _record_variants(16)
+    program = next(iter(state._in_graph_programs.values()))
+    copies = Copies()
+    program.hold()
+    program._pending.append(copies)  # what release() leaves on a GPU
+    state._graph_thread = _GraphCaptureThread(state)
+    clock.sleep(0.05)
+    assert not program.reusable()  # the copies are not done: still held
+    copies.done = True
+    deadline = clock.monotonic() + 5
+    while not program.reusable() and clock.monotonic() < deadline:
+        clock.sleep(0.005)
+    assert program.reusable() and not program._pending and not copies.waited
+    program.hold()
+    program._pending.append(Copies())
+    state.before_graph_recording()  # waits for it
+    assert program.reusable() and not program._pending
+
+
+def types_namespace(**kwargs):
+    import types
+
+    return types.SimpleNamespace(**kwargs)
+
+
 def test_the_staging_inside_a_graph_stages_what_the_hosts_program_does_from_the_lengths_alone():
     """The program recorded into vLLM's graph works each request's pages out on the device from the lengths (rows
     past the batch's requests at zero, as vLLM keeps them): the same page ids, pages and metadata as the host's

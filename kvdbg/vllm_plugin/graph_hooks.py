@@ -151,9 +151,20 @@ class _GraphCaptureThread:
         self.thread.start()
 
     def _main(self) -> None:
+        from kvdbg.vllm_plugin.graph_staging import RELEASE_POLL_S
+
         streams: dict[Any, Any] = {}
         while True:
-            job = self.jobs.get()
+            try:  # while a step staged inside a graph is still being copied, its program is let go once it is done
+                pending = self.state._poll_in_graph_releases()
+            except Exception as exc:  # noqa: BLE001 - said; the programs then stay held, and steps staged as before
+                self.state.capturer._note_once(f"release:{type(exc).__name__}", f"kvdbg capture: letting a staging "
+                                               f"inside vLLM's graph go failed ({type(exc).__name__}: {exc})")
+                pending = False
+            try:
+                job = self.jobs.get(timeout=RELEASE_POLL_S) if pending else self.jobs.get()
+            except queue.Empty:
+                continue
             if job is None:
                 return
             if isinstance(job, threading.Event):  # drain(): every job before it is done
@@ -212,6 +223,13 @@ class GraphHooks:
             self.capturer.report(exc, "CUDAGraphWrapper.__call__")
             return None
 
+    def _poll_in_graph_releases(self, wait: bool = False) -> bool:
+        """:meth:`InGraphProgram.poll_released` of every staged variant's program; whether a hold is still pending."""
+        pending = False
+        for program in list(self._in_graph_programs.values()):
+            pending |= program.poll_released(wait)
+        return pending
+
     def before_graph_recording(self) -> None:
         """vLLM is about to record a graph (a full one, or one piece of a piecewise one): the sentinel's checks of
         earlier steps still in its worker are collected first. CUDA forbids, process-wide, what the worker does (a
@@ -219,6 +237,9 @@ class GraphHooks:
         sentinel may have sampled. No check is handed to the worker while a graph records (its hooks see the
         stream capturing); between the pieces of a piecewise graph one may be, and the next piece collects it."""
         self.await_graph_capture()
+        if self._in_graph_programs:  # the capture thread idle and every staged read done: it queries nothing now
+            self.drain_graph_capture(GRAPH_CAPTURE_WAIT_S)
+            self._poll_in_graph_releases(wait=True)
         if self.sentinel is not None:
             self.sentinel.before_graph_replay(self, recording=True)
 
@@ -302,13 +323,15 @@ class GraphHooks:
                 return output
 
             entry.cudagraph = None
-            self._recording, self._recording_again = batch, True
+            self._recording, self._recording_again, self._again_failed = batch, True, None
             wrapper.runnable = forward_then_stage
             try:
                 with self.held_writers():
                     if forward_state is not None:
                         forward_state()
                     record()
+                if self._again_failed is not None:
+                    raise RuntimeError(self._again_failed)
                 staged = (entry.cudagraph, entry.output)
             finally:
                 wrapper.runnable = runnable
@@ -419,6 +442,13 @@ class GraphHooks:
             del self._graph_variants[key]
         for key in [key for key in self._staged_variants if key[0] == id(wrapper)]:
             del self._staged_variants[key]
+        # Programs no staged variant runs any more go too (a step still reading one keeps it until done), and the
+        # builds kept for the next recording: vLLM clears its graphs after profiling their memory with a cache and
+        # buffers of its own, which a program must not keep alive.
+        used = {id(program) for _, program in self._staged_variants.values()}
+        for key in [key for key, program in self._in_graph_programs.items() if id(program) not in used]:
+            del self._in_graph_programs[key]
+        self._last_builds.clear()
 
     def install_plain_graphs(self) -> None:
         """Every graph's plain variant in vLLM's entries (the plugin going away, or its patches switched off):
@@ -482,8 +512,9 @@ class GraphHooks:
         rows = int(query.shape[0])
         if self._recording_again:  # the staged variant: the same copies into the same buffers, no slot learnt
             buffers = self._graph_buffers.get(name)
-            if buffers is None or buffers.query.shape[0] < rows:
-                raise RuntimeError(f"layer {name} has no copy buffers of its graph's recording with kvdbg's copies")
+            if buffers is None or buffers.query.shape[0] < rows:  # the variant would stage stale copies: not kept
+                self._again_failed = f"layer {name} has no copy buffers of the graph's recording with kvdbg's copies"
+                return None
             buffers.query[:rows].copy_(query[:rows])
             return GraphSlot(name, impl, layer, kv_cache, buffers.query[:rows])
         buffers = self._graph_buffers.get(name)

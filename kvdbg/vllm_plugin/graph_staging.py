@@ -56,8 +56,9 @@ STAGING_MAX_BYTES = 2 * 1024**3
 # The most device memory one program recorded into vLLM's graphs may hold (graph_hooks' staged variant); it stages
 # as many pages as fit, at most every page of every row of the runner's block table.
 IN_GRAPH_MAX_BYTES = 1024**3
-# The longest a reader waits for its reads of a step staged inside vLLM's graph before it lets the program go.
-RELEASE_WAIT_S = 30.0
+# How often the graph capture thread asks whether a reader's copies of a step staged inside vLLM's graph are done,
+# while one is pending (InGraphProgram.poll_released).
+RELEASE_POLL_S = 0.001
 # Programs are made for a number of pages rounded up to a power of two, at least this one.
 MIN_PAGES = 64
 # Programs of one size (and block table and layers): a second one serves a step wanted while the first is held.
@@ -477,6 +478,7 @@ class InGraphProgram(_Program):
         self.width = int(hint.block_table.shape[1])
         self.lengths = _to_storage_end(hint.seq_lens)[: self.counts.numel()]
         self.ready = torch.cuda.Event(external=True) if hint.block_table.is_cuda else None
+        self._pending: list[Any] = []  # events after the released readers' copies, not yet passed
 
     @staticmethod
     def rows_for(hint: StageHint) -> int:
@@ -493,7 +495,7 @@ class InGraphProgram(_Program):
                 or hint.block_table.data_ptr() != self.table.data_ptr() or hint.num_reqs > self.counts.numel():
             return 0
         size, page = self.size, self.page_size
-        if hint.num_reqs * min(-(-max(0, hint.max_seq_len) // page), self.width) > size:
+        if hint.max_seq_len <= 0 or hint.num_reqs * min(-(-hint.max_seq_len // page), self.width) > size:
             bound = hint.seq_lens_bound
             if bound is None:
                 return 0
@@ -522,27 +524,37 @@ class InGraphProgram(_Program):
 
     def release(self, issued: bool = True) -> None:
         """The holder's reads of the staged buffers are issued (on the current stream): the program is let go once
-        the device has made them, the releasing thread (the capture thread) waiting for it, never the engine's. A
-        device that does not make them within :data:`RELEASE_WAIT_S` leaves the program held, said once: its wanted
-        steps are then staged by the host's programs."""
+        the device has made them (:meth:`poll_released`, asked by the capture thread between its jobs, never by the
+        engine's thread); at once when nothing was read (``issued=False``) or on a CPU."""
         if issued and self.ready is not None:
-            import time
-
             import torch
 
             from kvdbg.capture.buffers import current_stream
 
             done = torch.cuda.Event()
             done.record(current_stream(self.device))
-            deadline = time.monotonic() + RELEASE_WAIT_S
-            while not done.query():  # polled: the interpreter's lock is let go between the queries
-                if time.monotonic() > deadline:
-                    logger.warning("kvdbg capture: the reads of a step staged inside vLLM's graph were not done on the "
-                                   "device within %g s; its staging is not used again", RELEASE_WAIT_S)
-                    return
-                time.sleep(0.0002)
+            with self._lock:
+                self._pending.append(done)
+            return
         with self._lock:
             self._holders = max(0, self._holders - 1)
+
+    def poll_released(self, wait: bool = False) -> bool:
+        """Let the holds go whose readers' copies are done on the device (``wait``: waiting for them); whether any
+        is still pending. The capture thread asks between its jobs; the engine's thread only before a graph records,
+        when nothing may query the device."""
+        if not self._pending:
+            return False
+        with self._lock:
+            pending = self._pending
+            for event in list(pending):
+                if wait:
+                    event.synchronize()
+                elif not event.query():
+                    continue
+                pending.remove(event)
+                self._holders = max(0, self._holders - 1)
+            return bool(pending)
 
     def staged_step(self, rows: int, hint: StageHint, with_metadata: bool) -> StagedStep:
         """The step the graph just staged (engine's thread: no torch call); its counts are read back by the reader.

@@ -102,6 +102,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._staged_variants: dict[tuple, tuple] = {}
         self._in_graph_programs: dict[tuple, Any] = {}
         self._recording_again = False
+        self._again_failed: str | None = None  # why a layer's copies could not be recorded into a staged variant
         self._in_graph_ran: Any = None
         self._last_builds: dict[int, tuple] = {}
         self.staged_replays = 0
