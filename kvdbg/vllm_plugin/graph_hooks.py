@@ -271,23 +271,8 @@ class GraphHooks:
         if not self._graph_layers.get(batch) or entry is None or getattr(entry, "cudagraph", None) is None:
             return
         copying = (entry.cudagraph, entry.output)
-        plain = None
-        entry.cudagraph = None
-        self._recording_plain = True
-        try:
-            with self.held_writers():
-                if forward_state is not None:  # what the first recording's forward moved on, as it found it
-                    forward_state()
-                record()
-            plain = (entry.cudagraph, entry.output)
-        except Exception as exc:  # noqa: BLE001 - the graph with the copies serves every step, as before
-            self.capturer._note_once(f"plain:{type(exc).__name__}", f"kvdbg: recording vLLM's full CUDA graph of "
-                                     f"{batch} a second time, without kvdbg's copies, failed ({type(exc).__name__}: "
-                                     f"{exc}); every step of it replays the graph with the copies")
-        finally:
-            self._recording_plain = False
-            entry.cudagraph, entry.output = copying
-        if plain is None or plain[0] is None:
+        plain = self._record_variant(entry, copying, record, forward_state, batch, None)
+        if plain is None:
             return
         if not self._graph_variants:
             logger.info("kvdbg: each full CUDA graph is recorded twice, with kvdbg's copies of the selected layers' "
@@ -309,46 +294,69 @@ class GraphHooks:
         if variants is None or not slots or not self.capturer.active:
             return
         entry, copying, _ = variants
-        staged = None
         try:
             program = self._in_graph_program(slots)
-            if program is None:
-                return
-            rows = int(slots[0].query.shape[0])
-            runnable = wrapper.runnable
-
-            def forward_then_stage(*args: Any, **kwargs: Any) -> Any:
-                output = runnable(*args, **kwargs)
-                program.graph_body(rows)
-                return output
-
-            entry.cudagraph = None
-            self._recording, self._recording_again, self._again_failed = batch, True, None
-            wrapper.runnable = forward_then_stage
-            try:
-                with self.held_writers():
-                    if forward_state is not None:
-                        forward_state()
-                    record()
-                if self._again_failed is not None:
-                    raise RuntimeError(self._again_failed)
-                staged = (entry.cudagraph, entry.output)
-            finally:
-                wrapper.runnable = runnable
-                self._recording, self._recording_again = None, False
         except Exception as exc:  # noqa: BLE001 - wanted steps are staged from the host, as before
-            self.capturer._note_once(f"in-graph:{type(exc).__name__}", f"kvdbg: recording vLLM's full CUDA graph of "
-                                     f"{batch} with kvdbg's staging in it failed ({type(exc).__name__}: {exc}); its "
-                                     "wanted steps are staged by the engine's thread after the replay")
+            self._variant_failed(batch, "staged", exc)
+            return
+        if program is None:
+            return
+        rows = int(slots[0].query.shape[0])
+        runnable = wrapper.runnable
+
+        def forward_then_stage(*args: Any, **kwargs: Any) -> Any:
+            output = runnable(*args, **kwargs)
+            program.graph_body(rows)
+            return output
+
+        wrapper.runnable = forward_then_stage
+        try:
+            staged = self._record_variant(entry, copying, record, forward_state, batch, program)
         finally:
-            entry.cudagraph, entry.output = copying
-        if staged is None or staged[0] is None:
+            wrapper.runnable = runnable
+        if staged is None:
             return
         if not self._staged_variants:
             logger.info("kvdbg: each full CUDA graph is also recorded with kvdbg's staging in it (%d pages of every "
                         "selected layer, %.0f MiB): a step capture wants replays that variant when its pages fit "
                         "and no earlier step's staging is still being read", program.size, program.nbytes / 2**20)
         self._staged_variants[key] = (staged, program)
+
+    def _record_variant(self, entry: Any, copying: tuple, record: Any, forward_state: Any, batch: Any,
+                        program: Any) -> tuple | None:
+        """vLLM's wrapper records its graph for ``batch`` once more, its entry emptied so that it records anew, then
+        the entry is given back the graph with the copies: plain (``program`` None: nothing of kvdbg's recorded)
+        or staged (the layers' copies again, the wrapper's forward then running ``program``). (graph, output) of
+        the new recording, or None (a failure said once)."""
+        entry.cudagraph = None
+        self._recording_plain = program is None
+        if program is not None:
+            self._recording, self._recording_again, self._again_failed = batch, True, None
+        try:
+            with self.held_writers():
+                if forward_state is not None:  # what the first recording's forward moved on, as it found it
+                    forward_state()
+                record()
+            if self._again_failed is not None:
+                raise RuntimeError(self._again_failed)
+            variant = (entry.cudagraph, entry.output)
+        except Exception as exc:  # noqa: BLE001 - the graph with the copies serves, as before
+            self._variant_failed(batch, "plain" if program is None else "staged", exc)
+            variant = None
+        finally:
+            self._recording_plain = self._recording_again = False
+            if program is not None:
+                self._recording, self._again_failed = None, None
+            entry.cudagraph, entry.output = copying
+        return None if variant is None or variant[0] is None else variant
+
+    def _variant_failed(self, batch: Any, which: str, exc: BaseException) -> None:
+        if which == "plain":
+            what = ("a second time, without kvdbg's copies,", "every step of it replays the graph with the copies")
+        else:
+            what = ("with kvdbg's staging in it", "its wanted steps are staged by the engine's thread after the replay")
+        self.capturer._note_once(f"{which}:{type(exc).__name__}", f"kvdbg: recording vLLM's full CUDA graph of {batch} "
+                                 f"{what[0]} failed ({type(exc).__name__}: {exc}); {what[1]}")
 
     def _in_graph_program(self, slots: list) -> Any:
         """The program a staged variant of a graph with these slots runs (made once for the runner's buffers and the
@@ -622,15 +630,23 @@ class GraphHooks:
         if not wanted:
             return False
         job = _GraphJob(wanted, batch.num_tokens)
+        # Unless staged with its metadata, the build's copies now, on the engine's stream right after the replay:
+        # later work of this very step (a drafter's) may rewrite the runner's buffers before the capture thread
+        # would read them.
+        unstaged = staged is None or not staged.with_metadata
+        return self._hand_job(job, staged, [ctx for _, _, ctx in wanted] if unstaged else [])
+
+    def _hand_job(self, job: _GraphJob, staged: Any, resolve: list, in_graph: bool = False) -> bool:
+        """Hand a wanted step to the capture thread (the builds in ``resolve`` copied first), holding its staging
+        until that thread has read it; whether it was handed (else the step is said lost and its staging let go)."""
         try:
-            if staged is None or not staged.with_metadata:
-                # The build's copies, now, on the engine's stream right after the replay: later work of this very
-                # step (a drafter's) may rewrite the runner's buffers before the capture thread would read them.
-                for _, _, ctx in wanted:
-                    self.resolve(ctx, slots=False)
+            for ctx in resolve:
+                self.resolve(ctx, slots=False)
             if staged is not None:
                 job.staged = staged.hold()
-                self.capturer.engine_time.staged += 1
+                account = self.capturer.engine_time
+                account.staged += 1
+                account.in_graph += in_graph
             self._hand_over(job)
         except Exception as exc:
             if job.staged is not None:
@@ -644,21 +660,10 @@ class GraphHooks:
         counted, the step handed to the capture thread, holding the program until that thread has read it."""
         batch, program, names, steps, items, hint, with_metadata = fast
         self._forward_counts.update(zip(names, map(add, steps, repeat(1))))
-        job = _GraphJob(items, batch.num_tokens)
-        try:
-            if not with_metadata:  # the runner's buffers were not the program's: the build's copies, now
-                self.resolve(items[0][2], slots=False)
-            job.staged = program.staged_step(items[0][0].query.shape[0], hint, with_metadata).hold()
-            account = self.capturer.engine_time
-            account.staged += 1
-            account.in_graph += 1
-            self._hand_over(job)
-        except Exception as exc:
-            if job.staged is not None:
-                job.staged.release(issued=False)  # the capture thread never got it
-            self.capturer.report(exc, "after a CUDA graph's replay", step_lost=True)
-            return False
-        return True
+        staged = program.staged_step(items[0][0].query.shape[0], hint, with_metadata)
+        # The runner's buffers were not the program's: the build's copies, now.
+        return self._hand_job(_GraphJob(items, batch.num_tokens), staged, [] if with_metadata else [items[0][2]],
+                              in_graph=True)
 
     def _every_layer_wanted(self, batch: Any, slots: list, names: tuple, step: int) -> list | None:
         """Every layer of the graph, all at ``step``, wanted with one build's context: told with one check of capture's
