@@ -1176,19 +1176,24 @@ def hooks_child(args) -> dict:
         import pytest
 
         from kvdbg import vllm_plugin
-        from tests.test_vllm_plugin import StandinEngine, _Batch, _padded, _record_graph
+        from tests.test_vllm_plugin import StandinEngine, _Batch, _padded, _record_graph, _record_variants
 
-        for mode in ("armed", "sentinel"):
+        for mode in ("armed", "sentinel", "wanted"):
             for layers in (8, 32, 80):
                 for name in [k for k in os.environ if k.startswith("KVDBG_")]:
                     del os.environ[name]
-                os.environ.update({k: v for k, v in kind_environment("capture" if mode == "armed" else "sentinel",
+                os.environ.update({k: v for k, v in kind_environment("sentinel" if mode == "sentinel" else "capture",
                                                                       args.scratch).items() if k.startswith("KVDBG_")})
                 vllm_plugin.register()
                 patch = pytest.MonkeyPatch()
                 try:
-                    record["rows"].append(_hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded,
-                                                     _record_graph, mode, layers))
+                    if mode == "wanted":
+                        row = _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph,
+                                          _record_variants, layers)
+                    else:
+                        row = _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode,
+                                         layers)
+                    record["rows"].append(row)
                 finally:
                     patch.undo()
                     vllm_plugin.unregister()
@@ -1230,6 +1235,62 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
             "steps": len(build_ns), "after_build_us": statistics.median(build_ns) / 1e3,
             "replay_hooks_us": statistics.median(replay_ns) / 1e3,
             "per_layer_us": (statistics.median(build_ns) + statistics.median(replay_ns)) / 1e3 / layers}
+
+
+def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants,
+                layers: int) -> dict:
+    """A wanted step's hooks on the stand-ins, against an unwanted step's in the same process: the graph recorded
+    three times (the staged variant serves the wanted step), every layer wanted; the step handed over goes
+    nowhere (its staging let go at once): the capture thread's work is no part of the engine's thread."""
+    from kvdbg.capture.config import IntRanges
+
+    engine = StandinEngine("FLEX_ATTENTION", layers=layers, causal=True, window=None, query_len=1,
+                           seq_lens=(60, 33, 17), num_heads=8, num_kv_heads=2, head_size=64, num_blocks=64)
+    state = vllm_plugin._state
+    _record_graph(engine, 4, 4, patch)
+    wrapper, entry = _record_variants(4)
+    if not state._staged_variants:
+        raise RuntimeError("the stand-in graph was not recorded with kvdbg's staging in it")
+    common = _padded(engine.common(), reqs=4, tokens=4)
+    metadata = type(engine.builder).build._kvdbg_original(engine.builder, 0, common)
+    batch = _Batch((4,))
+
+    def handed(job):
+        if job.staged is not None:
+            job.staged.release(issued=False)
+
+    patch.setattr(state, "_hand_over", handed)
+    times: dict[str, dict[str, list[int]]] = {}
+    for kind, steps in (("unwanted", IntRanges.of(UNREACHED_STEP, "steps")), ("wanted", None)):
+        state.capturer.reconfigure(steps=steps)
+        spent = times[kind] = {"after_build": [], "choose_graph": [], "before_graph_replay": [],
+                               "after_graph_replay": []}
+        for i in range(2300):
+            t0 = time.perf_counter_ns()
+            state.after_build(engine.builder, common, metadata)
+            t1 = time.perf_counter_ns()
+            state.choose_graph(wrapper, batch)
+            t2 = time.perf_counter_ns()
+            state.before_graph_replay()
+            t3 = time.perf_counter_ns()
+            state.after_graph_replay(batch)
+            t4 = time.perf_counter_ns()
+            if entry.cudagraph != ("staged" if kind == "wanted" else "plain"):
+                raise RuntimeError(f"a {kind} stand-in step replayed the {entry.cudagraph} graph")
+            if i >= 300:  # the first ones warm up
+                spent["after_build"].append(t1 - t0)
+                spent["choose_graph"].append(t2 - t1)
+                spent["before_graph_replay"].append(t3 - t2)
+                spent["after_graph_replay"].append(t4 - t3)
+    medians = {kind: {hook: statistics.median(v) / 1e3 for hook, v in hooks.items()} for kind, hooks in times.items()}
+    wanted, unwanted = medians["wanted"], medians["unwanted"]
+    replay = wanted["choose_graph"] + wanted["before_graph_replay"] + wanted["after_graph_replay"]
+    return {"mode": "wanted", "layers": layers, "graph_slots": len(state._graph_layers.get(batch, [])),
+            "steps": len(times["wanted"]["after_build"]), "after_build_us": wanted["after_build"],
+            "replay_hooks_us": replay, "per_layer_us": (wanted["after_build"] + replay) / layers,
+            "by_hook_us": wanted, "unwanted_by_hook_us": unwanted,
+            "added_us": sum(wanted.values()) - sum(unwanted.values()),
+            "staged_in_graph": state.capturer.engine_time.in_graph}
 
 
 # --------------------------------------------------------------------------- the parent
@@ -1364,7 +1425,10 @@ def print_figures(figs: dict, records: dict) -> None:
     hooks = records.get("hooks", {}).get("rows", [])
     for row in hooks:
         print(f"  stand-ins, {row['mode']:8s} {row['layers']:3d} layers: after_build {row['after_build_us']:.1f} us, "
-              f"replay hooks {row['replay_hooks_us']:.1f} us a step ({row['per_layer_us']:.2f} us a layer)")
+              f"replay hooks {row['replay_hooks_us']:.1f} us a step ({row['per_layer_us']:.2f} us a layer)"
+              + (f"; {row['added_us']:.1f} us over an unwanted step (choice {row['by_hook_us']['choose_graph']:.1f}, "
+                 f"after the replay {row['by_hook_us']['after_graph_replay']:.1f}; staged inside the graph "
+                 f"{row['staged_in_graph']})" if row.get("added_us") is not None else ""))
 
 
 def parent(args) -> int:

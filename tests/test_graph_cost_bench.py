@@ -186,7 +186,11 @@ def test_every_line_met_exits_0_and_a_failed_part_exits_2():
 def test_over_a_line_is_said(capsys):
     records = _records(armed_ms=5.2, sentinel_ms=5.2, hooks_added=10.0, span_ms=4.0)
     records["hooks"]["rows"] = [{"mode": "armed", "layers": 8, "after_build_us": 3.7, "replay_hooks_us": 3.9,
-                                 "per_layer_us": 0.95}]
+                                 "per_layer_us": 0.95},
+                                {"mode": "wanted", "layers": 8, "after_build_us": 9.0, "replay_hooks_us": 10.0,
+                                 "per_layer_us": 2.4, "added_us": 12.5, "staged_in_graph": 2300,
+                                 "by_hook_us": {"after_build": 9.0, "choose_graph": 5.5, "before_graph_replay": 0.5,
+                                                "after_graph_replay": 4.0}}]
     figs = gc.figures(records)
     assert not figs["armed"]["met"] and not figs["sentinel"]["met"] and not figs["wanted_device"]["met"]
     assert figs["wanted_engine"]["met"]
@@ -196,6 +200,7 @@ def test_over_a_line_is_said(capsys):
     assert "wanted step, engine's thread: +10 us" in out and "line <= 50 us: met" in out
     assert "wanted step, device: 4.00 ms against 2.00 ms for its bytes at 50.0 GB/s: 2.0000x" in out
     assert "stand-ins, armed      8 layers" in out
+    assert "stand-ins, wanted     8 layers: after_build 9.0 us" in out and "12.5 us over an unwanted step" in out
 
 
 def test_armed_and_sentinel_are_judged_on_rounds_paired_in_their_own_process(capsys):

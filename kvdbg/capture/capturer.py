@@ -281,6 +281,13 @@ class Capturer(CaptureWriter):
             return False
         return config.ranks is None or self.rank(rank) in config.ranks
 
+    def selects_step(self, step: int) -> bool:
+        """Whether the step and rank filters take ``step`` (for a layer the layer filter selects; nothing counted)."""
+        config = self.config
+        if config.steps is not None and step not in config.steps:
+            return False
+        return config.ranks is None or self.rank() in config.ranks
+
     def wants_all(self, count: int, step: int) -> bool | None:
         """Whether ``count`` layers that the layer filter selects would each be captured now at ``step``, told at
         once (a replayed graph's layers, all at one step): True or False when it can tell without a call per layer

@@ -26,6 +26,19 @@ from kvdbg.vllm_plugin.vllm_facts import (
 logger = logging.getLogger("kvdbg.capture")
 
 
+_STAGE_HINT: Any = None
+
+
+def _stage_hint() -> Any:
+    """graph_staging.stage_hint, imported once (an import statement in a hook is a lookup on every build)."""
+    global _STAGE_HINT
+    if _STAGE_HINT is None:
+        from kvdbg.vllm_plugin.graph_staging import stage_hint
+
+        _STAGE_HINT = stage_hint
+    return _STAGE_HINT
+
+
 class BuilderHooks:
     """The plugin state's hooks in ``builder.build`` (mixed into ``_PluginState``)."""
 
@@ -55,8 +68,12 @@ class BuilderHooks:
                 for_capture = False
             else:
                 steps = list(map(counts.get, names, repeat(0)))
-                for_capture = not self.capturer.takes_no_step(min(steps), max(steps)) and any(
-                    self.capturer.selects(n, step) for n, step in zip(names, steps))
+                lo, hi = min(steps), max(steps)
+                if lo == hi:  # the usual case: the selected layers all at one step, told with one check
+                    for_capture = self.capturer.selects_step(lo)
+                else:
+                    for_capture = not self.capturer.takes_no_step(lo, hi) and any(
+                        self.capturer.selects(n, step) for n, step in zip(names, steps))
             if not for_capture and not self._sentinel_checks(builder):
                 return False
             if vllm_facts._graph_capturing(common.seq_lens):
@@ -74,9 +91,7 @@ class BuilderHooks:
             buffers = (common.block_table_tensor, common.seq_lens, common.query_start_loc)
             hint = None
             if self._graph_layers:  # a full CUDA graph may run this step: what staging it needs
-                from kvdbg.vllm_plugin.graph_staging import stage_hint
-
-                hint = stage_hint(common, buffers, num_reqs)
+                hint = _stage_hint()(common, buffers, num_reqs)
             if hint is not None and self._graph_step(builder, common, tokens, causal):
                 # Nothing copied, nothing sliced (a slice is a torch call): the staging program copies the
                 # metadata after the graph's replay, as the graph read it, and the capture thread takes the real

@@ -140,7 +140,7 @@ class StagedLayer:
     output: "torch.Tensor | None"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class StagedStep:
     """One staged step: its layers' copies, what was staged (``count`` positions, ``row_starts``/``counts``
     per request) and the event after the program's work on the engine's stream."""

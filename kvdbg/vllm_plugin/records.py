@@ -98,7 +98,7 @@ class _EngineContext:
         return self.facts.max_model_len
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # never changed once made; not frozen: a frozen dataclass is slower to make, on every build
 class _Deferred:
     """What a deferred build's copies need: the builder, the runner's buffers as the build was given them (block
     table, lengths, query offsets, padding rows included), its slot mapping (copied whole for the cache update's
