@@ -1238,7 +1238,7 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
 
 
 def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants,
-                layers: int) -> dict:
+                layers: int, steps_timed: int = 2000) -> dict:
     """A wanted step's hooks on the stand-ins, against an unwanted step's in the same process: the graph recorded
     three times (the staged variant serves the wanted step), every layer wanted; the step handed over goes
     nowhere (its staging let go at once): the capture thread's work is no part of the engine's thread."""
@@ -1265,7 +1265,7 @@ def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_grap
         state.capturer.reconfigure(steps=steps)
         spent = times[kind] = {"after_build": [], "choose_graph": [], "before_graph_replay": [],
                                "after_graph_replay": []}
-        for i in range(2300):
+        for i in range(300 + steps_timed):
             t0 = time.perf_counter_ns()
             state.after_build(engine.builder, common, metadata)
             t1 = time.perf_counter_ns()

@@ -588,3 +588,25 @@ def test_the_hooks_time_comes_from_the_timed_rounds_and_the_timed_pairs_are_show
     gc.print_figures(figs, records)
     out = capsys.readouterr().out
     assert "armed     paired with the bench's hook timers on (2 rounds after those; not judged): 1.0400x" in out
+
+
+def test_the_stand_ins_wanted_row_times_a_step_the_staged_graph_serves_against_an_unwanted_one(standins, tmp_path):
+    """The hooks part's wanted row: every timed wanted step replays the staged variant (the row stops otherwise)
+    and is handed over with its staging, and the row's figures are those steps' medians less an unwanted step's."""
+    import pytest as _pytest
+
+    from tests.test_vllm_plugin import _Batch, _record_variants
+
+    enable(standins, tmp_path)
+    patch = _pytest.MonkeyPatch()
+    try:
+        row = gc._wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants, 8,
+                             steps_timed=50)
+    finally:
+        patch.undo()
+    assert row["mode"] == "wanted" and row["graph_slots"] == 8 and row["steps"] == 50
+    assert row["staged_in_graph"] == 350  # every wanted step, warm-up included, staged inside the graph
+    hooks = row["by_hook_us"]
+    assert row["added_us"] == _pytest.approx(sum(hooks.values()) - sum(row["unwanted_by_hook_us"].values()))
+    assert row["replay_hooks_us"] == _pytest.approx(hooks["choose_graph"] + hooks["before_graph_replay"]
+                                                    + hooks["after_graph_replay"])
