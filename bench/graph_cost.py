@@ -403,6 +403,8 @@ class Timing:
             if record is not None:
                 record["hooks"]["after_graph_replay"] = record["hooks"].get("after_graph_replay", 0) + spent
                 record["replayed_step"], record["copied"] = step, bool(copied)
+                if state.sentinel is not None and step is not None:  # the step's draw, as the hook made it
+                    record["drawn"] = bool(state.sentinel.sentinel._draws.get(step))
                 job, timing.handed_job = (timing.handed_job if copied else None), None
                 if device_timed and job is not None and getattr(job, "staged", None) is not None:
                     staged_end = torch.cuda.Event(enable_timing=True)  # after the staging program, engine's stream
@@ -650,7 +652,9 @@ def summarize_round(steps: list[dict], window: list[dict] | None = None) -> dict
         return {"steps": len(steps), "decode_steps": 0}
     walls = [s["wall_ns"] / 1e6 for s in window]
     graphs = [s["graph_ms"][0] for s in window if s.get("graph_ms")]
+    split = drawn_split(steps, window) if any("drawn" in s for s in window) else None
     return {"steps": len(steps), "decode_steps": len(window), "step_ms": statistics.fmean(walls),
+            **({} if split is None else {"drawn_split": split}),
             "step_ms_median": statistics.median(walls),
             "graph_ms": statistics.median(graphs) if graphs else None,
             "hooks_us": statistics.median(hooks_ns(s) / 1e3 for s in window),
@@ -661,6 +665,34 @@ def summarize_round(steps: list[dict], window: list[dict] | None = None) -> dict
             # Means apart: a step the sentinel checked, and the next one's collecting its check, are rare and dear.
             "hooks_us_mean_by_name": {name: statistics.fmean(s["hooks"].get(name, 0) / 1e3 for s in window)
                                       for name in KVDBG_HOOKS}}
+
+
+def drawn_split(steps: list[dict], window: list[dict]) -> dict:
+    """Where a sentinel round's time goes: the steps the sentinel drew (staged and handed to its worker) and the
+    ``FOLLOWING_STEPS`` after each (its check runs in the worker meanwhile, sharing the interpreter's lock), each
+    against the median of the window's other steps. ``share``: what those added, over the window's whole time."""
+    taken = {id(s) for s in window}
+    at = {id(s): i for i, s in enumerate(steps)}
+    drawn = [s for s in window if s.get("drawn")]
+    near: set[int] = set()
+    following: list[list[dict]] = []
+    for s in drawn:
+        i = at[id(s)]
+        after = [t for t in steps[i + 1: i + 1 + FOLLOWING_STEPS] if id(t) in taken]
+        following.append(after)
+        near.update([id(s)] + [id(t) for t in after])
+    quiet = [s for s in window if id(s) not in near]
+    out: dict = {"drawn": len(drawn), "steps": len(window)}
+    if not drawn or not quiet:
+        return out
+    base = statistics.median(s["wall_ns"] for s in quiet)
+    drawn_added = [s["wall_ns"] - base for s in drawn]
+    after_added = [sum(t["wall_ns"] - base for t in after) for after in following]
+    out.update(drawn_added_ms=statistics.fmean(drawn_added) / 1e6, after_added_ms=statistics.fmean(after_added) / 1e6,
+               drawn_hooks_us=statistics.fmean(hooks_ns(s) for s in drawn) / 1e3,
+               quiet_hooks_us=statistics.median(hooks_ns(s) for s in quiet) / 1e3,
+               share=(sum(drawn_added) + sum(after_added)) / sum(s["wall_ns"] for s in window))
+    return out
 
 
 def summarize_wanted(steps: list[dict], wanted: int) -> dict:
@@ -854,7 +886,19 @@ def figures(records: dict[str, dict]) -> dict:
                            "hooks_us_mean_by_name": {name: spread([r.get("hooks_us_mean_by_name", {}).get(name)
                                                                    for r in hooked]).get("median")
                                                      for name in KVDBG_HOOKS},
-                           "counts": records["sentinel"].get("sentinel_counts")}
+                           "counts": records["sentinel"].get("sentinel_counts"),
+                           "drawn_split": _split_over_rounds(sentinel)}
+    return out
+
+
+def _split_over_rounds(rounds: list[dict]) -> dict:
+    """:func:`drawn_split` over a part's rounds: the steps drawn in all, and each figure's median over rounds."""
+    splits = [r["drawn_split"] for r in rounds if r.get("drawn_split")]
+    if not splits:
+        return {}
+    out: dict = {"drawn": sum(x["drawn"] for x in splits), "steps": sum(x["steps"] for x in splits)}
+    for key in ("drawn_added_ms", "after_added_ms", "drawn_hooks_us", "quiet_hooks_us", "share"):
+        out[key] = spread([x.get(key) for x in splits]).get("median")
     return out
 
 
@@ -1382,6 +1426,13 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"blocks of {p.get('block') or '?'} steps): {pct(host['median'])} (rounds "
                       f"{host['min']:.4f}..{host['max']:.4f}){device}; judged on the "
                       f"{'paired figure' if f.get('judged_on') == 'paired' else 'ratio across processes'}")
+            d = f.get("drawn_split") or {}
+            if d.get("share") is not None:
+                print(f"  {name:9s} where its time goes: {d['drawn']} of {d['steps']} steps drawn; a drawn step "
+                      f"+{d['drawn_added_ms']:.2f} ms (its hooks {d['drawn_hooks_us']:.0f} us), the "
+                      f"{FOLLOWING_STEPS} after it +{d['after_added_ms']:.2f} ms in all (its check in the worker); "
+                      f"together {d['share']:.1%} of the rounds' time; the other steps' hooks "
+                      f"{d['quiet_hooks_us']:.1f} us")
             t = f.get("with_hook_timers") or {}
             if t.get("host"):
                 print(f"  {name:9s} paired with the bench's hook timers on ({t['pairs']} rounds after those; not "

@@ -610,3 +610,48 @@ def test_the_stand_ins_wanted_row_times_a_step_the_staged_graph_serves_against_a
     assert row["added_us"] == _pytest.approx(sum(hooks.values()) - sum(row["unwanted_by_hook_us"].values()))
     assert row["replay_hooks_us"] == _pytest.approx(hooks["choose_graph"] + hooks["before_graph_replay"]
                                                     + hooks["after_graph_replay"])
+
+
+def test_a_sentinel_rounds_time_is_split_between_its_drawn_steps_the_steps_after_them_and_the_rest(capsys):
+    """A drawn step and the steps while its check runs in the worker, each against the median of the round's other
+    steps; the share is what they added over the round's whole time."""
+    steps = [_step(30.0, replays=0, hooks_us=0, drawn=False)]
+    steps += [_step(5.0, drawn=False) for _ in range(40)]
+    steps[11] = _step(6.0, hooks_us=510.0, drawn=True)  # the round's one drawn step, then its check's 8 steps
+    for i in range(12, 12 + gc.FOLLOWING_STEPS):
+        steps[i] = _step(5.25, drawn=False)
+    summary = gc.summarize_round(steps)
+    split = summary["drawn_split"]
+    window = gc.decode_window(steps)
+    assert split["drawn"] == 1 and split["steps"] == len(window)
+    assert split["drawn_added_ms"] == pytest.approx(1.0) and split["after_added_ms"] == pytest.approx(2.0)
+    assert split["drawn_hooks_us"] == pytest.approx(510.0) and split["quiet_hooks_us"] == pytest.approx(10.0)
+    assert split["share"] == pytest.approx(3.0 / sum(s["wall_ns"] / 1e6 for s in window))
+    assert "drawn_split" not in gc.summarize_round([_step(5.0) for _ in range(20)])  # no sentinel: no split
+    records = _records()
+    records["sentinel"]["phases"]["rounds"] = [summary] * 3
+    figs = gc.figures(records)
+    assert figs["sentinel"]["drawn_split"]["drawn"] == 3 and figs["sentinel"]["drawn_split"]["share"] == \
+        pytest.approx(split["share"])
+    gc.print_figures(figs, records)
+    out = capsys.readouterr().out
+    assert "sentinel  where its time goes: 3 of" in out and "a drawn step +1.00 ms (its hooks 510 us)" in out
+    assert f"the {gc.FOLLOWING_STEPS} after it +2.00 ms in all" in out
+
+
+@pytest.mark.parametrize("sentinel", [False, True])
+def test_the_wrappers_mark_the_steps_the_sentinel_drew(standins, tmp_path, monkeypatch, sentinel):
+    """With the sentinel on (here at rate 1: every step drawn), each graph step's record says whether the sentinel
+    drew it (drawn_split needs it); without the sentinel, the records say nothing of draws."""
+    if sentinel:
+        monkeypatch.setenv("KVDBG_SENTINEL", "1")
+    timing, engine = _armed_graph_engine(standins, tmp_path, monkeypatch)
+    try:
+        timing.current = record = gc._new_step()
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch)
+        timing.current = None
+        assert record["replayed_step"] == 0
+        assert record.get("drawn") is (True if sentinel else None)
+    finally:
+        timing.restore()
