@@ -1544,17 +1544,28 @@ def test_a_staged_variant_missing_a_layers_copies_is_not_kept_and_cleared_graphs
     wrapper = types_namespace(concrete_cudagraph_entries={batch: entry}, runnable=lambda: None)
     state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
 
+    buffer = state._graph_buffers[engine.names[0]].query
+    queries = [torch.zeros(16, *buffer.shape[1:], dtype=torch.float64),  # not the dtype the buffer was made for
+               torch.zeros(16, *buffer.shape[1:], dtype=buffer.dtype)]
+
     def record():
         wrapper.runnable()
-        state._graph_buffers.pop(engine.names[0])  # as if the layer's buffers were gone by now
-        query = torch.zeros(16, engine.num_heads, engine.head_size)
+        query = queries.pop(0)
+        if not queries:
+            state._graph_buffers.pop(engine.names[0])  # as if the layer's buffers were gone by now
         assert state.record_in_graph(None, engine.layers[0], query, engine.layers[0].kv_cache, None) is None
         entry.cudagraph = "staged"
 
     caplog.set_level(logging.WARNING, logger="kvdbg.capture")
-    state.record_staged_graph(wrapper, batch, record)
+    before = buffer.clone()
+    state.record_staged_graph(wrapper, batch, record)  # a query of another dtype: no copy into the buffer
     assert not state._staged_variants and entry.cudagraph == "copies"
-    assert "with kvdbg's staging in it failed" in caplog.text and "no copy buffers" in caplog.text
+    assert state._graph_buffers[engine.names[0]].query is buffer  # never a new buffer, nor written
+    torch.testing.assert_close(buffer, before, rtol=0, atol=0)
+    assert "with kvdbg's staging in it failed" in caplog.text and "that this recording's query fits" in caplog.text
+    state.record_staged_graph(wrapper, batch, record)  # the layer's buffers gone
+    assert not state._staged_variants and entry.cudagraph == "copies"
+    assert state.capturer.failures["staged:RuntimeError"] == 2  # each said (the log line once)
 
 
 def test_a_read_staging_inside_a_graph_is_let_go_by_the_capture_thread_once_the_device_has_made_the_copies(

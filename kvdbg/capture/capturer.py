@@ -274,19 +274,14 @@ class Capturer(CaptureWriter):
         return self._filtered_in(layer_name, step, rank)
 
     def _filtered_in(self, layer_name: str, step: int | None, rank: int | None) -> bool:
-        config = self.config
-        if not self.layer_selected(layer_name):
-            return False
-        if config.steps is not None and step not in config.steps:
-            return False
-        return config.ranks is None or self.rank(rank) in config.ranks
+        return self.layer_selected(layer_name) and self.selects_step(step, rank)
 
-    def selects_step(self, step: int) -> bool:
+    def selects_step(self, step: int | None, rank: int | None = None) -> bool:
         """Whether the step and rank filters take ``step`` (for a layer the layer filter selects; nothing counted)."""
         config = self.config
         if config.steps is not None and step not in config.steps:
             return False
-        return config.ranks is None or self.rank() in config.ranks
+        return config.ranks is None or self.rank(rank) in config.ranks
 
     def wants_all(self, count: int, step: int) -> bool | None:
         """Whether ``count`` layers that the layer filter selects would each be captured now at ``step``, told at
@@ -297,9 +292,7 @@ class Capturer(CaptureWriter):
         config = self.config
         if config.max_snapshots is not None and len(self.written) + self._in_flight + count > config.max_snapshots:
             return None
-        if config.steps is not None and step not in config.steps:
-            return False
-        return config.ranks is None or self.rank() in config.ranks
+        return self.selects_step(step)
 
     def wants(self, layer_name: str, step: int | None = None, rank: int | None = None) -> bool:
         """Whether a step of this layer would be captured now (filters and count budget).

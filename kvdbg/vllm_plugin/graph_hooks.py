@@ -71,6 +71,12 @@ GRAPH_WRAPPER = ("vllm.compilation.cuda_graph", "CUDAGraphWrapper")
 GRAPH_CAPTURE_WAIT_S = 30.0
 
 
+def _fits(buffer: Any, t: Any, rows: int) -> bool:
+    """Whether ``t``'s first ``rows`` rows can be copied into ``buffer`` (one of a layer's graph copy buffers)."""
+    return buffer is not None and buffer.shape[0] >= rows and buffer.shape[1:] == t.shape[1:] \
+        and buffer.dtype == t.dtype and buffer.device == t.device
+
+
 class _Done:
     """A one-shot flag that threads wait on, as ``threading.Event`` does, made with one lock (an Event makes a
     condition and two locks: dearer, and a wanted graph step makes one on the engine's thread)."""
@@ -520,8 +526,9 @@ class GraphHooks:
         rows = int(query.shape[0])
         if self._recording_again:  # the staged variant: the same copies into the same buffers, no slot learnt
             buffers = self._graph_buffers.get(name)
-            if buffers is None or buffers.query.shape[0] < rows:  # the variant would stage stale copies: not kept
-                self._again_failed = f"layer {name} has no copy buffers of the graph's recording with kvdbg's copies"
+            if not _fits(buffers and buffers.query, query, rows):  # the variant would stage stale copies: not kept
+                self._again_failed = (f"layer {name} has no query buffer of the graph's recording with kvdbg's copies "
+                                      "that this recording's query fits")
                 return None
             buffers.query[:rows].copy_(query[:rows])
             return GraphSlot(name, impl, layer, kv_cache, buffers.query[:rows])
@@ -542,8 +549,11 @@ class GraphHooks:
             return
         rows = slot.query.shape[0]
         buffers = self._graph_buffers[slot.name]
-        if buffers.output is None or buffers.output.shape[0] < rows or buffers.output.shape[1:] != output.shape[1:] \
-                or buffers.output.dtype != output.dtype:
+        if not _fits(buffers.output, output, rows):
+            if self._recording_again:  # a new buffer here would leave the graph with the copies writing the old one
+                self._again_failed = (f"layer {slot.name}'s output does not fit the buffer of the graph's recording "
+                                      "with kvdbg's copies")
+                return
             size = max(rows, buffers.query.shape[0])
             buffers.output = output.new_empty((size, *output.shape[1:]))
         buffers.output[:rows].copy_(output[:rows])
