@@ -29,6 +29,12 @@ is one). It runs beside three kinds of *other* thread:
   atomic write of a synthetic step of four requests, 8 query heads over 2 KV heads of 128, bfloat16), at the
   niceness kvdbg's background writer thread takes (kvdbg.capture.writer): what capturing costs an engine's
   thread while the steps after a capture are written.
+- ``sentinel-check``: the sentinel's check of one drawn step, over and over, as its worker thread runs it
+  (``kvdbg.sentinel.checker.check_layers``: the whole output's non-finite check and 4 (request, head) pairs a
+  layer against the reference) on a step shaped as ``bench/graph_cost.py``'s engine: 8 layers, 64 decode
+  requests of 129–255 tokens in pages of 16, 32 query heads over 8 KV heads of 128, bfloat16, an honest
+  output. What a drawn step's check costs the engine's thread while it runs. The run also prints the check's
+  own time and its number of torch calls (calls into torch's Python bindings: a tensor's attributes left out).
 
 and the same with one call a sequence (``--calls 1``'s figure is printed beside), so the cost per call shows.
 About two minutes with the defaults (beside pure Python each call waits a switch interval).
@@ -44,6 +50,9 @@ import statistics
 import sys
 import threading
 import time
+
+
+OTHERS = ("alone", "torch-worker", "python-worker", "kvdbg-writer", "sentinel-check")
 
 
 def _sequence(calls: int, elements: int):
@@ -105,6 +114,8 @@ class _Other:
 
         if self.kind == "kvdbg-writer":
             return self._write()
+        if self.kind == "sentinel-check":
+            return self._check()
         a = torch.zeros(2048)
         b = np.zeros(2048)
         while not self.stop.is_set():
@@ -139,6 +150,16 @@ class _Other:
                 save_snapshot(snapshot, path, overwrite=True)
                 self.loops += 1
 
+    def _check(self) -> None:
+        import random
+
+        from kvdbg.sentinel.checker import check_layers
+
+        entries, rng = check_entries(), random.Random(0)
+        while not self.stop.is_set():
+            check_layers(entries, pairs=4, rng=rng, step=self.loops)
+            self.loops += 1
+
     def __enter__(self):
         self.thread.start()
         time.sleep(0.05)
@@ -147,6 +168,81 @@ class _Other:
     def __exit__(self, *exc):
         self.stop.set()
         self.thread.join()
+
+
+def check_entries(layers: int = 8, requests: int = 64, heads: int = 32, kv_heads: int = 8, head_size: int = 128,
+                  page_size: int = 16, seed: int = 0) -> list:
+    """A decode step of ``layers`` layers as the sentinel's worker is handed it (``(CaptureLayer, StepInputs)``
+    each, the step's metadata tensors shared), with the output an honest kernel would give (bfloat16)."""
+    import torch
+
+    from kvdbg.capture.inputs import CaptureLayer
+    from kvdbg.sentinel.checker import StepInputs
+    from kvdbg.snapshot.meta import LAYOUT_VLLM
+
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = (torch.randint(129, 256, (requests,), generator=g)).tolist()
+    live = [-(-n // page_size) for n in seq_lens]
+    pages, width = sum(live) + 1, max(live)
+    order = (torch.randperm(pages - 1, generator=g) + 1).tolist()  # page 0: vLLM's null block
+    table = torch.zeros(requests, width, dtype=torch.int32)
+    used = 0
+    for r, count in enumerate(live):
+        table[r, :count] = torch.tensor(order[used:used + count], dtype=torch.int32)
+        used += count
+    qsl = torch.arange(requests + 1, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    group, scale = heads // kv_heads, head_size ** -0.5
+    entries = []
+    for layer_index in range(layers):
+        layer = CaptureLayer(name=f"model.layers.{layer_index}.self_attn.attn", num_heads=heads,
+                             num_kv_heads=kv_heads, head_size=head_size, scale=scale, dtype="bfloat16",
+                             kv_layout=LAYOUT_VLLM)
+        cache = torch.randn(pages, kv_heads, page_size, 2 * head_size, generator=g).to(torch.bfloat16)
+        query = torch.randn(requests, heads, head_size, generator=g).to(torch.bfloat16)
+        output = torch.empty(requests, heads, head_size, dtype=torch.bfloat16)
+        for r, n in enumerate(seq_lens):
+            kv = cache[table[r, :live[r]].long()].float()  # [pages, Hkv, page, 2D]
+            kv = kv.permute(1, 0, 2, 3).reshape(kv_heads, -1, 2 * head_size)[:, :n]
+            k, v = kv[..., :head_size].repeat_interleave(group, 0), kv[..., head_size:].repeat_interleave(group, 0)
+            weights = torch.softmax((query[r].float().unsqueeze(1) @ k.transpose(1, 2)) * scale, dim=-1)
+            output[r] = (weights @ v).squeeze(1).to(torch.bfloat16)
+        inputs = StepInputs(query=query.view(requests, -1), kv_cache=cache, block_table=table, seq_lens=lens,
+                            query_start_loc=qsl, causal=True, output=output.view(requests, -1), max_model_len=4096)
+        entries.append((layer, inputs))
+    return entries
+
+
+def check_cost(iters: int = 50) -> dict:
+    """The sentinel's check of :func:`check_entries`'s step on this thread alone: median time, torch calls, and
+    whether it passed (an honest step must)."""
+    import random
+
+    from torch.overrides import TorchFunctionMode
+
+    from kvdbg.sentinel.checker import check_layers
+
+    class Calls(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if type(func).__name__ != "getset_descriptor":  # a tensor's attribute: no call into torch
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    entries, rng = check_entries(), random.Random(0)
+    results = check_layers(entries, pairs=4, rng=rng, step=0)
+    with Calls() as calls:
+        check_layers(entries, pairs=4, rng=rng, step=0)
+    times = []
+    for step in range(iters):
+        began = time.perf_counter_ns()
+        check_layers(entries, pairs=4, rng=rng, step=step)
+        times.append(time.perf_counter_ns() - began)
+    return {"check_us": statistics.median(times) / 1e3, "torch_calls": calls.count,
+            "passed": all(result.passed for result in results), "layers": len(entries)}
 
 
 def _count(value: float | None) -> str:
@@ -161,7 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=1000, help="sequences timed a case [1000]")
     parser.add_argument("--switch-ms", type=float, default=None,
                         help="the interpreter's switch interval for the run (default: as it is)")
+    parser.add_argument("--others", default=",".join(OTHERS),
+                        help=f"the other threads' kinds, comma-separated [{','.join(OTHERS)}]")
     args = parser.parse_args(argv)
+    others = [kind.strip() for kind in args.others.split(",") if kind.strip()]
+    unknown = [kind for kind in others if kind not in OTHERS]
+    if unknown:
+        print(f"gil_handover: --others: unknown kind(s) {', '.join(unknown)} (known: {', '.join(OTHERS)})",
+              file=sys.stderr)
+        return 2
+    args.others = ["alone"] + [kind for kind in others if kind != "alone"]
     if args.calls < 1 or args.iters < 10 or args.elements < 1 or (args.switch_ms is not None
                                                                    and not 0 < args.switch_ms <= 1000):
         print("gil_handover: --calls and --elements must be >= 1, --iters >= 10, --switch-ms in (0, 1000]",
@@ -177,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # one intra-op thread: the caller's calls stay on the caller's thread
     cases = {}
-    for kind in ("alone", "torch-worker", "python-worker", "kvdbg-writer"):
+    for kind in args.others:
         for calls in dict.fromkeys((1, args.calls)):
             run = _sequence(calls, args.elements)
             if kind == "alone":
@@ -203,10 +308,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{f['wall_p99_us']:8.1f}, max {f['wall_max_us']:8.1f}; stalled > 1 ms {f['stalled']:6.1%}; off the "
               f"CPU {f['off_cpu_us']:6.1f} us, switches {_count(f['switches'])} a sequence; a loop turn "
               f"{loop:5.2f}x alone")
+    check = None
+    if "sentinel-check" in args.others:
+        check = check_cost()
+        print(f"  the sentinel's check alone: {check['check_us']:.0f} us a step of {check['layers']} layers, "
+              f"{check['torch_calls']} torch calls, {'passed' if check['passed'] else 'FAILED (not an honest step)'}")
     print("GIL-HANDOVER " + json.dumps({"switch_interval_ms": sys.getswitchinterval() * 1e3, "iters": args.iters,
                                         "cores": cores, "load_before": load[0], "load_after": os.getloadavg()[0],
                                         "elements": args.elements, "python": sys.version.split()[0],
-                                        "torch": torch.__version__, "cases": rows}))
+                                        "torch": torch.__version__, "cases": rows, "sentinel_check": check}))
     return 0
 
 

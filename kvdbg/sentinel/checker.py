@@ -38,6 +38,7 @@ import random
 import threading
 import time
 from collections import Counter
+from itertools import accumulate, chain
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,32 +249,42 @@ def check_layers(entries: list[tuple[CaptureLayer, StepInputs]], *, pairs: list[
     """
     rng = rng or random.Random()
     results: list[CheckResult | None] = [None] * len(entries)
-    groups: list[list[int]] = []
+    groups: list[tuple[tuple, list[int]]] = []
     for index, entry in enumerate(entries):
-        for members in groups:
-            if _alike(entries[members[0]], entry):
+        key = _alike_key(entry)
+        for leader, members in groups:
+            if leader == key:
                 members.append(index)
                 break
         else:
-            groups.append([index])
-    for members in groups:
+            groups.append((key, [index]))
+    for _, members in groups:
         for index, result in zip(members, _check_alike([entries[i] for i in members], pairs, rng, step)):
             results[index] = result
     return results
 
 
-def _alike(a: tuple[CaptureLayer, StepInputs], b: tuple[CaptureLayer, StepInputs]) -> bool:
-    """Whether two layers' steps can be one reference problem: the same constants but the name, the very same
-    metadata tensors, caches, queries and outputs of one shape and type."""
-    (la, ia), (lb, ib) = a, b
-    if any(getattr(la, f.name) != getattr(lb, f.name) for f in dataclasses.fields(la) if f.name != "name"):
-        return False
-    if not (ia.block_table is ib.block_table and ia.seq_lens is ib.seq_lens
-            and ia.query_start_loc is ib.query_start_loc and ia.causal == ib.causal
-            and ia.max_model_len == ib.max_model_len and ia.max_pages == ib.max_pages):
-        return False
-    return all(x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
-               for x, y in ((ia.kv_cache, ib.kv_cache), (ia.query, ib.query), (ia.output, ib.output)))
+def _alike_key(entry: tuple[CaptureLayer, StepInputs]) -> tuple:
+    """What two layers' steps must share to be one reference problem (compared with ==): the layers' constants but
+    the name, the very same metadata tensors (by identity), and caches, queries and outputs of one shape, type and
+    device. Built once per layer, not once per pair of layers: a check's Python holds the interpreter's lock the
+    engine's thread wants."""
+    layer, inputs = entry
+    constants = tuple(getattr(layer, name) for name in _layer_fields())
+    same = (id(inputs.block_table), id(inputs.seq_lens), id(inputs.query_start_loc), inputs.causal,
+            inputs.max_model_len, inputs.max_pages)
+    return constants, same, tuple((t.shape, t.dtype, t.device) for t in (inputs.kv_cache, inputs.query, inputs.output))
+
+
+_LAYER_FIELDS: tuple[str, ...] = ()
+
+
+def _layer_fields() -> tuple[str, ...]:
+    """CaptureLayer's fields but its name, worked out once."""
+    global _LAYER_FIELDS
+    if not _LAYER_FIELDS:
+        _LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(CaptureLayer) if f.name != "name")
+    return _LAYER_FIELDS
 
 
 def _check_alike(entries: list[tuple[CaptureLayer, StepInputs]], pairs: list[tuple[int, int]] | int,
@@ -361,13 +372,14 @@ def _within(actual: torch.Tensor, expected: torch.Tensor, bounds: list[int], tol
         rtol = torch.tensor([t.rtol for t in tolerances], dtype=torch.float32).repeat_interleave(counts)
         atol, rtol = atol.to(a.device).view(shape), rtol.to(a.device).view(shape)
     good = torch.isfinite(a) & torch.isfinite(e) & ((a - e).abs() <= atol + rtol * e.abs())
-    per_token = good.reshape(good.shape[0], -1).all(dim=1).cpu()
-    return [bool(per_token[bounds[i]:bounds[i + 1]].all()) for i in range(len(bounds) - 1)]
+    # One read to the host, then Python: a slice and an all() per mini-request would be three torch calls each.
+    per_token = good.reshape(good.shape[0], -1).all(dim=1).tolist()
+    return [all(per_token[bounds[i]:bounds[i + 1]]) for i in range(len(bounds) - 1)]
 
 
-def _one_head_per_page(pages: torch.Tensor, layout: str, kv_heads: torch.Tensor) -> torch.Tensor:
-    """Pages of a snapshot ``layout`` with one KV head each: page ``i`` keeps its KV head ``kv_heads[i]``."""
-    index = torch.arange(kv_heads.numel(), device=pages.device)
+def _one_head_per_page(pages: torch.Tensor, layout: str, index: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:
+    """Pages of a snapshot ``layout`` with one KV head each: page ``i`` keeps its KV head ``kv_heads[i]``
+    (``index``: 0 .. pages - 1)."""
     if page_dim(layout) == 0:  # [pages, Hkv, page, 2*D]
         return pages[index, kv_heads].unsqueeze(1)
     # [2, pages, page, Hkv, D]: the two indexed dimensions come first, [pages, 2, page, D]
@@ -378,7 +390,7 @@ def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, torch.Te
                      qsl: list[int], seq_lens: list[int], *, read_values: bool = False):
     """(reference, engine output, query_start_loc, seq_lens, read values) of every part's pairs, each pair one
     request of one head; a part: one layer's (inputs, query rows, output rows, pairs), the parts alike
-    (:func:`_alike`) and sharing ``qsl`` and ``seq_lens``. Read values (with ``read_values``): the largest |v|
+    (:func:`_alike_key`) and sharing ``qsl`` and ``seq_lens``. Read values (with ``read_values``): the largest |v|
     each pair reads and its key count (:func:`kvdbg.snapshot.layout.read_value_magnitudes`), else None.
 
     The mini-problem has one query head and one KV head: pair ``i`` (the parts' pairs in order) is request
@@ -396,7 +408,7 @@ def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, torch.Te
     needed = sorted({r for *_, mine in parts for r, _ in mine})
     table_rows = first.block_table.index_select(0, torch.tensor(needed, device=first.block_table.device))
     row_of = dict(zip(needed, table_rows.tolist()))
-    page_counts, tokens, all_pages, queries, outputs, pairs = [], [], [], [], [], []
+    page_counts, tokens, plans, pairs = [], [], [], []
     for inputs, query, output, mine in parts:
         if not mine:
             continue
@@ -418,23 +430,35 @@ def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, torch.Te
             rows += range(first_row, qsl[r + 1])
             heads += [head] * (qsl[r + 1] - first_row)
             tokens.append(qsl[r + 1] - first_row)
-        # Every pair's pages of a layer in one gather, converted to the snapshot layout at once, then each
-        # page's one KV head picked.
-        pages = layout.convert(inputs.kv_cache.index_select(layout.page_dim, torch.tensor(ids, device=device)))
-        all_pages.append(_one_head_per_page(pages, layout.snapshot_layout, torch.tensor(kv_heads, device=device)))
-        token_index = torch.tensor(rows, device=query.device)
-        head_index = torch.tensor(heads, device=query.device)
-        queries.append(query[token_index, head_index].unsqueeze(1))
-        outputs.append(output[token_index, head_index].unsqueeze(1))
+        plans.append((inputs, query, output, ids, kv_heads, rows, heads))
         pairs += mine
-    pages = all_pages[0] if len(all_pages) == 1 else torch.cat(all_pages, dim=page_dim(layout.snapshot_layout))
     width, start, table_list = max(page_counts), 0, []
     for count in page_counts:
-        table_list.append(list(range(start, start + count)) + [-1] * (width - count))
+        table_list += range(start, start + count)
+        table_list += [-1] * (width - count)
         start += count
-    table = torch.tensor(table_list, dtype=torch.int64, device=device)
-    mini_qsl = torch.tensor([0] + tokens, device=device).cumsum(0)
-    mini_lens = torch.tensor([seq_lens[r] for r, _ in pairs], dtype=torch.int64, device=device)
+    # Every index of the check in one tensor, made from one list and cut into views: each torch call in the
+    # sentinel's worker is a moment the engine's thread may wait for Python's lock, and each tensor made from a
+    # list a small copy to the device.
+    lists: list = []
+    for _, _, _, ids, kv_heads, rows, heads in plans:
+        lists += (ids, range(len(ids)), kv_heads, rows, heads)
+    lists += (table_list, list(accumulate(tokens, initial=0)), [seq_lens[r] for r, _ in pairs])
+    pieces = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64, device=device).split(
+        [len(x) for x in lists])
+    all_pages, queries, outputs = [], [], []
+    for p, (inputs, query, output, *_) in enumerate(plans):
+        ids, positions, kv_heads, rows, heads = pieces[5 * p:5 * p + 5]
+        # Every pair's pages of a layer in one gather, converted to the snapshot layout at once, then each
+        # page's one KV head picked.
+        pages = layout.convert(inputs.kv_cache.index_select(layout.page_dim, ids))
+        all_pages.append(_one_head_per_page(pages, layout.snapshot_layout, positions, kv_heads))
+        if query.device != device:
+            rows, heads = rows.to(query.device), heads.to(query.device)
+        queries.append(query[rows, heads, None])  # [pairs' rows, 1, D]
+        outputs.append(output[rows, heads, None])
+    pages = all_pages[0] if len(all_pages) == 1 else torch.cat(all_pages, dim=page_dim(layout.snapshot_layout))
+    table, mini_qsl, mini_lens = pieces[-3].view(len(page_counts), width), pieces[-2], pieces[-1]
     mini_layer = dataclasses.replace(layer.meta(causal=bool(first.causal)), num_heads=1, num_kv_heads=1)
     meta = SnapshotMeta(layer=mini_layer, backend=BackendMeta("sentinel", page_size, first.max_model_len or
                                                               max(seq_lens), start),
