@@ -1754,6 +1754,42 @@ def test_a_wanted_step_whose_plain_graph_was_chosen_is_lost_in_words_never_read_
     assert len(snapshots(tmp_path)) == 2
 
 
+def test_a_step_told_unwanted_when_its_graph_was_chosen_is_only_counted_after_the_replay(standins, tmp_path,
+                                                                                         monkeypatch):
+    """The choice of the plain graph hands its answer to the replay's hook, which then only counts the step's forwards
+    (nothing asked again); an answer that no longer holds is not taken: filters changed between (the step is said
+    lost, as before), or capture off with a step its filters select (the hook counts it dropped)."""
+    import types
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "1", layers=2)
+    batch = next(iter(state._graph_layers))
+    entry = types.SimpleNamespace(cudagraph="copies", output=None)
+    wrapper = types.SimpleNamespace(concrete_cudagraph_entries={batch: entry})
+    state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
+    state._forward_counts.update({n: 5 for n in engine.names})  # past the one step the filter takes
+    asked = []
+    real = type(state)._nothing_wanted
+    monkeypatch.setattr(type(state), "_nothing_wanted",
+                        lambda self, *a, **k: (asked.append(a[-1] if len(a) == 4 else False), real(self, *a, **k))[1])
+
+    state.choose_graph(wrapper, batch)
+    assert entry.cudagraph == "plain" and asked == [True]
+    assert state.after_graph_replay(batch) is False
+    assert asked == [True] and {state._forward_counts[n] for n in engine.names} == {6}
+
+    state.choose_graph(wrapper, batch)
+    state.capturer.reconfigure(steps=None)  # every step wanted now: the plain graph's buffers are stale
+    assert state.after_graph_replay(batch) is False
+    assert asked[-1] is False and sum(state.capturer.dropped.values()) == 2  # each layer's step said lost
+    assert {state._forward_counts[n] for n in engine.names} == {7}
+
+    state.capturer.disable("a test")
+    state.choose_graph(wrapper, batch)
+    assert entry.cudagraph == "plain" and state._quiet is None
+    state.after_graph_replay(batch)
+    assert state.capturer.dropped["off"] == 2 and {state._forward_counts[n] for n in engine.names} == {8}
+
+
 def test_a_failing_choice_of_graph_replays_the_one_with_the_copies_and_never_raises_into_vllm(standins, tmp_path,
                                                                                            monkeypatch, caplog):
     import types

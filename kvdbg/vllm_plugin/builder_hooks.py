@@ -246,8 +246,9 @@ class BuilderHooks:
         checked = hit[1]
         if not checked:
             return False
-        steps = set(map(self._forward_counts.get, checked, repeat(0)))
-        return any(map(sentinel.drawn, steps))
+        steps = list(map(self._forward_counts.get, checked, repeat(0)))
+        lo, hi = min(steps), max(steps)
+        return sentinel.drawn(lo) if lo == hi else any(map(sentinel.drawn, set(steps)))
 
     def _selected_layers(self, builder: Any) -> "list[str] | None":
         """The builder's layers the layer filter selects (None: it names none), kept per builder and configuration:

@@ -421,7 +421,7 @@ class GraphHooks:
     def choose_graph(self, wrapper: Any, batch: Any) -> None:
         """Before vLLM replays its full graph for ``batch``: the variant with kvdbg's copies when this step of any of
         the graph's layers may be captured or checked (the filters, the sentinel's draw), else the plain one."""
-        self._in_graph_ran = None
+        self._in_graph_ran = self._quiet = None
         variants = self._graph_variants.get((id(wrapper), batch)) if self._graph_variants else None
         if variants is None:
             self._plain_ran = False
@@ -481,7 +481,11 @@ class GraphHooks:
         if not distinct:  # a layer run twice a step: its steps are counted one by one; always copied
             return True
         steps = list(map(self._forward_counts.get, names, repeat(0)))
-        return not self._nothing_wanted(batch, names, steps, True) and (slots, names, steps)
+        if not self._nothing_wanted(batch, names, steps, True):
+            return slots, names, steps
+        if self._quiet_after:  # the replay's hook will find the same: it only counts (after_graph_replay)
+            self._quiet = (batch, names, steps, self.capturer.config)
+        return False
 
     def _nothing_wanted(self, batch: Any, names: tuple, steps: list, active_only: bool = False) -> bool:
         """Whether no layer of the graph is at a step capture's step filter may take (for a layer its layer filter
@@ -497,8 +501,12 @@ class GraphHooks:
                 and (config.ranks is None or capturer.rank() in config.ranks),
                 sentinel is not None and any(map(sentinel.sentinel.layer_selected, names)))
         lo, hi = min(steps), max(steps)
-        if hit[2] and (capturer.active or not active_only) and not capturer.takes_no_step(lo, hi):
-            return False
+        # Capture off with a step its filters select: nothing to copy, but the replay's hook counts it as dropped.
+        self._quiet_after = True
+        if hit[2] and not capturer.takes_no_step(lo, hi):
+            if capturer.active or not active_only:
+                return False
+            self._quiet_after = False
         if hit[3]:
             drawn = self.sentinel.sentinel.drawn
             if drawn(lo) if lo == hi else any(map(drawn, set(steps))):
@@ -577,6 +585,14 @@ class GraphHooks:
             self._in_graph_ran = None
             if fast[0] == batch:  # the staged variant replayed: the step was told wanted when it was chosen
                 return self._hand_in_graph(fast)
+        quiet = self._quiet
+        if quiet is not None:
+            self._quiet = None
+            # Told unwanted when chosen (the same batch, filters and counts: no Python of kvdbg's ran between, and
+            # a step's draw is kept): its layers' forwards counted, nothing else.
+            if quiet[0] is batch and quiet[3] is self.capturer.config:
+                self._forward_counts.update(zip(quiet[1], map(add, quiet[2], repeat(1))))
+                return False
         slots = self._graph_layers.get(batch)
         if not slots:
             return False

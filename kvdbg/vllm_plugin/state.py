@@ -104,6 +104,10 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._recording_again = False
         self._again_failed: str | None = None  # why a layer's copies could not be recorded into a staged variant
         self._in_graph_ran: Any = None
+        # A replay chosen with nothing wanted: (batch, layer names, their steps, capture's configuration), for
+        # after_graph_replay; and whether the last _nothing_wanted's answer holds after the replay too.
+        self._quiet: Any = None
+        self._quiet_after = False
         self._last_builds: dict[int, tuple] = {}
         self.staged_replays = 0
         # Per graph: (its names, capture's configuration, whether capture's layer filter selects any of them,
