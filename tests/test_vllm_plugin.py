@@ -1454,15 +1454,25 @@ def test_a_wanted_step_replays_the_graph_with_the_staging_inside_and_costs_the_e
                 return _real(*args, **kwargs)
 
         monkeypatch.setattr(state, hook, counted)
+    # The step's real requests are left to the capture thread (from the offsets the graph staged): the engine's
+    # thread never reads the build's host offsets for them.
+    from kvdbg.vllm_plugin import builder_hooks, vllm_facts
+
+    counted_requests = []
+    for module in (builder_hooks, vllm_facts):
+        monkeypatch.setattr(module, "_requests_with_tokens", lambda common, _real=vllm_facts._requests_with_tokens: (
+            counted_requests.append(1), _real(common))[1])
     replayed = []
     for step in range(2):
         for counter in calls.values():
             counter.names.clear()
+        counted_requests.clear()
         common = _padded(engine.common(), reqs=4, tokens=16)
         inputs = _padded_inputs(engine, 16)
         outputs = _run_as_graph(engine, common, inputs, 16, monkeypatch, wrapper=wrapper)
         replayed.append(entry.cudagraph)
     assert replayed == ["plain", "staged"] and state.staged_replays == 1 and state._graph_job is None
+    assert counted_requests == []
     reads = {"__get__", "__len__", "dim", "stride", "data_ptr", "numel", "numpy"}  # a tensor's facts, no op
     for hook, counter in calls.items():
         assert [n for n in counter.names if n not in reads] == [], (hook, counter.names)
@@ -1477,6 +1487,7 @@ def test_a_wanted_step_replays_the_graph_with_the_staging_inside_and_costs_the_e
     common.block_table_tensor.random_(1, 70)
     common.seq_lens.fill_(5)
     common.query_start_loc.fill_(1)
+    common.query_start_loc_cpu.fill_(16)  # the host's offsets too: every row "padding" if read now
     release.set()
     assert state.drain_graph_capture(10)
     snaps = sorted(snapshots(tmp_path), key=lambda s: s.meta.capture["layer"])
@@ -1653,6 +1664,49 @@ def test_the_staging_inside_a_graph_stages_what_the_hosts_program_does_from_the_
     small.graph_body(6)
     with pytest.raises(CaptureInputError, match="reads 40 pages, more than the 16"):
         small.staged_step(6, hint, True).sized()
+
+
+def test_a_step_staged_inside_a_graph_has_its_requests_worked_out_by_the_reader_from_the_staged_offsets():
+    """A build that leaves its real requests unknown (``num_reqs`` -1) is served from the batch's padded rows, and
+    the reader works the requests out from the query offsets the graph staged, by the host's rule (the padding rows
+    of no tokens after them are not requests), even once the host's own offsets are rewritten."""
+    import types
+
+    from kvdbg.capture.inputs import CaptureInputError
+    from kvdbg.vllm_plugin.graph_staging import InGraphProgram, StageHint, stage_hint
+
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(40, 2, 4, 2, 8, generator=gen)
+    query, output = torch.randn(6, 2, 8, generator=gen), torch.randn(6, 2, 8, generator=gen)
+    table = torch.randint(1, 40, (8, 10), dtype=torch.int32, generator=gen)
+    seq_lens = torch.tensor([13, 1, 40, 7, 0, 0, 0, 0], dtype=torch.int32)
+    offsets = torch.tensor([0, 1, 2, 3, 4, 4, 4, 0, 0], dtype=torch.int32)  # 4 requests, 2 padding rows
+    host_offsets = offsets.clone()
+    common = types.SimpleNamespace(max_seq_len=40, seq_lens_cpu_upper_bound=None, block_table_tensor=table[:6],
+                                   num_reqs=6, query_start_loc_cpu=host_offsets)
+    hint = stage_hint(common, (table[:6], seq_lens[:6], offsets[:7]), -1)
+    assert hint.known_reqs == -1 and hint.most_reqs == 6
+    # The program is made when vLLM records the graph (the recording's build: all its rows are requests).
+    recorded = StageHint(table[:6], 6, None, 40, seq_lens[:6], offsets[:7], 6)
+    inside = InGraphProgram(None, recorded, [("layer", cache, 0, query, output)], 64, 8, 4)
+    assert inside.serves(hint) == 2 and hint.known_reqs == -1  # told from the 6 rows: 60 positions at most
+    inside.graph_body(6)
+    step = inside.staged_step(6, hint, True)
+    assert step.num_reqs == -1 and step.batch_rows == 6
+    host_offsets.fill_(16)  # the next step's offsets: the reader must not need the host's
+    assert step.sized() == 4 + 1 + 10 + 2 and step.num_reqs == 4
+    bt, sl, qsl = step.metadata()
+    assert sl.tolist() == [13, 1, 40, 7] and qsl.tolist() == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(bt, table[:4], rtol=0, atol=0)
+    # Asked on the engine's thread during the step, the hint works them out from the host's offsets, once.
+    later = stage_hint(types.SimpleNamespace(**{**vars(common), "query_start_loc_cpu": offsets.clone()}),
+                       (table[:6], seq_lens[:6], offsets[:7]), -1)
+    assert later.num_reqs == 4 and later.known_reqs == 4
+    # A step whose offsets were not staged cannot be read without its requests: refused by name, never guessed.
+    bare = inside.staged_step(6, StageHint(table[:6], -1, None, 40, seq_lens[:6], offsets[:7], 6, common), True)
+    bare.with_metadata = False
+    with pytest.raises(CaptureInputError, match="real requests were neither"):
+        bare.sized()
 
 
 class _TorchCalls(torch.overrides.TorchFunctionMode):

@@ -660,9 +660,11 @@ class DeferredChecks:
         as one job (:func:`check_layers`: alike layers make one reference problem): their query, output and pages
         are kvdbg's own copies, which no later step overwrites, so nothing is cloned and the job is collected
         whenever it is done (the caller keeps it; ``ready``: the event after the staging)."""
+        seen: set[int] = set()  # a step's layers share its metadata tensors: each marked once (a torch call each)
         for _, inputs in entries:
             for t in (inputs.seq_lens, inputs.query_start_loc, inputs.block_table):
-                if isinstance(t, torch.Tensor) and t.is_cuda:
+                if isinstance(t, torch.Tensor) and id(t) not in seen and t.is_cuda:
+                    seen.add(id(t))
                     t.record_stream(self.stream)
         job = _Job(list(entries), step, ready)
         self._jobs.put(job)

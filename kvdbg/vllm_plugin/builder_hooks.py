@@ -78,7 +78,6 @@ class BuilderHooks:
                 return False
             if vllm_facts._graph_capturing(common.seq_lens):
                 return False
-            num_reqs = _requests_with_tokens(common)
             causal = common.causal
             facts = self._builder_facts.get(id(builder))
             if facts is None:
@@ -91,14 +90,17 @@ class BuilderHooks:
             buffers = (common.block_table_tensor, common.seq_lens, common.query_start_loc)
             hint = None
             if self._graph_layers:  # a full CUDA graph may run this step: what staging it needs
-                hint = _stage_hint()(common, buffers, num_reqs)
+                # Its real requests worked out only when needed (StageHint.num_reqs): a step staged inside vLLM's
+                # graph leaves them to the capture thread, from the query offsets it staged.
+                hint = _stage_hint()(common, buffers, -1)
             if hint is not None and self._graph_step(builder, common, tokens, causal):
                 # Nothing copied, nothing sliced (a slice is a torch call): the staging program copies the
                 # metadata after the graph's replay, as the graph read it, and the capture thread takes the real
                 # requests' rows; should the step run eagerly after all, its first hook copies them.
                 ctx = _EngineContext(id(metadata), *buffers, None, causal, facts, _step_refusal(common),
-                                     deferred=_Deferred(builder, buffers, slot_mapping, num_reqs))
+                                     deferred=_Deferred(builder, buffers, slot_mapping, hint))
             else:
+                num_reqs = _requests_with_tokens(common) if hint is None else hint.num_reqs
                 rows = (_rows(common.block_table_tensor, num_reqs), _rows(common.seq_lens, num_reqs),
                         _rows(common.query_start_loc, num_reqs + 1))
                 ctx = self._copied(builder, metadata, rows, slot_mapping, tokens, causal, facts, common)
@@ -172,7 +174,7 @@ class BuilderHooks:
         deferred = ctx.deferred
         if deferred is None:
             return
-        n = deferred.num_reqs
+        n = deferred.hint.num_reqs
         table, seq_lens, offsets = deferred.rows
         rows = (_rows(table, n), _rows(seq_lens, n), _rows(offsets, n + 1))
         if rows[0].is_cuda:

@@ -67,37 +67,69 @@ PROGRAMS_PER_SIZE = 2
 MAX_PROGRAMS = 8
 
 
-@dataclass(slots=True)
 class StageHint:
     """What a build tells staging about its step (kept on the build's context; references, no copies):
     the block table the step reads (the runner's device buffer), the real requests, and a host bound on
-    each request's length (None: ``max_seq_len`` bounds every row)."""
+    each request's length (None: ``max_seq_len`` bounds every row).
 
-    block_table: Any
-    num_reqs: int
-    seq_lens_bound: Any  # a host tensor or array of >= num_reqs entries, or None
-    max_seq_len: int
-    # The build's lengths and query offsets on the device (the runner's buffers, as the graph reads them) and the
-    # batch's rows with padding: with them the program also stages the step's metadata (StagedStep.metadata), so
-    # the build copies nothing to the host; without them the build's own copies are used.
-    seq_lens: Any = None
-    query_start_loc: Any = None
-    rows: int = 0
+    The build's lengths and query offsets on the device (the runner's buffers, as the graph reads them) and the
+    batch's rows with padding: with them the program also stages the step's metadata (StagedStep.metadata), so
+    the build copies nothing to the host; without them the build's own copies are used.
+
+    The real requests (:attr:`num_reqs`) may be left to whoever needs them first (``num_reqs=-1`` and the build's
+    ``common`` metadata): worked out from its host query offsets on the engine's thread during the step, or by a
+    step staged inside vLLM's graph from the offsets it staged (:meth:`StagedStep.sized`), on the capture thread,
+    so that the engine's thread spares it.
+    """
+
+    __slots__ = ("block_table", "_num_reqs", "seq_lens_bound", "max_seq_len", "seq_lens", "query_start_loc", "rows",
+                 "common")
+
+    def __init__(self, block_table: Any, num_reqs: int, seq_lens_bound: Any, max_seq_len: int, seq_lens: Any = None,
+                 query_start_loc: Any = None, rows: int = 0, common: Any = None):
+        self.block_table = block_table
+        self._num_reqs = num_reqs
+        self.seq_lens_bound = seq_lens_bound  # a host tensor or array of >= num_reqs entries, or None
+        self.max_seq_len = max_seq_len
+        self.seq_lens, self.query_start_loc, self.rows = seq_lens, query_start_loc, rows
+        self.common = common
+
+    @property
+    def num_reqs(self) -> int:
+        """The step's real requests (engine's thread, during the step: the build's host offsets are rewritten at the
+        next one)."""
+        if self._num_reqs < 0:
+            from kvdbg.vllm_plugin.vllm_facts import _requests_with_tokens
+
+            self._num_reqs = _requests_with_tokens(self.common)
+        return self._num_reqs
+
+    @property
+    def known_reqs(self) -> int:
+        """:attr:`num_reqs` if worked out already, else -1."""
+        return self._num_reqs
+
+    @property
+    def most_reqs(self) -> int:
+        """A bound on :attr:`num_reqs` that works nothing out: the batch's rows with padding when known."""
+        return self._num_reqs if self._num_reqs >= 0 or self.rows <= 0 else self.rows
 
 
 def stage_hint(common: Any, rows: tuple, num_reqs: int) -> StageHint | None:
     """The hint for a build's ``common`` metadata and its ``rows`` (the block table, lengths and query offsets as
     the build was given them, views of the runner's buffers from their first row; padding rows may follow the
-    real requests); None when it says too little to bound the step's pages."""
+    real requests); None when it says too little to bound the step's pages. ``num_reqs`` -1: left to
+    :attr:`StageHint.num_reqs`."""
     max_seq_len = getattr(common, "max_seq_len", None)
     bound = getattr(common, "seq_lens_cpu_upper_bound", None)
+    padded = int(common.block_table_tensor.shape[0])
     if bound is not None and (getattr(bound, "is_cuda", False)
-                              or (bound.shape[0] if hasattr(bound, "shape") else len(bound)) < num_reqs):
+                              or (bound.shape[0] if hasattr(bound, "shape") else len(bound))
+                              < (num_reqs if num_reqs >= 0 else padded)):
         bound = None
     if bound is None and not isinstance(max_seq_len, int):
         return None
-    return StageHint(rows[0], num_reqs, bound, int(max_seq_len or 0), rows[1], rows[2],
-                     int(common.block_table_tensor.shape[0]))
+    return StageHint(rows[0], num_reqs, bound, int(max_seq_len or 0), rows[1], rows[2], padded, common)
 
 
 @dataclass(eq=False)
@@ -152,7 +184,7 @@ class StagedStep:
     page_size: int
     ready: Any  # torch.cuda.Event after the program (None on a CPU); the program's own, recorded again next run
     run: int = 0  # the program's run that staged this step
-    num_reqs: int = 0
+    num_reqs: int = 0  # -1: not worked out at the build: the requests among ``batch_rows``, from the staged offsets
     width: int = 0  # the block table's columns, as the build gave it
     # The program copied this step's metadata: it reads the runner's buffers the build handed over (a runner keeps
     # them at one place, which a graph needs; one that does not is read from the build's own copies).
@@ -161,6 +193,24 @@ class StagedStep:
     _table: np.ndarray | None = field(default=None, repr=False)
     _metadata: tuple | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    batch_rows: int = 0  # the graph's batch rows, padding included (the rows the staged offsets hold for it)
+
+    def _requests(self) -> int:
+        """The step's real requests; for a step whose build left them (``num_reqs`` -1), worked out from the query
+        offsets the program staged, by the rule the host applies (vllm_facts.requests_in_offsets). Under the lock,
+        after the program's work."""
+        if self.num_reqs < 0:
+            from kvdbg.vllm_plugin.vllm_facts import requests_in_offsets
+
+            copies = self.program.metadata
+            if copies is None or not self.with_metadata or copies[2].numel() < self.batch_rows + 1:
+                from kvdbg.capture.inputs import CaptureInputError
+
+                raise CaptureInputError("the step's real requests were neither worked out at its build nor staged "
+                                        "with its query offsets")
+            offsets = copies[2][: self.batch_rows + 1].to("cpu").numpy()
+            self.num_reqs = requests_in_offsets(offsets, self.batch_rows)
+        return self.num_reqs
 
     def _wait(self) -> None:
         """The program's work for this step is done (a host wait, by a reader: never the engine's thread)."""
@@ -177,7 +227,7 @@ class StagedStep:
         with self._lock:
             if self.count < 0:
                 self._wait()
-                counts = self.program.counts[: self.num_reqs].to("cpu").numpy().astype(np.int64, copy=False)
+                counts = self.program.counts[: self._requests()].to("cpu").numpy().astype(np.int64, copy=False)
                 total = int(counts.sum())
                 if total > self.program.size:
                     from kvdbg.capture.inputs import CaptureInputError
@@ -210,7 +260,7 @@ class StagedStep:
             if self._metadata is None:
                 self._wait()
                 table, seq_lens, offsets = copies[:3]
-                n, stride = self.num_reqs, self.program.table_stride
+                n, stride = self._requests(), self.program.table_stride
                 rows = table[: n * stride].view(n, stride)[:, : self.width]
                 self._metadata = tuple(t.clone() if t.is_cpu else t.to("cpu")
                                        for t in (rows, seq_lens[:n], offsets[: n + 1]))
@@ -492,18 +542,28 @@ class InGraphProgram(_Program):
         host's bound on the step's pages is within its positions (the cheap bound first, then the exact one).
         0: it cannot; 1: it can; 2: it can, and its metadata copies read the build's (StagedStep.with_metadata)."""
         if hint.seq_lens is None or hint.seq_lens.data_ptr() != self.lengths.data_ptr() \
-                or hint.block_table.data_ptr() != self.table.data_ptr() or hint.num_reqs > self.counts.numel():
+                or hint.block_table.data_ptr() != self.table.data_ptr():
             return 0
+        # The batch's rows with padding bound its requests: most steps are told with them, the requests left to
+        # the reader (StagedStep._requests).
+        reqs = hint.most_reqs
+        if reqs > self.counts.numel():
+            reqs = hint.num_reqs
+            if reqs > self.counts.numel():
+                return 0
         size, page = self.size, self.page_size
-        if hint.max_seq_len <= 0 or hint.num_reqs * min(-(-hint.max_seq_len // page), self.width) > size:
+        if hint.max_seq_len <= 0 or reqs * min(-(-hint.max_seq_len // page), self.width) > size:
             bound = hint.seq_lens_bound
             if bound is None:
                 return 0
-            lengths = (bound.numpy() if hasattr(bound, "numpy") else np.asarray(bound))[: hint.num_reqs]
-            if int(np.minimum((lengths.astype(np.int64) + (page - 1)) // page, self.width).sum()) > size:
+            reqs = hint.num_reqs
+            lengths = (bound.numpy() if hasattr(bound, "numpy") else np.asarray(bound))[:reqs]
+            if lengths.shape[0] < reqs \
+                    or int(np.minimum((lengths.astype(np.int64) + (page - 1)) // page, self.width).sum()) > size:
                 return 0
         meta = self.metadata
-        if meta is None or hint.query_start_loc is None or hint.query_start_loc.data_ptr() != meta[5].data_ptr():
+        if meta is None or hint.query_start_loc is None or hint.query_start_loc.data_ptr() != meta[5].data_ptr() \
+                or meta[5].numel() < hint.rows + 1:
             return 1
         return 2
 
@@ -560,8 +620,10 @@ class InGraphProgram(_Program):
         """The step the graph just staged (engine's thread: no torch call); its counts are read back by the reader.
         ``with_metadata``: :meth:`serves` said 2."""
         self.runs += 1
-        return StagedStep(self, rows, -1, None, self.page_size, self.ready, self.runs, hint.num_reqs,
-                          hint.block_table.shape[1], with_metadata)
+        # Requests not worked out at the build are left to the reader, from the staged offsets (with_metadata).
+        return StagedStep(self, rows, -1, None, self.page_size, self.ready, self.runs,
+                          hint.known_reqs if with_metadata else hint.num_reqs, hint.block_table.shape[1],
+                          with_metadata, batch_rows=hint.rows)
 
 
 def _to_storage_end(t: "torch.Tensor") -> "torch.Tensor":

@@ -102,12 +102,12 @@ class _EngineContext:
 class _Deferred:
     """What a deferred build's copies need: the builder, the runner's buffers as the build was given them (block
     table, lengths, query offsets, padding rows included), its slot mapping (copied whole for the cache update's
-    hook, as at any build) and its real requests (the rows copied)."""
+    hook, as at any build) and its staging hint, which tells its real requests (the rows copied)."""
 
     builder: Any
     rows: tuple
     slot_mapping: Any
-    num_reqs: int
+    hint: Any  # graph_staging.StageHint
 
 
 @dataclass(frozen=True)

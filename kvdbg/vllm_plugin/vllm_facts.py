@@ -240,11 +240,18 @@ def _requests_with_tokens(common: Any) -> int:
     import numpy as np
 
     # numpy's view of the host tensor: an index of a torch tensor is a torch call (a build runs on every step).
-    values = offsets.numpy() if hasattr(offsets, "numpy") else np.asarray(offsets)
-    total = values[num_reqs]
-    if values[num_reqs - 1] != total:  # the last row has tokens: no padding (every eager step)
-        return num_reqs
-    return int(values[: num_reqs + 1].searchsorted(total))  # the first row that ends where the batch does
+    return requests_in_offsets(offsets.numpy() if hasattr(offsets, "numpy") else np.asarray(offsets), num_reqs)
+
+
+def requests_in_offsets(values: Any, rows: int) -> int:
+    """The requests among a batch's first ``rows`` rows, from its query offsets (``values``: a numpy array of at
+    least ``rows + 1``): the rows before the first of the padding rows of no tokens that vLLM puts after them."""
+    if rows <= 0:
+        return 0
+    total = values[rows]
+    if values[rows - 1] != total:  # the last row has tokens: no padding (every eager step)
+        return rows
+    return int(values[: rows + 1].searchsorted(total))  # the first row that ends where the batch does
 
 
 def _graph_capturing(t: Any) -> bool:
