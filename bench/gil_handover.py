@@ -228,7 +228,7 @@ def check_cost(iters: int = 50) -> dict:
             self.count = 0
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if type(func).__name__ != "getset_descriptor":  # a tensor's attribute: no call into torch
+            if getattr(func, "__qualname__", "") != "getset_descriptor.__get__":  # a tensor's attribute: no call into torch
                 self.count += 1
             return func(*args, **(kwargs or {}))
 

@@ -173,21 +173,22 @@ def test_a_steps_layers_checked_together_match_each_checked_alone(kw, monkeypatc
 
 
 class _TorchCalls(torch.overrides.TorchFunctionMode):
-    """Counts calls into torch's Python bindings (a tensor's attributes left out)."""
+    """Counts calls into torch's Python bindings (reads of a tensor's attributes, which let go of nothing, left
+    out)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if type(func).__name__ != "getset_descriptor":
+        if getattr(func, "__qualname__", "") != "getset_descriptor.__get__":
             self.count += 1
         return func(*args, **(kwargs or {}))
 
 
 def test_a_checks_torch_calls_do_not_grow_with_its_pairs_and_few_with_its_layers():
     # The sentinel's worker shares Python's lock with the engine's thread: each torch call is a moment the engine
-    # may wait, so a check makes none per pair and about twenty per layer (its gathers, its non-finite check).
+    # may wait, so a check makes none per pair and about a dozen per layer (its gathers, its non-finite check).
     counts = {}
     for layers in (1, 4):
         for pairs in ([(0, 0), (1, 1)], ALL_PAIRS):
@@ -197,7 +198,7 @@ def test_a_checks_torch_calls_do_not_grow_with_its_pairs_and_few_with_its_layers
             assert all(result.passed for result in results)
             counts[layers, len(pairs)] = calls.count
     assert counts[1, 2] == counts[1, len(ALL_PAIRS)] and counts[4, 2] == counts[4, len(ALL_PAIRS)], counts
-    assert counts[4, 2] - counts[1, 2] <= 3 * 24, counts
+    assert counts[4, 2] - counts[1, 2] <= 3 * 16, counts
 
 
 def test_layers_unlike_each_other_are_checked_apart():
