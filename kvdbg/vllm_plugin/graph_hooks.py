@@ -215,12 +215,18 @@ class GraphHooks:
                 return None
             forward = get()
             mode = forward.cudagraph_runtime_mode
-            if mode is None or mode != wrapper.runtime_mode or getattr(mode, "name", "") == "NONE":
+            if mode is None or mode != wrapper.runtime_mode:
+                return None
+            # An enum's name is a Python property: read once per mode (this runs on every step).
+            name = self._mode_names.get(mode)
+            if name is None:
+                name = self._mode_names[mode] = str(getattr(mode, "name", ""))
+            if name == "NONE":
                 return None
             batch = forward.batch_descriptor
             if batch is None:
                 return None
-            full = getattr(mode, "name", "") == "FULL"
+            full = name == "FULL"
             entry = wrapper.concrete_cudagraph_entries.get(batch)
             if entry is None or entry.cudagraph is None:
                 return ("record" if full else "record_pieces"), batch

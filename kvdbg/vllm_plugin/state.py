@@ -117,6 +117,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._sentinel_layers: dict[int, tuple] = {}  # per builder: (its layer names, those the sentinel checks)
         self._max_graph_tokens: int | None = None
         self._forward_context = None
+        self._mode_names: dict[Any, str] = {}  # vLLM's CUDA graph runtime modes by their names (graph_call)
         self._graph_thread = None  # the graph capture thread, started with the first wanted graph step
         self._graph_job = None  # the step last handed to it, until the engine's next work waits for its copies
         self._stager = None  # graph_staging.GraphStager, made with the first wanted graph step
