@@ -527,6 +527,11 @@ class InGraphProgram(_Program):
         self.page_size = page_size
         self.width = int(hint.block_table.shape[1])
         self.lengths = _to_storage_end(hint.seq_lens)[: self.counts.numel()]
+        # Facts serves() reads on every wanted step, kept (each read of a tensor is a call on the engine's thread).
+        self.count_rows = self.counts.numel()
+        self.lengths_at, self.table_at = self.lengths.data_ptr(), self.table.data_ptr()
+        self.offsets_at = None if self.metadata is None else self.metadata[5].data_ptr()
+        self.offsets_rows = 0 if self.metadata is None else self.metadata[5].numel()
         self.ready = torch.cuda.Event(external=True) if hint.block_table.is_cuda else None
         self._pending: list[Any] = []  # events after the released readers' copies, not yet passed
 
@@ -541,15 +546,15 @@ class InGraphProgram(_Program):
         """Whether a build's step can be staged by this program: the graph read the buffers it reads, and the
         host's bound on the step's pages is within its positions (the cheap bound first, then the exact one).
         0: it cannot; 1: it can; 2: it can, and its metadata copies read the build's (StagedStep.with_metadata)."""
-        if hint.seq_lens is None or hint.seq_lens.data_ptr() != self.lengths.data_ptr() \
-                or hint.block_table.data_ptr() != self.table.data_ptr():
+        if hint.seq_lens is None or hint.seq_lens.data_ptr() != self.lengths_at \
+                or hint.block_table.data_ptr() != self.table_at:
             return 0
         # The batch's rows with padding bound its requests: most steps are told with them, the requests left to
         # the reader (StagedStep._requests).
         reqs = hint.most_reqs
-        if reqs > self.counts.numel():
+        if reqs > self.count_rows:
             reqs = hint.num_reqs
-            if reqs > self.counts.numel():
+            if reqs > self.count_rows:
                 return 0
         size, page = self.size, self.page_size
         if hint.max_seq_len <= 0 or reqs * min(-(-hint.max_seq_len // page), self.width) > size:
@@ -562,8 +567,8 @@ class InGraphProgram(_Program):
                     or int(np.minimum((lengths.astype(np.int64) + (page - 1)) // page, self.width).sum()) > size:
                 return 0
         meta = self.metadata
-        if meta is None or hint.query_start_loc is None or hint.query_start_loc.data_ptr() != meta[5].data_ptr() \
-                or meta[5].numel() < hint.rows + 1:
+        if meta is None or hint.query_start_loc is None or hint.query_start_loc.data_ptr() != self.offsets_at \
+                or self.offsets_rows < hint.rows + 1:
             return 1
         return 2
 
