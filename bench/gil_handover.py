@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{loop:5.2f}x alone")
     check = None
     if "sentinel-check" in args.others:
-        check = check_cost()
+        check = check_cost(iters=max(3, min(50, args.iters // 20)))
         print(f"  the sentinel's check alone: {check['check_us']:.0f} us a step of {check['layers']} layers, "
               f"{check['torch_calls']} torch calls, {'passed' if check['passed'] else 'FAILED (not an honest step)'}")
     print("GIL-HANDOVER " + json.dumps({"switch_interval_ms": sys.getswitchinterval() * 1e3, "iters": args.iters,

@@ -1508,6 +1508,60 @@ def test_a_wanted_step_replays_the_graph_with_the_staging_inside_and_costs_the_e
     assert not program.held and program.reusable()
 
 
+def test_a_wanted_build_tells_the_choice_of_graph_which_asks_nothing_again_unless_something_moved(
+        standins, tmp_path, monkeypatch):
+    """A build that finds every layer wanted at one step hands that to the next choice of graph, which then replays the
+    staged variant without asking the filters again; the answer is not taken when a forward was counted since, the
+    filters changed, or the program is held: the choice then asks as it always did."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0-20", layers=3)
+    wrapper, entry = _record_variants(16)
+    program = next(iter(state._staged_variants.values()))[1]
+    batch = _Batch((16,))
+    asked = []
+    for name in ("_step_wants_copies", "_every_layer_wanted"):
+        real = getattr(type(state), name)
+        monkeypatch.setattr(type(state), name, lambda self, *a, _real=real, _name=name, **k: (
+            asked.append(_name), _real(self, *a, **k))[1])
+    epoch = state._counts_epoch
+    outputs = _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                            monkeypatch, wrapper=wrapper)
+    assert entry.cudagraph == "staged" and asked == [] and state._prepared is None
+    assert state._counts_epoch > epoch  # the replay counted the layers' forwards
+    assert state.drain_graph_capture(10) and state.capturer.flush(10)
+    snaps = snapshots(tmp_path)
+    assert len(snaps) == 3 and {s.meta.capture["step"] for s in snaps} == {0}
+    for snap in snaps:
+        layer = engine.names.index(snap.meta.capture["layer"])
+        torch.testing.assert_close(snap.steps[0].output.reshape(12, -1), outputs[layer][:12].reshape(12, -1),
+                                   rtol=0, atol=0)
+
+    def choose_after(change):
+        asked.clear()
+        engine.builder.build(0, _padded(engine.common(), reqs=4, tokens=16))
+        assert state._prepared is not None
+        change()
+        state.choose_graph(wrapper, batch)
+        state._in_graph_ran = None  # this test replays nothing: the choice is what it looks at
+        return entry.cudagraph
+
+    # A forward counted between the build and the choice (an eager forward moves the epoch as every count does):
+    # asked again, and the layers no longer at one step replay the graph with the copies.
+    def forward_counted():  # as an eager forward's hook counts it (the last lines check that hook moves the epoch)
+        state._forward_counts[engine.names[0]] += 1
+        state._counts_epoch += 1
+
+    assert choose_after(forward_counted) == "copies" and asked[0] == "_step_wants_copies"
+    state._forward_counts.update({n: 5 for n in engine.names})
+    # The filters changed: asked again (and still wanted: the staged variant).
+    assert choose_after(lambda: state.capturer.reconfigure(steps=None)) == "staged" and asked
+    # The program held by a reader: asked again, and the graph with the copies replays.
+    assert choose_after(program.hold) == "copies" and asked
+    program.release(issued=False)
+    before = state._counts_epoch
+    engine.step(common=engine.common())  # an eager step counts each layer's forward
+    assert state._counts_epoch >= before + len(engine.names)
+
+
 def test_a_wanted_step_while_the_graphs_staging_is_still_read_replays_the_graph_with_the_copies(
         standins, tmp_path, monkeypatch):
     """Two wanted steps in a row, the capture thread still on the first: the second cannot replay the staged graph

@@ -48,6 +48,7 @@ class BuilderHooks:
         """Keep copies of the step's metadata for the forwards of its layers; whether it did for a capture
         (not only for the sentinel)."""
         try:
+            self._prepared = None  # only the latest build tells the next choice of graph (see below)
             if metadata is None or common is None or (not self.capturer.active and self.sentinel is None):
                 return False
             self.declare(builder)
@@ -62,6 +63,7 @@ class BuilderHooks:
             # The step each layer's next forward will be: nothing is kept for a build no capture will use. Most
             # builds of an armed engine are of steps the step filter excludes, told by one search for every layer.
             counts = self._forward_counts
+            lo = hi = None
             if names is None:
                 for_capture = True
             elif not names:
@@ -93,12 +95,16 @@ class BuilderHooks:
                 # Its real requests worked out only when needed (StageHint.num_reqs): a step staged inside vLLM's
                 # graph leaves them to the capture thread, from the query offsets it staged.
                 hint = _stage_hint()(common, buffers, -1)
+            prepare = False
             if hint is not None and self._graph_step(builder, common, tokens, causal):
                 # Nothing copied, nothing sliced (a slice is a torch call): the staging program copies the
                 # metadata after the graph's replay, as the graph read it, and the capture thread takes the real
                 # requests' rows; should the step run eagerly after all, its first hook copies them.
                 ctx = _EngineContext(id(metadata), *buffers, None, causal, facts, _step_refusal(common),
                                      deferred=_Deferred(builder, buffers, slot_mapping, hint))
+                # Every layer of the builder wanted at one step, told now: the choice of graph need not ask again
+                # (GraphHooks._prepared_step).
+                prepare = lo == hi and lo is not None and len(names) == len(getattr(builder, "layer_names", ()) or ())
             else:
                 num_reqs = _requests_with_tokens(common) if hint is None else hint.num_reqs
                 rows = (_rows(common.block_table_tensor, num_reqs), _rows(common.seq_lens, num_reqs),
@@ -108,6 +114,11 @@ class BuilderHooks:
             if self._graph_layers:  # its replay finds the context by layer
                 ctx.stage = hint
                 names = getattr(builder, "layer_names", None) or ()  # capture's and the sentinel's layers
+                if prepare:  # every layer selected, all at one step (told above): one entry, shared
+                    self._graph_builds.update(dict.fromkeys(names, (lo, ctx)))
+                    if self.capturer.wants_all(len(names), lo):
+                        self._prepared = (names, lo, ctx, self._counts_epoch, self.capturer.config)
+                    return for_capture
                 steps = list(map(self._forward_counts.get, names, repeat(0)))
                 if steps and steps.count(steps[0]) == len(steps):  # the usual case: one entry, shared
                     self._graph_builds.update(dict.fromkeys(names, (steps[0], ctx)))

@@ -424,6 +424,32 @@ class GraphHooks:
             return None
         return batch, program, names, steps, items, hint, serves == 2
 
+    def _prepared_step(self, wrapper: Any, batch: Any, prepared: tuple) -> tuple | None:
+        """:meth:`_in_graph_step` for a step its build already told wanted on every layer at one step (the build's
+        ``_prepared``), asking nothing of the filters again: taken when no forward was counted since (the counts'
+        epoch) and the filters are the same, the graph's layers are all the build's, and the program is free and
+        serves the step."""
+        names_built, step, ctx, epoch, config = prepared
+        if epoch != self._counts_epoch or config is not self.capturer.config or not self._staged_variants:
+            return None
+        staged = self._staged_variants.get((id(wrapper), batch))
+        slots = self._graph_layers.get(batch)
+        if staged is None or not slots:
+            return None
+        names, distinct = self._slot_names(batch, slots)
+        covered = self._covered.get(batch)
+        if covered is None or covered[0] is not names or covered[1] is not names_built:
+            covered = self._covered[batch] = (names, names_built, distinct and set(names) <= set(names_built))
+        if not covered[2] or (self.sentinel is not None and self.sentinel.sentinel.drawn(step)):
+            return None
+        program = staged[1]
+        hint = ctx.stage
+        serves = 0 if hint is None or not program.reusable() else program.serves(hint)
+        if not serves:
+            return None
+        return (batch, program, names, [step] * len(names), list(zip(slots, repeat(step), repeat(ctx))), hint,
+                serves == 2)
+
     def choose_graph(self, wrapper: Any, batch: Any) -> None:
         """Before vLLM replays its full graph for ``batch``: the variant with kvdbg's copies when this step of any of
         the graph's layers may be captured or checked (the filters, the sentinel's draw), else the plain one."""
@@ -440,7 +466,13 @@ class GraphHooks:
             return
         try:
             use = plain
-            wants = self._step_wants_copies(batch)
+            prepared, self._prepared = self._prepared, None
+            fast = None if prepared is None else self._prepared_step(wrapper, batch, prepared)
+            if fast is not None:
+                use, self._in_graph_ran = self._staged_variants[(id(wrapper), batch)][0], fast
+                wants = False
+            else:
+                wants = self._step_wants_copies(batch)
             if wants:
                 use = copying
                 staged = self._staged_variants.get((id(wrapper), batch)) if self._staged_variants else None
@@ -598,6 +630,7 @@ class GraphHooks:
             # a step's draw is kept): its layers' forwards counted, nothing else.
             if quiet[0] is batch and quiet[3] is self.capturer.config:
                 self._forward_counts.update(zip(quiet[1], map(add, quiet[2], repeat(1))))
+                self._counts_epoch += 1
                 return False
         slots = self._graph_layers.get(batch)
         if not slots:
@@ -607,6 +640,7 @@ class GraphHooks:
         if distinct:  # every layer's count moved on at once, and, armed, most steps let go with one search
             steps = list(map(counts.get, names, repeat(0)))
             counts.update(zip(names, map(add, steps, repeat(1))))
+            self._counts_epoch += 1
             if self._nothing_wanted(batch, names, steps):
                 return False
         else:  # a layer run twice in one graph: its forwards counted one by one
@@ -614,6 +648,7 @@ class GraphHooks:
             for name in names:
                 steps.append(counts.get(name, 0))
                 counts[name] = steps[-1] + 1
+            self._counts_epoch += 1
         wanted, sampled = [], []
         every = None
         if distinct and self.sentinel is None and steps.count(steps[0]) == len(steps):
@@ -692,6 +727,7 @@ class GraphHooks:
         counted, the step handed to the capture thread, holding the program until that thread has read it."""
         batch, program, names, steps, items, hint, with_metadata = fast
         self._forward_counts.update(zip(names, map(add, steps, repeat(1))))
+        self._counts_epoch += 1
         staged = program.staged_step(items[0][0].query.shape[0], hint, with_metadata)
         # The runner's buffers were not the program's: the build's copies, now.
         return self._hand_job(_GraphJob(items, batch.num_tokens), staged, [] if with_metadata else [items[0][2]],

@@ -108,6 +108,11 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         # after_graph_replay; and whether the last _nothing_wanted's answer holds after the replay too.
         self._quiet: Any = None
         self._quiet_after = False
+        # A wanted build's answer for the next choice of graph: (its layers, their step, its context, the counts'
+        # epoch then, capture's configuration then); and the epoch, moved on whenever any layer's forward count does.
+        self._prepared: Any = None
+        self._counts_epoch = 0
+        self._covered: dict[Any, tuple] = {}  # per graph: whether a builder's layers hold all the graph's
         self._last_builds: dict[int, tuple] = {}
         self.staged_replays = 0
         # Per graph: (its names, capture's configuration, whether capture's layer filter selects any of them,

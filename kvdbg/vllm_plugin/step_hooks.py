@@ -80,6 +80,7 @@ class StepHooks:
                 return self.record_in_graph(impl, layer, query, kv_cache, output)
             step = self._forward_counts.get(name, 0)
             self._forward_counts[name] = step + 1
+            self._counts_epoch += 1
             pre = self._pre_updates.pop(name, None)
             if pre is not None and pre.step != step:
                 pre = None
