@@ -1513,6 +1513,8 @@ def test_a_wanted_build_tells_the_choice_of_graph_which_asks_nothing_again_unles
     """A build that finds every layer wanted at one step hands that to the next choice of graph, which then replays the
     staged variant without asking the filters again; the answer is not taken when a forward was counted since, the
     filters changed, or the program is held: the choice then asks as it always did."""
+    import types
+
     engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0-20", layers=3)
     wrapper, entry = _record_variants(16)
     program = next(iter(state._staged_variants.values()))[1]
@@ -1557,9 +1559,37 @@ def test_a_wanted_build_tells_the_choice_of_graph_which_asks_nothing_again_unles
     # The program held by a reader: asked again, and the graph with the copies replays.
     assert choose_after(program.hold) == "copies" and asked
     program.release(issued=False)
+    # A choice that returns early (vLLM let the graph go) lets the build's answer go too: no later choice takes it.
+    engine.builder.build(0, _padded(engine.common(), reqs=4, tokens=16))
+    assert state._prepared is not None
+    state.choose_graph(types.SimpleNamespace(concrete_cudagraph_entries={}), batch)
+    assert state._prepared is None
     before = state._counts_epoch
     engine.step(common=engine.common())  # an eager step counts each layer's forward
     assert state._counts_epoch >= before + len(engine.names)
+
+
+def test_a_staged_step_whose_requests_cannot_be_worked_out_after_the_replay_is_lost_in_words_not_raised(
+        standins, tmp_path, monkeypatch):
+    """A step the staged graph served without its metadata has its requests worked out right after the replay, from
+    the build's host offsets; should that fail, each layer's step is counted lost and nothing reaches vLLM."""
+    from kvdbg.vllm_plugin import vllm_facts
+    from kvdbg.vllm_plugin.graph_staging import InGraphProgram
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0", layers=2)
+    wrapper, entry = _record_variants(16)
+    monkeypatch.setattr(InGraphProgram, "serves", lambda self, hint: 1)  # the program staged no metadata
+
+    def broken(common):
+        raise RuntimeError("offsets unreadable")
+
+    monkeypatch.setattr(vllm_facts, "_requests_with_tokens", broken)
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch,
+                  wrapper=wrapper)
+    assert entry.cudagraph == "staged" and state.drain_graph_capture(10)
+    assert state.capturer.dropped["internal"] == 2 and snapshots(tmp_path) == []
+    assert {state._forward_counts[n] for n in engine.names} == {1}
+    assert not next(iter(state._staged_variants.values()))[1].held
 
 
 def test_a_wanted_step_while_the_graphs_staging_is_still_read_replays_the_graph_with_the_copies(
@@ -1756,6 +1786,14 @@ def test_a_step_staged_inside_a_graph_has_its_requests_worked_out_by_the_reader_
     later = stage_hint(types.SimpleNamespace(**{**vars(common), "query_start_loc_cpu": offsets.clone()}),
                        (table[:6], seq_lens[:6], offsets[:7]), -1)
     assert later.num_reqs == 4 and later.known_reqs == 4
+    # A host bound on the lengths as long as the real requests, not the padded rows, is kept: when the rows' cheap
+    # bound is over a small program's positions, the exact one is asked with the requests worked out then.
+    small = InGraphProgram(None, recorded, [("layer", cache, 0, query, output)], 16, 8, 4)
+    short = stage_hint(types.SimpleNamespace(**{**vars(common), "query_start_loc_cpu": offsets.clone(),
+                                                "seq_lens_cpu_upper_bound": torch.tensor([13, 1, 16, 7])}),
+                       (table[:6], seq_lens[:6], offsets[:7]), -1)
+    assert short.seq_lens_bound is not None and short.known_reqs == -1
+    assert small.serves(short) == 2 and short.known_reqs == 4  # 4 + 1 + 4 + 2 pages of 16 positions
     # A step whose offsets were not staged cannot be read without its requests: refused by name, never guessed.
     bare = inside.staged_step(6, StageHint(table[:6], -1, None, 40, seq_lens[:6], offsets[:7], 6, common), True)
     bare.with_metadata = False
@@ -1884,6 +1922,15 @@ def test_a_step_told_unwanted_when_its_graph_was_chosen_is_only_counted_after_th
     assert entry.cudagraph == "plain" and asked == [True]
     assert state.after_graph_replay(batch) is False
     assert asked == [True] and {state._forward_counts[n] for n in engine.names} == {6}
+
+    # A forward counted between the choice and the replay's hook (none is today): the answer is not taken, and the
+    # hook counts from the counts as they are.
+    state.choose_graph(wrapper, batch)
+    state._forward_counts[engine.names[0]] += 1
+    state._counts_epoch += 1
+    assert state.after_graph_replay(batch) is False and asked[-1] is False
+    assert [state._forward_counts[n] for n in engine.names] == [8, 7]
+    state._forward_counts.update({n: 6 for n in engine.names})
 
     state.choose_graph(wrapper, batch)
     state.capturer.reconfigure(steps=None)  # every step wanted now: the plain graph's buffers are stale

@@ -454,6 +454,7 @@ class GraphHooks:
         """Before vLLM replays its full graph for ``batch``: the variant with kvdbg's copies when this step of any of
         the graph's layers may be captured or checked (the filters, the sentinel's draw), else the plain one."""
         self._in_graph_ran = self._quiet = None
+        prepared, self._prepared = self._prepared, None  # the latest build's answer serves this choice or none
         variants = self._graph_variants.get((id(wrapper), batch)) if self._graph_variants else None
         if variants is None:
             self._plain_ran = False
@@ -466,7 +467,6 @@ class GraphHooks:
             return
         try:
             use = plain
-            prepared, self._prepared = self._prepared, None
             fast = None if prepared is None else self._prepared_step(wrapper, batch, prepared)
             if fast is not None:
                 use, self._in_graph_ran = self._staged_variants[(id(wrapper), batch)][0], fast
@@ -522,7 +522,7 @@ class GraphHooks:
         if not self._nothing_wanted(batch, names, steps, True):
             return slots, names, steps
         if self._quiet_after:  # the replay's hook will find the same: it only counts (after_graph_replay)
-            self._quiet = (batch, names, steps, self.capturer.config)
+            self._quiet = (batch, names, steps, self.capturer.config, self._counts_epoch)
         return False
 
     def _nothing_wanted(self, batch: Any, names: tuple, steps: list, active_only: bool = False) -> bool:
@@ -626,9 +626,9 @@ class GraphHooks:
         quiet = self._quiet
         if quiet is not None:
             self._quiet = None
-            # Told unwanted when chosen (the same batch, filters and counts: no Python of kvdbg's ran between, and
-            # a step's draw is kept): its layers' forwards counted, nothing else.
-            if quiet[0] is batch and quiet[3] is self.capturer.config:
+            # Told unwanted when chosen (the same batch, filters and counts, no forward counted between, and a
+            # step's draw is kept): its layers' forwards counted, nothing else.
+            if quiet[0] is batch and quiet[3] is self.capturer.config and quiet[4] == self._counts_epoch:
                 self._forward_counts.update(zip(quiet[1], map(add, quiet[2], repeat(1))))
                 self._counts_epoch += 1
                 return False
@@ -728,7 +728,13 @@ class GraphHooks:
         batch, program, names, steps, items, hint, with_metadata = fast
         self._forward_counts.update(zip(names, map(add, steps, repeat(1))))
         self._counts_epoch += 1
-        staged = program.staged_step(items[0][0].query.shape[0], hint, with_metadata)
+        try:  # without staged metadata, the step's requests are worked out here, from the build's host offsets
+            staged = program.staged_step(items[0][0].query.shape[0], hint, with_metadata)
+        except Exception as exc:  # never into vLLM: each layer's step is said lost
+            for slot, step, _ in items:
+                self.capturer.report(exc, f"after a CUDA graph's replay (step {step} of {slot.name})",
+                                     step_lost=True)
+            return False
         # The runner's buffers were not the program's: the build's copies, now.
         return self._hand_job(_GraphJob(items, batch.num_tokens), staged, [] if with_metadata else [items[0][2]],
                               in_graph=True)

@@ -122,14 +122,15 @@ def stage_hint(common: Any, rows: tuple, num_reqs: int) -> StageHint | None:
     :attr:`StageHint.num_reqs`."""
     max_seq_len = getattr(common, "max_seq_len", None)
     bound = getattr(common, "seq_lens_cpu_upper_bound", None)
-    padded = int(common.block_table_tensor.shape[0])
-    if bound is not None and (getattr(bound, "is_cuda", False)
-                              or (bound.shape[0] if hasattr(bound, "shape") else len(bound))
-                              < (num_reqs if num_reqs >= 0 else padded)):
+    # A bound shorter than the step's requests is left out; with the requests not yet worked out it is kept, and
+    # its length checked where it is read (InGraphProgram.serves, GraphStager.stage).
+    if bound is not None and (getattr(bound, "is_cuda", False) or (
+            num_reqs >= 0 and (bound.shape[0] if hasattr(bound, "shape") else len(bound)) < num_reqs)):
         bound = None
     if bound is None and not isinstance(max_seq_len, int):
         return None
-    return StageHint(rows[0], num_reqs, bound, int(max_seq_len or 0), rows[1], rows[2], padded, common)
+    return StageHint(rows[0], num_reqs, bound, int(max_seq_len or 0), rows[1], rows[2],
+                     int(common.block_table_tensor.shape[0]), common)
 
 
 @dataclass(eq=False)
@@ -695,6 +696,10 @@ class GraphStager:
         if table.dim() != 2 or table.stride(1) != 1 or table.shape[0] < n:
             return self._not("table", "the block table is not a row-major matrix of the batch's rows")
         width = table.shape[1]
+        if bound is not None and (bound.shape[0] if hasattr(bound, "shape") else len(bound)) < n:
+            bound = None  # shorter than the step's requests (see stage_hint)
+            if hint.max_seq_len <= 0:
+                return self._not("bound", "the host's bound on the lengths covers fewer rows than the step's requests")
         if bound is None:
             lengths = np.full(n, hint.max_seq_len, dtype=np.int64)
         else:

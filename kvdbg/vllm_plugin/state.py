@@ -104,8 +104,8 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._recording_again = False
         self._again_failed: str | None = None  # why a layer's copies could not be recorded into a staged variant
         self._in_graph_ran: Any = None
-        # A replay chosen with nothing wanted: (batch, layer names, their steps, capture's configuration), for
-        # after_graph_replay; and whether the last _nothing_wanted's answer holds after the replay too.
+        # A replay chosen with nothing wanted: (batch, layer names, their steps, capture's configuration, the counts'
+        # epoch), for after_graph_replay; and whether the last _nothing_wanted's answer holds after the replay too.
         self._quiet: Any = None
         self._quiet_after = False
         # A wanted build's answer for the next choice of graph: (its layers, their step, its context, the counts'
