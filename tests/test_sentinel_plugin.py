@@ -154,6 +154,21 @@ def test_closing_with_checks_still_out_keeps_to_its_one_time_limit(sentinel_env,
     assert any("kvdbg sentinel in pid" in r.getMessage() for r in caplog.records)
 
 
+def test_the_sentinel_alone_records_no_staged_variant_of_a_graph(sentinel_env):
+    """The sentinel alone: capture selects no layer, so no step could replay a graph's staged variant; it is not
+    recorded (its staging would hold device memory for nothing)."""
+    from tests.test_vllm_plugin import _record_graph, _record_variants
+
+    monkeypatch, _ = sentinel_env
+    vllm_plugin.register()
+    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)
+    _record_graph(engine, 8, 4, monkeypatch)
+    _record_variants(8)
+    state = vllm_plugin._state
+    assert state._graph_layers and state._graph_variants
+    assert not state._staged_variants and not state._in_graph_programs
+
+
 def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sentinel_env, caplog):
     """The sentinel under a full CUDA graph: it checks what the graph's copies wrote, after each replay."""
     from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _run_as_graph

@@ -305,6 +305,17 @@ class GraphHooks:
         slots = self._graph_layers.get(batch)
         if variants is None or not slots or not self.capturer.active:
             return
+        if not all(self.capturer.layer_selected(slot.name) for slot in slots):
+            # A step replays this variant only when capture wants every layer the graph copies for kvdbg
+            # (_every_layer_wanted): with layers there that only the sentinel checks (the sentinel alone, or its
+            # layer filter wider than capture's), its staging would hold device memory and never run.
+            if not self._staged_skip_said and any(self.capturer.layer_selected(slot.name) for slot in slots):
+                self._staged_skip_said = True
+                logger.info("kvdbg: the full CUDA graphs are not recorded a third time with kvdbg's staging in them: "
+                            "the sentinel checks layers that capture's layer filter leaves out, and a step is staged "
+                            "inside the graph only when capture wants every layer the graph copies; wanted steps are "
+                            "staged by the engine's thread after the replay")
+            return
         entry, copying, _ = variants
         try:
             program = self._in_graph_program(slots)
