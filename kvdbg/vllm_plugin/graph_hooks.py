@@ -621,7 +621,8 @@ class GraphHooks:
     def before_graph_replay(self) -> None:
         """A full graph is about to run a step: the step before's capture issued, the sentinel's checks of it
         collected."""
-        self.await_graph_capture()
+        if self._graph_job is not None:  # asked before the call: nearly every step has nothing to wait for
+            self.await_graph_capture()
         if self.sentinel is not None:
             self.sentinel.before_graph_replay(self)
 

@@ -144,6 +144,8 @@ class SentinelHooks:
         next); checks of staged steps read kvdbg's own copies and are only collected when done. Before vLLM
         records a graph (``recording``) every check is collected: the worker then makes no CUDA call while a
         stream captures."""
+        if not self._waiting and not self._staged:  # nearly every step: no check out
+            return
         try:
             for name in list(self._waiting):
                 self._collect(state, name)
