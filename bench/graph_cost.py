@@ -229,6 +229,9 @@ class Timing:
         # Called with a step's index in its round before the step, untimed: (kvdbg's patches on, the step is the
         # first of its block); ``Interleave``. None: the patches stay as they are.
         self.switch = None
+        # With the sentinel: (kvdbg's plugin state, a layer of the graph), for the step wrapper to mark each step the
+        # sentinel drew, whether kvdbg's hooks are timed or not (the paired rounds run them without timers).
+        self.draw_probe: tuple | None = None
 
     def _replace(self, owner, name: str, wrapper) -> None:
         # A class's own attribute (None: inherited, deleted again at restore); a module's attribute as it is.
@@ -270,11 +273,18 @@ class Timing:
             record = timing.current = _new_step()
             if switched is not None:
                 record["kvdbg"], record["block_first"] = switched
+            probe = timing.draw_probe
+            counted = None if probe is None else probe[0]._forward_counts.get(probe[1], 0)
             start = time.perf_counter_ns()
             try:
                 return original(*args, **kwargs)
             finally:
                 record["wall_ns"] = time.perf_counter_ns() - start
+                if counted is not None:  # the layer's forwards the step counted: its draws (outside the clock)
+                    now = probe[0]._forward_counts.get(probe[1], 0)
+                    if now > counted:
+                        draws = probe[0].sentinel.sentinel._draws
+                        record["drawn"] = any(draws.get(n) for n in range(counted, now))
                 timing.steps.append(record)
                 timing.current = None
 
@@ -1134,6 +1144,8 @@ def engine_child(args) -> dict:
             if not state._graph_layers:
                 record["problems"].append("no full CUDA graph was recorded through kvdbg's hooks")
         timing.install_steps(engine)
+        if state is not None and state.sentinel is not None and state._graph_layers:
+            timing.draw_probe = (state, next(iter(state._graph_layers.values()))[0].name)
         run_rounds(llm, timing, 1, 0, args)  # warm-up: first launches of the eager prefill's kernels
         phases = args.phases.split(",")
         index = 1

@@ -655,3 +655,29 @@ def test_the_wrappers_mark_the_steps_the_sentinel_drew(standins, tmp_path, monke
         assert record.get("drawn") is (True if sentinel else None)
     finally:
         timing.restore()
+
+
+def test_the_step_wrapper_marks_the_steps_the_sentinel_drew_with_the_hook_timers_off(standins, tmp_path, monkeypatch):
+    """The paired rounds run kvdbg's hooks without the bench's timers, so the step wrapper marks each step's draw
+    itself, from the forwards the step counted: drawn_split then has its steps in the rounds it is worked out from."""
+    import types
+
+    monkeypatch.setenv("KVDBG_SENTINEL", "1")
+    timing, engine = _armed_graph_engine(standins, tmp_path, monkeypatch)
+    try:
+        timing.hook_timers(False)
+        state = vllm_plugin._state
+        timing.draw_probe = (state, next(iter(state._graph_layers.values()))[0].name)
+        llm_engine = types.SimpleNamespace(step=lambda: _run_as_graph(
+            engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch))
+        timing.install_steps(llm_engine)
+        timing.recording = True
+        llm_engine.step()
+        state.sentinel.sentinel._draws[1] = False  # the next step's draw, made before it asks (rate 1 draws all)
+        llm_engine.step()
+        timing.recording = False
+        assert [s.get("drawn") for s in timing.steps] == [True, False]
+        assert all(s["hooks"] == {} for s in timing.steps)  # the hooks ran untimed
+    finally:
+        timing.hook_timers(True)  # as the bench does after its paired rounds
+        timing.restore()
