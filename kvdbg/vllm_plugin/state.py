@@ -111,7 +111,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         # A wanted build's answer for the next choice of graph: (its layers, their step, its context, the counts'
         # epoch then, capture's configuration then); and the epoch, moved on whenever any layer's forward count does.
         self._prepared: Any = None
-        self._staged_skip_said = False  # said once: no staged variant, capture's layer filter leaving layers out
+        self._staged_skip_said = False  # said once: no staged variant, the sentinel checking layers capture leaves out
         self._counts_epoch = 0
         self._covered: dict[Any, tuple] = {}  # per graph: whether a builder's layers hold all the graph's
         self._last_builds: dict[int, tuple] = {}
