@@ -897,8 +897,29 @@ def figures(records: dict[str, dict]) -> dict:
                                                                    for r in hooked]).get("median")
                                                      for name in KVDBG_HOOKS},
                            "counts": records["sentinel"].get("sentinel_counts"),
+                           "draws": records["sentinel"].get("sentinel_draws"),
                            "drawn_split": _split_over_rounds(sentinel)}
     return out
+
+
+def log_draws(state, timing: "Timing") -> list[dict]:
+    """Each step the sentinel draws, as it draws it: the step's number, the bench's step it was drawn in (its index,
+    whether one was being timed), the thread that asked, and the probe layer's count then. What the step marks
+    (``drawn``) are checked against."""
+    sentinel = state.sentinel.sentinel
+    real, main, log = sentinel.drawn, threading.get_ident(), []
+
+    def drawn(step):
+        new = step not in sentinel._draws
+        hit = real(step)
+        if hit and new:
+            log.append({"step": step, "bench_step": len(timing.steps), "timed": timing.current is not None,
+                        "engine_thread": threading.get_ident() == main,
+                        "probe_count": state._forward_counts.get(timing.draw_probe[1], 0)})
+        return hit
+
+    sentinel.drawn = drawn  # the instance's: every hook asks through it
+    return log
 
 
 def _split_over_rounds(rounds: list[dict]) -> dict:
@@ -1146,6 +1167,7 @@ def engine_child(args) -> dict:
         timing.install_steps(engine)
         if state is not None and state.sentinel is not None and state._graph_layers:
             timing.draw_probe = (state, next(iter(state._graph_layers.values()))[0].name)
+            record["sentinel_draws"] = log_draws(state, timing)
         run_rounds(llm, timing, 1, 0, args)  # warm-up: first launches of the eager prefill's kernels
         phases = args.phases.split(",")
         index = 1
@@ -1445,6 +1467,14 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"{FOLLOWING_STEPS} after it +{d['after_added_ms']:.2f} ms in all (its check in the worker); "
                       f"together {d['share']:.1%} of the rounds' time; the other steps' hooks "
                       f"{d['quiet_hooks_us']:.1f} us")
+            draws = f.get("draws")
+            if draws is not None and name == "sentinel":
+                timed = [x for x in draws if x["timed"]]
+                print(f"  {name:9s} its draws: {len(draws)} step(s) drawn, {len(timed)} while a step was timed "
+                      f"(the split found {d.get('drawn', 0)} in its windows), "
+                      f"{sum(not x['engine_thread'] for x in draws)} asked from another thread; first: "
+                      + ", ".join(f"step {x['step']} at bench step {x['bench_step']} (probe count {x['probe_count']})"
+                                  for x in draws[:4]))
             t = f.get("with_hook_timers") or {}
             if t.get("host"):
                 print(f"  {name:9s} paired with the bench's hook timers on ({t['pairs']} rounds after those; not "

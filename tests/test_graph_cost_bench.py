@@ -668,6 +668,8 @@ def test_the_step_wrapper_marks_the_steps_the_sentinel_drew_with_the_hook_timers
         timing.hook_timers(False)
         state = vllm_plugin._state
         timing.draw_probe = (state, next(iter(state._graph_layers.values()))[0].name)
+        log = gc.log_draws(state, timing)
+        state.sentinel.sentinel._draws.clear()  # the recording's forwards asked for step 0's draw already
         llm_engine = types.SimpleNamespace(step=lambda: _run_as_graph(
             engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch))
         timing.install_steps(llm_engine)
@@ -678,6 +680,8 @@ def test_the_step_wrapper_marks_the_steps_the_sentinel_drew_with_the_hook_timers
         timing.recording = False
         assert [s.get("drawn") for s in timing.steps] == [True, False]
         assert all(s["hooks"] == {} for s in timing.steps)  # the hooks ran untimed
+        # The draw log: step 0 drawn once, in the bench's first step, on this thread, the probe not yet counted.
+        assert log == [{"step": 0, "bench_step": 0, "timed": True, "engine_thread": True, "probe_count": 0}]
     finally:
         timing.hook_timers(True)  # as the bench does after its paired rounds
         timing.restore()
