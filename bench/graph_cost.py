@@ -404,6 +404,7 @@ class Timing:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
             timing.handing = (record, start if device_timed else None)
+            thread = _thread_clock() if timing.thread_times and record is not None else None
             began = time.perf_counter_ns()
             try:
                 copied = replay_hook(state, batch, *args, **kwargs)
@@ -412,6 +413,8 @@ class Timing:
             spent = time.perf_counter_ns() - began
             if record is not None:
                 record["hooks"]["after_graph_replay"] = record["hooks"].get("after_graph_replay", 0) + spent
+                if thread is not None:
+                    _thread_add(record, "after_graph_replay", thread)
                 record["replayed_step"], record["copied"] = step, bool(copied)
                 if state.sentinel is not None and step is not None:  # the step's draw, as the hook made it
                     record["drawn"] = bool(state.sentinel.sentinel._draws.get(step))
@@ -564,7 +567,7 @@ def _record_for(timing: "Timing") -> dict | None:
 
 
 def _timed(timing: Timing, name: str, original, where: str):
-    if timing.thread_times and (name in ENGINE_PARTS or name in CAPTURE_THREAD_PARTS):
+    if timing.thread_times and (name in ENGINE_PARTS or name in CAPTURE_THREAD_PARTS or name in KVDBG_HOOKS):
         return _thread_timed(timing, name, original, where)
 
     def timed(*args, **kwargs):
@@ -583,29 +586,37 @@ def _timed(timing: Timing, name: str, original, where: str):
 def _thread_timed(timing: Timing, name: str, original, where: str):
     """As _timed, and the calling thread's CPU time and voluntary context switches over the call (read outside
     its wall time), into ``record["thread"][name]``."""
-    import resource
-
-    usage, who = resource.getrusage, resource.RUSAGE_THREAD
-
     def timed(*args, **kwargs):
         record = _record_for(timing)
         if record is None:
             return original(*args, **kwargs)
-        switches = usage(who).ru_nvcsw
-        cpu = time.thread_time_ns()
+        thread = _thread_clock()
         began = time.perf_counter_ns()
         try:
             return original(*args, **kwargs)
         finally:
             wall = time.perf_counter_ns() - began
-            cpu = time.thread_time_ns() - cpu
-            switches = usage(who).ru_nvcsw - switches
             record[where][name] = record[where].get(name, 0) + wall
-            kept = record.setdefault("thread", {}).setdefault(name, {"cpu_ns": 0, "switches": 0})
-            kept["cpu_ns"] += cpu
-            kept["switches"] += switches
+            _thread_add(record, name, thread)
 
     return timed
+
+
+def _thread_clock() -> tuple[int, int]:
+    """The calling thread's voluntary context switches and CPU time so far (``getrusage(RUSAGE_THREAD)``)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw, time.thread_time_ns()
+
+
+def _thread_add(record: dict, name: str, since: tuple[int, int]) -> None:
+    """The thread's CPU time and voluntary switches since ``since`` (:func:`_thread_clock`), added to
+    ``record["thread"][name]``; read after the part's wall time was."""
+    cpu = time.thread_time_ns() - since[1]
+    switches = _thread_clock()[0] - since[0]
+    kept = record.setdefault("thread", {}).setdefault(name, {"cpu_ns": 0, "switches": 0})
+    kept["cpu_ns"] += cpu
+    kept["switches"] += switches
 
 
 def _device_mark(start):
@@ -674,7 +685,15 @@ def summarize_round(steps: list[dict], window: list[dict] | None = None) -> dict
                                  for name in KVDBG_HOOKS},
             # Means apart: a step the sentinel checked, and the next one's collecting its check, are rare and dear.
             "hooks_us_mean_by_name": {name: statistics.fmean(s["hooks"].get(name, 0) / 1e3 for s in window)
-                                      for name in KVDBG_HOOKS}}
+                                      for name in KVDBG_HOOKS},
+            # --thread-times: the same hooks' CPU time on the engine's thread (wall far above it: waiting)
+            **({"hooks_cpu_us_mean_by_name": {name: statistics.fmean(_hook_cpu_ns(s, name) / 1e3 for s in window)
+                                              for name in KVDBG_HOOKS}}
+               if any(name in s.get("thread", {}) for s in window for name in KVDBG_HOOKS) else {})}
+
+
+def _hook_cpu_ns(step: dict, name: str) -> int:
+    return step.get("thread", {}).get(name, {}).get("cpu_ns", 0)
 
 
 def drawn_split(steps: list[dict], window: list[dict]) -> dict:
@@ -725,11 +744,15 @@ def summarize_wanted(steps: list[dict], wanted: int) -> dict:
                following_added_ms=sum(s["wall_ns"] - base_wall for s in following) / 1e6,
                inner_us={k: v / 1e3 for k, v in hit.get("inner", {}).items()},
                thread={k: {"cpu_us": v["cpu_ns"] / 1e3, "switches": v["switches"]}
-                       for k, v in hit.get("thread", {}).items()},
+                       for k, v in hit.get("thread", {}).items() if k not in KVDBG_HOOKS},
                hooks_added_by_name_us={name: (hit["hooks"].get(name, 0)
                                               - statistics.median(s["hooks"].get(name, 0) for s in others)) / 1e3
                                        for name in KVDBG_HOOKS},
                captured_bytes=hit.get("captured_bytes", 0), captures=hit.get("captures", 0))
+    if any(name in hit.get("thread", {}) for name in KVDBG_HOOKS):  # --thread-times: the same, in CPU time
+        out["hooks_cpu_added_by_name_us"] = {
+            name: (_hook_cpu_ns(hit, name) - statistics.median(_hook_cpu_ns(s, name) for s in others)) / 1e3
+            for name in KVDBG_HOOKS}
     if hit.get("device"):
         device = hit["device"]
         if device.get("staged"):  # the staging on the engine's stream, then the copies from the staged buffers
@@ -800,6 +823,17 @@ def judged(step: dict, paired: dict, line: float) -> dict:
     return {"paired": paired, "judged_on": "processes", "met": step.get("ratio", 99) <= line}
 
 
+def _hooks_by_name(rounds: list[dict]) -> dict:
+    """Each hook's mean time a step, the median over ``rounds``: wall, and (--thread-times) the engine's thread's
+    CPU time."""
+    out = {"hooks_us_mean_by_name": {name: spread([r.get("hooks_us_mean_by_name", {}).get(name)
+                                                   for r in rounds]).get("median") for name in KVDBG_HOOKS}}
+    if any("hooks_cpu_us_mean_by_name" in r for r in rounds):
+        out["hooks_cpu_us_mean_by_name"] = {name: spread([r.get("hooks_cpu_us_mean_by_name", {}).get(name)
+                                                          for r in rounds]).get("median") for name in KVDBG_HOOKS}
+    return out
+
+
 def _thread_figures(timed: list[dict]) -> dict:
     """--thread-times: per engine-thread part, its wall time, its thread CPU time and its voluntary switches
     (spreads over the timed wanted steps); {} without."""
@@ -826,6 +860,7 @@ def figures(records: dict[str, dict]) -> dict:
         out["armed"] = {**step, "line": ARMED_LINE, "graph": graph,
                         "hooks_us": spread([r.get("hooks_us") for r in hooked]),
                         "hooks_us_mean": spread([r.get("hooks_us_mean") for r in hooked]),
+                        **_hooks_by_name(hooked),
                         "with_hook_timers": paired_figure(capture.get("timed", []), capture.get("timed_bypassed", []),
                                                           graph, baseline_rounds,
                                                           records["capture"].get("interleaved_block")),
@@ -849,6 +884,9 @@ def figures(records: dict[str, dict]) -> dict:
                                 "hooks_added_by_name_us": {
                                     k: spread([w.get("hooks_added_by_name_us", {}).get(k) for w in timed])
                                     for k in sorted({k for w in timed for k in w.get("hooks_added_by_name_us", {})})},
+                                "hooks_cpu_added_by_name_us": {
+                                    k: spread([w.get("hooks_cpu_added_by_name_us", {}).get(k) for w in timed])
+                                    for k in sorted({k for w in timed for k in w.get("hooks_cpu_added_by_name_us", {})})},
                                 "thread": _thread_figures(timed),
                                 "first": next((w for w in wanted if w.get("role") == "warm-up"), None)}
     device = [w for w in wanted if w.get("role") == "device" and w.get("device")]
@@ -893,9 +931,7 @@ def figures(records: dict[str, dict]) -> dict:
                                                              records["sentinel"].get("interleaved_block")),
                            "hooks_us": spread([r.get("hooks_us") for r in hooked]),
                            "hooks_us_mean": spread([r.get("hooks_us_mean") for r in hooked]),
-                           "hooks_us_mean_by_name": {name: spread([r.get("hooks_us_mean_by_name", {}).get(name)
-                                                                   for r in hooked]).get("median")
-                                                     for name in KVDBG_HOOKS},
+                           **_hooks_by_name(hooked),
                            "counts": records["sentinel"].get("sentinel_counts"),
                            "draws": records["sentinel"].get("sentinel_draws"),
                            "drawn_split": _split_over_rounds(sentinel)}
@@ -1475,6 +1511,10 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"{sum(not x['engine_thread'] for x in draws)} asked from another thread; first: "
                       + ", ".join(f"step {x['step']} at bench step {x['bench_step']} (probe count {x['probe_count']})"
                                   for x in draws[:4]))
+            walls, cpus = f.get("hooks_us_mean_by_name") or {}, f.get("hooks_cpu_us_mean_by_name") or {}
+            if cpus:
+                print(f"  {name:9s} its hooks a step, wall / on the CPU (means): " + ", ".join(
+                    f"{k} {walls.get(k) or 0:.0f} / {cpus[k] or 0:.0f} us" for k in KVDBG_HOOKS if k in cpus))
             t = f.get("with_hook_timers") or {}
             if t.get("host"):
                 print(f"  {name:9s} paired with the bench's hook timers on ({t['pairs']} rounds after those; not "
@@ -1490,6 +1530,11 @@ def print_figures(figs: dict, records: dict) -> None:
         if by_hook:
             print("    engine's thread by hook (added, medians): " + ", ".join(f"{k} {v:.0f} us"
                                                                           for k, v in by_hook.items()))
+        by_cpu = {k: v.get("median") for k, v in f.get("hooks_cpu_added_by_name_us", {}).items()
+                  if v.get("median") is not None}
+        if by_cpu:
+            print("    the same on the engine's thread's CPU (added, medians): " + ", ".join(
+                f"{k} {v:.0f} us" for k, v in by_cpu.items()))
         for name, t in f.get("thread", {}).items():
             if t.get("wall_us") and t.get("cpu_us"):
                 wall, cpu = t["wall_us"]["median"], t["cpu_us"]["median"]

@@ -89,6 +89,35 @@ def test_the_three_figures_against_their_lines():
     assert (code, problems, over) == (1, [], ["wanted_engine"])
 
 
+def test_thread_times_put_each_hooks_cpu_time_beside_its_wall_time():
+    """--thread-times: a round's hooks, and a wanted step's over the round's others, in the engine's thread's CPU
+    time too, so that a hook that waited (wall far over CPU) is told from one that ran; none without."""
+    def timed(wall_ms, hook_us, cpu_us, **extra):
+        return _step(wall_ms, hooks_us=hook_us, thread={"after_graph_replay": {"cpu_ns": int(cpu_us * 1e3),
+                                                                                "switches": 0}}, **extra)
+
+    steps = [_step(30.0, replays=0, hooks_us=0)] + [timed(5.0, 10.0, 4.0, replayed_step=i) for i in range(1, 40)]
+    steps[20] = timed(6.0, 90.0, 24.0, replayed_step=20, copied=True, captured_bytes=2**20, captures=8)
+    rnd = gc.summarize_round(steps)
+    assert rnd["hooks_us_mean_by_name"]["after_graph_replay"] > rnd["hooks_cpu_us_mean_by_name"]["after_graph_replay"]
+    assert rnd["hooks_cpu_us_mean_by_name"]["after_build"] == 0.0
+    w = gc.summarize_wanted(steps, 20)
+    assert w["hooks_added_by_name_us"]["after_graph_replay"] == pytest.approx(80.0)
+    assert w["hooks_cpu_added_by_name_us"]["after_graph_replay"] == pytest.approx(20.0)
+    assert "after_graph_replay" not in w["thread"]  # the parts' table holds parts only
+    records = _records()
+    for x in records["capture"]["phases"]["wanted"]:
+        if x["role"] == "engine":
+            x["hooks_cpu_added_by_name_us"] = w["hooks_cpu_added_by_name_us"]
+    records["sentinel"]["phases"]["rounds"] = [rnd] * 4
+    figs = gc.figures(records)
+    assert figs["wanted_engine"]["hooks_cpu_added_by_name_us"]["after_graph_replay"]["median"] == pytest.approx(20.0)
+    assert figs["sentinel"]["hooks_cpu_us_mean_by_name"]["after_graph_replay"] == pytest.approx(
+        rnd["hooks_cpu_us_mean_by_name"]["after_graph_replay"])
+    assert "hooks_cpu_us_mean_by_name" not in figs["armed"]  # its rounds ran without --thread-times
+    assert "hooks_cpu_us_mean_by_name" not in gc.summarize_round([_step(5.0)] * 20)
+
+
 def test_a_staged_steps_device_figure_is_the_devices_work_not_the_capture_threads_host_time():
     """A staged step: the program, the copies issued ahead and the later reads are the device's work; the span up to
     the capture thread's last issue also holds the thread's host time (its stream idle) and is printed, not judged."""
@@ -461,7 +490,11 @@ def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(sta
         assert 0 < records[2]["inner"]["program_run"] <= records[2]["inner"]["stage"]
         if thread_times:  # the engine's thread's parts, also in its CPU time (the metadata copy is a GPU one), and
             # the capture thread's (on a CPU nothing is issued ahead: no stream of its own)
-            assert set(records[2]["thread"]) == {"stage", "program_run", "begin", "finish"}
+            # and kvdbg's hooks, each in the engine's thread's CPU time beside its wall time
+            hooks = {name for name in records[2]["hooks"]}
+            assert {"after_build", "after_graph_replay"} <= hooks <= set(gc.KVDBG_HOOKS)
+            assert set(records[2]["thread"]) == {"stage", "program_run", "begin", "finish"} | hooks
+            assert all(0 < records[2]["thread"][name]["cpu_ns"] for name in hooks)
             assert 0 < records[2]["thread"]["program_run"]["cpu_ns"] <= records[2]["thread"]["stage"]["cpu_ns"]
         else:
             assert not records[2]["thread"]
