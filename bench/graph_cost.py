@@ -64,7 +64,9 @@ With ``--thread-times``, the engine's thread's parts of a wanted step (the stagi
 metadata copy to the host where a build still makes one: a build that a full graph replays makes none) are also timed in that thread's own CPU time and its voluntary context switches
 (``getrusage(RUSAGE_THREAD)``), about 2 us of their own each, outside their wall time: a part whose wall time
 is far above its CPU time waited (for the GIL, or in a runtime call that blocks), one whose CPU time is as
-high ran that long (its calls dearer in the engine than alone: ``bench/staging_calls.py``).
+high ran that long (its calls dearer in the engine than alone: ``bench/staging_calls.py``). kvdbg's hooks are
+timed the same way in the rounds that time them, and printed beside their wall time (a round's means; a wanted
+step's over its round's other steps).
 
 Prints a line per part, the figures against their lines, and one line ``GCOST-SUMMARY {json}``. Writes
 OUT/records/PART.json (each part's raw record) and OUT/logs/PART.log; snapshots go to ``--scratch`` and are
