@@ -2,8 +2,9 @@
 
 Usage (the GPU machine: tests/gpu/run_graph_cost.sh puts vLLM 0.33's sources and stand-ins on the path):
     bash tests/gpu/run_graph_cost.sh OUT [--parts baseline,armed,wanted,sentinel,hooks,baseline2] [--budget 330]
-The hooks' Python alone, on any machine (the tests' vLLM stand-ins, no GPU, no vLLM):
-    python bench/graph_cost.py OUT --parts hooks
+The hooks' Python alone, on any machine (the tests' vLLM stand-ins, no GPU, no vLLM); ``--cold`` adds rows with
+other work between the steps (``Evict``), whose figures are of the engine's order:
+    python bench/graph_cost.py OUT --parts hooks [--cold]
 
 Three figures, each against its line:
 
@@ -1294,32 +1295,78 @@ def hooks_child(args) -> dict:
         from kvdbg import vllm_plugin
         from tests.test_vllm_plugin import StandinEngine, _Batch, _padded, _record_graph, _record_variants
 
-        for mode in ("armed", "sentinel", "wanted"):
-            for layers in (8, 32, 80):
-                for name in [k for k in os.environ if k.startswith("KVDBG_")]:
-                    del os.environ[name]
-                os.environ.update({k: v for k, v in kind_environment("sentinel" if mode == "sentinel" else "capture",
-                                                                      args.scratch).items() if k.startswith("KVDBG_")})
-                vllm_plugin.register()
-                patch = pytest.MonkeyPatch()
-                try:
-                    if mode == "wanted":
-                        row = _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph,
-                                          _record_variants, layers)
-                    else:
-                        row = _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode,
-                                         layers)
-                    record["rows"].append(row)
-                finally:
-                    patch.undo()
-                    vllm_plugin.unregister()
+        variants = [(mode, layers, None) for mode in ("armed", "sentinel", "wanted") for layers in (8, 32, 80)]
+        if args.cold:
+            evict = Evict()
+            variants += [(mode, 8, evict) for mode in ("armed", "sentinel", "wanted")]
+        for mode, layers, cold in variants:
+            for name in [k for k in os.environ if k.startswith("KVDBG_")]:
+                del os.environ[name]
+            os.environ.update({k: v for k, v in kind_environment("sentinel" if mode == "sentinel" else "capture",
+                                                                  args.scratch).items() if k.startswith("KVDBG_")})
+            vllm_plugin.register()
+            patch = pytest.MonkeyPatch()
+            try:
+                if mode == "wanted":
+                    row = _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph,
+                                      _record_variants, layers, cold=cold)
+                else:
+                    row = _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode,
+                                     layers, cold=cold)
+                record["rows"].append({**row, "cold": cold is not None})
+            finally:
+                patch.undo()
+                vllm_plugin.unregister()
     except Exception as exc:
         record["problems"].append(f"stopped: {exc!r}"[:400])
         record["trace"] = traceback.format_exc().strip().splitlines()[-30:]
     return record
 
 
-def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode: str, layers: int) -> dict:
+class Evict:
+    """Work of other kinds between two stand-in steps, untimed, as a serving engine's step runs between kvdbg's
+    hooks (its scheduler, the runner's input preparation, small torch calls, the sampler's output): the hooks then
+    find the processor's caches holding the engine's code and data, not theirs. On a GPU host kvdbg's hooks took 5
+    to 10 times what they take back to back on the stand-ins; with this between them the stand-ins take about as
+    much again, so a cut measured this way is one the engine will see. About 10 ms a call."""
+
+    def __init__(self):
+        import numpy as np
+        import torch
+
+        with open(os.path.abspath(__file__)) as f:
+            self.source = f.read()[:20000]
+        self.memory = [np.zeros(1 << 20, dtype=np.uint8) for _ in range(24)]  # 24 MiB: past a core's caches
+        self.table = torch.arange(4096, dtype=torch.int32).view(64, 64)
+        self.into = torch.zeros(64, 64, dtype=torch.int32)
+        self.turn = 0
+
+    def __call__(self) -> None:
+        import ast
+        import difflib
+
+        import torch
+
+        ast.parse(self.source)  # Python of many kinds: the parser's, then the objects it makes
+        difflib.SequenceMatcher(None, self.source[:3000], self.source[3000:6000]).ratio()
+        json.dumps({str(i): [i, str(i)] for i in range(2000)})
+        self.turn += 1
+        for block in self.memory:  # the data caches, from a new offset each call
+            block[self.turn % 4096::4096].sum()
+        for i in range(40):  # small torch calls, as a runner's: their paths stay as warm as in an engine
+            rows = self.table[: i + 1]
+            self.into[: i + 1].copy_(rows)
+            rows.numpy().sum()
+            torch.cumsum(self.table[i], 0).tolist()
+
+
+def _steps_for(cold: "Evict | None", warm: int, timed: int) -> tuple[int, int]:
+    """Warm-up and timed steps of a row: fewer with ``cold`` (each step then runs Evict first, about 10 ms)."""
+    return (warm, timed) if cold is None else (max(1, warm // 6), max(1, timed // 6))
+
+
+def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode: str, layers: int,
+               cold: "Evict | None" = None) -> dict:
     engine = StandinEngine("FLEX_ATTENTION", layers=layers, causal=True, window=None, query_len=1,
                            seq_lens=(60, 33, 17), num_heads=8, num_kv_heads=2, head_size=64, num_blocks=64)
     state = vllm_plugin._state
@@ -1335,8 +1382,10 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
         raise RuntimeError("the stand-in graph was not recorded twice")
     counts = state.sentinel.sentinel.counts if state.sentinel is not None else None
     build_ns, replay_ns = [], []
-    for _ in range(2000):
+    for _ in range(sum(_steps_for(cold, 0, 2000))):
         checked = counts["checked"] if counts is not None else 0
+        if cold is not None:
+            cold()
         t0 = time.perf_counter_ns()
         state.after_build(engine.builder, common, metadata)
         t1 = time.perf_counter_ns()
@@ -1354,7 +1403,7 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
 
 
 def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants,
-                layers: int, steps_timed: int = 2000) -> dict:
+                layers: int, steps_timed: int = 2000, cold: "Evict | None" = None) -> dict:
     """A wanted step's hooks on the stand-ins, against an unwanted step's in the same process: the graph recorded
     three times (the staged variant serves the wanted step), every layer wanted; the step handed over goes
     nowhere (its staging let go at once): the capture thread's work is no part of the engine's thread."""
@@ -1381,7 +1430,10 @@ def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_grap
         state.capturer.reconfigure(steps=steps)
         spent = times[kind] = {"after_build": [], "choose_graph": [], "before_graph_replay": [],
                                "after_graph_replay": []}
-        for i in range(300 + steps_timed):
+        warm, timed = _steps_for(cold, 300, steps_timed)
+        for i in range(warm + timed):
+            if cold is not None:
+                cold()
             t0 = time.perf_counter_ns()
             state.after_build(engine.builder, common, metadata)
             t1 = time.perf_counter_ns()
@@ -1393,7 +1445,7 @@ def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_grap
             t4 = time.perf_counter_ns()
             if entry.cudagraph != ("staged" if kind == "wanted" else "plain"):
                 raise RuntimeError(f"a {kind} stand-in step replayed the {entry.cudagraph} graph")
-            if i >= 300:  # the first ones warm up
+            if i >= warm:  # the first ones warm up
                 spent["after_build"].append(t1 - t0)
                 spent["choose_graph"].append(t2 - t1)
                 spent["before_graph_replay"].append(t3 - t2)
@@ -1420,7 +1472,8 @@ def child_command(args, kind: str, limit: float) -> list[str]:
             "--device-rounds", str(args.device_rounds), "--wanted-offset", str(args.wanted_offset),
             "--block", str(args.block), "--timed-rounds", str(args.timed_rounds), "--scratch", args.scratch,
             "--child-limit", str(limit)] \
-        + (["--thread-times"] if args.thread_times else []) + ([] if args.paired else ["--no-paired"])
+        + (["--thread-times"] if args.thread_times else []) + ([] if args.paired else ["--no-paired"]) \
+        + (["--cold"] if args.cold else [])
 
 
 def run_part(args, part: str, kind: str, limit: float) -> dict:
@@ -1564,7 +1617,7 @@ def print_figures(figs: dict, records: dict) -> None:
                   f"{f['span_ms']['median']:.2f} ms")
     hooks = records.get("hooks", {}).get("rows", [])
     for row in hooks:
-        print(f"  stand-ins, {row['mode']:8s} {row['layers']:3d} layers: after_build {row['after_build_us']:.1f} us, "
+        print(f"  stand-ins{', cold' if row.get('cold') else ''}, {row['mode']:8s} {row['layers']:3d} layers: after_build {row['after_build_us']:.1f} us, "
               f"replay hooks {row['replay_hooks_us']:.1f} us a step ({row['per_layer_us']:.2f} us a layer)"
               + (f"; {row['added_us']:.1f} us over an unwanted step (choice {row['by_hook_us']['choose_graph']:.1f}, "
                  f"after the replay {row['by_hook_us']['after_graph_replay']:.1f}; staged inside the graph "
@@ -1648,6 +1701,9 @@ def main() -> int:
     parser.add_argument("--thread-times", action="store_true",
                         help="also time the engine's thread's parts of a wanted step (metadata copy, staging) in "
                              "its CPU time and voluntary context switches (about 2 us of their own each)")
+    parser.add_argument("--cold", action="store_true",
+                        help="hooks part: also each row with other work between the steps (Evict), as an engine's step "
+                             "runs between kvdbg's hooks: the caches they find cold")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--phases", default="-", help=argparse.SUPPRESS)
     parser.add_argument("--child-limit", type=float, default=200.0, help=argparse.SUPPRESS)

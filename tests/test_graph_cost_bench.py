@@ -645,6 +645,29 @@ def test_the_stand_ins_wanted_row_times_a_step_the_staged_graph_serves_against_a
                                                     + hooks["after_graph_replay"])
 
 
+def test_a_cold_row_runs_the_other_work_before_each_of_its_steps_and_fewer_of_them(standins, tmp_path):
+    """--cold: each step of a row (warm-up and timed, wanted and unwanted) comes after a call of the evicting work,
+    outside its timers; a sixth of the steps."""
+    import pytest as _pytest
+
+    from tests.test_vllm_plugin import _Batch, _record_variants
+
+    calls = []
+    enable(standins, tmp_path)
+    patch = _pytest.MonkeyPatch()
+    try:
+        row = gc._wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants, 8,
+                             steps_timed=60, cold=lambda: calls.append(1))
+    finally:
+        patch.undo()
+    assert gc._steps_for(None, 300, 60) == (300, 60) and gc._steps_for(object(), 300, 60) == (50, 10)
+    assert row["steps"] == 10 and len(calls) == 2 * (50 + 10) and row["staged_in_graph"] == 60
+    evict = gc.Evict()
+    evict()
+    evict()
+    assert evict.turn == 2
+
+
 def test_a_sentinel_rounds_time_is_split_between_its_drawn_steps_the_steps_after_them_and_the_rest(capsys):
     """A drawn step and the steps while its check runs in the worker, each against the median of the round's other
     steps; the share is what they added over the round's whole time."""
