@@ -1334,8 +1334,10 @@ class Evict:
         import numpy as np
         import torch
 
-        with open(os.path.abspath(__file__)) as f:
-            self.source = f.read()[:20000]
+        import json.decoder
+
+        with open(json.decoder.__file__) as f:  # a module of the standard library's, whole: it parses
+            self.source = f.read()
         self.memory = [np.zeros(1 << 20, dtype=np.uint8) for _ in range(24)]  # 24 MiB: past a core's caches
         self.table = torch.arange(4096, dtype=torch.int32).view(64, 64)
         self.into = torch.zeros(64, 64, dtype=torch.int32)
