@@ -235,6 +235,8 @@ class Timing:
         # With the sentinel: (kvdbg's plugin state, a layer of the graph), for the step wrapper to mark each step the
         # sentinel drew, whether kvdbg's hooks are timed or not (the paired rounds run them without timers).
         self.draw_probe: tuple | None = None
+        # kvdbg's staging program running (engine's thread): a graph replayed then is the program's, not vLLM's
+        self.in_program = False
 
     def _replace(self, owner, name: str, wrapper) -> None:
         # A class's own attribute (None: inherited, deleted again at restore); a module's attribute as it is.
@@ -304,6 +306,9 @@ class Timing:
         def replay(graph, *args, **kwargs):
             record = timing.current
             if record is None:
+                return original(graph, *args, **kwargs)
+            if timing.in_program:  # kvdbg's staging program, a graph of its own: not a replay of vLLM's step
+                record["program_replays"] = record.get("program_replays", 0) + 1
                 return original(graph, *args, **kwargs)
             start, end = timing._take_events()
             start.record()
@@ -523,7 +528,18 @@ class Timing:
         # stage is its Python and numpy.
         from kvdbg.vllm_plugin.graph_staging import _Program
 
-        self._replace(_Program, "run", _timed(timing, "program_run", _Program.run, "inner"))
+        timed_run = _timed(timing, "program_run", _Program.run, "inner")
+
+        def run(program, *args, **kwargs):
+            """The program's run, marked: its graph's replay is not counted as the step's (``replays``), else a
+            step the sentinel drew (which stages its layers) would fall out of every round's decode window."""
+            timing.in_program = True
+            try:
+                return timed_run(program, *args, **kwargs)
+            finally:
+                timing.in_program = False
+
+        self._replace(_Program, "run", run)
         # The capture thread's read of a staged step's metadata (the build copies none when a graph replays it).
         self._replace(StagedStep, "metadata", _timed(timing, "metadata_read", StagedStep.metadata, "inner"))
         self._replace(Capturer, "begin", _timed(timing, "begin", Capturer.begin, "inner"))

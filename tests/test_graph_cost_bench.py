@@ -713,6 +713,45 @@ def test_the_wrappers_mark_the_steps_the_sentinel_drew(standins, tmp_path, monke
         timing.restore()
 
 
+def test_the_staging_programs_own_graph_is_not_counted_as_the_steps_replay(monkeypatch):
+    """A step the sentinel draws stages its layers with a program that is a CUDA graph of its own: its replay is
+    counted apart (``program_replays``), not as the step's (``replays``), and not timed as vLLM's graph, so the
+    drawn step stays in its round's decode window (it fell out of every window before, and with it its cost)."""
+    import torch
+
+    from kvdbg.vllm_plugin.graph_staging import _Program
+
+    replayed = []
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: replayed.append(graph))
+    monkeypatch.setattr(_Program, "run", lambda program, counts: torch.cuda.CUDAGraph.replay("the program's graph"))
+
+    class Event:
+        def record(self):
+            pass
+
+    timing = gc.Timing()
+    timing.install_graphs()
+    from kvdbg.capture import buffers as capture_buffers
+    from kvdbg.vllm_plugin.graph_staging import GraphStager
+
+    before = (_Program.__dict__["run"], GraphStager.__dict__["stage"], capture_buffers.copies_to_host)
+    timing.install_kvdbg()
+    try:
+        timing._events = [Event() for _ in range(8)]
+        timing.current = record = gc._new_step()
+        torch.cuda.CUDAGraph.replay("vLLM's graph")  # the step's replay, then its staging program's
+        _Program.run(object(), None)
+        timing.current = None
+        assert replayed == ["vLLM's graph", "the program's graph"]
+        assert record["replays"] == 1 and record["program_replays"] == 1 and len(record["graph_events"]) == 1
+        assert not timing.in_program and record["inner"]["program_run"] > 0
+        steps = [dict(record, wall_ns=5_000_000, graph_ms=[2.0]) for _ in range(20)]
+        assert len(gc.decode_window(steps)) == 16  # all but the two first and two last
+    finally:
+        timing.restore()
+    assert (_Program.__dict__["run"], GraphStager.__dict__["stage"], capture_buffers.copies_to_host) == before
+
+
 def test_the_step_wrapper_marks_the_steps_the_sentinel_drew_with_the_hook_timers_off(standins, tmp_path, monkeypatch):
     """The paired rounds run kvdbg's hooks without the bench's timers, so the step wrapper marks each step's draw
     itself, from the forwards the step counted: drawn_split then has its steps in the rounds it is worked out from."""
