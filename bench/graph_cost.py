@@ -20,8 +20,9 @@ How: each engine is a process of its own (vLLM's engine core and graphs are per 
 ``load_format="dummy"`` weights. Every round serves ``--batch`` new prompts of ``--prompt`` tokens for
 ``--decode`` tokens each (greedy, no early stop): one prefill step, then decode steps of the whole batch,
 each one replay of the graph. The bench times (its own wrappers, the same in every engine): each engine step
-(``LLMEngine.step``, wall), each graph replay on the device (CUDA events around ``CUDAGraph.replay``) and, with
-kvdbg, each of the plugin's hooks a graph step runs (``after_build``, ``graph_call``, ``before_graph_replay``,
+(``LLMEngine.step``, wall), each graph replay on the device (CUDA events around ``CUDAGraph.replay``; the
+replay of kvdbg's staging program, a graph of its own, is counted apart) and, with kvdbg, each of the plugin's
+hooks a graph step runs (``after_build``, ``graph_call``, ``before_graph_replay``,
 ``after_graph_replay``; wall). A round's step time is the mean wall time of its decode steps (the two first and
 two last left out); a figure is the median over rounds, against the median of the kvdbg-absent rounds. A
 second kvdbg-absent engine at the end (``baseline2``) says how much two processes of the same engine differ.
