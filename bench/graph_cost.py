@@ -1344,8 +1344,9 @@ class Evict:
     """Work of other kinds between two stand-in steps, untimed, as a serving engine's step runs between kvdbg's
     hooks (its scheduler, the runner's input preparation, small torch calls, the sampler's output): the hooks then
     find the processor's caches holding the engine's code and data, not theirs. On a GPU host kvdbg's hooks took 5
-    to 10 times what they take back to back on the stand-ins; with this between them the stand-ins take about as
-    much again, so a cut measured this way is one the engine will see. About 10 ms a call."""
+    to 10 times what they take back to back on the stand-ins; with this between them the stand-ins come within
+    a few times of the engine (docs/benchmarks.md), so a cut measured this way is one the engine is likelier to
+    see. About 12 ms a call."""
 
     def __init__(self):
         import numpy as np
@@ -1380,7 +1381,7 @@ class Evict:
 
 
 def _steps_for(cold: "Evict | None", warm: int, timed: int) -> tuple[int, int]:
-    """Warm-up and timed steps of a row: fewer with ``cold`` (each step then runs Evict first, about 10 ms)."""
+    """Warm-up and timed steps of a row: fewer with ``cold`` (each step then runs Evict first, about 12 ms)."""
     return (warm, timed) if cold is None else (max(1, warm // 6), max(1, timed // 6))
 
 
