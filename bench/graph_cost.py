@@ -1445,6 +1445,12 @@ def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_grap
             job.staged.release(issued=False)
 
     patch.setattr(state, "_hand_over", handed)
+    # A step handed on its shape's ticket goes to the capture thread's queue: here a list (its append is a C call, as
+    # the queue's put is), emptied after each step's clocks, its programs let go as its jobs' staging is above.
+    queued: list = []
+    patch.setattr(state, "_graph_thread", types.SimpleNamespace(jobs=types.SimpleNamespace(put=queued.append),
+                                                                drain=lambda timeout: True,
+                                                                stop=lambda timeout: None))
     times: dict[str, dict[str, list[int]]] = {}
     for kind, steps in (("unwanted", IntRanges.of(UNREACHED_STEP, "steps")), ("wanted", None)):
         state.capturer.reconfigure(steps=steps)
@@ -1463,6 +1469,9 @@ def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_grap
             t3 = time.perf_counter_ns()
             state.after_graph_replay(batch)
             t4 = time.perf_counter_ns()
+            for job in queued:
+                job[1].release(issued=False)
+            queued.clear()
             if entry.cudagraph != ("staged" if kind == "wanted" else "plain"):
                 raise RuntimeError(f"a {kind} stand-in step replayed the {entry.cudagraph} graph")
             if i >= warm:  # the first ones warm up

@@ -48,6 +48,8 @@ class BuilderHooks:
         """Keep copies of the step's metadata for the forwards of its layers; whether it did for a capture
         (not only for the sentinel)."""
         try:
+            if self._pending_build is not None:  # an earlier build kept on a ticket that no hook read: kept now
+                self._settle_build()
             self._prepared = None  # only the latest build tells the next choice of graph (see below)
             if metadata is None or common is None or (not self.capturer.active and self.sentinel is None):
                 return False
@@ -73,61 +75,94 @@ class BuilderHooks:
                 lo, hi = min(steps), max(steps)
                 if lo == hi:  # the usual case: the selected layers all at one step, told with one check
                     for_capture = self.capturer.selects_step(lo)
+                    if for_capture and self._tickets:
+                        ticket = self._tickets.get((id(builder), common.num_actual_tokens, common.num_reqs))
+                        if ticket is not None and ticket.selected is names and self.sentinel is None \
+                                and 0 < common.max_seq_len <= ticket.max_seq_len and common.causal.__class__ is bool \
+                                and self.capturer.wants_all(len(names), lo):
+                            # A step of a shape whose wanted step the staged graph served before: nothing kept now.
+                            # The choice of graph hands it to the capture thread whole, or keeps it as below
+                            # (_settle_build) for whatever reads it otherwise.
+                            self._pending_build = (ticket, builder, common, metadata, lo, self._counts_epoch,
+                                                   self.capturer.config)
+                            return True
                 else:
                     for_capture = not self.capturer.takes_no_step(lo, hi) and any(
                         self.capturer.selects(n, step) for n, step in zip(names, steps))
             if not for_capture and not self._sentinel_checks(builder):
                 return False
-            if vllm_facts._graph_capturing(common.seq_lens):
-                return False
-            causal = common.causal
-            facts = self._builder_facts.get(id(builder))
-            if facts is None:
-                facts = self._builder_facts[id(builder)] = _builder_facts(builder)
-                if self._parallel is None:
-                    self._parallel = _parallel_facts(getattr(builder, "vllm_config", None))
-            # Only a backend that writes the new K/V inside forward needs them (the others' are saved before
-            # do_kv_cache_update).
-            tokens = None if slot_mapping is None or not self._update_in_forward else int(common.num_actual_tokens)
-            buffers = (common.block_table_tensor, common.seq_lens, common.query_start_loc)
-            hint = None
-            if self._graph_layers:  # a full CUDA graph may run this step: what staging it needs
-                # Its real requests worked out only when needed (StageHint.num_reqs): a step staged inside vLLM's
-                # graph leaves them to the capture thread, from the query offsets it staged.
-                hint = _stage_hint()(common, buffers, -1)
-            prepare = False
-            if hint is not None and self._graph_step(builder, common, tokens, causal):
-                # Nothing copied, nothing sliced (a slice is a torch call): the staging program copies the
-                # metadata after the graph's replay, as the graph read it, and the capture thread takes the real
-                # requests' rows; should the step run eagerly after all, its first hook copies them.
-                ctx = _EngineContext(id(metadata), *buffers, None, causal, facts, _step_refusal(common),
-                                     deferred=_Deferred(builder, buffers, slot_mapping, hint))
-                # Every layer of the builder wanted at one step, told now: the choice of graph need not ask again
-                # (GraphHooks._prepared_step).
-                prepare = lo == hi and lo is not None and len(names) == len(getattr(builder, "layer_names", ()) or ())
-            else:
-                num_reqs = _requests_with_tokens(common) if hint is None else hint.num_reqs
-                rows = (_rows(common.block_table_tensor, num_reqs), _rows(common.seq_lens, num_reqs),
-                        _rows(common.query_start_loc, num_reqs + 1))
-                ctx = self._copied(builder, metadata, rows, slot_mapping, tokens, causal, facts, common)
-            self._stash(metadata, ctx)
-            if self._graph_layers:  # its replay finds the context by layer
-                ctx.stage = hint
-                names = getattr(builder, "layer_names", None) or ()  # capture's and the sentinel's layers
-                if prepare:  # every layer selected, all at one step (told above): one entry, shared
-                    self._graph_builds.update(dict.fromkeys(names, (lo, ctx)))
-                    if self.capturer.wants_all(len(names), lo):
-                        self._prepared = (names, lo, ctx, self._counts_epoch, self.capturer.config)
-                    return for_capture
-                steps = list(map(self._forward_counts.get, names, repeat(0)))
-                if steps and steps.count(steps[0]) == len(steps):  # the usual case: one entry, shared
-                    self._graph_builds.update(dict.fromkeys(names, (steps[0], ctx)))
-                else:
-                    self._graph_builds.update(zip(names, zip(steps, repeat(ctx))))
-            return for_capture
+            return self._keep_build(builder, common, metadata, names, lo, hi, self._counts_epoch,
+                                    self.capturer.config) and for_capture
         except Exception as exc:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
             return False
+
+    def _settle_build(self) -> None:
+        """The build kept on a ticket (``_pending_build``: see after_build), kept now as any other build is, for a
+        hook that reads it other than the staged graph's hand-over (an eager forward, a choice that did not take the
+        ticket, the next build)."""
+        pending, self._pending_build = self._pending_build, None
+        if pending is None:
+            return
+        ticket, builder, common, metadata, step, epoch, config = pending
+        try:
+            self._keep_build(builder, common, metadata, ticket.selected, step, step, epoch, config)
+        except Exception as exc:
+            self.capturer.report(exc, f"{type(builder).__name__}.build")
+
+    def _keep_build(self, builder: Any, common: Any, metadata: Any, names: Any, lo: Any, hi: Any,
+                    epoch: int, config: Any) -> bool:
+        """The step's context, kept on its metadata and, where a full graph may replay it, for each layer (``lo`` and
+        ``hi``: the build's selected layers' lowest and highest step; ``epoch`` and ``config``: the counts' epoch and
+        capture's configuration then); whether it was (not for a build while a graph records)."""
+        slot_mapping = common.slot_mapping
+        if vllm_facts._graph_capturing(common.seq_lens):
+            return False
+        causal = common.causal
+        facts = self._builder_facts.get(id(builder))
+        if facts is None:
+            facts = self._builder_facts[id(builder)] = _builder_facts(builder)
+            if self._parallel is None:
+                self._parallel = _parallel_facts(getattr(builder, "vllm_config", None))
+        # Only a backend that writes the new K/V inside forward needs them (the others' are saved before
+        # do_kv_cache_update).
+        tokens = None if slot_mapping is None or not self._update_in_forward else int(common.num_actual_tokens)
+        buffers = (common.block_table_tensor, common.seq_lens, common.query_start_loc)
+        hint = None
+        if self._graph_layers:  # a full CUDA graph may run this step: what staging it needs
+            # Its real requests worked out only when needed (StageHint.num_reqs): a step staged inside vLLM's
+            # graph leaves them to the capture thread, from the query offsets it staged.
+            hint = _stage_hint()(common, buffers, -1)
+        prepare = False
+        if hint is not None and self._graph_step(builder, common, tokens, causal):
+            # Nothing copied, nothing sliced (a slice is a torch call): the staging program copies the
+            # metadata after the graph's replay, as the graph read it, and the capture thread takes the real
+            # requests' rows; should the step run eagerly after all, its first hook copies them.
+            ctx = _EngineContext(id(metadata), *buffers, None, causal, facts, _step_refusal(common),
+                                 deferred=_Deferred(builder, buffers, slot_mapping, hint))
+            # Every layer of the builder wanted at one step, told now: the choice of graph need not ask again
+            # (GraphHooks._prepared_step).
+            prepare = lo == hi and lo is not None and len(names) == len(getattr(builder, "layer_names", ()) or ())
+        else:
+            num_reqs = _requests_with_tokens(common) if hint is None else hint.num_reqs
+            rows = (_rows(common.block_table_tensor, num_reqs), _rows(common.seq_lens, num_reqs),
+                    _rows(common.query_start_loc, num_reqs + 1))
+            ctx = self._copied(builder, metadata, rows, slot_mapping, tokens, causal, facts, common)
+        self._stash(metadata, ctx)
+        if self._graph_layers:  # its replay finds the context by layer
+            ctx.stage = hint
+            names = getattr(builder, "layer_names", None) or ()  # capture's and the sentinel's layers
+            if prepare:  # every layer selected, all at one step (told above): one entry, shared
+                self._graph_builds.update(dict.fromkeys(names, (lo, ctx)))
+                if self.capturer.wants_all(len(names), lo):
+                    self._prepared = (names, lo, ctx, epoch, config)
+                return True
+            steps = list(map(self._forward_counts.get, names, repeat(0)))
+            if steps and steps.count(steps[0]) == len(steps):  # the usual case: one entry, shared
+                self._graph_builds.update(dict.fromkeys(names, (steps[0], ctx)))
+            else:
+                self._graph_builds.update(zip(names, zip(steps, repeat(ctx))))
+        return True
 
     def _copied(self, builder: Any, metadata: Any, rows: tuple, slot_mapping: Any, tokens: int | None, causal: Any,
                 facts: Any, common: Any) -> _EngineContext:
@@ -236,6 +271,8 @@ class BuilderHooks:
         The copy is taken only when that build was the layer's builder's latest copying one, was given this
         very tensor (the same memory, seen the same way), and the layer has run no forward since.
         """
+        if self._pending_build is not None:  # the step runs eagerly after all: its build kept first
+            self._settle_build()
         built = self._graph_builds.get(name)
         if built is not None and built[1].deferred is not None and built[0] == self._forward_counts.get(name, 0):
             self.resolve(built[1])  # the layer's step runs eagerly after all: its build's copies now
@@ -288,6 +325,8 @@ class BuilderHooks:
             self._side_table.popitem(last=False)
 
     def _lookup(self, metadata: Any) -> _EngineContext | None:
+        if self._pending_build is not None:
+            self._settle_build()
         ctx = getattr(metadata, _ENGINE_ATTR, None)
         # A copy of a metadata object (e.g. update_block_table) carries the attribute
         # of the original, whose block table is another group's: refuse it.

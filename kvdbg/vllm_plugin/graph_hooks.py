@@ -147,6 +147,27 @@ class _GraphJob:
     staged: Any = None  # graph_staging.StagedStep: the step's copies staged on the device (nothing to wait for)
 
 
+@dataclass(eq=False, slots=True)
+class _Ticket:
+    """What a wanted step of one shape (a builder's padded tokens and rows) needs on the engine's thread once one
+    such step was staged inside vLLM's graph (``GraphHooks._make_ticket``): its build is then kept as given, the choice
+    of graph checks the few facts below, and the replay's hook counts the forwards and hands the step to the capture
+    thread, which makes its context and staged step there (``GraphHooks._ticket_job``)."""
+
+    builder: Any
+    selected: list  # the builder's layers capture's layer filter selects (the list kept per configuration)
+    facts: Any  # the builder's _BuilderFacts
+    wrapper: Any
+    batch: Any
+    graph: tuple  # the staged variant: (graph, output)
+    program: Any  # its graph_staging.InGraphProgram
+    slots: tuple
+    names: tuple
+    max_seq_len: float  # the longest request the program's pages hold at the shape's rows (inf: any)
+    tokens: int
+    rows: int  # the rows of each layer's query and output copies
+
+
 class _GraphCaptureThread:
     """The thread that captures the wanted steps of replayed graphs, one job at a time (graph_hooks' module doc)."""
 
@@ -176,6 +197,10 @@ class _GraphCaptureThread:
             if isinstance(job, threading.Event):  # drain(): every job before it is done
                 job.set()
                 continue
+            if job.__class__ is tuple:  # a step handed on its ticket: its job made here (none: said lost)
+                job = self.state._ticket_job(job)
+                if job is None:
+                    continue
             try:
                 self.state._capture_graph_job(job, streams)
             except Exception as exc:  # noqa: BLE001 - said, and the engine's thread is never left waiting
@@ -263,6 +288,8 @@ class GraphHooks:
         self._graph_shapes.add(shape)
         self._graph_rows = max(self._graph_rows, shape[1] or shape[0])
         self._stage_layouts.clear()  # a recording may give a layer larger copy buffers: worked out again
+        self._tickets.clear()  # a graph's variants are recorded anew: each shape earns its ticket again
+        self._pending_build = None  # the recording's own build (a dummy batch): never a step
         self._recording = batch
 
     def end_graph_recording(self) -> None:
@@ -466,21 +493,43 @@ class GraphHooks:
         the graph's layers may be captured or checked (the filters, the sentinel's draw), else the plain one."""
         self._in_graph_ran = self._quiet = None
         prepared, self._prepared = self._prepared, None  # the latest build's answer serves this choice or none
+        pending = self._pending_build
         variants = self._graph_variants.get((id(wrapper), batch)) if self._graph_variants else None
         if variants is None:
             self._plain_ran = False
+            if pending is not None:  # the step runs as vLLM wills: its build kept for the hooks that read it
+                self._settle_build()
+                self._prepared = None
             return
         entry, copying, plain = variants
         if wrapper.concrete_cudagraph_entries.get(batch) is not entry:  # vLLM let its graphs go since
             del self._graph_variants[(id(wrapper), batch)]
             self._staged_variants.pop((id(wrapper), batch), None)
+            self._tickets.clear()
             self._plain_ran = False
+            if pending is not None:
+                self._settle_build()
+                self._prepared = None
             return
         try:
             use = plain
-            fast = None if prepared is None else self._prepared_step(wrapper, batch, prepared)
+            fast = None
+            if pending is not None:
+                ticket = pending[0]
+                if ticket.wrapper is wrapper and ticket.batch == batch and pending[5] == self._counts_epoch \
+                        and pending[6] is self.capturer.config and not ticket.program._holders:
+                    # Wanted on every layer, told at the build; the program free: the staged variant, nothing kept.
+                    self._pending_build = None
+                    fast = (batch, ticket.program, ticket, pending)
+                    use, self._in_graph_ran = ticket.graph, fast
+                else:  # asked as for any build
+                    self._settle_build()
+                    prepared, self._prepared = self._prepared, None
+            if fast is None and prepared is not None:
+                fast = self._prepared_step(wrapper, batch, prepared)
+                if fast is not None:
+                    use, self._in_graph_ran = self._staged_variants[(id(wrapper), batch)][0], fast + (wrapper,)
             if fast is not None:
-                use, self._in_graph_ran = self._staged_variants[(id(wrapper), batch)][0], fast
                 wants = False
             else:
                 wants = self._step_wants_copies(batch)
@@ -489,7 +538,7 @@ class GraphHooks:
                 staged = self._staged_variants.get((id(wrapper), batch)) if self._staged_variants else None
                 fast = None if staged is None or wants is True else self._in_graph_step(batch, staged[1], *wants)
                 if fast is not None:
-                    use, self._in_graph_ran = staged[0], fast
+                    use, self._in_graph_ran = staged[0], fast + (wrapper,)
         except Exception as exc:  # noqa: BLE001 - never into vLLM's forward: the copies then run, as before
             self.capturer.report(exc, "choosing a CUDA graph to replay")
             use, self._in_graph_ran = copying, None
@@ -505,6 +554,7 @@ class GraphHooks:
             del self._graph_variants[key]
         for key in [key for key in self._staged_variants if key[0] == id(wrapper)]:
             del self._staged_variants[key]
+        self._tickets.clear()
         # Programs no staged variant runs any more go too (a step still reading one keeps it until done), and the
         # builds kept for the next recording: vLLM clears its graphs after profiling their memory with a cache and
         # buffers of its own, which a program must not keep alive.
@@ -634,7 +684,10 @@ class GraphHooks:
         if fast is not None:
             self._in_graph_ran = None
             if fast[0] == batch:  # the staged variant replayed: the step was told wanted when it was chosen
-                return self._hand_in_graph(fast)
+                return self._hand_ticket(fast) if len(fast) == 4 else self._hand_in_graph(fast)
+            if len(fast) == 4:  # not the graph chosen for it (never seen): its build kept, the step asked as below
+                self._pending_build = fast[3]
+                self._settle_build()
         quiet = self._quiet
         if quiet is not None:
             self._quiet = None
@@ -737,7 +790,7 @@ class GraphHooks:
     def _hand_in_graph(self, fast: tuple) -> bool:
         """A wanted step the staged variant of its graph staged (:meth:`_in_graph_step`): its layers' forwards
         counted, the step handed to the capture thread, holding the program until that thread has read it."""
-        batch, program, names, steps, items, hint, with_metadata = fast
+        batch, program, names, steps, items, hint, with_metadata, wrapper = fast
         self._forward_counts.update(zip(names, map(add, steps, repeat(1))))
         self._counts_epoch += 1
         try:  # without staged metadata, the step's requests are worked out here, from the build's host offsets
@@ -748,8 +801,95 @@ class GraphHooks:
                                      step_lost=True)
             return False
         # The runner's buffers were not the program's: the build's copies, now.
-        return self._hand_job(_GraphJob(items, batch.num_tokens), staged, [] if with_metadata else [items[0][2]],
-                              in_graph=True)
+        handed = self._hand_job(_GraphJob(items, batch.num_tokens), staged, [] if with_metadata else [items[0][2]],
+                                in_graph=True)
+        if handed and with_metadata and self.sentinel is None:
+            try:
+                self._make_ticket(wrapper, batch, program, names, items, hint)
+            except Exception as exc:  # noqa: BLE001 - the shape's wanted steps are then told as this one was
+                self.capturer._note_once(f"ticket:{type(exc).__name__}", f"kvdbg capture: keeping what a wanted step "
+                                         f"of a CUDA graph needs failed ({type(exc).__name__}: {exc}); such steps "
+                                         "are told at each build, as before")
+        return handed
+
+    def _make_ticket(self, wrapper: Any, batch: Any, program: Any, names: tuple, items: list, hint: Any) -> None:
+        """After a wanted step the staged variant served with its metadata: a ticket for the build's shape, when the
+        build's builder holds every layer of the graph and capture selects them all (see :class:`_Ticket`)."""
+        ctx = items[0][2]
+        deferred, common = ctx.deferred, hint.common
+        if deferred is None or common is None or not isinstance(common.max_seq_len, int) \
+                or common.causal.__class__ is not bool:
+            return
+        builder = deferred.builder
+        selected = self._selected_layers(builder)
+        layers = getattr(builder, "layer_names", None) or ()
+        if not selected or len(selected) != len(layers) or len(set(names)) != len(names) \
+                or not set(names) <= set(selected):
+            return
+        staged = self._staged_variants.get((id(wrapper), batch))
+        facts = self._builder_facts.get(id(builder))
+        if staged is None or staged[1] is not program or facts is None:
+            return
+        rows = hint.most_reqs
+        per_request = program.size // max(1, rows)
+        if rows > program.count_rows or per_request < 1:
+            return
+        longest = float("inf") if per_request >= program.width else per_request * program.page_size
+        key = (id(builder), common.num_actual_tokens, common.num_reqs)
+        self._tickets[key] = _Ticket(builder, selected, facts, wrapper, batch, staged[0], program,
+                                     tuple(item[0] for item in items), names, longest, batch.num_tokens,
+                                     int(items[0][0].query.shape[0]))
+
+    def _hand_ticket(self, fast: tuple) -> bool:
+        """A wanted step handed on its ticket (:meth:`choose_graph`): its layers' forwards counted, the program held,
+        the rest left to the capture thread (:meth:`_ticket_job`)."""
+        ticket, step = fast[2], fast[3][4]
+        self._forward_counts.update(zip(ticket.names, repeat(step + 1)))
+        self._counts_epoch += 1
+        thread = self._graph_thread
+        if thread is None:
+            thread = self._graph_thread = _GraphCaptureThread(self)
+        ticket.program.hold()
+        account = self.capturer.engine_time
+        account.handed += 1
+        account.staged += 1
+        account.in_graph += 1
+        thread.jobs.put(fast)
+        return True
+
+    def _ticket_job(self, fast: tuple) -> _GraphJob | None:
+        """The capture thread: the job of a step handed on its ticket, made from its build as after_build would
+        have kept it (its context, the staging hint) and the program's staged step; None when it cannot be (each
+        layer's step said lost, the program let go)."""
+        _, program, ticket, pending = fast
+        _, builder, common, metadata, step, _, _ = pending
+        try:
+            from kvdbg.vllm_plugin.builder_hooks import _stage_hint
+            from kvdbg.vllm_plugin.records import _Deferred, _EngineContext
+            from kvdbg.vllm_plugin.vllm_facts import _step_refusal
+
+            buffers = (common.block_table_tensor, common.seq_lens, common.query_start_loc)
+            hint = _stage_hint()(common, buffers, -1)
+            if hint is None or program.serves(hint) != 2:
+                from kvdbg.capture.capturer import CaptureInputError
+
+                raise CaptureInputError("the build handed the step's metadata in buffers other than those vLLM's graph "
+                                        "and kvdbg's staging inside it read (a runner that moved its buffers)")
+            ctx = _EngineContext(id(metadata), *buffers, None, common.causal, ticket.facts, _step_refusal(common),
+                                 deferred=_Deferred(builder, buffers, common.slot_mapping, hint))
+            ctx.stage = hint
+            staged = program.staged_step(ticket.rows, hint, True)
+        except Exception as exc:  # noqa: BLE001 - each layer's step said lost; the program let go
+            program.release(issued=False)
+            for slot in ticket.slots:
+                self.capturer.report(exc, f"after a CUDA graph's replay (step {step} of {slot.name})",
+                                     step_lost=True)
+            return None
+        job = _GraphJob(list(zip(ticket.slots, repeat(step), repeat(ctx))), ticket.tokens, staged=staged)
+        kv_cache = ticket.slots[0].kv_cache
+        if kv_cache.is_cuda:
+            job.device, job.ready = kv_cache.device, staged.ready
+        return job
 
     def _every_layer_wanted(self, batch: Any, slots: list, names: tuple, step: int) -> list | None:
         """Every layer of the graph, all at ``step``, wanted with one build's context: told with one check of capture's

@@ -111,6 +111,12 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         # A wanted build's answer for the next choice of graph: (its layers, their step, its context, the counts'
         # epoch then, capture's configuration then); and the epoch, moved on whenever any layer's forward count does.
         self._prepared: Any = None
+        # Per (builder, the build's padded tokens, its rows): a graph_hooks._Ticket once a wanted step of that shape was
+        # staged inside vLLM's graph; a later wanted build of the shape is then kept as it was given
+        # (_pending_build: the ticket, builder, common metadata, metadata, step, counts' epoch, capture's
+        # configuration) until the choice of graph hands it to the capture thread or a hook reads it.
+        self._tickets: dict[tuple, Any] = {}
+        self._pending_build: Any = None
         self._staged_skip_said = False  # said once: no staged variant, the sentinel checking layers capture leaves out
         self._counts_epoch = 0
         self._covered: dict[Any, tuple] = {}  # per graph: whether a builder's layers hold all the graph's
