@@ -1537,13 +1537,11 @@ def test_a_wanted_build_tells_the_choice_of_graph_which_asks_nothing_again_unles
         torch.testing.assert_close(snap.steps[0].output.reshape(12, -1), outputs[layer][:12].reshape(12, -1),
                                    rtol=0, atol=0)
 
-    def choose_after(change, ticketed=True):
+    def choose_after(change):
         asked.clear()
         engine.builder.build(0, _padded(engine.common(), reqs=4, tokens=16))
-        if ticketed:  # a step of the shape was staged inside the graph above: the build kept on its ticket, as given
-            assert state._pending_build is not None and state._prepared is None
-        else:  # the filters changed since that step: the build tells its answer as before
-            assert state._pending_build is None and state._prepared is not None
+        # A step of the shape was staged inside the graph above: the build is kept on its ticket, as given.
+        assert state._pending_build is not None and state._prepared is None
         change()
         state.choose_graph(wrapper, batch)
         state._in_graph_ran = None  # this test replays nothing: the choice is what it looks at
@@ -1560,11 +1558,11 @@ def test_a_wanted_build_tells_the_choice_of_graph_which_asks_nothing_again_unles
     # The filters changed: asked again (and still wanted: the staged variant).
     assert choose_after(lambda: state.capturer.reconfigure(steps=None)) == "staged" and asked
     # The program held by a reader: asked again, and the graph with the copies replays.
-    assert choose_after(program.hold, ticketed=False) == "copies" and asked
+    assert choose_after(program.hold) == "copies" and asked
     program.release(issued=False)
     # A choice that returns early (vLLM let the graph go) lets the build's answer go too: no later choice takes it.
     engine.builder.build(0, _padded(engine.common(), reqs=4, tokens=16))
-    assert state._prepared is not None  # the filters changed since the step that earned the ticket
+    assert state._pending_build is not None  # a new step filter, the same layers: the ticket still holds
     state.choose_graph(types.SimpleNamespace(concrete_cudagraph_entries={}), batch)
     # The step runs as vLLM wills: its build kept for the hooks that read it, no answer left for a later choice.
     assert state._prepared is None and state._pending_build is None

@@ -311,6 +311,8 @@ class BuilderHooks:
         if hit is not None and hit[0] is config and hit[1] is names:
             return hit[2]
         selected = [n for n in names if self.capturer.layer_selected(n)] if names else None
+        if hit is not None and hit[1] is names and hit[2] == selected:
+            selected = hit[2]  # the same layers under new filters (a new step filter): the same list, which tickets hold
         self._builder_layers[id(builder)] = (config, names, selected)
         return selected
 
