@@ -1572,6 +1572,123 @@ def test_a_wanted_build_tells_the_choice_of_graph_which_asks_nothing_again_unles
     assert state._counts_epoch >= before + len(engine.names)
 
 
+def test_later_wanted_steps_of_a_shape_are_handed_on_its_ticket_and_each_snapshot_holds_its_own_step(
+        standins, tmp_path, monkeypatch):
+    """Once a wanted step of a shape was staged inside vLLM's graph, the shape's later wanted builds keep nothing (no
+    context, no entry per layer): the choice of graph takes the staged variant on the ticket, the replay's hook counts
+    the forwards and hands the build as given to the capture thread, which makes the step's context there. The
+    engine's thread makes no torch call, each step is captured whole, and the next step's rewrites of the runner's
+    buffers, the caches and the graph's buffers (made before the thread reads) reach none of it."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0-3", layers=3)
+    wrapper, entry = _record_variants(16)
+    program = next(iter(state._staged_variants.values()))[1]
+    kept, made = [], []
+    real_keep, real_job = state._keep_build, state._ticket_job
+    monkeypatch.setattr(state, "_keep_build", lambda *a, **k: (kept.append(a[4]), real_keep(*a, **k))[1])
+    monkeypatch.setattr(state, "_ticket_job", lambda fast: (made.append(fast[3][4]), real_job(fast))[1])
+    calls = _TorchCalls()
+    for hook in ("after_build", "choose_graph", "after_graph_replay"):
+        def counted(*args, _real=getattr(state, hook), **kwargs):
+            with calls:
+                return _real(*args, **kwargs)
+
+        monkeypatch.setattr(state, hook, counted)
+    expected = []
+    for step in range(4):
+        calls.names.clear()
+        started, release = _held_capture_thread(state, monkeypatch)
+        common = _padded(engine.common(), reqs=4, tokens=16)
+        outputs = _run_as_graph(engine, common, _padded_inputs(engine, 16), 16, monkeypatch, wrapper=wrapper)
+        assert entry.cudagraph == "staged"
+        if step:  # handed on the ticket: the hooks read no tensor's data, made no op
+            reads = {"__get__", "__len__"}
+            assert [n for n in calls.names if n not in reads] == [], (step, calls.names)
+            assert state._graph_builds[engine.names[0]][0] == 0  # the first step's entry: nothing kept since
+        expected.append((common.block_table_tensor[:3].clone(), common.seq_lens[:3].tolist(),
+                         [o[:12].clone() for o in outputs], [layer.kv_cache.clone() for layer in engine.layers]))
+        assert started.wait(5)
+        for name, layer in zip(engine.names, engine.layers):  # the next step's work, before the thread reads
+            state._graph_buffers[name].output.fill_(7.0)
+            layer.kv_cache.fill_(7.0)
+        common.block_table_tensor.random_(1, 70)
+        common.seq_lens.fill_(5)
+        common.query_start_loc_cpu.fill_(16)
+        release.set()
+        assert state.drain_graph_capture(10)
+        for layer, cache in zip(engine.layers, expected[-1][3]):  # the engine's cache as the step left it
+            layer.kv_cache.copy_(cache)
+        program.poll_released(wait=True)
+    assert kept == [0] and made == [1, 2, 3] and len(state._tickets) == 1
+    assert {state._forward_counts[n] for n in engine.names} == {4}
+    snaps = snapshots(tmp_path)
+    assert len(snaps) == 12 and state.capturer.dropped["internal"] == 0
+    for snap in snaps:
+        step, layer = snap.meta.capture["step"], engine.names.index(snap.meta.capture["layer"])
+        table, seq_lens, outputs, caches = expected[step]
+        assert snap.steps[0].num_reqs == 3 and snap.steps[0].seq_lens.tolist() == seq_lens
+        torch.testing.assert_close(snap.steps[0].block_table, table, rtol=0, atol=0)
+        torch.testing.assert_close(snap.steps[0].output.reshape(12, -1), outputs[layer].reshape(12, -1), rtol=0,
+                                   atol=0)
+        torch.testing.assert_close(snap.kv_cache, caches[layer][snap.page_ids.long()], rtol=0, atol=0)
+    account = vllm_plugin.active_capturer().engine_time
+    assert account.handed == 4 and account.staged == 4 and account.in_graph == 4 and account.waits == 0
+    assert not program.held
+
+
+def test_a_build_kept_on_its_ticket_is_kept_as_any_build_when_its_step_is_not_handed_on_it(
+        standins, tmp_path, monkeypatch):
+    """A ticketed build whose step does not replay the staged variant is kept as any build when something reads it:
+    run eagerly (its forwards find their context), the program held (the graph with the copies replays and the step
+    is staged as before), a step longer than the program's pages hold (told at the build), or a build that handed
+    buffers other than those the graph read (the capture thread finds it and says the step lost, in words)."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0-20", layers=2)
+    wrapper, entry = _record_variants(16)
+    program = next(iter(state._staged_variants.values()))[1]
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch,
+                  wrapper=wrapper)
+    assert len(state._tickets) == 1 and state.drain_graph_capture(10)
+    program.poll_released(wait=True)
+    # Run eagerly after all: the forwards' hooks keep the build first, and capture it as any eager step.
+    engine.step(common=_padded(engine.common(), reqs=4, tokens=16))
+    assert state._pending_build is None
+    # The program held: the step replays the graph with the copies and is staged from the host.
+    program.hold()
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch,
+                  wrapper=wrapper)
+    assert entry.cudagraph == "copies"
+    program.release(issued=False)
+    assert state.drain_graph_capture(10)
+    # Longer than the program's pages hold at the shape's rows: the build tells it, and keeps its context.
+    ticket = next(iter(state._tickets.values()))
+    longest, ticket.max_seq_len = ticket.max_seq_len, 100
+    engine.builder.build(0, _padded(engine.common(), reqs=4, tokens=16))
+    assert state._pending_build is None and state._prepared is not None
+    ticket.max_seq_len = longest
+    snaps = snapshots(tmp_path)
+    assert sorted({s.meta.capture["step"] for s in snaps}) == [0, 1, 2] and len(snaps) == 6
+    for snap in snaps:
+        if snap.meta.capture["step"] == 1:  # the eager step: the layer's own forward
+            assert "full CUDA graph" not in (snap.meta.capture.get("notes") or "")
+
+
+def test_a_ticketed_step_whose_build_handed_other_buffers_is_lost_in_words(standins, tmp_path, monkeypatch):
+    """The capture thread checks that the build handed the buffers the graph read (the engine's thread no longer
+    does): a build of new tensors replays the staged variant on its ticket and each layer's step is said lost,
+    the program let go, nothing raised into vLLM."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0-1", layers=2)
+    wrapper, entry = _record_variants(16)
+    program = next(iter(state._staged_variants.values()))[1]
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch,
+                  wrapper=wrapper)
+    assert state.drain_graph_capture(10)
+    program.poll_released(wait=True)
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16, persistent=False), _padded_inputs(engine, 16),
+                  16, monkeypatch, wrapper=wrapper)
+    assert entry.cudagraph == "staged" and state.drain_graph_capture(10)
+    assert state.capturer.dropped["input"] == 2 and not program.held
+    assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [0, 0]
+
+
 def test_a_staged_step_whose_requests_cannot_be_worked_out_after_the_replay_is_lost_in_words_not_raised(
         standins, tmp_path, monkeypatch):
     """A step the staged graph served without its metadata has its requests worked out right after the replay, from
