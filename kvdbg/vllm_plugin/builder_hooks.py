@@ -61,6 +61,16 @@ class BuilderHooks:
             if self._host_slots and slot_mapping is not None:
                 # This build's buffer may be an earlier build's (runners reuse theirs): never read a stale copy.
                 self._host_slots.pop(_tensor_key(slot_mapping), None)
+            run = self._quiet_run
+            if run is not None and run.epoch == self._counts_epoch and run.step < run.horizon \
+                    and run.config is self.capturer.config:
+                # A step of a run of a graph's replays that nothing can want (graph_hooks._QuietRun), told ahead: no
+                # count moved since the run's last replay, so this builder's layers are at its step.
+                known = self._quiet_builders.get(id(builder))
+                if known is None or known[0] is not run.names or known[1] is not run.config:
+                    known = self._quiet_builder(builder, run)
+                if known[2]:
+                    return False
             names = self._selected_layers(builder)
             # The step each layer's next forward will be: nothing is kept for a build no capture will use. Most
             # builds of an armed engine are of steps the step filter excludes, told by one search for every layer.
@@ -96,6 +106,19 @@ class BuilderHooks:
         except Exception as exc:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
             return False
+
+    def _quiet_builder(self, builder: Any, run: Any) -> tuple:
+        """(the run's layer names, capture's configuration, whether every layer of the builder that capture selects
+        or the sentinel checks is one of the run's graph's), kept per builder."""
+        layers = set(run.names)
+        selected = self._selected_layers(builder)
+        covered = selected is not None and layers.issuperset(selected)
+        if covered and self.sentinel is not None:
+            sentinel = self.sentinel.sentinel
+            covered = layers.issuperset(n for n in getattr(builder, "layer_names", None) or ()
+                                        if sentinel.layer_selected(n))
+        known = self._quiet_builders[id(builder)] = (run.names, run.config, covered)
+        return known
 
     def _settle_build(self) -> None:
         """The build kept on a ticket (``_pending_build``: see after_build), kept now as any other build is, for a

@@ -66,6 +66,9 @@ logger = logging.getLogger("kvdbg.capture")
 
 # Where vLLM defines the wrapper that records and replays its CUDA graphs.
 GRAPH_WRAPPER = ("vllm.compilation.cuda_graph", "CUDAGraphWrapper")
+# How many steps ahead a graph's replays are told unwanted at once (GraphHooks._quiet_horizon): the capture's step
+# filter searched and the sentinel's draws made that far ahead, once per run of steps.
+QUIET_AHEAD = 32
 # The longest the engine's thread waits for the graph capture thread to issue a step's copies (it takes about a
 # millisecond a layer; this is for a thread stuck on a device that no longer answers).
 GRAPH_CAPTURE_WAIT_S = 30.0
@@ -145,6 +148,19 @@ class _GraphJob:
     finished: _Done = field(default_factory=_Done)
     abandoned: bool = False  # the engine's thread stopped waiting for it (GRAPH_CAPTURE_WAIT_S)
     staged: Any = None  # graph_staging.StagedStep: the step's copies staged on the device (nothing to wait for)
+
+
+class _QuietRun:
+    """Replays of one graph that nothing can want, told once for up to QUIET_AHEAD steps (GraphHooks._quiet_horizon):
+    while no count moved but the run's own (``epoch``) and capture's filters are the same, the build of ``step`` and
+    the choice of graph for it ask nothing of the filters or the sentinel, and the replay's hook only counts."""
+
+    __slots__ = ("batch", "names", "config", "step", "horizon", "epoch", "chosen")
+
+    def __init__(self, batch: Any, names: tuple, config: Any, step: int, horizon: int, epoch: int):
+        self.batch, self.names, self.config = batch, names, config
+        self.step, self.horizon, self.epoch = step, horizon, epoch  # the layers' next step; the first one not told
+        self.chosen = None  # the batch descriptor the choice took the run for, until its replay's hook
 
 
 @dataclass(eq=False, slots=True)
@@ -289,6 +305,7 @@ class GraphHooks:
         self._graph_rows = max(self._graph_rows, shape[1] or shape[0])
         self._stage_layouts.clear()  # a recording may give a layer larger copy buffers: worked out again
         self._tickets.clear()  # a graph's variants are recorded anew: each shape earns its ticket again
+        self._quiet_run = None
         self._pending_build = None  # the recording's own build (a dummy batch): never a step
         self._recording = batch
 
@@ -529,7 +546,12 @@ class GraphHooks:
                 fast = self._prepared_step(wrapper, batch, prepared)
                 if fast is not None:
                     use, self._in_graph_ran = self._staged_variants[(id(wrapper), batch)][0], fast + (wrapper,)
+            run = self._quiet_run
             if fast is not None:
+                wants = False
+            elif run is not None and run.epoch == self._counts_epoch and run.step < run.horizon \
+                    and run.config is self.capturer.config and run.batch == batch:
+                run.chosen, self._quiet = batch, run  # told unwanted ahead: the replay's hook only counts
                 wants = False
             else:
                 wants = self._step_wants_copies(batch)
@@ -555,6 +577,7 @@ class GraphHooks:
         for key in [key for key in self._staged_variants if key[0] == id(wrapper)]:
             del self._staged_variants[key]
         self._tickets.clear()
+        self._quiet_run = None
         # Programs no staged variant runs any more go too (a step still reading one keeps it until done), and the
         # builds kept for the next recording: vLLM clears its graphs after profiling their memory with a cache and
         # buffers of its own, which a program must not keep alive.
@@ -584,7 +607,31 @@ class GraphHooks:
             return slots, names, steps
         if self._quiet_after:  # the replay's hook will find the same: it only counts (after_graph_replay)
             self._quiet = (batch, names, steps, self.capturer.config, self._counts_epoch)
+            step = steps[0]
+            if steps.count(step) == len(steps):  # and the steps after it, as far as nothing can want them
+                horizon = self._quiet_horizon(batch, step + 1)
+                self._quiet_run = None if horizon <= step + 1 else _QuietRun(
+                    batch, names, self.capturer.config, step + 1, horizon, self._counts_epoch + 1)
         return False
+
+    def _quiet_horizon(self, batch: Any, first: int) -> int:
+        """The first step from ``first`` on (at most QUIET_AHEAD steps on) that capture's step filter may take or the
+        sentinel draws, for the graph's layers as :meth:`_nothing_wanted` last told them (its ``_graph_takers``);
+        the sentinel's draws are made here, in the order of the steps, as its hooks would make them."""
+        hit = self._graph_takers[batch]
+        last = first + QUIET_AHEAD - 1
+        capturer = self.capturer
+        if hit[2] and not capturer.takes_no_step(first, last):
+            last = next(step for step in range(first, last + 1) if not capturer.takes_no_step(step, step))
+            if last == first:
+                return first
+            last -= 1
+        if hit[3]:
+            drawn = self.sentinel.sentinel.drawn
+            for step in range(first, last + 1):
+                if drawn(step):
+                    return step
+        return last + 1
 
     def _nothing_wanted(self, batch: Any, names: tuple, steps: list, active_only: bool = False) -> bool:
         """Whether no layer of the graph is at a step capture's step filter may take (for a layer its layer filter
@@ -691,6 +738,16 @@ class GraphHooks:
         quiet = self._quiet
         if quiet is not None:
             self._quiet = None
+            if quiet.__class__ is _QuietRun:
+                if quiet.chosen is batch and quiet.epoch == self._counts_epoch and quiet.config is self.capturer.config:
+                    quiet.chosen = None
+                    quiet.step += 1
+                    self._forward_counts.update(zip(quiet.names, repeat(quiet.step)))
+                    quiet.epoch = self._counts_epoch = self._counts_epoch + 1
+                    return False
+                quiet.chosen = None
+                quiet = None
+        if quiet is not None:
             # Told unwanted when chosen (the same batch, filters and counts, no forward counted between, and a
             # step's draw is kept): its layers' forwards counted, nothing else.
             if quiet[0] is batch and quiet[3] is self.capturer.config and quiet[4] == self._counts_epoch:

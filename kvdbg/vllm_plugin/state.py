@@ -117,6 +117,10 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         # configuration) until the choice of graph hands it to the capture thread or a hook reads it.
         self._tickets: dict[tuple, Any] = {}
         self._pending_build: Any = None
+        # Replays of one graph told unwanted ahead (graph_hooks._QuietRun), and per builder whether the run's layers
+        # hold all it would ask about: (the run's names, capture's configuration, whether they do).
+        self._quiet_run: Any = None
+        self._quiet_builders: dict[int, tuple] = {}
         self._staged_skip_said = False  # said once: no staged variant, the sentinel checking layers capture leaves out
         self._counts_epoch = 0
         self._covered: dict[Any, tuple] = {}  # per graph: whether a builder's layers hold all the graph's
