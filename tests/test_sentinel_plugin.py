@@ -256,6 +256,55 @@ def test_a_graph_step_the_sentinel_did_not_draw_is_let_go_for_all_its_layers_at_
     assert state.plain_replays == 20 - sum(drawn)
 
 
+def test_the_sentinel_draws_ahead_for_replays_told_unwanted_ahead_the_draws_it_would_make_one_by_one(sentinel_env):
+    """Steps of a graph that nothing wants are told ahead (graph_hooks._QuietRun): the sentinel's draws for them are
+    made then, in the order of the steps, so the same seed draws the same steps as when each is asked at its own
+    step (nothing told ahead); each drawn step is still replayed with kvdbg's copies and checked on every
+    layer, and the steps between ask nothing."""
+    import types
+
+    from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _run_as_graph
+
+    from kvdbg.vllm_plugin import graph_hooks
+
+    monkeypatch, _ = sentinel_env
+    monkeypatch.setenv("KVDBG_SENTINEL", "0.1")
+    monkeypatch.setenv("KVDBG_SENTINEL_SEED", "5")
+
+    def forty_steps(ahead):
+        monkeypatch.setattr(graph_hooks, "QUIET_AHEAD", ahead)
+        vllm_plugin.register()
+        engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=4, query_len=1)
+        tokens, reqs = 4, 4
+        _record_graph(engine, tokens, reqs, monkeypatch)
+        state, hooks = vllm_plugin._state, _hooks()
+        batch = next(iter(state._graph_layers))
+        entry = types.SimpleNamespace(cudagraph="copies", output=None)
+        wrapper = types.SimpleNamespace(concrete_cudagraph_entries={batch: entry})
+        state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
+        asked, chosen = [], []
+        real = type(state)._step_wants_copies
+        monkeypatch.setattr(type(state), "_step_wants_copies", lambda self, *a: (asked.append(a), real(self, *a))[1])
+        for _ in range(40):
+            _run_as_graph(engine, _padded(engine.common(), reqs=reqs, tokens=tokens), _padded_inputs(engine, tokens),
+                          tokens, monkeypatch, wrapper=wrapper)
+            chosen.append(entry.cudagraph)
+        assert {state._forward_counts[n] for n in engine.names} == {40}
+        hooks.close(state, 30)
+        counts = dict(hooks.sentinel.counts)
+        monkeypatch.setattr(type(state), "_step_wants_copies", real)
+        vllm_plugin.unregister()
+        return chosen, len(asked), counts
+
+    ahead = graph_hooks.QUIET_AHEAD
+    one_by_one, asked_each, counts_each = forty_steps(0)
+    chosen, asked, counts = forty_steps(ahead)
+    drawn = one_by_one.count("copies")
+    assert chosen == one_by_one and 2 <= drawn <= 10
+    assert asked_each == 40 and asked < 20  # most steps told ahead
+    assert counts["checked"] == counts_each["checked"] == 4 * drawn and counts.get("failed", 0) == 0
+
+
 class _ChecksInFlight:
     """Device checks still in the sentinel's worker: which layers' checks were collected, in order."""
 

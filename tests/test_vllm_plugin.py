@@ -1689,6 +1689,45 @@ def test_a_ticketed_step_whose_build_handed_other_buffers_is_lost_in_words(stand
     assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [0, 0]
 
 
+def test_replays_nothing_can_want_are_told_ahead_until_a_step_the_filter_takes_or_a_count_moves(
+        standins, tmp_path, monkeypatch):
+    """Armed, a graph step nothing wants tells the steps after it at once, as far as the step filter takes none (at
+    most QUIET_AHEAD): their builds and choices of graph ask no filter, their replays count each layer's forward. The
+    first step the filter takes ends the run and is captured; an eager step (its counts move) or new filters end it
+    too, and the next step is asked as before."""
+    import threading
+
+    from kvdbg.capture.config import IntRanges
+    from kvdbg.vllm_plugin.graph_hooks import QUIET_AHEAD
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "6", layers=3)
+    wrapper, entry = _record_variants(16)
+    asked, engine_thread = [], threading.get_ident()
+    for owner, name in ((type(state), "_step_wants_copies"), (type(state.capturer), "selects_step")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda self, *a, _real=real, _name=name, **k: (
+            threading.get_ident() == engine_thread and asked.append(_name), _real(self, *a, **k))[1])
+
+    def graph_step():
+        asked.clear()
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch,
+                      wrapper=wrapper)
+        return entry.cudagraph, bool(asked)
+
+    steps = [graph_step() for _ in range(9)]
+    assert [graph for graph, _ in steps] == ["plain"] * 6 + ["staged", "plain", "plain"]
+    assert [ask for _, ask in steps] == [True, False, False, False, False, False, True, True, False]
+    assert {state._forward_counts[n] for n in engine.names} == {9}
+    assert state._quiet_run.horizon == 8 + QUIET_AHEAD  # from step 8 on, no step the filter takes
+    assert [s.meta.capture["step"] for s in snapshots(tmp_path)] == [6, 6, 6]
+    engine.step(common=engine.common())  # an eager step: every layer's count moves on, the run's no longer holds
+    assert graph_step() == ("plain", True) and graph_step() == ("plain", False)
+    state.capturer.reconfigure(steps=IntRanges.of("12", "steps"))  # new filters: asked again, the run told anew
+    assert graph_step() == ("staged", True)
+    assert {state._forward_counts[n] for n in engine.names} == {13}
+    assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [6, 6, 6, 12, 12, 12]
+
+
 def test_a_staged_step_whose_requests_cannot_be_worked_out_after_the_replay_is_lost_in_words_not_raised(
         standins, tmp_path, monkeypatch):
     """A step the staged graph served without its metadata has its requests worked out right after the replay, from

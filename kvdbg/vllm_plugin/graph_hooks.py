@@ -739,7 +739,7 @@ class GraphHooks:
         if quiet is not None:
             self._quiet = None
             if quiet.__class__ is _QuietRun:
-                if quiet.chosen is batch and quiet.epoch == self._counts_epoch and quiet.config is self.capturer.config:
+                if quiet.chosen == batch and quiet.epoch == self._counts_epoch and quiet.config is self.capturer.config:
                     quiet.chosen = None
                     quiet.step += 1
                     self._forward_counts.update(zip(quiet.names, repeat(quiet.step)))
