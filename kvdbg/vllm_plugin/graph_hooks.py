@@ -43,6 +43,18 @@ the step's block table, lengths and query offsets as for any step) and vLLM's ``
   build, graph replay, graph recording, layer forward or cache update) waiting until that thread has issued
   them; the sentinel's check of such a step is collected before the next replay.
 
+Two shortcuts keep a step's Python on the engine's thread to a few lines, since in an engine each line first
+touched in a step costs microseconds (its code and objects evicted by the engine's own work between two hooks):
+
+- **runs told ahead** (:class:`_QuietRun`): a step nothing wants, every layer at one step, tells the steps after
+  it at once (capture's step filter searched, the sentinel's draws made, up to QUIET_AHEAD steps); while no
+  other count moves and the filters stay, their builds and choices ask nothing and their replays only count;
+- **tickets** (:class:`_Ticket`): once a wanted step of a shape was staged inside vLLM's graph with its metadata,
+  a later wanted build of that shape keeps nothing; the choice takes the staged variant on the ticket and the
+  replay's hook hands the build as given to the capture thread, which makes the step's context there
+  (:meth:`GraphHooks._ticket_job`). A ticketed build read any other way is kept then, as any build
+  (``BuilderHooks._settle_build``).
+
 Padding rows of a graph's batch (vLLM pads a batch up to the graph's size with requests of no tokens on the
 null block) are not requests: the builder hook keeps only the rows with tokens, and the query rows past the
 step's tokens are not stored.
