@@ -450,6 +450,33 @@ class Timing:
             return hand_over(state, job)
 
         self._replace(cls, "_hand_over", _hand_over)
+        # A step handed on its shape's ticket (graph_hooks._Ticket) has no job yet on the engine's thread: the capture
+        # thread makes it. A stand-in takes the job's place here (its step's record, the device start, the program),
+        # the real job carries them once made, and its timing events come back to the stand-in when it is done.
+        hand_ticket, ticket_job = cls._hand_ticket, cls._ticket_job
+        tickets: dict = {}
+
+        def _hand_ticket(state, fast):
+            record, start = timing.handing or (timing.current, None)
+            stand_in = types.SimpleNamespace(bench_record=record, bench_start=start, finished=threading.Event(),
+                                             staged=types.SimpleNamespace(program=fast[1]), device=None)
+            tickets[id(fast)] = stand_in
+            timing.handed_job = stand_in
+            return hand_ticket(state, fast)
+
+        def _ticket_job(state, fast):
+            stand_in = tickets.pop(id(fast), None)
+            job = ticket_job(state, fast)
+            if stand_in is not None:
+                if job is None:
+                    stand_in.finished.set()
+                else:
+                    job.bench_record, job.bench_start, job.bench_stand_in = (stand_in.bench_record,
+                                                                             stand_in.bench_start, stand_in)
+            return job
+
+        self._replace(cls, "_hand_ticket", _hand_ticket)
+        self._replace(cls, "_ticket_job", _ticket_job)
         capture_job = cls._capture_graph_job
 
         def _capture_graph_job(state, job, streams):
@@ -472,6 +499,13 @@ class Timing:
                         job.bench_engine_end.record(stream)
                     job.bench_side_end = torch.cuda.Event(enable_timing=True)
                     job.bench_side_end.record(_side_stream(job.device))
+                stand_in = getattr(job, "bench_stand_in", None)
+                if stand_in is not None:  # a ticket's job: its marks to the stand-in the step's record holds
+                    for name, value in vars(job).items() if hasattr(job, "__dict__") else ():
+                        if name.startswith("bench_") and name != "bench_stand_in":
+                            setattr(stand_in, name, value)
+                    stand_in.staged = job.staged
+                    stand_in.finished.set()
 
         self._replace(cls, "_capture_graph_job", _capture_graph_job)
         from kvdbg.vllm_plugin.graph_staging import StagedStep

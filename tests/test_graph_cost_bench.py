@@ -7,6 +7,8 @@ import importlib.util
 import os
 import statistics
 
+import types
+
 import pytest
 import torch
 
@@ -537,6 +539,49 @@ def test_a_capture_thread_that_takes_the_job_at_once_still_counts_into_the_step_
         vllm_plugin._state.await_graph_capture()
         assert record["copied"] and record["captures"] == 2 and record["captured_bytes"] > 0
         assert set(record["inner"]) == {"begin", "finish", "gather", "metadata_read", "stage", "program_run"}
+    finally:
+        timing.restore()
+
+
+def test_a_step_handed_on_its_ticket_counts_its_bytes_into_its_own_step_through_a_stand_in(standins, tmp_path,
+                                                                                              monkeypatch):
+    """A wanted step handed on its shape's ticket has no job on the engine's thread (the capture thread makes it):
+    the bench hands the step's record to a stand-in there, the job carries it once made (its bytes counted into the
+    step that handed it, not a later one), and the stand-in is told done with the job's marks."""
+    from tests.test_vllm_plugin import _record_variants
+
+    from kvdbg.util.ranges import IntRanges
+
+    timing, engine = _armed_graph_engine(standins, tmp_path, monkeypatch)
+    try:
+        state = vllm_plugin._state
+        wrapper, entry = _record_variants(16)
+        vllm_plugin.active_capturer().reconfigure(steps=IntRanges.of("1-3", "steps"))
+        stand_ins, records = [], []
+        handing = state._hand_ticket  # the bench's wrapper: what it leaves for the step's record
+
+        def spied(fast):
+            try:
+                return handing(fast)
+            finally:
+                stand_ins.append(timing.handed_job)
+
+        monkeypatch.setattr(state, "_hand_ticket", spied)
+        for _ in range(4):
+            timing.current = gc._new_step()
+            _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                          monkeypatch, wrapper=wrapper)
+            records.append(timing.current)
+            timing.current = None
+            assert state.drain_graph_capture(10)
+            next(iter(state._staged_variants.values()))[1].poll_released(wait=True)
+        assert entry.cudagraph == "staged" and len(state._tickets) == 1 and state.staged_replays == 3
+        assert [r["copied"] for r in records] == [False, True, True, True]
+        assert all(r["captures"] == 2 and r["captured_bytes"] > 12 * 4 * 16 * 2 for r in records[1:])
+        assert records[0]["captures"] == 0
+        assert [s.bench_record for s in stand_ins] == records[2:]  # steps 2 and 3 went on the ticket
+        assert all(s.finished.is_set() and type(s.staged).__name__ == "StagedStep" for s in stand_ins)
+        assert len(snapshots(tmp_path)) == 6
     finally:
         timing.restore()
 
