@@ -110,6 +110,10 @@ UNREACHED_STEP = 10**15
 KVDBG_HOOKS = ("after_build", "graph_call", "choose_graph", "before_graph_replay", "after_graph_replay")
 # The engine's thread's parts of a wanted step that --thread-times also times in thread CPU time and switches.
 ENGINE_PARTS = ("metadata_copy", "stage", "program_run")
+# Parts of a step the sentinel drew, timed on the engine's thread in the rounds with the bench's timers on (a drawn
+# step's split prints their means): a staging program made (its page-locked buffers) and recorded, and the sentinel's
+# hand-off of the step's checks to its worker.
+DRAWN_PARTS = ("program_new", "program_record", "sentinel_hand")
 # The capture thread's parts timed the same way with --thread-times: CPU time well under the wall time there is time
 # spent waiting (for the device, or for the interpreter's lock the engine's thread holds).
 CAPTURE_THREAD_PARTS = ("copies_ahead", "begin", "finish")
@@ -575,6 +579,14 @@ class Timing:
                 timing.in_program = False
 
         self._replace(_Program, "run", run)
+        # A drawn step's own parts (DRAWN_PARTS): a program made (its buffers, page-locked ones among them) and
+        # recorded as a CUDA graph, and the sentinel's hand-off of the step's checks.
+        self._replace(_Program, "__init__", _timed(timing, "program_new", _Program.__init__, "inner"))
+        self._replace(_Program, "_record", _timed(timing, "program_record", _Program._record, "inner"))
+        from kvdbg.vllm_plugin.sentinel_hooks import SentinelHooks
+
+        self._replace(SentinelHooks, "after_graph_replay",
+                      _timed(timing, "sentinel_hand", SentinelHooks.after_graph_replay, "inner"))
         # The capture thread's read of a staged step's metadata (the build copies none when a graph replays it).
         self._replace(StagedStep, "metadata", _timed(timing, "metadata_read", StagedStep.metadata, "inner"))
         self._replace(Capturer, "begin", _timed(timing, "begin", Capturer.begin, "inner"))
@@ -771,6 +783,10 @@ def drawn_split(steps: list[dict], window: list[dict]) -> dict:
     base = statistics.median(s["wall_ns"] for s in quiet)
     drawn_added = [s["wall_ns"] - base for s in drawn]
     after_added = [sum(t["wall_ns"] - base for t in after) for after in following]
+    parts = {name for s in drawn for name in s.get("inner", {})}
+    if parts:  # the rounds with the bench's timers on: where a drawn step's hooks went (means over drawn steps)
+        out["drawn_parts_us"] = {name: statistics.fmean(s.get("inner", {}).get(name, 0) for s in drawn) / 1e3
+                                 for name in sorted(parts)}
     out.update(drawn_added_ms=statistics.fmean(drawn_added) / 1e6, after_added_ms=statistics.fmean(after_added) / 1e6,
                drawn_hooks_us=statistics.fmean(hooks_ns(s) for s in drawn) / 1e3,
                quiet_hooks_us=statistics.median(hooks_ns(s) for s in quiet) / 1e3,
@@ -988,7 +1004,8 @@ def figures(records: dict[str, dict]) -> dict:
                            **_hooks_by_name(hooked),
                            "counts": records["sentinel"].get("sentinel_counts"),
                            "draws": records["sentinel"].get("sentinel_draws"),
-                           "drawn_split": _split_over_rounds(sentinel)}
+                           "drawn_split": _split_over_rounds(sentinel),
+                           "drawn_split_timed": _split_over_rounds(sentinel_phases.get("timed", []))}
     return out
 
 
@@ -1020,6 +1037,10 @@ def _split_over_rounds(rounds: list[dict]) -> dict:
     out: dict = {"drawn": sum(x["drawn"] for x in splits), "steps": sum(x["steps"] for x in splits)}
     for key in ("drawn_added_ms", "after_added_ms", "drawn_hooks_us", "quiet_hooks_us", "share"):
         out[key] = spread([x.get(key) for x in splits]).get("median")
+    parts = {name for x in splits for name in x.get("drawn_parts_us", {})}
+    if parts:
+        out["drawn_parts_us"] = {name: spread([x["drawn_parts_us"].get(name) for x in splits
+                                               if "drawn_parts_us" in x]).get("median") for name in sorted(parts)}
     return out
 
 
@@ -1621,6 +1642,11 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"{FOLLOWING_STEPS} after it +{d['after_added_ms']:.2f} ms in all (its check in the worker); "
                       f"together {d['share']:.1%} of the rounds' time; the other steps' hooks "
                       f"{d['quiet_hooks_us']:.1f} us")
+            t = f.get("drawn_split_timed") or {}
+            if t.get("drawn_parts_us"):
+                print(f"  {name:9s} a drawn step's hooks with the bench's timers on: {t['drawn_hooks_us']:.0f} us "
+                      f"({t['drawn']} step(s)); of it " + ", ".join(f"{part} {us:.0f} us" for part, us
+                                                                  in t["drawn_parts_us"].items()))
             draws = f.get("draws")
             if draws is not None and name == "sentinel":
                 timed = [x for x in draws if x["timed"]]

@@ -487,8 +487,9 @@ def test_the_wrappers_time_kvdbgs_graph_hooks_and_count_a_wanted_steps_bytes(sta
         # the staged metadata's read) and the engine's thread's part of it: the staging program (the build copied
         # nothing: the program staged its metadata)
         # (the program's run within the stage: its copy, launch and event apart from the stage's own Python)
-        assert set(records[2]["inner"]) == {"begin", "finish", "gather", "metadata_read", "stage", "program_run"} \
-            and not records[0]["inner"]
+        # (and the program made for the first staged step: a drawn step's split says so)
+        assert set(records[2]["inner"]) == {"begin", "finish", "gather", "metadata_read", "stage", "program_run",
+                                            "program_new"} and not records[0]["inner"]
         assert 0 < records[2]["inner"]["program_run"] <= records[2]["inner"]["stage"]
         if thread_times:  # the engine's thread's parts, also in its CPU time (the metadata copy is a GPU one), and
             # the capture thread's (on a CPU nothing is issued ahead: no stream of its own)
@@ -538,7 +539,8 @@ def test_a_capture_thread_that_takes_the_job_at_once_still_counts_into_the_step_
         timing.current = None
         vllm_plugin._state.await_graph_capture()
         assert record["copied"] and record["captures"] == 2 and record["captured_bytes"] > 0
-        assert set(record["inner"]) == {"begin", "finish", "gather", "metadata_read", "stage", "program_run"}
+        assert set(record["inner"]) == {"begin", "finish", "gather", "metadata_read", "stage", "program_run",
+                                        "program_new"}
     finally:
         timing.restore()
 
@@ -738,6 +740,18 @@ def test_a_sentinel_rounds_time_is_split_between_its_drawn_steps_the_steps_after
     out = capsys.readouterr().out
     assert "sentinel  where its time goes: 3 of" in out and "a drawn step +1.00 ms (its hooks 510 us)" in out
     assert f"the {gc.FOLLOWING_STEPS} after it +2.00 ms in all" in out
+    assert "a drawn step's hooks with the bench's timers on" not in out  # no timed rounds: no parts
+    # The rounds timed with the bench's timers: a drawn step's parts, their means over its drawn steps.
+    steps[11]["inner"] = {"program_new": 300_000, "sentinel_hand": 120_000}
+    timed = gc.summarize_round(steps)
+    assert timed["drawn_split"]["drawn_parts_us"] == {"program_new": 300.0, "sentinel_hand": 120.0}
+    records["sentinel"]["phases"]["timed"] = [timed, summary]
+    figs = gc.figures(records)
+    assert figs["sentinel"]["drawn_split_timed"]["drawn_parts_us"] == {"program_new": 300.0, "sentinel_hand": 120.0}
+    gc.print_figures(figs, records)
+    out = capsys.readouterr().out
+    assert "a drawn step's hooks with the bench's timers on: 510 us (2 step(s)); of it program_new 300 us, " \
+        "sentinel_hand 120 us" in out
 
 
 @pytest.mark.parametrize("sentinel", [False, True])
