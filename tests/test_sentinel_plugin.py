@@ -214,28 +214,37 @@ def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sen
     assert sorted({h.head for h in comparison.failed}) == [2]
 
 
+def _graph_engine(monkeypatch, layers: int, query_len: int, tokens: int, reqs: int):
+    """The plugin registered on a stand-in engine whose full graph of ``tokens`` is recorded with kvdbg's copies and
+    plain: (engine, plugin state, sentinel hooks, the graph's batch, vLLM's entry, its wrapper)."""
+    import types
+
+    from tests.test_vllm_plugin import _record_graph
+
+    vllm_plugin.register()
+    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=layers, query_len=query_len)
+    _record_graph(engine, tokens, reqs, monkeypatch)
+    state = vllm_plugin._state
+    batch = next(iter(state._graph_layers))
+    entry = types.SimpleNamespace(cudagraph="copies", output=None)
+    wrapper = types.SimpleNamespace(concrete_cudagraph_entries={batch: entry})
+    state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
+    return engine, state, _hooks(), batch, entry, wrapper
+
+
 def test_a_graph_step_the_sentinel_did_not_draw_is_let_go_for_all_its_layers_at_once(sentinel_env):
     """Under full graphs at a low rate, most steps are not drawn: the replay's hook tells so with one draw for all
     the graph's layers (no per-layer call), each layer's count still moves on; the graph chosen before the replay
     is the plain one for those steps and the one with kvdbg's copies for a drawn step, which is checked."""
-    import types
-
-    from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _run_as_graph
+    from tests.test_vllm_plugin import _padded, _padded_inputs, _run_as_graph
 
     from kvdbg.sentinel.checker import Sentinel
 
     monkeypatch, _ = sentinel_env
     monkeypatch.setenv("KVDBG_SENTINEL", "0.2")
     monkeypatch.setenv("KVDBG_SENTINEL_SEED", "3")
-    vllm_plugin.register()
-    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=8, query_len=2)
     tokens, reqs = 8, 4
-    _record_graph(engine, tokens, reqs, monkeypatch)
-    state, hooks = vllm_plugin._state, _hooks()
-    batch = next(iter(state._graph_layers))
-    entry = types.SimpleNamespace(cudagraph="copies", output=None)
-    wrapper = types.SimpleNamespace(concrete_cudagraph_entries={batch: entry})
-    state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
+    engine, state, hooks, batch, entry, wrapper = _graph_engine(monkeypatch, 8, 2, tokens, reqs)
     asked = []
     real = Sentinel.sampled
     monkeypatch.setattr(Sentinel, "sampled", lambda self, *a: (asked.append(a), real(self, *a))[1])
@@ -261,9 +270,7 @@ def test_the_sentinel_draws_ahead_for_replays_told_unwanted_ahead_the_draws_it_w
     made then, in the order of the steps, so the same seed draws the same steps as when each is asked at its own
     step (nothing told ahead); each drawn step is still replayed with kvdbg's copies and checked on every
     layer, and the steps between ask nothing."""
-    import types
-
-    from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _run_as_graph
+    from tests.test_vllm_plugin import _padded, _padded_inputs, _run_as_graph
 
     from kvdbg.vllm_plugin import graph_hooks
 
@@ -273,15 +280,8 @@ def test_the_sentinel_draws_ahead_for_replays_told_unwanted_ahead_the_draws_it_w
 
     def forty_steps(ahead):
         monkeypatch.setattr(graph_hooks, "QUIET_AHEAD", ahead)
-        vllm_plugin.register()
-        engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=4, query_len=1)
         tokens, reqs = 4, 4
-        _record_graph(engine, tokens, reqs, monkeypatch)
-        state, hooks = vllm_plugin._state, _hooks()
-        batch = next(iter(state._graph_layers))
-        entry = types.SimpleNamespace(cudagraph="copies", output=None)
-        wrapper = types.SimpleNamespace(concrete_cudagraph_entries={batch: entry})
-        state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
+        engine, state, hooks, _, entry, wrapper = _graph_engine(monkeypatch, 4, 1, tokens, reqs)
         asked, chosen = [], []
         real = type(state)._step_wants_copies
         monkeypatch.setattr(type(state), "_step_wants_copies", lambda self, *a: (asked.append(a), real(self, *a))[1])
