@@ -1012,7 +1012,9 @@ def figures(records: dict[str, dict]) -> dict:
 def log_draws(state, timing: "Timing") -> list[dict]:
     """Each step the sentinel draws, as it draws it: the step's number, the bench's step it was drawn in (its index,
     whether one was being timed), the thread that asked, and the probe layer's count then. What the step marks
-    (``drawn``) are checked against."""
+    (``drawn``) are checked against. Since 2026-12-06 a graph's steps that nothing wants are told up to 32 steps ahead
+    (graph_hooks._QuietRun), their draws made then: a step's draw may come several bench steps before the step, with
+    the probe's count below its number."""
     sentinel = state.sentinel.sentinel
     real, main, log = sentinel.drawn, threading.get_ident(), []
 
