@@ -314,7 +314,13 @@ class Timing:
                 return original(graph, *args, **kwargs)
             if timing.in_program:  # kvdbg's staging program, a graph of its own: not a replay of vLLM's step
                 record["program_replays"] = record.get("program_replays", 0) + 1
-                return original(graph, *args, **kwargs)
+                # Its device time apart: a drawn step's program runs on the engine's stream before vLLM's sampler.
+                start, end = timing._take_events()
+                start.record()
+                result = original(graph, *args, **kwargs)
+                end.record()
+                record.setdefault("program_events", []).append((start, end))
+                return result
             start, end = timing._take_events()
             start.record()
             result = original(graph, *args, **kwargs)
@@ -346,6 +352,9 @@ class Timing:
         torch.cuda.synchronize()
         for record in self.steps:
             record["graph_ms"] = [s.elapsed_time(e) for s, e in record.pop("graph_events")]
+            programs = record.pop("program_events", None)
+            if programs:  # kvdbg's staging program's replays, on the engine's stream
+                record["program_ms"] = sum(s.elapsed_time(e) for s, e in programs)
             handed = record.pop("device_job")
             if handed is not None and handed[2] is not None:
                 # A staged step: the staging program on the engine's stream (from the mark to the hook's end), then
@@ -783,6 +792,9 @@ def drawn_split(steps: list[dict], window: list[dict]) -> dict:
     base = statistics.median(s["wall_ns"] for s in quiet)
     drawn_added = [s["wall_ns"] - base for s in drawn]
     after_added = [sum(t["wall_ns"] - base for t in after) for after in following]
+    programs = [s["program_ms"] for s in drawn if s.get("program_ms") is not None]
+    if programs:  # the staging program's device time in a drawn step (its replay, between two events)
+        out["drawn_program_ms"] = statistics.fmean(programs)
     parts = {name for s in drawn for name in s.get("inner", {})}
     if parts:  # the rounds with the bench's timers on: where a drawn step's hooks went (means over drawn steps)
         out["drawn_parts_us"] = {name: statistics.fmean(s.get("inner", {}).get(name, 0) for s in drawn) / 1e3
@@ -1037,7 +1049,7 @@ def _split_over_rounds(rounds: list[dict]) -> dict:
     if not splits:
         return {}
     out: dict = {"drawn": sum(x["drawn"] for x in splits), "steps": sum(x["steps"] for x in splits)}
-    for key in ("drawn_added_ms", "after_added_ms", "drawn_hooks_us", "quiet_hooks_us", "share"):
+    for key in ("drawn_added_ms", "after_added_ms", "drawn_hooks_us", "quiet_hooks_us", "share", "drawn_program_ms"):
         out[key] = spread([x.get(key) for x in splits]).get("median")
     parts = {name for x in splits for name in x.get("drawn_parts_us", {})}
     if parts:
@@ -1643,7 +1655,9 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"+{d['drawn_added_ms']:.2f} ms (its hooks {d['drawn_hooks_us']:.0f} us), the "
                       f"{FOLLOWING_STEPS} after it +{d['after_added_ms']:.2f} ms in all (its check in the worker); "
                       f"together {d['share']:.1%} of the rounds' time; the other steps' hooks "
-                      f"{d['quiet_hooks_us']:.1f} us")
+                      f"{d['quiet_hooks_us']:.1f} us"
+                      + ("" if d.get("drawn_program_ms") is None else
+                         f"; its staging program {d['drawn_program_ms']:.2f} ms on the device"))
             t = f.get("drawn_split_timed") or {}
             if t.get("drawn_parts_us"):
                 print(f"  {name:9s} a drawn step's hooks with the bench's timers on: {t['drawn_hooks_us']:.0f} us "

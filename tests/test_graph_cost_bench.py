@@ -721,6 +721,7 @@ def test_a_sentinel_rounds_time_is_split_between_its_drawn_steps_the_steps_after
     steps = [_step(30.0, replays=0, hooks_us=0, drawn=False)]
     steps += [_step(5.0, drawn=False) for _ in range(40)]
     steps[11] = _step(6.0, hooks_us=510.0, drawn=True)  # the round's one drawn step, then its check's 8 steps
+    steps[11]["program_ms"] = 0.4  # its staging program on the device
     for i in range(12, 12 + gc.FOLLOWING_STEPS):
         steps[i] = _step(5.25, drawn=False)
     summary = gc.summarize_round(steps)
@@ -740,6 +741,7 @@ def test_a_sentinel_rounds_time_is_split_between_its_drawn_steps_the_steps_after
     out = capsys.readouterr().out
     assert "sentinel  where its time goes: 3 of" in out and "a drawn step +1.00 ms (its hooks 510 us)" in out
     assert f"the {gc.FOLLOWING_STEPS} after it +2.00 ms in all" in out
+    assert split["drawn_program_ms"] == pytest.approx(0.4) and "its staging program 0.40 ms on the device" in out
     assert "a drawn step's hooks with the bench's timers on" not in out  # no timed rounds: no parts
     # The rounds timed with the bench's timers: a drawn step's parts, their means over its drawn steps.
     steps[11]["inner"] = {"program_new": 300_000, "sentinel_hand": 120_000}
@@ -803,6 +805,7 @@ def test_the_staging_programs_own_graph_is_not_counted_as_the_steps_replay(monke
         timing.current = None
         assert replayed == ["vLLM's graph", "the program's graph"]
         assert record["replays"] == 1 and record["program_replays"] == 1 and len(record["graph_events"]) == 1
+        assert len(record["program_events"]) == 1  # the program's own device time, timed apart
         assert not timing.in_program and record["inner"]["program_run"] > 0
         steps = [dict(record, wall_ns=5_000_000, graph_ms=[2.0]) for _ in range(20)]
         assert len(gc.decode_window(steps)) == 16  # all but the two first and two last
