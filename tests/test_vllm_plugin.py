@@ -1671,6 +1671,53 @@ def test_a_build_kept_on_its_ticket_is_kept_as_any_build_when_its_step_is_not_ha
             assert "full CUDA graph" not in (snap.meta.capture.get("notes") or "")
 
 
+def test_a_tickets_longest_request_is_told_from_the_padded_rows_and_its_thread_reads_no_host_buffer(
+        standins, tmp_path, monkeypatch):
+    """A wanted step whose pages the cheap bound (padded rows x max_seq_len) does not tell is served on the build's
+    bound, which works its real requests out; the shape's ticket still takes its longest request from the padded
+    rows, so a later build that only the bound could tell goes the way every build went, on the engine's thread.
+    The capture thread tells a ticketed step without the build's host buffers (the engine's again by then)."""
+    import dataclasses
+    import threading
+
+    from kvdbg.vllm_plugin import vllm_facts
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0-20", layers=2)
+    wrapper, entry = _record_variants(16)
+    program = next(iter(state._staged_variants.values()))[1]
+    monkeypatch.setattr(program, "size", 64)  # fewer positions than 4 rows of the longest request's pages
+
+    def padded():  # with vLLM's host bound on each request's length, as its runner gives it
+        common = _padded(engine.common(), reqs=4, tokens=16)
+        return dataclasses.replace(common, seq_lens_cpu_upper_bound=common.seq_lens.clone())
+
+    def step():
+        _run_as_graph(engine, padded(), _padded_inputs(engine, 16), 16, monkeypatch, wrapper=wrapper)
+        assert state.drain_graph_capture(10)
+        program.poll_released(wait=True)
+        return entry.cudagraph
+
+    assert step() == "staged"  # on the bound: its 3 requests' 34 pages fit
+    ticket = next(iter(state._tickets.values()))
+    per_row = 64 // 4
+    assert ticket.max_seq_len == (float("inf") if per_row >= program.width else per_row * program.page_size)
+    engine.builder.build(0, padded())
+    assert state._pending_build is None  # max_seq_len 308 is past the padded rows' 256: told at the build
+    state._prepared = None
+    # Nothing the capture thread tells reads the build's host buffers: a ticketed step over the cheap bound is
+    # refused there, never worked out from them.
+    engine_thread, real = threading.get_ident(), vllm_facts._requests_with_tokens
+    monkeypatch.setattr(vllm_facts, "_requests_with_tokens", lambda common: real(common)
+                        if threading.get_ident() == engine_thread else pytest.fail("host buffers read off the engine"))
+    hint = state._graph_builds[engine.names[0]][1].stage
+    from kvdbg.vllm_plugin.graph_staging import stage_hint
+
+    fresh = stage_hint(hint.common, (hint.block_table, hint.seq_lens, hint.query_start_loc), -1)
+    assert program.serves(fresh, host=False) == 0
+    assert step() == "staged"
+    assert sorted({s.meta.capture["step"] for s in snapshots(tmp_path)}) == [0, 1]
+
+
 def test_a_ticketed_step_whose_build_handed_other_buffers_is_lost_in_words(standins, tmp_path, monkeypatch):
     """The capture thread checks that the build handed the buffers the graph read (the engine's thread no longer
     does): a build of new tensors replays the staged variant on its ticket and each layer's step is said lost,

@@ -226,7 +226,11 @@ class _GraphCaptureThread:
                 job.set()
                 continue
             if job.__class__ is tuple:  # a step handed on its ticket: its job made here (none: said lost)
-                job = self.state._ticket_job(job)
+                try:
+                    job = self.state._ticket_job(job)
+                except Exception as exc:  # noqa: BLE001 - said; the thread goes on with the next job
+                    self.state.capturer.report(exc, "the graph capture thread", step_lost=True)
+                    job = None
                 if job is None:
                     continue
             try:
@@ -899,7 +903,9 @@ class GraphHooks:
         facts = self._builder_facts.get(id(builder))
         if staged is None or staged[1] is not program or facts is None:
             return
-        rows = hint.most_reqs
+        # The batch's padded rows, not its real requests (worked out when the build's bound was read): the capture
+        # thread tells a ticketed step with the rows alone (InGraphProgram.serves, host=False).
+        rows = hint.rows if hint.rows > 0 else hint.most_reqs
         per_request = program.size // max(1, rows)
         if rows > program.count_rows or per_request < 1:
             return
@@ -915,15 +921,25 @@ class GraphHooks:
         ticket, step = fast[2], fast[3][4]
         self._forward_counts.update(zip(ticket.names, repeat(step + 1)))
         self._counts_epoch += 1
-        thread = self._graph_thread
-        if thread is None:
-            thread = self._graph_thread = _GraphCaptureThread(self)
-        ticket.program.hold()
+        held = False
+        try:
+            thread = self._graph_thread
+            if thread is None:
+                thread = self._graph_thread = _GraphCaptureThread(self)
+            ticket.program.hold()
+            held = True
+            thread.jobs.put(fast)
+        except Exception as exc:  # never into vLLM: each layer's step said lost, the program let go
+            if held:
+                ticket.program.release(issued=False)
+            for slot in ticket.slots:
+                self.capturer.report(exc, f"after a CUDA graph's replay (step {step} of {slot.name})",
+                                     step_lost=True)
+            return False
         account = self.capturer.engine_time
         account.handed += 1
         account.staged += 1
         account.in_graph += 1
-        thread.jobs.put(fast)
         return True
 
     def _ticket_job(self, fast: tuple) -> _GraphJob | None:
@@ -939,25 +955,27 @@ class GraphHooks:
 
             buffers = (common.block_table_tensor, common.seq_lens, common.query_start_loc)
             hint = _stage_hint()(common, buffers, -1)
-            if hint is None or program.serves(hint) != 2:
+            # Told from the build's device buffers and the shape's rows alone: its host buffers are the engine's again.
+            if hint is None or program.serves(hint, host=False) != 2:
                 from kvdbg.capture.capturer import CaptureInputError
 
                 raise CaptureInputError("the build handed the step's metadata in buffers other than those vLLM's graph "
-                                        "and kvdbg's staging inside it read (a runner that moved its buffers)")
+                                        "and kvdbg's staging inside it read, or the step's pages could not be told "
+                                        "within the staged positions from its padded rows")
             ctx = _EngineContext(id(metadata), *buffers, None, common.causal, ticket.facts, _step_refusal(common),
                                  deferred=_Deferred(builder, buffers, common.slot_mapping, hint))
             ctx.stage = hint
             staged = program.staged_step(ticket.rows, hint, True)
+            job = _GraphJob(list(zip(ticket.slots, repeat(step), repeat(ctx))), ticket.tokens, staged=staged)
+            kv_cache = ticket.slots[0].kv_cache
+            if kv_cache.is_cuda:
+                job.device, job.ready = kv_cache.device, staged.ready
         except Exception as exc:  # noqa: BLE001 - each layer's step said lost; the program let go
             program.release(issued=False)
             for slot in ticket.slots:
                 self.capturer.report(exc, f"after a CUDA graph's replay (step {step} of {slot.name})",
                                      step_lost=True)
             return None
-        job = _GraphJob(list(zip(ticket.slots, repeat(step), repeat(ctx))), ticket.tokens, staged=staged)
-        kv_cache = ticket.slots[0].kv_cache
-        if kv_cache.is_cuda:
-            job.device, job.ready = kv_cache.device, staged.ready
         return job
 
     def _every_layer_wanted(self, batch: Any, slots: list, names: tuple, step: int) -> list | None:

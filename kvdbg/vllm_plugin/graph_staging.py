@@ -543,10 +543,13 @@ class InGraphProgram(_Program):
         table_rows = _to_storage_end(table).numel() // max(1, table.stride(0))
         return max(1, min(_to_storage_end(hint.seq_lens).numel(), table_rows))
 
-    def serves(self, hint: StageHint) -> int:
+    def serves(self, hint: StageHint, host: bool = True) -> int:
         """Whether a build's step can be staged by this program: the graph read the buffers it reads, and the
         host's bound on the step's pages is within its positions (the cheap bound first, then the exact one).
-        0: it cannot; 1: it can; 2: it can, and its metadata copies read the build's (StagedStep.with_metadata)."""
+        0: it cannot; 1: it can; 2: it can, and its metadata copies read the build's (StagedStep.with_metadata).
+        ``host=False``: told without the build's host buffers (the real requests, the bound on the lengths), which
+        the engine rewrites at its next step: a reader other than the engine's thread asks so, and a step the cheap
+        bound does not tell is refused (0)."""
         if hint.seq_lens is None or hint.seq_lens.data_ptr() != self.lengths_at \
                 or hint.block_table.data_ptr() != self.table_at:
             return 0
@@ -554,13 +557,15 @@ class InGraphProgram(_Program):
         # the reader (StagedStep._requests).
         reqs = hint.most_reqs
         if reqs > self.count_rows:
+            if not host:
+                return 0
             reqs = hint.num_reqs
             if reqs > self.count_rows:
                 return 0
         size, page = self.size, self.page_size
         if hint.max_seq_len <= 0 or reqs * min(-(-hint.max_seq_len // page), self.width) > size:
             bound = hint.seq_lens_bound
-            if bound is None:
+            if bound is None or not host:
                 return 0
             reqs = hint.num_reqs
             lengths = (bound.numpy() if hasattr(bound, "numpy") else np.asarray(bound))[:reqs]
