@@ -17,7 +17,7 @@ from itertools import repeat
 from typing import Any
 
 from kvdbg.vllm_plugin import vllm_facts
-from kvdbg.vllm_plugin.records import _Deferred, _EngineContext, _HostMetadata, _builder_facts
+from kvdbg.vllm_plugin.records import _EngineContext, _HostMetadata, _builder_facts, deferred_context
 from kvdbg.vllm_plugin.vllm_facts import (
     _ENGINE_ATTR, _HOST_SLOTS_KEPT, _SIDE_TABLE_SIZE, _parallel_facts, _requests_with_tokens, _rows,
     _step_refusal, _tensor_key
@@ -161,8 +161,7 @@ class BuilderHooks:
             # Nothing copied, nothing sliced (a slice is a torch call): the staging program copies the
             # metadata after the graph's replay, as the graph read it, and the capture thread takes the real
             # requests' rows; should the step run eagerly after all, its first hook copies them.
-            ctx = _EngineContext(id(metadata), *buffers, None, causal, facts, _step_refusal(common),
-                                 deferred=_Deferred(builder, buffers, slot_mapping, hint))
+            ctx = deferred_context(builder, common, metadata, facts, buffers, hint)
             # Every layer of the builder wanted at one step, told now: the choice of graph need not ask again
             # (GraphHooks._prepared_step).
             prepare = lo == hi and lo is not None and len(names) == len(getattr(builder, "layer_names", ()) or ())

@@ -869,9 +869,7 @@ class GraphHooks:
         try:  # without staged metadata, the step's requests are worked out here, from the build's host offsets
             staged = program.staged_step(items[0][0].query.shape[0], hint, with_metadata)
         except Exception as exc:  # never into vLLM: each layer's step is said lost
-            for slot, step, _ in items:
-                self.capturer.report(exc, f"after a CUDA graph's replay (step {step} of {slot.name})",
-                                     step_lost=True)
+            self._steps_lost(exc, [(slot, step) for slot, step, _ in items])
             return False
         # The runner's buffers were not the program's: the build's copies, now.
         handed = self._hand_job(_GraphJob(items, batch.num_tokens), staged, [] if with_metadata else [items[0][2]],
@@ -932,9 +930,7 @@ class GraphHooks:
         except Exception as exc:  # never into vLLM: each layer's step said lost, the program let go
             if held:
                 ticket.program.release(issued=False)
-            for slot in ticket.slots:
-                self.capturer.report(exc, f"after a CUDA graph's replay (step {step} of {slot.name})",
-                                     step_lost=True)
+            self._steps_lost(exc, zip(ticket.slots, repeat(step)))
             return False
         account = self.capturer.engine_time
         account.handed += 1
@@ -950,8 +946,7 @@ class GraphHooks:
         _, builder, common, metadata, step, _, _ = pending
         try:
             from kvdbg.vllm_plugin.builder_hooks import _stage_hint
-            from kvdbg.vllm_plugin.records import _Deferred, _EngineContext
-            from kvdbg.vllm_plugin.vllm_facts import _step_refusal
+            from kvdbg.vllm_plugin.records import deferred_context
 
             buffers = (common.block_table_tensor, common.seq_lens, common.query_start_loc)
             hint = _stage_hint()(common, buffers, -1)
@@ -962,9 +957,7 @@ class GraphHooks:
                 raise CaptureInputError("the build handed the step's metadata in buffers other than those vLLM's graph "
                                         "and kvdbg's staging inside it read, or the step's pages could not be told "
                                         "within the staged positions from its padded rows")
-            ctx = _EngineContext(id(metadata), *buffers, None, common.causal, ticket.facts, _step_refusal(common),
-                                 deferred=_Deferred(builder, buffers, common.slot_mapping, hint))
-            ctx.stage = hint
+            ctx = deferred_context(builder, common, metadata, ticket.facts, buffers, hint)
             staged = program.staged_step(ticket.rows, hint, True)
             job = _GraphJob(list(zip(ticket.slots, repeat(step), repeat(ctx))), ticket.tokens, staged=staged)
             kv_cache = ticket.slots[0].kv_cache
@@ -972,11 +965,14 @@ class GraphHooks:
                 job.device, job.ready = kv_cache.device, staged.ready
         except Exception as exc:  # noqa: BLE001 - each layer's step said lost; the program let go
             program.release(issued=False)
-            for slot in ticket.slots:
-                self.capturer.report(exc, f"after a CUDA graph's replay (step {step} of {slot.name})",
-                                     step_lost=True)
+            self._steps_lost(exc, zip(ticket.slots, repeat(step)))
             return None
         return job
+
+    def _steps_lost(self, exc: BaseException, layers: Any) -> None:
+        """Each (slot, step) of a replayed graph's step that cannot be captured, said lost with ``exc``."""
+        for slot, step in layers:
+            self.capturer.report(exc, f"after a CUDA graph's replay (step {step} of {slot.name})", step_lost=True)
 
     def _every_layer_wanted(self, batch: Any, slots: list, names: tuple, step: int) -> list | None:
         """Every layer of the graph, all at ``step``, wanted with one build's context: told with one check of capture's

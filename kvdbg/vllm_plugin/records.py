@@ -7,6 +7,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvdbg.vllm_plugin.vllm_facts import _step_refusal
+
 if TYPE_CHECKING:  # torch and the capture modules load only once capture is switched on
     import torch
 
@@ -119,3 +121,15 @@ class _Declared:
     missing: str | None  # why the layout is unknown, when it is
     decode_context_parallel_size: int
     builder: str
+
+
+def deferred_context(builder: Any, common: Any, metadata: Any, facts: _BuilderFacts, buffers: tuple,
+                     hint: Any) -> _EngineContext:
+    """The context of a build a full CUDA graph will likely replay: the runner's own ``buffers`` (block table, lengths,
+    query offsets, as the build was given them), nothing copied (see :class:`_Deferred`); ``hint``: its staging hint.
+    Made by the build on the engine's thread, or, for a step handed on its shape's ticket, by the graph capture
+    thread (``graph_hooks.GraphHooks._ticket_job``)."""
+    ctx = _EngineContext(id(metadata), *buffers, None, common.causal, facts, _step_refusal(common),
+                         deferred=_Deferred(builder, buffers, common.slot_mapping, hint))
+    ctx.stage = hint
+    return ctx
