@@ -229,6 +229,8 @@ class Timing:
         # While kvdbg's replay hook runs: the step's record and the device-timed start event (or None), which the
         # hand-over puts on the job before the capture thread can take it.
         self.handing: tuple[dict | None, object] | None = None
+        self.stand_in = None  # a ticketed step's stand-in job, made before the replay's hook is timed
+        self.worker_checks: list[dict] = []  # the sentinel's worker's checks (wrap_worker_checks)
         self.handed_job = None  # the job the latest after_graph_replay handed to the capture thread
         self._replaced: list[tuple[object, str, object]] = []
         # kvdbg's hooks and their timers, (class, name, the class's own hook or None, the timed hook): hook_timers()
@@ -285,11 +287,14 @@ class Timing:
                 record["kvdbg"], record["block_first"] = switched
             probe = timing.draw_probe
             counted = None if probe is None else probe[0]._forward_counts.get(probe[1], 0)
+            cpu = time.thread_time_ns() if timing.thread_times else None
             start = time.perf_counter_ns()
             try:
                 return original(*args, **kwargs)
             finally:
                 record["wall_ns"] = time.perf_counter_ns() - start
+                if cpu is not None:  # --thread-times: the engine's thread's CPU time in the step (wall above it: waiting)
+                    record["cpu_ns"] = time.thread_time_ns() - cpu
                 if counted is not None:  # the layer's forwards the step counted: its draws (outside the clock)
                     now = probe[0]._forward_counts.get(probe[1], 0)
                     if now > counted:
@@ -426,6 +431,9 @@ class Timing:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
             timing.handing = (record, start if device_timed else None)
+            fast = state._in_graph_ran
+            if fast is not None and len(fast) == 4 and fast[0] == batch:  # a step on its ticket: the stand-in made
+                timing.stand_in = _ticket_stand_in(fast, *timing.handing)  # here, off the hook's clock
             thread = _thread_clock() if timing.thread_times and record is not None else None
             began = time.perf_counter_ns()
             try:
@@ -470,9 +478,9 @@ class Timing:
         tickets: dict = {}
 
         def _hand_ticket(state, fast):
-            record, start = timing.handing or (timing.current, None)
-            stand_in = types.SimpleNamespace(bench_record=record, bench_start=start, finished=threading.Event(),
-                                             staged=types.SimpleNamespace(program=fast[1]), device=None)
+            stand_in, timing.stand_in = timing.stand_in, None
+            if stand_in is None:  # handed from elsewhere than the replay's hook (never, in vLLM 0.33)
+                stand_in = _ticket_stand_in(fast, *(timing.handing or (timing.current, None)))
             tickets[id(fast)] = stand_in
             timing.handed_job = stand_in
             return hand_ticket(state, fast)
@@ -677,6 +685,14 @@ def _thread_timed(timing: Timing, name: str, original, where: str):
     return timed
 
 
+def _ticket_stand_in(fast: tuple, record: dict | None, start) -> types.SimpleNamespace:
+    """What stands for a ticketed step's job on the engine's thread (its record, its device start, its program)
+    until the capture thread makes the job; made before the replay's hook is timed, so that its event is the
+    bench's cost, not kvdbg's."""
+    return types.SimpleNamespace(bench_record=record, bench_start=start, finished=threading.Event(),
+                                 staged=types.SimpleNamespace(program=fast[1]), device=None)
+
+
 def _thread_clock() -> tuple[int, int]:
     """The calling thread's voluntary context switches and CPU time so far (``getrusage(RUSAGE_THREAD)``)."""
     import resource
@@ -799,6 +815,11 @@ def drawn_split(steps: list[dict], window: list[dict]) -> dict:
     if parts:  # the rounds with the bench's timers on: where a drawn step's hooks went (means over drawn steps)
         out["drawn_parts_us"] = {name: statistics.fmean(s.get("inner", {}).get(name, 0) for s in drawn) / 1e3
                                  for name in sorted(parts)}
+    if all("cpu_ns" in s for s in window):  # --thread-times: the same on the engine's thread's CPU (the rest: waiting)
+        base_cpu = statistics.median(s["cpu_ns"] for s in quiet)
+        out["drawn_cpu_added_ms"] = statistics.fmean(s["cpu_ns"] - base_cpu for s in drawn) / 1e6
+        out["after_cpu_added_ms"] = statistics.fmean(sum(t["cpu_ns"] - base_cpu for t in after)
+                                                     for after in following) / 1e6
     out.update(drawn_added_ms=statistics.fmean(drawn_added) / 1e6, after_added_ms=statistics.fmean(after_added) / 1e6,
                drawn_hooks_us=statistics.fmean(hooks_ns(s) for s in drawn) / 1e3,
                quiet_hooks_us=statistics.median(hooks_ns(s) for s in quiet) / 1e3,
@@ -1016,9 +1037,19 @@ def figures(records: dict[str, dict]) -> dict:
                            **_hooks_by_name(hooked),
                            "counts": records["sentinel"].get("sentinel_counts"),
                            "draws": records["sentinel"].get("sentinel_draws"),
+                           "worker_checks": _worker_checks(records["sentinel"].get("sentinel_checks")),
                            "drawn_split": _split_over_rounds(sentinel),
                            "drawn_split_timed": _split_over_rounds(sentinel_phases.get("timed", []))}
     return out
+
+
+def _worker_checks(checks: list[dict] | None) -> dict | None:
+    """The worker's checks (:func:`wrap_worker_checks`): how many, and the spread of each one's wall time, CPU time
+    and switches."""
+    if not checks:
+        return None
+    return {"checks": len(checks), **{key: spread([c.get(key) for c in checks])
+                                      for key in ("wall_us", "cpu_us", "switches", "device_us")}}
 
 
 def log_draws(state, timing: "Timing") -> list[dict]:
@@ -1043,13 +1074,52 @@ def log_draws(state, timing: "Timing") -> list[dict]:
     return log
 
 
+def wrap_worker_checks(timing: "Timing") -> list[dict]:
+    """Each check the sentinel's worker thread makes (``checker.check_layers`` on its thread): its wall time, its
+    CPU time (the part that can hold the interpreter's lock the engine's thread wants), voluntary switches, the
+    bench's step when it began, and on a GPU its span on the worker's stream (from before its first kernel to after
+    its last: the device's work and the gaps while the worker launched). Checks on other threads are not timed."""
+    from kvdbg.sentinel import checker
+
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - kvdbg's checker needs it anyway
+        torch = None
+    real, log = checker.check_layers, timing.worker_checks
+
+    def check_layers(entries, *args, **kwargs):
+        if threading.current_thread().name != "kvdbg-sentinel":
+            return real(entries, *args, **kwargs)
+        marks = None
+        if torch is not None and torch.cuda.is_available():  # the check's span on the worker's stream
+            marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            marks[0].record()
+        clock, began, bench_step = _thread_clock(), time.perf_counter_ns(), len(timing.steps)
+        try:
+            return real(entries, *args, **kwargs)
+        finally:
+            wall = time.perf_counter_ns() - began
+            switches, cpu = _thread_clock()
+            entry = {"step": kwargs.get("step"), "layers": len(entries), "bench_step": bench_step,
+                     "wall_us": wall / 1e3, "cpu_us": (cpu - clock[1]) / 1e3, "switches": switches - clock[0]}
+            if marks is not None:
+                marks[1].record()
+                marks[1].synchronize()  # the worker synchronises its stream next anyway
+                entry["device_us"] = marks[0].elapsed_time(marks[1]) * 1e3
+            log.append(entry)
+
+    checker.check_layers = check_layers  # the worker's loop reads the module's name on each job
+    return log
+
+
 def _split_over_rounds(rounds: list[dict]) -> dict:
     """:func:`drawn_split` over a part's rounds: the steps drawn in all, and each figure's median over rounds."""
     splits = [r["drawn_split"] for r in rounds if r.get("drawn_split")]
     if not splits:
         return {}
     out: dict = {"drawn": sum(x["drawn"] for x in splits), "steps": sum(x["steps"] for x in splits)}
-    for key in ("drawn_added_ms", "after_added_ms", "drawn_hooks_us", "quiet_hooks_us", "share", "drawn_program_ms"):
+    for key in ("drawn_added_ms", "after_added_ms", "drawn_hooks_us", "quiet_hooks_us", "share", "drawn_program_ms",
+                "drawn_cpu_added_ms", "after_cpu_added_ms"):
         out[key] = spread([x.get(key) for x in splits]).get("median")
     parts = {name for x in splits for name in x.get("drawn_parts_us", {})}
     if parts:
@@ -1293,6 +1363,7 @@ def engine_child(args) -> dict:
         if state is not None and state.sentinel is not None and state._graph_layers:
             timing.draw_probe = (state, next(iter(state._graph_layers.values()))[0].name)
             record["sentinel_draws"] = log_draws(state, timing)
+            record["sentinel_checks"] = wrap_worker_checks(timing)
         run_rounds(llm, timing, 1, 0, args)  # warm-up: first launches of the eager prefill's kernels
         phases = args.phases.split(",")
         index = 1
@@ -1658,6 +1729,19 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"{d['quiet_hooks_us']:.1f} us"
                       + ("" if d.get("drawn_program_ms") is None else
                          f"; its staging program {d['drawn_program_ms']:.2f} ms on the device"))
+            if d.get("drawn_cpu_added_ms") is not None:
+                print(f"  {name:9s} the same on the engine's thread's CPU: a drawn step "
+                      f"+{d['drawn_cpu_added_ms']:.2f} ms, the {FOLLOWING_STEPS} after it "
+                      f"+{d['after_cpu_added_ms']:.2f} ms (the rest of the wall time above: the thread waiting, "
+                      f"for the device or the interpreter's lock)")
+            w = f.get("worker_checks") or {}
+            if w.get("checks"):
+                print(f"  {name:9s} its worker's checks: {w['checks']}; each {w['wall_us']['median'] / 1e3:.2f} ms "
+                      f"(median; {w['wall_us']['min'] / 1e3:.2f}..{w['wall_us']['max'] / 1e3:.2f}), of it "
+                      f"{w['cpu_us']['median'] / 1e3:.2f} ms on the CPU (when the worker can hold the interpreter's "
+                      f"lock), {w['switches']['median']:.0f} voluntary switches"
+                      + ("" if not w.get("device_us") else f"; its span on the worker's stream "
+                         f"{w['device_us']['median'] / 1e3:.2f} ms"))
             t = f.get("drawn_split_timed") or {}
             if t.get("drawn_parts_us"):
                 print(f"  {name:9s} a drawn step's hooks with the bench's timers on: {t['drawn_hooks_us']:.0f} us "

@@ -756,6 +756,47 @@ def test_a_sentinel_rounds_time_is_split_between_its_drawn_steps_the_steps_after
         "sentinel_hand 120 us" in out
 
 
+def test_a_drawn_steps_time_on_the_engines_cpu_and_its_workers_checks_are_shown_beside_the_wall_time(capsys):
+    """--thread-times: each step's CPU time on the engine's thread splits a drawn step's added wall time into work
+    and waiting; the worker's checks are timed on its own thread (others' calls are not), and printed."""
+    import threading
+
+    from kvdbg.sentinel import checker
+
+    steps = [_step(30.0, replays=0, hooks_us=0, drawn=False, cpu_ns=0)]
+    steps += [_step(5.0, drawn=False, cpu_ns=2_000_000) for _ in range(40)]
+    steps[11] = _step(8.0, drawn=True, cpu_ns=2_500_000)  # +3 ms wall, of it +0.5 ms on the engine's CPU
+    for i in range(12, 12 + gc.FOLLOWING_STEPS):
+        steps[i] = _step(5.5, drawn=False, cpu_ns=2_000_000)  # +0.5 ms each, none of it on the CPU
+    split = gc.summarize_round(steps)["drawn_split"]
+    assert split["drawn_added_ms"] == pytest.approx(3.0) and split["drawn_cpu_added_ms"] == pytest.approx(0.5)
+    assert split["after_added_ms"] == pytest.approx(4.0) and split["after_cpu_added_ms"] == pytest.approx(0.0)
+    timing = gc.Timing(thread_times=True)
+    real = checker.check_layers
+    calls = []
+    checker.check_layers = lambda entries, *a, **k: calls.append(k.get("step")) or ["ok"] * len(entries)
+    try:
+        log = gc.wrap_worker_checks(timing)
+        assert checker.check_layers([1, 2], pairs=4, step=5) == ["ok", "ok"]  # the engine's thread: not timed
+        worker = threading.Thread(target=lambda: checker.check_layers([1, 2, 3], pairs=4, step=7),
+                                  name="kvdbg-sentinel")
+        worker.start()
+        worker.join()
+    finally:
+        checker.check_layers = real
+    assert calls == [5, 7] and [(c["step"], c["layers"]) for c in log] == [(7, 3)]
+    assert log[0]["wall_us"] > 0 and log[0]["cpu_us"] >= 0 and log[0]["switches"] >= 0
+    records = _records()
+    records["sentinel"]["phases"]["rounds"] = [gc.summarize_round(steps)] * 3
+    records["sentinel"]["sentinel_checks"] = log * 2
+    figs = gc.figures(records)
+    assert figs["sentinel"]["worker_checks"]["checks"] == 2
+    gc.print_figures(figs, records)
+    out = capsys.readouterr().out
+    assert "the same on the engine's thread's CPU: a drawn step +0.50 ms, the 8 after it +0.00 ms" in out
+    assert "its worker's checks: 2; each" in out
+
+
 @pytest.mark.parametrize("sentinel", [False, True])
 def test_the_wrappers_mark_the_steps_the_sentinel_drew(standins, tmp_path, monkeypatch, sentinel):
     """With the sentinel on (here at rate 1: every step drawn), each graph step's record says whether the sentinel
