@@ -243,3 +243,30 @@ def test_copies_issued_ahead_are_all_given_back_when_a_layers_cannot_be_and_a_fa
     made.clear()
     capturer.queue_would_take = lambda n: False  # over the writer's queue: nothing issued at all
     assert GraphHooks._issue_ahead(state, job) == {} and not made
+
+
+def test_alike_layers_are_staged_into_one_stack_and_unlike_ones_each_into_its_own():
+    """Layers of one cache shape, type and paging and of one query and output shape get one buffer per kind, a layer
+    per index: each layer's staged copies are that stack's, equal to what it stages alone, laid out as its cache."""
+    torch.manual_seed(2)
+    table, seq_lens, offsets = _runner()
+    caches = [torch.randn(40, 2, 16, 2, 8) for _ in range(3)]
+    queries, outputs = [torch.randn(16, 4, 8) for _ in range(3)], [torch.randn(16, 32) for _ in range(3)]
+    layers = [_layer(f"l{i}", caches[i], queries[i], outputs[i]) for i in range(3)]
+    staged = GraphStager().stage(layers, _hint(table, seq_lens, offsets), 16, 12)
+    stack = staged.program.stack
+    assert stack is not None and stack.pages.shape[0] == stack.query.shape[0] == stack.output.shape[0] == 3
+    for i in range(3):
+        copies = staged.layers[f"l{i}"]
+        assert copies.stack[0] is stack and copies.stack[1] == i
+        assert copies.pages.data_ptr() == stack.pages[i].data_ptr() and copies.pages.stride() == stack.pages[i].stride()
+        assert copies.query.data_ptr() == stack.query[i].data_ptr()
+        alone = GraphStager().stage([layers[i]], _hint(table, seq_lens, offsets), 16, 12)
+        assert alone.program.stack is None and alone.layers[f"l{i}"].stack is None
+        count = staged.sized()
+        torch.testing.assert_close(copies.pages[:count], alone.layers[f"l{i}"].pages[:count], rtol=0, atol=0)
+        torch.testing.assert_close(copies.query, queries[i][:12], rtol=0, atol=0)
+        torch.testing.assert_close(copies.output, outputs[i][:12], rtol=0, atol=0)
+    unlike = layers[:2] + [_layer("l2", torch.randn(40, 4, 16, 2, 8), queries[2], outputs[2])]  # more KV heads
+    mixed = GraphStager().stage(unlike, _hint(table, seq_lens, offsets), 16, 12)
+    assert mixed.program.stack is None and all(copies.stack is None for copies in mixed.layers.values())

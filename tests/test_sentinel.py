@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import math
 import random
+import types
 
 import pytest
 import torch
@@ -199,6 +200,70 @@ def test_a_checks_torch_calls_do_not_grow_with_its_pairs_and_few_with_its_layers
             counts[layers, len(pairs)] = calls.count
     assert counts[1, 2] == counts[1, len(ALL_PAIRS)] and counts[4, 2] == counts[4, len(ALL_PAIRS)], counts
     assert counts[4, 2] - counts[1, 2] <= 3 * 16, counts
+
+
+def _stacked(entries: list, order: list[int] | None = None) -> list:
+    """The same layers with their copies in one buffer per kind, a layer per index of its first axis (as a graph
+    step's staging lays alike layers out: graph_staging.StagedStack); ``order``: each layer's index there."""
+    order = list(range(len(entries))) if order is None else order
+    count = max(order) + 1
+    kinds = {}
+    for kind in ("kv_cache", "query", "output"):
+        first = getattr(entries[0][1], kind)
+        kinds[kind] = torch.zeros((count, *first.shape), dtype=first.dtype)
+        for (_, inputs), at in zip(entries, order):
+            kinds[kind][at].copy_(getattr(inputs, kind))
+    stack = types.SimpleNamespace(pages=kinds["kv_cache"], query=kinds["query"], output=kinds["output"])
+    return [(layer, dataclasses.replace(inputs, kv_cache=stack.pages[at], query=stack.query[at],
+                                        output=stack.output[at], stack=(stack, at)))
+            for (layer, inputs), at in zip(entries, order)]
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"kv_layout": LAYOUT_KV_PLANES},
+    {"sliding_window": 6, "logits_soft_cap": 5.0},
+    {"kv_cache_dtype": "fp8", "k_scale": 0.05, "v_scale": 0.02, "dtype": "float16"},
+    {"sinks": [0.5, -1.0, 2.0, 0.0]},
+], ids=["bf16", "kv_planes", "window_cap", "fp8", "sinks"])
+@pytest.mark.parametrize("order", [None, [4, 1, 2]], ids=["in_order", "some_of_a_stack"])
+def test_layers_whose_copies_lie_in_one_stack_are_checked_as_each_alone(kw, order):
+    # A graph step's staging lays alike layers' copies in one buffer per kind; the check then picks every layer's
+    # pages, query and output rows at once, and must find what each layer checked alone finds: a wrong head, a NaN.
+    entries = _one_step_of_layers(3, **kw)
+    entries[1][1].output.view(-1, HQ, D)[1:5, 2] += 0.5  # layer 1: request 1, head 2
+    entries[2][1].output.view(-1, HQ, D)[5, 3] = float("nan")  # layer 2: request 2's token, head 3
+    alone = [check_step(layer, inputs, pairs=ALL_PAIRS, step=4) for layer, inputs in entries]
+    stacked = _stacked(entries, order)
+    together = check_layers(stacked, pairs=ALL_PAIRS, step=4)
+    for one, both in zip(alone, together):
+        assert both.layer == one.layer and both.tolerance == one.tolerance
+        assert (both.nonfinite is None) == (one.nonfinite is None)
+        if one.nonfinite is not None:
+            assert (both.nonfinite.request, both.nonfinite.head) == (one.nonfinite.request, one.nonfinite.head)
+        assert [(p.request, p.head, p.passed) for p in both.pairs] == [(p.request, p.head, p.passed)
+                                                                       for p in one.pairs]
+        for a, b in zip(one.pairs, both.pairs):
+            if a.diff is not None and b.diff is not None:  # a few ulps; NaN where the output is
+                assert b.diff.max_abs == pytest.approx(a.diff.max_abs, rel=1e-5, abs=1e-5, nan_ok=True)
+    assert together[0].passed and [(p.request, p.head) for p in together[1].failed_pairs] == [(1, 2)]
+    assert (together[2].nonfinite.request, together[2].nonfinite.head) == (2, 3)
+
+
+def test_a_stacked_checks_torch_calls_do_not_grow_with_its_layers():
+    # Per layer, a check read each layer's copies apart (its gathers, its non-finite check): with the layers' copies
+    # in one stack, those are one call each for every layer, so the count is that of one problem.
+    counts = {}
+    for layers in (2, 6):
+        entries = _stacked(_one_step_of_layers(layers))
+        with _TorchCalls() as calls:
+            results = check_layers(entries, pairs=4, step=1)
+        assert all(result.passed for result in results)
+        counts[layers] = calls.count
+    assert counts[2] == counts[6], counts
+    with _TorchCalls() as calls:
+        check_layers(_one_step_of_layers(6), pairs=4, step=1)
+    assert calls.count > counts[6] + 6 * 8, (calls.count, counts)  # the same layers apart: a dozen calls a layer
 
 
 def test_layers_unlike_each_other_are_checked_apart():

@@ -90,6 +90,11 @@ class StepInputs:
     # Pages each request's row of block_table holds (a staged step's table: kvdbg.vllm_plugin.graph_staging); a
     # request whose length needs more is refused before anything is read past them.
     max_pages: list[int] | None = None
+    # (stack, index): the layer's query, output and pages are ``stack.query[index]`` (its first rows),
+    # ``stack.output[index]`` and ``stack.pages[index]`` of buffers that hold several layers' copies of one step along
+    # their first axis (a graph step's staging: kvdbg.vllm_plugin.graph_staging.StagedStack). Layers of one stack are
+    # read with one gather per kind, not one per layer (check_layers).
+    stack: tuple | None = None
 
 
 @dataclass
@@ -273,7 +278,7 @@ def _alike_key(entry: tuple[CaptureLayer, StepInputs]) -> tuple:
     layer, inputs = entry
     constants = tuple(getattr(layer, name) for name in _layer_fields())
     same = (id(inputs.block_table), id(inputs.seq_lens), id(inputs.query_start_loc), inputs.causal,
-            inputs.max_model_len, inputs.max_pages)
+            inputs.max_model_len, inputs.max_pages, None if inputs.stack is None else id(inputs.stack[0]))
     return constants, same, tuple((t.shape, t.dtype, t.device) for t in (inputs.kv_cache, inputs.query, inputs.output))
 
 
@@ -301,12 +306,19 @@ def _check_alike(entries: list[tuple[CaptureLayer, StepInputs]], pairs: list[tup
                for entry in entries]
     if num_tokens == 0:
         return results
-    outputs = [_rows(inputs.output, num_tokens, hq, d) for _, inputs in entries]
-    for result, nonfinite in zip(results, _nonfinite_rows(outputs, qsl)):
-        result.nonfinite = nonfinite
+    stacked = _stacked_rows(entries, num_tokens, hq, d)
+    if stacked is None:
+        outputs = [_rows(inputs.output, num_tokens, hq, d) for _, inputs in entries]
+        queries = [_rows(inputs.query, num_tokens, hq, d) for _, inputs in entries]
+        nonfinite = _nonfinite_rows(outputs, qsl)
+    else:  # [layers, T, Hq, D] each, indexed by entry: one read of the device for the whole check of every layer
+        queries, outputs = stacked
+        finite = torch.isfinite(outputs).flatten(1).all(dim=1).tolist()
+        nonfinite = [None if ok else _nonfinite(outputs[e], qsl) for e, ok in enumerate(finite)]
+    for result, bad in zip(results, nonfinite):
+        result.nonfinite = bad
     query_lens = [qsl[r + 1] - qsl[r] for r in range(len(qsl) - 1)]
     chosen = [choose_pairs(query_lens, hq, pairs, rng) if isinstance(pairs, int) else list(pairs) for _ in entries]
-    queries = [_rows(inputs.query, num_tokens, hq, d) for _, inputs in entries]
     # One reference call for all pairs; a layer with per-head values (sinks, ALiBi) needs one per head.
     # Within a call, each layer's pairs are one run of mini-requests (entry order).
     per_head = any(getattr(layer, name, None) is not None for name in ("sinks", "alibi_slopes"))
@@ -317,9 +329,15 @@ def _check_alike(entries: list[tuple[CaptureLayer, StepInputs]], pairs: list[tup
     # The engine quantised the query (an FP8 cache on CUDA): its kernel rounded P to e4m3 before P·V, which
     # the tolerance allows for from the values each layer's sampled pairs read (kvdbg.judge.compare).
     fp8_query = fp8 and holds_fp8(first.query)
-    checks = [(split, _reference_pairs(layer, [(entries[e][1], queries[e], outputs[e], split[e])
-                                               for e in range(len(entries))], qsl, seq_lens, read_values=fp8_query))
-              for split in calls.values()]
+    if stacked is None:
+        checks = [(split, _reference_pairs(layer, [(entries[e][1], queries[e], outputs[e], split[e])
+                                                   for e in range(len(entries))], qsl, seq_lens,
+                                           read_values=fp8_query))
+                  for split in calls.values()]
+    else:
+        checks = [(split, _reference_pairs(layer, [(entries[e][1], None, None, split[e]) for e in range(len(entries))],
+                                           qsl, seq_lens, read_values=fp8_query, stacked=stacked))
+                  for split in calls.values()]
     if fp8_query:
         allowance = [0.0] * len(entries)
         for split, parts in checks:
@@ -351,6 +369,26 @@ def _check_alike(entries: list[tuple[CaptureLayer, StepInputs]], pairs: list[tup
     for result in results:
         result.pairs.sort(key=lambda p: (p.request, p.head))
     return results
+
+
+def _stacked_rows(entries: list[tuple[CaptureLayer, StepInputs]], num_tokens: int, num_heads: int,
+                  head_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(queries, outputs), each ``[entries, num_tokens, Hq, D]`` with entry ``e``'s rows at ``e``, when every entry's
+    copies lie in one stack (:attr:`StepInputs.stack`); else None."""
+    first = entries[0][1].stack
+    if first is None or len(entries) < 2 or any(inputs.stack is None or inputs.stack[0] is not first[0]
+                                                 for _, inputs in entries):
+        return None
+    stack, at = first[0], [inputs.stack[1] for _, inputs in entries]
+    if at == list(range(at[0], at[0] + len(at))):  # consecutive layers: views, nothing gathered
+        pick = slice(at[0], at[0] + len(at))
+        query, output = stack.query[pick, :num_tokens], stack.output[pick, :num_tokens]
+    else:
+        index = torch.tensor(at, device=stack.query.device)
+        query, output = stack.query.index_select(0, index)[:, :num_tokens], \
+            stack.output.index_select(0, index)[:, :num_tokens]
+    shape = (len(at), num_tokens, num_heads, head_size)
+    return query.reshape(shape), output.reshape(shape)
 
 
 def _nonfinite_rows(outputs: list[torch.Tensor], qsl: list[int]) -> list[NonFinite | None]:
@@ -387,8 +425,9 @@ def _one_head_per_page(pages: torch.Tensor, layout: str, index: torch.Tensor, kv
     return pages[:, index, :, kv_heads].permute(1, 0, 2, 3).unsqueeze(3)
 
 
-def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, torch.Tensor, torch.Tensor, list]],
-                     qsl: list[int], seq_lens: list[int], *, read_values: bool = False):
+def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, Any, Any, list]],
+                     qsl: list[int], seq_lens: list[int], *, read_values: bool = False,
+                     stacked: tuple[torch.Tensor, torch.Tensor] | None = None):
     """(reference, engine output, query_start_loc, seq_lens, read values) of every part's pairs, each pair one
     request of one head; a part: one layer's (inputs, query rows, output rows, pairs), the parts alike
     (:func:`_alike_key`) and sharing ``qsl`` and ``seq_lens``. Read values (with ``read_values``): the largest |v|
@@ -410,7 +449,7 @@ def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, torch.Te
     table_rows = first.block_table.index_select(0, torch.tensor(needed, device=first.block_table.device))
     row_of = dict(zip(needed, table_rows.tolist()))
     page_counts, tokens, plans, pairs = [], [], [], []
-    for inputs, query, output, mine in parts:
+    for e, (inputs, query, output, mine) in enumerate(parts):
         if not mine:
             continue
         ids, kv_heads, rows, heads = [], [], [], []
@@ -431,7 +470,7 @@ def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, torch.Te
             rows += range(first_row, qsl[r + 1])
             heads += [head] * (qsl[r + 1] - first_row)
             tokens.append(qsl[r + 1] - first_row)
-        plans.append((inputs, query, output, ids, kv_heads, rows, heads))
+        plans.append((e, inputs, query, output, ids, kv_heads, rows, heads))
         pairs += mine
     width, start, table_list = max(page_counts), 0, []
     for count in page_counts:
@@ -442,23 +481,44 @@ def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, torch.Te
     # sentinel's worker is a moment the engine's thread may wait for Python's lock, and each tensor made from a
     # list a small copy to the device.
     lists: list = []
-    for _, _, _, ids, kv_heads, rows, heads in plans:
-        lists += (ids, range(len(ids)), kv_heads, rows, heads)
+    if stacked is None:
+        for _, _, _, _, ids, kv_heads, rows, heads in plans:
+            lists += (ids, range(len(ids)), kv_heads, rows, heads)
+    else:  # the layers' copies lie in one stack: each kind picked for every layer at once, by (layer, index)
+        picks: list[list] = [[], [], [], [], [], []]  # page ids, their layers, KV heads, rows, heads, rows' entries
+        for e, inputs, _, _, ids, kv_heads, rows, heads in plans:
+            for kept, values in zip(picks, (ids, [inputs.stack[1]] * len(ids), kv_heads, rows, heads,
+                                            [e] * len(rows))):
+                kept += values
+        lists += (picks[0], picks[1], range(len(picks[0])), *picks[2:])
     lists += (table_list, list(accumulate(tokens, initial=0)), [seq_lens[r] for r, _ in pairs])
     pieces = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64, device=device).split(
         [len(x) for x in lists])
-    all_pages, queries, outputs = [], [], []
-    for p, (inputs, query, output, *_) in enumerate(plans):
-        ids, positions, kv_heads, rows, heads = pieces[5 * p:5 * p + 5]
-        # Every pair's pages of a layer in one gather, converted to the snapshot layout at once, then each
-        # page's one KV head picked.
-        pages = layout.convert(inputs.kv_cache.index_select(layout.page_dim, ids))
-        all_pages.append(_one_head_per_page(pages, layout.snapshot_layout, positions, kv_heads))
-        if query.device != device:
-            rows, heads = rows.to(query.device), heads.to(query.device)
-        queries.append(query[rows, heads, None])  # [pairs' rows, 1, D]
-        outputs.append(output[rows, heads, None])
-    pages = all_pages[0] if len(all_pages) == 1 else torch.cat(all_pages, dim=page_dim(layout.snapshot_layout))
+    if stacked is None:
+        all_pages, queries, outputs = [], [], []
+        for p, (_, inputs, query, output, *_) in enumerate(plans):
+            ids, positions, kv_heads, rows, heads = pieces[5 * p:5 * p + 5]
+            # Every pair's pages of a layer in one gather, converted to the snapshot layout at once, then each
+            # page's one KV head picked.
+            pages = layout.convert(inputs.kv_cache.index_select(layout.page_dim, ids))
+            all_pages.append(_one_head_per_page(pages, layout.snapshot_layout, positions, kv_heads))
+            if query.device != device:
+                rows, heads = rows.to(query.device), heads.to(query.device)
+            queries.append(query[rows, heads, None])  # [pairs' rows, 1, D]
+            outputs.append(output[rows, heads, None])
+        pages = all_pages[0] if len(all_pages) == 1 else torch.cat(all_pages,
+                                                                   dim=page_dim(layout.snapshot_layout))
+    else:
+        ids, at, positions, kv_heads, rows, heads, entries = pieces[:7]
+        stack, axis = plans[0][1].stack[0], layout.page_dim
+        # The stack's pages [layers, ...] with the page axis second: one gather by (layer, page) is each layer's
+        # index_select along its page axis, laid one after another; the page axis then goes back in its place.
+        picked = (stack.pages if axis == 0 else stack.pages.movedim(axis + 1, 1))[at, ids]
+        picked = picked if axis == 0 else picked.movedim(0, axis)
+        pages = _one_head_per_page(layout.convert(picked), layout.snapshot_layout, positions, kv_heads)
+        query_rows, output_rows = stacked
+        queries = [query_rows[entries, rows, heads, None]]  # [pairs' rows, 1, D]
+        outputs = [output_rows[entries, rows, heads, None]]
     table, mini_qsl, mini_lens = pieces[-3].view(len(page_counts), width), pieces[-2], pieces[-1]
     mini_layer = dataclasses.replace(layer.meta(causal=bool(first.causal)), num_heads=1, num_kv_heads=1)
     meta = SnapshotMeta(layer=mini_layer, backend=BackendMeta("sentinel", page_size, first.max_model_len or

@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -171,6 +171,17 @@ class StagedLayer:
     page_dim: int
     query: "torch.Tensor"  # the graph's rows of the layer's query buffer, copied
     output: "torch.Tensor | None"
+    stack: tuple | None = None  # (StagedStack, index): the copies are that stack's at index (kvdbg.sentinel.checker)
+
+
+class StagedStack(NamedTuple):
+    """A program's copies of alike layers, one buffer per kind with a layer per index of its first axis: ``pages``
+    [layers, ...] in the engine's layout (each layer's laid out as its cache), ``query`` and ``output`` [layers, rows,
+    ...]."""
+
+    pages: "torch.Tensor"
+    query: "torch.Tensor"
+    output: "torch.Tensor"
 
 
 @dataclass(eq=False, slots=True)
@@ -341,12 +352,19 @@ class _Program:
         self._seen = 0  # the latest run a reader waited for on the host
         self.layers = []  # (name, cache, page_dim, query source, query copy, output source, output copy, pages)
         highest = None
-        for name, cache, page_dim, query, output in layers:
+        # Layers alike (the usual model) get their copies in one buffer per kind, a layer per index of its first
+        # axis: a reader then picks from all of them at once (the sentinel's check: one gather, not one a layer).
+        self.stack = _stack_for(layers, pages)
+        for index, (name, cache, page_dim, query, output) in enumerate(layers):
             shape = list(cache.shape)
             highest = shape[page_dim] - 1 if highest is None else min(highest, shape[page_dim] - 1)
-            self.layers.append((name, cache, page_dim, query, torch.empty_like(query), output,
-                                None if output is None else torch.empty_like(output),
-                                _laid_out_like(cache, page_dim, pages)))
+            if self.stack is not None:
+                copies = (self.stack.query[index], None if output is None else self.stack.output[index],
+                          self.stack.pages[index])
+            else:
+                copies = (torch.empty_like(query), None if output is None else torch.empty_like(output),
+                          _laid_out_like(cache, page_dim, pages))
+            self.layers.append((name, cache, page_dim, query, copies[0], output, copies[1], copies[2]))
         self.highest = max(0, highest or 0)
         # The step's metadata as the graph read it: (table copy, lengths copy, offsets copy, their sources), the
         # first ``rows`` rows of the runner's buffers; None when the build gave no device lengths and offsets.
@@ -399,9 +417,11 @@ class _Program:
         """The layers' staged copies, their query and output cut to ``rows`` (made once per number of rows)."""
         views = self._views.get(rows)
         if views is None:
+            stack = self.stack
             views = {name: StagedLayer(pages, page_dim, query_copy[:rows],
-                                       None if output_copy is None else output_copy[:rows])
-                     for name, _, page_dim, _, query_copy, _, output_copy, pages in self.layers}
+                                       None if output_copy is None else output_copy[:rows],
+                                       None if stack is None else (stack, index))
+                     for index, (name, _, page_dim, _, query_copy, _, output_copy, pages) in enumerate(self.layers)}
             self._views[rows] = views
         return views
 
@@ -662,6 +682,30 @@ def _metadata_buffers(table: "torch.Tensor", stride: int, hint: StageHint, rows:
     sources = (table[: table_rows * stride], seq_lens[: min(rows, seq_lens.numel())],
                offsets[: min(rows + 1, offsets.numel())])
     return (*(source.clone() for source in sources), *sources)
+
+
+def _stack_for(layers: list[tuple], pages: int) -> StagedStack | None:
+    """One buffer per kind for all ``layers`` (name, cache, page dim, query, output) when they are alike: caches of one
+    shape, strides, type and device, paged on one axis, and queries and outputs of one shape and type each (outputs
+    present); else None (each layer gets its own)."""
+    import torch
+
+    if len(layers) < 2:
+        return None
+    _, cache, page_dim, query, output = layers[0]
+    if output is None or any(
+            c.shape != cache.shape or c.stride() != cache.stride() or c.dtype != cache.dtype or c.device != cache.device
+            or d != page_dim or q is None or o is None or q.shape != query.shape or q.dtype != query.dtype
+            or o.shape != output.shape or o.dtype != output.dtype for _, c, d, q, o in layers[1:]):
+        return None
+    count = len(layers)
+    shape = list(cache.shape)
+    shape[page_dim] = pages
+    order = sorted(range(cache.dim()), key=lambda d: (-cache.stride(d), d))  # as _laid_out_like, a layer ahead
+    physical = cache.new_empty([count] + [shape[d] for d in order])
+    staged = physical.permute(0, *[1 + order.index(d) for d in range(cache.dim())])
+    return StagedStack(staged, torch.empty((count, *query.shape), dtype=query.dtype, device=query.device),
+                       torch.empty((count, *output.shape), dtype=output.dtype, device=output.device))
 
 
 def _laid_out_like(cache: "torch.Tensor", page_dim: int, pages: int) -> "torch.Tensor":

@@ -257,7 +257,7 @@ class SentinelHooks:
             table, max_pages = self._staged_table(staged)
             inputs = StepInputs(query=copies.query, kv_cache=copies.pages, block_table=table, seq_lens=ctx.seq_lens,
                                 query_start_loc=ctx.query_start_loc, causal=causal, output=copies.output,
-                                max_model_len=ctx.max_model_len, max_pages=max_pages)
+                                max_model_len=ctx.max_model_len, max_pages=max_pages, stack=copies.stack)
             waiting = _Waiting(impl, layer, target, kv_layout, ctx, None, None, None, inputs, step,
                                staged=staged.hold(), cache=kv_cache)
             if batch is None:
