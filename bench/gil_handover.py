@@ -35,6 +35,9 @@ is one). It runs beside three kinds of *other* thread:
   requests of 129–255 tokens in pages of 16, 32 query heads over 8 KV heads of 128, bfloat16, an honest
   output. What a drawn step's check costs the engine's thread while it runs. The run also prints the check's
   own time and its number of torch calls (calls into torch's Python bindings: a tensor's attributes left out).
+- ``sentinel-check-stacked``: the same check of the same step with the layers' copies in one buffer per kind, a
+  layer per index (``graph_staging.StagedStack``), as a CUDA graph's staging lays alike layers out: the check
+  then picks every layer's pages, query and output rows at once. Its own time and torch calls are printed too.
 
 and the same with one call a sequence (``--calls 1``'s figure is printed beside), so the cost per call shows.
 About two minutes with the defaults (beside pure Python each call waits a switch interval).
@@ -52,7 +55,7 @@ import threading
 import time
 
 
-OTHERS = ("alone", "torch-worker", "python-worker", "kvdbg-writer", "sentinel-check")
+OTHERS = ("alone", "torch-worker", "python-worker", "kvdbg-writer", "sentinel-check", "sentinel-check-stacked")
 
 
 def _sequence(calls: int, elements: int):
@@ -114,8 +117,8 @@ class _Other:
 
         if self.kind == "kvdbg-writer":
             return self._write()
-        if self.kind == "sentinel-check":
-            return self._check()
+        if self.kind in ("sentinel-check", "sentinel-check-stacked"):
+            return self._check(stacked=self.kind.endswith("stacked"))
         a = torch.zeros(2048)
         b = np.zeros(2048)
         while not self.stop.is_set():
@@ -150,12 +153,12 @@ class _Other:
                 save_snapshot(snapshot, path, overwrite=True)
                 self.loops += 1
 
-    def _check(self) -> None:
+    def _check(self, stacked: bool = False) -> None:
         import random
 
         from kvdbg.sentinel.checker import check_layers
 
-        entries, rng = check_entries(), random.Random(0)
+        entries, rng = check_entries(stacked=stacked), random.Random(0)
         while not self.stop.is_set():
             check_layers(entries, pairs=4, rng=rng, step=self.loops)
             self.loops += 1
@@ -171,9 +174,10 @@ class _Other:
 
 
 def check_entries(layers: int = 8, requests: int = 64, heads: int = 32, kv_heads: int = 8, head_size: int = 128,
-                  page_size: int = 16, seed: int = 0) -> list:
+                  page_size: int = 16, seed: int = 0, stacked: bool = False) -> list:
     """A decode step of ``layers`` layers as the sentinel's worker is handed it (``(CaptureLayer, StepInputs)``
-    each, the step's metadata tensors shared), with the output an honest kernel would give (bfloat16)."""
+    each, the step's metadata tensors shared), with the output an honest kernel would give (bfloat16);
+    ``stacked``: the layers' copies in one buffer per kind, as a graph's staging lays alike layers out."""
     import torch
 
     from kvdbg.capture.inputs import CaptureLayer
@@ -210,10 +214,20 @@ def check_entries(layers: int = 8, requests: int = 64, heads: int = 32, kv_heads
         inputs = StepInputs(query=query.view(requests, -1), kv_cache=cache, block_table=table, seq_lens=lens,
                             query_start_loc=qsl, causal=True, output=output.view(requests, -1), max_model_len=4096)
         entries.append((layer, inputs))
-    return entries
+    if not stacked:
+        return entries
+    import dataclasses
+
+    from kvdbg.vllm_plugin.graph_staging import StagedStack
+
+    stack = StagedStack(*(torch.stack([getattr(inputs, kind) for _, inputs in entries])
+                          for kind in ("kv_cache", "query", "output")))
+    return [(layer, dataclasses.replace(inputs, kv_cache=stack.pages[i], query=stack.query[i],
+                                        output=stack.output[i], stack=(stack, i)))
+            for i, (layer, inputs) in enumerate(entries)]
 
 
-def check_cost(iters: int = 50) -> dict:
+def check_cost(iters: int = 50, stacked: bool = False) -> dict:
     """The sentinel's check of :func:`check_entries`'s step on this thread alone: median time, torch calls, and
     whether it passed (an honest step must)."""
     import random
@@ -232,7 +246,7 @@ def check_cost(iters: int = 50) -> dict:
                 self.count += 1
             return func(*args, **(kwargs or {}))
 
-    entries, rng = check_entries(), random.Random(0)
+    entries, rng = check_entries(stacked=stacked), random.Random(0)
     results = check_layers(entries, pairs=4, rng=rng, step=0)
     with Calls() as calls:
         check_layers(entries, pairs=4, rng=rng, step=0)
@@ -308,15 +322,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{f['wall_p99_us']:8.1f}, max {f['wall_max_us']:8.1f}; stalled > 1 ms {f['stalled']:6.1%}; off the "
               f"CPU {f['off_cpu_us']:6.1f} us, switches {_count(f['switches'])} a sequence; a loop turn "
               f"{loop:5.2f}x alone")
-    check = None
-    if "sentinel-check" in args.others:
-        check = check_cost(iters=max(3, min(50, args.iters // 20)))
-        print(f"  the sentinel's check alone: {check['check_us']:.0f} us a step of {check['layers']} layers, "
-              f"{check['torch_calls']} torch calls, {'passed' if check['passed'] else 'FAILED (not an honest step)'}")
+    check = checks = None
+    for kind in ("sentinel-check", "sentinel-check-stacked"):
+        if kind in args.others:
+            check = check_cost(iters=max(3, min(50, args.iters // 20)), stacked=kind.endswith("stacked"))
+            checks = {**(checks or {}), kind: check}
+            print(f"  the sentinel's check alone{', its layers stacked' if kind.endswith('stacked') else ''}: "
+                  f"{check['check_us']:.0f} us a step of {check['layers']} layers, {check['torch_calls']} torch "
+                  f"calls, {'passed' if check['passed'] else 'FAILED (not an honest step)'}")
     print("GIL-HANDOVER " + json.dumps({"switch_interval_ms": sys.getswitchinterval() * 1e3, "iters": args.iters,
                                         "cores": cores, "load_before": load[0], "load_after": os.getloadavg()[0],
                                         "elements": args.elements, "python": sys.version.split()[0],
-                                        "torch": torch.__version__, "cases": rows, "sentinel_check": check}))
+                                        "torch": torch.__version__, "cases": rows,
+                                        "sentinel_check": (checks or {}).get("sentinel-check"),
+                                        "sentinel_checks": checks}))
     return 0
 
 

@@ -24,7 +24,7 @@ def test_every_case_runs_and_the_json_line_holds_them():
     record = json.loads(line[len("GIL-HANDOVER "):])
     cases = {(c["other"], c["calls"]) for c in record["cases"]}
     assert cases == {(other, calls) for other in ("alone", "torch-worker", "python-worker", "kvdbg-writer",
-                                                  "sentinel-check") for calls in (1, 2)}
+                                                  "sentinel-check", "sentinel-check-stacked") for calls in (1, 2)}
     alone = [c for c in record["cases"] if c["other"] == "alone"]
     assert all(c["median_to_alone"] == 1.0 and c["wall_us"] > 0 for c in alone)
     assert record["cores"] >= 1 and record["switch_interval_ms"] > 0
@@ -32,6 +32,10 @@ def test_every_case_runs_and_the_json_line_holds_them():
     check = record["sentinel_check"]
     assert check["passed"] and check["layers"] == 8 and 0 < check["torch_calls"] < 400 and check["check_us"] > 0
     assert "the sentinel's check alone:" in done.stdout
+    # The same step with its layers' copies stacked (a graph's staging): the same verdict, fewer torch calls.
+    stacked = record["sentinel_checks"]["sentinel-check-stacked"]
+    assert stacked["passed"] and stacked["layers"] == 8 and 0 < stacked["torch_calls"] < check["torch_calls"]
+    assert "the sentinel's check alone, its layers stacked:" in done.stdout
 
 
 def test_the_other_threads_can_be_chosen():
