@@ -142,13 +142,17 @@ def _one_step_of_layers(count: int, **kw) -> list:
     return entries
 
 
-@pytest.mark.parametrize("kw", [
+# Layers of one step checked together: each kind of layer the reference treats apart.
+LAYER_KINDS = pytest.mark.parametrize("kw", [
     {},
     {"kv_layout": LAYOUT_KV_PLANES},
     {"sliding_window": 6, "logits_soft_cap": 5.0},
     {"kv_cache_dtype": "fp8", "k_scale": 0.05, "v_scale": 0.02, "dtype": "float16"},
     {"sinks": [0.5, -1.0, 2.0, 0.0]},
 ], ids=["bf16", "kv_planes", "window_cap", "fp8", "sinks"])
+
+
+@LAYER_KINDS
 def test_a_steps_layers_checked_together_match_each_checked_alone(kw, monkeypatch):
     entries = _one_step_of_layers(3, **kw)
     out = entries[1][1].output.view(-1, HQ, D)
@@ -219,13 +223,7 @@ def _stacked(entries: list, order: list[int] | None = None) -> list:
             for (layer, inputs), at in zip(entries, order)]
 
 
-@pytest.mark.parametrize("kw", [
-    {},
-    {"kv_layout": LAYOUT_KV_PLANES},
-    {"sliding_window": 6, "logits_soft_cap": 5.0},
-    {"kv_cache_dtype": "fp8", "k_scale": 0.05, "v_scale": 0.02, "dtype": "float16"},
-    {"sinks": [0.5, -1.0, 2.0, 0.0]},
-], ids=["bf16", "kv_planes", "window_cap", "fp8", "sinks"])
+@LAYER_KINDS
 @pytest.mark.parametrize("order", [None, [4, 1, 2]], ids=["in_order", "some_of_a_stack"])
 def test_layers_whose_copies_lie_in_one_stack_are_checked_as_each_alone(kw, order):
     # A graph step's staging lays alike layers' copies in one buffer per kind; the check then picks every layer's
