@@ -68,7 +68,10 @@ metadata copy to the host where a build still makes one: a build that a full gra
 is far above its CPU time waited (for the GIL, or in a runtime call that blocks), one whose CPU time is as
 high ran that long (its calls dearer in the engine than alone: ``bench/staging_calls.py``). kvdbg's hooks are
 timed the same way in the rounds that time them, and printed beside their wall time (a round's means; a wanted
-step's over its round's other steps).
+step's over its round's other steps). Each step's CPU time on the engine's thread, and its waits on the device
+there (``torch.cuda.Event`` and ``Stream`` ``synchronize``: vLLM waits for a step's sampled tokens so), split
+a sentinel's drawn step and the steps after it into work, waiting on the device, and waiting for something
+else (Python's lock, mostly: the sentinel's worker, whose checks are timed on its own thread too).
 
 Prints a line per part, the figures against their lines, and one line ``GCOST-SUMMARY {json}``. Writes
 OUT/records/PART.json (each part's raw record) and OUT/logs/PART.log; snapshots go to ``--scratch`` and are
@@ -230,6 +233,7 @@ class Timing:
         # hand-over puts on the job before the capture thread can take it.
         self.handing: tuple[dict | None, object] | None = None
         self.stand_in = None  # a ticketed step's stand-in job, made before the replay's hook is timed
+        self.engine_thread: int | None = None  # the thread that runs the engine's steps (install_device_waits)
         self.worker_checks: list[dict] = []  # the sentinel's worker's checks (wrap_worker_checks)
         self.handed_job = None  # the job the latest after_graph_replay handed to the capture thread
         self._replaced: list[tuple[object, str, object]] = []
@@ -271,6 +275,27 @@ class Timing:
                 setattr(owner, name, original)
         self._replaced.clear()
 
+    def install_device_waits(self, owners) -> None:
+        """--thread-times: the engine's thread's waits on the device (each ``synchronize`` of ``owners``' classes:
+        torch.cuda.Event, where vLLM waits for a step's sampled tokens, and torch.cuda.Stream) added up in the step
+        being timed (``device_wait_ns``): a step's wall time above its CPU time and these is its thread waiting for
+        something else (Python's lock, mostly). Calls on other threads are not counted."""
+        timing = self
+        for owner in owners:
+            original = owner.synchronize
+
+            def synchronize(event, *args, _original=original, **kwargs):
+                record = timing.current
+                if record is None or threading.get_ident() != timing.engine_thread:
+                    return _original(event, *args, **kwargs)
+                began = time.perf_counter_ns()
+                try:
+                    return _original(event, *args, **kwargs)
+                finally:
+                    record["device_wait_ns"] = record.get("device_wait_ns", 0) + time.perf_counter_ns() - began
+
+            self._replace(owner, "synchronize", synchronize)
+
     # engine steps
     def install_steps(self, engine) -> None:
         original = engine.step
@@ -288,6 +313,7 @@ class Timing:
             probe = timing.draw_probe
             counted = None if probe is None else probe[0]._forward_counts.get(probe[1], 0)
             cpu = time.thread_time_ns() if timing.thread_times else None
+            timing.engine_thread = threading.get_ident()
             start = time.perf_counter_ns()
             try:
                 return original(*args, **kwargs)
@@ -820,6 +846,10 @@ def drawn_split(steps: list[dict], window: list[dict]) -> dict:
         out["drawn_cpu_added_ms"] = statistics.fmean(s["cpu_ns"] - base_cpu for s in drawn) / 1e6
         out["after_cpu_added_ms"] = statistics.fmean(sum(t["cpu_ns"] - base_cpu for t in after)
                                                      for after in following) / 1e6
+        base_wait = statistics.median(s.get("device_wait_ns", 0) for s in quiet)  # its waits on the device
+        out["drawn_wait_added_ms"] = statistics.fmean(s.get("device_wait_ns", 0) - base_wait for s in drawn) / 1e6
+        out["after_wait_added_ms"] = statistics.fmean(sum(t.get("device_wait_ns", 0) - base_wait for t in after)
+                                                      for after in following) / 1e6
     out.update(drawn_added_ms=statistics.fmean(drawn_added) / 1e6, after_added_ms=statistics.fmean(after_added) / 1e6,
                drawn_hooks_us=statistics.fmean(hooks_ns(s) for s in drawn) / 1e3,
                quiet_hooks_us=statistics.median(hooks_ns(s) for s in quiet) / 1e3,
@@ -1119,7 +1149,7 @@ def _split_over_rounds(rounds: list[dict]) -> dict:
         return {}
     out: dict = {"drawn": sum(x["drawn"] for x in splits), "steps": sum(x["steps"] for x in splits)}
     for key in ("drawn_added_ms", "after_added_ms", "drawn_hooks_us", "quiet_hooks_us", "share", "drawn_program_ms",
-                "drawn_cpu_added_ms", "after_cpu_added_ms"):
+                "drawn_cpu_added_ms", "after_cpu_added_ms", "drawn_wait_added_ms", "after_wait_added_ms"):
         out[key] = spread([x.get(key) for x in splits]).get("median")
     parts = {name for x in splits for name in x.get("drawn_parts_us", {})}
     if parts:
@@ -1360,6 +1390,8 @@ def engine_child(args) -> dict:
             if not state._graph_layers:
                 record["problems"].append("no full CUDA graph was recorded through kvdbg's hooks")
         timing.install_steps(engine)
+        if args.thread_times:
+            timing.install_device_waits((torch.cuda.Event, torch.cuda.Stream))
         if state is not None and state.sentinel is not None and state._graph_layers:
             timing.draw_probe = (state, next(iter(state._graph_layers.values()))[0].name)
             record["sentinel_draws"] = log_draws(state, timing)
@@ -1732,8 +1764,9 @@ def print_figures(figs: dict, records: dict) -> None:
             if d.get("drawn_cpu_added_ms") is not None:
                 print(f"  {name:9s} the same on the engine's thread's CPU: a drawn step "
                       f"+{d['drawn_cpu_added_ms']:.2f} ms, the {FOLLOWING_STEPS} after it "
-                      f"+{d['after_cpu_added_ms']:.2f} ms (the rest of the wall time above: the thread waiting, "
-                      f"for the device or the interpreter's lock)")
+                      f"+{d['after_cpu_added_ms']:.2f} ms; waiting on the device (its event and stream waits): "
+                      f"+{d.get('drawn_wait_added_ms', 0):.2f} ms and +{d.get('after_wait_added_ms', 0):.2f} ms; "
+                      f"the rest of the wall time above: the thread waiting for something else (Python's lock)")
             w = f.get("worker_checks") or {}
             if w.get("checks"):
                 print(f"  {name:9s} its worker's checks: {w['checks']}; each {w['wall_us']['median'] / 1e3:.2f} ms "

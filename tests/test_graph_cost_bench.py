@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import statistics
-
+import time
 import types
 
 import pytest
@@ -765,12 +765,13 @@ def test_a_drawn_steps_time_on_the_engines_cpu_and_its_workers_checks_are_shown_
 
     steps = [_step(30.0, replays=0, hooks_us=0, drawn=False, cpu_ns=0)]
     steps += [_step(5.0, drawn=False, cpu_ns=2_000_000) for _ in range(40)]
-    steps[11] = _step(8.0, drawn=True, cpu_ns=2_500_000)  # +3 ms wall, of it +0.5 ms on the engine's CPU
+    steps[11] = _step(8.0, drawn=True, cpu_ns=2_500_000, device_wait_ns=1_000_000)  # +3 ms: 0.5 CPU, 1 device
     for i in range(12, 12 + gc.FOLLOWING_STEPS):
         steps[i] = _step(5.5, drawn=False, cpu_ns=2_000_000)  # +0.5 ms each, none of it on the CPU
     split = gc.summarize_round(steps)["drawn_split"]
     assert split["drawn_added_ms"] == pytest.approx(3.0) and split["drawn_cpu_added_ms"] == pytest.approx(0.5)
     assert split["after_added_ms"] == pytest.approx(4.0) and split["after_cpu_added_ms"] == pytest.approx(0.0)
+    assert split["drawn_wait_added_ms"] == pytest.approx(1.0) and split["after_wait_added_ms"] == pytest.approx(0.0)
     timing = gc.Timing(thread_times=True)
     real = checker.check_layers
     calls = []
@@ -794,7 +795,34 @@ def test_a_drawn_steps_time_on_the_engines_cpu_and_its_workers_checks_are_shown_
     gc.print_figures(figs, records)
     out = capsys.readouterr().out
     assert "the same on the engine's thread's CPU: a drawn step +0.50 ms, the 8 after it +0.00 ms" in out
+    assert "waiting on the device (its event and stream waits): +1.00 ms and +0.00 ms" in out
     assert "its worker's checks: 2; each" in out
+
+
+def test_the_engines_waits_on_the_device_count_into_its_step_and_no_other_threads_do():
+    """--thread-times: each synchronize of the given classes on the engine's thread adds its time to the step being
+    timed; another thread's, or one between steps, adds nothing; restore() puts the method back."""
+    import threading
+
+    class Event:
+        def synchronize(self, pause=0.002):
+            time.sleep(pause)
+            return "done"
+
+    original = Event.synchronize
+    timing = gc.Timing(thread_times=True)
+    timing.install_device_waits((Event,))
+    timing.engine_thread = threading.get_ident()
+    assert Event().synchronize() == "done"  # no step timed: nothing kept anywhere
+    timing.current = record = gc._new_step()
+    assert Event().synchronize() == "done"
+    other = threading.Thread(target=lambda: Event().synchronize(0.05))
+    other.start()
+    other.join()
+    timing.current = None
+    assert 2_000_000 <= record["device_wait_ns"] < 50_000_000
+    timing.restore()
+    assert Event.synchronize is original
 
 
 @pytest.mark.parametrize("sentinel", [False, True])
