@@ -248,6 +248,19 @@ def test_layers_whose_copies_lie_in_one_stack_are_checked_as_each_alone(kw, orde
     assert (together[2].nonfinite.request, together[2].nonfinite.head) == (2, 3)
 
 
+def test_a_stacked_step_with_more_tokens_than_its_copies_rows_is_refused_not_read_past_them():
+    # A stack's buffers hold the largest graph's rows; a layer's copies are the step's rows of them. A step whose
+    # offsets say more tokens than those rows is refused, as a layer read apart is, never checked against rows
+    # an earlier step left there.
+    entries = _stacked(_one_step_of_layers(3))
+    tokens = int(entries[0][1].query_start_loc[-1])
+    cut = [(layer, dataclasses.replace(inputs, query=inputs.query[:tokens - 1], output=inputs.output[:tokens - 1]))
+           for layer, inputs in entries]
+    with pytest.raises(RuntimeError):
+        check_layers(cut, pairs=ALL_PAIRS, step=1)
+    assert all(result.passed for result in check_layers(entries, pairs=ALL_PAIRS, step=1))
+
+
 def test_a_stacked_checks_torch_calls_do_not_grow_with_its_layers():
     # Per layer, a check read each layer's copies apart (its gathers, its non-finite check): with the layers' copies
     # in one stack, those are one call each for every layer, so the count is that of one problem.

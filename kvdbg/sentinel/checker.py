@@ -374,19 +374,21 @@ def _check_alike(entries: list[tuple[CaptureLayer, StepInputs]], pairs: list[tup
 def _stacked_rows(entries: list[tuple[CaptureLayer, StepInputs]], num_tokens: int, num_heads: int,
                   head_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(queries, outputs), each ``[entries, num_tokens, Hq, D]`` with entry ``e``'s rows at ``e``, when every entry's
-    copies lie in one stack (:attr:`StepInputs.stack`); else None."""
+    copies lie in one stack (:attr:`StepInputs.stack`) and hold the step's tokens; else None (each layer is then
+    read apart, and a step with more tokens than its copies' rows is refused there, as for any layer)."""
     first = entries[0][1].stack
-    if first is None or len(entries) < 2 or any(inputs.stack is None or inputs.stack[0] is not first[0]
-                                                 for _, inputs in entries):
+    if first is None or len(entries) < 2 or any(
+            inputs.stack is None or inputs.stack[0] is not first[0] or inputs.query.shape[0] < num_tokens
+            or inputs.output.shape[0] < num_tokens for _, inputs in entries):
         return None
     stack, at = first[0], [inputs.stack[1] for _, inputs in entries]
     if at == list(range(at[0], at[0] + len(at))):  # consecutive layers: views, nothing gathered
         pick = slice(at[0], at[0] + len(at))
         query, output = stack.query[pick, :num_tokens], stack.output[pick, :num_tokens]
-    else:
+    else:  # the step's rows first: a layer's buffer holds the largest graph's
         index = torch.tensor(at, device=stack.query.device)
-        query, output = stack.query.index_select(0, index)[:, :num_tokens], \
-            stack.output.index_select(0, index)[:, :num_tokens]
+        query, output = stack.query[:, :num_tokens].index_select(0, index), \
+            stack.output[:, :num_tokens].index_select(0, index)
     shape = (len(at), num_tokens, num_heads, head_size)
     return query.reshape(shape), output.reshape(shape)
 
