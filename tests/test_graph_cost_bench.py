@@ -816,11 +816,11 @@ def test_the_engines_waits_on_the_device_count_into_its_step_and_no_other_thread
     assert Event().synchronize() == "done"  # no step timed: nothing kept anywhere
     timing.current = record = gc._new_step()
     assert Event().synchronize() == "done"
-    other = threading.Thread(target=lambda: Event().synchronize(0.05))
+    other = threading.Thread(target=lambda: Event().synchronize(0.4))
     other.start()
     other.join()
     timing.current = None
-    assert 2_000_000 <= record["device_wait_ns"] < 50_000_000
+    assert 2_000_000 <= record["device_wait_ns"] < 400_000_000  # the engine's own wait, not the other thread's
     timing.restore()
     assert Event.synchronize is original
 

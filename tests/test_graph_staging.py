@@ -259,14 +259,21 @@ def test_alike_layers_are_staged_into_one_stack_and_unlike_ones_each_into_its_ow
     for i in range(3):
         copies = staged.layers[f"l{i}"]
         assert copies.stack[0] is stack and copies.stack[1] == i
-        assert copies.pages.data_ptr() == stack.pages[i].data_ptr() and copies.pages.stride() == stack.pages[i].stride()
+        assert copies.pages.data_ptr() == stack.pages[i].data_ptr()
         assert copies.query.data_ptr() == stack.query[i].data_ptr()
         alone = GraphStager().stage([layers[i]], _hint(table, seq_lens, offsets), 16, 12)
         assert alone.program.stack is None and alone.layers[f"l{i}"].stack is None
+        assert copies.pages.stride() == alone.layers[f"l{i}"].pages.stride()  # laid out as the layer's own would be
         count = staged.sized()
         torch.testing.assert_close(copies.pages[:count], alone.layers[f"l{i}"].pages[:count], rtol=0, atol=0)
         torch.testing.assert_close(copies.query, queries[i][:12], rtol=0, atol=0)
         torch.testing.assert_close(copies.output, outputs[i][:12], rtol=0, atol=0)
+    permuted = [_layer(f"p{i}", torch.randn(40, 16, 2, 2, 8).transpose(1, 2), queries[i], outputs[i]) for i in range(2)]
+    stacked = GraphStager().stage(permuted, _hint(table, seq_lens, offsets), 16, 12)  # a cache stored heads inside
+    alone = GraphStager().stage(permuted[:1], _hint(table, seq_lens, offsets), 16, 12)
+    assert stacked.program.stack is not None
+    assert stacked.layers["p0"].pages.stride() == alone.layers["p0"].pages.stride() != \
+        stacked.program.stack.pages[0].contiguous().stride()
     unlike = layers[:2] + [_layer("l2", torch.randn(40, 4, 16, 2, 8), queries[2], outputs[2])]  # more KV heads
     mixed = GraphStager().stage(unlike, _hint(table, seq_lens, offsets), 16, 12)
     assert mixed.program.stack is None and all(copies.stack is None for copies in mixed.layers.values())

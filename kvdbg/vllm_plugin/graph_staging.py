@@ -699,23 +699,21 @@ def _stack_for(layers: list[tuple], pages: int) -> StagedStack | None:
             or o.shape != output.shape or o.dtype != output.dtype for _, c, d, q, o in layers[1:]):
         return None
     count = len(layers)
-    shape = list(cache.shape)
-    shape[page_dim] = pages
-    order = sorted(range(cache.dim()), key=lambda d: (-cache.stride(d), d))  # as _laid_out_like, a layer ahead
-    physical = cache.new_empty([count] + [shape[d] for d in order])
-    staged = physical.permute(0, *[1 + order.index(d) for d in range(cache.dim())])
-    return StagedStack(staged, torch.empty((count, *query.shape), dtype=query.dtype, device=query.device),
+    return StagedStack(_laid_out_like(cache, page_dim, pages, count),
+                       torch.empty((count, *query.shape), dtype=query.dtype, device=query.device),
                        torch.empty((count, *output.shape), dtype=output.dtype, device=output.device))
 
 
-def _laid_out_like(cache: "torch.Tensor", page_dim: int, pages: int) -> "torch.Tensor":
+def _laid_out_like(cache: "torch.Tensor", page_dim: int, pages: int, layers: int | None = None) -> "torch.Tensor":
     """A buffer of ``pages`` pages whose axes lie in memory in the cache's order: an engine layout is named by
-    its strides too (a vLLM cache is a permuted view), and the staged pages are read through that layout."""
+    its strides too (a vLLM cache is a permuted view), and the staged pages are read through that layout.
+    ``layers``: that many such buffers, one per index of a first axis ahead of them all (a :class:`StagedStack`)."""
     shape = list(cache.shape)
     shape[page_dim] = pages
     order = sorted(range(cache.dim()), key=lambda d: (-cache.stride(d), d))  # outermost axis first
-    physical = cache.new_empty([shape[d] for d in order])
-    return physical.permute(*[order.index(d) for d in range(cache.dim())])
+    ahead = [] if layers is None else [layers]
+    physical = cache.new_empty(ahead + [shape[d] for d in order])
+    return physical.permute(*range(len(ahead)), *[len(ahead) + order.index(d) for d in range(cache.dim())])
 
 
 class GraphStager:
