@@ -92,6 +92,7 @@ import threading
 import time
 import traceback
 import types
+from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -850,6 +851,10 @@ def drawn_split(steps: list[dict], window: list[dict]) -> dict:
         out["drawn_wait_added_ms"] = statistics.fmean(s.get("device_wait_ns", 0) - base_wait for s in drawn) / 1e6
         out["after_wait_added_ms"] = statistics.fmean(sum(t.get("device_wait_ns", 0) - base_wait for t in after)
                                                       for after in following) / 1e6
+    if any("where" in s for s in window):  # --where: the engine thread's frames, sampled while a step was timed
+        out["where"] = {"drawn_steps": len(drawn), "quiet_steps": len(quiet),
+                        "drawn": dict(Counter(w for s in drawn for w in s.get("where", ()))),
+                        "quiet": dict(Counter(w for s in quiet for w in s.get("where", ())))}
     out.update(drawn_added_ms=statistics.fmean(drawn_added) / 1e6, after_added_ms=statistics.fmean(after_added) / 1e6,
                drawn_hooks_us=statistics.fmean(hooks_ns(s) for s in drawn) / 1e3,
                quiet_hooks_us=statistics.median(hooks_ns(s) for s in quiet) / 1e3,
@@ -1070,6 +1075,8 @@ def figures(records: dict[str, dict]) -> dict:
                            "worker_checks": _worker_checks(records["sentinel"].get("sentinel_checks")),
                            "drawn_split": _split_over_rounds(sentinel),
                            "drawn_split_timed": _split_over_rounds(sentinel_phases.get("timed", []))}
+        if records["sentinel"].get("worker_check", "real") != "real":  # a diagnostic: nothing was compared
+            out["sentinel"].update(worker_check=records["sentinel"]["worker_check"], met=True, diagnostic=True)
     return out
 
 
@@ -1104,7 +1111,65 @@ def log_draws(state, timing: "Timing") -> list[dict]:
     return log
 
 
-def wrap_worker_checks(timing: "Timing") -> list[dict]:
+def idle_check(idle_ms: float):
+    """``--worker-check idle`` (a diagnostic, never a figure): the sentinel worker's check replaced by a wait for the
+    step's staging on the device, then ``idle_ms`` of sleep, which hold nothing the engine's thread wants (the
+    interpreter's lock, the device), and results with nothing compared. A drawn step that still costs what it did
+    with the real check spends that time elsewhere than in the check."""
+    import torch
+
+    from kvdbg.judge.compare import default_tolerance
+    from kvdbg.sentinel.checker import CheckResult
+
+    def check_layers(entries, *args, step=None, **kwargs):
+        torch.cuda.current_stream().synchronize()  # the worker's stream, after the staging's event
+        time.sleep(idle_ms / 1e3)
+        return [CheckResult(layer=layer.name, step=step, tolerance=default_tolerance(layer.dtype))
+                for layer, _ in entries]
+
+    return check_layers
+
+
+class StackSampler:
+    """``--where MS`` (a diagnostic): every MS ms while a step is timed, the engine's thread's three innermost frames
+    are kept on the step's record (``where``). The sampler takes the interpreter's lock to look, so a sample falls
+    where the engine's thread let it go: in a wait (the device, a queue, the lock itself) or a call into C. A drawn
+    step's samples against a quiet step's say where the drawn step's extra time is spent."""
+
+    def __init__(self, timing: "Timing", interval_ms: float):
+        self.timing, self.interval = timing, interval_ms / 1e3
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-where", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        timing = self.timing
+        while not self._stop.wait(self.interval):
+            record, thread = timing.current, timing.engine_thread
+            if record is None or thread is None:
+                continue
+            frame = sys._current_frames().get(thread)
+            if frame is not None:
+                record.setdefault("where", []).append(frame_key(frame))
+
+
+def frame_key(frame, depth: int = 3) -> str:
+    """``file:line function`` of a frame and its callers, innermost first (paths cut to their last two parts)."""
+    names = []
+    while frame is not None and len(names) < depth:
+        code = frame.f_code
+        names.append(f"{'/'.join(code.co_filename.split('/')[-2:])}:{frame.f_lineno} {code.co_name}")
+        frame = frame.f_back
+    return " < ".join(names)
+
+
+def wrap_worker_checks(timing: "Timing", idle_ms: float | None = None) -> list[dict]:
     """Each check the sentinel's worker thread makes (``checker.check_layers`` on its thread): its wall time, its
     CPU time (the part that can hold the interpreter's lock the engine's thread wants), voluntary switches, the
     bench's step when it began, and on a GPU its span on the worker's stream (from before its first kernel to after
@@ -1115,7 +1180,7 @@ def wrap_worker_checks(timing: "Timing") -> list[dict]:
         import torch
     except ImportError:  # pragma: no cover - kvdbg's checker needs it anyway
         torch = None
-    real, log = checker.check_layers, timing.worker_checks
+    real, log = checker.check_layers if idle_ms is None else idle_check(idle_ms), timing.worker_checks
 
     def check_layers(entries, *args, **kwargs):
         if threading.current_thread().name != "kvdbg-sentinel":
@@ -1142,6 +1207,20 @@ def wrap_worker_checks(timing: "Timing") -> list[dict]:
     return log
 
 
+def where_lines(where: dict | None, top: int = 8) -> list[str]:
+    """--where: the frames where a drawn step had more samples than a quiet step, per step, the most first."""
+    if not where or not where.get("drawn_steps") or not where.get("quiet_steps"):
+        return []
+    drawn, quiet = where["drawn"], where["quiet"]
+    per_drawn, per_quiet = where["drawn_steps"], where["quiet_steps"]
+    excess = {key: drawn.get(key, 0) / per_drawn - quiet.get(key, 0) / per_quiet for key in set(drawn) | set(quiet)}
+    lines = [f"where (samples a step): drawn {sum(drawn.values()) / per_drawn:.1f}, quiet "
+             f"{sum(quiet.values()) / per_quiet:.1f}; a drawn step's extra, by frame:"]
+    for key, more in sorted(excess.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {more:+.2f}  {key}")
+    return lines
+
+
 def _split_over_rounds(rounds: list[dict]) -> dict:
     """:func:`drawn_split` over a part's rounds: the steps drawn in all, and each figure's median over rounds."""
     splits = [r["drawn_split"] for r in rounds if r.get("drawn_split")]
@@ -1151,6 +1230,11 @@ def _split_over_rounds(rounds: list[dict]) -> dict:
     for key in ("drawn_added_ms", "after_added_ms", "drawn_hooks_us", "quiet_hooks_us", "share", "drawn_program_ms",
                 "drawn_cpu_added_ms", "after_cpu_added_ms", "drawn_wait_added_ms", "after_wait_added_ms"):
         out[key] = spread([x.get(key) for x in splits]).get("median")
+    wheres = [x["where"] for x in splits if x.get("where")]
+    if wheres:  # --where: the samples of every round, added up
+        out["where"] = {"drawn_steps": sum(w["drawn_steps"] for w in wheres),
+                        "quiet_steps": sum(w["quiet_steps"] for w in wheres),
+                        **{kind: dict(sum((Counter(w[kind]) for w in wheres), Counter())) for kind in ("drawn", "quiet")}}
     parts = {name for x in splits for name in x.get("drawn_parts_us", {})}
     if parts:
         out["drawn_parts_us"] = {name: spread([x["drawn_parts_us"].get(name) for x in splits
@@ -1395,7 +1479,12 @@ def engine_child(args) -> dict:
         if state is not None and state.sentinel is not None and state._graph_layers:
             timing.draw_probe = (state, next(iter(state._graph_layers.values()))[0].name)
             record["sentinel_draws"] = log_draws(state, timing)
-            record["sentinel_checks"] = wrap_worker_checks(timing)
+            record["sentinel_checks"] = wrap_worker_checks(timing, args.idle_ms if args.worker_check == "idle" else None)
+            record["worker_check"] = args.worker_check
+        sampler = None
+        if args.where:
+            sampler = StackSampler(timing, args.where)
+            sampler.start()
         run_rounds(llm, timing, 1, 0, args)  # warm-up: first launches of the eager prefill's kernels
         phases = args.phases.split(",")
         index = 1
@@ -1674,7 +1763,8 @@ def child_command(args, kind: str, limit: float) -> list[str]:
             "--block", str(args.block), "--timed-rounds", str(args.timed_rounds), "--scratch", args.scratch,
             "--child-limit", str(limit)] \
         + (["--thread-times"] if args.thread_times else []) + ([] if args.paired else ["--no-paired"]) \
-        + (["--cold"] if args.cold else [])
+        + (["--cold"] if args.cold else []) \
+        + ["--where", str(args.where), "--worker-check", args.worker_check, "--idle-ms", str(args.idle_ms)]
 
 
 def run_part(args, part: str, kind: str, limit: float) -> dict:
@@ -1775,6 +1865,11 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"lock), {w['switches']['median']:.0f} voluntary switches"
                       + ("" if not w.get("device_us") else f"; its span on the worker's stream "
                          f"{w['device_us']['median'] / 1e3:.2f} ms"))
+            if f.get("diagnostic"):
+                print(f"  {name:9s} DIAGNOSTIC: the worker's check was '{f['worker_check']}' (nothing compared); its "
+                      "figure is not judged")
+            for line in where_lines(d.get("where")):
+                print(f"  {name:9s} {line}")
             t = f.get("drawn_split_timed") or {}
             if t.get("drawn_parts_us"):
                 print(f"  {name:9s} a drawn step's hooks with the bench's timers on: {t['drawn_hooks_us']:.0f} us "
@@ -1926,6 +2021,13 @@ def main() -> int:
     parser.add_argument("--cold", action="store_true",
                         help="hooks part: also each row with other work between the steps (Evict), as an engine's step "
                              "runs between kvdbg's hooks: the caches they find cold")
+    parser.add_argument("--where", type=float, default=0.0, metavar="MS",
+                        help="a diagnostic: sample the engine thread's frames every MS ms in timed steps; the "
+                             "sentinel's split prints where a drawn step's extra samples fall")
+    parser.add_argument("--worker-check", choices=("real", "idle"), default="real",
+                        help="a diagnostic: 'idle' replaces the sentinel worker's check by a wait for the staging "
+                             "and --idle-ms of sleep (nothing compared; the sentinel's figure is then not judged)")
+    parser.add_argument("--idle-ms", type=float, default=12.0)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--phases", default="-", help=argparse.SUPPRESS)
     parser.add_argument("--child-limit", type=float, default=200.0, help=argparse.SUPPRESS)

@@ -911,3 +911,41 @@ def test_the_step_wrapper_marks_the_steps_the_sentinel_drew_with_the_hook_timers
     finally:
         timing.hook_timers(True)  # as the bench does after its paired rounds
         timing.restore()
+
+
+def test_the_stack_sampler_keeps_the_engine_threads_frames_on_the_step_being_timed():
+    import threading
+
+    timing = gc.Timing()
+    record, done = {}, threading.Event()
+
+    def waits_here():
+        done.wait(2.0)
+
+    def engine():
+        timing.engine_thread = threading.get_ident()
+        timing.current = record
+        waits_here()
+        timing.current = None
+
+    sampler = gc.StackSampler(timing, 1.0)
+    sampler.start()
+    thread = threading.Thread(target=engine)
+    thread.start()
+    time.sleep(0.1)
+    done.set()
+    thread.join()
+    sampler.stop()
+    assert record["where"], "no sample taken"
+    # innermost first: the Condition's wait, the Event's, then the function the thread waits in
+    assert all("/threading.py:" in key.split(" < ")[0] and key.endswith(" waits_here") for key in record["where"][1:]), \
+        record["where"][:3]
+
+
+def test_where_lines_rank_the_frames_a_drawn_step_has_more_of():
+    where = {"drawn_steps": 2, "quiet_steps": 10, "drawn": {"a:1 lock": 8, "b:2 step": 4},
+             "quiet": {"b:2 step": 20, "c:3 other": 10}}
+    lines = gc.where_lines(where)
+    assert lines[0].startswith("where (samples a step): drawn 6.0, quiet 3.0")
+    assert lines[1] == "  +4.00  a:1 lock" and lines[2] == "  +0.00  b:2 step" and lines[3] == "  -1.00  c:3 other"
+    assert gc.where_lines(None) == [] and gc.where_lines({**where, "drawn_steps": 0}) == []
