@@ -1085,8 +1085,8 @@ def _worker_checks(checks: list[dict] | None) -> dict | None:
     and switches."""
     if not checks:
         return None
-    return {"checks": len(checks), **{key: spread([c.get(key) for c in checks])
-                                      for key in ("wall_us", "cpu_us", "switches", "device_us")}}
+    return {"checks": len(checks), "in_process": sum(bool(c.get("process")) for c in checks),
+            **{key: spread([c.get(key) for c in checks]) for key in ("wall_us", "cpu_us", "switches", "device_us")}}
 
 
 def log_draws(state, timing: "Timing") -> list[dict]:
@@ -1204,6 +1204,22 @@ def wrap_worker_checks(timing: "Timing", idle_ms: float | None = None) -> list[d
             log.append(entry)
 
     checker.check_layers = check_layers  # the worker's loop reads the module's name on each job
+    from kvdbg.sentinel import remote
+
+    real_remote = remote.CheckerProcess.check
+
+    def remote_check(self, entries, *args, **kwargs):  # the worker's side: its CPU is what the engine may wait for
+        clock, began, bench_step = _thread_clock(), time.perf_counter_ns(), len(timing.steps)
+        try:
+            return real_remote(self, entries, *args, **kwargs)
+        finally:
+            wall = time.perf_counter_ns() - began
+            switches, cpu = _thread_clock()
+            log.append({"step": kwargs.get("step"), "layers": len(entries), "bench_step": bench_step,
+                        "wall_us": wall / 1e3, "cpu_us": (cpu - clock[1]) / 1e3, "switches": switches - clock[0],
+                        "process": True})
+
+    remote.CheckerProcess.check = remote_check
     return log
 
 
@@ -1443,6 +1459,9 @@ def engine_child(args) -> dict:
     started = time.monotonic()
     deadline = started + args.child_limit - 10
     os.environ.update(kind_environment(kind, args.scratch))
+    if kind == "sentinel":  # its checks in the checker process, or in its worker thread (and always so when idle)
+        os.environ["KVDBG_SENTINEL_PROCESS"] = "1" if args.sentinel_process == "on" and args.worker_check == "real" \
+            else "0"
     try:
         import torch
 
@@ -1764,7 +1783,8 @@ def child_command(args, kind: str, limit: float) -> list[str]:
             "--child-limit", str(limit)] \
         + (["--thread-times"] if args.thread_times else []) + ([] if args.paired else ["--no-paired"]) \
         + (["--cold"] if args.cold else []) \
-        + ["--where", str(args.where), "--worker-check", args.worker_check, "--idle-ms", str(args.idle_ms)]
+        + ["--where", str(args.where), "--worker-check", args.worker_check, "--idle-ms", str(args.idle_ms),
+           "--sentinel-process", args.sentinel_process]
 
 
 def run_part(args, part: str, kind: str, limit: float) -> dict:
@@ -1859,7 +1879,9 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"the rest of the wall time above: the thread waiting for something else (Python's lock)")
             w = f.get("worker_checks") or {}
             if w.get("checks"):
-                print(f"  {name:9s} its worker's checks: {w['checks']}; each {w['wall_us']['median'] / 1e3:.2f} ms "
+                print(f"  {name:9s} its worker's checks: {w['checks']} ({w.get('in_process', 0)} handed to its "
+                      f"checker process: their times are the worker's, waiting included); each "
+                      f"{w['wall_us']['median'] / 1e3:.2f} ms "
                       f"(median; {w['wall_us']['min'] / 1e3:.2f}..{w['wall_us']['max'] / 1e3:.2f}), of it "
                       f"{w['cpu_us']['median'] / 1e3:.2f} ms on the CPU (when the worker can hold the interpreter's "
                       f"lock), {w['switches']['median']:.0f} voluntary switches"
@@ -2028,6 +2050,9 @@ def main() -> int:
                         help="a diagnostic: 'idle' replaces the sentinel worker's check by a wait for the staging "
                              "and --idle-ms of sleep (nothing compared; the sentinel's figure is then not judged)")
     parser.add_argument("--idle-ms", type=float, default=12.0)
+    parser.add_argument("--sentinel-process", choices=("on", "off"), default="on",
+                        help="the sentinel's checks of staged steps in its checker process (KVDBG_SENTINEL_PROCESS, "
+                             "the default) or in its worker thread")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--phases", default="-", help=argparse.SUPPRESS)
     parser.add_argument("--child-limit", type=float, default=200.0, help=argparse.SUPPRESS)

@@ -796,7 +796,7 @@ def test_a_drawn_steps_time_on_the_engines_cpu_and_its_workers_checks_are_shown_
     out = capsys.readouterr().out
     assert "the same on the engine's thread's CPU: a drawn step +0.50 ms, the 8 after it +0.00 ms" in out
     assert "waiting on the device (its event and stream waits): +1.00 ms and +0.00 ms" in out
-    assert "its worker's checks: 2; each" in out
+    assert "its worker's checks: 2 (0 handed to its checker process: their times are the worker's, waiting included); each" in out
 
 
 def test_the_engines_waits_on_the_device_count_into_its_step_and_no_other_threads_do():

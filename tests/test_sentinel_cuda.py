@@ -27,7 +27,7 @@ def on_device(inputs):
 def test_device_checks_agree_with_host_checks(kw):
     layer = _layer(**kw)
     sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0, pairs=len(ALL_PAIRS), seed=0))
-    deferred = DeferredChecks(sentinel, torch.device("cuda"))
+    deferred = DeferredChecks(sentinel, torch.device("cuda"), process=False)
     honest = make_step(layer, fp8=layer.kv_cache_dtype.startswith("fp8"))
     wrong = make_step(layer, fp8=layer.kv_cache_dtype.startswith("fp8"))
     wrong.output.view(-1, HQ, D)[1:5, 3] += 1.0
@@ -45,7 +45,7 @@ def test_device_checks_agree_with_host_checks(kw):
 def test_the_engine_stream_does_not_wait_for_the_check():
     layer = _layer()
     sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0, seed=0))
-    deferred = DeferredChecks(sentinel, torch.device("cuda"))
+    deferred = DeferredChecks(sentinel, torch.device("cuda"), process=False)
     inputs = on_device(make_step(layer))
     # Once before, untimed: CUDA loads a kernel on its first launch, and that load waits for the device.
     deferred.submit(layer, inputs, 0)
@@ -72,7 +72,7 @@ def test_a_staged_steps_layers_are_one_job_with_each_layers_own_verdict(kw):
     from tests.test_sentinel import _one_step_of_layers
 
     sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0, pairs=len(ALL_PAIRS), seed=0))
-    deferred = DeferredChecks(sentinel, torch.device("cuda"))
+    deferred = DeferredChecks(sentinel, torch.device("cuda"), process=False)
     entries = _one_step_of_layers(3, **kw)
     entries[2][1].output.view(-1, HQ, D)[1:5, 1] += 1.0  # layer 2 only: request 1, head 1
     host = [check_step(layer, inputs, pairs=ALL_PAIRS, step=6) for layer, inputs in entries]
@@ -90,3 +90,46 @@ def test_a_staged_steps_layers_are_one_job_with_each_layers_own_verdict(kw):
             [(p.request, p.head, p.passed) for p in alone.pairs]
     assert [r.passed for r in job.results] == [True, True, False]
     assert [(p.request, p.head) for p in job.results[2].failed_pairs] == [(1, 1)]
+
+
+def test_a_staged_step_is_checked_in_the_checker_process_on_buffers_it_shares_once():
+    # The worker hands a staged step's check to kvdbg's checker process, which opens each of kvdbg's buffers once
+    # (CUDA IPC) and reads them in place: a fault written into the same buffers after a first check is found by
+    # the second, with no buffer shared again.
+    import time
+
+    from tests.test_sentinel import _one_step_of_layers, _stacked
+
+    sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0, pairs=len(ALL_PAIRS), seed=0))
+    deferred = DeferredChecks(sentinel, torch.device("cuda"), process=True)
+    deadline = time.monotonic() + 120
+    while deferred.remote is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert deferred.remote is not None, "the checker process did not start"
+    entries = _stacked(_one_step_of_layers(3))
+    stack = entries[0][1].stack[0]
+    on_gpu_stack = type(stack)(pages=stack.pages.cuda(), query=stack.query.cuda(), output=stack.output.cuda())
+    on_gpu = [(layer, dataclasses.replace(inputs, kv_cache=on_gpu_stack.pages[at], query=on_gpu_stack.query[at],
+                                          output=on_gpu_stack.output[at], stack=(on_gpu_stack, at)))
+              for (layer, inputs), (_, at) in zip(entries, [e[1].stack for e in entries])]
+    results = []
+    for step in (1, 2):
+        if step == 2:  # the same buffers, now wrong in layer 1: request 1, head 2
+            on_gpu_stack.output[1].view(-1, HQ, D)[1:5, 2] += 1.0
+        ready = torch.cuda.Event()
+        ready.record()
+        job = deferred.submit_staged(on_gpu, step, ready)
+        assert job.done.wait(120) and job.error is None, job.error
+        results.append(job.results)
+        if step == 1:
+            shared = dict(deferred.remote._shared)
+    assert len(shared) == 3 and deferred.remote._shared == shared  # the stack's three buffers, each shared once
+    host = check_step(entries[0][0], entries[0][1], pairs=ALL_PAIRS, step=1)
+    assert [(p.request, p.head, p.passed) for p in results[0][0].pairs] == \
+        [(p.request, p.head, p.passed) for p in host.pairs]
+    assert all(r.passed for r in results[0])
+    assert [r.passed for r in results[1]] == [True, False, True]
+    assert [(p.request, p.head) for p in results[1][1].failed_pairs] == [(1, 2)]
+    assert sentinel.staged_checks == {"process": 2}
+    deferred.close()
+    assert deferred.remote is None

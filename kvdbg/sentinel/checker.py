@@ -52,7 +52,7 @@ from kvdbg.snapshot.layout import holds_fp8, page_dim, read_value_magnitudes
 from kvdbg.capture.prepare import CaptureLayer, resolve_kv_layout
 from kvdbg.judge.compare import HeadDiff, Tolerance, compare, default_tolerance, fp8_query_allowance
 from kvdbg.snapshot.format import LAYOUT_VLLM, BackendMeta, SnapshotMeta
-from kvdbg.sentinel.config import ENV_INTERVAL, ENV_MAX, SentinelConfig
+from kvdbg.sentinel.config import ENV_INTERVAL, ENV_MAX, ENV_PROCESS, SentinelConfig
 
 logger = logging.getLogger("kvdbg.sentinel")
 
@@ -559,6 +559,7 @@ class Sentinel:
         self.seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(4), "little")
         self._rng = random.Random(self.seed)
         self._pair_rng = random.Random(self.seed + 1)
+        self.staged_checks: Counter = Counter()  # "process" / "thread": where DeferredChecks checked staged steps
         self._clock = clock
         self._draws: dict[int | None, bool] = {}  # the last steps' draws, oldest first
         self._layer_cache: dict[str, bool] = {}
@@ -665,6 +666,10 @@ class Sentinel:
         unchecked = sorted(name for name, reason in self._unchecked.items() if reason is not None)
         if unchecked:
             line += f"; {len(unchecked)} layer(s) not checkable"
+        where = self.staged_checks
+        if where:
+            line += (f"; staged steps checked in its checker process {where['process']}, in the engine's process "
+                     f"{where['thread']}")
         return line
 
 
@@ -676,6 +681,7 @@ class _Job:
     entries: list  # (CaptureLayer, StepInputs) of one step: one layer, or a staged step's sampled layers
     step: int | None
     ready: Any  # torch.cuda.Event recorded on the engine's stream after the forward (or the staging)
+    staged: bool = False  # kvdbg's staged copies (checked in the checker process when it runs)
     done: threading.Event = field(default_factory=threading.Event)
     results: list | None = None  # a CheckResult per entry
     error: BaseException | None = None
@@ -694,16 +700,38 @@ class DeferredChecks:
     its host syncs block only the worker. The engine collects the result at
     that layer's next hook (:meth:`collect`), before the next cache update can
     change the pages the check read, by when it has long finished.
+
+    A staged step's check goes to the checker process (:mod:`kvdbg.sentinel.remote`) once it is ready, unless the
+    configuration says not to (``process``): there its Python does not hold the lock the engine's thread wants.
+    The process starts with this object, in a thread of its own; until it is ready, and if it cannot start or
+    dies (said once, as a warning), the worker checks in its own thread.
     """
 
-    def __init__(self, sentinel: Sentinel, device: torch.device):
+    def __init__(self, sentinel: Sentinel, device: torch.device, *, process: bool | None = None):
         self.sentinel = sentinel
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, _Job] = {}
+        self.remote: Any = None  # the CheckerProcess, once ready
         self._thread = threading.Thread(target=self._loop, name="kvdbg-sentinel", daemon=True)
         self._thread.start()
+        if sentinel.config.process if process is None else process:
+            threading.Thread(target=self._start_process, name="kvdbg-sentinel-start", daemon=True).start()
+
+    def _start_process(self) -> None:
+        from kvdbg.sentinel.remote import CheckerProcess
+
+        try:
+            remote = CheckerProcess(self.device)
+        except Exception as exc:
+            logger.warning("kvdbg sentinel: its checker process did not start (%s); checks run in a thread of the "
+                           "engine's process, where their Python holds the lock the engine's thread wants (set %s=0 "
+                           "to say so and not try)", exc, ENV_PROCESS)
+            return
+        self.remote = remote
+        logger.info("kvdbg sentinel: checks of staged steps run in a process of their own (pid %d, %s)",
+                    remote.pid, remote.info.get("device"))
 
     def submit(self, layer: CaptureLayer, inputs: StepInputs, step: int | None) -> StepInputs:
         """Hand a step to the worker; returns the inputs it checks (query and output are copies)."""
@@ -729,7 +757,7 @@ class DeferredChecks:
                 if isinstance(t, torch.Tensor) and id(t) not in seen and t.is_cuda:
                     seen.add(id(t))
                     t.record_stream(self.stream)
-        job = _Job(list(entries), step, ready)
+        job = _Job(list(entries), step, ready, staged=True)
         self._jobs.put(job)
         return job
 
@@ -747,13 +775,44 @@ class DeferredChecks:
         while True:
             job = self._jobs.get()
             try:
+                # Each job's pairs from a seed of its own: the same pairs in this thread and in the process.
+                seed = self.sentinel._pair_rng.getrandbits(64)
+                remote = self.remote if job.staged else None
+                if remote is not None:
+                    self._check_remote(job, remote, seed)
+                    continue
                 with torch.cuda.stream(self.stream):
                     if job.ready is not None:
                         self.stream.wait_event(job.ready)
                     job.results = check_layers(job.entries, pairs=self.sentinel.config.pairs,
-                                               rng=self.sentinel._pair_rng, step=job.step)
+                                               rng=random.Random(seed), step=job.step)
                     self.stream.synchronize()
+                if job.staged:
+                    self.sentinel.staged_checks["thread"] += 1
             except BaseException as exc:  # reported by the engine's thread when it collects the job
                 job.error = exc
             finally:
                 job.done.set()
+
+    def _check_remote(self, job: _Job, remote: Any, seed: int) -> None:
+        """A staged job in the checker process, once the staging is done on the device (the child reads kvdbg's
+        buffers on its own context). The process failing to answer ends it: this job is an error, later ones are
+        checked here."""
+        from kvdbg.sentinel.remote import CheckerProcessError
+
+        if job.ready is not None:
+            job.ready.synchronize()  # the lock is let go while waiting
+        try:
+            job.results = remote.check(job.entries, pairs=self.sentinel.config.pairs, seed=seed, step=job.step)
+        except CheckerProcessError as exc:
+            self.remote = None
+            remote.close(0.0)
+            logger.warning("kvdbg sentinel: %s; its checks run in a thread of the engine's process from now on", exc)
+            raise
+        self.sentinel.staged_checks["process"] += 1
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the checker process, if one runs (the worker thread ends with the process)."""
+        remote, self.remote = self.remote, None
+        if remote is not None:
+            remote.close(timeout)

@@ -18,7 +18,7 @@ from kvdbg.capture.config import LayerFilter, parse_count
 from kvdbg.errors import OptionError
 
 __all__ = ["DEFAULT_INTERVAL", "DEFAULT_MAX", "DEFAULT_PAIRS", "DEFAULT_RATE", "ENV_DIR", "ENV_INTERVAL",
-           "ENV_LAYERS", "ENV_MAX", "ENV_PAIRS", "ENV_RATE", "ENV_SEED", "SentinelConfig", "parse_rate",
+           "ENV_LAYERS", "ENV_MAX", "ENV_PAIRS", "ENV_PROCESS", "ENV_RATE", "ENV_SEED", "SentinelConfig", "parse_rate",
            "sentinel_requested"]
 
 ENV_RATE = "KVDBG_SENTINEL"
@@ -28,6 +28,7 @@ ENV_PAIRS = "KVDBG_SENTINEL_PAIRS"
 ENV_MAX = "KVDBG_SENTINEL_MAX"
 ENV_INTERVAL = "KVDBG_SENTINEL_INTERVAL"
 ENV_SEED = "KVDBG_SENTINEL_SEED"
+ENV_PROCESS = "KVDBG_SENTINEL_PROCESS"
 
 # KVDBG_SENTINEL=on: the share of each selected layer's steps that is checked.
 DEFAULT_RATE = 0.01
@@ -94,6 +95,17 @@ def _parse_seed(text: str | None) -> int | None:
     return int(value)
 
 
+def _parse_switch(text: str | None, name: str, default: bool) -> bool:
+    value = (text or "").strip().lower()
+    if not value:
+        return default
+    if value in ("1",) + _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise OptionError(f"{name} must be on or off (1/0), got {value[:40]!r}")
+
+
 @dataclass(frozen=True)
 class SentinelConfig:
     """Which steps are checked, how much of each, and how often a disagreement may be captured."""
@@ -105,6 +117,9 @@ class SentinelConfig:
     max_snapshots: int | None = DEFAULT_MAX  # None: no cap
     interval: float = DEFAULT_INTERVAL  # least seconds between two snapshots
     seed: int | None = None  # None: a fresh one per process (said in the active line)
+    # Checks of staged graph steps in a process of their own (kvdbg.sentinel.remote), where their Python does not
+    # hold the lock the engine's thread wants.
+    process: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directory", os.fspath(self.directory))
@@ -138,10 +153,11 @@ class SentinelConfig:
             max_snapshots=parse_count(env.get(ENV_MAX), ENV_MAX, DEFAULT_MAX),
             interval=_parse_seconds(env.get(ENV_INTERVAL)),
             seed=_parse_seed(env.get(ENV_SEED)),
+            process=_parse_switch(env.get(ENV_PROCESS), ENV_PROCESS, True),
         )
 
     def describe(self, seed: int | None = None) -> str:
         cap = "unlimited" if self.max_snapshots is None else str(self.max_snapshots)
         seed = self.seed if seed is None else seed
         return (f"rate={self.rate:g} layers={self.layers} pairs={self.pairs} directory={self.directory} "
-                f"max={cap} interval={self.interval:g}s seed={seed}")
+                f"max={cap} interval={self.interval:g}s seed={seed} process={'on' if self.process else 'off'}")

@@ -362,6 +362,8 @@ class SentinelHooks:
                     self.poll_staged(state, wait=max(0.0, deadline - time.monotonic()))
                 self.sentinel.counts["errors"] += len(self._staged)  # not back in time, or no state to capture
                 self._staged.clear()
+            if self._deferred is not None:
+                self._deferred.close(max(0.0, min(5.0, deadline - time.monotonic())))
             self.capturer.close(max(0.0, deadline - time.monotonic()))
             c = self.sentinel.counts
             level = logging.WARNING if c["failed"] or c["errors"] else logging.INFO

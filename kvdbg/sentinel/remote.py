@@ -1,0 +1,283 @@
+"""The sentinel's checks of staged graph steps in a process of their own (``KVDBG_SENTINEL_PROCESS``, on by default).
+
+A check is a hundred-odd torch calls and some milliseconds of Python. In the
+engine's process it runs in a worker thread, and that thread holds Python's
+lock between its calls: the engine's thread, which wants the lock back after
+each of its own torch calls, waits. On an H100 (docs/benchmarks.md, section
+10) a drawn step then cost +3.6 ms and the steps after it +3.9 ms, where the
+same steps with the check replaced by a sleep cost +1.4 and +0.2 ms.
+
+So the worker hands the check to a child process, which has a lock of its own::
+
+    engine's process                                checker process (python -m kvdbg.sentinel.remote)
+    worker thread: wait for the staging's event     -
+                   send "share" once per buffer ->   open the buffer (CUDA IPC), keep it
+                   send "check" (the step's         -> rebuild the layers' inputs as views of the buffers,
+                   layers, tensors as references)      check_layers() on its own CUDA context
+                   wait for the answer (no lock)  <-  the CheckResults (plain data)
+
+Only staged steps go there: their query, output and pages lie in buffers
+kvdbg keeps for the life of a staging program, so each buffer is opened once;
+their metadata is on the host and travels by value. A step checked from the
+engine's own tensors (eager mode, or a graph step's copies that are not
+staged) stays in the worker thread. The child reads the buffers only after the
+worker saw the staging's event, and the engine lets the staging go only when
+the answer is back, as it does for a check in the thread.
+
+If the child cannot start or dies, the worker says so once (a warning naming
+the cause) and checks in its own thread from then on; a check the child did
+not answer is an error of that check. The child exits when its socket closes
+(the engine's process ended or closed it). It holds a CUDA context of its own
+on the engine's device (a few hundred MiB) and the check's working memory.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import random
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+logger = logging.getLogger("kvdbg.sentinel")
+
+__all__ = ["CheckerProcess", "CheckerProcessError"]
+
+# Seconds the child may take to start (import torch and kvdbg, make its CUDA context), and to answer one check.
+START_SECONDS = 120.0
+CHECK_SECONDS = 60.0
+
+
+class CheckerProcessError(RuntimeError):
+    """The checker process could not start, died, or did not answer in time (the message says which)."""
+
+
+class CheckerProcess:
+    """The engine's side: starts the child, shares buffers with it once, and asks it to check steps.
+
+    Not thread-safe: one thread (the sentinel's worker) calls :meth:`check`. ``device``: the engine's device (a CPU
+    device runs the same protocol with every tensor sent by value: the tests' way in).
+    """
+
+    def __init__(self, device: Any, *, start_seconds: float = START_SECONDS, check_seconds: float = CHECK_SECONDS,
+                 command: list[str] | None = None):
+        import torch
+
+        self.device = torch.device(device)
+        self.check_seconds = check_seconds
+        self._shared: dict[int, tuple[Any, int]] = {}  # a storage's data_ptr: (weak reference, key)
+        self._next_key = 0
+        self._torch = torch
+        ours, theirs = socket.socketpair()
+        index = "" if self.device.type != "cuda" else str(self.device.index if self.device.index is not None
+                                                               else torch.cuda.current_device())
+        command = command or [sys.executable, "-m", "kvdbg.sentinel.remote"]
+        try:
+            self._process = subprocess.Popen(command + [str(theirs.fileno()), index or "cpu"],
+                                             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                             env=_child_environment())
+        finally:
+            theirs.close()
+        from multiprocessing.connection import Connection
+
+        self._conn = Connection(ours.detach())
+        try:
+            kind, self.info = self._receive(start_seconds, "to start")  # ("ready", its pid, torch and device)
+        except BaseException:
+            self.close(0.0)
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def check(self, entries: list, *, pairs: Any, seed: int, step: int | None) -> list:
+        """:func:`kvdbg.sentinel.checker.check_layers` of ``entries`` in the child, with the pairs drawn from
+        ``seed``; its CheckResults. Raises CheckerProcessError when the child fails to answer (it is then closed),
+        and the check's own error, as the child saw it, as RuntimeError."""
+        shares: list = []
+        payload = io.BytesIO()
+        _Pickler(payload, self, shares).dump((entries, pairs, seed, step))
+        for key, handle in shares:
+            self._send(("share", key, handle))
+        self._send(("check", payload.getvalue()))
+        kind, value = self._receive(self.check_seconds, "to answer a check")
+        if kind == "error":
+            raise RuntimeError(f"in the checker process: {value}")
+        return value
+
+    def reference(self, tensor: Any, shares: list) -> tuple:
+        """A CUDA tensor as (key, offset, shape, stride, dtype) of a storage the child holds; its storage shared
+        first (added to ``shares``) when the child does not hold it yet, or holds a freed one at that address."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        storage = tensor.untyped_storage()
+        known = self._shared.get(storage.data_ptr())
+        if known is None or known[0].expired():  # new, or a freed storage's address taken by another
+            if known is not None:
+                self._send(("forget", known[1]))
+            key, self._next_key = self._next_key, self._next_key + 1
+            whole = self._torch.empty(0, dtype=self._torch.uint8, device=tensor.device).set_(
+                storage, 0, (storage.nbytes(),), (1,))
+            from multiprocessing.reduction import ForkingPickler
+
+            import torch.multiprocessing  # noqa: F401  (registers torch's CUDA IPC reductions with ForkingPickler)
+
+            shares.append((key, bytes(ForkingPickler.dumps(whole))))
+            known = self._shared[storage.data_ptr()] = (StorageWeakRef(storage), key)
+        return (known[1], tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype)[6:])
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ask the child to stop, and end it if it does not within ``timeout``."""
+        try:
+            self._send(("stop",))
+        except (OSError, CheckerProcessError):
+            pass
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self._conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        except (OSError, ValueError) as exc:
+            raise CheckerProcessError(f"the checker process (pid {self.pid}) is gone: {exc}") from None
+
+    def _receive(self, seconds: float, what: str) -> Any:
+        deadline = time.monotonic() + seconds
+        try:
+            while not self._conn.poll(0.5):  # the lock is let go while polling
+                if self._process.poll() is not None:
+                    raise self._exited(what)
+                if time.monotonic() > deadline:
+                    self._process.kill()
+                    raise CheckerProcessError(f"the checker process (pid {self.pid}) took over {seconds:g} s {what}; "
+                                              "it was ended")
+            return pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError):  # its end closed: it exited, or is exiting
+            raise self._exited(what) from None
+
+    def _exited(self, what: str) -> CheckerProcessError:
+        try:
+            code = self._process.wait(2.0)
+        except subprocess.TimeoutExpired:
+            return CheckerProcessError(f"the checker process (pid {self.pid}) closed its end of the socket")
+        before = " before it was ready to start" if what == "to start" else ""
+        return CheckerProcessError(f"the checker process (pid {self.pid}) exited with code {code}{before}")
+
+
+def _child_environment() -> dict:
+    """The engine's environment, with the child's torch on one thread (its check is launches, not arithmetic, and
+    the engine's cores are the engine's)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a check's arguments with each CUDA tensor as a reference to a storage the child holds."""
+
+    def __init__(self, file, owner: CheckerProcess, shares: list):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._owner, self._shares = owner, shares
+
+    def persistent_id(self, obj: Any) -> Any:
+        torch = self._owner._torch
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            return self._owner.reference(obj, self._shares)
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    """The child's side: a reference becomes a view of the storage it holds, one tensor per reference within a
+    message (layers that share a tensor share it here too: the check groups layers by identity)."""
+
+    def __init__(self, file, storages: dict, device: Any):
+        super().__init__(file)
+        self._storages, self._device, self._views = storages, device, {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        import torch
+
+        view = self._views.get(pid)
+        if view is None:
+            key, offset, shape, stride, dtype = pid
+            if key not in self._storages:
+                raise pickle.UnpicklingError(f"storage {key} was never shared with the checker process")
+            view = torch.empty(0, dtype=getattr(torch, dtype), device=self._device).set_(
+                self._storages[key], offset, shape, stride)
+            self._views[pid] = view
+        return view
+
+
+def serve(conn: Any, device: str) -> int:
+    """The child's loop: answer the engine's messages until it stops or its end closes."""
+    import torch
+    import torch.multiprocessing  # noqa: F401  (the CUDA IPC rebuild functions)
+
+    from kvdbg.sentinel.checker import check_layers
+    from kvdbg.util.background import confine_torch_to_this_thread
+
+    confine_torch_to_this_thread()
+    if device == "cpu":
+        target = torch.device("cpu")
+    else:
+        target = torch.device("cuda", int(device))
+        torch.cuda.set_device(target)
+        torch.empty(1, device=target)  # the CUDA context, now rather than on the first check
+    conn.send_bytes(pickle.dumps(("ready", {"pid": os.getpid(), "torch": torch.__version__, "device": str(target)})))
+    storages: dict = {}
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return 0
+        kind = message[0]
+        if kind == "stop":
+            return 0
+        if kind == "share":
+            storages[message[1]] = pickle.loads(message[2]).untyped_storage()
+        elif kind == "forget":
+            storages.pop(message[1], None)
+        elif kind == "check":
+            try:
+                entries, pairs, seed, step = _Unpickler(io.BytesIO(message[1]), storages, target).load()
+                results = check_layers(entries, pairs=pairs, rng=random.Random(seed), step=step)
+                if target.type == "cuda":
+                    torch.cuda.current_stream(target).synchronize()
+                answer = ("ok", results)
+            except Exception as exc:  # the check's own failure, for the engine to report
+                answer = ("error", f"{type(exc).__name__}: {exc}")
+            conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def main(argv: list[str]) -> int:
+    from multiprocessing.connection import Connection
+
+    if len(argv) != 2 or not argv[0].isdigit():
+        print("usage: python -m kvdbg.sentinel.remote FD DEVICE (started by kvdbg's sentinel, not by hand)",
+              file=sys.stderr)
+        return 2
+    conn = Connection(int(argv[0]))
+    try:
+        return serve(conn, argv[1])
+    except (EOFError, OSError, KeyboardInterrupt):
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,114 @@
+"""The sentinel's checker process (kvdbg.sentinel.remote) on a CPU: the same verdicts as a check in the engine's
+process, the check's own errors reported and survived, and a child that does not start, dies or hangs said so by
+name. CPU tensors travel by value here; the CUDA buffers' sharing is tests/test_sentinel_cuda.py's."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+
+import pytest
+
+from kvdbg.errors import OptionError
+from kvdbg.sentinel.checker import check_layers
+from kvdbg.sentinel.config import SentinelConfig
+from kvdbg.sentinel.remote import CheckerProcess, CheckerProcessError, main
+from tests.test_sentinel import ALL_PAIRS, D, HQ, LAYER_KINDS, _one_step_of_layers, _stacked
+
+
+@pytest.fixture(scope="module")
+def checker():
+    process = CheckerProcess("cpu")
+    yield process
+    process.close()
+
+
+def _verdicts(results) -> list:
+    return [(r.layer, r.tolerance, None if r.nonfinite is None else (r.nonfinite.request, r.nonfinite.head),
+             [(p.request, p.head, p.passed) for p in r.pairs]) for r in results]
+
+
+@LAYER_KINDS
+@pytest.mark.parametrize("stacked", [False, True], ids=["apart", "stacked"])
+def test_the_process_finds_what_the_engines_process_finds(checker, kw, stacked):
+    entries = _one_step_of_layers(3, **kw)
+    entries[1][1].output.view(-1, HQ, D)[1:5, 2] += 0.5  # layer 1: request 1, head 2
+    entries[2][1].output.view(-1, HQ, D)[5, 3] = float("nan")  # layer 2: request 2's token, head 3
+    entries = _stacked(entries) if stacked else entries
+    here = check_layers(entries, pairs=ALL_PAIRS, rng=random.Random(7), step=4)
+    there = checker.check(entries, pairs=ALL_PAIRS, seed=7, step=4)
+    assert _verdicts(there) == _verdicts(here)
+    assert [(p.request, p.head) for p in there[1].failed_pairs] == [(1, 2)]
+    assert (there[2].nonfinite.request, there[2].nonfinite.head) == (2, 3)
+    for a, b in zip(here, there):
+        for p, q in zip(a.pairs, b.pairs):
+            if p.diff is not None:  # the same arithmetic on the same values: a few ulps at most
+                assert q.diff.max_abs == pytest.approx(p.diff.max_abs, rel=1e-5, abs=1e-5, nan_ok=True)
+
+
+def test_a_seed_draws_the_same_pairs_in_the_process_and_here(checker):
+    entries = _one_step_of_layers(2)
+    for seed in (0, 1, 2**63 + 5):
+        here = check_layers(entries, pairs=2, rng=random.Random(seed), step=1)
+        there = checker.check(entries, pairs=2, seed=seed, step=1)
+        assert [[(p.request, p.head) for p in r.pairs] for r in there] == \
+            [[(p.request, p.head) for p in r.pairs] for r in here]
+
+
+def test_a_check_that_raises_is_reported_by_name_and_the_process_goes_on(checker):
+    entries = _stacked(_one_step_of_layers(3))
+    tokens = int(entries[0][1].query_start_loc[-1])
+    cut = [(layer, dataclasses.replace(inputs, query=inputs.query[:tokens - 1], output=inputs.output[:tokens - 1]))
+           for layer, inputs in entries]
+    with pytest.raises(RuntimeError, match="^in the checker process: RuntimeError: "):
+        checker.check(cut, pairs=ALL_PAIRS, seed=1, step=1)
+    assert checker.alive()
+    assert all(r.passed for r in checker.check(entries, pairs=ALL_PAIRS, seed=1, step=1))
+
+
+def test_a_child_that_dies_is_said_with_its_exit_code():
+    process = CheckerProcess("cpu")
+    process._process.kill()
+    process._process.wait()
+    with pytest.raises(CheckerProcessError, match=r"checker process \(pid \d+\) (exited with code -9|is gone)"):
+        process.check(_one_step_of_layers(1), pairs=1, seed=0, step=0)
+    assert not process.alive()
+    process.close(0.0)
+
+
+def test_a_child_that_cannot_start_or_hangs_is_said_and_ended():
+    with pytest.raises(CheckerProcessError, match="exited with code 3 before it was ready to start"):
+        CheckerProcess("cpu", command=[sys.executable, "-c", "import sys; sys.exit(3)"])
+    with pytest.raises(CheckerProcessError, match="took over 1 s to start; it was ended"):
+        CheckerProcess("cpu", start_seconds=1.0, command=[sys.executable, "-c", "import time; time.sleep(30)"])
+
+
+def test_a_check_not_answered_in_time_ends_the_process():
+    process = CheckerProcess("cpu", check_seconds=1.0)
+    # The child stopped (not killed): it holds its socket open and answers nothing.
+    import os
+    import signal
+
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(CheckerProcessError, match="took over 1 s to answer a check; it was ended"):
+            process.check(_one_step_of_layers(1), pairs=1, seed=0, step=0)
+    finally:
+        process.close(5.0)
+    assert not process.alive()
+
+
+def test_the_module_run_by_hand_says_how_it_is_started(capsys):
+    assert main([]) == 2
+    assert "started by kvdbg's sentinel" in capsys.readouterr().err
+
+
+def test_the_process_switch_is_read_from_the_environment():
+    base = {"KVDBG_SENTINEL": "0.5", "KVDBG_SENTINEL_DIR": "/x"}
+    assert SentinelConfig.from_env(base).process
+    assert not SentinelConfig.from_env({**base, "KVDBG_SENTINEL_PROCESS": "0"}).process
+    assert SentinelConfig.from_env({**base, "KVDBG_SENTINEL_PROCESS": "on"}).process
+    assert "process=off" in SentinelConfig.from_env({**base, "KVDBG_SENTINEL_PROCESS": "off"}).describe(1)
+    with pytest.raises(OptionError, match="KVDBG_SENTINEL_PROCESS must be on or off"):
+        SentinelConfig.from_env({**base, "KVDBG_SENTINEL_PROCESS": "maybe"})
