@@ -144,6 +144,8 @@ class SentinelHooks:
         next); checks of staged steps read kvdbg's own copies and are only collected when done. Before vLLM
         records a graph (``recording``) every check is collected: the worker then makes no CUDA call while a
         stream captures."""
+        if recording and self._deferred is None and self.sentinel.config.process:
+            self._start_worker()
         if not self._waiting and not self._staged:  # nearly every step: no check out
             return
         try:
@@ -153,6 +155,19 @@ class SentinelHooks:
                 self.poll_staged(state, wait=COLLECT_SECONDS if recording else None)
         except Exception as exc:
             self._failed(exc, "before a CUDA graph's replay")
+
+    def _start_worker(self) -> None:
+        """The device worker, and with it the checker process, made before vLLM records its first graph: the
+        process's start (seconds: torch, kvdbg, a CUDA context) is then over before the engine serves, where a
+        worker made at the first sampled step would check that step and those drawn while the process starts in
+        its own thread."""
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                self._deferred = DeferredChecks(self.sentinel, torch.device("cuda", torch.cuda.current_device()))
+        except Exception as exc:
+            self._failed(exc, "starting its device worker")
 
     def after_graph_replay(self, state, sampled: list, staged: Any = None) -> None:
         """The sampled layers of a step replayed from a full CUDA graph, ``(slot, step, ctx)`` each: checked from
