@@ -853,8 +853,10 @@ def drawn_split(steps: list[dict], window: list[dict]) -> dict:
                                                       for after in following) / 1e6
     if any("where" in s for s in window):  # --where: the engine thread's frames, sampled while a step was timed
         out["where"] = {"drawn_steps": len(drawn), "quiet_steps": len(quiet),
+                        "after_steps": sum(len(after) for after in following),
                         "drawn": dict(Counter(w for s in drawn for w in s.get("where", ()))),
-                        "quiet": dict(Counter(w for s in quiet for w in s.get("where", ())))}
+                        "quiet": dict(Counter(w for s in quiet for w in s.get("where", ()))),
+                        "after": dict(Counter(w for after in following for s in after for w in s.get("where", ())))}
     out.update(drawn_added_ms=statistics.fmean(drawn_added) / 1e6, after_added_ms=statistics.fmean(after_added) / 1e6,
                drawn_hooks_us=statistics.fmean(hooks_ns(s) for s in drawn) / 1e3,
                quiet_hooks_us=statistics.median(hooks_ns(s) for s in quiet) / 1e3,
@@ -1086,7 +1088,8 @@ def _worker_checks(checks: list[dict] | None) -> dict | None:
     if not checks:
         return None
     return {"checks": len(checks), "in_process": sum(bool(c.get("process")) for c in checks),
-            **{key: spread([c.get(key) for c in checks]) for key in ("wall_us", "cpu_us", "switches", "device_us")}}
+            **{key: spread([c.get(key) for c in checks])
+               for key in ("wall_us", "cpu_us", "switches", "device_us", "send_us", "answer_us")}}
 
 
 def log_draws(state, timing: "Timing") -> list[dict]:
@@ -1227,9 +1230,11 @@ def wrap_worker_checks(timing: "Timing", idle_ms: float | None = None) -> list[d
         finally:
             wall = time.perf_counter_ns() - began
             switches, cpu = _thread_clock()
+            sending, answer = getattr(self, "last_times", (None, None))
             log.append({"step": kwargs.get("step"), "layers": len(entries), "bench_step": bench_step,
                         "wall_us": wall / 1e3, "cpu_us": (cpu - clock[1]) / 1e3, "switches": switches - clock[0],
-                        "process": True})
+                        "process": True, "send_us": None if sending is None else sending / 1e3,
+                        "answer_us": None if answer is None else answer / 1e3})
 
     remote.CheckerProcess.check = remote_check
     return log
@@ -1239,13 +1244,17 @@ def where_lines(where: dict | None, top: int = 8) -> list[str]:
     """--where: the frames where a drawn step had more samples than a quiet step, per step, the most first."""
     if not where or not where.get("drawn_steps") or not where.get("quiet_steps"):
         return []
-    drawn, quiet = where["drawn"], where["quiet"]
-    per_drawn, per_quiet = where["drawn_steps"], where["quiet_steps"]
-    excess = {key: drawn.get(key, 0) / per_drawn - quiet.get(key, 0) / per_quiet for key in set(drawn) | set(quiet)}
-    lines = [f"where (samples a step): drawn {sum(drawn.values()) / per_drawn:.1f}, quiet "
-             f"{sum(quiet.values()) / per_quiet:.1f}; a drawn step's extra, by frame:"]
-    for key, more in sorted(excess.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"  {more:+.2f}  {key}")
+    quiet, per_quiet = where["quiet"], where["quiet_steps"]
+    lines = []
+    for kind, what in (("drawn", "a drawn step"), ("after", "a step after one")):
+        samples, steps = where.get(kind) or {}, where.get(f"{kind}_steps") or 0
+        if not steps:
+            continue
+        excess = {key: samples.get(key, 0) / steps - quiet.get(key, 0) / per_quiet for key in set(samples) | set(quiet)}
+        lines.append(f"where (samples a step): {kind} {sum(samples.values()) / steps:.1f}, quiet "
+                     f"{sum(quiet.values()) / per_quiet:.1f}; {what}'s extra, by frame:")
+        for key, more in sorted(excess.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"  {more:+.2f}  {key}")
     return lines
 
 
@@ -1260,9 +1269,10 @@ def _split_over_rounds(rounds: list[dict]) -> dict:
         out[key] = spread([x.get(key) for x in splits]).get("median")
     wheres = [x["where"] for x in splits if x.get("where")]
     if wheres:  # --where: the samples of every round, added up
-        out["where"] = {"drawn_steps": sum(w["drawn_steps"] for w in wheres),
-                        "quiet_steps": sum(w["quiet_steps"] for w in wheres),
-                        **{kind: dict(sum((Counter(w[kind]) for w in wheres), Counter())) for kind in ("drawn", "quiet")}}
+        out["where"] = {**{f"{kind}_steps": sum(w.get(f"{kind}_steps", 0) for w in wheres)
+                           for kind in ("drawn", "quiet", "after")},
+                        **{kind: dict(sum((Counter(w.get(kind, {})) for w in wheres), Counter()))
+                           for kind in ("drawn", "quiet", "after")}}
     parts = {name for x in splits for name in x.get("drawn_parts_us", {})}
     if parts:
         out["drawn_parts_us"] = {name: spread([x["drawn_parts_us"].get(name) for x in splits
@@ -1902,7 +1912,9 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"{w['cpu_us']['median'] / 1e3:.2f} ms on the CPU (when the worker can hold the interpreter's "
                       f"lock), {w['switches']['median']:.0f} voluntary switches"
                       + ("" if not w.get("device_us") else f"; its span on the worker's stream "
-                         f"{w['device_us']['median'] / 1e3:.2f} ms"))
+                         f"{w['device_us']['median'] / 1e3:.2f} ms")
+                      + ("" if not w.get("send_us") else f"; handing a check to the process "
+                         f"{w['send_us']['median']:.0f} us, its answer back after {w['answer_us']['median'] / 1e3:.2f} ms"))
             if f.get("diagnostic"):
                 print(f"  {name:9s} DIAGNOSTIC: the worker's check was '{f['worker_check']}' (nothing compared); its "
                       "figure is not judged")

@@ -949,3 +949,6 @@ def test_where_lines_rank_the_frames_a_drawn_step_has_more_of():
     assert lines[0].startswith("where (samples a step): drawn 6.0, quiet 3.0")
     assert lines[1] == "  +4.00  a:1 lock" and lines[2] == "  +0.00  b:2 step" and lines[3] == "  -1.00  c:3 other"
     assert gc.where_lines(None) == [] and gc.where_lines({**where, "drawn_steps": 0}) == []
+    after = gc.where_lines({**where, "after_steps": 4, "after": {"d:4 wait": 6}})
+    assert after[4].startswith("where (samples a step): after 1.5, quiet 3.0; a step after one's extra")
+    assert after[5] == "  +1.50  d:4 wait"

@@ -112,3 +112,25 @@ def test_the_process_switch_is_read_from_the_environment():
     assert "process=off" in SentinelConfig.from_env({**base, "KVDBG_SENTINEL_PROCESS": "off"}).describe(1)
     with pytest.raises(OptionError, match="KVDBG_SENTINEL_PROCESS must be on or off"):
         SentinelConfig.from_env({**base, "KVDBG_SENTINEL_PROCESS": "maybe"})
+
+
+def test_host_tensors_travel_as_their_bytes_once_each_and_come_back_equal():
+    import io
+    import pickle
+    import types
+
+    import torch
+
+    from kvdbg.sentinel.remote import _Pickler
+
+    table = torch.arange(24, dtype=torch.int32).reshape(4, 6)
+    values = [table, table[:, ::2], torch.tensor(3.5, dtype=torch.bfloat16), torch.empty(0, 5),
+              torch.tensor([True, False]), torch.randn(3, 4).to(torch.float8_e4m3fn)]
+    payload = io.BytesIO()
+    _Pickler(payload, types.SimpleNamespace(_torch=torch), []).dump({"a": values, "again": table})
+    assert payload.getvalue().count(table.numpy().tobytes()) == 1  # the table's bytes once, though named twice
+    back = pickle.loads(payload.getvalue())
+    assert back["again"] is back["a"][0]  # one tensor, as the check's grouping by identity needs
+    for sent, got in zip(values, back["a"]):
+        assert got.dtype == sent.dtype and got.shape == sent.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), sent.contiguous().reshape(-1).view(torch.uint8))

@@ -71,6 +71,7 @@ class CheckerProcess:
         self.device = torch.device(device)
         self.check_seconds = check_seconds
         self._shared: dict[int, tuple[Any, int]] = {}  # a storage's data_ptr: (weak reference, key)
+        self.last_times = (0, 0)  # the last check's (sending, waiting and reading the answer), ns
         self._next_key = 0
         self._torch = torch
         ours, theirs = socket.socketpair()
@@ -100,13 +101,17 @@ class CheckerProcess:
         """:func:`kvdbg.sentinel.checker.check_layers` of ``entries`` in the child, with the pairs drawn from
         ``seed``; its CheckResults. Raises CheckerProcessError when the child fails to answer (it is then closed),
         and the check's own error, as the child saw it, as RuntimeError."""
+        began = time.perf_counter_ns()
         shares: list = []
         payload = io.BytesIO()
         _Pickler(payload, self, shares).dump((entries, pairs, seed, step))
         for key, handle in shares:
             self._send(("share", key, handle))
         self._send(("check", payload.getvalue()))
+        sent = time.perf_counter_ns()
         kind, value = self._receive(self.check_seconds, "to answer a check")
+        # (sending, waiting for the answer and reading it) in ns: the first and last hold Python's lock here
+        self.last_times = (sent - began, time.perf_counter_ns() - sent)
         if kind == "error":
             raise RuntimeError(f"in the checker process: {value}")
         return value
@@ -189,39 +194,46 @@ def _child_environment() -> dict:
 
 
 class _Pickler(pickle.Pickler):
-    """Pickles a check's arguments with each CUDA tensor as a reference to a storage the child holds."""
+    """Pickles a check's arguments with each CUDA tensor as a reference to a storage the child holds, and each host
+    tensor as its bytes (torch's own pickling of a tensor saves its whole storage through torch.save, tens of
+    microseconds each, under Python's lock). Through ``reducer_override``, which pickle does not call for plain ints,
+    strings and containers, and whose results it memoizes: a tensor named twice travels once, and is one tensor in
+    the child (the check groups layers by their tensors' identity)."""
 
     def __init__(self, file, owner: CheckerProcess, shares: list):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._owner, self._shares = owner, shares
+        self._owner, self._shares, self._tensor = owner, shares, owner._torch.Tensor
 
-    def persistent_id(self, obj: Any) -> Any:
-        torch = self._owner._torch
-        if isinstance(obj, torch.Tensor) and obj.is_cuda:
-            return self._owner.reference(obj, self._shares)
-        return None
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, self._tensor):
+            return NotImplemented
+        if obj.is_cuda:
+            return _from_storage, self._owner.reference(obj, self._shares)
+        data = obj.detach().contiguous()
+        return _from_host, (str(data.dtype)[6:], tuple(data.shape),
+                            data.reshape(-1).view(self._owner._torch.uint8).numpy().tobytes() if data.numel() else b"")
 
 
-class _Unpickler(pickle.Unpickler):
-    """The child's side: a reference becomes a view of the storage it holds, one tensor per reference within a
-    message (layers that share a tensor share it here too: the check groups layers by identity)."""
+# The child's storages by key and its device, for the functions below while a message is read (one thread reads).
+_CHILD: dict[str, Any] = {"storages": {}, "device": "cpu"}
 
-    def __init__(self, file, storages: dict, device: Any):
-        super().__init__(file)
-        self._storages, self._device, self._views = storages, device, {}
 
-    def persistent_load(self, pid: Any) -> Any:
-        import torch
+def _from_storage(key: int, offset: int, shape: tuple, stride: tuple, dtype: str) -> Any:
+    """In the child: a view of a storage the engine's process shared."""
+    import torch
 
-        view = self._views.get(pid)
-        if view is None:
-            key, offset, shape, stride, dtype = pid
-            if key not in self._storages:
-                raise pickle.UnpicklingError(f"storage {key} was never shared with the checker process")
-            view = torch.empty(0, dtype=getattr(torch, dtype), device=self._device).set_(
-                self._storages[key], offset, shape, stride)
-            self._views[pid] = view
-        return view
+    storage = _CHILD["storages"].get(key)
+    if storage is None:
+        raise pickle.UnpicklingError(f"storage {key} was never shared with the checker process")
+    return torch.empty(0, dtype=getattr(torch, dtype), device=_CHILD["device"]).set_(storage, offset, shape, stride)
+
+
+def _from_host(dtype: str, shape: tuple, data: bytes) -> Any:
+    """In the child: a host tensor from its bytes."""
+    import torch
+
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape)
 
 
 def serve(conn: Any, device: str) -> int:
@@ -241,6 +253,7 @@ def serve(conn: Any, device: str) -> int:
         torch.empty(1, device=target)  # the CUDA context, now rather than on the first check
     conn.send_bytes(pickle.dumps(("ready", {"pid": os.getpid(), "torch": torch.__version__, "device": str(target)})))
     storages: dict = {}
+    _CHILD.update(storages=storages, device=target)
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
@@ -255,7 +268,7 @@ def serve(conn: Any, device: str) -> int:
             storages.pop(message[1], None)
         elif kind == "check":
             try:
-                entries, pairs, seed, step = _Unpickler(io.BytesIO(message[1]), storages, target).load()
+                entries, pairs, seed, step = pickle.loads(message[1])
                 results = check_layers(entries, pairs=pairs, rng=random.Random(seed), step=step)
                 if target.type == "cuda":
                     torch.cuda.current_stream(target).synchronize()
