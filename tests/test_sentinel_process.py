@@ -134,3 +134,43 @@ def test_host_tensors_travel_as_their_bytes_once_each_and_come_back_equal():
     for sent, got in zip(values, back["a"]):
         assert got.dtype == sent.dtype and got.shape == sent.shape
         assert torch.equal(got.reshape(-1).view(torch.uint8), sent.contiguous().reshape(-1).view(torch.uint8))
+
+
+def test_the_childs_loader_makes_views_of_the_storages_it_holds_one_per_tensor():
+    # A CUDA tensor travels as (storage key, offset, shape, stride, dtype); the child's loader makes it a view of
+    # the storage it opened, under whatever name its module runs (python -m runs it as __main__).
+    import io
+    import pickle
+    import types
+
+    import torch
+
+    from kvdbg.sentinel.remote import _Loader, _Pickler
+
+    pages = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    layer = pages[1].t()  # a strided view into the middle of the storage
+
+    class Owner:
+        _torch = torch
+
+        def reference(self, tensor, shares):
+            return (7, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype)[6:])
+
+    class AsIfOnTheDevice(_Pickler):
+        def reducer_override(self, obj):
+            if obj is pages or obj is layer:  # these two as a CUDA tensor would go
+                from kvdbg.sentinel.remote import _from_storage
+                return _from_storage, self._owner.reference(obj, self._shares)
+            return super().reducer_override(obj)
+
+    payload = io.BytesIO()
+    AsIfOnTheDevice(payload, Owner(), []).dump((pages, layer, layer))
+    shared = torch.zeros(24).untyped_storage()
+    shared.copy_(pages.untyped_storage())
+    got_pages, got_layer, again = _Loader(payload.getvalue(), {7: shared}, torch.device("cpu")).load()
+    assert torch.equal(got_pages, pages) and torch.equal(got_layer, layer) and again is got_layer
+    assert got_layer.untyped_storage().data_ptr() == shared.data_ptr()  # a view, nothing copied
+    with pytest.raises(pickle.UnpicklingError, match="storage 7 was never shared"):
+        _Loader(payload.getvalue(), {}, torch.device("cpu")).load()
+    with pytest.raises(pickle.UnpicklingError, match="only by the checker process's loader"):
+        pickle.loads(payload.getvalue())

@@ -42,6 +42,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from typing import Any
 
 logger = logging.getLogger("kvdbg.sentinel")
@@ -51,6 +52,8 @@ __all__ = ["CheckerProcess", "CheckerProcessError"]
 # Seconds the child may take to start (import torch and kvdbg, make its CUDA context), and to answer one check.
 START_SECONDS = 120.0
 CHECK_SECONDS = 60.0
+# Tensors whose references are kept (see CheckerProcess._refs); past it they are worked out again.
+REFS_KEPT = 4096
 
 
 class CheckerProcessError(RuntimeError):
@@ -71,6 +74,9 @@ class CheckerProcess:
         self.device = torch.device(device)
         self.check_seconds = check_seconds
         self._shared: dict[int, tuple[Any, int]] = {}  # a storage's data_ptr: (weak reference, key)
+        # id(tensor): (weak reference, its reference): a program's staged views are the same objects step after
+        # step, and working a reference out again takes torch calls under Python's lock
+        self._refs: dict[int, tuple] = {}
         self.last_times = (0, 0)  # the last check's (sending, waiting and reading the answer), ns
         self._next_key = 0
         self._torch = torch
@@ -119,6 +125,9 @@ class CheckerProcess:
     def reference(self, tensor: Any, shares: list) -> tuple:
         """A CUDA tensor as (key, offset, shape, stride, dtype) of a storage the child holds; its storage shared
         first (added to ``shares``) when the child does not hold it yet, or holds a freed one at that address."""
+        cached = self._refs.get(id(tensor))
+        if cached is not None and cached[0]() is tensor:  # a staged view seen before: its storage is alive and held
+            return cached[1]
         from torch.multiprocessing.reductions import StorageWeakRef
 
         storage = tensor.untyped_storage()
@@ -135,7 +144,11 @@ class CheckerProcess:
 
             shares.append((key, bytes(ForkingPickler.dumps(whole))))
             known = self._shared[storage.data_ptr()] = (StorageWeakRef(storage), key)
-        return (known[1], tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype)[6:])
+        ref = (known[1], tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype)[6:])
+        if len(self._refs) > REFS_KEPT:
+            self._refs.clear()
+        self._refs[id(tensor)] = (weakref.ref(tensor), ref)
+        return ref
 
     def alive(self) -> bool:
         return self._process.poll() is None
@@ -214,18 +227,31 @@ class _Pickler(pickle.Pickler):
                             data.reshape(-1).view(self._owner._torch.uint8).numpy().tobytes() if data.numel() else b"")
 
 
-# The child's storages by key and its device, for the functions below while a message is read (one thread reads).
-_CHILD: dict[str, Any] = {"storages": {}, "device": "cpu"}
-
-
 def _from_storage(key: int, offset: int, shape: tuple, stride: tuple, dtype: str) -> Any:
-    """In the child: a view of a storage the engine's process shared."""
-    import torch
+    """A view of a storage shared with the checker process: only its :class:`_Loader` makes one (it resolves this
+    name to its own method, whatever name the child's module runs under)."""
+    raise pickle.UnpicklingError("a shared storage's view is read only by the checker process's loader")
 
-    storage = _CHILD["storages"].get(key)
-    if storage is None:
-        raise pickle.UnpicklingError(f"storage {key} was never shared with the checker process")
-    return torch.empty(0, dtype=getattr(torch, dtype), device=_CHILD["device"]).set_(storage, offset, shape, stride)
+
+class _Loader(pickle.Unpickler):
+    """The child's reading of a check: each :func:`_from_storage` reference becomes a view of a storage it holds."""
+
+    def __init__(self, data: bytes, storages: dict, device: Any):
+        super().__init__(io.BytesIO(data))
+        self._storages, self._device = storages, device
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name == "_from_storage" and module.endswith("sentinel.remote"):
+            return self._view
+        return super().find_class(module, name)
+
+    def _view(self, key: int, offset: int, shape: tuple, stride: tuple, dtype: str) -> Any:
+        import torch
+
+        storage = self._storages.get(key)
+        if storage is None:
+            raise pickle.UnpicklingError(f"storage {key} was never shared with the checker process")
+        return torch.empty(0, dtype=getattr(torch, dtype), device=self._device).set_(storage, offset, shape, stride)
 
 
 def _from_host(dtype: str, shape: tuple, data: bytes) -> Any:
@@ -253,7 +279,6 @@ def serve(conn: Any, device: str) -> int:
         torch.empty(1, device=target)  # the CUDA context, now rather than on the first check
     conn.send_bytes(pickle.dumps(("ready", {"pid": os.getpid(), "torch": torch.__version__, "device": str(target)})))
     storages: dict = {}
-    _CHILD.update(storages=storages, device=target)
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
@@ -268,7 +293,7 @@ def serve(conn: Any, device: str) -> int:
             storages.pop(message[1], None)
         elif kind == "check":
             try:
-                entries, pairs, seed, step = pickle.loads(message[1])
+                entries, pairs, seed, step = _Loader(message[1], storages, target).load()
                 results = check_layers(entries, pairs=pairs, rng=random.Random(seed), step=step)
                 if target.type == "cuda":
                     torch.cuda.current_stream(target).synchronize()
