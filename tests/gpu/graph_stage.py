@@ -422,6 +422,12 @@ def engine_child(out: str, spec: RunSpec, cpu: bool) -> dict:
         state = vllm_plugin._state
         if state is None or vllm_plugin.active_capturer() is None:
             raise RuntimeError("the kvdbg plugin is not active in the engine's process")
+        if state.sentinel is not None and not cpu:  # its checks of staged steps in its checker process, once ready
+            waited = time.monotonic()
+            while getattr(state.sentinel._deferred, "remote", None) is None and time.monotonic() - waited < 60:
+                time.sleep(0.1)
+            record["checker_process"] = getattr(state.sentinel._deferred, "remote", None) is not None
+            record["checker_wait_s"] = round(time.monotonic() - waited, 1)
         record["stage"] = "configure"
         base = {name: state._forward_counts.get(name, 0) for name in layers}
         record["startup_steps"] = base
