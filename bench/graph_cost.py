@@ -73,6 +73,13 @@ there (``torch.cuda.Event`` and ``Stream`` ``synchronize``: vLLM waits for a ste
 a sentinel's drawn step and the steps after it into work, waiting on the device, and waiting for something
 else (Python's lock, mostly: the sentinel's worker, whose checks are timed on its own thread too).
 
+The sentinel's engine checks staged steps in its checker process (``KVDBG_SENTINEL_PROCESS``, kvdbg's default;
+``--sentinel-process off``: in its worker thread), and its rounds start once that process is ready. Two
+diagnostics, never figures: ``--where MS`` samples the engine thread's frames every MS ms in timed steps and prints
+the frames where a drawn step, and a step after one, had more samples than a quiet step (a sample falls where the
+thread let go of Python's lock); ``--worker-check idle`` replaces the worker's check by a wait for the staging and
+``--idle-ms`` of sleep (nothing compared, the figure not judged), to tell the check's cost from the rest.
+
 Prints a line per part, the figures against their lines, and one line ``GCOST-SUMMARY {json}``. Writes
 OUT/records/PART.json (each part's raw record) and OUT/logs/PART.log; snapshots go to ``--scratch`` and are
 deleted once counted. Exit 0: every part ran, every check passed and every figure is within its line; 1: every

@@ -778,8 +778,7 @@ class DeferredChecks:
                 # Each job's pairs from a seed of its own: the same pairs in this thread and in the process.
                 seed = self.sentinel._pair_rng.getrandbits(64)
                 remote = self.remote if job.staged else None
-                if remote is not None:
-                    self._check_remote(job, remote, seed)
+                if remote is not None and self._check_remote(job, remote, seed):
                     continue
                 with torch.cuda.stream(self.stream):
                     if job.ready is not None:
@@ -794,10 +793,10 @@ class DeferredChecks:
             finally:
                 job.done.set()
 
-    def _check_remote(self, job: _Job, remote: Any, seed: int) -> None:
+    def _check_remote(self, job: _Job, remote: Any, seed: int) -> bool:
         """A staged job in the checker process, once the staging is done on the device (the child reads kvdbg's
-        buffers on its own context). The process failing to answer ends it: this job is an error, later ones are
-        checked here."""
+        buffers on its own context); whether it was checked there. The process failing to answer ends it: this job
+        and later ones are then checked in this thread (False). The check's own error is raised, as here."""
         from kvdbg.sentinel.remote import CheckerProcessError
 
         if job.ready is not None:
@@ -807,9 +806,11 @@ class DeferredChecks:
         except CheckerProcessError as exc:
             self.remote = None
             remote.close(0.0)
-            logger.warning("kvdbg sentinel: %s; its checks run in a thread of the engine's process from now on", exc)
-            raise
+            logger.warning("kvdbg sentinel: %s; its checks run in a thread of the engine's process from now on, this "
+                           "step's first", exc)
+            return False
         self.sentinel.staged_checks["process"] += 1
+        return True
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the checker process, if one runs (the worker thread ends with the process)."""

@@ -38,6 +38,7 @@ import logging
 import os
 import pickle
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -80,14 +81,17 @@ class CheckerProcess:
         self.last_times = (0, 0)  # the last check's (sending, waiting and reading the answer), ns
         self._next_key = 0
         self._torch = torch
-        ours, theirs = socket.socketpair()
         index = "" if self.device.type != "cuda" else str(self.device.index if self.device.index is not None
                                                                else torch.cuda.current_device())
         command = command or [sys.executable, "-m", "kvdbg.sentinel.remote"]
+        ours, theirs = socket.socketpair()
         try:
             self._process = subprocess.Popen(command + [str(theirs.fileno()), index or "cpu"],
                                              pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                              env=_child_environment())
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         from multiprocessing.connection import Connection
@@ -311,6 +315,8 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     conn = Connection(int(argv[0]))
+    # The engine's process says when to stop (or closes its end): a Ctrl-C meant for the engine is not for this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         return serve(conn, argv[1])
     except (EOFError, OSError, KeyboardInterrupt):
