@@ -13,7 +13,8 @@ import pytest
 from kvdbg.errors import OptionError
 from kvdbg.sentinel.checker import check_layers
 from kvdbg.sentinel.config import SentinelConfig
-from kvdbg.sentinel.remote import CheckerProcess, CheckerProcessError, main
+from kvdbg.sentinel.child import main
+from kvdbg.sentinel.remote import CheckerProcess, CheckerProcessError
 from tests.test_sentinel import ALL_PAIRS, D, HQ, LAYER_KINDS, _one_step_of_layers, _stacked
 
 

@@ -9,7 +9,7 @@ same steps with the check replaced by a sleep cost +1.4 and +0.2 ms.
 
 So the worker hands the check to a child process, which has a lock of its own::
 
-    engine's process                                checker process (python -m kvdbg.sentinel.remote)
+    engine's process                                checker process (python -m kvdbg.sentinel.child)
     worker thread: wait for the staging's event     -
                    send "share" once per buffer ->   open the buffer (CUDA IPC), keep it
                    send "check" (the step's         -> rebuild the layers' inputs as views of the buffers,
@@ -38,7 +38,6 @@ import logging
 import os
 import pickle
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -83,7 +82,7 @@ class CheckerProcess:
         self._torch = torch
         index = "" if self.device.type != "cuda" else str(self.device.index if self.device.index is not None
                                                                else torch.cuda.current_device())
-        command = command or [sys.executable, "-m", "kvdbg.sentinel.remote"]
+        command = command or [sys.executable, "-m", "kvdbg.sentinel.child"]
         ours, theirs = socket.socketpair()
         try:
             self._process = subprocess.Popen(command + [str(theirs.fileno()), index or "cpu"],
@@ -266,12 +265,13 @@ def _from_host(dtype: str, shape: tuple, data: bytes) -> Any:
     return flat.view(getattr(torch, dtype)).reshape(shape)
 
 
-def serve(conn: Any, device: str) -> int:
-    """The child's loop: answer the engine's messages until it stops or its end closes."""
+def serve(conn: Any, device: str, check_layers: Any) -> int:
+    """The child's loop: answer the engine's messages until it stops or its end closes (``check_layers``:
+    :func:`kvdbg.sentinel.checker.check_layers`, handed in by :mod:`kvdbg.sentinel.child`, so that this module,
+    which the checker imports, imports nothing of it)."""
     import torch
     import torch.multiprocessing  # noqa: F401  (the CUDA IPC rebuild functions)
 
-    from kvdbg.sentinel.checker import check_layers
     from kvdbg.util.background import confine_torch_to_this_thread
 
     confine_torch_to_this_thread()
@@ -305,23 +305,3 @@ def serve(conn: Any, device: str) -> int:
             except Exception as exc:  # the check's own failure, for the engine to report
                 answer = ("error", f"{type(exc).__name__}: {exc}")
             conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def main(argv: list[str]) -> int:
-    from multiprocessing.connection import Connection
-
-    if len(argv) != 2 or not argv[0].isdigit():
-        print("usage: python -m kvdbg.sentinel.remote FD DEVICE (started by kvdbg's sentinel, not by hand)",
-              file=sys.stderr)
-        return 2
-    conn = Connection(int(argv[0]))
-    # The engine's process says when to stop (or closes its end): a Ctrl-C meant for the engine is not for this one.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        return serve(conn, argv[1])
-    except (EOFError, OSError, KeyboardInterrupt):
-        return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
