@@ -377,8 +377,11 @@ class SentinelHooks:
                     self.poll_staged(state, wait=max(0.0, deadline - time.monotonic()))
                 self.sentinel.counts["errors"] += len(self._staged)  # not back in time, or no state to capture
                 self._staged.clear()
-            if self._deferred is not None:
-                self._deferred.close(max(0.0, min(5.0, deadline - time.monotonic())))
+            if self._deferred is not None:  # its checker process told to stop (a failure there is no reason to
+                try:                            # leave the exit line unsaid)
+                    self._deferred.close(max(0.0, min(5.0, deadline - time.monotonic())))
+                except Exception as exc:
+                    logger.debug("kvdbg sentinel: stopping its checker process failed: %s", exc)
             self.capturer.close(max(0.0, deadline - time.monotonic()))
             c = self.sentinel.counts
             level = logging.WARNING if c["failed"] or c["errors"] else logging.INFO
