@@ -349,9 +349,11 @@ def test_checks_still_in_the_worker_are_collected_before_vllm_records_a_graph(se
 class _StagedStandIn:
     def __init__(self):
         self.released = 0
+        self.issued = []
 
-    def release(self):
+    def release(self, issued=True):
         self.released += 1
+        self.issued.append(issued)
 
 
 def test_checks_of_staged_graph_steps_are_collected_when_done_and_never_waited_for(sentinel_env):
@@ -391,6 +393,38 @@ def test_checks_of_staged_graph_steps_are_collected_when_done_and_never_waited_f
     timer.join()
     assert hooks._staged == [] and [s.released for s in staged] == [1, 1]
     assert hooks.sentinel.counts["checked"] == checked + 2
+
+
+def test_a_checked_staging_is_let_go_with_no_event_unless_the_engine_read_it(sentinel_env, monkeypatch):
+    """A done check's reads are done on the device (its worker or process synchronised first): its staging is let
+    go without an event on the engine's stream (issued=False). A step found wrong is captured from the staging on
+    the engine's stream, so that one is let go with the event (issued=True); a check that failed read nothing more."""
+    import threading
+
+    from kvdbg.sentinel.checker import CheckResult, NonFinite
+    from kvdbg.vllm_plugin.sentinel_hooks import _Waiting
+
+    vllm_plugin.register()
+    StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=1, query_len=1).step()
+    state, hooks = vllm_plugin._state, _hooks()
+    captured = []
+    monkeypatch.setattr(hooks, "_capture", lambda state, finding, waiting: captured.append(finding.kind))
+
+    class Job:
+        def __init__(self, result=None, error=None):
+            self.done, self.error = threading.Event(), error
+            self.results = [result]
+            self.done.set()
+
+    honest = CheckResult(layer="x", step=3, tolerance=None)
+    wrong = CheckResult(layer="x", step=4, tolerance=None, nonfinite=NonFinite(2, 1, 0, 1, 0))
+    jobs = [Job(honest), Job(wrong), Job(error=RuntimeError("the check raised"))]
+    staged = [_StagedStandIn() for _ in jobs]
+    hooks._staged = [_Waiting(None, None, None, None, None, None, None, None, None, 3, staged=st, job=job)
+                     for st, job in zip(staged, jobs)]
+    hooks.poll_staged(state)
+    assert hooks._staged == [] and captured == ["nonfinite"]
+    assert [s.issued for s in staged] == [[False], [True], [False]]
 
 
 @pytest.mark.parametrize("cache_layout", ["LBNHC", "BHLNC"])

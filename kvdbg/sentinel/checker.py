@@ -781,11 +781,13 @@ class DeferredChecks:
                 if remote is not None and self._check_remote(job, remote, seed):
                     continue
                 with torch.cuda.stream(self.stream):
-                    if job.ready is not None:
-                        self.stream.wait_event(job.ready)
-                    job.results = check_layers(job.entries, pairs=self.sentinel.config.pairs,
-                                               rng=random.Random(seed), step=job.step)
-                    self.stream.synchronize()
+                    try:
+                        if job.ready is not None:
+                            self.stream.wait_event(job.ready)
+                        job.results = check_layers(job.entries, pairs=self.sentinel.config.pairs,
+                                                   rng=random.Random(seed), step=job.step)
+                    finally:  # a done job has no read left on the device, whether it passed, failed or raised
+                        self.stream.synchronize()
                 if job.staged:
                     self.sentinel.staged_checks["thread"] += 1
             except BaseException as exc:  # reported by the engine's thread when it collects the job

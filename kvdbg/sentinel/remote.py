@@ -298,10 +298,9 @@ def serve(conn: Any, device: str, check_layers: Any) -> int:
         elif kind == "check":
             try:
                 entries, pairs, seed, step = _Loader(message[1], storages, target).load()
-                results = check_layers(entries, pairs=pairs, rng=random.Random(seed), step=step)
-                if target.type == "cuda":
-                    torch.cuda.current_stream(target).synchronize()
-                answer = ("ok", results)
+                answer = ("ok", check_layers(entries, pairs=pairs, rng=random.Random(seed), step=step))
             except Exception as exc:  # the check's own failure, for the engine to report
                 answer = ("error", f"{type(exc).__name__}: {exc}")
+            if target.type == "cuda":  # no read of the engine's buffers left on the device once it answers
+                torch.cuda.current_stream(target).synchronize()
             conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))

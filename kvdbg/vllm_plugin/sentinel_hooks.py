@@ -230,6 +230,7 @@ class SentinelHooks:
                 if deadline is None or not job.done.wait(max(0.0, deadline - time.monotonic())):
                     continue
             self._staged.remove(waiting)
+            read = False  # whether the engine's thread read the staging (a capture's copies, on its stream)
             try:
                 if job is None or job.error is not None:
                     self._failed(job.error if job is not None else RuntimeError("no check"), "in the device check")
@@ -238,9 +239,13 @@ class SentinelHooks:
                 self.sentinel.record(result)
                 finding = result.finding()
                 if finding is not None:
+                    read = True
                     self._capture(state, finding, waiting)
             finally:
-                waiting.staged.release()
+                # A done job's reads are done on the device (the worker synchronises its stream, the checker process
+                # its context, before the job is done): only a capture's copies, queued on the engine's stream, need
+                # the next staging to wait for them (an event per layer, made and recorded on this thread).
+                waiting.staged.release(issued=read)
 
     def _check(self, state, impl: Any, layer: Any, step: int, query, key, value, kv_cache, ctx, output,
                pre: "PreUpdate | None", staged: Any = None, batch: "list[_Waiting] | None" = None) -> None:
