@@ -98,6 +98,9 @@ class CheckerProcess:
         self._conn = Connection(ours.detach())
         try:
             kind, self.info = self._receive(start_seconds, "to start")  # ("ready", its pid, torch and device)
+            if kind != "ready":
+                raise CheckerProcessError(f"the checker process (pid {self.pid}) said {kind!r} where it should "
+                                          "have said it was ready")
         except BaseException:
             self.close(0.0)
             raise
