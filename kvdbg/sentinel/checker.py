@@ -819,3 +819,6 @@ class DeferredChecks:
         remote, self.remote = self.remote, None
         if remote is not None:
             remote.close(timeout)
+            # The buffers the child held are let go here now, not in a warning of torch's at exit ("Producer process
+            # has been terminated before all shared CUDA tensors released").
+            torch.cuda.ipc_collect()
