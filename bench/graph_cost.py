@@ -1121,18 +1121,6 @@ def log_draws(state, timing: "Timing") -> list[dict]:
     return log
 
 
-def wait_for_checker(hooks, seconds: float) -> tuple[float, bool]:
-    """(seconds waited, ready): the sentinel's checker process, which kvdbg starts before vLLM records its first
-    graph, ready to check (its start is a few seconds of the engine's start, not of a round)."""
-    began = time.monotonic()
-    while time.monotonic() - began < seconds:
-        deferred = getattr(hooks, "_deferred", None)
-        if deferred is not None and deferred.remote is not None:
-            return time.monotonic() - began, True
-        time.sleep(0.1)
-    return time.monotonic() - began, False
-
-
 def idle_check(idle_ms: float):
     """``--worker-check idle`` (a diagnostic, never a figure): the sentinel worker's check replaced by a wait for the
     step's staging on the device, then ``idle_ms`` of sleep, which hold nothing the engine's thread wants (the
@@ -1530,7 +1518,9 @@ def engine_child(args) -> dict:
             record["sentinel_checks"] = wrap_worker_checks(timing, args.idle_ms if args.worker_check == "idle" else None)
             record["worker_check"] = args.worker_check
             if os.environ.get("KVDBG_SENTINEL_PROCESS") == "1":  # the rounds time checks in the process, not its start
-                record["checker_wait_s"], ready = wait_for_checker(state.sentinel, 120.0)
+                began = time.monotonic()
+                ready = state.sentinel.checker_ready(120.0)
+                record["checker_wait_s"] = time.monotonic() - began
                 if not ready:
                     record["problems"].append("the sentinel's checker process was not ready within 120 s")
         sampler = None

@@ -96,16 +96,12 @@ def test_a_staged_step_is_checked_in_the_checker_process_on_buffers_it_shares_on
     # The worker hands a staged step's check to kvdbg's checker process, which opens each of kvdbg's buffers once
     # (CUDA IPC) and reads them in place: a fault written into the same buffers after a first check is found by
     # the second, with no buffer shared again.
-    import time
-
     from tests.test_sentinel import _one_step_of_layers, _stacked
 
     sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0, pairs=len(ALL_PAIRS), seed=0))
     deferred = DeferredChecks(sentinel, torch.device("cuda"), process=True)
-    deadline = time.monotonic() + 120
-    while deferred.remote is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert deferred.remote is not None, "the checker process did not start"
+    assert deferred.process_ready(120), "the checker process did not start"
+    assert not DeferredChecks(sentinel, torch.device("cuda"), process=False).process_ready(0)
     entries = _stacked(_one_step_of_layers(3))
     stack = entries[0][1].stack[0]
     on_gpu_stack = type(stack)(pages=stack.pages.cuda(), query=stack.query.cuda(), output=stack.output.cuda())

@@ -714,10 +714,14 @@ class DeferredChecks:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, _Job] = {}
         self.remote: Any = None  # the CheckerProcess, once ready
+        self._started = threading.Event()  # the checker process ready, or known not to be (set at once without one)
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kvdbg-sentinel", daemon=True)
         self._thread.start()
         if sentinel.config.process if process is None else process:
             threading.Thread(target=self._start_process, name="kvdbg-sentinel-start", daemon=True).start()
+        else:
+            self._started.set()
 
     def _start_process(self) -> None:
         from kvdbg.sentinel.remote import CheckerProcess
@@ -728,10 +732,21 @@ class DeferredChecks:
             logger.warning("kvdbg sentinel: its checker process did not start (%s); checks run in a thread of the "
                            "engine's process, where their Python holds the lock the engine's thread wants (set %s=0 "
                            "to say so and not try)", exc, ENV_PROCESS)
+            self._started.set()
             return
-        self.remote = remote
-        logger.info("kvdbg sentinel: checks of staged steps run in a process of their own (pid %d, %s)",
-                    remote.pid, remote.info.get("device"))
+        if self._closed:  # closed while it started: nobody would stop it
+            remote.close()
+        else:
+            self.remote = remote
+            logger.info("kvdbg sentinel: checks of staged steps run in a process of their own (pid %d, %s)",
+                        remote.pid, remote.info.get("device"))
+        self._started.set()
+
+    def process_ready(self, timeout: float | None = None) -> bool:
+        """Whether staged steps are checked in the checker process, waiting up to ``timeout`` seconds for it to
+        start (False at once when it is not to be started, could not start, or has gone)."""
+        self._started.wait(timeout)
+        return self.remote is not None
 
     def submit(self, layer: CaptureLayer, inputs: StepInputs, step: int | None) -> StepInputs:
         """Hand a step to the worker; returns the inputs it checks (query and output are copies)."""
@@ -816,6 +831,7 @@ class DeferredChecks:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the checker process, if one runs (the worker thread ends with the process)."""
+        self._closed = True
         remote, self.remote = self.remote, None
         if remote is not None:
             remote.close(timeout)

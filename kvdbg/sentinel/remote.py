@@ -24,9 +24,9 @@ staged) stays in the worker thread. The child reads the buffers only after the
 worker saw the staging's event, and the engine lets the staging go only when
 the answer is back, as it does for a check in the thread.
 
-If the child cannot start or dies, the worker says so once (a warning naming
-the cause) and checks in its own thread from then on; a check the child did
-not answer is an error of that check. The child exits when its socket closes
+If the child cannot start, dies or does not answer, the worker says so once
+(a warning naming the cause) and checks in its own thread from then on, the
+unanswered step first. The child exits when its socket closes
 (the engine's process ended or closed it). It holds a CUDA context of its own
 on the engine's device (a few hundred MiB) and the check's working memory.
 """

@@ -169,6 +169,11 @@ class SentinelHooks:
         except Exception as exc:
             self._failed(exc, "starting its device worker")
 
+    def checker_ready(self, timeout: float) -> bool:
+        """Whether this engine's staged steps are checked in the sentinel's checker process, waiting up to
+        ``timeout`` seconds for it (for harnesses that time or prove that path; False without a device worker)."""
+        return self._deferred is not None and self._deferred.process_ready(timeout)
+
     def after_graph_replay(self, state, sampled: list, staged: Any = None) -> None:
         """The sampled layers of a step replayed from a full CUDA graph, ``(slot, step, ctx)`` each: checked from
         the graph's copies of their query and output (``graph_hooks``), with the metadata their build kept (None:

@@ -491,6 +491,9 @@ def check_fault(out: str, name: str, args) -> dict:
     result["sentinel"]["flagged_of_faulty"] = f"{len(flagged)}/{len(faulty) * len(layers)}"
     if counts.get("checked", 0) < len(steps) * len(layers):
         warnings.append(f"the sentinel checked {counts.get('checked', 0)} step(s) of {len(steps) * len(layers)}")
+    if not args.cpu and record.get("checker_process") is False:  # the staged checks ran in the engine's thread
+        warnings.append(f"the sentinel's checker process was not ready after {record.get('checker_wait_s')} s: its "
+                        "staged checks ran in the engine's process")
     # Its log lines: layer, step and request named.
     said = [m.groups() for m in (LOG_PATTERN.search(line) for line in record.get("sentinel_log", [])) if m]
     result["sentinel"]["log_lines"] = [f"layer {g[0]} step {g[1]}: first failing request {g[3]} head {g[4]}"

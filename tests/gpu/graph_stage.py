@@ -424,9 +424,7 @@ def engine_child(out: str, spec: RunSpec, cpu: bool) -> dict:
             raise RuntimeError("the kvdbg plugin is not active in the engine's process")
         if state.sentinel is not None and not cpu:  # its checks of staged steps in its checker process, once ready
             waited = time.monotonic()
-            while getattr(state.sentinel._deferred, "remote", None) is None and time.monotonic() - waited < 60:
-                time.sleep(0.1)
-            record["checker_process"] = getattr(state.sentinel._deferred, "remote", None) is not None
+            record["checker_process"] = state.sentinel.checker_ready(60.0)
             record["checker_wait_s"] = round(time.monotonic() - waited, 1)
         record["stage"] = "configure"
         base = {name: state._forward_counts.get(name, 0) for name in layers}
