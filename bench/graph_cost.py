@@ -1889,7 +1889,7 @@ def print_figures(figs: dict, records: dict) -> None:
             if d.get("share") is not None:
                 print(f"  {name:9s} where its time goes: {d['drawn']} of {d['steps']} steps drawn; a drawn step "
                       f"+{d['drawn_added_ms']:.2f} ms (its hooks {d['drawn_hooks_us']:.0f} us), the "
-                      f"{FOLLOWING_STEPS} after it +{d['after_added_ms']:.2f} ms in all (its check in the worker); "
+                      f"{FOLLOWING_STEPS} after it +{d['after_added_ms']:.2f} ms in all (while its check runs); "
                       f"together {d['share']:.1%} of the rounds' time; the other steps' hooks "
                       f"{d['quiet_hooks_us']:.1f} us"
                       + ("" if d.get("drawn_program_ms") is None else
@@ -1898,7 +1898,7 @@ def print_figures(figs: dict, records: dict) -> None:
                 print(f"  {name:9s} the same on the engine's thread's CPU: a drawn step "
                       f"+{d['drawn_cpu_added_ms']:.2f} ms, the {FOLLOWING_STEPS} after it "
                       f"+{d['after_cpu_added_ms']:.2f} ms; waiting on the device (its event and stream waits): "
-                      f"+{d.get('drawn_wait_added_ms', 0):.2f} ms and +{d.get('after_wait_added_ms', 0):.2f} ms; "
+                      f"{d.get('drawn_wait_added_ms', 0):+.2f} ms and {d.get('after_wait_added_ms', 0):+.2f} ms; "
                       f"the rest of the wall time above: the thread waiting for something else (Python's lock)")
             w = f.get("worker_checks") or {}
             if w.get("checks"):
