@@ -118,7 +118,8 @@ ENGINE_KIND = {"baseline": "absent", "armed": "capture", "wanted": "capture", "s
 SENTINEL_RATE = "0.01"
 # A step the capture filter names while "armed": never reached in a run.
 UNREACHED_STEP = 10**15
-KVDBG_HOOKS = ("after_build", "graph_call", "choose_graph", "before_graph_replay", "after_graph_replay")
+KVDBG_HOOKS = ("after_build", "graph_call", "choose_graph", "before_graph_replay", "after_graph_replay", "quiet_replay",
+               "quiet_replayed")
 # The engine's thread's parts of a wanted step that --thread-times also times in thread CPU time and switches.
 ENGINE_PARTS = ("metadata_copy", "stage", "program_run")
 # Parts of a step the sentinel drew, timed on the engine's thread in the rounds with the bench's timers on (a drawn
@@ -1643,6 +1644,12 @@ def hooks_child(args) -> dict:
     return record
 
 
+class _FullMode:
+    """vLLM's CUDAGraphMode.FULL as the plugin reads it (hashable, with its name), for the stand-in graph calls."""
+
+    name = "FULL"
+
+
 class Evict:
     """Work of other kinds between two stand-in steps, untimed, as a serving engine's step runs between kvdbg's
     hooks (its scheduler, the runner's input preparation, small torch calls, the sampler's output): the hooks then
@@ -1703,6 +1710,14 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
     state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
     if not state._graph_variants:
         raise RuntimeError("the stand-in graph was not recorded twice")
+    # The replay through kvdbg's patch of vLLM's graph wrapper (graph_call, the quiet runs' path), vLLM's own call a
+    # no-op, with a forward context that names the graph as vLLM's does.
+    from kvdbg.vllm_plugin.wrappers import _wrap_graph_call
+
+    wrapper.runtime_mode = full = _FullMode()
+    forward = types.SimpleNamespace(cudagraph_runtime_mode=full, batch_descriptor=batch)
+    state._forward_context = (lambda: True, lambda: forward)
+    replay = _wrap_graph_call(state, lambda graph: None)
     counts = state.sentinel.sentinel.counts if state.sentinel is not None else None
     build_ns, replay_ns = [], []
     for _ in range(sum(_steps_for(cold, 0, 2000))):
@@ -1712,9 +1727,7 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
         t0 = time.perf_counter_ns()
         state.after_build(engine.builder, common, metadata)
         t1 = time.perf_counter_ns()
-        state.choose_graph(wrapper, batch)
-        state.before_graph_replay()
-        state.after_graph_replay(batch)
+        replay(wrapper)
         t2 = time.perf_counter_ns()
         if counts is None or counts["checked"] == checked:  # a step the sentinel drew is a check, not this cost
             build_ns.append(t1 - t0)

@@ -269,11 +269,14 @@ def test_a_graph_step_the_sentinel_did_not_draw_is_let_go_for_all_its_layers_at_
     assert state.plain_replays == 20 - sum(drawn)
 
 
-def test_the_sentinel_draws_ahead_for_replays_told_unwanted_ahead_the_draws_it_would_make_one_by_one(sentinel_env):
+@pytest.mark.parametrize("through", [False, True], ids=["hooks", "through-vllms-wrapper"])
+def test_the_sentinel_draws_ahead_for_replays_told_unwanted_ahead_the_draws_it_would_make_one_by_one(
+        sentinel_env, through):
     """Steps of a graph that nothing wants are told ahead (graph_hooks._QuietRun): the sentinel's draws for them are
     made then, in the order of the steps, so the same seed draws the same steps as when each is asked at its own
     step (nothing told ahead); each drawn step is still replayed with kvdbg's copies and checked on every
-    layer, and the steps between ask nothing."""
+    layer, and the steps between ask nothing (``through`` the patch of vLLM's graph wrapper: not even the graph
+    call's questions)."""
     from tests.test_vllm_plugin import _padded, _padded_inputs, _run_as_graph
 
     from kvdbg.vllm_plugin import graph_hooks
@@ -289,11 +292,18 @@ def test_the_sentinel_draws_ahead_for_replays_told_unwanted_ahead_the_draws_it_w
         asked, chosen = [], []
         real = type(state)._step_wants_copies
         monkeypatch.setattr(type(state), "_step_wants_copies", lambda self, *a: (asked.append(a), real(self, *a))[1])
+        calls = [0]
+        graph_call = type(state).graph_call
+        monkeypatch.setattr(type(state), "graph_call", lambda self, w: (calls.__setitem__(0, calls[0] + 1),
+                                                                        graph_call(self, w))[1])
         for _ in range(40):
             _run_as_graph(engine, _padded(engine.common(), reqs=reqs, tokens=tokens), _padded_inputs(engine, tokens),
-                          tokens, monkeypatch, wrapper=wrapper)
+                          tokens, monkeypatch, wrapper=wrapper, through=through and ahead > 0)
             chosen.append(entry.cudagraph)
+        monkeypatch.setattr(type(state), "graph_call", graph_call)
         assert {state._forward_counts[n] for n in engine.names} == {40}
+        if through and ahead:  # the run's steps skipped the graph call's questions too
+            assert calls[0] == len(asked) < 20
         hooks.close(state, 30)
         counts = dict(hooks.sentinel.counts)
         monkeypatch.setattr(type(state), "_step_wants_copies", real)

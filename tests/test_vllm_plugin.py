@@ -1086,38 +1086,60 @@ class _Batch(tuple):
     num_tokens = property(lambda self: self[0])
 
 
-def _run_as_graph(engine, common, inputs, tokens: int, monkeypatch, wrapper=None):
+class _FullMode:
+    """A stand-in for vLLM's CUDAGraphMode.FULL (an enum member: hashable, with its name)."""
+
+    name = "FULL"
+
+
+def _run_as_graph(engine, common, inputs, tokens: int, monkeypatch, wrapper=None, through: bool = False):
     """What replaying a recorded full graph does, on the CPU: vLLM builds in Python (the wrapped build runs), the
     layers' kernels run with no Python hook (the originals), and the copies the plugin recorded into the graph
     write its buffers; then vLLM's graph wrapper returns and the plugin's replay hook runs. With ``wrapper`` (from
     :func:`_record_variants`), the plugin first chooses the variant to replay, and the staged one also runs its
-    staging program after the layers, as the graph would."""
+    staging program after the layers, as the graph would. ``through``: the call goes through the plugin's patch of
+    vLLM's graph wrapper (wrappers._wrap_graph_call), with a forward context that names the graph, as in vLLM."""
+    import types
+
     from vllm.forward_context import set_forward_context
 
     state = vllm_plugin._state
     metadata = engine.builder.build(0, common)
+    batch = _Batch((tokens,))
+
+    def replay(*_):
+        impl_cls = type(engine.layers[0].impl)
+        with monkeypatch.context() as m:
+            for attr in ("forward", "do_kv_cache_update"):
+                wrapped = getattr(impl_cls, attr, None)
+                if wrapped is not None and hasattr(wrapped, "_kvdbg_original"):
+                    m.setattr(impl_cls, attr, wrapped._kvdbg_original)
+            outputs = []
+            for name, layer in zip(engine.names, engine.layers):
+                query, key, value = inputs
+                with set_forward_context({name: metadata}, {name: layer}, {name: common.slot_mapping}):
+                    output = layer.forward(query, key, value)
+                buffers = state._graph_buffers.get(name)
+                if buffers is not None:  # the recorded copies, replayed with the graph
+                    buffers.query[:tokens].copy_(query.view(buffers.query[:tokens].shape))
+                    buffers.output[:tokens].copy_(output.view(buffers.output[:tokens].shape))
+                outputs.append(output)
+        if wrapper is not None and state._in_graph_ran is not None:  # the staged variant: its program, in the graph
+            state._in_graph_ran[1].graph_body(tokens)
+        engine.seq_lens = [n + engine.query_len for n in engine.seq_lens]
+        return outputs
+
+    if through:
+        from kvdbg.vllm_plugin.wrappers import _wrap_graph_call
+
+        wrapper.runtime_mode = mode = getattr(wrapper, "runtime_mode", None) or _FullMode()
+        forward = types.SimpleNamespace(cudagraph_runtime_mode=mode, batch_descriptor=batch)
+        state._forward_context = (lambda: True, lambda: forward)
+        return _wrap_graph_call(state, replay)(wrapper)
     if wrapper is not None:
-        state.choose_graph(wrapper, _Batch((tokens,)))
-    impl_cls = type(engine.layers[0].impl)
-    with monkeypatch.context() as m:
-        for attr in ("forward", "do_kv_cache_update"):
-            wrapped = getattr(impl_cls, attr, None)
-            if wrapped is not None and hasattr(wrapped, "_kvdbg_original"):
-                m.setattr(impl_cls, attr, wrapped._kvdbg_original)
-        outputs = []
-        for name, layer in zip(engine.names, engine.layers):
-            query, key, value = inputs
-            with set_forward_context({name: metadata}, {name: layer}, {name: common.slot_mapping}):
-                output = layer.forward(query, key, value)
-            buffers = state._graph_buffers.get(name)
-            if buffers is not None:  # the recorded copies, replayed with the graph
-                buffers.query[:tokens].copy_(query.view(buffers.query[:tokens].shape))
-                buffers.output[:tokens].copy_(output.view(buffers.output[:tokens].shape))
-            outputs.append(output)
-    if wrapper is not None and state._in_graph_ran is not None:  # the staged variant: its program, in the graph
-        state._in_graph_ran[1].graph_body(tokens)
-    engine.seq_lens = [n + engine.query_len for n in engine.seq_lens]
-    state.after_graph_replay(_Batch((tokens,)))
+        state.choose_graph(wrapper, batch)
+    outputs = replay()
+    state.after_graph_replay(batch)
     return outputs
 
 
@@ -1775,6 +1797,54 @@ def test_replays_nothing_can_want_are_told_ahead_until_a_step_the_filter_takes_o
     assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [6, 6, 6, 12, 12, 12]
 
 
+def test_a_quiet_runs_replays_through_vllms_wrapper_ask_nothing_and_choose_and_count_as_when_asked(
+        standins, tmp_path, monkeypatch):
+    """Through the plugin's patch of vLLM's graph wrapper, a replay of a quiet run (the same graph, nothing counted
+    or handed between, the same filters) skips the graph call's questions altogether (graph_hooks.quiet_replay):
+    the same variants are installed, the same forwards counted and the same steps captured as when every replay is
+    asked; a replay of another graph, or a step the run did not tell, is asked as before."""
+    from kvdbg.vllm_plugin.graph_hooks import GraphHooks
+
+    def nine_steps(through):
+        engine, state = _staged_engine(standins, tmp_path / str(through), monkeypatch, "6", layers=3)
+        wrapper, entry = _record_variants(16)
+        asked = []
+        real = GraphHooks.graph_call
+        monkeypatch.setattr(GraphHooks, "graph_call", lambda self, w: (asked.append(self._forward_counts.get(
+            engine.names[0], 0)), real(self, w))[1])
+        chosen = []
+        for _ in range(9):
+            _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                          monkeypatch, wrapper=wrapper, through=through)
+            chosen.append(entry.cudagraph)
+        assert state.drain_graph_capture(10)
+        counts = {state._forward_counts[n] for n in engine.names}
+        plain, nine = state.plain_replays, list(asked)
+        # Another graph's replay (a batch of 32 tokens) is no step of the run: asked, and the run's next step too.
+        _record_graph(engine, 32, 4, monkeypatch)
+        other = _record_variants(32)[0]
+        asked.clear()
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=32), _padded_inputs(engine, 32), 32,
+                      monkeypatch, wrapper=other, through=through)
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch, wrapper=wrapper, through=through)
+        after_other = list(asked)
+        steps = sorted(s.meta.capture["step"] for s in snapshots(tmp_path / str(through)))
+        monkeypatch.setattr(GraphHooks, "graph_call", real)
+        vllm_plugin.unregister()
+        return chosen, counts, plain, steps, nine, after_other
+
+    chosen_each, counts_each, plain_each, steps_each, _, _ = nine_steps(False)
+    chosen, counts, plain, steps, asked, after_other = nine_steps(True)
+    assert (chosen, counts, plain, steps) == (chosen_each, counts_each, plain_each, steps_each)
+    assert chosen == ["plain"] * 6 + ["staged", "plain", "plain"] and counts == {9} and steps == [6, 6, 6]
+    # Through the wrapper, steps 1 to 5 (told at step 0) asked nothing; step 0, step 6 (the first the filter takes)
+    # and step 7 (no run told yet) were asked; step 8 (told at step 7) is asked only while step 6's capture was
+    # still being issued.
+    assert asked[:3] == [0, 6, 7] and set(asked) <= {0, 6, 7, 8}
+    assert after_other == [9, 10]  # both asked: the other graph is not the run's, and it moved the counts on
+
+
 def test_a_staged_step_whose_requests_cannot_be_worked_out_after_the_replay_is_lost_in_words_not_raised(
         standins, tmp_path, monkeypatch):
     """A step the staged graph served without its metadata has its requests worked out right after the replay, from
@@ -2194,7 +2264,7 @@ def test_a_failing_choice_of_graph_replays_the_one_with_the_copies_and_never_rai
     state.choose_graph(wrapper, batch)
     assert entry.cudagraph == "plain"  # step 1 is not
 
-    def broken(self, batch):
+    def broken(self, batch, graph=None):
         raise RuntimeError("filter exploded")
 
     monkeypatch.setattr(type(state), "_step_wants_copies", broken)

@@ -167,12 +167,15 @@ class _QuietRun:
     while no count moved but the run's own (``epoch``) and capture's filters are the same, the build of ``step`` and
     the choice of graph for it ask nothing of the filters or the sentinel, and the replay's hook only counts."""
 
-    __slots__ = ("batch", "names", "config", "step", "horizon", "epoch", "chosen")
+    __slots__ = ("batch", "names", "config", "step", "horizon", "epoch", "chosen", "wrapper", "entry", "plain")
 
-    def __init__(self, batch: Any, names: tuple, config: Any, step: int, horizon: int, epoch: int):
+    def __init__(self, batch: Any, names: tuple, config: Any, step: int, horizon: int, epoch: int,
+                 graph: tuple = (None, None, None)):
         self.batch, self.names, self.config = batch, names, config
         self.step, self.horizon, self.epoch = step, horizon, epoch  # the layers' next step; the first one not told
         self.chosen = None  # the batch descriptor the choice took the run for, until its replay's hook
+        # vLLM's wrapper, its entry for the batch and the graph's plain variant: what GraphHooks.quiet_replay installs
+        self.wrapper, self.entry, self.plain = graph
 
 
 @dataclass(eq=False, slots=True)
@@ -521,6 +524,40 @@ class GraphHooks:
         return (batch, program, names, [step] * len(names), list(zip(slots, repeat(step), repeat(ctx))), hint,
                 serves == 2)
 
+    def quiet_replay(self, wrapper: Any) -> "_QuietRun | None":
+        """The coming call of ``wrapper`` as the next step of the quiet run told for it (:class:`_QuietRun`), told
+        with a few reads instead of :meth:`graph_call`, :meth:`choose_graph` and :meth:`before_graph_replay`: the
+        same full graph replayed, nothing counted, built for a capture or handed over since, the filters the same,
+        no check of the sentinel's out. Then the plain variant is installed and the run returned, for
+        :meth:`quiet_replayed` once vLLM queued the replay; None: the call is asked as any other."""
+        run = self._quiet_run
+        if run is None or run.wrapper is not wrapper or run.epoch != self._counts_epoch or run.step >= run.horizon \
+                or run.config is not self.capturer.config or self._pending_build is not None \
+                or self._prepared is not None or self._graph_job is not None \
+                or (self.sentinel is not None and not self.sentinel.idle()):
+            return None
+        # vLLM's entry for the batch is the run's until its wrapper's clear_graphs (then forget_graphs ends the run):
+        # vLLM adds entries for new batches and replaces none.
+        context = self._forward_context  # kept by graph_call, which the run's first step went through
+        if context is None or not context[0]():
+            return None
+        forward = context[1]()
+        if forward.cudagraph_runtime_mode is not wrapper.runtime_mode or forward.batch_descriptor != run.batch:
+            return None
+        self._in_graph_ran = self._quiet = None
+        entry = run.entry
+        if entry.cudagraph is not run.plain[0]:
+            entry.cudagraph, entry.output = run.plain
+        self._plain_ran = True
+        self.plain_replays += 1
+        return run
+
+    def quiet_replayed(self, run: "_QuietRun") -> None:
+        """The quiet run's step is queued (:meth:`quiet_replay`): its layers' forwards counted, nothing else."""
+        run.step += 1
+        self._forward_counts.update(zip(run.names, repeat(run.step)))
+        run.epoch = self._counts_epoch = self._counts_epoch + 1
+
     def choose_graph(self, wrapper: Any, batch: Any) -> None:
         """Before vLLM replays its full graph for ``batch``: the variant with kvdbg's copies when this step of any of
         the graph's layers may be captured or checked (the filters, the sentinel's draw), else the plain one."""
@@ -570,7 +607,7 @@ class GraphHooks:
                 run.chosen, self._quiet = batch, run  # told unwanted ahead: the replay's hook only counts
                 wants = False
             else:
-                wants = self._step_wants_copies(batch)
+                wants = self._step_wants_copies(batch, (wrapper, entry, plain))
             if wants:
                 use = copying
                 staged = self._staged_variants.get((id(wrapper), batch)) if self._staged_variants else None
@@ -608,10 +645,11 @@ class GraphHooks:
         for entry, _, plain in self._graph_variants.values():
             entry.cudagraph, entry.output = plain
 
-    def _step_wants_copies(self, batch: Any) -> Any:
+    def _step_wants_copies(self, batch: Any, graph: tuple = (None, None, None)) -> Any:
         """Whether the coming replay of ``batch``'s graph is a step that capture's filters select or the sentinel
         draws, on any of its layers (nothing counted: :meth:`after_graph_replay` decides and counts): falsy when
-        not; else (slots, names, the layers' steps), or True for a graph that runs a layer twice a step."""
+        not; else (slots, names, the layers' steps), or True for a graph that runs a layer twice a step. ``graph``:
+        (vLLM's wrapper, its entry for the batch, the plain variant), kept on a quiet run told here."""
         slots = self._graph_layers.get(batch)
         if not slots:
             return False
@@ -627,7 +665,7 @@ class GraphHooks:
             if steps.count(step) == len(steps):  # and the steps after it, as far as nothing can want them
                 horizon = self._quiet_horizon(batch, step + 1)
                 self._quiet_run = None if horizon <= step + 1 else _QuietRun(
-                    batch, names, self.capturer.config, step + 1, horizon, self._counts_epoch + 1)
+                    batch, names, self.capturer.config, step + 1, horizon, self._counts_epoch + 1, graph)
         return False
 
     def _quiet_horizon(self, batch: Any, first: int) -> int:

@@ -138,6 +138,10 @@ class SentinelHooks:
         except Exception as exc:
             self._failed(exc, "after the forward")
 
+    def idle(self) -> bool:
+        """Whether no check is out: a full graph's replay then has nothing of the sentinel's to collect first."""
+        return not self._waiting and not self._staged
+
     def before_graph_replay(self, state, *, recording: bool = False) -> None:
         """A full CUDA graph is about to run a step: the checks of the previous one that read the engine's memory
         are collected first, while the cache still holds what that step read (the graph's cache update comes
