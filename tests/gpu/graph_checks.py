@@ -116,7 +116,8 @@ def shape_of(step: dict) -> graph_plan.StepShape:
 
 
 def python_per_layer(record: dict, layers: int) -> tuple[list[str], dict]:
-    """No attention forward and no per-layer kvdbg hook during a replayed step; kvdbg's graph hook once."""
+    """No attention forward and no per-layer kvdbg hook during a replayed step; kvdbg's graph hook once (the replay's
+    hook, or a quiet run's count)."""
     problems, counts = [], Counter()
     for rel, step in sorted(rel_steps(record).items()):
         if replayed(step) is None:
@@ -127,6 +128,7 @@ def python_per_layer(record: dict, layers: int) -> tuple[list[str], dict]:
         counts["forward_calls_in_replayed_steps"] += step["forward_calls"]
         counts["kvdbg_layer_hooks_in_replayed_steps"] += step["layer_hooks"]
         counts["kvdbg_graph_hooks"] += step["graph_hooks"]
+        counts["told_quiet_ahead"] += step.get("quiet_replays", 0)
         if step["forward_calls"] or step["layer_hooks"] or step["forward_in_replay"] or step["graph_hooks"] != 1:
             problems.append(f"step {rel} (replayed from the {replayed(step)['num_tokens']}-token graph): "
                             f"{step['forward_calls']} attention forward(s), {step['layer_hooks']} per-layer kvdbg "

@@ -232,7 +232,8 @@ class Probes:
             counts = getattr(probes.state, "_forward_counts", {})
             current = probes.current = {
                 "index": len(probes.steps), "kvdbg_step": counts.get(probes.layers[0], 0), "rows": [],
-                "graphs": [], "forward_calls": 0, "forward_in_replay": 0, "layer_hooks": 0, "graph_hooks": 0}
+                "graphs": [], "forward_calls": 0, "forward_in_replay": 0, "layer_hooks": 0, "graph_hooks": 0,
+                "quiet_replays": 0}
             computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
             cached = scheduler_output.scheduled_cached_reqs
             computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -305,7 +306,11 @@ class Probes:
 
         counting("before_forward", "layer_hooks")
         counting("before_cache_update", "layer_hooks")
+        # A replay's hook: after_graph_replay, or quiet_replayed for a step of a run told unwanted ahead (which
+        # skips the graph call's questions and that hook: graph_hooks.quiet_replay).
         counting("after_graph_replay", "graph_hooks")
+        counting("quiet_replayed", "graph_hooks")
+        counting("quiet_replayed", "quiet_replays")
 
 
 def request_name(req_id: str) -> str:
