@@ -89,6 +89,7 @@ part ran and every check passed, a figure is over its line; 2: a part failed or 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -1095,9 +1096,11 @@ def _worker_checks(checks: list[dict] | None) -> dict | None:
     and switches."""
     if not checks:
         return None
-    return {"checks": len(checks), "in_process": sum(bool(c.get("process")) for c in checks),
-            **{key: spread([c.get(key) for c in checks])
-               for key in ("wall_us", "cpu_us", "switches", "device_us", "send_us", "answer_us")}}
+    thread = [c for c in checks if not c.get("process")]
+    process = [c for c in checks if c.get("process")]
+    return {"checks": len(checks), "in_process": len(process),
+            **{key: spread([c.get(key) for c in thread]) for key in ("wall_us", "cpu_us", "switches", "device_us")},
+            **{key: spread([c.get(key) for c in process]) for key in ("send_us", "send_cpu_us", "answer_us")}}
 
 
 def log_draws(state, timing: "Timing") -> list[dict]:
@@ -1217,22 +1220,31 @@ def wrap_worker_checks(timing: "Timing", idle_ms: float | None = None) -> list[d
     checker.check_layers = check_layers  # the worker's loop reads the module's name on each job
     from kvdbg.sentinel import remote
 
-    real_remote = remote.CheckerProcess.check
+    real_submit, real_answers = remote.CheckerProcess.submit, remote.CheckerProcess.answers
+    waiting: collections.deque = collections.deque()  # the process's checks sent, their answers not read yet
 
-    def remote_check(self, entries, *args, **kwargs):  # the worker's side: its CPU is what the engine may wait for
+    def submit(self, entries, *args, **kwargs):  # the engine's thread pickles and sends a staged step's check
         clock, began, bench_step = _thread_clock(), time.perf_counter_ns(), len(timing.steps)
         try:
-            return real_remote(self, entries, *args, **kwargs)
+            return real_submit(self, entries, *args, **kwargs)
         finally:
-            wall = time.perf_counter_ns() - began
+            sent = time.perf_counter_ns()
             switches, cpu = _thread_clock()
-            sending, answer = getattr(self, "last_times", (None, None))
-            log.append({"step": kwargs.get("step"), "layers": len(entries), "bench_step": bench_step,
-                        "wall_us": wall / 1e3, "cpu_us": (cpu - clock[1]) / 1e3, "switches": switches - clock[0],
-                        "process": True, "send_us": None if sending is None else sending / 1e3,
-                        "answer_us": None if answer is None else answer / 1e3})
+            entry = {"step": kwargs.get("step"), "layers": len(entries), "bench_step": bench_step, "process": True,
+                     "send_us": (sent - began) / 1e3, "send_cpu_us": (cpu - clock[1]) / 1e3, "sent_ns": sent}
+            log.append(entry)
+            waiting.append(entry)
 
-    remote.CheckerProcess.check = remote_check
+    def answers(self, *args, **kwargs):  # read on the engine's thread, at a hook after the answer came back
+        got = real_answers(self, *args, **kwargs)
+        now = time.perf_counter_ns()
+        for _ in got:
+            if waiting:
+                entry = waiting.popleft()
+                entry["answer_us"] = (now - entry.pop("sent_ns")) / 1e3
+        return got
+
+    remote.CheckerProcess.submit, remote.CheckerProcess.answers = submit, answers
     return log
 
 
@@ -1914,17 +1926,19 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"{d.get('drawn_wait_added_ms', 0):+.2f} ms and {d.get('after_wait_added_ms', 0):+.2f} ms; "
                       f"the rest of the wall time above: the thread waiting for something else (Python's lock)")
             w = f.get("worker_checks") or {}
-            if w.get("checks"):
-                print(f"  {name:9s} its worker's checks: {w['checks']} ({w.get('in_process', 0)} handed to its "
-                      f"checker process: their times are the worker's, waiting included); each "
+            if w.get("wall_us"):
+                print(f"  {name:9s} its worker thread's checks: {w['checks'] - w.get('in_process', 0)}; each "
                       f"{w['wall_us']['median'] / 1e3:.2f} ms "
                       f"(median; {w['wall_us']['min'] / 1e3:.2f}..{w['wall_us']['max'] / 1e3:.2f}), of it "
                       f"{w['cpu_us']['median'] / 1e3:.2f} ms on the CPU (when the worker can hold the interpreter's "
                       f"lock), {w['switches']['median']:.0f} voluntary switches"
                       + ("" if not w.get("device_us") else f"; its span on the worker's stream "
-                         f"{w['device_us']['median'] / 1e3:.2f} ms")
-                      + ("" if not w.get("send_us") else f"; handing a check to the process "
-                         f"{w['send_us']['median']:.0f} us, its answer back after {w['answer_us']['median'] / 1e3:.2f} ms"))
+                         f"{w['device_us']['median'] / 1e3:.2f} ms"))
+            if w.get("send_us"):
+                print(f"  {name:9s} its checker process's checks: {w['in_process']}; each sent by the engine's thread "
+                      f"in {w['send_us']['median']:.0f} us (median; its CPU {w['send_cpu_us']['median']:.0f} us)"
+                      + ("" if not w.get("answer_us") else f", its answer read at a hook "
+                         f"{w['answer_us']['median'] / 1e3:.2f} ms after it was sent"))
             if f.get("diagnostic"):
                 print(f"  {name:9s} DIAGNOSTIC: the worker's check was '{f['worker_check']}' (nothing compared); its "
                       "figure is not judged")

@@ -772,10 +772,13 @@ def test_a_drawn_steps_time_on_the_engines_cpu_and_its_workers_checks_are_shown_
     assert split["drawn_added_ms"] == pytest.approx(3.0) and split["drawn_cpu_added_ms"] == pytest.approx(0.5)
     assert split["after_added_ms"] == pytest.approx(4.0) and split["after_cpu_added_ms"] == pytest.approx(0.0)
     assert split["drawn_wait_added_ms"] == pytest.approx(1.0) and split["after_wait_added_ms"] == pytest.approx(0.0)
+    from kvdbg.sentinel.remote import CheckerProcess
+
     timing = gc.Timing(thread_times=True)
     real = checker.check_layers
     calls = []
     checker.check_layers = lambda entries, *a, **k: calls.append(k.get("step")) or ["ok"] * len(entries)
+    real_remote = CheckerProcess.submit, CheckerProcess.answers
     try:
         log = gc.wrap_worker_checks(timing)
         assert checker.check_layers([1, 2], pairs=4, step=5) == ["ok", "ok"]  # the engine's thread: not timed
@@ -785,6 +788,7 @@ def test_a_drawn_steps_time_on_the_engines_cpu_and_its_workers_checks_are_shown_
         worker.join()
     finally:
         checker.check_layers = real
+        CheckerProcess.submit, CheckerProcess.answers = real_remote
     assert calls == [5, 7] and [(c["step"], c["layers"]) for c in log] == [(7, 3)]
     assert log[0]["wall_us"] > 0 and log[0]["cpu_us"] >= 0 and log[0]["switches"] >= 0
     records = _records()
@@ -796,7 +800,37 @@ def test_a_drawn_steps_time_on_the_engines_cpu_and_its_workers_checks_are_shown_
     out = capsys.readouterr().out
     assert "the same on the engine's thread's CPU: a drawn step +0.50 ms, the 8 after it +0.00 ms" in out
     assert "waiting on the device (its event and stream waits): +1.00 ms and +0.00 ms" in out
-    assert "its worker's checks: 2 (0 handed to its checker process: their times are the worker's, waiting included); each" in out
+    assert "its worker thread's checks: 2; each" in out and "checker process's checks" not in out
+
+
+def test_the_checker_processs_checks_are_timed_where_the_engines_thread_sends_and_reads_them(capsys):
+    """A staged step's check in the checker process: the engine's thread's time to pickle and send it, and how long
+    after the send a hook read its answer, logged per check and printed apart from the worker thread's checks."""
+    from tests.test_sentinel import _one_step_of_layers
+
+    from kvdbg.sentinel.remote import CheckerProcess
+
+    timing = gc.Timing(thread_times=True)
+    real_remote = CheckerProcess.submit, CheckerProcess.answers
+    process = CheckerProcess("cpu")
+    try:
+        log = gc.wrap_worker_checks(timing)
+        for step in (3, 4):
+            process.submit(_one_step_of_layers(2), pairs=1, seed=step, step=step)
+        assert [kind for kind, _ in process.answers(30.0)] == ["ok", "ok"]
+    finally:
+        CheckerProcess.submit, CheckerProcess.answers = real_remote
+        process.close()
+    assert [(c["step"], c["layers"], c["process"]) for c in log] == [(3, 2, True), (4, 2, True)]
+    assert all(c["send_us"] > 0 and c["send_cpu_us"] >= 0 and c["answer_us"] > 0 and "sent_ns" not in c for c in log)
+    records = _records()
+    records["sentinel"]["sentinel_checks"] = log
+    figs = gc.figures(records)
+    assert figs["sentinel"]["worker_checks"]["in_process"] == 2 and not figs["sentinel"]["worker_checks"]["wall_us"]
+    gc.print_figures(figs, records)
+    out = capsys.readouterr().out
+    assert "its checker process's checks: 2; each sent by the engine's thread in" in out
+    assert "after it was sent" in out and "its worker thread's checks" not in out
 
 
 def test_the_engines_waits_on_the_device_count_into_its_step_and_no_other_threads_do():

@@ -93,9 +93,9 @@ def test_a_staged_steps_layers_are_one_job_with_each_layers_own_verdict(kw):
 
 
 def test_a_staged_step_is_checked_in_the_checker_process_on_buffers_it_shares_once():
-    # The worker hands a staged step's check to kvdbg's checker process, which opens each of kvdbg's buffers once
-    # (CUDA IPC) and reads them in place: a fault written into the same buffers after a first check is found by
-    # the second, with no buffer shared again.
+    # The engine's thread hands a staged step's check to kvdbg's checker process once its staging is done, and reads
+    # the answer at a later poll; the process opens each of kvdbg's buffers once (CUDA IPC) and reads them in place: a
+    # fault written into the same buffers after a first check is found by the second, with no buffer shared again.
     from tests.test_sentinel import _one_step_of_layers, _stacked
 
     sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0, pairs=len(ALL_PAIRS), seed=0))
@@ -115,7 +115,8 @@ def test_a_staged_step_is_checked_in_the_checker_process_on_buffers_it_shares_on
         ready = torch.cuda.Event()
         ready.record()
         job = deferred.submit_staged(on_gpu, step, ready)
-        assert job.done.wait(120) and job.error is None, job.error
+        deferred.poll_remote(120)  # the engine's thread, waiting for it as the sentinel's close does
+        assert job.done.is_set() and job.error is None, job.error
         results.append(job.results)
         if step == 1:
             shared = dict(deferred.remote._shared)

@@ -455,3 +455,29 @@ def test_a_staged_graph_step_is_checked_through_the_caches_own_layout(sentinel_e
     assert hooks.sentinel.counts["errors"] == 0
     assert hooks.sentinel.counts["checked"] == 2 and hooks.sentinel.counts["failed"] == 1
     assert vllm_plugin._state._stager.staged == 1 and len(_files(directory)) == 1
+
+
+def test_a_replay_told_quiet_goes_on_while_staged_checks_are_out_and_collects_those_done(sentinel_env):
+    """Staged checks read kvdbg's own copies, which no replay overwrites: a replay told quiet ahead goes on while they
+    are out (graph_hooks.quiet_replay), collecting those done; a check that reads the engine's memory stops it, for
+    the replay's questions to collect first."""
+    import threading
+    import types
+
+    from kvdbg.sentinel.checker import CheckResult
+
+    vllm_plugin.register()
+    state, hooks = vllm_plugin._state, _hooks()
+    released = []
+    job = types.SimpleNamespace(done=threading.Event(), error=None, results=None)
+    waiting = types.SimpleNamespace(job=job, index=0, staged=types.SimpleNamespace(
+        release=lambda issued=True: released.append(issued)))
+    hooks._staged.append(waiting)
+    assert hooks.quiet_replay_ready(state) and hooks._staged == [waiting] and released == []  # still out
+    job.results = [CheckResult(layer="model.layers.0.self_attn.attn", step=3, tolerance=None)]
+    job.done.set()
+    assert hooks.quiet_replay_ready(state) and hooks._staged == [] and released == [False]  # collected, let go
+    assert hooks.sentinel.counts["checked"] == 1
+    hooks._waiting["model.layers.0.self_attn.attn"] = object()
+    assert not hooks.quiet_replay_ready(state)
+    hooks._waiting.clear()

@@ -175,3 +175,121 @@ def test_the_childs_loader_makes_views_of_the_storages_it_holds_one_per_tensor()
         _Loader(payload.getvalue(), {}, torch.device("cpu")).load()
     with pytest.raises(pickle.UnpicklingError, match="only by the checker process's loader"):
         pickle.loads(payload.getvalue())
+
+
+def test_checks_submitted_without_waiting_are_answered_in_order_and_read_when_asked(checker):
+    # The engine's thread sends a staged step's check and goes on; each later hook reads whatever answers came back
+    # (nothing blocks), oldest first.
+    steps = [_one_step_of_layers(2), _one_step_of_layers(3)]
+    steps[1][2][1].output.view(-1, HQ, D)[5, 1] += 0.5  # the second step's layer 2: request 2's token, head 1
+    assert checker.answers() == [] and checker.outstanding == 0
+    for step, entries in enumerate(steps):
+        checker.submit(entries, pairs=ALL_PAIRS, seed=step, step=step)
+    assert checker.outstanding == 2
+    got = checker.answers(30.0)
+    assert [kind for kind, _ in got] == ["ok", "ok"] and checker.outstanding == 0
+    for (kind, there), entries, seed in zip(got, steps, (0, 1)):
+        here = check_layers(entries, pairs=ALL_PAIRS, rng=random.Random(seed), step=seed)
+        assert _verdicts(there) == _verdicts(here)
+    assert [r.passed for r in got[1][1]] == [True, True, False]
+    # A check that raises is answered as an error, in its place.
+    cut = [(layer, dataclasses.replace(inputs, query=inputs.query[:1], output=inputs.output[:1]))
+           for layer, inputs in _stacked(_one_step_of_layers(2))]
+    checker.submit(cut, pairs=1, seed=0, step=0)
+    checker.submit(steps[0], pairs=1, seed=0, step=0)
+    got = checker.answers(30.0)
+    assert [kind for kind, _ in got] == ["error", "ok"] and got[0][1].startswith("RuntimeError")
+    checker.submit(steps[0], pairs=1, seed=0, step=0)
+    with pytest.raises(RuntimeError, match="outstanding"):  # a blocking check would take the submitted one's answer
+        checker.check(steps[0], pairs=1, seed=0, step=0)
+    assert [kind for kind, _ in checker.answers(30.0)] == ["ok"]
+
+
+def test_a_submitted_check_whose_child_dies_or_hangs_is_said_by_answers():
+    import os
+    import signal
+
+    process = CheckerProcess("cpu", check_seconds=1.0)
+    os.kill(process.pid, signal.SIGSTOP)  # stopped: its socket open, nothing answered
+    try:
+        process.submit(_one_step_of_layers(1), pairs=1, seed=0, step=0)
+        assert process.answers() == []  # not yet late: nothing, at once
+        with pytest.raises(CheckerProcessError, match="took over 1 s to answer a check; it was ended"):
+            process.answers(5.0)
+    finally:
+        process.close(5.0)
+    process = CheckerProcess("cpu")
+    process.submit(_one_step_of_layers(1), pairs=1, seed=0, step=0)
+    process._process.kill()
+    process._process.wait()
+    with pytest.raises(CheckerProcessError, match=r"exited with code -9|closed its end"):
+        process.answers(5.0)
+    process.close(0.0)
+
+
+def _deferred(process: bool):
+    import torch
+
+    from kvdbg.sentinel.checker import DeferredChecks, Sentinel
+
+    sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0, pairs=len(ALL_PAIRS), seed=3))
+    deferred = DeferredChecks(sentinel, torch.device("cpu"), process=process)
+    assert deferred.process_ready(60) is process
+    return sentinel, deferred
+
+
+def _collected(deferred, jobs, seconds: float = 30.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not all(job.done.is_set() for job in jobs) and time.monotonic() < deadline:
+        deferred.poll_remote(0.1)  # what the engine's thread does at each hook while checks are out
+        time.sleep(0.01)
+    assert all(job.done.is_set() for job in jobs)
+    return [job.results for job in jobs]
+
+
+def test_staged_jobs_go_to_the_process_from_the_engines_thread_with_the_threads_pairs_and_verdicts():
+    # Handed over, a staged job is sent by the engine's thread itself (no thread of the engine's process takes part)
+    # and read back at a later poll; its pairs come from the seed drawn when it was handed over, so the same
+    # sentinel seed gives the same pairs and verdicts as checks in the worker thread.
+    steps = [_stacked(_one_step_of_layers(3)) for _ in range(3)]
+    steps[1][1][1].output.view(-1, HQ, D)[1:5, 2] += 0.5  # step 1, layer 1: request 1, head 2
+    results = {}
+    for process in (False, True):
+        sentinel, deferred = _deferred(process)
+        jobs = [deferred.submit_staged(entries, step, None) for step, entries in enumerate(steps)]
+        assert deferred.remote_out is process
+        results[process] = _collected(deferred, jobs)
+        assert sentinel.staged_checks == {("process" if process else "thread"): 3}
+        deferred.close()
+    for there, here in zip(results[True], results[False]):
+        assert _verdicts(there) == _verdicts(here)
+    assert [[r.passed for r in step] for step in results[True]] == [[True] * 3, [True, False, True], [True] * 3]
+
+
+def test_staged_jobs_whose_process_dies_are_checked_in_the_thread_and_said_once(caplog):
+    steps = [_stacked(_one_step_of_layers(2)) for _ in range(2)]
+    sentinel, deferred = _deferred(True)
+    remote = deferred.remote
+    remote._process.kill()
+    remote._process.wait()
+    jobs = [deferred.submit_staged(entries, step, None) for step, entries in enumerate(steps)]
+    results = _collected(deferred, jobs)
+    assert deferred.remote is None and not deferred.remote_out
+    assert all(r.passed for step in results for r in step) and sentinel.staged_checks == {"thread": 2}
+    assert caplog.text.count("its checks run in a thread of the engine's process from now on") == 1
+    deferred.close()
+
+
+def test_staged_jobs_the_process_never_answered_are_errors_once_the_sentinel_closes():
+    import os
+    import signal
+
+    sentinel, deferred = _deferred(True)
+    os.kill(deferred.remote.pid, signal.SIGSTOP)
+    job = deferred.submit_staged(_stacked(_one_step_of_layers(1)), 0, None)
+    deferred.poll_remote()
+    assert not job.done.is_set() and deferred.remote_out
+    deferred.close(1.0)
+    assert job.done.is_set() and "closed before its checker process answered" in str(job.error)

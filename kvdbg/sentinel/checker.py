@@ -30,6 +30,8 @@ engine's thread launches nothing but a few copies and never waits for it.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -682,6 +684,7 @@ class _Job:
     step: int | None
     ready: Any  # torch.cuda.Event recorded on the engine's stream after the forward (or the staging)
     staged: bool = False  # kvdbg's staged copies (checked in the checker process when it runs)
+    seed: int = 0  # its pairs' seed, drawn when it was handed over (the same pairs in the thread and the process)
     done: threading.Event = field(default_factory=threading.Event)
     results: list | None = None  # a CheckResult per entry
     error: BaseException | None = None
@@ -703,17 +706,24 @@ class DeferredChecks:
 
     A staged step's check goes to the checker process (:mod:`kvdbg.sentinel.remote`) once it is ready, unless the
     configuration says not to (``process``): there its Python does not hold the lock the engine's thread wants.
-    The process starts with this object, in a thread of its own; until it is ready, and if it cannot start or
-    dies (said once, as a warning), the worker checks in its own thread.
+    The engine's thread sends it once its staging is done and reads the answer, at its hooks
+    (:meth:`poll_remote`), so no thread of the engine's process wakes for it. The process starts with this object,
+    in a thread of its own; until it is ready, and if it cannot start or dies (said once, as a warning), the
+    worker checks in its own thread.
     """
 
     def __init__(self, sentinel: Sentinel, device: torch.device, *, process: bool | None = None):
         self.sentinel = sentinel
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        # Its side stream (None on a CPU device, where the checker process's path runs the same: the tests' way in).
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, _Job] = {}
         self.remote: Any = None  # the CheckerProcess, once ready
+        # Staged jobs for the checker process, on the engine's thread (poll_remote): waiting for their staging's
+        # event before they are sent, then sent and waiting for their answers, in order.
+        self._unsent: collections.deque = collections.deque()
+        self._sent: collections.deque = collections.deque()
         self._started = threading.Event()  # the checker process ready, or known not to be (set at once without one)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kvdbg-sentinel", daemon=True)
@@ -756,7 +766,7 @@ class DeferredChecks:
         for t in (kept.query, kept.output, kept.kv_cache, kept.block_table, kept.seq_lens, kept.query_start_loc):
             if isinstance(t, torch.Tensor) and t.is_cuda:
                 t.record_stream(self.stream)  # the allocator keeps them until the side stream is done
-        job = _Job([(layer, kept)], step, ready)
+        job = _Job([(layer, kept)], step, ready, seed=self._seed())
         self._pending[layer.name] = job
         self._jobs.put(job)
         return kept
@@ -772,9 +782,59 @@ class DeferredChecks:
                 if isinstance(t, torch.Tensor) and id(t) not in seen and t.is_cuda:
                     seen.add(id(t))
                     t.record_stream(self.stream)
-        job = _Job(list(entries), step, ready, staged=True)
-        self._jobs.put(job)
+        job = _Job(list(entries), step, ready, staged=True, seed=self._seed())
+        if self.remote is None:
+            self._jobs.put(job)
+        else:  # sent by the engine's thread itself once its staging is done: no thread of this process takes part
+            self._unsent.append(job)
+            self.poll_remote()
         return job
+
+    @property
+    def remote_out(self) -> bool:
+        """Whether staged jobs are with the checker process (or about to be sent to it): :meth:`poll_remote` them."""
+        return bool(self._unsent or self._sent)
+
+    def poll_remote(self, wait: float | None = None) -> None:
+        """The engine's thread: send the staged jobs whose staging is done on the device, and read the checker
+        process's answers that came back (each job then done); with ``wait``, up to that many seconds for every
+        job handed over. If the process fails, it is said once and ended, and its jobs go to the worker thread."""
+        remote = self.remote
+        if remote is None:
+            return
+        from kvdbg.sentinel.remote import CheckerProcessError
+
+        deadline = None if wait is None else time.monotonic() + wait
+        try:
+            while self._unsent:
+                job = self._unsent[0]
+                if job.ready is not None and not job.ready.query():
+                    if deadline is None:
+                        break
+                    job.ready.synchronize()
+                remote.submit(job.entries, pairs=self.sentinel.config.pairs, seed=job.seed, step=job.step)
+                self._sent.append(self._unsent.popleft())
+            if self._sent:
+                left = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
+                for kind, value in remote.answers(left):
+                    job = self._sent.popleft()
+                    if kind == "ok":
+                        job.results = value
+                        self.sentinel.staged_checks["process"] += 1
+                    else:
+                        job.error = RuntimeError(f"in the checker process: {value}")
+                    job.done.set()
+        except CheckerProcessError as exc:
+            self.remote = None
+            remote.close(0.0)
+            logger.warning("kvdbg sentinel: %s; its checks run in a thread of the engine's process from now on, the "
+                           "steps it had not answered first", exc)
+            while self._sent or self._unsent:
+                self._jobs.put((self._sent or self._unsent).popleft())
+
+    def _seed(self) -> int:
+        """A job's own seed for its pairs, drawn in the order the jobs are handed over (the engine's thread)."""
+        return self.sentinel._pair_rng.getrandbits(64)
 
     def collect(self, layer_name: str, timeout: float | None = None) -> "_Job | None":
         """The finished job of this layer's last submitted step, waiting for it if needed (None if none)."""
@@ -790,19 +850,16 @@ class DeferredChecks:
         while True:
             job = self._jobs.get()
             try:
-                # Each job's pairs from a seed of its own: the same pairs in this thread and in the process.
-                seed = self.sentinel._pair_rng.getrandbits(64)
-                remote = self.remote if job.staged else None
-                if remote is not None and self._check_remote(job, remote, seed):
-                    continue
-                with torch.cuda.stream(self.stream):
+                stream = self.stream
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     try:
                         if job.ready is not None:
-                            self.stream.wait_event(job.ready)
+                            stream.wait_event(job.ready)
                         job.results = check_layers(job.entries, pairs=self.sentinel.config.pairs,
-                                                   rng=random.Random(seed), step=job.step)
+                                                   rng=random.Random(job.seed), step=job.step)
                     finally:  # a done job has no read left on the device, whether it passed, failed or raised
-                        self.stream.synchronize()
+                        if stream is not None:
+                            stream.synchronize()
                 if job.staged:
                     self.sentinel.staged_checks["thread"] += 1
             except BaseException as exc:  # reported by the engine's thread when it collects the job
@@ -810,31 +867,17 @@ class DeferredChecks:
             finally:
                 job.done.set()
 
-    def _check_remote(self, job: _Job, remote: Any, seed: int) -> bool:
-        """A staged job in the checker process, once the staging is done on the device (the child reads kvdbg's
-        buffers on its own context); whether it was checked there. The process failing to answer ends it: this job
-        and later ones are then checked in this thread (False). The check's own error is raised, as here."""
-        from kvdbg.sentinel.remote import CheckerProcessError
-
-        if job.ready is not None:
-            job.ready.synchronize()  # the lock is let go while waiting
-        try:
-            job.results = remote.check(job.entries, pairs=self.sentinel.config.pairs, seed=seed, step=job.step)
-        except CheckerProcessError as exc:
-            self.remote = None
-            remote.close(0.0)
-            logger.warning("kvdbg sentinel: %s; its checks run in a thread of the engine's process from now on, this "
-                           "step's first", exc)
-            return False
-        self.sentinel.staged_checks["process"] += 1
-        return True
-
     def close(self, timeout: float = 5.0) -> None:
         """Stop the checker process, if one runs (the worker thread ends with the process)."""
         self._closed = True
         remote, self.remote = self.remote, None
+        while self._sent or self._unsent:  # handed over and never answered: said so where they are collected
+            job = (self._sent or self._unsent).popleft()
+            job.error = RuntimeError("the sentinel closed before its checker process answered this check")
+            job.done.set()
         if remote is not None:
             remote.close(timeout)
             # The buffers the child held are let go here now, not in a warning of torch's at exit ("Producer process
             # has been terminated before all shared CUDA tensors released").
-            torch.cuda.ipc_collect()
+            if self.stream is not None:
+                torch.cuda.ipc_collect()

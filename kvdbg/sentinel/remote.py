@@ -7,32 +7,40 @@ each of its own torch calls, waits. On an H100 (docs/benchmarks.md, section
 10) a drawn step then cost +3.6 ms and the steps after it +3.9 ms, where the
 same steps with the check replaced by a sleep cost +1.4 and +0.2 ms.
 
-So the worker hands the check to a child process, which has a lock of its own::
+So a staged step's check goes to a child process, which has a lock of its own,
+and no thread of the engine's process takes part: the engine's thread sends
+it and reads the answer, at its hooks, without waiting::
 
-    engine's process                                checker process (python -m kvdbg.sentinel.child)
-    worker thread: wait for the staging's event     -
-                   send "share" once per buffer ->   open the buffer (CUDA IPC), keep it
-                   send "check" (the step's         -> rebuild the layers' inputs as views of the buffers,
-                   layers, tensors as references)      check_layers() on its own CUDA context
-                   wait for the answer (no lock)  <-  the CheckResults (plain data)
+    engine's thread (its hooks)                     checker process (python -m kvdbg.sentinel.child)
+    the step drawn: its layers staged, handed over  -
+    a later hook: the staging's event done?         -
+                  send "share" once per buffer ->   open the buffer (CUDA IPC), keep it
+                  send "check" (the step's      ->  rebuild the layers' inputs as views of the buffers,
+                  layers, tensors as references)    check_layers() on its own CUDA context
+    each hook while it is out: an answer back?  <-  the CheckResults (plain data)
+
+(At first the worker thread sent the check and waited for its answer: it woke
+a dozen times a check, after the staging's event and on the socket, each
+time taking the lock back from the engine's thread.)
 
 Only staged steps go there: their query, output and pages lie in buffers
 kvdbg keeps for the life of a staging program, so each buffer is opened once;
 their metadata is on the host and travels by value. A step checked from the
 engine's own tensors (eager mode, or a graph step's copies that are not
-staged) stays in the worker thread. The child reads the buffers only after the
-worker saw the staging's event, and the engine lets the staging go only when
-the answer is back, as it does for a check in the thread.
+staged) stays in the worker thread. The engine sends a check only after its
+staging's event is done, and lets the staging go only when the answer is
+back, as it does for a check in the thread.
 
-If the child cannot start, dies or does not answer, the worker says so once
-(a warning naming the cause) and checks in its own thread from then on, the
-unanswered step first. The child exits when its socket closes
-(the engine's process ended or closed it). It holds a CUDA context of its own
-on the engine's device (a few hundred MiB) and the check's working memory.
+If the child cannot start, dies or does not answer (60 s), it is said once as
+a warning and ended, and the checks it had not answered go to the worker
+thread, as do later ones. The child exits when its socket closes (the
+engine's process ended or closed it). It holds a CUDA context of its own on
+the engine's device (a few hundred MiB) and the check's working memory.
 """
 
 from __future__ import annotations
 
+import collections
 import io
 import logging
 import os
@@ -63,7 +71,7 @@ class CheckerProcessError(RuntimeError):
 class CheckerProcess:
     """The engine's side: starts the child, shares buffers with it once, and asks it to check steps.
 
-    Not thread-safe: one thread (the sentinel's worker) calls :meth:`check`. ``device``: the engine's device (a CPU
+    Not thread-safe: one thread (the engine's, through DeferredChecks.poll_remote) submits checks and reads answers. ``device``: the engine's device (a CPU
     device runs the same protocol with every tensor sent by value: the tests' way in).
     """
 
@@ -77,7 +85,8 @@ class CheckerProcess:
         # id(tensor): (weak reference, its reference): a program's staged views are the same objects step after
         # step, and working a reference out again takes torch calls under Python's lock
         self._refs: dict[int, tuple] = {}
-        self.last_times = (0, 0)  # the last check's (sending, waiting and reading the answer), ns
+        self.last_times = (0, 0)  # the last check's (pickling and sending), the last answer's wait since its send, ns
+        self._out: collections.deque = collections.deque()  # each outstanding check's send time (perf_counter_ns)
         self._next_key = 0
         self._torch = torch
         index = "" if self.device.type != "cuda" else str(self.device.index if self.device.index is not None
@@ -109,10 +118,11 @@ class CheckerProcess:
     def pid(self) -> int:
         return self._process.pid
 
-    def check(self, entries: list, *, pairs: Any, seed: int, step: int | None) -> list:
-        """:func:`kvdbg.sentinel.checker.check_layers` of ``entries`` in the child, with the pairs drawn from
-        ``seed``; its CheckResults. Raises CheckerProcessError when the child fails to answer (it is then closed),
-        and the check's own error, as the child saw it, as RuntimeError."""
+    def submit(self, entries: list, *, pairs: Any, seed: int, step: int | None) -> None:
+        """Send :func:`kvdbg.sentinel.checker.check_layers` of ``entries`` (pairs drawn from ``seed``) to the child,
+        without waiting: its answer comes back through :meth:`answers`, in the order of the submissions. The
+        engine's thread calls this once the step's staging is done on the device (the child reads the buffers as
+        they are). Raises CheckerProcessError when the child is gone."""
         began = time.perf_counter_ns()
         shares: list = []
         payload = io.BytesIO()
@@ -121,11 +131,53 @@ class CheckerProcess:
             self._send(("share", key, handle))
         self._send(("check", payload.getvalue()))
         sent = time.perf_counter_ns()
-        kind, value = self._receive(self.check_seconds, "to answer a check")
-        # (sending, waiting for the answer and reading it) in ns: the first and last hold Python's lock here
-        self.last_times = (sent - began, time.perf_counter_ns() - sent)
+        self._out.append(sent)
+        self.last_times = (sent - began, 0)
+
+    @property
+    def outstanding(self) -> int:
+        """Checks submitted and not answered yet."""
+        return len(self._out)
+
+    def answers(self, timeout: float = 0.0) -> list:
+        """The answers the child sent back since the last call, oldest first, each ``("ok", its CheckResults)`` or
+        ``("error", the check's own error in words)``; with ``timeout``, waiting up to that many seconds for every
+        outstanding check's. Raises CheckerProcessError when the child died, or took over ``check_seconds`` for a
+        check (it is then ended); the checks still outstanding are then lost (the caller checks them otherwise)."""
+        got = []
+        deadline = time.monotonic() + timeout
+        while self._out:
+            ready = self._conn.poll(max(0.0, min(0.5, deadline - time.monotonic())))  # the lock let go while it waits
+            if not ready:
+                if self._process.poll() is not None:
+                    raise self._exited("to answer a check")
+                if time.perf_counter_ns() - self._out[0] > self.check_seconds * 1e9:
+                    self._process.kill()
+                    raise CheckerProcessError(f"the checker process (pid {self.pid}) took over {self.check_seconds:g} "
+                                              "s to answer a check; it was ended")
+                if time.monotonic() >= deadline:
+                    break
+                continue
+            try:
+                kind, value = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):  # its end closed: it exited, or is exiting
+                raise self._exited("to answer a check") from None
+            sent = self._out.popleft()
+            self.last_times = (self.last_times[0], time.perf_counter_ns() - sent)
+            got.append((kind, value))
+        return got
+
+    def check(self, entries: list, *, pairs: Any, seed: int, step: int | None) -> list:
+        """:meth:`submit`, then wait for its answer: the CheckResults. Raises CheckerProcessError when the child fails
+        to answer (it is then closed), and the check's own error, as the child saw it, as RuntimeError."""
+        if self._out:
+            raise RuntimeError("check() while submitted checks are outstanding: read their answers() first")
+        self.submit(entries, pairs=pairs, seed=seed, step=step)
+        [(kind, value)] = self.answers(self.check_seconds + 1.0) or [("lost", None)]
         if kind == "error":
             raise RuntimeError(f"in the checker process: {value}")
+        if kind != "ok":
+            raise CheckerProcessError(f"the checker process (pid {self.pid}) did not answer a check")
         return value
 
     def reference(self, tensor: Any, shares: list) -> tuple:

@@ -50,7 +50,8 @@ touched in a step costs microseconds (its code and objects evicted by the engine
   it at once (capture's step filter searched, the sentinel's draws made, up to QUIET_AHEAD steps); while no
   other count moves and the filters stay, their builds and choices ask nothing and their replays only count.
   Through vLLM's graph wrapper such a replay skips the graph call's questions too (:meth:`GraphHooks.quiet_replay`:
-  the same wrapper and batch descriptor, nothing built for a capture, handed over or out with the sentinel);
+  the same wrapper and batch descriptor, nothing built for a capture or handed over, no check of the sentinel's
+  out but on its own staged copies);
 - **tickets** (:class:`_Ticket`): once a wanted step of a shape was staged inside vLLM's graph with its metadata,
   a later wanted build of that shape keeps nothing; the choice takes the staged variant on the ticket and the
   replay's hook hands the build as given to the capture thread, which makes the step's context there
@@ -530,13 +531,14 @@ class GraphHooks:
         """The coming call of ``wrapper`` as the next step of the quiet run told for it (:class:`_QuietRun`), told
         with a few reads instead of :meth:`graph_call`, :meth:`choose_graph` and :meth:`before_graph_replay`: the
         same full graph replayed, nothing counted, built for a capture or handed over since, the filters the same,
-        no check of the sentinel's out. Then the plain variant is installed and the run returned, for
+        no check of the sentinel's out that reads the engine's memory (staged ones done are collected here). Then
+        the plain variant is installed and the run returned, for
         :meth:`quiet_replayed` once vLLM queued the replay; None: the call is asked as any other."""
         run = self._quiet_run
         if run is None or run.wrapper is not wrapper or run.epoch != self._counts_epoch or run.step >= run.horizon \
                 or run.config is not self.capturer.config or self._pending_build is not None \
                 or self._prepared is not None or self._graph_job is not None \
-                or (self.sentinel is not None and not self.sentinel.idle()):
+                or (self.sentinel is not None and not self.sentinel.quiet_replay_ready(self)):
             return None
         # vLLM's entry for the batch is the run's until its wrapper's clear_graphs (then forget_graphs ends the run):
         # vLLM adds entries for new batches and replaces none.

@@ -138,9 +138,18 @@ class SentinelHooks:
         except Exception as exc:
             self._failed(exc, "after the forward")
 
-    def idle(self) -> bool:
-        """Whether no check is out: a full graph's replay then has nothing of the sentinel's to collect first."""
-        return not self._waiting and not self._staged
+    def quiet_replay_ready(self, state) -> bool:
+        """Before a replay told quiet ahead (graph_hooks.quiet_replay): whether it may go with nothing else of the
+        sentinel's, that is no check reading the engine's memory is out (:meth:`before_graph_replay` collects those
+        before the replay); the staged checks that are done are collected here."""
+        if self._waiting:
+            return False
+        if self._staged:
+            try:
+                self.poll_staged(state)
+            except Exception as exc:
+                self._failed(exc, "before a CUDA graph's replay")
+        return True
 
     def before_graph_replay(self, state, *, recording: bool = False) -> None:
         """A full CUDA graph is about to run a step: the checks of the previous one that read the engine's memory
@@ -233,6 +242,9 @@ class SentinelHooks:
         """Collect the checks of staged steps that are done (with ``wait``, every one, within that many seconds in
         all), capture those found wrong from their staged copies, and let their staging go."""
         deadline = None if wait is None else time.monotonic() + wait
+        deferred = self._deferred
+        if deferred is not None and deferred.remote_out:  # the checker process's jobs: sent and read from this thread
+            deferred.poll_remote(wait)
         for waiting in list(self._staged):
             job = waiting.job
             if job is not None and not job.done.is_set():
