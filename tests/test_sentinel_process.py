@@ -293,3 +293,27 @@ def test_staged_jobs_the_process_never_answered_are_errors_once_the_sentinel_clo
     assert not job.done.is_set() and deferred.remote_out
     deferred.close(1.0)
     assert job.done.is_set() and "closed before its checker process answered" in str(job.error)
+
+
+def test_a_staged_job_that_cannot_be_sent_fails_alone_and_the_next_goes(monkeypatch):
+    # A job whose inputs would not go to the process (here: its pickling raises) is done with that error, said
+    # where it is collected; the process stays, and the next job is checked there.
+    from kvdbg.sentinel import remote
+
+    sentinel, deferred = _deferred(True)
+    real = remote._Pickler.reducer_override
+    broken = [True]
+
+    def reducer_override(self, obj):
+        if broken[0]:
+            broken[0] = False
+            raise TypeError("cannot pickle this")
+        return real(self, obj)
+
+    monkeypatch.setattr(remote._Pickler, "reducer_override", reducer_override)
+    first = deferred.submit_staged(_stacked(_one_step_of_layers(1)), 0, None)
+    second = deferred.submit_staged(_stacked(_one_step_of_layers(1)), 1, None)
+    _collected(deferred, [first, second])
+    assert isinstance(first.error, TypeError) and second.error is None and deferred.remote is not None
+    assert sentinel.staged_checks == {"process": 1}
+    deferred.close()

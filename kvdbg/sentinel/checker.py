@@ -812,7 +812,15 @@ class DeferredChecks:
                     if deadline is None:
                         break
                     job.ready.synchronize()
-                remote.submit(job.entries, pairs=self.sentinel.config.pairs, seed=job.seed, step=job.step)
+                try:
+                    remote.submit(job.entries, pairs=self.sentinel.config.pairs, seed=job.seed, step=job.step)
+                except CheckerProcessError:
+                    raise
+                except Exception as exc:  # this job's own failure (its inputs would not go): said where it is collected
+                    self._unsent.popleft()
+                    job.error = exc
+                    job.done.set()
+                    continue
                 self._sent.append(self._unsent.popleft())
             if self._sent:
                 left = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())

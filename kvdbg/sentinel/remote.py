@@ -71,8 +71,9 @@ class CheckerProcessError(RuntimeError):
 class CheckerProcess:
     """The engine's side: starts the child, shares buffers with it once, and asks it to check steps.
 
-    Not thread-safe: one thread (the engine's, through DeferredChecks.poll_remote) submits checks and reads answers. ``device``: the engine's device (a CPU
-    device runs the same protocol with every tensor sent by value: the tests' way in).
+    Not thread-safe: one thread (the engine's, through DeferredChecks.poll_remote) submits checks and reads their
+    answers. ``device``: the engine's device (a CPU device runs the same protocol with every tensor sent by value:
+    the tests' way in).
     """
 
     def __init__(self, device: Any, *, start_seconds: float = START_SECONDS, check_seconds: float = CHECK_SECONDS,
@@ -159,10 +160,14 @@ class CheckerProcess:
                     break
                 continue
             try:
-                kind, value = pickle.loads(self._conn.recv_bytes())
+                data = self._conn.recv_bytes()
             except (EOFError, OSError):  # its end closed: it exited, or is exiting
                 raise self._exited("to answer a check") from None
             sent = self._out.popleft()
+            try:
+                kind, value = pickle.loads(data)
+            except Exception as exc:  # that check's answer alone is lost
+                kind, value = "error", f"its answer could not be read ({type(exc).__name__}: {exc})"
             self.last_times = (self.last_times[0], time.perf_counter_ns() - sent)
             got.append((kind, value))
         return got
