@@ -317,3 +317,69 @@ def test_a_staged_job_that_cannot_be_sent_fails_alone_and_the_next_goes(monkeypa
     assert isinstance(first.error, TypeError) and second.error is None and deferred.remote is not None
     assert sentinel.staged_checks == {"process": 1}
     deferred.close()
+
+
+def test_a_check_that_fails_to_pickle_leaves_no_storage_counted_as_the_childs(monkeypatch):
+    # A storage is counted as the child's when its share is made; a check whose pickling then fails sends nothing,
+    # so that storage must be shared again by the next check that names it (else the child never has it).
+    from kvdbg.sentinel import remote
+
+    process = CheckerProcess("cpu")
+    try:
+        process._shared[1000] = ("kept", 3)  # shared by an earlier check: stays
+
+        def reducer_override(self, obj):
+            self._owner._shared[2000] = ("new", 4)  # as reference() does for a storage it shares
+            self._shares.append((4, b"handle"))
+            raise TypeError("cannot pickle this")
+
+        monkeypatch.setattr(remote._Pickler, "reducer_override", reducer_override)
+        with pytest.raises(TypeError):
+            process.submit(_one_step_of_layers(1), pairs=1, seed=0, step=0)
+        assert process._shared == {1000: ("kept", 3)} and process.outstanding == 0
+    finally:
+        process.close()
+
+
+def _slow_child(seconds: float) -> str:
+    """A checker process whose every check takes ``seconds`` (its serve loop is kvdbg's own)."""
+    return ("import sys, time\n"
+            "from multiprocessing.connection import Connection\n"
+            "from kvdbg.sentinel.remote import serve\n"
+            "def check_layers(entries, **kwargs):\n"
+            f"    time.sleep({seconds})\n"
+            "    return ['checked']\n"
+            "sys.exit(serve(Connection(int(sys.argv[1])), sys.argv[2], check_layers))\n")
+
+
+def test_a_checks_time_limit_counts_from_the_answer_it_waited_behind():
+    # Three checks sent at once, 0.6 s each in the child, under a 1 s limit: the third is answered 1.8 s after it
+    # was sent, but 0.6 s after the one before it, so nothing is ended.
+    process = CheckerProcess("cpu", check_seconds=1.0, command=[sys.executable, "-c", _slow_child(0.6)])
+    try:
+        for step in range(3):
+            process.submit([], pairs=1, seed=0, step=step)
+        assert process.answers(10.0) == [("ok", ["checked"])] * 3 and process.alive()
+    finally:
+        process.close()
+
+
+def test_a_check_larger_than_the_sockets_buffer_is_sent_while_the_child_checks_another():
+    # The child reads messages as they come, also during a check: the engine's thread never waits on a full socket
+    # for a check to end. Here each check takes 2 s in the child; the second, 8 MiB of host data, is sent at once.
+    import time
+
+    import torch
+
+    process = CheckerProcess("cpu", command=[sys.executable, "-c", _slow_child(2.0)])
+    try:
+        process.submit(_one_step_of_layers(1), pairs=1, seed=0, step=0)
+        time.sleep(0.5)  # the child is in its first check
+        began = time.monotonic()
+        process.submit([torch.zeros(1 << 20, dtype=torch.int64)], pairs=1, seed=1, step=1)
+        sent = time.monotonic() - began
+        got = process.answers(30.0)
+    finally:
+        process.close()
+    assert got == [("ok", ["checked"]), ("ok", ["checked"])]
+    assert sent < 1.0, f"the send waited {sent:.2f} s for the child's check"

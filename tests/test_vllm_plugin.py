@@ -1845,6 +1845,33 @@ def test_a_quiet_runs_replays_through_vllms_wrapper_ask_nothing_and_choose_and_c
     assert after_other == [9, 10]  # both asked: the other graph is not the run's, and it moved the counts on
 
 
+def test_a_quiet_run_is_not_replayed_as_such_once_vllm_replaced_its_graphs_and_a_failure_stays_out_of_vllm(
+        standins, tmp_path, monkeypatch, caplog):
+    """vLLM may let its graphs go by replacing a wrapper's table (elastic expert parallelism re-records them so, with
+    no clear_graphs): a run told before is then no longer the replay's, whose call is asked again (a recording). A
+    failure in the fast path is reported and the call asked as any other, never raised into vLLM."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "6", layers=2)
+    wrapper, entry = _record_variants(16)
+    for _ in range(2):  # step 0 asked, a run told; step 1 replayed as the run's
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch, wrapper=wrapper, through=True)
+    run = state._quiet_run
+    assert run is not None and run.step == 2 and entry.cudagraph == "plain"
+    table = wrapper.concrete_cudagraph_entries
+    wrapper.concrete_cudagraph_entries = {}
+    assert state.quiet_replay(wrapper) is None and state.graph_call(wrapper)[0] == "record"
+    wrapper.concrete_cudagraph_entries = table
+    context = state._forward_context
+
+    def broken():
+        raise RuntimeError("no forward context")
+
+    state._forward_context = (context[0], broken)
+    assert state.quiet_replay(wrapper) is None and state._quiet_run is None
+    assert "a CUDA graph's replay told quiet ahead" in caplog.text and "no forward context" in caplog.text
+    state._forward_context = context
+
+
 def test_a_staged_step_whose_requests_cannot_be_worked_out_after_the_replay_is_lost_in_words_not_raised(
         standins, tmp_path, monkeypatch):
     """A step the staged graph served without its metadata has its requests worked out right after the replay, from

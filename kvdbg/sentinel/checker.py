@@ -798,7 +798,8 @@ class DeferredChecks:
     def poll_remote(self, wait: float | None = None) -> None:
         """The engine's thread: send the staged jobs whose staging is done on the device, and read the checker
         process's answers that came back (each job then done); with ``wait``, up to that many seconds for every
-        job handed over. If the process fails, it is said once and ended, and its jobs go to the worker thread."""
+        job handed over. If the process fails (or anything of this path does), it is said once and ended, and its jobs
+        go to the worker thread; a job that cannot be sent fails alone. Never raises."""
         remote = self.remote
         if remote is None:
             return
@@ -816,7 +817,7 @@ class DeferredChecks:
                     remote.submit(job.entries, pairs=self.sentinel.config.pairs, seed=job.seed, step=job.step)
                 except CheckerProcessError:
                     raise
-                except Exception as exc:  # this job's own failure (its inputs would not go): said where it is collected
+                except Exception as exc:  # this job's own failure (its inputs would not go): said when collected
                     self._unsent.popleft()
                     job.error = exc
                     job.done.set()
@@ -832,11 +833,16 @@ class DeferredChecks:
                     else:
                         job.error = RuntimeError(f"in the checker process: {value}")
                     job.done.set()
-        except CheckerProcessError as exc:
+        except Exception as exc:  # noqa: BLE001 - the process given up, never the engine: its jobs to the thread
             self.remote = None
-            remote.close(0.0)
+            try:
+                remote.close(0.0)
+            except Exception:  # noqa: BLE001 - ended or not, it is not asked again
+                pass
+            cause = exc if isinstance(exc, CheckerProcessError) else f"reading or sending its checks failed " \
+                f"({type(exc).__name__}: {exc})"
             logger.warning("kvdbg sentinel: %s; its checks run in a thread of the engine's process from now on, the "
-                           "steps it had not answered first", exc)
+                           "steps it had not answered first", cause)
             while self._sent or self._unsent:
                 self._jobs.put((self._sent or self._unsent).popleft())
 

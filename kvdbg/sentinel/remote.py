@@ -45,10 +45,12 @@ import io
 import logging
 import os
 import pickle
+import queue
 import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from typing import Any
@@ -88,6 +90,7 @@ class CheckerProcess:
         self._refs: dict[int, tuple] = {}
         self.last_times = (0, 0)  # the last check's (pickling and sending), the last answer's wait since its send, ns
         self._out: collections.deque = collections.deque()  # each outstanding check's send time (perf_counter_ns)
+        self._since = 0  # when the oldest outstanding check became the one the child works on (its time limit's start)
         self._next_key = 0
         self._torch = torch
         index = "" if self.device.type != "cuda" else str(self.device.index if self.device.index is not None
@@ -127,11 +130,20 @@ class CheckerProcess:
         began = time.perf_counter_ns()
         shares: list = []
         payload = io.BytesIO()
-        _Pickler(payload, self, shares).dump((entries, pairs, seed, step))
+        try:
+            _Pickler(payload, self, shares).dump((entries, pairs, seed, step))
+        except BaseException:  # nothing sent: the storages it was about to share are not the child's
+            keys = {key for key, _ in shares}
+            for pointer in [p for p, (_, key) in self._shared.items() if key in keys]:
+                del self._shared[pointer]
+            self._refs.clear()
+            raise
         for key, handle in shares:
             self._send(("share", key, handle))
         self._send(("check", payload.getvalue()))
         sent = time.perf_counter_ns()
+        if not self._out:
+            self._since = sent
         self._out.append(sent)
         self.last_times = (sent - began, 0)
 
@@ -144,7 +156,8 @@ class CheckerProcess:
         """The answers the child sent back since the last call, oldest first, each ``("ok", its CheckResults)`` or
         ``("error", the check's own error in words)``; with ``timeout``, waiting up to that many seconds for every
         outstanding check's. Raises CheckerProcessError when the child died, or took over ``check_seconds`` for a
-        check (it is then ended); the checks still outstanding are then lost (the caller checks them otherwise)."""
+        check (counted from its send, or from the answer before it when it waited behind that one; the child is then
+        ended); the checks still outstanding are then lost (the caller checks them otherwise)."""
         got = []
         deadline = time.monotonic() + timeout
         while self._out:
@@ -152,7 +165,7 @@ class CheckerProcess:
             if not ready:
                 if self._process.poll() is not None:
                     raise self._exited("to answer a check")
-                if time.perf_counter_ns() - self._out[0] > self.check_seconds * 1e9:
+                if time.perf_counter_ns() - self._since > self.check_seconds * 1e9:
                     self._process.kill()
                     raise CheckerProcessError(f"the checker process (pid {self.pid}) took over {self.check_seconds:g} "
                                               "s to answer a check; it was ended")
@@ -164,6 +177,7 @@ class CheckerProcess:
             except (EOFError, OSError):  # its end closed: it exited, or is exiting
                 raise self._exited("to answer a check") from None
             sent = self._out.popleft()
+            self._since = time.perf_counter_ns()  # the next check's time counts from here: it waited behind this one
             try:
                 kind, value = pickle.loads(data)
             except Exception as exc:  # that check's answer alone is lost
@@ -342,12 +356,25 @@ def serve(conn: Any, device: str, check_layers: Any) -> int:
         torch.cuda.set_device(target)
         torch.empty(1, device=target)  # the CUDA context, now rather than on the first check
     conn.send_bytes(pickle.dumps(("ready", {"pid": os.getpid(), "torch": torch.__version__, "device": str(target)})))
+    # Messages are read as they come, also while a check runs: the engine's thread, which sends them, never waits
+    # on a full socket (a step's host tables may be larger than its buffer).
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        while True:
+            try:
+                inbox.put(conn.recv_bytes())
+            except (EOFError, OSError):
+                inbox.put(None)
+                return
+
+    threading.Thread(target=read, name="kvdbg-checker-inbox", daemon=True).start()
     storages: dict = {}
     while True:
-        try:
-            message = pickle.loads(conn.recv_bytes())
-        except EOFError:
+        data = inbox.get()
+        if data is None:
             return 0
+        message = pickle.loads(data)
         kind = message[0]
         if kind == "stop":
             return 0

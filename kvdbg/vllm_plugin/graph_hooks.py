@@ -534,33 +534,44 @@ class GraphHooks:
         no check of the sentinel's out that reads the engine's memory (staged ones done are collected here). Then
         the plain variant is installed and the run returned, for
         :meth:`quiet_replayed` once vLLM queued the replay; None: the call is asked as any other."""
-        run = self._quiet_run
-        if run is None or run.wrapper is not wrapper or run.epoch != self._counts_epoch or run.step >= run.horizon \
-                or run.config is not self.capturer.config or self._pending_build is not None \
-                or self._prepared is not None or self._graph_job is not None \
-                or (self.sentinel is not None and not self.sentinel.quiet_replay_ready(self)):
+        try:
+            run = self._quiet_run
+            if run is None or run.wrapper is not wrapper or run.epoch != self._counts_epoch \
+                    or run.step >= run.horizon or run.config is not self.capturer.config \
+                    or self._pending_build is not None or self._prepared is not None or self._graph_job is not None \
+                    or (self.sentinel is not None and not self.sentinel.quiet_replay_ready(self)):
+                return None
+            context = self._forward_context  # kept by graph_call, which the run's first step went through
+            if context is None or not context[0]():
+                return None
+            forward = context[1]()
+            batch = forward.batch_descriptor
+            # vLLM's entry for the batch still the run's: it lets its graphs go through clear_graphs (which ends the
+            # run) and also by replacing the wrapper's table (elastic expert parallelism re-records them so).
+            if forward.cudagraph_runtime_mode is not wrapper.runtime_mode or batch != run.batch \
+                    or wrapper.concrete_cudagraph_entries.get(batch) is not run.entry:
+                return None
+            self._in_graph_ran = self._quiet = None
+            entry = run.entry
+            if entry.cudagraph is not run.plain[0]:
+                entry.cudagraph, entry.output = run.plain
+            self._plain_ran = True
+            self.plain_replays += 1
+            return run
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's forward: the call is asked as any other
+            self._quiet_run = None
+            self.capturer.report(exc, "a CUDA graph's replay told quiet ahead")
             return None
-        # vLLM's entry for the batch is the run's until its wrapper's clear_graphs (then forget_graphs ends the run):
-        # vLLM adds entries for new batches and replaces none.
-        context = self._forward_context  # kept by graph_call, which the run's first step went through
-        if context is None or not context[0]():
-            return None
-        forward = context[1]()
-        if forward.cudagraph_runtime_mode is not wrapper.runtime_mode or forward.batch_descriptor != run.batch:
-            return None
-        self._in_graph_ran = self._quiet = None
-        entry = run.entry
-        if entry.cudagraph is not run.plain[0]:
-            entry.cudagraph, entry.output = run.plain
-        self._plain_ran = True
-        self.plain_replays += 1
-        return run
 
     def quiet_replayed(self, run: "_QuietRun") -> None:
         """The quiet run's step is queued (:meth:`quiet_replay`): its layers' forwards counted, nothing else."""
-        run.step += 1
-        self._forward_counts.update(zip(run.names, repeat(run.step)))
-        run.epoch = self._counts_epoch = self._counts_epoch + 1
+        try:
+            run.step += 1
+            self._forward_counts.update(zip(run.names, repeat(run.step)))
+            run.epoch = self._counts_epoch = self._counts_epoch + 1
+        except Exception as exc:  # noqa: BLE001 - never into vLLM
+            self._quiet_run = None
+            self.capturer.report(exc, "after a CUDA graph's replay told quiet ahead")
 
     def choose_graph(self, wrapper: Any, batch: Any) -> None:
         """Before vLLM replays its full graph for ``batch``: the variant with kvdbg's copies when this step of any of

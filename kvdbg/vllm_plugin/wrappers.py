@@ -159,10 +159,14 @@ def _wrap_graph_call(state: _PluginState, original):
 
     @functools.wraps(original)
     def __call__(self, *args, **kwargs):
+        start = _clock()
         run = state.quiet_replay(self)
         if run is not None:  # a step told unwanted ahead: the plain graph installed, the forwards counted after
+            spent = _clock() - start
             result = original(self, *args, **kwargs)
+            start = _clock()
             state.quiet_replayed(run)
+            _account(state, False, spent + _clock() - start)
             return result
         what = state.graph_call(self)
         if what is None:
