@@ -50,8 +50,8 @@ touched in a step costs microseconds (its code and objects evicted by the engine
   it at once (capture's step filter searched, the sentinel's draws made, up to QUIET_AHEAD steps); while no
   other count moves and the filters stay, their builds and choices ask nothing and their replays only count.
   Through vLLM's graph wrapper such a replay skips the graph call's questions too (:meth:`GraphHooks.quiet_replay`:
-  the same wrapper and batch descriptor, nothing built for a capture or handed over, no check of the sentinel's
-  out but on its own staged copies);
+  the same wrapper, batch descriptor and entry, nothing built for a capture or handed over, no check of the
+  sentinel's out but on its own staged copies);
 - **tickets** (:class:`_Ticket`): once a wanted step of a shape was staged inside vLLM's graph with its metadata,
   a later wanted build of that shape keeps nothing; the choice takes the staged variant on the ticket and the
   replay's hook hands the build as given to the capture thread, which makes the step's context there
