@@ -170,15 +170,18 @@ class _QuietRun:
     while no count moved but the run's own (``epoch``) and capture's filters are the same, the build of ``step`` and
     the choice of graph for it ask nothing of the filters or the sentinel, and the replay's hook only counts."""
 
-    __slots__ = ("batch", "names", "config", "step", "horizon", "epoch", "chosen", "wrapper", "entry", "plain")
+    __slots__ = ("batch", "names", "config", "step", "horizon", "epoch", "chosen", "wrapper", "entry", "plain",
+                 "table")
 
     def __init__(self, batch: Any, names: tuple, config: Any, step: int, horizon: int, epoch: int,
                  graph: tuple = (None, None, None)):
         self.batch, self.names, self.config = batch, names, config
         self.step, self.horizon, self.epoch = step, horizon, epoch  # the layers' next step; the first one not told
         self.chosen = None  # the batch descriptor the choice took the run for, until its replay's hook
-        # vLLM's wrapper, its entry for the batch and the graph's plain variant: what GraphHooks.quiet_replay installs
+        # vLLM's wrapper, its entry for the batch and the graph's plain variant: what GraphHooks.quiet_replay installs;
+        # and the wrapper's table of entries then (a new table: its graphs recorded anew)
         self.wrapper, self.entry, self.plain = graph
+        self.table = getattr(self.wrapper, "concrete_cudagraph_entries", None)
 
 
 @dataclass(eq=False, slots=True)
@@ -546,10 +549,11 @@ class GraphHooks:
                 return None
             forward = context[1]()
             batch = forward.batch_descriptor
-            # vLLM's entry for the batch still the run's: it lets its graphs go through clear_graphs (which ends the
-            # run) and also by replacing the wrapper's table (elastic expert parallelism re-records them so).
+            # vLLM's entry for the batch still the run's: vLLM lets its graphs go through clear_graphs (which ends the
+            # run) or by giving the wrapper a new table (elastic expert parallelism re-records them so), and never
+            # replaces an entry in a table.
             if forward.cudagraph_runtime_mode is not wrapper.runtime_mode or batch != run.batch \
-                    or wrapper.concrete_cudagraph_entries.get(batch) is not run.entry:
+                    or wrapper.concrete_cudagraph_entries is not run.table:
                 return None
             self._in_graph_ran = self._quiet = None
             entry = run.entry
