@@ -48,22 +48,25 @@ class BuilderHooks:
         """Keep copies of the step's metadata for the forwards of its layers; whether it did for a capture
         (not only for the sentinel)."""
         try:
-            # A step of a run of a graph's replays that nothing can want (graph_hooks._QuietRun), told ahead: no count
-            # moved since the run's last replay, so this builder's layers are at its step.
             run = self._quiet_run
-            quiet = run is not None and run.epoch == self._counts_epoch and run.step < run.horizon \
-                and run.config is self.capturer.config and self._pending_build is None
-            known = self._quiet_builders.get(id(builder)) if quiet else None
-            if known is not None and (known[0] is not run.names or known[1] is not run.config):
-                known = None
-            if known is None or not known[2] or metadata is None or common is None:
-                if self._pending_build is not None:  # an earlier build kept on a ticket that no hook read: kept now
-                    self._settle_build()
-                if metadata is None or common is None or (not self.capturer.active and self.sentinel is None):
+            if run is not None and run.epoch == self._counts_epoch and run.step < run.horizon \
+                    and run.config is self.capturer.config and self._pending_build is None and common is not None:
+                # A step of a quiet run (below) for a builder told before (its layers' declarations noted then):
+                # what every build keeps, nothing more.
+                known = self._quiet_builders.get(id(builder))
+                if known is not None and known[2] and known[0] is run.names and known[1] is run.config \
+                        and metadata is not None:
                     self._prepared = None
+                    self._last_builds[id(builder)] = (builder, common)
+                    if self._host_slots and common.slot_mapping is not None:
+                        self._host_slots.pop(_tensor_key(common.slot_mapping), None)
                     return False
-                self.declare(builder)
+            if self._pending_build is not None:  # an earlier build kept on a ticket that no hook read: kept now
+                self._settle_build()
             self._prepared = None  # only the latest build tells the next choice of graph (see below)
+            if metadata is None or common is None or (not self.capturer.active and self.sentinel is None):
+                return False
+            self.declare(builder)
             # The buffers a full graph recorded next reads (vLLM builds its dummy batch just before recording it):
             # the graph's staged variant reads them too (graph_hooks.record_staged_graph).
             self._last_builds[id(builder)] = (builder, common)
@@ -71,8 +74,13 @@ class BuilderHooks:
             if self._host_slots and slot_mapping is not None:
                 # This build's buffer may be an earlier build's (runners reuse theirs): never read a stale copy.
                 self._host_slots.pop(_tensor_key(slot_mapping), None)
-            if quiet:  # the builder told before (its layers' declarations noted then): nothing more
-                if known is None:
+            run = self._quiet_run
+            if run is not None and run.epoch == self._counts_epoch and run.step < run.horizon \
+                    and run.config is self.capturer.config:
+                # A step of a run of a graph's replays that nothing can want (graph_hooks._QuietRun), told ahead: no
+                # count moved since the run's last replay, so this builder's layers are at its step.
+                known = self._quiet_builders.get(id(builder))
+                if known is None or known[0] is not run.names or known[1] is not run.config:
                     known = self._quiet_builder(builder, run)
                 if known[2]:
                     return False
