@@ -353,13 +353,13 @@ def _slow_child(seconds: float) -> str:
 
 
 def test_a_checks_time_limit_counts_from_the_answer_it_waited_behind():
-    # Three checks sent at once, 0.6 s each in the child, under a 1 s limit: the third is answered 1.8 s after it
-    # was sent, but 0.6 s after the one before it, so nothing is ended.
-    process = CheckerProcess("cpu", check_seconds=1.0, command=[sys.executable, "-c", _slow_child(0.6)])
+    # Three checks sent at once, 0.8 s each in the child, under a 1.5 s limit: the last is answered 2.4 s after it
+    # was sent, but 0.8 s after the one before it, so nothing is ended (0.7 s of margin for a slow machine).
+    process = CheckerProcess("cpu", check_seconds=1.5, command=[sys.executable, "-c", _slow_child(0.8)])
     try:
         for step in range(3):
             process.submit([], pairs=1, seed=0, step=step)
-        assert process.answers(10.0) == [("ok", ["checked"])] * 3 and process.alive()
+        assert process.answers(20.0) == [("ok", ["checked"])] * 3 and process.alive()
     finally:
         process.close()
 
