@@ -186,19 +186,6 @@ class CheckerProcess:
             got.append((kind, value))
         return got
 
-    def check(self, entries: list, *, pairs: Any, seed: int, step: int | None) -> list:
-        """:meth:`submit`, then wait for its answer: the CheckResults. Raises CheckerProcessError when the child fails
-        to answer (it is then closed), and the check's own error, as the child saw it, as RuntimeError."""
-        if self._out:
-            raise RuntimeError("check() while submitted checks are outstanding: read their answers() first")
-        self.submit(entries, pairs=pairs, seed=seed, step=step)
-        [(kind, value)] = self.answers(self.check_seconds + 1.0) or [("lost", None)]
-        if kind == "error":
-            raise RuntimeError(f"in the checker process: {value}")
-        if kind != "ok":
-            raise CheckerProcessError(f"the checker process (pid {self.pid}) did not answer a check")
-        return value
-
     def reference(self, tensor: Any, shares: list) -> tuple:
         """A CUDA tensor as (key, offset, shape, stride, dtype) of a storage the child holds; its storage shared
         first (added to ``shares``) when the child does not hold it yet, or holds a freed one at that address."""
