@@ -1100,7 +1100,10 @@ def _worker_checks(checks: list[dict] | None) -> dict | None:
     process = [c for c in checks if c.get("process")]
     return {"checks": len(checks), "in_process": len(process),
             **{key: spread([c.get(key) for c in thread]) for key in ("wall_us", "cpu_us", "switches", "device_us")},
-            **{key: spread([c.get(key) for c in process]) for key in ("send_us", "send_cpu_us", "answer_us")}}
+            **{key: spread([c.get(key) for c in process]) for key in ("send_us", "send_cpu_us", "answer_us")},
+            **({} if not process else {"buffers": [process[0].get("buffers"), process[-1].get("buffers")],
+                                       "layers_given": [process[0].get("layers_given"),
+                                                        process[-1].get("layers_given")]})}
 
 
 def log_draws(state, timing: "Timing") -> list[dict]:
@@ -1231,7 +1234,10 @@ def wrap_worker_checks(timing: "Timing", idle_ms: float | None = None) -> list[d
             sent = time.perf_counter_ns()
             switches, cpu = _thread_clock()
             entry = {"step": kwargs.get("step"), "layers": len(entries), "bench_step": bench_step, "process": True,
-                     "send_us": (sent - began) / 1e3, "send_cpu_us": (cpu - clock[1]) / 1e3, "sent_ns": sent}
+                     "send_us": (sent - began) / 1e3, "send_cpu_us": (cpu - clock[1]) / 1e3, "sent_ns": sent,
+                     # buffers shared with the child and layers given to it so far (each once: a check's
+                     # metadata travels by value)
+                     "buffers": self.shares, "layers_given": len(self._layers)}
             log.append(entry)
             waiting.append(entry)
 
@@ -1938,7 +1944,10 @@ def print_figures(figs: dict, records: dict) -> None:
                 print(f"  {name:9s} its checker process's checks: {w['in_process']}; each sent by the engine's thread "
                       f"in {w['send_us']['median']:.0f} us (median; its CPU {w['send_cpu_us']['median']:.0f} us)"
                       + ("" if not w.get("answer_us") else f", its answer read at a hook "
-                         f"{w['answer_us']['median'] / 1e3:.2f} ms after it was sent"))
+                         f"{w['answer_us']['median'] / 1e3:.2f} ms after it was sent")
+                      + ("" if not w.get("buffers") else f"; buffers shared with the child by the first check "
+                         f"{w['buffers'][0]}, by the last {w['buffers'][1]}; layers given "
+                         f"{w['layers_given'][0]}, {w['layers_given'][1]}"))
             if f.get("diagnostic"):
                 print(f"  {name:9s} DIAGNOSTIC: the worker's check was '{f['worker_check']}' (nothing compared); its "
                       "figure is not judged")

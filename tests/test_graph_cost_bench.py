@@ -815,8 +815,9 @@ def test_the_checker_processs_checks_are_timed_where_the_engines_thread_sends_an
     process = CheckerProcess("cpu")
     try:
         log = gc.wrap_worker_checks(timing)
+        entries = _one_step_of_layers(2)
         for step in (3, 4):
-            process.submit(_one_step_of_layers(2), pairs=1, seed=step, step=step)
+            process.submit(entries, pairs=1, seed=step, step=step)
         assert [kind for kind, _ in process.answers(30.0)] == ["ok", "ok"]
     finally:
         CheckerProcess.submit, CheckerProcess.answers = real_remote
@@ -827,9 +828,13 @@ def test_the_checker_processs_checks_are_timed_where_the_engines_thread_sends_an
     records["sentinel"]["sentinel_checks"] = log
     figs = gc.figures(records)
     assert figs["sentinel"]["worker_checks"]["in_process"] == 2 and not figs["sentinel"]["worker_checks"]["wall_us"]
+    # The two layers given with the first check and named by the second; on a CPU every tensor goes by value.
+    assert figs["sentinel"]["worker_checks"]["layers_given"] == [2, 2]
+    assert figs["sentinel"]["worker_checks"]["buffers"] == [0, 0]
     gc.print_figures(figs, records)
     out = capsys.readouterr().out
     assert "its checker process's checks: 2; each sent by the engine's thread in" in out
+    assert "buffers shared with the child by the first check 0, by the last 0; layers given 2, 2" in out
     assert "after it was sent" in out and "its worker thread's checks" not in out
 
 

@@ -163,25 +163,25 @@ def test_the_childs_loader_makes_views_of_the_storages_it_holds_one_per_tensor()
     class Owner:
         _torch = torch
 
-        def reference(self, tensor, shares):
+        def reference(self, tensor, first):
             return (7, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype)[6:])
 
     class AsIfOnTheDevice(_Pickler):
         def reducer_override(self, obj):
             if obj is pages or obj is layer:  # these two as a CUDA tensor would go
                 from kvdbg.sentinel.remote import _from_storage
-                return _from_storage, self._owner.reference(obj, self._shares)
+                return _from_storage, self._owner.reference(obj, self._first)
             return super().reducer_override(obj)
 
     payload = io.BytesIO()
     AsIfOnTheDevice(payload, Owner(), []).dump((pages, layer, layer))
     shared = torch.zeros(24).untyped_storage()
     shared.copy_(pages.untyped_storage())
-    got_pages, got_layer, again = _Loader(payload.getvalue(), {7: shared}, torch.device("cpu")).load()
+    got_pages, got_layer, again = _Loader(payload.getvalue(), {7: shared}, {}, torch.device("cpu")).load()
     assert torch.equal(got_pages, pages) and torch.equal(got_layer, layer) and again is got_layer
     assert got_layer.untyped_storage().data_ptr() == shared.data_ptr()  # a view, nothing copied
     with pytest.raises(pickle.UnpicklingError, match="storage 7 was never shared"):
-        _Loader(payload.getvalue(), {}, torch.device("cpu")).load()
+        _Loader(payload.getvalue(), {}, {}, torch.device("cpu")).load()
     with pytest.raises(pickle.UnpicklingError, match="only by the checker process's loader"):
         pickle.loads(payload.getvalue())
 
@@ -335,7 +335,7 @@ def test_a_check_that_fails_to_pickle_leaves_no_storage_counted_as_the_childs(mo
 
         def reducer_override(self, obj):
             self._owner._shared[2000] = ("new", 4)  # as reference() does for a storage it shares
-            self._shares.append((4, b"handle"))
+            self._first.append(("share", 4, b"handle"))
             raise TypeError("cannot pickle this")
 
         monkeypatch.setattr(remote._Pickler, "reducer_override", reducer_override)
@@ -388,3 +388,147 @@ def test_a_check_larger_than_the_sockets_buffer_is_sent_while_the_child_checks_a
         process.close()
     assert got == [("ok", ["checked"]), ("ok", ["checked"])]
     assert sent < 1.0, f"the send waited {sent:.2f} s for the child's check"
+
+
+def _sending(process) -> list:
+    """The kinds of the messages ``process`` sends from now on (each still sent)."""
+    kinds, real = [], process._send
+
+    def send(message):
+        kinds.append(message[0])
+        real(message)
+
+    process._send = send
+    return kinds
+
+
+def test_a_checks_layers_are_given_to_the_child_once_and_named_by_their_key_after():
+    # A layer's constants (its engine layout, per-head values) travel with the first check that names it; later
+    # checks name it by key, with the same verdicts. Another object is another layer, even with equal constants.
+    process = CheckerProcess("cpu")
+    try:
+        kinds = _sending(process)
+        entries = _one_step_of_layers(2, sinks=[0.5, -1.0, 2.0, 0.0])
+        entries[1][1].output.view(-1, HQ, D)[1:5, 2] += 0.5  # layer 1: request 1, head 2
+        for step in (1, 2):
+            process.submit(entries, pairs=ALL_PAIRS, seed=step, step=step)
+        got = process.answers(30.0)
+        assert kinds == ["define", "define", "check", "check"]
+        for (kind, there), seed in zip(got, (1, 2)):
+            assert kind == "ok"
+            assert _verdicts(there) == _verdicts(check_layers(entries, pairs=ALL_PAIRS, rng=random.Random(seed),
+                                                              step=seed))
+        assert [r.passed for r in got[1][1]] == [True, False]
+        copies = [(dataclasses.replace(layer), inputs) for layer, inputs in entries]
+        kinds.clear()
+        assert [r.passed for r in _check(process, copies, pairs=ALL_PAIRS, seed=1, step=1)] == [True, False]
+        assert kinds == ["define", "define", "check"] and len(process._layers) == 4
+    finally:
+        process.close()
+
+
+def test_a_layer_let_go_is_forgotten_by_the_child_when_its_id_comes_back():
+    import weakref
+
+    process = CheckerProcess("cpu")
+    try:
+        layer = _one_step_of_layers(1)[0][0]
+        gone = type("Gone", (), {})()
+        process._layers[id(layer)] = (weakref.ref(gone), 5)  # an earlier layer at the same address, let go
+        del gone
+        kinds, first = _sending(process), []
+        key = process.layer_key(layer, first)
+        assert kinds == ["forget"] and [(m[0], m[1]) for m in first] == [("define", key)] and key != 5
+        assert process.layer_key(layer, first) == key and len(first) == 1  # known now: nothing more to send
+    finally:
+        process.close()
+
+
+def test_a_check_that_fails_to_pickle_leaves_no_layer_counted_as_given():
+    # A layer is counted as given when its definition is made; a check whose pickling then fails sends nothing, so the
+    # next check that names the layer must give it again (else the child answers that it never had it).
+    from kvdbg.sentinel import remote
+
+    process = CheckerProcess("cpu")
+    real = remote._Pickler.reducer_override
+    broken = [True]
+
+    def reducer_override(self, obj):
+        got = real(self, obj)
+        if broken[0] and self._first and getattr(obj, "__class__", None) is not self._layer:
+            broken[0] = False  # the layer defined, then the next object fails
+            raise TypeError("cannot pickle this")
+        return got
+
+    try:
+        remote._Pickler.reducer_override = reducer_override
+        entries = _one_step_of_layers(1)
+        with pytest.raises(TypeError):
+            process.submit(entries, pairs=1, seed=0, step=0)
+        assert process._layers == {} and process.outstanding == 0
+        remote._Pickler.reducer_override = real
+        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+    finally:
+        remote._Pickler.reducer_override = real
+        process.close()
+
+
+def test_the_childs_loader_refuses_a_layer_it_was_never_given():
+    import io
+    import pickle
+
+    import torch
+
+    from kvdbg.sentinel.remote import _defined, _Loader
+
+    class Named:  # stands for a layer the engine gave as key 9
+        pass
+
+    class Naming(pickle.Pickler):
+        def reducer_override(self, obj):
+            return (_defined, (9,)) if isinstance(obj, Named) else NotImplemented
+
+    payload = io.BytesIO()
+    Naming(payload).dump([Named()])
+    layer = _one_step_of_layers(1)[0][0]
+    assert _Loader(payload.getvalue(), {}, {9: layer}, torch.device("cpu")).load() == [layer]
+    with pytest.raises(pickle.UnpicklingError, match="layer 9 was never given to the checker process"):
+        _Loader(payload.getvalue(), {}, {}, torch.device("cpu")).load()
+
+
+class _HostCopies:
+    """A HostCopiesReady (kvdbg.capture.buffers) whose copies complete when the test says."""
+
+    def __init__(self):
+        import threading
+
+        self.done = threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        assert self.done.wait(30)
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_a_staged_jobs_metadata_copied_to_the_host_is_read_only_once_its_copies_are_done(process):
+    # A staged step's lengths and offsets are the build's host copies, issued on the device: the check reads them
+    # only once they are written (the process is sent them then; the thread waits for them).
+    import time
+
+    entries = _stacked(_one_step_of_layers(2))
+    offsets = entries[0][1].query_start_loc
+    real = offsets.clone()
+    offsets.zero_()  # not written yet: a check that read it now would see no tokens, and compare nothing
+    sentinel, deferred = _deferred(process)
+    copies = _HostCopies()
+    job = deferred.submit_staged(entries, 0, None, host_ready=[copies])
+    time.sleep(0.3)
+    deferred.poll_remote()
+    assert not job.done.is_set() and (deferred.remote is None or deferred.remote.outstanding == 0)
+    offsets.copy_(real)
+    copies.done.set()
+    [results] = _collected(deferred, [job])
+    assert [len(r.pairs) for r in results] == [len(ALL_PAIRS)] * 2 and all(r.passed for r in results)
+    deferred.close()

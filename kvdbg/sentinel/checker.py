@@ -684,6 +684,9 @@ class _Job:
     step: int | None
     ready: Any  # torch.cuda.Event recorded on the engine's stream after the forward (or the staging)
     staged: bool = False  # kvdbg's staged copies (checked in the checker process when it runs)
+    # Host copies of the entries' metadata, issued on the device (kvdbg.capture.buffers.HostCopiesReady each):
+    # waited for on the host before the check reads them
+    host_ready: list = field(default_factory=list)
     seed: int = 0  # its pairs' seed, drawn when it was handed over (the same pairs in the thread and the process)
     done: threading.Event = field(default_factory=threading.Event)
     results: list | None = None  # a CheckResult per entry
@@ -692,6 +695,18 @@ class _Job:
     @property
     def result(self) -> CheckResult | None:
         return None if self.results is None else self.results[0]
+
+
+def _copied(job: _Job) -> bool:
+    """Whether a job's inputs are all written: its staging (``ready``) and its metadata's host copies."""
+    return (job.ready is None or job.ready.query()) and all(copies.query() for copies in job.host_ready)
+
+
+def _wait_copied(job: _Job) -> None:
+    if job.ready is not None:
+        job.ready.synchronize()
+    for copies in job.host_ready:
+        copies.synchronize()
 
 
 class DeferredChecks:
@@ -771,18 +786,20 @@ class DeferredChecks:
         self._jobs.put(job)
         return kept
 
-    def submit_staged(self, entries: list[tuple[CaptureLayer, StepInputs]], step: int | None, ready: Any) -> _Job:
+    def submit_staged(self, entries: list[tuple[CaptureLayer, StepInputs]], step: int | None, ready: Any, *,
+                      host_ready: list | None = None) -> _Job:
         """Hand the sampled layers of a step staged on the device (kvdbg.vllm_plugin.graph_staging) to the worker,
         as one job (:func:`check_layers`: alike layers make one reference problem): their query, output and pages
         are kvdbg's own copies, which no later step overwrites, so nothing is cloned and the job is collected
-        whenever it is done (the caller keeps it; ``ready``: the event after the staging)."""
+        whenever it is done (the caller keeps it; ``ready``: the event after the staging; ``host_ready``: the
+        events of host copies among the entries' metadata, which the check waits for before reading them)."""
         seen: set[int] = set()  # a step's layers share its metadata tensors: each marked once (a torch call each)
         for _, inputs in entries:
             for t in (inputs.seq_lens, inputs.query_start_loc, inputs.block_table):
                 if isinstance(t, torch.Tensor) and id(t) not in seen and t.is_cuda:
                     seen.add(id(t))
                     t.record_stream(self.stream)
-        job = _Job(list(entries), step, ready, staged=True, seed=self._seed())
+        job = _Job(list(entries), step, ready, staged=True, seed=self._seed(), host_ready=list(host_ready or ()))
         if self.remote is None:
             self._jobs.put(job)
         else:  # sent by the engine's thread itself once its staging is done: no thread of this process takes part
@@ -809,10 +826,10 @@ class DeferredChecks:
         try:
             while self._unsent:
                 job = self._unsent[0]
-                if job.ready is not None and not job.ready.query():
+                if not _copied(job):
                     if deadline is None:
                         break
-                    job.ready.synchronize()
+                    _wait_copied(job)
                 try:
                     remote.submit(job.entries, pairs=self.sentinel.config.pairs, seed=job.seed, step=job.step)
                 except CheckerProcessError:
@@ -869,6 +886,8 @@ class DeferredChecks:
                     try:
                         if job.ready is not None:
                             stream.wait_event(job.ready)
+                        for copies in job.host_ready:  # read on the host
+                            copies.synchronize()
                         job.results = check_layers(job.entries, pairs=self.sentinel.config.pairs,
                                                    rng=random.Random(job.seed), step=job.step)
                     finally:  # a done job has no read left on the device, whether it passed, failed or raised

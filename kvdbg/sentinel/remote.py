@@ -15,8 +15,10 @@ it and reads the answer, at its hooks, without waiting::
     the step drawn: its layers staged, handed over  -
     a later hook: the staging's event done?         -
                   send "share" once per buffer ->   open the buffer (CUDA IPC), keep it
+                  send "define" once per layer ->   keep its constants (a CaptureLayer)
                   send "check" (the step's      ->  rebuild the layers' inputs as views of the buffers,
-                  layers, tensors as references)    check_layers() on its own CUDA context
+                  layers by key, its metadata       check_layers() on its own CUDA context
+                  by value, tensors as references)
     each hook while it is out: an answer back?  <-  the CheckResults (plain data)
 
 (At first the worker thread sent the check and waited for its answer: it woke
@@ -25,7 +27,10 @@ time taking the lock back from the engine's thread.)
 
 Only staged steps go there: their query, output and pages lie in buffers
 kvdbg keeps for the life of a staging program, so each buffer is opened once;
-their metadata is on the host and travels by value. A step checked from the
+their metadata (the build's host copies, and the staged block table) travels
+by value: a device tensor made for one step would be a new buffer to share
+(an IPC handle, an event, a reference count) and for the child to open, every
+check. Their layers' constants go once too. A step checked from the
 engine's own tensors (eager mode, or a graph step's copies that are not
 staged) stays in the worker thread. The engine sends a check only after its
 staging's event is done, and lets the staging go only when the answer is
@@ -85,9 +90,12 @@ class CheckerProcess:
         self.device = torch.device(device)
         self.check_seconds = check_seconds
         self._shared: dict[int, tuple[Any, int]] = {}  # a storage's data_ptr: (weak reference, key)
+        # id(layer): (weak reference, key) of each CaptureLayer the child was given once: a check names its layers
+        self._layers: dict[int, tuple[Any, int]] = {}
         # id(tensor): (weak reference, its reference): a program's staged views are the same objects step after
         # step, and working a reference out again takes torch calls under Python's lock
         self._refs: dict[int, tuple] = {}
+        self.shares = 0  # storages shared with the child so far (each once, unless it was let go and its address reused)
         self.last_times = (0, 0)  # the last check's (pickling and sending), the last answer's wait since its send, ns
         self._out: collections.deque = collections.deque()  # each outstanding check's send time (perf_counter_ns)
         self._since = 0  # when the oldest outstanding check became the one the child works on (its time limit's start)
@@ -128,18 +136,20 @@ class CheckerProcess:
         engine's thread calls this once the step's staging is done on the device (the child reads the buffers as
         they are). Raises CheckerProcessError when the child is gone."""
         began = time.perf_counter_ns()
-        shares: list = []
+        first: list = []  # ("share", key, handle) and ("define", key, layer) messages the check needs before it
         payload = io.BytesIO()
         try:
-            _Pickler(payload, self, shares).dump((entries, pairs, seed, step))
-        except BaseException:  # nothing sent: the storages it was about to share are not the child's
-            keys = {key for key, _ in shares}
-            for pointer in [p for p, (_, key) in self._shared.items() if key in keys]:
-                del self._shared[pointer]
+            _Pickler(payload, self, first).dump((entries, pairs, seed, step))
+        except BaseException:  # nothing sent: the storages and layers it was about to give are not the child's
+            keys = {message[1] for message in first}
+            self.shares -= sum(message[0] == "share" for message in first)
+            for known in (self._shared, self._layers):
+                for name in [n for n, (_, key) in known.items() if key in keys]:
+                    del known[name]
             self._refs.clear()
             raise
-        for key, handle in shares:
-            self._send(("share", key, handle))
+        for message in first:
+            self._send(message)
         self._send(("check", payload.getvalue()))
         sent = time.perf_counter_ns()
         if not self._out:
@@ -186,9 +196,10 @@ class CheckerProcess:
             got.append((kind, value))
         return got
 
-    def reference(self, tensor: Any, shares: list) -> tuple:
+    def reference(self, tensor: Any, first: list) -> tuple:
         """A CUDA tensor as (key, offset, shape, stride, dtype) of a storage the child holds; its storage shared
-        first (added to ``shares``) when the child does not hold it yet, or holds a freed one at that address."""
+        first (a ``share`` added to ``first``) when the child does not hold it yet, or holds a freed one at that
+        address."""
         cached = self._refs.get(id(tensor))
         if cached is not None and cached[0]() is tensor:  # a staged view seen before: its storage is alive and held
             return cached[1]
@@ -206,13 +217,28 @@ class CheckerProcess:
 
             import torch.multiprocessing  # noqa: F401  (registers torch's CUDA IPC reductions with ForkingPickler)
 
-            shares.append((key, bytes(ForkingPickler.dumps(whole))))
+            first.append(("share", key, bytes(ForkingPickler.dumps(whole))))
+            self.shares += 1
             known = self._shared[storage.data_ptr()] = (StorageWeakRef(storage), key)
         ref = (known[1], tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype)[6:])
         if len(self._refs) > REFS_KEPT:
             self._refs.clear()
         self._refs[id(tensor)] = (weakref.ref(tensor), ref)
         return ref
+
+    def layer_key(self, layer: Any, first: list) -> int:
+        """The key the child knows ``layer`` (a CaptureLayer) by: given to it once (a ``define`` added to
+        ``first``), then named by its key, so a check carries its layers' constants (an engine layout, per-head
+        values) once in the engine's life, not once a step."""
+        known = self._layers.get(id(layer))
+        if known is not None and known[0]() is layer:
+            return known[1]
+        if known is not None:  # a layer let go, its id another's now
+            self._send(("forget", known[1]))
+        key, self._next_key = self._next_key, self._next_key + 1
+        first.append(("define", key, pickle.dumps(layer, protocol=pickle.HIGHEST_PROTOCOL)))
+        self._layers[id(layer)] = (weakref.ref(layer), key)
+        return key
 
     def alive(self) -> bool:
         return self._process.poll() is None
@@ -277,15 +303,19 @@ class _Pickler(pickle.Pickler):
     strings and containers, and whose results it memoizes: a tensor named twice travels once, and is one tensor in
     the child (the check groups layers by their tensors' identity)."""
 
-    def __init__(self, file, owner: CheckerProcess, shares: list):
+    def __init__(self, file, owner: CheckerProcess, first: list):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._owner, self._shares, self._tensor = owner, shares, owner._torch.Tensor
+        from kvdbg.capture.inputs import CaptureLayer
+
+        self._owner, self._first, self._tensor, self._layer = owner, first, owner._torch.Tensor, CaptureLayer
 
     def reducer_override(self, obj: Any) -> Any:
+        if obj.__class__ is self._layer:
+            return _defined, (self._owner.layer_key(obj, self._first),)
         if not isinstance(obj, self._tensor):
             return NotImplemented
         if obj.is_cuda:
-            return _from_storage, self._owner.reference(obj, self._shares)
+            return _from_storage, self._owner.reference(obj, self._first)
         data = obj.detach().contiguous()
         return _from_host, (str(data.dtype)[6:], tuple(data.shape),
                             data.reshape(-1).view(self._owner._torch.uint8).numpy().tobytes() if data.numel() else b"")
@@ -297,17 +327,33 @@ def _from_storage(key: int, offset: int, shape: tuple, stride: tuple, dtype: str
     raise pickle.UnpicklingError("a shared storage's view is read only by the checker process's loader")
 
 
-class _Loader(pickle.Unpickler):
-    """The child's reading of a check: each :func:`_from_storage` reference becomes a view of a storage it holds."""
+def _defined(key: int) -> Any:
+    """A layer given to the checker process before (:meth:`CheckerProcess.layer_key`): only its :class:`_Loader`
+    reads one."""
+    raise pickle.UnpicklingError("a defined layer is read only by the checker process's loader")
 
-    def __init__(self, data: bytes, storages: dict, device: Any):
+
+class _Loader(pickle.Unpickler):
+    """The child's reading of a check: each :func:`_from_storage` reference becomes a view of a storage it holds,
+    each :func:`_defined` key the layer it was given."""
+
+    def __init__(self, data: bytes, storages: dict, layers: dict, device: Any):
         super().__init__(io.BytesIO(data))
-        self._storages, self._device = storages, device
+        self._storages, self._layers, self._device = storages, layers, device
 
     def find_class(self, module: str, name: str) -> Any:
-        if name == "_from_storage" and module.endswith("sentinel.remote"):
-            return self._view
+        if module.endswith("sentinel.remote"):
+            if name == "_from_storage":
+                return self._view
+            if name == "_defined":
+                return self._layer
         return super().find_class(module, name)
+
+    def _layer(self, key: int) -> Any:
+        layer = self._layers.get(key)
+        if layer is None:
+            raise pickle.UnpicklingError(f"layer {key} was never given to the checker process")
+        return layer
 
     def _view(self, key: int, offset: int, shape: tuple, stride: tuple, dtype: str) -> Any:
         import torch
@@ -357,6 +403,7 @@ def serve(conn: Any, device: str, check_layers: Any) -> int:
 
     threading.Thread(target=read, name="kvdbg-checker-inbox", daemon=True).start()
     storages: dict = {}
+    layers: dict = {}
     while True:
         data = inbox.get()
         if data is None:
@@ -367,11 +414,17 @@ def serve(conn: Any, device: str, check_layers: Any) -> int:
             return 0
         if kind == "share":
             storages[message[1]] = pickle.loads(message[2]).untyped_storage()
+        elif kind == "define":
+            try:
+                layers[message[1]] = pickle.loads(message[2])
+            except Exception:  # noqa: BLE001 - its checks answer that the layer was never given
+                pass
         elif kind == "forget":
             storages.pop(message[1], None)
+            layers.pop(message[1], None)
         elif kind == "check":
             try:
-                entries, pairs, seed, step = _Loader(message[1], storages, target).load()
+                entries, pairs, seed, step = _Loader(message[1], storages, layers, target).load()
                 answer = ("ok", check_layers(entries, pairs=pairs, rng=random.Random(seed), step=step))
             except Exception as exc:  # the check's own failure, for the engine to report
                 answer = ("error", f"{type(exc).__name__}: {exc}")

@@ -210,8 +210,9 @@ class SentinelHooks:
             try:
                 if self._deferred is None:
                     self._deferred = DeferredChecks(self.sentinel, batch[0].cache.device)
+                copies = {id(w.ctx.host): w.ctx.host.ready for w in batch if w.ctx.host is not None}
                 job = self._deferred.submit_staged([(w.target, w.inputs) for w in batch], batch[0].step,
-                                                   staged.ready)
+                                                   staged.ready, host_ready=list(copies.values()))
             except Exception as exc:
                 for waiting in batch:  # never handed over: nobody else would let the staging go
                     waiting.staged.release()
@@ -296,8 +297,14 @@ class SentinelHooks:
         if staged is not None:  # kvdbg's copies of the step, read through its block table in staged positions
             copies = staged.layers[name]
             table, max_pages = self._staged_table(staged)
-            inputs = StepInputs(query=copies.query, kv_cache=copies.pages, block_table=table, seq_lens=ctx.seq_lens,
-                                query_start_loc=ctx.query_start_loc, causal=causal, output=copies.output,
+            # The build's host copies of the lengths and offsets where it made them (a device build's: the check
+            # reads them on the host, and a device tensor made for one step would be a new buffer for the checker
+            # process to open, every check); the job waits for their copies (DeferredChecks).
+            host = ctx.host
+            seq_lens, offsets = (ctx.seq_lens, ctx.query_start_loc) if host is None else \
+                (host.seq_lens, host.query_start_loc)
+            inputs = StepInputs(query=copies.query, kv_cache=copies.pages, block_table=table, seq_lens=seq_lens,
+                                query_start_loc=offsets, causal=causal, output=copies.output,
                                 max_model_len=ctx.max_model_len, max_pages=max_pages, stack=copies.stack)
             waiting = _Waiting(impl, layer, target, kv_layout, ctx, None, None, None, inputs, step,
                                staged=staged.hold(), cache=kv_cache)

@@ -493,6 +493,11 @@ def check_fault(out: str, name: str, args) -> dict:
     result["sentinel"]["flagged_of_faulty"] = f"{len(flagged)}/{len(faulty) * len(layers)}"
     if counts.get("checked", 0) < len(steps) * len(layers):
         warnings.append(f"the sentinel checked {counts.get('checked', 0)} step(s) of {len(steps) * len(layers)}")
+    checker = record.get("checker")
+    if checker:  # each layer given to the checker process once, however many steps it checked
+        result["sentinel"]["checker"] = checker
+        if checker["layers_given"] > len(layers):
+            problems.append(f"the checker process was given {checker['layers_given']} layers for {len(layers)}")
     if not args.cpu and record.get("checker_process") is False:  # the staged checks ran in the engine's thread
         warnings.append(f"the sentinel's checker process was not ready after {record.get('checker_wait_s')} s: its "
                         "staged checks ran in the engine's process")

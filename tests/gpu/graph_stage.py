@@ -462,6 +462,10 @@ def engine_child(out: str, spec: RunSpec, cpu: bool) -> dict:
         record["dropped"] = dict(capturer.dropped)
         record["failures"] = dict(capturer.failures)
         if state.sentinel is not None:
+            remote = getattr(getattr(state.sentinel, "_deferred", None), "remote", None)
+            if remote is not None:  # what its checks gave the checker process: kvdbg's buffers and layers, each once
+                record["checker"] = {"checks": dict(state.sentinel.sentinel.staged_checks), "shares": remote.shares,
+                                     "layers_given": len(remote._layers)}
             state.sentinel.close(state, 60)
             sentinel = state.sentinel.sentinel
             record["sentinel"] = {
