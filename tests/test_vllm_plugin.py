@@ -1845,6 +1845,32 @@ def test_a_quiet_runs_replays_through_vllms_wrapper_ask_nothing_and_choose_and_c
     assert after_other == [9, 10]  # both asked: the other graph is not the run's, and it moved the counts on
 
 
+def test_a_quiet_runs_counts_are_written_at_their_first_read_and_an_eager_step_after_them_is_counted_right(
+        standins, tmp_path, monkeypatch):
+    """A replay of a quiet run leaves its layers' counts to their first read (graph_hooks.quiet_replayed: a dict write
+    per layer was most of its Python): meanwhile the dict is off the state, so any read writes them first, and an
+    eager step after the run's replays is counted and captured at the step they reached."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "5", layers=3)
+    wrapper, entry = _record_variants(16)
+
+    def graph_step():
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch, wrapper=wrapper, through=True)
+
+    for _ in range(4):  # step 0 asked, a run told to step 5; steps 1 to 3 its replays
+        graph_step()
+    assert "_forward_counts" not in vars(state) and state._uncounted is state._quiet_run
+    assert {state._counts_off[n] for n in engine.names} == {1}  # written at step 0's replay, not since
+    assert {state._forward_counts[n] for n in engine.names} == {4}  # read: written first
+    assert "_forward_counts" in vars(state) and state._uncounted is None and state._counts_off is None
+    graph_step()  # step 4: the run's again, off again
+    assert "_forward_counts" not in vars(state) and entry.cudagraph == "plain"
+    engine.step(common=engine.common())  # an eager step 5, which the filter takes
+    assert {state._forward_counts[n] for n in engine.names} == {6}
+    assert state.capturer.flush(10)
+    assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [5, 5, 5]
+
+
 def test_a_quiet_run_is_not_replayed_as_such_once_vllm_replaced_its_graphs_and_a_failure_stays_out_of_vllm(
         standins, tmp_path, monkeypatch, caplog):
     """vLLM may let its graphs go by replacing a wrapper's table (elastic expert parallelism re-records them so, with

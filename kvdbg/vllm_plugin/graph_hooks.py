@@ -568,14 +568,31 @@ class GraphHooks:
             return None
 
     def quiet_replayed(self, run: "_QuietRun") -> None:
-        """The quiet run's step is queued (:meth:`quiet_replay`): its layers' forwards counted, nothing else."""
+        """The quiet run's step is queued (:meth:`quiet_replay`): its layers' forwards counted, nothing else.
+
+        The run's step is its layers' count, so the counts themselves are written at their first read
+        (:meth:`count_quiet_replays`), not on every replay: a dict write per layer, whose keys and entries a serving
+        engine's step has evicted from the processor's caches, was most of a quiet replay's Python. Meanwhile the dict
+        is off the instance, so no read can miss them (the state's class writes them first: state._UncountedReplays)."""
         try:
             run.step += 1
-            self._forward_counts.update(zip(run.names, repeat(run.step)))
+            if self._uncounted is not run:  # the run's first replay since the counts were read
+                counts = self._forward_counts  # (another run's replays written in first)
+                self._uncounted, self._counts_off = run, counts
+                del self._forward_counts
             run.epoch = self._counts_epoch = self._counts_epoch + 1
         except Exception as exc:  # noqa: BLE001 - never into vLLM
             self._quiet_run = None
             self.capturer.report(exc, "after a CUDA graph's replay told quiet ahead")
+
+    def count_quiet_replays(self) -> dict[str, int]:
+        """The forward counts with the uncounted quiet run's replays written in (:meth:`quiet_replayed`), back on the
+        instance as ``_forward_counts``."""
+        counts, run = self._counts_off, self._uncounted
+        counts.update(zip(run.names, repeat(run.step)))
+        self._forward_counts = counts
+        self._uncounted = self._counts_off = None
+        return counts
 
     def choose_graph(self, wrapper: Any, batch: Any) -> None:
         """Before vLLM replays its full graph for ``batch``: the variant with kvdbg's copies when this step of any of

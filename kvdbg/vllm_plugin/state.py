@@ -35,7 +35,23 @@ if TYPE_CHECKING:  # torch and the capture modules load only once capture is swi
 logger = logging.getLogger("kvdbg.capture")
 
 
+class _UncountedReplays:
+    """``_PluginState._forward_counts`` while the instance lacks it: a quiet run's replays are uncounted
+    (GraphHooks.quiet_replayed took the dict off), and this first read writes them in and puts the dict back.
+    Python asks a class's attribute without ``__set__`` only after the instance's own, so reads of the dict on the
+    instance pay nothing for it (a ``__getattr__`` would slow every attribute of the state)."""
+
+    def __get__(self, state: Any, owner: Any = None) -> Any:
+        if state is None:
+            return self
+        if state._counts_off is None:
+            raise AttributeError("the plugin state's forward counts are missing")
+        return state.count_quiet_replays()
+
+
 class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
+    _forward_counts = _UncountedReplays()
+
     def __init__(self, capturer: "Capturer", requested: list[str] | None = None):
         self.capturer = capturer
         self.requested = list(requested or [])
@@ -121,6 +137,10 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         # hold all it would ask about: (the run's names, capture's configuration, whether they do).
         self._quiet_run: Any = None
         self._quiet_builders: dict[int, tuple] = {}
+        # The quiet run whose replays are not yet written into _forward_counts, and that dict, off the instance
+        # meanwhile: GraphHooks.quiet_replayed leaves the counts to their first read (_UncountedReplays).
+        self._uncounted: Any = None
+        self._counts_off: dict[str, int] | None = None
         self._staged_skip_said = False  # said once: no staged variant, the sentinel checking layers capture leaves out
         self._counts_epoch = 0
         self._covered: dict[Any, tuple] = {}  # per graph: whether a builder's layers hold all the graph's
