@@ -1237,7 +1237,7 @@ def wrap_worker_checks(timing: "Timing", idle_ms: float | None = None) -> list[d
                      "send_us": (sent - began) / 1e3, "send_cpu_us": (cpu - clock[1]) / 1e3, "sent_ns": sent,
                      # buffers shared with the child and layers given to it so far (each once: a check's
                      # metadata travels by value)
-                     "buffers": self.shares, "layers_given": len(self._layers)}
+                     "buffers": self.shares, "layers_given": self.defines}
             log.append(entry)
             waiting.append(entry)
 

@@ -260,3 +260,15 @@ def test_problems_that_differ_only_in_layer_and_step_are_said_once():
              for s in (3, 4)] + ["request A: tokens differ"]
     assert graph_checks.collapse(lines) == ["model.layers.0.self_attn.attn step 3: floats differ by up to 3.5 units "
                                             "(and 3 more like it)", "request A: tokens differ"]
+
+
+def test_the_checker_process_is_given_each_layer_once_and_shares_kvdbgs_buffers_not_each_steps():
+    record = {"checks": {"process": 5}, "shares": 6, "layers_given": 4, "shares_by_check": [3, 3, 6, 6, 6]}
+    summary, problems = graph_checks.checker_check(record, 4)
+    assert problems == [] and summary["checks_that_shared"] == 2  # the first check, and a new program's
+    summary, problems = graph_checks.checker_check({**record, "shares_by_check": [5, 7, 9, 11]}, 4)
+    assert summary["checks_that_shared"] == 4 and len(problems) == 1
+    assert problems[0].startswith("every check sent to the checker process shared storages with it (by check: "
+                                  "[5, 2, 2, 2])")
+    assert graph_checks.checker_check({**record, "layers_given": 8}, 4)[1] == [
+        "the checker process was given 8 layers for 4"]

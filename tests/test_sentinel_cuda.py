@@ -130,3 +130,46 @@ def test_a_staged_step_is_checked_in_the_checker_process_on_buffers_it_shares_on
     assert sentinel.staged_checks == {"process": 2}
     deferred.close()
     assert deferred.remote is None
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_a_staged_steps_metadata_goes_as_the_builds_host_copies_read_once_they_are_done(process):
+    # A staged step's lengths and offsets are the build's host copies, issued on the engine's stream behind its work
+    # (here a long one): the check reads them only once they are written. In the checker process each step's copies
+    # travel by value, so only kvdbg's staging buffers are shared (once), and the layers are given once.
+    from kvdbg.capture.buffers import HostCopiesReady
+    from tests.test_sentinel import _one_step_of_layers, _stacked
+
+    sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0, pairs=len(ALL_PAIRS), seed=0))
+    deferred = DeferredChecks(sentinel, torch.device("cuda"), process=process)
+    assert deferred.process_ready(120) is process
+    entries = _stacked(_one_step_of_layers(3))
+    stack = entries[0][1].stack[0]
+    on_gpu_stack = type(stack)(pages=stack.pages.cuda(), query=stack.query.cuda(), output=stack.output.cuda())
+    on_gpu_stack.output[2].view(-1, HQ, D)[1:5, 1] += 1.0  # layer 2: request 1, head 1
+    lengths, offsets = entries[0][1].seq_lens.cuda(), entries[0][1].query_start_loc.cuda()
+    jobs = []
+    for step in range(3):
+        busy = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):  # the engine's stream busy for a while before the build's copies
+            busy = busy @ busy / 64
+        host = tuple(torch.zeros_like(t, device="cpu").pin_memory() for t in (lengths, offsets))
+        host[0].copy_(lengths, non_blocking=True)
+        host[1].copy_(offsets, non_blocking=True)
+        copied = HostCopiesReady(torch.device("cuda"))
+        ready = torch.cuda.Event()
+        ready.record()
+        step_entries = [(layer, dataclasses.replace(inputs, seq_lens=host[0], query_start_loc=host[1],
+                                                    kv_cache=on_gpu_stack.pages[at], query=on_gpu_stack.query[at],
+                                                    output=on_gpu_stack.output[at], stack=(on_gpu_stack, at)))
+                        for (layer, inputs), (_, at) in zip(entries, [e[1].stack for e in entries])]
+        jobs.append(deferred.submit_staged(step_entries, step, ready, host_ready=[copied]))
+    deferred.poll_remote(120)
+    for job in jobs:
+        assert job.done.wait(120) and job.error is None, job.error
+        assert [r.passed for r in job.results] == [True, True, False]
+        assert [(p.request, p.head) for p in job.results[2].failed_pairs] == [(1, 1)]
+    if process:
+        assert deferred.remote.shares == 3 and deferred.remote.defines == 3  # the stack's buffers; the layers
+    assert sentinel.staged_checks == {("process" if process else "thread"): 3}
+    deferred.close()

@@ -336,12 +336,13 @@ def test_a_check_that_fails_to_pickle_leaves_no_storage_counted_as_the_childs(mo
         def reducer_override(self, obj):
             self._owner._shared[2000] = ("new", 4)  # as reference() does for a storage it shares
             self._first.append(("share", 4, b"handle"))
+            self._owner.shares += 1
             raise TypeError("cannot pickle this")
 
         monkeypatch.setattr(remote._Pickler, "reducer_override", reducer_override)
         with pytest.raises(TypeError):
             process.submit(_one_step_of_layers(1), pairs=1, seed=0, step=0)
-        assert process._shared == {1000: ("kept", 3)} and process.outstanding == 0
+        assert process._shared == {1000: ("kept", 3)} and process.outstanding == 0 and process.shares == 0
     finally:
         process.close()
 
@@ -465,9 +466,10 @@ def test_a_check_that_fails_to_pickle_leaves_no_layer_counted_as_given():
         entries = _one_step_of_layers(1)
         with pytest.raises(TypeError):
             process.submit(entries, pairs=1, seed=0, step=0)
-        assert process._layers == {} and process.outstanding == 0
+        assert process._layers == {} and process.outstanding == 0 and process.defines == 0
         remote._Pickler.reducer_override = real
         assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+        assert process.defines == 1
     finally:
         remote._Pickler.reducer_override = real
         process.close()
@@ -532,3 +534,21 @@ def test_a_staged_jobs_metadata_copied_to_the_host_is_read_only_once_its_copies_
     [results] = _collected(deferred, [job])
     assert [len(r.pairs) for r in results] == [len(ALL_PAIRS)] * 2 and all(r.passed for r in results)
     deferred.close()
+
+
+def test_a_layer_the_child_cannot_read_is_named_with_why_by_each_check_of_it():
+    import weakref
+
+    process = CheckerProcess("cpu")
+    try:
+        entries = _one_step_of_layers(1)
+        process._send(("define", 0, b"not a pickle"))  # as if the layer's definition did not load there
+        process._layers[id(entries[0][0])] = (weakref.ref(entries[0][0]), 0)
+        process._next_key = 1
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match=r"layer 0 given to the checker process could not be read there "
+                                                   r"\(UnpicklingError: "):
+                _check(process, entries, pairs=1, seed=0, step=0)
+        assert process.alive()
+    finally:
+        process.close()

@@ -1869,6 +1869,13 @@ def test_a_quiet_runs_counts_are_written_at_their_first_read_and_an_eager_step_a
     assert {state._forward_counts[n] for n in engine.names} == {6}
     assert state.capturer.flush(10)
     assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [5, 5, 5]
+    # vLLM letting its graphs go ends a run: written then, so that nothing of kvdbg's holds the wrapper or a graph.
+    for _ in range(3):
+        graph_step()
+    assert state._uncounted is state._quiet_run is not None
+    state.forget_graphs(wrapper)
+    assert state._uncounted is None and state._quiet_run is None and "_forward_counts" in vars(state)
+    assert {state._forward_counts[n] for n in engine.names} == {9}
 
 
 def test_a_quiet_run_is_not_replayed_as_such_once_vllm_replaced_its_graphs_and_a_failure_stays_out_of_vllm(

@@ -384,8 +384,9 @@ class HostCopiesReady:
             self._event = None  # later readers of the same copies pay nothing
 
     def query(self) -> bool:
-        """Whether the copies are complete, without waiting."""
-        return self._event is None or self._event.query()
+        """Whether the copies are complete, without waiting (another thread may synchronize meanwhile)."""
+        event = self._event
+        return event is None or event.query()
 
 
 _STREAMS: dict[tuple, Any] = {}

@@ -95,7 +95,8 @@ class CheckerProcess:
         # id(tensor): (weak reference, its reference): a program's staged views are the same objects step after
         # step, and working a reference out again takes torch calls under Python's lock
         self._refs: dict[int, tuple] = {}
-        self.shares = 0  # storages shared with the child so far (each once, unless it was let go and its address reused)
+        # Storages shared with, and layers given to, the child so far (each once, unless let go and its id reused)
+        self.shares = self.defines = 0
         self.last_times = (0, 0)  # the last check's (pickling and sending), the last answer's wait since its send, ns
         self._out: collections.deque = collections.deque()  # each outstanding check's send time (perf_counter_ns)
         self._since = 0  # when the oldest outstanding check became the one the child works on (its time limit's start)
@@ -143,6 +144,7 @@ class CheckerProcess:
         except BaseException:  # nothing sent: the storages and layers it was about to give are not the child's
             keys = {message[1] for message in first}
             self.shares -= sum(message[0] == "share" for message in first)
+            self.defines -= sum(message[0] == "define" for message in first)
             for known in (self._shared, self._layers):
                 for name in [n for n, (_, key) in known.items() if key in keys]:
                     del known[name]
@@ -237,6 +239,7 @@ class CheckerProcess:
             self._send(("forget", known[1]))
         key, self._next_key = self._next_key, self._next_key + 1
         first.append(("define", key, pickle.dumps(layer, protocol=pickle.HIGHEST_PROTOCOL)))
+        self.defines += 1
         self._layers[id(layer)] = (weakref.ref(layer), key)
         return key
 
@@ -353,6 +356,9 @@ class _Loader(pickle.Unpickler):
         layer = self._layers.get(key)
         if layer is None:
             raise pickle.UnpicklingError(f"layer {key} was never given to the checker process")
+        if isinstance(layer, _Unreadable):
+            raise pickle.UnpicklingError(f"layer {key} given to the checker process could not be read there "
+                                         f"({layer.error})")
         return layer
 
     def _view(self, key: int, offset: int, shape: tuple, stride: tuple, dtype: str) -> Any:
@@ -362,6 +368,13 @@ class _Loader(pickle.Unpickler):
         if storage is None:
             raise pickle.UnpicklingError(f"storage {key} was never shared with the checker process")
         return torch.empty(0, dtype=getattr(torch, dtype), device=self._device).set_(storage, offset, shape, stride)
+
+
+class _Unreadable:
+    """In the child: a layer whose definition it could not read, and why (each check naming it answers so)."""
+
+    def __init__(self, error: str):
+        self.error = error
 
 
 def _from_host(dtype: str, shape: tuple, data: bytes) -> Any:
@@ -417,8 +430,8 @@ def serve(conn: Any, device: str, check_layers: Any) -> int:
         elif kind == "define":
             try:
                 layers[message[1]] = pickle.loads(message[2])
-            except Exception:  # noqa: BLE001 - its checks answer that the layer was never given
-                pass
+            except Exception as exc:  # its checks answer why
+                layers[message[1]] = _Unreadable(f"{type(exc).__name__}: {exc}")
         elif kind == "forget":
             storages.pop(message[1], None)
             layers.pop(message[1], None)

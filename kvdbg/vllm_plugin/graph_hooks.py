@@ -330,7 +330,7 @@ class GraphHooks:
         self._graph_rows = max(self._graph_rows, shape[1] or shape[0])
         self._stage_layouts.clear()  # a recording may give a layer larger copy buffers: worked out again
         self._tickets.clear()  # a graph's variants are recorded anew: each shape earns its ticket again
-        self._quiet_run = None
+        self._end_quiet_run()
         self._pending_build = None  # the recording's own build (a dummy batch): never a step
         self._recording = batch
 
@@ -563,7 +563,7 @@ class GraphHooks:
             self.plain_replays += 1
             return run
         except Exception as exc:  # noqa: BLE001 - never into vLLM's forward: the call is asked as any other
-            self._quiet_run = None
+            self._end_quiet_run()
             self.capturer.report(exc, "a CUDA graph's replay told quiet ahead")
             return None
 
@@ -582,8 +582,14 @@ class GraphHooks:
                 del self._forward_counts
             run.epoch = self._counts_epoch = self._counts_epoch + 1
         except Exception as exc:  # noqa: BLE001 - never into vLLM
-            self._quiet_run = None
+            self._end_quiet_run()
             self.capturer.report(exc, "after a CUDA graph's replay told quiet ahead")
+
+    def _end_quiet_run(self) -> None:
+        """No run told any more, and none left holding vLLM's wrapper or a graph (its replays' counts written now)."""
+        self._quiet_run = None
+        if self._uncounted is not None:
+            self.count_quiet_replays()
 
     def count_quiet_replays(self) -> dict[str, int]:
         """The forward counts with the uncounted quiet run's replays written in (:meth:`quiet_replayed`), back on the
@@ -666,7 +672,7 @@ class GraphHooks:
         for key in [key for key in self._staged_variants if key[0] == id(wrapper)]:
             del self._staged_variants[key]
         self._tickets.clear()
-        self._quiet_run = None
+        self._end_quiet_run()
         # Programs no staged variant runs any more go too (a step still reading one keeps it until done), and the
         # builds kept for the next recording: vLLM clears its graphs after profiling their memory with a cache and
         # buffers of its own, which a program must not keep alive.

@@ -494,10 +494,9 @@ def check_fault(out: str, name: str, args) -> dict:
     if counts.get("checked", 0) < len(steps) * len(layers):
         warnings.append(f"the sentinel checked {counts.get('checked', 0)} step(s) of {len(steps) * len(layers)}")
     checker = record.get("checker")
-    if checker:  # each layer given to the checker process once, however many steps it checked
-        result["sentinel"]["checker"] = checker
-        if checker["layers_given"] > len(layers):
-            problems.append(f"the checker process was given {checker['layers_given']} layers for {len(layers)}")
+    if checker:
+        result["sentinel"]["checker"], found = checker_check(checker, len(layers))
+        problems += found
     if not args.cpu and record.get("checker_process") is False:  # the staged checks ran in the engine's thread
         warnings.append(f"the sentinel's checker process was not ready after {record.get('checker_wait_s')} s: its "
                         "staged checks ran in the engine's process")
@@ -541,6 +540,21 @@ def check_fault(out: str, name: str, args) -> dict:
     result["stale_named"] = sorted({r for v in verdicts for r in v.get("named", [])})
     result["problems"] = collapse(problems)
     return result
+
+
+def checker_check(checker: dict, layers: int) -> tuple[dict, list[str]]:
+    """What the sentinel's checks gave its checker process (graph_stage's record): each layer once, however many
+    steps it checked, and storages only for kvdbg's staging buffers, once each (a step's own tensors, its metadata,
+    would be shared by every check). The record with how many checks shared any, and the problems."""
+    problems = []
+    if checker["layers_given"] > layers:
+        problems.append(f"the checker process was given {checker['layers_given']} layers for {layers}")
+    by_check = checker.get("shares_by_check") or []
+    added = [b - a for a, b in zip([0] + by_check, by_check)]
+    if len(added) >= 3 and all(added[1:]):
+        problems.append(f"every check sent to the checker process shared storages with it (by check: {added[:8]}): "
+                        "a step's own tensors went there, where only kvdbg's buffers should go, once each")
+    return {**checker, "checks_that_shared": sum(1 for n in added if n)}, problems
 
 
 def fault_verdict(path: str, step: dict | None, stale: list, device: str, expect_fail: bool) -> dict:

@@ -173,6 +173,7 @@ class Probes:
         self.state = None  # kvdbg's plugin state, once the engine has started
         self.outside = Counter()  # forward calls with metadata outside served steps (start-up)
         self.wrappers: dict = {}
+        self.shares_by_check: list[int] = []  # the checker process's storages shared so far, after each check sent
 
     def install(self, impl_cls) -> None:
         from vllm.compilation.cuda_graph import CUDAGraphWrapper
@@ -311,6 +312,17 @@ class Probes:
         counting("after_graph_replay", "graph_hooks")
         counting("quiet_replayed", "graph_hooks")
         counting("quiet_replayed", "quiet_replays")
+        from kvdbg.sentinel.remote import CheckerProcess
+
+        submit = CheckerProcess.submit
+
+        def counted_submit(remote, *args, **kwargs):
+            try:
+                return submit(remote, *args, **kwargs)
+            finally:
+                probes.shares_by_check.append(remote.shares)
+
+        CheckerProcess.submit = counted_submit
 
 
 def request_name(req_id: str) -> str:
@@ -465,7 +477,7 @@ def engine_child(out: str, spec: RunSpec, cpu: bool) -> dict:
             remote = getattr(getattr(state.sentinel, "_deferred", None), "remote", None)
             if remote is not None:  # what its checks gave the checker process: kvdbg's buffers and layers, each once
                 record["checker"] = {"checks": dict(state.sentinel.sentinel.staged_checks), "shares": remote.shares,
-                                     "layers_given": len(remote._layers)}
+                                     "layers_given": remote.defines, "shares_by_check": probes.shares_by_check}
             state.sentinel.close(state, 60)
             sentinel = state.sentinel.sentinel
             record["sentinel"] = {
