@@ -1236,8 +1236,8 @@ def wrap_worker_checks(timing: "Timing", idle_ms: float | None = None) -> list[d
             entry = {"step": kwargs.get("step"), "layers": len(entries), "bench_step": bench_step, "process": True,
                      "send_us": (sent - began) / 1e3, "send_cpu_us": (cpu - clock[1]) / 1e3, "sent_ns": sent,
                      # buffers shared with the child and layers given to it so far (each once: a check's
-                     # metadata travels by value)
-                     "buffers": self.shares, "layers_given": self.defines}
+                     # metadata travels by value); None from a kvdbg before those counts (a run against older code)
+                     "buffers": getattr(self, "shares", None), "layers_given": getattr(self, "defines", None)}
             log.append(entry)
             waiting.append(entry)
 
@@ -1945,7 +1945,7 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"in {w['send_us']['median']:.0f} us (median; its CPU {w['send_cpu_us']['median']:.0f} us)"
                       + ("" if not w.get("answer_us") else f", its answer read at a hook "
                          f"{w['answer_us']['median'] / 1e3:.2f} ms after it was sent")
-                      + ("" if not w.get("buffers") else f"; buffers shared with the child by the first check "
+                      + ("" if not w.get("buffers") or w["buffers"][0] is None else f"; buffers shared with the child by the first check "
                          f"{w['buffers'][0]}, by the last {w['buffers'][1]}; layers given "
                          f"{w['layers_given'][0]}, {w['layers_given'][1]}"))
             if f.get("diagnostic"):
