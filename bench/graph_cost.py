@@ -1945,7 +1945,8 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"in {w['send_us']['median']:.0f} us (median; its CPU {w['send_cpu_us']['median']:.0f} us)"
                       + ("" if not w.get("answer_us") else f", its answer read at a hook "
                          f"{w['answer_us']['median'] / 1e3:.2f} ms after it was sent")
-                      + ("" if not w.get("buffers") or w["buffers"][0] is None else f"; buffers shared with the child by the first check "
+                      + ("" if not w.get("buffers") or w["buffers"][0] is None else
+                         f"; buffers shared with the child by the first check "
                          f"{w['buffers'][0]}, by the last {w['buffers'][1]}; layers given "
                          f"{w['layers_given'][0]}, {w['layers_given'][1]}"))
             if f.get("diagnostic"):
