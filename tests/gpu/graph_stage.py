@@ -476,9 +476,11 @@ def engine_child(out: str, spec: RunSpec, cpu: bool) -> dict:
         if state.sentinel is not None:
             remote = getattr(getattr(state.sentinel, "_deferred", None), "remote", None)
             if remote is not None:  # what its checks gave the checker process: kvdbg's buffers and layers, each once
-                record["checker"] = {"checks": dict(state.sentinel.sentinel.staged_checks), "shares": remote.shares,
-                                     "layers_given": remote.defines, "shares_by_check": probes.shares_by_check}
+                record["checker"] = {"shares": remote.shares, "layers_given": remote.defines,
+                                     "shares_by_check": probes.shares_by_check}
             state.sentinel.close(state, 60)
+            if remote is not None:  # where the staged steps were checked, their answers all read now
+                record["checker"]["checks"] = dict(state.sentinel.sentinel.staged_checks)
             sentinel = state.sentinel.sentinel
             record["sentinel"] = {
                 "counts": dict(sentinel.counts),
