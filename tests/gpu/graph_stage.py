@@ -28,7 +28,9 @@ fault
     stale, and the steps of the other graphs must stay clean (their captured snapshots replay PASS). kvdbg's
     recorded lengths come from the CommonAttentionMetadata vLLM hands the builder (the runner's buffers, refreshed
     every step), not from the buffer the graph's kernel reads: the stage checks them against the scheduler's own
-    counts.
+    counts. The checks sent to the sentinel's checker process must give it each layer once and share storages only
+    for kvdbg's staging buffers (graph_checks.checker_check: every check after the first sharing some means a step's
+    own tensors went).
 --try-piecewise [MODES]
     Engines under PIECEWISE / FULL_AND_PIECEWISE, which need torch.compile (compilation mode 3): whether one starts
     and serves with kvdbg capturing, and if it does, whether its snapshots replay PASS. Reported either way; only
