@@ -74,7 +74,8 @@ a sentinel's drawn step and the steps after it into work, waiting on the device,
 else (Python's lock, mostly: the sentinel's worker, whose checks are timed on its own thread too).
 
 The sentinel's engine checks staged steps in its checker process (``KVDBG_SENTINEL_PROCESS``, kvdbg's default;
-``--sentinel-process off``: in its worker thread), and its rounds start once that process is ready. Two
+``--sentinel-process off``: in its worker thread; ``--sentinel-reference device``: the process works the reference
+out on the device, not on the host), and its rounds start once that process is ready. Two
 diagnostics, never figures: ``--where MS`` samples the engine thread's frames every MS ms in timed steps and prints
 the frames where a drawn step, and a step after one, had more samples than a quiet step (a sample falls where the
 thread let go of Python's lock); ``--worker-check idle`` replaces the worker's check by a wait for the staging and
@@ -1084,6 +1085,7 @@ def figures(records: dict[str, dict]) -> dict:
                            "counts": records["sentinel"].get("sentinel_counts"),
                            "draws": records["sentinel"].get("sentinel_draws"),
                            "worker_checks": _worker_checks(records["sentinel"].get("sentinel_checks")),
+                           "reference": records["sentinel"].get("sentinel_reference"),
                            "drawn_split": _split_over_rounds(sentinel),
                            "drawn_split_timed": _split_over_rounds(sentinel_phases.get("timed", []))}
         if records["sentinel"].get("worker_check", "real") != "real":  # a diagnostic: nothing was compared
@@ -1498,6 +1500,8 @@ def engine_child(args) -> dict:
     if kind == "sentinel":  # its checks in the checker process, or in its worker thread (and always so when idle)
         os.environ["KVDBG_SENTINEL_PROCESS"] = "1" if args.sentinel_process == "on" and args.worker_check == "real" \
             else "0"
+        os.environ["KVDBG_SENTINEL_REFERENCE"] = args.sentinel_reference
+        record["sentinel_reference"] = args.sentinel_reference
     try:
         import torch
 
@@ -1838,7 +1842,7 @@ def child_command(args, kind: str, limit: float) -> list[str]:
         + (["--thread-times"] if args.thread_times else []) + ([] if args.paired else ["--no-paired"]) \
         + (["--cold"] if args.cold else []) \
         + ["--where", str(args.where), "--worker-check", args.worker_check, "--idle-ms", str(args.idle_ms),
-           "--sentinel-process", args.sentinel_process]
+           "--sentinel-process", args.sentinel_process, "--sentinel-reference", args.sentinel_reference]
 
 
 def run_part(args, part: str, kind: str, limit: float) -> dict:
@@ -1941,7 +1945,9 @@ def print_figures(figs: dict, records: dict) -> None:
                       + ("" if not w.get("device_us") else f"; its span on the worker's stream "
                          f"{w['device_us']['median'] / 1e3:.2f} ms"))
             if w.get("send_us"):
-                print(f"  {name:9s} its checker process's checks: {w['in_process']}; each sent by the engine's thread "
+                print(f"  {name:9s} its checker process's checks: {w['in_process']}"
+                      + ("" if not f.get("reference") else f" (their reference on the {f['reference']})")
+                      + "; each sent by the engine's thread "
                       f"in {w['send_us']['median']:.0f} us (median; its CPU {w['send_cpu_us']['median']:.0f} us)"
                       + ("" if not w.get("answer_us") else f", its answer read at a hook "
                          f"{w['answer_us']['median'] / 1e3:.2f} ms after it was sent")
@@ -2115,6 +2121,10 @@ def main() -> int:
     parser.add_argument("--sentinel-process", choices=("on", "off"), default="on",
                         help="the sentinel's checks of staged steps in its checker process (KVDBG_SENTINEL_PROCESS, "
                              "the default) or in its worker thread")
+    parser.add_argument("--sentinel-reference", choices=("host", "device"), default="host",
+                        help="where the checker process works out a staged step's reference "
+                             "(KVDBG_SENTINEL_REFERENCE; host, kvdbg's default: the device only picks the pairs' "
+                             "rows and pages)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--phases", default="-", help=argparse.SUPPRESS)
     parser.add_argument("--child-limit", type=float, default=200.0, help=argparse.SUPPRESS)

@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 import torch
+import torch.utils._pytree
+import torch.utils._python_dispatch
 
 from kvdbg.sentinel.checker import DeferredChecks, Sentinel, check_step
 from kvdbg.sentinel.config import SentinelConfig
@@ -92,15 +94,90 @@ def test_a_staged_steps_layers_are_one_job_with_each_layers_own_verdict(kw):
     assert [(p.request, p.head) for p in job.results[2].failed_pairs] == [(1, 1)]
 
 
-def test_a_staged_step_is_checked_in_the_checker_process_on_buffers_it_shares_once():
+class _DeviceCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the torch calls that read or write a CUDA tensor (each a kernel, a copy or a wait on the device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in flat) or \
+                str((kwargs or {}).get("device", "")).startswith("cuda"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kw", [{}, {"kv_cache_dtype": "fp8", "k_scale": 0.05, "v_scale": 0.02, "dtype": "float16"},
+                                {"sinks": [0.5, -1.0, 2.0, 0.0], "sliding_window": 6}], ids=["bf16", "fp8", "sinks"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["apart", "stacked"])
+def test_a_reference_worked_out_on_the_host_finds_what_the_device_finds_with_few_device_calls(kw, stacked):
+    # The checker process works a CUDA step's reference out on the host (KVDBG_SENTINEL_REFERENCE=host): the device
+    # only picks the sampled pairs' rows and pages and checks every output row for non-finite values. The verdicts,
+    # the pairs and their differences are the device's, and the device sees a fraction of the calls.
+    import random
+
+    from kvdbg.backends.reference import ReferenceImpl
+    from kvdbg.sentinel.checker import check_layers
+    from tests.test_sentinel import _one_step_of_layers, _stacked
+
+    entries = _one_step_of_layers(3, **kw)
+    entries[1][1].output.view(-1, HQ, D)[1:5, 2] += 0.5  # layer 1: request 1, head 2
+    entries[2][1].output.view(-1, HQ, D)[5, 3] = float("nan")  # layer 2: request 2's token, head 3
+    if stacked:
+        host = _stacked(entries)
+        stack = host[0][1].stack[0]
+        gpu = type(stack)(pages=stack.pages.cuda(), query=stack.query.cuda(), output=stack.output.cuda())
+        entries = [(layer, dataclasses.replace(on_device(inputs), kv_cache=gpu.pages[at], query=gpu.query[at],
+                                               output=gpu.output[at], stack=(gpu, at)))
+                   for layer, inputs in host for at in [inputs.stack[1]]]
+    else:
+        entries = [(layer, on_device(inputs)) for layer, inputs in entries]
+    seen = []
+    forward = ReferenceImpl.forward
+
+    def recording(self, query, pages, *args, **kwargs):
+        seen.append((query.device.type, pages.device.type))
+        return forward(self, query, pages, *args, **kwargs)
+
+    results, calls = {}, {}
+    for where in (None, "cpu"):
+        seen.clear()
+        ReferenceImpl.forward = recording
+        try:
+            with _DeviceCalls() as counted:
+                results[where] = check_layers(entries, pairs=ALL_PAIRS, rng=random.Random(5), step=4,
+                                              reference_device=where)
+        finally:
+            ReferenceImpl.forward = forward
+        calls[where] = counted.count
+        assert seen and all(s == (("cpu", "cpu") if where else ("cuda", "cuda")) for s in seen), seen
+    device, host = results[None], results["cpu"]
+    assert [(r.layer, r.passed, r.tolerance) for r in host] == [(r.layer, r.passed, r.tolerance) for r in device]
+    assert [r.passed for r in host] == [True, False, False]
+    assert (host[2].nonfinite.request, host[2].nonfinite.head) == (2, 3)
+    assert [(p.request, p.head) for p in host[1].failed_pairs] == [(1, 2)]
+    for a, b in zip(device, host):
+        assert [(p.request, p.head, p.passed) for p in a.pairs] == [(p.request, p.head, p.passed) for p in b.pairs]
+        for p, q in zip(a.pairs, b.pairs):
+            if p.diff is not None:  # float32 on two machines: a few ulps of the values compared
+                assert q.diff.max_abs == pytest.approx(p.diff.max_abs, rel=1e-4, abs=1e-4, nan_ok=True)
+    assert calls["cpu"] * 2 < calls[None], calls
+
+
+@pytest.mark.parametrize("reference", ["host", "device"])
+def test_a_staged_step_is_checked_in_the_checker_process_on_buffers_it_shares_once(reference):
     # The engine's thread hands a staged step's check to kvdbg's checker process once its staging is done, and reads
     # the answer at a later poll; the process opens each of kvdbg's buffers once (CUDA IPC) and reads them in place: a
     # fault written into the same buffers after a first check is found by the second, with no buffer shared again.
     from tests.test_sentinel import _one_step_of_layers, _stacked
 
-    sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0, pairs=len(ALL_PAIRS), seed=0))
+    sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0, pairs=len(ALL_PAIRS), seed=0,
+                                       reference=reference))
     deferred = DeferredChecks(sentinel, torch.device("cuda"), process=True)
     assert deferred.process_ready(120), "the checker process did not start"
+    assert deferred.remote._process.args[-1] == reference
     assert not DeferredChecks(sentinel, torch.device("cuda"), process=False).process_ready(0)
     entries = _stacked(_one_step_of_layers(3))
     stack = entries[0][1].stack[0]

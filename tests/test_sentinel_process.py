@@ -114,6 +114,38 @@ def test_the_module_run_by_hand_says_how_it_is_started(capsys):
     assert "started by kvdbg's sentinel" in capsys.readouterr().err
 
 
+def test_the_module_refuses_a_reference_place_it_does_not_know(capsys):
+    assert main(["3", "cpu", "gpu"]) == 2
+    assert "[host|device]" in capsys.readouterr().err
+
+
+def test_where_the_process_works_out_its_reference_is_read_from_the_environment():
+    base = {"KVDBG_SENTINEL": "0.5", "KVDBG_SENTINEL_DIR": "/x"}
+    assert SentinelConfig.from_env(base).reference == "host"
+    assert SentinelConfig.from_env({**base, "KVDBG_SENTINEL_REFERENCE": " Device "}).reference == "device"
+    assert "reference=host" in SentinelConfig.from_env(base).describe(1)
+    assert "reference" not in SentinelConfig.from_env({**base, "KVDBG_SENTINEL_PROCESS": "0"}).describe(1)
+    with pytest.raises(OptionError, match="KVDBG_SENTINEL_REFERENCE must be host or device"):
+        SentinelConfig.from_env({**base, "KVDBG_SENTINEL_REFERENCE": "gpu"})
+    with pytest.raises(OptionError, match="reference must be one of host, device"):
+        SentinelConfig(directory="/x", reference="cuda")
+
+
+@pytest.mark.parametrize("reference", ["host", "device"])
+def test_a_child_told_where_to_work_out_its_reference_answers_as_any(reference):
+    # On a CPU both places are the host; the place reaches the child on its command line, which it accepts.
+    process = CheckerProcess("cpu", reference=reference)
+    try:
+        entries = _one_step_of_layers(2)
+        entries[1][1].output.view(-1, HQ, D)[1:5, 2] += 0.5
+        there = _check(process, entries, pairs=ALL_PAIRS, seed=7, step=4)
+        here = check_layers(entries, pairs=ALL_PAIRS, rng=random.Random(7), step=4)
+        assert _verdicts(there) == _verdicts(here)
+        assert [r.passed for r in there] == [True, False]
+    finally:
+        process.close()
+
+
 def test_the_process_switch_is_read_from_the_environment():
     base = {"KVDBG_SENTINEL": "0.5", "KVDBG_SENTINEL_DIR": "/x"}
     assert SentinelConfig.from_env(base).process

@@ -246,9 +246,16 @@ def check_step(layer: CaptureLayer, inputs: StepInputs, *, pairs: list[tuple[int
 
 
 def check_layers(entries: list[tuple[CaptureLayer, StepInputs]], *, pairs: list[tuple[int, int]] | int = 4,
-                 rng: random.Random | None = None, step: int | None = None) -> list[CheckResult]:
+                 rng: random.Random | None = None, step: int | None = None,
+                 reference_device: "torch.device | str | None" = None) -> list[CheckResult]:
     """:func:`check_step` for several layers of one step, one result each, in ``entries``' order (an int
     ``pairs`` is drawn for each layer).
+
+    ``reference_device``: where the sampled pairs' reference is worked out and compared, when not where the
+    inputs lie. The pairs' rows and pages are still picked where they lie, and the non-finite check of every
+    output row still runs there; only those few rows and pages are copied over. The sentinel's checker process
+    passes the host: its own CUDA context shares the device with the engine's by time slices, and a reference on
+    the device would be a hundred small kernels, each a turn the engine's graph may have to give up.
 
     Layers alike in all the reference reads but their name, whose inputs are the same metadata tensors (a
     step's layers, as a graph's staging hands them), are held to the reference together: their pairs make one
@@ -267,7 +274,8 @@ def check_layers(entries: list[tuple[CaptureLayer, StepInputs]], *, pairs: list[
         else:
             groups.append((key, [index]))
     for _, members in groups:
-        for index, result in zip(members, _check_alike([entries[i] for i in members], pairs, rng, step)):
+        for index, result in zip(members, _check_alike([entries[i] for i in members], pairs, rng, step,
+                                                       reference_device)):
             results[index] = result
     return results
 
@@ -296,7 +304,7 @@ def _layer_fields() -> tuple[str, ...]:
 
 
 def _check_alike(entries: list[tuple[CaptureLayer, StepInputs]], pairs: list[tuple[int, int]] | int,
-                 rng: random.Random, step: int | None) -> list[CheckResult]:
+                 rng: random.Random, step: int | None, reference_device: Any = None) -> list[CheckResult]:
     layer, first = entries[0]
     hq, d = layer.num_heads, layer.head_size
     qsl = first.query_start_loc.to("cpu", torch.int64).tolist()
@@ -334,11 +342,12 @@ def _check_alike(entries: list[tuple[CaptureLayer, StepInputs]], pairs: list[tup
     if stacked is None:
         checks = [(split, _reference_pairs(layer, [(entries[e][1], queries[e], outputs[e], split[e])
                                                    for e in range(len(entries))], qsl, seq_lens,
-                                           read_values=fp8_query))
+                                           read_values=fp8_query, reference_device=reference_device))
                   for split in calls.values()]
     else:
         checks = [(split, _reference_pairs(layer, [(entries[e][1], None, None, split[e]) for e in range(len(entries))],
-                                           qsl, seq_lens, read_values=fp8_query, stacked=stacked))
+                                           qsl, seq_lens, read_values=fp8_query, stacked=stacked,
+                                           reference_device=reference_device))
                   for split in calls.values()]
     if fp8_query:
         allowance = [0.0] * len(entries)
@@ -431,7 +440,7 @@ def _one_head_per_page(pages: torch.Tensor, layout: str, index: torch.Tensor, kv
 
 def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, Any, Any, list]],
                      qsl: list[int], seq_lens: list[int], *, read_values: bool = False,
-                     stacked: tuple[torch.Tensor, torch.Tensor] | None = None):
+                     stacked: tuple[torch.Tensor, torch.Tensor] | None = None, reference_device: Any = None):
     """(reference, engine output, query_start_loc, seq_lens, read values) of every part's pairs, each pair one
     request of one head; a part: one layer's (inputs, query rows, output rows, pairs), the parts alike
     (:func:`_alike_key`) and sharing ``qsl`` and ``seq_lens``. Read values (with ``read_values``): the largest |v|
@@ -439,7 +448,8 @@ def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, Any, Any
 
     The mini-problem has one query head and one KV head: pair ``i`` (the parts' pairs in order) is request
     ``i``, reading its own copies of the pages its request reads in its layer, cut to the pair's KV head.
-    Outputs are ``[T, 1, D]``.
+    Outputs are ``[T, 1, D]``. With ``reference_device`` (:func:`check_layers`), the pairs' rows and pages are
+    picked where they lie and copied there, and everything returned lies there.
     """
     first = parts[0][0]
     layout = resolve_kv_layout(layer.kv_layout, first.kv_cache, layer.num_kv_heads, layer.head_size)
@@ -523,7 +533,21 @@ def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, Any, Any
         query_rows, output_rows = stacked
         queries = [query_rows[entries, rows, heads, None]]  # [pairs' rows, 1, D]
         outputs = [output_rows[entries, rows, heads, None]]
-    table, mini_qsl, mini_lens = pieces[-3].view(len(page_counts), width), pieces[-2], pieces[-1]
+    q = torch.cat(queries) if len(queries) > 1 else queries[0]
+    actual = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    small = pieces[-3:]
+    if reference_device is not None and torch.device(reference_device) != device:
+        # The pairs' few rows and pages over in one go (one wait for the device), the indices made there from
+        # their lists: nothing of the check after this line runs on the inputs' device.
+        device = torch.device(reference_device)
+        lying = {t.device for t in (pages, q, actual) if t.is_cuda}
+        pages, q, actual = (t.to(device, non_blocking=True) for t in (pages, q, actual))
+        for where in lying:
+            torch.cuda.current_stream(where).synchronize()
+        tail = lists[-3:]
+        small = torch.tensor(list(chain.from_iterable(tail)), dtype=torch.int64, device=device).split(
+            [len(x) for x in tail])
+    table, mini_qsl, mini_lens = small[0].view(len(page_counts), width), small[1], small[2]
     mini_layer = dataclasses.replace(layer.meta(causal=bool(first.causal)), num_heads=1, num_kv_heads=1)
     meta = SnapshotMeta(layer=mini_layer, backend=BackendMeta("sentinel", page_size, first.max_model_len or
                                                               max(seq_lens), start),
@@ -541,13 +565,11 @@ def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, Any, Any
         num_pages=start, null_page=None, **extra)
     compute = torch.float32
     md = ReferenceBuilder(meta, compute).build(common)
-    q = torch.cat(queries) if len(queries) > 1 else queries[0]
     expected = torch.empty((q.shape[0], 1, layer.head_size), dtype=compute, device=device)
     ReferenceImpl(meta, compute).forward(q.to(device), pages, md, expected)
     read = (read_value_magnitudes(meta, pages, table, mini_lens, mini_qsl[1:] - mini_qsl[:-1])
             if read_values else None)
-    actual = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-    return expected, actual, mini_qsl, mini_lens, read
+    return expected, actual.to(device), mini_qsl, mini_lens, read
 
 
 # --------------------------------------------------------------------------- the shell
@@ -752,7 +774,7 @@ class DeferredChecks:
         from kvdbg.sentinel.remote import CheckerProcess
 
         try:
-            remote = CheckerProcess(self.device)
+            remote = CheckerProcess(self.device, reference=self.sentinel.config.reference)
         except Exception as exc:
             logger.warning("kvdbg sentinel: its checker process did not start (%s); checks run in a thread of the "
                            "engine's process, where their Python holds the lock the engine's thread wants (set %s=0 "

@@ -1,4 +1,4 @@
-"""The sentinel's checker process: ``python -m kvdbg.sentinel.child FD DEVICE``, started by
+"""The sentinel's checker process: ``python -m kvdbg.sentinel.child FD DEVICE [host|device]``, started by
 :class:`kvdbg.sentinel.remote.CheckerProcess` (never by hand), answers checks on the socket FD until the engine's
 process stops it or closes its end. Apart from :mod:`kvdbg.sentinel.remote` because it needs the checker, which
 imports that module.
@@ -13,9 +13,9 @@ import sys
 def main(argv: list[str]) -> int:
     from multiprocessing.connection import Connection
 
-    if len(argv) != 2 or not argv[0].isdigit():
-        print("usage: python -m kvdbg.sentinel.child FD DEVICE (started by kvdbg's sentinel, not by hand)",
-              file=sys.stderr)
+    if len(argv) not in (2, 3) or not argv[0].isdigit() or argv[2:] not in ([], ["host"], ["device"]):
+        print("usage: python -m kvdbg.sentinel.child FD DEVICE [host|device] (started by kvdbg's sentinel, not by "
+              "hand)", file=sys.stderr)
         return 2
     conn = Connection(int(argv[0]))
     # The engine's process says when to stop (or closes its end): a Ctrl-C meant for the engine is not for this one.
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     from kvdbg.sentinel.remote import serve
 
     try:
-        return serve(conn, argv[1], check_layers)
+        return serve(conn, argv[1], check_layers, *argv[2:])
     except (EOFError, OSError):
         return 0
 

@@ -29,6 +29,7 @@ ENV_MAX = "KVDBG_SENTINEL_MAX"
 ENV_INTERVAL = "KVDBG_SENTINEL_INTERVAL"
 ENV_SEED = "KVDBG_SENTINEL_SEED"
 ENV_PROCESS = "KVDBG_SENTINEL_PROCESS"
+ENV_REFERENCE = "KVDBG_SENTINEL_REFERENCE"
 
 # KVDBG_SENTINEL=on: the share of each selected layer's steps that is checked.
 DEFAULT_RATE = 0.01
@@ -95,6 +96,21 @@ def _parse_seed(text: str | None) -> int | None:
     return int(value)
 
 
+# Where the checker process works out a CUDA step's reference: the host (from the sampled pairs' rows and pages,
+# copied over in one go) or the device those lie on.
+REFERENCE_PLACES = ("host", "device")
+
+
+def _parse_reference(text: str | None) -> str:
+    value = (text or "").strip().lower()
+    if not value:
+        return REFERENCE_PLACES[0]
+    if value not in REFERENCE_PLACES:
+        raise OptionError(f"{ENV_REFERENCE} must be host or device (where the checker process works out a CUDA "
+                          f"step's reference), got {value[:40]!r}")
+    return value
+
+
 def _parse_switch(text: str | None, name: str, default: bool) -> bool:
     value = (text or "").strip().lower()
     if not value:
@@ -120,6 +136,9 @@ class SentinelConfig:
     # Checks of staged graph steps in a process of their own (kvdbg.sentinel.remote), where their Python does not
     # hold the lock the engine's thread wants.
     process: bool = True
+    # Where the checker process works out a CUDA step's reference (REFERENCE_PLACES): on the host, the device runs
+    # only the picking of the sampled pairs' rows and pages, a few kernels in one burst, beside the engine's.
+    reference: str = REFERENCE_PLACES[0]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directory", os.fspath(self.directory))
@@ -133,6 +152,8 @@ class SentinelConfig:
             raise OptionError(f"max_snapshots must be a positive integer or None, got {self.max_snapshots!r}")
         if not self.interval >= 0:
             raise OptionError(f"interval must be seconds >= 0, got {self.interval!r}")
+        if self.reference not in REFERENCE_PLACES:
+            raise OptionError(f"reference must be one of {', '.join(REFERENCE_PLACES)}, got {self.reference!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "SentinelConfig":
@@ -154,10 +175,12 @@ class SentinelConfig:
             interval=_parse_seconds(env.get(ENV_INTERVAL)),
             seed=_parse_seed(env.get(ENV_SEED)),
             process=_parse_switch(env.get(ENV_PROCESS), ENV_PROCESS, True),
+            reference=_parse_reference(env.get(ENV_REFERENCE)),
         )
 
     def describe(self, seed: int | None = None) -> str:
         cap = "unlimited" if self.max_snapshots is None else str(self.max_snapshots)
         seed = self.seed if seed is None else seed
         return (f"rate={self.rate:g} layers={self.layers} pairs={self.pairs} directory={self.directory} "
-                f"max={cap} interval={self.interval:g}s seed={seed} process={'on' if self.process else 'off'}")
+                f"max={cap} interval={self.interval:g}s seed={seed} process={'on' if self.process else 'off'}"
+                + (f" reference={self.reference}" if self.process else ""))

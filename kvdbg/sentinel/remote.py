@@ -84,7 +84,7 @@ class CheckerProcess:
     """
 
     def __init__(self, device: Any, *, start_seconds: float = START_SECONDS, check_seconds: float = CHECK_SECONDS,
-                 command: list[str] | None = None):
+                 command: list[str] | None = None, reference: str = "host"):
         import torch
 
         self.device = torch.device(device)
@@ -107,7 +107,7 @@ class CheckerProcess:
         command = command or [sys.executable, "-m", "kvdbg.sentinel.child"]
         ours, theirs = socket.socketpair()
         try:
-            self._process = subprocess.Popen(command + [str(theirs.fileno()), index or "cpu"],
+            self._process = subprocess.Popen(command + [str(theirs.fileno()), index or "cpu", reference],
                                              pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                              env=_child_environment())
         except BaseException:
@@ -385,10 +385,13 @@ def _from_host(dtype: str, shape: tuple, data: bytes) -> Any:
     return flat.view(getattr(torch, dtype)).reshape(shape)
 
 
-def serve(conn: Any, device: str, check_layers: Any) -> int:
+def serve(conn: Any, device: str, check_layers: Any, reference: str = "host") -> int:
     """The child's loop: answer the engine's messages until it stops or its end closes (``check_layers``:
     :func:`kvdbg.sentinel.checker.check_layers`, handed in by :mod:`kvdbg.sentinel.child`, so that this module,
-    which the checker imports, imports nothing of it)."""
+    which the checker imports, imports nothing of it). ``reference``: where a CUDA step's reference is worked out
+    (``KVDBG_SENTINEL_REFERENCE``): on the host, this process's device work is the check's picking of rows and
+    pages, a few kernels in one burst, where the whole check on the device is a hundred-odd small ones, each a
+    turn of the time slices its context and the engine's take on the device."""
     import torch
     import torch.multiprocessing  # noqa: F401  (the CUDA IPC rebuild functions)
 
@@ -401,6 +404,7 @@ def serve(conn: Any, device: str, check_layers: Any) -> int:
         target = torch.device("cuda", int(device))
         torch.cuda.set_device(target)
         torch.empty(1, device=target)  # the CUDA context, now rather than on the first check
+    on = torch.device("cpu") if target.type == "cuda" and reference == "host" else None
     conn.send_bytes(pickle.dumps(("ready", {"pid": os.getpid(), "torch": torch.__version__, "device": str(target)})))
     # Messages are read as they come, also while a check runs: the engine's thread, which sends them, never waits
     # on a full socket (a step's host tables may be larger than its buffer).
@@ -438,7 +442,8 @@ def serve(conn: Any, device: str, check_layers: Any) -> int:
         elif kind == "check":
             try:
                 entries, pairs, seed, step = _Loader(message[1], storages, layers, target).load()
-                answer = ("ok", check_layers(entries, pairs=pairs, rng=random.Random(seed), step=step))
+                answer = ("ok", check_layers(entries, pairs=pairs, rng=random.Random(seed), step=step,
+                                             reference_device=on))
             except Exception as exc:  # the check's own failure, for the engine to report
                 answer = ("error", f"{type(exc).__name__}: {exc}")
             if target.type == "cuda":  # no read of the engine's buffers left on the device once it answers
