@@ -131,6 +131,18 @@ def test_where_the_process_works_out_its_reference_is_read_from_the_environment(
         SentinelConfig(directory="/x", reference="cuda")
 
 
+def test_the_child_works_a_cuda_steps_reference_out_where_it_is_told():
+    import torch
+
+    from kvdbg.sentinel.remote import reference_device
+
+    assert reference_device(torch.device("cuda", 0), "host") == torch.device("cpu")
+    assert reference_device(torch.device("cuda", 0), "device") is None
+    assert reference_device(torch.device("cpu"), "host") is None  # a CPU step's reference is on the host anyway
+    with pytest.raises(ValueError, match="reference must be host or device, got 'gpu'"):
+        CheckerProcess("cpu", reference="gpu", command=["/nonexistent"])  # refused before anything starts
+
+
 @pytest.mark.parametrize("reference", ["host", "device"])
 def test_a_child_told_where_to_work_out_its_reference_answers_as_any(reference):
     # On a CPU both places are the host; the place reaches the child on its command line, which it accepts.

@@ -210,6 +210,14 @@ def unchecked_reason(layer: CaptureLayer, backend_name: str | None = None) -> st
 # --------------------------------------------------------------------------- the check
 
 
+# The most bytes of picked rows and pages (every layer's pairs of one reference call) a check copies to work its
+# reference out elsewhere (check_layers' reference_device): a pair's pages cut to its KV head are 512 KiB of
+# bfloat16 keys and values a thousand tokens (head size 128), so 4 pairs of 8 layers reach it at 2k tokens. A
+# larger pick is worked out where it lies: its copy and the host's arithmetic would grow with it, where the
+# device's kernels are as many at any length.
+HOST_REFERENCE_BYTES = 32 << 20
+
+
 def _rows(t: torch.Tensor, num_tokens: int, num_heads: int, head_size: int) -> torch.Tensor:
     return t[:num_tokens].reshape(num_tokens, num_heads, head_size)
 
@@ -252,10 +260,12 @@ def check_layers(entries: list[tuple[CaptureLayer, StepInputs]], *, pairs: list[
     ``pairs`` is drawn for each layer).
 
     ``reference_device``: where the sampled pairs' reference is worked out and compared, when not where the
-    inputs lie. The pairs' rows and pages are still picked where they lie, and the non-finite check of every
-    output row still runs there; only those few rows and pages are copied over. The sentinel's checker process
-    passes the host: its own CUDA context shares the device with the engine's by time slices, and a reference on
-    the device would be a hundred small kernels, each a turn the engine's graph may have to give up.
+    inputs lie. The pairs' rows and pages are still picked where they lie (each pair's pages cut to its KV head),
+    and the non-finite check of every output row still runs there; only what was picked is copied over, and only
+    up to ``HOST_REFERENCE_BYTES`` (past it, as for very long requests, the reference stays where the inputs lie).
+    The sentinel's checker process passes the host: its own CUDA context shares the device with the engine's by
+    time slices, and the reference on the device is some eighty small kernels, each a turn the engine's graph
+    may have to give up.
 
     Layers alike in all the reference reads but their name, whose inputs are the same metadata tensors (a
     step's layers, as a graph's staging hands them), are held to the reference together: their pairs make one
@@ -536,7 +546,8 @@ def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, Any, Any
     q = torch.cat(queries) if len(queries) > 1 else queries[0]
     actual = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
     small = pieces[-3:]
-    if reference_device is not None and torch.device(reference_device) != device:
+    if reference_device is not None and torch.device(reference_device) != device \
+            and sum(t.numel() * t.element_size() for t in (pages, q, actual)) <= HOST_REFERENCE_BYTES:
         # The pairs' few rows and pages over in one go (one wait for the device), the indices made there from
         # their lists: nothing of the check after this line runs on the inputs' device.
         device = torch.device(reference_device)

@@ -87,6 +87,9 @@ class CheckerProcess:
                  command: list[str] | None = None, reference: str = "host"):
         import torch
 
+        if reference not in ("host", "device"):
+            raise ValueError(f"reference must be host or device, got {reference!r}")
+
         self.device = torch.device(device)
         self.check_seconds = check_seconds
         self._shared: dict[int, tuple[Any, int]] = {}  # a storage's data_ptr: (weak reference, key)
@@ -385,13 +388,21 @@ def _from_host(dtype: str, shape: tuple, data: bytes) -> Any:
     return flat.view(getattr(torch, dtype)).reshape(shape)
 
 
+def reference_device(target: Any, reference: str) -> Any:
+    """Where the child works out the reference of a check whose inputs lie on ``target`` (``check_layers``'
+    ``reference_device``; None: there too). ``host`` for a CUDA device: the child's device work is then the
+    check's picking of rows and pages, a few kernels in one burst, where the whole check on the device is some
+    eighty small ones, each a turn of the time slices its context and the engine's take on the device."""
+    import torch
+
+    return torch.device("cpu") if target.type == "cuda" and reference == "host" else None
+
+
 def serve(conn: Any, device: str, check_layers: Any, reference: str = "host") -> int:
     """The child's loop: answer the engine's messages until it stops or its end closes (``check_layers``:
     :func:`kvdbg.sentinel.checker.check_layers`, handed in by :mod:`kvdbg.sentinel.child`, so that this module,
     which the checker imports, imports nothing of it). ``reference``: where a CUDA step's reference is worked out
-    (``KVDBG_SENTINEL_REFERENCE``): on the host, this process's device work is the check's picking of rows and
-    pages, a few kernels in one burst, where the whole check on the device is a hundred-odd small ones, each a
-    turn of the time slices its context and the engine's take on the device."""
+    (``KVDBG_SENTINEL_REFERENCE``, :func:`reference_device`)."""
     import torch
     import torch.multiprocessing  # noqa: F401  (the CUDA IPC rebuild functions)
 
@@ -404,7 +415,7 @@ def serve(conn: Any, device: str, check_layers: Any, reference: str = "host") ->
         target = torch.device("cuda", int(device))
         torch.cuda.set_device(target)
         torch.empty(1, device=target)  # the CUDA context, now rather than on the first check
-    on = torch.device("cpu") if target.type == "cuda" and reference == "host" else None
+    on = reference_device(target, reference)
     conn.send_bytes(pickle.dumps(("ready", {"pid": os.getpid(), "torch": torch.__version__, "device": str(target)})))
     # Messages are read as they come, also while a check runs: the engine's thread, which sends them, never waits
     # on a full socket (a step's host tables may be larger than its buffer).
