@@ -154,7 +154,7 @@ def test_a_reference_worked_out_on_the_host_finds_what_the_device_finds_with_few
 
     import kvdbg.sentinel.checker as checker
 
-    results, calls = {}, {}
+    results, calls, forwards = {}, {}, {}
     for where in (None, "cpu", "past the bound"):
         seen.clear()
         if where == "past the bound":  # a pick too large to copy: its reference stays on the device
@@ -166,7 +166,7 @@ def test_a_reference_worked_out_on_the_host_finds_what_the_device_finds_with_few
                                               reference_device=where and "cpu")
         finally:
             ReferenceImpl.forward = forward
-        calls[where] = counted.count
+        calls[where], forwards[where] = counted.count, len(seen)
         assert seen and all(s == (("cpu", "cpu") if where == "cpu" else ("cuda", "cuda")) for s in seen), seen
     device, host = results[None], results["cpu"]
     assert [(r.layer, r.passed, r.tolerance) for r in host] == [(r.layer, r.passed, r.tolerance) for r in device] \
@@ -181,8 +181,9 @@ def test_a_reference_worked_out_on_the_host_finds_what_the_device_finds_with_few
         for p, q in zip(a.pairs, b.pairs):
             if p.diff is not None:  # float32 on two machines: a few ulps of the values compared
                 assert q.diff.max_abs == pytest.approx(p.diff.max_abs, rel=1e-4, abs=1e-4, nan_ok=True)
-    # The failing pair's comparison, on the device, is most of the device path's calls; on the host, none of it.
-    assert calls["cpu"] < 120 and calls["cpu"] * 5 < calls[None], calls
+    # The failing pair's comparison, on the device, is most of the device path's calls; on the host, none of it. A
+    # layer with per-head values (sinks) makes a reference call, and a pick, per head.
+    assert calls["cpu"] < 100 * forwards["cpu"] and calls["cpu"] * 5 < calls[None], (calls, forwards)
 
 
 @pytest.mark.parametrize("reference", ["host", "device"])
