@@ -183,7 +183,7 @@ def test_a_reference_worked_out_on_the_host_finds_what_the_device_finds_with_few
                 assert q.diff.max_abs == pytest.approx(p.diff.max_abs, rel=1e-4, abs=1e-4, nan_ok=True)
     # The failing pair's comparison, on the device, is most of the device path's calls; on the host, none of it. A
     # layer with per-head values (sinks) makes a reference call, and a pick, per head.
-    assert calls["cpu"] < 100 * forwards["cpu"] and calls["cpu"] * 5 < calls[None], (calls, forwards)
+    assert calls["cpu"] < 120 * forwards["cpu"] and calls["cpu"] * 5 < calls[None], (calls, forwards)
 
 
 @pytest.mark.parametrize("reference", ["host", "device"])
