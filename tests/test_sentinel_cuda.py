@@ -181,9 +181,10 @@ def test_a_reference_worked_out_on_the_host_finds_what_the_device_finds_with_few
         for p, q in zip(a.pairs, b.pairs):
             if p.diff is not None:  # float32 on two machines: a few ulps of the values compared
                 assert q.diff.max_abs == pytest.approx(p.diff.max_abs, rel=1e-4, abs=1e-4, nan_ok=True)
-    # The failing pair's comparison, on the device, is most of the device path's calls; on the host, none of it. A
-    # layer with per-head values (sinks) makes a reference call, and a pick, per head.
-    assert calls["cpu"] < 120 * forwards["cpu"] and calls["cpu"] * 5 < calls[None], (calls, forwards)
+    # Fewer device calls than the reference on the device makes, and a bounded number each reference call (a layer
+    # with per-head values, sinks, makes a reference call and a pick per head). Both run the failing pairs'
+    # comparison on the host (compare() copies there first), so that part is in neither count.
+    assert calls["cpu"] < calls[None] and calls["cpu"] < 120 * forwards["cpu"], (calls, forwards)
 
 
 @pytest.mark.parametrize("reference", ["host", "device"])
