@@ -75,7 +75,8 @@ else (Python's lock, mostly: the sentinel's worker, whose checks are timed on it
 
 The sentinel's engine checks staged steps in its checker process (``KVDBG_SENTINEL_PROCESS``, kvdbg's default;
 ``--sentinel-process off``: in its worker thread; ``--sentinel-reference device``: the process works the reference
-out on the device, not on the host), and its rounds start once that process is ready. Two
+out on the device, not on the host), and its rounds start once that process is ready; a run of it without the
+kvdbg-absent part (``--parts sentinel``) has no figure, and prints where its time went all the same. Two
 diagnostics, never figures: ``--where MS`` samples the engine thread's frames every MS ms in timed steps and prints
 the frames where a drawn step, and a step after one, had more samples than a quiet step (a sample falls where the
 thread let go of Python's lock); ``--worker-check idle`` replaces the worker's check by a wait for the staging and
@@ -1082,15 +1083,24 @@ def figures(records: dict[str, dict]) -> dict:
                            "hooks_us": spread([r.get("hooks_us") for r in hooked]),
                            "hooks_us_mean": spread([r.get("hooks_us_mean") for r in hooked]),
                            **_hooks_by_name(hooked),
-                           "counts": records["sentinel"].get("sentinel_counts"),
-                           "draws": records["sentinel"].get("sentinel_draws"),
-                           "worker_checks": _worker_checks(records["sentinel"].get("sentinel_checks")),
-                           "reference": records["sentinel"].get("sentinel_reference"),
-                           "drawn_split": _split_over_rounds(sentinel),
-                           "drawn_split_timed": _split_over_rounds(sentinel_phases.get("timed", []))}
+                           **_sentinel_split(records["sentinel"])}
         if records["sentinel"].get("worker_check", "real") != "real":  # a diagnostic: nothing was compared
             out["sentinel"].update(worker_check=records["sentinel"]["worker_check"], met=True, diagnostic=True)
+    elif sentinel:  # no kvdbg-absent rounds to hold it to (a run of the sentinel alone): where its time went only
+        out["sentinel_alone"] = _sentinel_split(records["sentinel"])
     return out
+
+
+def _sentinel_split(record: dict) -> dict:
+    """What the sentinel's part says beside its figure: its counts, draws and checks, and where its rounds' time went
+    (the drawn steps and those after them, against the others: no baseline needed)."""
+    phases = record.get("phases", {})
+    return {"counts": record.get("sentinel_counts"),
+            "draws": record.get("sentinel_draws"),
+            "worker_checks": _worker_checks(record.get("sentinel_checks")),
+            "reference": record.get("sentinel_reference"),
+            "drawn_split": _split_over_rounds(phases.get("rounds", [])),
+            "drawn_split_timed": _split_over_rounds(phases.get("timed", []))}
 
 
 def _worker_checks(checks: list[dict] | None) -> dict | None:
@@ -1315,7 +1325,9 @@ def verdict(parts: list[str], records: dict[str, dict], figs: dict) -> tuple[int
             if part == name:
                 for fig in (wanted if isinstance(wanted, tuple) else (wanted,)):
                     if fig not in figs:
-                        problems.append(f"{part}: the figure {fig} could not be computed")
+                        problems.append(f"{part}: the figure {fig} could not be computed"
+                                        + (": no kvdbg-absent rounds in this run (its split is printed)"
+                                           if f"{fig}_alone" in figs else ""))
     problems = list(dict.fromkeys(problems))
     over = [name for name in ("armed", "wanted_engine", "wanted_device", "sentinel")
             if name in figs and not figs[name]["met"]]
@@ -1920,59 +1932,7 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"blocks of {p.get('block') or '?'} steps): {pct(host['median'])} (rounds "
                       f"{host['min']:.4f}..{host['max']:.4f}){device}; judged on the "
                       f"{'paired figure' if f.get('judged_on') == 'paired' else 'ratio across processes'}")
-            d = f.get("drawn_split") or {}
-            if d.get("share") is not None:
-                print(f"  {name:9s} where its time goes: {d['drawn']} of {d['steps']} steps drawn; a drawn step "
-                      f"+{d['drawn_added_ms']:.2f} ms (its hooks {d['drawn_hooks_us']:.0f} us), the "
-                      f"{FOLLOWING_STEPS} after it +{d['after_added_ms']:.2f} ms in all (while its check runs); "
-                      f"together {d['share']:.1%} of the rounds' time; the other steps' hooks "
-                      f"{d['quiet_hooks_us']:.1f} us"
-                      + ("" if d.get("drawn_program_ms") is None else
-                         f"; its staging program {d['drawn_program_ms']:.2f} ms on the device"))
-            if d.get("drawn_cpu_added_ms") is not None:
-                print(f"  {name:9s} the same on the engine's thread's CPU: a drawn step "
-                      f"+{d['drawn_cpu_added_ms']:.2f} ms, the {FOLLOWING_STEPS} after it "
-                      f"+{d['after_cpu_added_ms']:.2f} ms; waiting on the device (its event and stream waits): "
-                      f"{d.get('drawn_wait_added_ms', 0):+.2f} ms and {d.get('after_wait_added_ms', 0):+.2f} ms; "
-                      f"the rest of the wall time above: the thread waiting for something else (Python's lock)")
-            w = f.get("worker_checks") or {}
-            if w.get("wall_us"):
-                print(f"  {name:9s} its worker thread's checks: {w['checks'] - w.get('in_process', 0)}; each "
-                      f"{w['wall_us']['median'] / 1e3:.2f} ms "
-                      f"(median; {w['wall_us']['min'] / 1e3:.2f}..{w['wall_us']['max'] / 1e3:.2f}), of it "
-                      f"{w['cpu_us']['median'] / 1e3:.2f} ms on the CPU (when the worker can hold the interpreter's "
-                      f"lock), {w['switches']['median']:.0f} voluntary switches"
-                      + ("" if not w.get("device_us") else f"; its span on the worker's stream "
-                         f"{w['device_us']['median'] / 1e3:.2f} ms"))
-            if w.get("send_us"):
-                print(f"  {name:9s} its checker process's checks: {w['in_process']}"
-                      + ("" if not f.get("reference") else f" (their reference on the {f['reference']})")
-                      + "; each sent by the engine's thread "
-                      f"in {w['send_us']['median']:.0f} us (median; its CPU {w['send_cpu_us']['median']:.0f} us)"
-                      + ("" if not w.get("answer_us") else f", its answer read at a hook "
-                         f"{w['answer_us']['median'] / 1e3:.2f} ms after it was sent")
-                      + ("" if not w.get("buffers") or w["buffers"][0] is None else
-                         f"; buffers shared with the child by the first check "
-                         f"{w['buffers'][0]}, by the last {w['buffers'][1]}; layers given "
-                         f"{w['layers_given'][0]}, {w['layers_given'][1]}"))
-            if f.get("diagnostic"):
-                print(f"  {name:9s} DIAGNOSTIC: the worker's check was '{f['worker_check']}' (nothing compared); its "
-                      "figure is not judged")
-            for line in where_lines(d.get("where")):
-                print(f"  {name:9s} {line}")
-            t = f.get("drawn_split_timed") or {}
-            if t.get("drawn_parts_us"):
-                print(f"  {name:9s} a drawn step's hooks with the bench's timers on: {t['drawn_hooks_us']:.0f} us "
-                      f"({t['drawn']} step(s)); of it " + ", ".join(f"{part} {us:.0f} us" for part, us
-                                                                  in t["drawn_parts_us"].items()))
-            draws = f.get("draws")
-            if draws is not None and name == "sentinel":
-                timed = [x for x in draws if x["timed"]]
-                print(f"  {name:9s} its draws: {len(draws)} step(s) drawn, {len(timed)} while a step was timed "
-                      f"(the split found {d.get('drawn', 0)} in its windows), "
-                      f"{sum(not x['engine_thread'] for x in draws)} asked from another thread; first: "
-                      + ", ".join(f"step {x['step']} at bench step {x['bench_step']} (probe count {x['probe_count']})"
-                                  for x in draws[:4]))
+            _print_sentinel_split(name, f)
             walls, cpus = f.get("hooks_us_mean_by_name") or {}, f.get("hooks_cpu_us_mean_by_name") or {}
             if cpus:
                 print(f"  {name:9s} its hooks a step, wall / on the CPU (means): " + ", ".join(
@@ -1982,6 +1942,9 @@ def print_figures(figs: dict, records: dict) -> None:
                 print(f"  {name:9s} paired with the bench's hook timers on ({t['pairs']} rounds after those; not "
                       f"judged): {pct(t['host']['median'])} (rounds {t['host']['min']:.4f}..{t['host']['max']:.4f})"
                       f" x {t.get('device') or 1:.4f} = {pct(t.get('ratio'))}")
+    if "sentinel_alone" in figs:
+        print("  sentinel  no figure: no kvdbg-absent rounds in this run (--parts); where its time went:")
+        _print_sentinel_split("sentinel", figs["sentinel_alone"])
     f = figs.get("wanted_engine")
     if f:
         print(f"  wanted step, engine's thread: +{f['added_us']['median']:.0f} us (range {f['added_us']['min']:.0f}.."
@@ -2029,6 +1992,63 @@ def print_figures(figs: dict, records: dict) -> None:
               + (f"; {row['added_us']:.1f} us over an unwanted step (choice {row['by_hook_us']['choose_graph']:.1f}, "
                  f"after the replay {row['by_hook_us']['after_graph_replay']:.1f}; staged inside the graph "
                  f"{row['staged_in_graph']})" if row.get("added_us") is not None else ""))
+
+
+def _print_sentinel_split(name: str, f: dict) -> None:
+    """The lines of where a part's drawn steps' time went, its checks and its draws (print_figures)."""
+    d = f.get("drawn_split") or {}
+    if d.get("share") is not None:
+        print(f"  {name:9s} where its time goes: {d['drawn']} of {d['steps']} steps drawn; a drawn step "
+              f"+{d['drawn_added_ms']:.2f} ms (its hooks {d['drawn_hooks_us']:.0f} us), the "
+              f"{FOLLOWING_STEPS} after it +{d['after_added_ms']:.2f} ms in all (while its check runs); "
+              f"together {d['share']:.1%} of the rounds' time; the other steps' hooks "
+              f"{d['quiet_hooks_us']:.1f} us"
+              + ("" if d.get("drawn_program_ms") is None else
+                 f"; its staging program {d['drawn_program_ms']:.2f} ms on the device"))
+    if d.get("drawn_cpu_added_ms") is not None:
+        print(f"  {name:9s} the same on the engine's thread's CPU: a drawn step "
+              f"+{d['drawn_cpu_added_ms']:.2f} ms, the {FOLLOWING_STEPS} after it "
+              f"+{d['after_cpu_added_ms']:.2f} ms; waiting on the device (its event and stream waits): "
+              f"{d.get('drawn_wait_added_ms', 0):+.2f} ms and {d.get('after_wait_added_ms', 0):+.2f} ms; "
+              f"the rest of the wall time above: the thread waiting for something else (Python's lock)")
+    w = f.get("worker_checks") or {}
+    if w.get("wall_us"):
+        print(f"  {name:9s} its worker thread's checks: {w['checks'] - w.get('in_process', 0)}; each "
+              f"{w['wall_us']['median'] / 1e3:.2f} ms "
+              f"(median; {w['wall_us']['min'] / 1e3:.2f}..{w['wall_us']['max'] / 1e3:.2f}), of it "
+              f"{w['cpu_us']['median'] / 1e3:.2f} ms on the CPU (when the worker can hold the interpreter's "
+              f"lock), {w['switches']['median']:.0f} voluntary switches"
+              + ("" if not w.get("device_us") else f"; its span on the worker's stream "
+                 f"{w['device_us']['median'] / 1e3:.2f} ms"))
+    if w.get("send_us"):
+        print(f"  {name:9s} its checker process's checks: {w['in_process']}"
+              + ("" if not f.get("reference") else f" (their reference on the {f['reference']})")
+              + "; each sent by the engine's thread "
+              f"in {w['send_us']['median']:.0f} us (median; its CPU {w['send_cpu_us']['median']:.0f} us)"
+              + ("" if not w.get("answer_us") else f", its answer read at a hook "
+                 f"{w['answer_us']['median'] / 1e3:.2f} ms after it was sent")
+              + ("" if not w.get("buffers") or w["buffers"][0] is None else
+                 f"; buffers shared with the child by the first check "
+                 f"{w['buffers'][0]}, by the last {w['buffers'][1]}; layers given "
+                 f"{w['layers_given'][0]}, {w['layers_given'][1]}"))
+    if f.get("diagnostic"):
+        print(f"  {name:9s} DIAGNOSTIC: the worker's check was '{f['worker_check']}' (nothing compared); its "
+              "figure is not judged")
+    for line in where_lines(d.get("where")):
+        print(f"  {name:9s} {line}")
+    t = f.get("drawn_split_timed") or {}
+    if t.get("drawn_parts_us"):
+        print(f"  {name:9s} a drawn step's hooks with the bench's timers on: {t['drawn_hooks_us']:.0f} us "
+              f"({t['drawn']} step(s)); of it " + ", ".join(f"{part} {us:.0f} us" for part, us
+                                                          in t["drawn_parts_us"].items()))
+    draws = f.get("draws")
+    if draws is not None and name == "sentinel":
+        timed = [x for x in draws if x["timed"]]
+        print(f"  {name:9s} its draws: {len(draws)} step(s) drawn, {len(timed)} while a step was timed "
+              f"(the split found {d.get('drawn', 0)} in its windows), "
+              f"{sum(not x['engine_thread'] for x in draws)} asked from another thread; first: "
+              + ", ".join(f"step {x['step']} at bench step {x['bench_step']} (probe count {x['probe_count']})"
+                          for x in draws[:4]))
 
 
 def parent(args) -> int:

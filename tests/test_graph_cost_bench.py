@@ -756,6 +756,29 @@ def test_a_sentinel_rounds_time_is_split_between_its_drawn_steps_the_steps_after
         "sentinel_hand 120 us" in out
 
 
+def test_a_sentinel_run_without_kvdbg_absent_rounds_prints_its_split_and_says_why_it_has_no_figure(capsys):
+    # --parts sentinel (a diagnostic run, --where): no baseline to hold it to, but where its time went needs none.
+    steps = [_step(30.0, replays=0, hooks_us=0, drawn=False)] + [_step(5.0, drawn=False) for _ in range(40)]
+    steps[11] = _step(6.0, hooks_us=510.0, drawn=True)
+    summary = gc.summarize_round(steps)
+    records = {"sentinel": {**_records()["sentinel"], "sentinel_reference": "host"}}
+    records["sentinel"]["phases"]["rounds"] = [summary] * 2
+    figs = gc.figures(records)
+    assert "sentinel" not in figs and figs["sentinel_alone"]["drawn_split"]["drawn"] == 2
+    assert figs["sentinel_alone"]["reference"] == "host"
+    code, problems, _ = gc.verdict(["sentinel"], records, figs)
+    assert code == 2 and problems == ["sentinel: the figure sentinel could not be computed: no kvdbg-absent rounds "
+                                      "in this run (its split is printed)"]
+    gc.print_figures(figs, records)
+    out = capsys.readouterr().out
+    assert "sentinel  no figure: no kvdbg-absent rounds in this run (--parts)" in out
+    assert "sentinel  where its time goes: 2 of" in out and "a drawn step +1.00 ms (its hooks 510 us)" in out
+    # With the baseline, the figure and the same split; the other parts' missing figures say nothing more.
+    assert "sentinel_alone" not in gc.figures(_records())
+    assert gc.verdict(["armed"], {"capture": {"problems": [], "phases": {}}}, {})[1] == \
+        ["armed: the figure armed could not be computed"]
+
+
 def test_a_drawn_steps_time_on_the_engines_cpu_and_its_workers_checks_are_shown_beside_the_wall_time(capsys):
     """--thread-times: each step's CPU time on the engine's thread splits a drawn step's added wall time into work
     and waiting; the worker's checks are timed on its own thread (others' calls are not), and printed."""
@@ -834,6 +857,9 @@ def test_the_checker_processs_checks_are_timed_where_the_engines_thread_sends_an
     gc.print_figures(figs, records)
     out = capsys.readouterr().out
     assert "its checker process's checks: 2; each sent by the engine's thread in" in out
+    records["sentinel"]["sentinel_reference"] = "device"  # the bench's --sentinel-reference, said where it matters
+    gc.print_figures(gc.figures(records), records)
+    assert "its checker process's checks: 2 (their reference on the device); each sent" in capsys.readouterr().out
     assert "buffers shared with the child by the first check 0, by the last 0; layers given 2, 2" in out
     assert "after it was sent" in out and "its worker thread's checks" not in out
 
