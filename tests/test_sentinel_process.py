@@ -148,6 +148,7 @@ def test_a_child_told_where_to_work_out_its_reference_answers_as_any(reference):
     # On a CPU both places are the host; the place reaches the child on its command line, which it accepts.
     process = CheckerProcess("cpu", reference=reference)
     try:
+        assert process._process.args[-1] == reference
         entries = _one_step_of_layers(2)
         entries[1][1].output.view(-1, HQ, D)[1:5, 2] += 0.5
         there = _check(process, entries, pairs=ALL_PAIRS, seed=7, step=4)

@@ -13,9 +13,11 @@ import sys
 def main(argv: list[str]) -> int:
     from multiprocessing.connection import Connection
 
-    if len(argv) not in (2, 3) or not argv[0].isdigit() or argv[2:] not in ([], ["host"], ["device"]):
-        print("usage: python -m kvdbg.sentinel.child FD DEVICE [host|device] (started by kvdbg's sentinel, not by "
-              "hand)", file=sys.stderr)
+    from kvdbg.sentinel.config import REFERENCE_PLACES
+
+    if len(argv) not in (2, 3) or not argv[0].isdigit() or any(a not in REFERENCE_PLACES for a in argv[2:]):
+        print(f"usage: python -m kvdbg.sentinel.child FD DEVICE [{'|'.join(REFERENCE_PLACES)}] (started by kvdbg's "
+              "sentinel, not by hand)", file=sys.stderr)
         return 2
     conn = Connection(int(argv[0]))
     # The engine's process says when to stop (or closes its end): a Ctrl-C meant for the engine is not for this one.

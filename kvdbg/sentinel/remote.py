@@ -60,6 +60,8 @@ import time
 import weakref
 from typing import Any
 
+from kvdbg.sentinel.config import REFERENCE_PLACES
+
 logger = logging.getLogger("kvdbg.sentinel")
 
 __all__ = ["CheckerProcess", "CheckerProcessError"]
@@ -87,8 +89,8 @@ class CheckerProcess:
                  command: list[str] | None = None, reference: str = "host"):
         import torch
 
-        if reference not in ("host", "device"):
-            raise ValueError(f"reference must be host or device, got {reference!r}")
+        if reference not in REFERENCE_PLACES:
+            raise ValueError(f"reference must be {' or '.join(REFERENCE_PLACES)}, got {reference!r}")
 
         self.device = torch.device(device)
         self.check_seconds = check_seconds
