@@ -79,8 +79,10 @@ out on the device, not on the host), and its rounds start once that process is r
 kvdbg-absent part (``--parts sentinel``) has no figure, and prints where its time went all the same. Two
 diagnostics, never figures: ``--where MS`` samples the engine thread's frames every MS ms in timed steps and prints
 the frames where a drawn step, and a step after one, had more samples than a quiet step (a sample falls where the
-thread let go of Python's lock); ``--worker-check idle`` replaces the worker's check by a wait for the staging and
-``--idle-ms`` of sleep (nothing compared, the figure not judged), to tell the check's cost from the rest.
+thread let go of Python's lock); ``--worker-check idle`` replaces the sentinel's check by ``--idle-ms`` of sleep
+(the worker thread waits for the staging first; the checker process still receives and rebuilds each check:
+``bench/_idle_checker.py``), ``--worker-check spin`` by as long a spin of one CPU core in the checker process
+(nothing compared either way, the figure not judged), to tell the check's cost from the send's and the rest.
 
 Prints a line per part, the figures against their lines, and one line ``GCOST-SUMMARY {json}``. Writes
 OUT/records/PART.json (each part's raw record) and OUT/logs/PART.log; snapshots go to ``--scratch`` and are
@@ -1198,6 +1200,23 @@ def frame_key(frame, depth: int = 3) -> str:
     return " < ".join(names)
 
 
+def stand_in_checker(mode: str, ms: float) -> None:
+    """``--worker-check idle|spin`` on the checker process's path: the sentinel starts ``bench/_idle_checker.py``
+    in place of kvdbg's child. It receives and rebuilds every check as the child does, then sleeps (``idle``) or
+    spins one CPU core (``spin``) ``ms`` in place of the check, without the device, and compares nothing."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _idle_checker
+
+    from kvdbg.sentinel import remote
+
+    real_init = remote.CheckerProcess.__init__
+
+    def init(self, device, *args, command=None, **kwargs):
+        real_init(self, device, *args, command=command or _idle_checker.command(mode, ms), **kwargs)
+
+    remote.CheckerProcess.__init__ = init
+
+
 def wrap_worker_checks(timing: "Timing", idle_ms: float | None = None) -> list[dict]:
     """Each check the sentinel's worker thread makes (``checker.check_layers`` on its thread): its wall time, its
     CPU time (the part that can hold the interpreter's lock the engine's thread wants), voluntary switches, the
@@ -1510,8 +1529,9 @@ def engine_child(args) -> dict:
     deadline = started + args.child_limit - 10
     os.environ.update(kind_environment(kind, args.scratch))
     if kind == "sentinel":  # its checks in the checker process, or in its worker thread (and always so when idle)
-        os.environ["KVDBG_SENTINEL_PROCESS"] = "1" if args.sentinel_process == "on" and args.worker_check == "real" \
-            else "0"
+        os.environ["KVDBG_SENTINEL_PROCESS"] = "1" if args.sentinel_process == "on" else "0"
+        if args.sentinel_process == "on" and args.worker_check != "real":
+            stand_in_checker(args.worker_check, args.idle_ms)
         os.environ["KVDBG_SENTINEL_REFERENCE"] = args.sentinel_reference
         record["sentinel_reference"] = args.sentinel_reference
     try:
@@ -1550,7 +1570,8 @@ def engine_child(args) -> dict:
         if state is not None and state.sentinel is not None and state._graph_layers:
             timing.draw_probe = (state, next(iter(state._graph_layers.values()))[0].name)
             record["sentinel_draws"] = log_draws(state, timing)
-            record["sentinel_checks"] = wrap_worker_checks(timing, args.idle_ms if args.worker_check == "idle" else None)
+            record["sentinel_checks"] = wrap_worker_checks(timing, args.idle_ms if args.worker_check == "idle" and
+                                                           args.sentinel_process == "off" else None)
             record["worker_check"] = args.worker_check
             if os.environ.get("KVDBG_SENTINEL_PROCESS") == "1":  # the rounds time checks in the process, not its start
                 began = time.monotonic()
@@ -2032,8 +2053,9 @@ def _print_sentinel_split(name: str, f: dict) -> None:
                  f"{w['buffers'][0]}, by the last {w['buffers'][1]}; layers given "
                  f"{w['layers_given'][0]}, {w['layers_given'][1]}"))
     if f.get("diagnostic"):
-        print(f"  {name:9s} DIAGNOSTIC: the worker's check was '{f['worker_check']}' (nothing compared); its "
-              "figure is not judged")
+        print(f"  {name:9s} DIAGNOSTIC: the sentinel's check was '{f['worker_check']}' "
+              f"({'in its checker process' if w.get('in_process') else 'in its worker thread'}; nothing compared); "
+              "its figure is not judged")
     for line in where_lines(d.get("where")):
         print(f"  {name:9s} {line}")
     t = f.get("drawn_split_timed") or {}
@@ -2134,9 +2156,11 @@ def main() -> int:
     parser.add_argument("--where", type=float, default=0.0, metavar="MS",
                         help="a diagnostic: sample the engine thread's frames every MS ms in timed steps; the "
                              "sentinel's split prints where a drawn step's extra samples fall")
-    parser.add_argument("--worker-check", choices=("real", "idle"), default="real",
-                        help="a diagnostic: 'idle' replaces the sentinel worker's check by a wait for the staging "
-                             "and --idle-ms of sleep (nothing compared; the sentinel's figure is then not judged)")
+    parser.add_argument("--worker-check", choices=("real", "idle", "spin"), default="real",
+                        help="a diagnostic: 'idle' replaces the sentinel's check by --idle-ms of sleep, 'spin' (the "
+                             "checker process only) by --idle-ms of one CPU core busy; the checker process still "
+                             "receives each check, the worker thread waits for the staging first (nothing compared; "
+                             "the sentinel's figure is then not judged)")
     parser.add_argument("--idle-ms", type=float, default=12.0)
     parser.add_argument("--sentinel-process", choices=("on", "off"), default="on",
                         help="the sentinel's checks of staged steps in its checker process (KVDBG_SENTINEL_PROCESS, "
@@ -2149,6 +2173,9 @@ def main() -> int:
     parser.add_argument("--phases", default="-", help=argparse.SUPPRESS)
     parser.add_argument("--child-limit", type=float, default=200.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker_check == "spin" and args.sentinel_process == "off":
+        parser.error("--worker-check spin is for the checker process (a spinning worker thread would hold the "
+                     "interpreter's lock the engine's thread wants: another measurement)")
     if args.one is None:
         return parent(args)
     record = hooks_child(args) if args.one == "hooks" else engine_child(args)

@@ -864,6 +864,50 @@ def test_the_checker_processs_checks_are_timed_where_the_engines_thread_sends_an
     assert "after it was sent" in out and "its worker thread's checks" not in out
 
 
+@pytest.mark.parametrize("mode", ["idle", "spin"])
+def test_the_stand_in_checker_process_answers_each_check_after_its_time_with_nothing_compared(mode, capsys):
+    """--worker-check idle|spin with the checker process: the sentinel starts the bench's stand-in child, which takes
+    each check as kvdbg's child does and answers it, no sooner than --idle-ms, with each layer named and no pair."""
+    from tests.test_sentinel import _one_step_of_layers
+
+    from kvdbg.sentinel.remote import CheckerProcess
+
+    real_init = CheckerProcess.__init__
+    try:
+        gc.stand_in_checker(mode, 300.0)
+        process = CheckerProcess("cpu")
+    finally:
+        CheckerProcess.__init__ = real_init
+    try:
+        assert process._process.args[2:4] == [mode, "300.0"] and process._process.args[1].endswith("_idle_checker.py")
+        entries = _one_step_of_layers(2)
+        entries[1][1].output.view(-1)[0] = float("nan")  # not looked at: nothing is checked
+        began = time.monotonic()
+        process.submit(entries, pairs=1, seed=3, step=3)
+        [(kind, results)] = process.answers(30.0)
+        assert time.monotonic() - began >= 0.3
+    finally:
+        process.close()
+    assert kind == "ok" and [r.layer for r in results] == [layer.name for layer, _ in entries]
+    assert all(not r.pairs and r.nonfinite is None for r in results)
+    records = _records()
+    records["sentinel"].update(worker_check=mode, sentinel_checks=[
+        {"step": 3, "layers": 2, "bench_step": 5, "process": True, "send_us": 200.0, "send_cpu_us": 150.0,
+         "answer_us": 310e3, "buffers": 0, "layers_given": 2}])
+    gc.print_figures(gc.figures(records), records)
+    assert f"DIAGNOSTIC: the sentinel's check was '{mode}' (in its checker process; nothing compared)" \
+        in capsys.readouterr().out
+
+
+def test_spin_is_refused_for_the_worker_thread(capsys):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "graph_cost.py"), "/nonexistent",
+                           "--worker-check", "spin", "--sentinel-process", "off"], capture_output=True, text=True)
+    assert done.returncode == 2 and "--worker-check spin is for the checker process" in done.stderr
+
+
 def test_the_engines_waits_on_the_device_count_into_its_step_and_no_other_threads_do():
     """--thread-times: each synchronize of the given classes on the engine's thread adds its time to the step being
     timed; another thread's, or one between steps, adds nothing; restore() puts the method back."""
