@@ -76,13 +76,15 @@ else (Python's lock, mostly: the sentinel's worker, whose checks are timed on it
 The sentinel's engine checks staged steps in its checker process (``KVDBG_SENTINEL_PROCESS``, kvdbg's default;
 ``--sentinel-process off``: in its worker thread; ``--sentinel-reference device``: the process works the reference
 out on the device, not on the host), and its rounds start once that process is ready; a run of it without the
-kvdbg-absent part (``--parts sentinel``) has no figure, and prints where its time went all the same. Two
+kvdbg-absent part (``--parts sentinel``) has no figure, and prints where its time went all the same. Three
 diagnostics, never figures: ``--where MS`` samples the engine thread's frames every MS ms in timed steps and prints
 the frames where a drawn step, and a step after one, had more samples than a quiet step (a sample falls where the
 thread let go of Python's lock); ``--worker-check idle`` replaces the sentinel's check by ``--idle-ms`` of sleep
 (the worker thread waits for the staging first; the checker process still receives and rebuilds each check:
 ``bench/_idle_checker.py``), ``--worker-check spin`` by as long a spin of one CPU core in the checker process
-(nothing compared either way, the figure not judged), to tell the check's cost from the send's and the rest.
+(nothing compared either way, the figure not judged), to tell the check's cost from the send's and the rest;
+``--profile`` runs the sentinel's steps under ``cProfile`` on the engine's thread and prints the functions a drawn
+step, and a step after one, spent more time in than a quiet step (each Python call dearer: the figure not judged).
 
 Prints a line per part, the figures against their lines, and one line ``GCOST-SUMMARY {json}``. Writes
 OUT/records/PART.json (each part's raw record) and OUT/logs/PART.log; snapshots go to ``--scratch`` and are
@@ -249,6 +251,7 @@ class Timing:
         self.stand_in = None  # a ticketed step's stand-in job, made before the replay's hook is timed
         self.engine_thread: int | None = None  # the thread that runs the engine's steps (install_device_waits)
         self.worker_checks: list[dict] = []  # the sentinel's worker's checks (wrap_worker_checks)
+        self.profiles: "StepProfiles | None" = None  # --profile: each step's functions on the engine's thread
         self.handed_job = None  # the job the latest after_graph_replay handed to the capture thread
         self._replaced: list[tuple[object, str, object]] = []
         # kvdbg's hooks and their timers, (class, name, the class's own hook or None, the timed hook): hook_timers()
@@ -328,11 +331,14 @@ class Timing:
             counted = None if probe is None else probe[0]._forward_counts.get(probe[1], 0)
             cpu = time.thread_time_ns() if timing.thread_times else None
             timing.engine_thread = threading.get_ident()
+            profile = timing.profiles.begin() if timing.profiles is not None else None
             start = time.perf_counter_ns()
             try:
                 return original(*args, **kwargs)
             finally:
                 record["wall_ns"] = time.perf_counter_ns() - start
+                if profile is not None:
+                    profile.disable()
                 if cpu is not None:  # --thread-times: the engine's thread's CPU time in the step (wall above it: waiting)
                     record["cpu_ns"] = time.thread_time_ns() - cpu
                 if counted is not None:  # the layer's forwards the step counted: its draws (outside the clock)
@@ -340,6 +346,8 @@ class Timing:
                     if now > counted:
                         draws = probe[0].sentinel.sentinel._draws
                         record["drawn"] = any(draws.get(n) for n in range(counted, now))
+                if profile is not None:
+                    timing.profiles.end(profile, record)
                 timing.steps.append(record)
                 timing.current = None
 
@@ -1088,6 +1096,8 @@ def figures(records: dict[str, dict]) -> dict:
                            **_sentinel_split(records["sentinel"])}
         if records["sentinel"].get("worker_check", "real") != "real":  # a diagnostic: nothing was compared
             out["sentinel"].update(worker_check=records["sentinel"]["worker_check"], met=True, diagnostic=True)
+        elif records["sentinel"].get("profile"):  # a diagnostic: every Python call in its steps made dearer
+            out["sentinel"].update(met=True, diagnostic=True)
     elif sentinel:  # no kvdbg-absent rounds to hold it to (a run of the sentinel alone): where its time went only
         out["sentinel_alone"] = _sentinel_split(records["sentinel"])
     return out
@@ -1102,7 +1112,8 @@ def _sentinel_split(record: dict) -> dict:
             "worker_checks": _worker_checks(record.get("sentinel_checks")),
             "reference": record.get("sentinel_reference"),
             "drawn_split": _split_over_rounds(phases.get("rounds", [])),
-            "drawn_split_timed": _split_over_rounds(phases.get("timed", []))}
+            "drawn_split_timed": _split_over_rounds(phases.get("timed", [])),
+            "profile": record.get("profile")}
 
 
 def _worker_checks(checks: list[dict] | None) -> dict | None:
@@ -1159,6 +1170,92 @@ def idle_check(idle_ms: float):
                 for layer, _ in entries]
 
     return check_layers
+
+
+class StepProfiles:
+    """``--profile`` (a diagnostic): each timed step's Python on the engine's thread under ``cProfile`` (which makes
+    every Python call dearer: the step times of such a run are no figure), kept by kind of step: the sentinel's
+    drawn steps, the ``FOLLOWING_STEPS`` after each, and quiet steps (kvdbg on, none drawn within as many steps
+    before; up to ``QUIET_KEPT``). :meth:`excess` says which functions a drawn step, and a step after one, spent
+    more time in than a quiet step: a function's own time (``tottime``) and with its callees (``cumtime``)."""
+
+    QUIET_KEPT = 400
+
+    def __init__(self):
+        self.kept: dict[str, list] = {"drawn": [], "after": [], "quiet": []}
+        self._since_drawn = None  # steps since the last drawn one
+
+    def begin(self):
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
+        return profile
+
+    def end(self, profile, record: dict) -> None:
+        if record.get("drawn"):
+            kind, self._since_drawn = "drawn", 0
+        elif self._since_drawn is not None and self._since_drawn < FOLLOWING_STEPS:
+            kind = "after"
+            self._since_drawn += 1
+        else:
+            kind, self._since_drawn = "quiet", None
+        if kind == "quiet" and (not record.get("kvdbg", True) or len(self.kept["quiet"]) >= self.QUIET_KEPT):
+            return
+        self.kept[kind].append(profile)
+
+    def excess(self, top: int = 12) -> dict:
+        """Per kind: its steps, and the ``top`` functions by time a step above a quiet step's (us), own and
+        cumulative."""
+        import pstats
+
+        def per_step(profiles: list) -> dict:
+            if not profiles:
+                return {}
+            stats = pstats.Stats(profiles[0])
+            for other in profiles[1:]:
+                stats.add(other)
+            return {_function_name(key): (tt / len(profiles), ct / len(profiles))
+                    for key, (_, _, tt, ct, _) in stats.stats.items()}
+
+        quiet = per_step(self.kept["quiet"])
+        out: dict = {f"{kind}_steps": len(self.kept[kind]) for kind in self.kept}
+        if not quiet:
+            return out
+        for kind in ("drawn", "after"):
+            mine = per_step(self.kept[kind])
+            if not mine:
+                continue
+            for column, which in (("own", 0), ("cumulative", 1)):
+                more = {name: (mine.get(name, (0, 0))[which] - quiet.get(name, (0, 0))[which]) * 1e6
+                        for name in set(mine) | set(quiet)}
+                out[f"{kind}_{column}"] = sorted(([name, round(us, 1)] for name, us in more.items()),
+                                                 key=lambda x: -x[1])[:top]
+            out[f"{kind}_total_us"] = round(sum(tt for tt, _ in mine.values()) * 1e6 / 1, 1)
+        out["quiet_total_us"] = round(sum(tt for tt, _ in quiet.values()) * 1e6, 1)
+        return out
+
+
+def _function_name(key: tuple) -> str:
+    file, line, name = key
+    return name if file == "~" else f"{'/'.join(file.split('/')[-2:])}:{line} {name}"
+
+
+def profile_lines(profile: dict | None) -> list[str]:
+    """--profile: what a drawn step, and a step after one, spent above a quiet step, by function."""
+    if not profile or not profile.get("quiet_steps"):
+        return []
+    lines = []
+    for kind, what in (("drawn", "a drawn step"), ("after", "a step after one")):
+        if not profile.get(f"{kind}_own"):
+            continue
+        lines.append(f"profile: {what} ({profile[f'{kind}_steps']} steps) {profile[f'{kind}_total_us']:.0f} us "
+                     f"of Python under the profiler, a quiet step ({profile['quiet_steps']}) "
+                     f"{profile['quiet_total_us']:.0f} us; its extra by function, own time:")
+        lines += [f"  {us:+8.1f} us  {name}" for name, us in profile[f"{kind}_own"]]
+        lines.append("  ... and with their callees:")
+        lines += [f"  {us:+8.1f} us  {name}" for name, us in profile[f"{kind}_cumulative"]]
+    return lines
 
 
 class StackSampler:
@@ -1583,6 +1680,8 @@ def engine_child(args) -> dict:
         if args.where:
             sampler = StackSampler(timing, args.where)
             sampler.start()
+        if args.profile and kind == "sentinel":
+            timing.profiles = StepProfiles()
         run_rounds(llm, timing, 1, 0, args)  # warm-up: first launches of the eager prefill's kernels
         phases = args.phases.split(",")
         index = 1
@@ -1643,6 +1742,8 @@ def engine_child(args) -> dict:
         if kind == "sentinel":
             counts = dict(state.sentinel.sentinel.counts)
             record["sentinel_counts"] = counts
+            if timing.profiles is not None:
+                record["profile"] = timing.profiles.excess()
             if not counts.get("checked"):
                 record["problems"].append("the sentinel checked no step")
             if counts.get("failed") or counts.get("errors"):
@@ -1874,6 +1975,7 @@ def child_command(args, kind: str, limit: float) -> list[str]:
             "--child-limit", str(limit)] \
         + (["--thread-times"] if args.thread_times else []) + ([] if args.paired else ["--no-paired"]) \
         + (["--cold"] if args.cold else []) \
+        + (["--profile"] if args.profile else []) \
         + ["--where", str(args.where), "--worker-check", args.worker_check, "--idle-ms", str(args.idle_ms),
            "--sentinel-process", args.sentinel_process, "--sentinel-reference", args.sentinel_reference]
 
@@ -2052,11 +2154,13 @@ def _print_sentinel_split(name: str, f: dict) -> None:
                  f"; buffers shared with the child by the first check "
                  f"{w['buffers'][0]}, by the last {w['buffers'][1]}; layers given "
                  f"{w['layers_given'][0]}, {w['layers_given'][1]}"))
-    if f.get("diagnostic"):
+    if f.get("diagnostic") and f.get("worker_check"):
         print(f"  {name:9s} DIAGNOSTIC: the sentinel's check was '{f['worker_check']}' "
               f"({'in its checker process' if w.get('in_process') else 'in its worker thread'}; nothing compared); "
               "its figure is not judged")
-    for line in where_lines(d.get("where")):
+    elif f.get("diagnostic"):
+        print(f"  {name:9s} DIAGNOSTIC: its steps ran under the profiler (--profile); its figure is not judged")
+    for line in where_lines(d.get("where")) + profile_lines(f.get("profile")):
         print(f"  {name:9s} {line}")
     t = f.get("drawn_split_timed") or {}
     if t.get("drawn_parts_us"):
@@ -2156,6 +2260,10 @@ def main() -> int:
     parser.add_argument("--where", type=float, default=0.0, metavar="MS",
                         help="a diagnostic: sample the engine thread's frames every MS ms in timed steps; the "
                              "sentinel's split prints where a drawn step's extra samples fall")
+    parser.add_argument("--profile", action="store_true",
+                        help="a diagnostic: the sentinel's steps under cProfile on the engine's thread; prints the "
+                             "functions a drawn step, and a step after one, spent more time in than a quiet step "
+                             "(every Python call is dearer under it: the sentinel's figure is then not judged)")
     parser.add_argument("--worker-check", choices=("real", "idle", "spin"), default="real",
                         help="a diagnostic: 'idle' replaces the sentinel's check by --idle-ms of sleep, 'spin' (the "
                              "checker process only) by --idle-ms of one CPU core busy; the checker process still "

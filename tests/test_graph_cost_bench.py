@@ -899,6 +899,53 @@ def test_the_stand_in_checker_process_answers_each_check_after_its_time_with_not
         in capsys.readouterr().out
 
 
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _sent_after_a_draw() -> None:
+    _busy(0.004)
+
+
+def test_profiled_steps_say_which_functions_drawn_steps_and_those_after_spend_more_in(capsys):
+    """--profile: each step under cProfile, kept as drawn, after (the FOLLOWING_STEPS after one) or quiet; the
+    functions a drawn step and a step after one spend more time in than a quiet step come first, in us a step."""
+    profiles = gc.StepProfiles()
+    kinds = []
+    for index in range(30):
+        drawn = index == 5
+        record = {"drawn": drawn}
+        profile = profiles.begin()
+        _busy(0.0005)
+        if drawn:
+            _busy(0.006)
+        elif 5 < index <= 5 + gc.FOLLOWING_STEPS:
+            _sent_after_a_draw()
+        profile.disable()
+        profiles.end(profile, record)
+        kinds.append(record)
+    off = {"drawn": False, "kvdbg": False}  # a step with kvdbg's patches off is no quiet step of its
+    profile = profiles.begin()
+    profile.disable()
+    profiles.end(profile, off)
+    out = profiles.excess()
+    assert (out["drawn_steps"], out["after_steps"], out["quiet_steps"]) == (1, gc.FOLLOWING_STEPS, 30 - 1 - 8)
+    [(name, us)] = [(n, us) for n, us in out["after_cumulative"][:2] if n.endswith("_sent_after_a_draw")]
+    assert 3000 < us < 40000
+    assert out["drawn_cumulative"][0][0].endswith("_busy") and out["drawn_cumulative"][0][1] > 5000
+    assert {name.split(" ")[-1] for name, _ in out["drawn_own"][:2]} & {"_busy", "<built-in method time.perf_counter>"}
+    records = _records()
+    records["sentinel"]["profile"] = out
+    figs = gc.figures(records)
+    assert figs["sentinel"]["diagnostic"] and figs["sentinel"]["met"]
+    gc.print_figures(figs, records)
+    printed = capsys.readouterr().out
+    assert "DIAGNOSTIC: its steps ran under the profiler (--profile)" in printed
+    assert f"profile: a step after one ({gc.FOLLOWING_STEPS} steps)" in printed and "_sent_after_a_draw" in printed
+
+
 def test_spin_is_refused_for_the_worker_thread(capsys):
     import subprocess
     import sys
