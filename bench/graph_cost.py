@@ -968,6 +968,12 @@ def paired_figure(rounds: list[dict], bypassed: list[dict], graph: dict, baselin
         return {}
     host = spread(pairs)
     out = {"host": host, "pairs": len(pairs), "block": block}
+    if any(a.get("drawn_split") for a in rounds):  # the sentinel's: its rounds by the draws in their kvdbg half
+        groups: dict[int, list[float]] = {}
+        for a, b in zip(rounds, bypassed):
+            if a.get("step_ms") and b.get("step_ms"):
+                groups.setdefault((a.get("drawn_split") or {}).get("drawn", 0), []).append(a["step_ms"] / b["step_ms"])
+        out["by_draws"] = {str(k): {"rounds": len(v), "mean": statistics.fmean(v)} for k, v in sorted(groups.items())}
     base_step = statistics.median(r["step_ms"] for r in baseline_rounds if r.get("step_ms")) \
         if any(r.get("step_ms") for r in baseline_rounds) else None
     if graph.get("value") is not None and graph.get("baseline") is not None and base_step:
@@ -2055,6 +2061,11 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"blocks of {p.get('block') or '?'} steps): {pct(host['median'])} (rounds "
                       f"{host['min']:.4f}..{host['max']:.4f}){device}; judged on the "
                       f"{'paired figure' if f.get('judged_on') == 'paired' else 'ratio across processes'}")
+                if p.get("by_draws"):  # the sentinel's rounds: its steps' own cost apart from its draws'
+                    print(f"  {name:9s} its paired rounds by the steps drawn in their kvdbg half (the draws are "
+                          "seeded: the same each run): " + ", ".join(
+                              f"{k} drawn: {v['mean']:.4f}x ({v['rounds']} round{'s' * (v['rounds'] != 1)}, mean)"
+                              for k, v in p["by_draws"].items()))
             _print_sentinel_split(name, f)
             walls, cpus = f.get("hooks_us_mean_by_name") or {}, f.get("hooks_cpu_us_mean_by_name") or {}
             if cpus:

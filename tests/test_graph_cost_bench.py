@@ -266,6 +266,29 @@ def test_armed_and_sentinel_are_judged_on_rounds_paired_in_their_own_process(cap
     assert figs["armed"]["paired"] == {}
 
 
+def test_the_sentinels_paired_rounds_are_told_apart_by_the_steps_drawn_in_their_kvdbg_half(capsys):
+    """The sentinel's draws fall in few rounds: the rounds with none drawn say what its quiet steps cost, those
+    with one what a draw adds; grouped by the draws of each round's kvdbg half, a mean each."""
+    records = _records()
+    rounds = [_round(5.5 + 0.1 * drawn) for drawn in (0, 1, 0, 2, 1)]
+    for r, drawn in zip(rounds, (0, 1, 0, 2, 1)):
+        r["drawn_split"] = {"drawn": drawn, "steps": 40}
+    records["sentinel"]["phases"]["rounds"] = rounds
+    records["sentinel"]["phases"]["bypassed"] = [_round(5.5, hooks_us=0) for _ in range(5)]
+    records["sentinel"]["interleaved_block"] = 8
+    by = gc.figures(records)["sentinel"]["paired"]["by_draws"]
+    assert list(by) == ["0", "1", "2"] and [v["rounds"] for v in by.values()] == [2, 2, 1]
+    assert by["0"]["mean"] == pytest.approx(1.0) and by["1"]["mean"] == pytest.approx(5.6 / 5.5)
+    gc.print_figures(gc.figures(records), records)
+    out = capsys.readouterr().out
+    assert "its paired rounds by the steps drawn in their kvdbg half (the draws are seeded: the same each run): " \
+           "0 drawn: 1.0000x (2 rounds, mean), 1 drawn: 1.0182x (2 rounds, mean), 2 drawn: 1.0364x (1 round, mean)" \
+        in out
+    # The capture's armed rounds draw nothing: no such line.
+    records["capture"]["phases"]["bypassed"] = [_round(5.5, hooks_us=0) for _ in range(4)]
+    assert "by_draws" not in gc.figures(records)["armed"].get("paired", {})
+
+
 class _Switches:
     """A stand-in for Bypass: kvdbg's patches as a flag, every swap counted, and its plugin state's background
     work let finish (``settle``) counted among the swaps."""
