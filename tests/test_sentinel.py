@@ -223,6 +223,27 @@ def _stacked(entries: list, order: list[int] | None = None) -> list:
             for (layer, inputs), at in zip(entries, order)]
 
 
+def test_a_staged_steps_pages_one_request_after_another_are_read_without_a_block_table():
+    # A graph step's staging copies each request's pages after the last request's, as many as the host's bound on
+    # its length asks (here one more for request 1): its check has no block table, only those counts.
+    layer = _layer()
+    inputs = make_step(layer, seed=3)
+    inputs.output.view(-1, HQ, D)[4, 1] += 0.5  # request 1's last query token, head 1
+    counts = [-(-n // PS) for n in inputs.seq_lens.tolist()]
+    counts[1] += 1
+    ids = [int(p) for r, c in enumerate(counts) for p in inputs.block_table[r, :c]]
+    staged = dataclasses.replace(inputs, kv_cache=inputs.kv_cache[ids], block_table=None, max_pages=counts)
+    [here] = check_layers([(layer, inputs)], pairs=ALL_PAIRS, step=2)
+    [there] = check_layers([(layer, staged)], pairs=ALL_PAIRS, step=2)
+    assert [(p.request, p.head, p.passed) for p in there.pairs] == [(p.request, p.head, p.passed) for p in here.pairs]
+    assert [(p.request, p.head) for p in there.failed_pairs] == [(1, 1)]
+    for p, q in zip(here.pairs, there.pairs):
+        assert q.diff.max_abs == pytest.approx(p.diff.max_abs, rel=1e-6, abs=1e-6)
+    short = dataclasses.replace(staged, max_pages=[counts[0] - 1, *counts[1:]])
+    with pytest.raises(ValueError, match=f"request 0 is 37 tokens long, past the {counts[0] - 1} pages staged for it"):
+        check_layers([(layer, short)], pairs=ALL_PAIRS, step=2)
+
+
 @LAYER_KINDS
 @pytest.mark.parametrize("order", [None, [4, 1, 2]], ids=["in_order", "some_of_a_stack"])
 def test_layers_whose_copies_lie_in_one_stack_are_checked_as_each_alone(kw, order):

@@ -83,14 +83,16 @@ class StepInputs:
 
     query: torch.Tensor  # [num_tokens(+padding), Hq, D] or [num_tokens, Hq * D]
     kv_cache: torch.Tensor  # the layer's whole cache in its engine layout, after the step's update
-    block_table: torch.Tensor  # [num_reqs, width] engine page ids
+    # [num_reqs, width] engine page ids; None: a staged step's (kvdbg.vllm_plugin.graph_staging), whose requests'
+    # pages lie one request after another in the staged copy, ``max_pages[r]`` of them for request r
+    block_table: torch.Tensor | None
     seq_lens: torch.Tensor  # [num_reqs]
     query_start_loc: torch.Tensor  # [num_reqs + 1]
     causal: bool
     output: torch.Tensor  # [num_tokens(+padding), Hq, D] or [num_tokens, Hq * D]
     max_model_len: int | None = None
-    # Pages each request's row of block_table holds (a staged step's table: kvdbg.vllm_plugin.graph_staging); a
-    # request whose length needs more is refused before anything is read past them.
+    # Pages each request's row of block_table holds (a staged step's pages per request); a request whose length
+    # needs more is refused before anything is read past them.
     max_pages: list[int] | None = None
     # (stack, index): the layer's query, output and pages are ``stack.query[index]`` (its first rows),
     # ``stack.output[index]`` and ``stack.pages[index]`` of buffers that hold several layers' copies of one step along
@@ -470,8 +472,12 @@ def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, Any, Any
     # parts share it): a check's cost on a busy host is mostly per operation, so the indices are made as
     # lists and each becomes a tensor once.
     needed = sorted({r for *_, mine in parts for r, _ in mine})
-    table_rows = first.block_table.index_select(0, torch.tensor(needed, device=first.block_table.device))
-    row_of = dict(zip(needed, table_rows.tolist()))
+    if first.block_table is None:  # a staged step: its requests' pages one request after another, in order
+        starts = list(accumulate(first.max_pages, initial=0))
+        row_of = {r: range(starts[r], starts[r + 1]) for r in needed}
+    else:
+        table_rows = first.block_table.index_select(0, torch.tensor(needed, device=first.block_table.device))
+        row_of = dict(zip(needed, table_rows.tolist()))
     page_counts, tokens, plans, pairs = [], [], [], []
     for e, (inputs, query, output, mine) in enumerate(parts):
         if not mine:

@@ -202,7 +202,6 @@ class StagedStep:
     # them at one place, which a graph needs; one that does not is read from the build's own copies).
     with_metadata: bool = False
     _unique: tuple | None = field(default=None, repr=False)
-    _table: np.ndarray | None = field(default=None, repr=False)
     _metadata: tuple | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     batch_rows: int = 0  # the graph's batch rows, padding included (the rows the staged offsets hold for it)
@@ -293,18 +292,6 @@ class StagedStep:
         """Each request's first staged position (the program laid the requests' pages out one after another)."""
         self.sized()
         return np.cumsum(self.counts) - self.counts
-
-    def position_table(self) -> np.ndarray:
-        """The step's block table in staged positions ([requests, most pages], -1 past a row's pages): what a
-        reader of the staged pages uses in place of the engine's block table (made once)."""
-        table = self._table
-        if table is None:
-            self.sized()
-            columns = np.arange(max(1, int(self.counts.max()) if self.counts.size else 0), dtype=np.int64)
-            table = self.row_starts[:, None] + columns[None, :]
-            table[columns[None, :] >= self.counts[:, None]] = -1
-            self._table = table
-        return table
 
     def hold(self) -> "StagedStep":
         """One more reader of the staged buffers (the capture thread, a sentinel check): the program is not run

@@ -329,12 +329,13 @@ class SentinelHooks:
                                                    step))
 
     def _staged_table(self, staged: Any) -> tuple:
-        """A staged step's block table in staged positions and its pages per request, made once for all its
-        layers (their checks then share them, as :func:`kvdbg.sentinel.checker.check_layers` asks)."""
+        """A staged step's (block table, pages per request) for its checks: no table (the requests' pages lie one
+        after another in the staged copy: :class:`kvdbg.sentinel.checker.StepInputs`), and one list of its pages
+        per request, made once for all its layers (their checks then share it, as
+        :func:`kvdbg.sentinel.checker.check_layers` asks)."""
         if self._table_for is not staged:
-            import torch
-
-            self._table = (torch.from_numpy(staged.position_table()), staged.counts.tolist())
+            staged.sized()
+            self._table = (None, staged.counts.tolist())
             self._table_for = staged
         return self._table
 
