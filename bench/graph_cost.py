@@ -1134,7 +1134,8 @@ def _worker_checks(checks: list[dict] | None) -> dict | None:
             **{key: spread([c.get(key) for c in process]) for key in ("send_us", "send_cpu_us", "answer_us")},
             **({} if not process else {"buffers": [process[0].get("buffers"), process[-1].get("buffers")],
                                        "layers_given": [process[0].get("layers_given"),
-                                                        process[-1].get("layers_given")]})}
+                                                        process[-1].get("layers_given")],
+                                       "templates": [process[0].get("templates"), process[-1].get("templates")]})}
 
 
 def log_draws(state, timing: "Timing") -> list[dict]:
@@ -1371,7 +1372,8 @@ def wrap_worker_checks(timing: "Timing", idle_ms: float | None = None) -> list[d
                      "send_us": (sent - began) / 1e3, "send_cpu_us": (cpu - clock[1]) / 1e3, "sent_ns": sent,
                      # buffers shared with the child and layers given to it so far (each once: a check's
                      # metadata travels by value); None from a kvdbg before those counts (a run against older code)
-                     "buffers": getattr(self, "shares", None), "layers_given": getattr(self, "defines", None)}
+                     "buffers": getattr(self, "shares", None), "layers_given": getattr(self, "defines", None),
+                     "templates": getattr(self, "templates", None)}
             log.append(entry)
             waiting.append(entry)
 
@@ -2164,7 +2166,9 @@ def _print_sentinel_split(name: str, f: dict) -> None:
               + ("" if not w.get("buffers") or w["buffers"][0] is None else
                  f"; buffers shared with the child by the first check "
                  f"{w['buffers'][0]}, by the last {w['buffers'][1]}; layers given "
-                 f"{w['layers_given'][0]}, {w['layers_given'][1]}"))
+                 f"{w['layers_given'][0]}, {w['layers_given'][1]}")
+              + ("" if not w.get("templates") or w["templates"][0] is None else
+                 f"; templates made {w['templates'][0]}, {w['templates'][1]}"))
     if f.get("diagnostic") and f.get("worker_check"):
         print(f"  {name:9s} DIAGNOSTIC: the sentinel's check was '{f['worker_check']}' "
               f"({'in its checker process' if w.get('in_process') else 'in its worker thread'}; nothing compared); "

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import random
 import sys
+import types
+import weakref
 
 import pytest
 
@@ -427,7 +429,9 @@ def test_a_check_larger_than_the_sockets_buffer_is_sent_while_the_child_checks_a
         process.submit(_one_step_of_layers(1), pairs=1, seed=0, step=0)
         time.sleep(0.5)  # the child is in its first check
         began = time.monotonic()
-        process.submit([torch.zeros(1 << 20, dtype=torch.int64)], pairs=1, seed=1, step=1)
+        [(layer, inputs)] = _one_step_of_layers(1)
+        big = dataclasses.replace(inputs, query=torch.zeros(1 << 20, dtype=torch.int64))
+        process.submit([(layer, big)], pairs=1, seed=1, step=1)
         sent = time.monotonic() - began
         got = process.answers(30.0)
     finally:
@@ -474,8 +478,6 @@ def test_a_checks_layers_are_given_to_the_child_once_and_named_by_their_key_afte
 
 
 def test_a_layer_let_go_is_forgotten_by_the_child_when_its_id_comes_back():
-    import weakref
-
     process = CheckerProcess("cpu")
     try:
         layer = _one_step_of_layers(1)[0][0]
@@ -582,8 +584,6 @@ def test_a_staged_jobs_metadata_copied_to_the_host_is_read_only_once_its_copies_
 
 
 def test_a_layer_the_child_cannot_read_is_named_with_why_by_each_check_of_it():
-    import weakref
-
     process = CheckerProcess("cpu")
     try:
         entries = _one_step_of_layers(1)
@@ -595,5 +595,127 @@ def test_a_layer_the_child_cannot_read_is_named_with_why_by_each_check_of_it():
                                                    r"\(UnpicklingError: "):
                 _check(process, entries, pairs=1, seed=0, step=0)
         assert process.alive()
+    finally:
+        process.close()
+
+
+@pytest.fixture
+def shared_host():
+    """Host storages shared through files, which a process that is no multiprocessing child can open (torch's other
+    strategy hands descriptors over multiprocessing's own connections): the tests' way to share host buffers."""
+    import torch.multiprocessing as mp
+
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    yield
+    mp.set_sharing_strategy(before)
+
+
+def _staged_step(count: int = 3, **kw) -> list:
+    """A staged step's layers as the engine hands them over: their copies in one stack (the same objects step after
+    step), their requests' pages one after another with no block table."""
+    entries = _stacked(_one_step_of_layers(count, **kw))
+    counts = [-(-n // 8) for n in entries[0][1].seq_lens.tolist()]
+    layout = []
+    for r, c in enumerate(counts):
+        layout += entries[0][1].block_table[r, :c].tolist()
+    pages = entries[0][1].stack[0].pages[:, layout]  # each layer's pages in request order
+    stack = types.SimpleNamespace(pages=pages, query=entries[0][1].stack[0].query,
+                                  output=entries[0][1].stack[0].output)
+    return [(layer, dataclasses.replace(inputs, kv_cache=stack.pages[i], stack=(stack, i), block_table=None,
+                                        max_pages=counts, seq_lens=inputs.seq_lens.clone()))
+            for i, (layer, inputs) in enumerate(entries)]
+
+
+def test_a_staged_steps_layers_go_once_as_a_template_and_each_check_carries_its_metadata_alone(shared_host):
+    # A staging program's buffers are the same objects step after step: their views go to the child once (a
+    # template); each check then sends the step's metadata alone, and the child reads the buffers as they are now.
+    process = CheckerProcess("cpu", share_host=True)
+    try:
+        kinds = _sending(process)
+        entries = _staged_step(3)
+        out = entries[0][1].stack[0].output
+        right = out[1].clone()
+        answers = []
+        for step, (row, head) in enumerate([(2, 1), (5, 3)]):  # a wrong head of layer 1, another each step
+            out[1].copy_(right)
+            out[1].view(-1, HQ, D)[row, head] += 0.5
+            # The step's own metadata: new tensors every step (by value), the same buffers' views (the template).
+            seq_lens = entries[0][1].seq_lens.clone()
+            entries = [(layer, dataclasses.replace(inputs, seq_lens=seq_lens)) for layer, inputs in entries]
+            answers.append((_check(process, entries, pairs=ALL_PAIRS, seed=step, step=step), (row, head)))
+            here = check_layers(entries, pairs=ALL_PAIRS, rng=random.Random(step), step=step)
+            assert _verdicts(answers[-1][0]) == _verdicts(here)
+        assert kinds.count("template") == 1 and kinds.index("template") < kinds.index("check")
+        assert kinds[kinds.index("check") + 1:] == ["check"]  # the second step: its metadata alone
+        assert process.templates == 1 and len(process._templates) == 1
+        for results, (row, head) in answers:
+            assert [r.passed for r in results] == [True, False, True]
+            assert [(p.request, p.head) for p in results[1].failed_pairs] == [(1 if row < 5 else 2, head)]
+        # Other layer objects: another template; the first is kept until its objects go.
+        kinds.clear()
+        copies = [(dataclasses.replace(layer), inputs) for layer, inputs in entries]
+        assert [r.passed for r in _check(process, copies, pairs=ALL_PAIRS, seed=0, step=0)] == [True, False, True]
+        assert kinds.count("template") == 1 and process.templates == 2
+    finally:
+        process.close()
+
+
+def test_a_template_whose_objects_went_is_forgotten_and_made_again(shared_host):
+    process = CheckerProcess("cpu", share_host=True)
+    try:
+        kinds = _sending(process)
+        entries = _staged_step(2)
+        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+        [(ids, (_, key, named))] = list(process._templates.items())
+        assert named  # the storages and layers it names
+        # Its layers let go and others made at the same ids: the template does not answer for them.
+        gone, refs = entries, process._templates[ids][0]
+        gone_layer = type("Gone", (), {})()
+        dead = weakref.ref(gone_layer)
+        del gone_layer
+        process._templates[ids] = ([dead] + refs[1:], key, named)
+        kinds.clear()
+        assert all(r.passed for r in _check(process, gone, pairs=ALL_PAIRS, seed=0, step=0))
+        assert kinds[:2] == ["forget", "template"] and process.templates == 2 and len(process._templates) == 1
+        # A storage it names forgotten (its address another's): the template too.
+        kinds.clear()
+        [(_, (_, key, named))] = list(process._templates.items())
+        process._forget_named(next(iter(named)))
+        assert kinds == ["forget"] and not process._templates
+    finally:
+        process.close()
+
+
+def test_templates_past_their_bound_are_forgotten_oldest_first(monkeypatch, shared_host):
+    from kvdbg.sentinel import remote
+
+    monkeypatch.setattr(remote, "TEMPLATES_KEPT", 1)
+    process = CheckerProcess("cpu", share_host=True)
+    try:
+        sent, real = [], process._send
+        process._send = lambda message: (sent.append(message[:2]), real(message))
+        first, second = _staged_step(1), _staged_step(1)
+        assert all(r.passed for r in _check(process, first, pairs=ALL_PAIRS, seed=0, step=0))
+        [(_, key)] = [m for m in sent if m[0] == "template"]
+        sent.clear()
+        assert all(r.passed for r in _check(process, second, pairs=ALL_PAIRS, seed=0, step=0))
+        assert ("forget", key) in sent and len(process._templates) == 1
+        sent.clear()
+        assert all(r.passed for r in _check(process, first, pairs=ALL_PAIRS, seed=0, step=0))
+        assert [m for m in sent if m[0] == "template"]  # forgotten: made again
+    finally:
+        process.close()
+
+
+def test_a_check_naming_a_template_the_child_never_had_is_answered_as_an_error(shared_host):
+    process = CheckerProcess("cpu", share_host=True)
+    try:
+        entries = _staged_step(1)
+        real = process._send
+        process._send = lambda message: None if message[0] == "template" else real(message)
+        process.submit(entries, pairs=ALL_PAIRS, seed=0, step=0)
+        [(kind, value)] = process.answers(30.0)
+        assert kind == "error" and "was never given to the checker process" in value and process.alive()
     finally:
         process.close()

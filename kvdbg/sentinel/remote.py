@@ -16,9 +16,11 @@ it and reads the answer, at its hooks, without waiting::
     a later hook: the staging's event done?         -
                   send "share" once per buffer ->   open the buffer (CUDA IPC), keep it
                   send "define" once per layer ->   keep its constants (a CaptureLayer)
-                  send "check" (the step's      ->  rebuild the layers' inputs as views of the buffers,
-                  layers by key, its metadata       check_layers() on its own CUDA context
-                  by value, tensors as references)
+                  send "template" once per      ->  keep the layers' query, output and pages as views
+                  staging program and rows          of the buffers
+                  send "check" (the template's  ->  the layers' inputs: the template's, with the step's
+                  key, the step's metadata          metadata; check_layers() on its own CUDA context
+                  by value)
     each hook while it is out: an answer back?  <-  the CheckResults (plain data)
 
 (At first the worker thread sent the check and waited for its answer: it woke
@@ -27,10 +29,13 @@ time taking the lock back from the engine's thread.)
 
 Only staged steps go there: their query, output and pages lie in buffers
 kvdbg keeps for the life of a staging program, so each buffer is opened once;
-their metadata (the build's host copies, and the staged block table) travels
-by value: a device tensor made for one step would be a new buffer to share
-(an IPC handle, an event, a reference count) and for the child to open, every
-check. Their layers' constants go once too. A step checked from the
+their metadata (the build's host copies, and each request's staged pages)
+travels by value: a device tensor made for one step would be a new buffer to
+share (an IPC handle, an event, a reference count) and for the child to open,
+every check. Their layers' constants go once too, and so do the views of the
+buffers a staging program's steps are read through (a template): a check
+then carries its step's metadata alone, where pickling every layer's inputs
+again took the engine's thread some 250 us a check on an H100 host. A step checked from the
 engine's own tensors (eager mode, or a graph step's copies that are not
 staged) stays in the worker thread. The engine sends a check only after its
 staging's event is done, and lets the staging go only when the answer is
@@ -46,8 +51,10 @@ the engine's device (a few hundred MiB) and the check's working memory.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import logging
+import operator
 import os
 import pickle
 import queue
@@ -71,6 +78,12 @@ START_SECONDS = 120.0
 CHECK_SECONDS = 60.0
 # Tensors whose references are kept (see CheckerProcess._refs); past it they are worked out again.
 REFS_KEPT = 4096
+_CALL = weakref.ref.__call__  # a weak reference's object (mapped over a template's references)
+# Checks' layers whose parts the child keeps (see CheckerProcess._template); past it the oldest is forgotten.
+TEMPLATES_KEPT = 16
+# A step's own fields of a check's inputs (kvdbg.sentinel.checker.StepInputs), sent with every check; the others
+# (the layer's query, output and pages: kvdbg's staged buffers) go once, in a template.
+STEP_FIELDS = ("block_table", "seq_lens", "query_start_loc", "causal", "max_pages")
 
 
 class CheckerProcessError(RuntimeError):
@@ -82,11 +95,12 @@ class CheckerProcess:
 
     Not thread-safe: one thread (the engine's, through DeferredChecks.poll_remote) submits checks and reads their
     answers. ``device``: the engine's device (a CPU device runs the same protocol with every tensor sent by value:
-    the tests' way in).
+    the tests' way in; with ``share_host``, a template's host tensors are shared as a CUDA step's staged buffers
+    are).
     """
 
     def __init__(self, device: Any, *, start_seconds: float = START_SECONDS, check_seconds: float = CHECK_SECONDS,
-                 command: list[str] | None = None, reference: str = "host"):
+                 command: list[str] | None = None, reference: str = "host", share_host: bool = False):
         import torch
 
         if reference not in REFERENCE_PLACES:
@@ -94,14 +108,20 @@ class CheckerProcess:
 
         self.device = torch.device(device)
         self.check_seconds = check_seconds
+        # Host tensors shared as buffers too (torch moves each storage into shared memory), as CUDA ones are: the
+        # tests' way into the protocol of staged steps on a CPU. Off, a host tensor travels by value.
+        self.share_host = share_host
         self._shared: dict[int, tuple[Any, int]] = {}  # a storage's data_ptr: (weak reference, key)
         # id(layer): (weak reference, key) of each CaptureLayer the child was given once: a check names its layers
         self._layers: dict[int, tuple[Any, int]] = {}
         # id(tensor): (weak reference, its reference): a program's staged views are the same objects step after
         # step, and working a reference out again takes torch calls under Python's lock
         self._refs: dict[int, tuple] = {}
-        # Storages shared with, and layers given to, the child so far (each once, unless let go and its id reused)
-        self.shares = self.defines = 0
+        # The ids of a check's layers and of their staged buffers' tensors: (their weak references, the template's
+        # key, the storage and layer keys it names), oldest first (_template)
+        self._templates: collections.OrderedDict = collections.OrderedDict()
+        # Storages shared with, layers given to, and templates made for the child so far (each once, unless let go)
+        self.shares = self.defines = self.templates = 0
         self.last_times = (0, 0)  # the last check's (pickling and sending), the last answer's wait since its send, ns
         self._out: collections.deque = collections.deque()  # each outstanding check's send time (perf_counter_ns)
         self._since = 0  # when the oldest outstanding check became the one the child works on (its time limit's start)
@@ -142,17 +162,24 @@ class CheckerProcess:
         engine's thread calls this once the step's staging is done on the device (the child reads the buffers as
         they are). Raises CheckerProcessError when the child is gone."""
         began = time.perf_counter_ns()
-        first: list = []  # ("share", key, handle) and ("define", key, layer) messages the check needs before it
+        # ("share", key, handle), ("define", key, layer) and ("template", key, parts) messages the check needs first
+        first: list = []
         payload = io.BytesIO()
         try:
-            _Pickler(payload, self, first).dump((entries, pairs, seed, step))
-        except BaseException:  # nothing sent: the storages and layers it was about to give are not the child's
+            key = self._template(entries, first)
+            part = entries if key is None else [tuple(getattr(inputs, name) for name in STEP_FIELDS)
+                                                 for _, inputs in entries]
+            _Pickler(payload, self, first).dump((key, part, pairs, seed, step))
+        except BaseException:  # nothing sent: what it was about to give the child is not the child's
             keys = {message[1] for message in first}
             self.shares -= sum(message[0] == "share" for message in first)
             self.defines -= sum(message[0] == "define" for message in first)
+            self.templates -= sum(message[0] == "template" for message in first)
             for known in (self._shared, self._layers):
                 for name in [n for n, (_, key) in known.items() if key in keys]:
                     del known[name]
+            for ids in [ids for ids, (_, key, _) in self._templates.items() if key in keys]:
+                del self._templates[ids]
             self._refs.clear()
             raise
         for message in first:
@@ -203,6 +230,49 @@ class CheckerProcess:
             got.append((kind, value))
         return got
 
+    def _template(self, entries: list, first: list) -> int | None:
+        """The key of the template the child holds for these layers' parts that stay from one check to the next
+        (each layer, and its query, output and pages: views of kvdbg's staged buffers, the same objects every
+        step a staging program stages), made first (a ``template`` added to ``first``) when it holds none; a check
+        then sends only each layer's ``STEP_FIELDS``. None when a part is a host tensor (it travels by value: its
+        values are the step's)."""
+        objects: list = []
+        shape: list = []
+        for layer, inputs in entries:
+            parts = [layer, inputs.query, inputs.kv_cache, inputs.output]
+            stack = inputs.stack
+            if stack is not None:
+                parts += (stack[0].pages, stack[0].query, stack[0].output)
+            for tensor in parts[1:]:
+                if not (tensor.is_cuda or self.share_host):
+                    return None
+            objects += parts
+            shape.append((len(parts), None if stack is None else stack[1], inputs.max_model_len))
+        ids = (tuple(map(id, objects)), tuple(shape))
+        known = self._templates.get(ids)
+        if known is not None:
+            if all(map(operator.is_, map(_CALL, known[0]), objects)):  # each still the object it was
+                return known[1]
+            self._forget_template(ids)  # an object let go, its id another's now
+        pickler = _Pickler(io.BytesIO(), self, first, self.share_host)
+        pickler.dump([(layer, _without_step(inputs)) for layer, inputs in entries])
+        key, self._next_key = self._next_key, self._next_key + 1
+        first.append(("template", key, pickler.file.getvalue()))
+        self.templates += 1
+        self._templates[ids] = ([weakref.ref(obj) for obj in objects], key, frozenset(pickler.named))
+        while len(self._templates) > TEMPLATES_KEPT:
+            self._forget_template(next(iter(self._templates)))
+        return key
+
+    def _forget_template(self, ids: tuple) -> None:
+        _, key, _ = self._templates.pop(ids)
+        self._send(("forget", key))
+
+    def _forget_named(self, key: int) -> None:
+        """The child is told to forget a storage or layer: and the templates that name it."""
+        for ids in [ids for ids, (_, _, named) in self._templates.items() if key in named]:
+            self._forget_template(ids)
+
     def reference(self, tensor: Any, first: list) -> tuple:
         """A CUDA tensor as (key, offset, shape, stride, dtype) of a storage the child holds; its storage shared
         first (a ``share`` added to ``first``) when the child does not hold it yet, or holds a freed one at that
@@ -217,6 +287,7 @@ class CheckerProcess:
         if known is None or known[0].expired():  # new, or a freed storage's address taken by another
             if known is not None:
                 self._send(("forget", known[1]))
+                self._forget_named(known[1])
             key, self._next_key = self._next_key, self._next_key + 1
             whole = self._torch.empty(0, dtype=self._torch.uint8, device=tensor.device).set_(
                 storage, 0, (storage.nbytes(),), (1,))
@@ -242,6 +313,7 @@ class CheckerProcess:
             return known[1]
         if known is not None:  # a layer let go, its id another's now
             self._send(("forget", known[1]))
+            self._forget_named(known[1])
         key, self._next_key = self._next_key, self._next_key + 1
         first.append(("define", key, pickle.dumps(layer, protocol=pickle.HIGHEST_PROTOCOL)))
         self.defines += 1
@@ -311,22 +383,33 @@ class _Pickler(pickle.Pickler):
     strings and containers, and whose results it memoizes: a tensor named twice travels once, and is one tensor in
     the child (the check groups layers by their tensors' identity)."""
 
-    def __init__(self, file, owner: CheckerProcess, first: list):
+    def __init__(self, file, owner: CheckerProcess, first: list, share_host: bool = False):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         from kvdbg.capture.inputs import CaptureLayer
 
         self._owner, self._first, self._tensor, self._layer = owner, first, owner._torch.Tensor, CaptureLayer
+        self.file, self._shared = file, share_host  # host tensors as shared buffers too (a template's, on a CPU)
+        self.named: set[int] = set()  # the storages' and layers' keys it named
 
     def reducer_override(self, obj: Any) -> Any:
         if obj.__class__ is self._layer:
-            return _defined, (self._owner.layer_key(obj, self._first),)
+            key = self._owner.layer_key(obj, self._first)
+            self.named.add(key)
+            return _defined, (key,)
         if not isinstance(obj, self._tensor):
             return NotImplemented
-        if obj.is_cuda:
-            return _from_storage, self._owner.reference(obj, self._first)
+        if obj.is_cuda or self._shared:
+            ref = self._owner.reference(obj, self._first)
+            self.named.add(ref[0])
+            return _from_storage, ref
         data = obj.detach().contiguous()
         return _from_host, (str(data.dtype)[6:], tuple(data.shape),
                             data.reshape(-1).view(self._owner._torch.uint8).numpy().tobytes() if data.numel() else b"")
+
+
+def _without_step(inputs: Any) -> Any:
+    """A check's inputs less the step's own fields (a template's part: :meth:`CheckerProcess._template`)."""
+    return dataclasses.replace(inputs, **dict.fromkeys(STEP_FIELDS))
 
 
 def _from_storage(key: int, offset: int, shape: tuple, stride: tuple, dtype: str) -> Any:
@@ -390,6 +473,17 @@ def _from_host(dtype: str, shape: tuple, data: bytes) -> Any:
     return flat.view(getattr(torch, dtype)).reshape(shape)
 
 
+def _from_template(templates: dict, key: int, part: list) -> list:
+    """In the child: a check's entries from the template ``key`` and each layer's ``STEP_FIELDS`` in ``part``."""
+    template = templates.get(key)
+    if template is None:
+        raise ValueError(f"template {key} was never given to the checker process")
+    if isinstance(template, _Unreadable):
+        raise ValueError(f"template {key} given to the checker process could not be read there ({template.error})")
+    return [(layer, dataclasses.replace(inputs, **dict(zip(STEP_FIELDS, fields))))
+            for (layer, inputs), fields in zip(template, part)]
+
+
 def reference_device(target: Any, reference: str) -> Any:
     """Where the child works out the reference of a check whose inputs lie on ``target`` (``check_layers``'
     ``reference_device``; None: there too). ``host`` for a CUDA device: the child's device work is then the
@@ -434,6 +528,7 @@ def serve(conn: Any, device: str, check_layers: Any, reference: str = "host") ->
     threading.Thread(target=read, name="kvdbg-checker-inbox", daemon=True).start()
     storages: dict = {}
     layers: dict = {}
+    templates: dict = {}
     while True:
         data = inbox.get()
         if data is None:
@@ -449,12 +544,19 @@ def serve(conn: Any, device: str, check_layers: Any, reference: str = "host") ->
                 layers[message[1]] = pickle.loads(message[2])
             except Exception as exc:  # its checks answer why
                 layers[message[1]] = _Unreadable(f"{type(exc).__name__}: {exc}")
+        elif kind == "template":
+            try:
+                templates[message[1]] = _Loader(message[2], storages, layers, target).load()
+            except Exception as exc:  # its checks answer why
+                templates[message[1]] = _Unreadable(f"{type(exc).__name__}: {exc}")
         elif kind == "forget":
             storages.pop(message[1], None)
             layers.pop(message[1], None)
+            templates.pop(message[1], None)
         elif kind == "check":
             try:
-                entries, pairs, seed, step = _Loader(message[1], storages, layers, target).load()
+                key, part, pairs, seed, step = _Loader(message[1], storages, layers, target).load()
+                entries = part if key is None else _from_template(templates, key, part)
                 answer = ("ok", check_layers(entries, pairs=pairs, rng=random.Random(seed), step=step,
                                              reference_device=on))
             except Exception as exc:  # the check's own failure, for the engine to report
