@@ -219,6 +219,7 @@ def test_a_staged_step_is_checked_in_the_checker_process_on_buffers_it_shares_on
         if step == 1:
             shared = dict(deferred.remote._shared)
     assert len(shared) == 3 and deferred.remote._shared == shared  # the stack's three buffers, each shared once
+    assert deferred.remote.templates == 1  # the layers' views went once; the second check sent its metadata alone
     host = check_step(entries[0][0], entries[0][1], pairs=ALL_PAIRS, step=1)
     assert [(p.request, p.head, p.passed) for p in results[0][0].pairs] == \
         [(p.request, p.head, p.passed) for p in host.pairs]
