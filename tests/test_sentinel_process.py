@@ -719,3 +719,33 @@ def test_a_check_naming_a_template_the_child_never_had_is_answered_as_an_error(s
         assert kind == "error" and "was never given to the checker process" in value and process.alive()
     finally:
         process.close()
+
+
+def test_a_check_that_fails_to_pickle_after_its_template_was_made_leaves_no_template(shared_host):
+    # The template is made first; should the check's own pickling then fail, nothing was sent: the next check must
+    # make the template again (else the child answers that it never had it).
+    import torch
+
+    from kvdbg.sentinel import remote
+
+    process = CheckerProcess("cpu", share_host=True)
+    real = remote._Pickler.reducer_override
+
+    def reducer_override(self, obj):
+        if not self._shared and isinstance(obj, torch.Tensor):  # the check's metadata, after the template
+            raise TypeError("cannot pickle this")
+        return real(self, obj)
+
+    try:
+        entries = _staged_step(2)
+        remote._Pickler.reducer_override = reducer_override
+        with pytest.raises(TypeError):
+            process.submit(entries, pairs=ALL_PAIRS, seed=0, step=0)
+        assert process.templates == 0 and not process._templates and process.outstanding == 0
+        remote._Pickler.reducer_override = real
+        kinds = _sending(process)
+        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+        assert "template" in kinds and process.templates == 1
+    finally:
+        remote._Pickler.reducer_override = real
+        process.close()
