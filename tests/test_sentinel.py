@@ -242,6 +242,9 @@ def test_a_staged_steps_pages_one_request_after_another_are_read_without_a_block
     short = dataclasses.replace(staged, max_pages=[counts[0] - 1, *counts[1:]])
     with pytest.raises(ValueError, match=f"request 0 is 37 tokens long, past the {counts[0] - 1} pages staged for it"):
         check_layers([(layer, short)], pairs=ALL_PAIRS, step=2)
+    fewer = dataclasses.replace(staged, max_pages=counts[:2])
+    with pytest.raises(ValueError, match=r"request 2 has no count of staged pages \(the step's staging counted 2"):
+        check_layers([(layer, fewer)], pairs=ALL_PAIRS, step=2)
 
 
 @LAYER_KINDS

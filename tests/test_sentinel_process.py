@@ -652,11 +652,14 @@ def test_a_staged_steps_layers_go_once_as_a_template_and_each_check_carries_its_
         for results, (row, head) in answers:
             assert [r.passed for r in results] == [True, False, True]
             assert [(p.request, p.head) for p in results[1].failed_pairs] == [(1 if row < 5 else 2, head)]
-        # Other layer objects: another template; the first is kept until its objects go.
+        # Other layer objects: another template; the first is kept (its objects are alive).
         kinds.clear()
         copies = [(dataclasses.replace(layer), inputs) for layer, inputs in entries]
         assert [r.passed for r in _check(process, copies, pairs=ALL_PAIRS, seed=0, step=0)] == [True, False, True]
-        assert kinds.count("template") == 1 and process.templates == 2
+        assert kinds.count("template") == 1 and process.templates == 2 and len(process._templates) == 2
+        kinds.clear()
+        assert [r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0)] == [True, False, True]
+        assert kinds == ["check"]
     finally:
         process.close()
 
@@ -687,23 +690,99 @@ def test_a_template_whose_objects_went_is_forgotten_and_made_again(shared_host):
         process.close()
 
 
-def test_templates_past_their_bound_are_forgotten_oldest_first(monkeypatch, shared_host):
+def test_templates_past_their_bound_are_forgotten_least_recently_used_first(monkeypatch, shared_host):
+    # A template per staging program and number of graph rows: an engine that cycles through its graphs' sizes
+    # keeps the ones it uses.
     from kvdbg.sentinel import remote
 
-    monkeypatch.setattr(remote, "TEMPLATES_KEPT", 1)
+    monkeypatch.setattr(remote, "TEMPLATES_KEPT", 2)
     process = CheckerProcess("cpu", share_host=True)
     try:
         sent, real = [], process._send
         process._send = lambda message: (sent.append(message[:2]), real(message))
-        first, second = _staged_step(1), _staged_step(1)
-        assert all(r.passed for r in _check(process, first, pairs=ALL_PAIRS, seed=0, step=0))
-        [(_, key)] = [m for m in sent if m[0] == "template"]
-        sent.clear()
-        assert all(r.passed for r in _check(process, second, pairs=ALL_PAIRS, seed=0, step=0))
-        assert ("forget", key) in sent and len(process._templates) == 1
-        sent.clear()
-        assert all(r.passed for r in _check(process, first, pairs=ALL_PAIRS, seed=0, step=0))
-        assert [m for m in sent if m[0] == "template"]  # forgotten: made again
+        a, b, c = _staged_step(1), _staged_step(1), _staged_step(1)
+        keys = {}
+        for name, entries in (("a", a), ("b", b), ("a", a), ("c", c), ("a", a)):
+            sent.clear()
+            assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+            made = [key for kind, key in sent if kind == "template"]
+            assert bool(made) == (name not in keys), name
+            keys.setdefault(name, made[0] if made else None)
+            if name == "c":  # past the bound: b, used least recently, goes; a stays
+                assert ("forget", keys["b"]) in sent and ("forget", keys["a"]) not in sent
+        assert process.templates == 3 and len(process._templates) == 2
+    finally:
+        process.close()
+
+
+def test_a_storage_or_layer_forgotten_takes_the_templates_that_name_it(shared_host):
+    # The child holds a template's views of the storages it names: when the engine finds one of those storages, or
+    # one of its layers, let go and its address or id another's (a "forget"), the templates naming it go too.
+    import torch
+
+    process = CheckerProcess("cpu", share_host=True)
+    try:
+        entries = _staged_step(2)
+        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+        [(_, key, named)] = list(process._templates.values())
+        layer_key = process._layers[id(entries[0][0])][1]
+        assert layer_key in named
+        # A layer of the same id as one given, that one let go: its key is forgotten, and the template with it.
+        gone = type("Gone", (), {})()
+        process._layers[id(entries[0][0])] = (weakref.ref(gone), layer_key)
+        del gone
+        kinds, first = _sending(process), []
+        process.layer_key(entries[0][0], first)
+        assert kinds == ["forget", "forget"] and not process._templates
+        for message in first:  # the layer given again, as a check's send would
+            process._send(message)
+        # A storage at the address of one shared, that one let go: the same.
+        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=1, step=1))
+        [(_, key, named)] = list(process._templates.values())
+        pages = entries[0][1].stack[0].pages
+        address = pages.untyped_storage().data_ptr()
+        storage_key = process._shared[address][1]
+        assert storage_key in named
+        other = torch.zeros(4)
+        process._shared[address] = (type(process._shared[address][0])(other.untyped_storage()), storage_key)
+        del other
+        kinds.clear()
+        process._refs.clear()  # the view's reference worked out again, as for a view not seen before
+        process.reference(pages, [])
+        assert kinds[:2] == ["forget", "forget"] and not process._templates
+    finally:
+        process.close()
+
+
+def test_the_child_forgets_a_template_it_is_told_to(shared_host):
+    # Told to forget a template, the child lets its views go: a check that named it after would be answered as
+    # one it never had.
+    process = CheckerProcess("cpu", share_host=True)
+    try:
+        entries = _staged_step(1)
+        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+        [(ids, known)] = list(process._templates.items())
+        process._forget_template(ids)
+        process._templates[ids] = known  # the engine's side as if it had not
+        process.submit(entries, pairs=ALL_PAIRS, seed=0, step=0)
+        [(kind, value)] = process.answers(30.0)
+        assert kind == "error" and f"template {known[1]} was never given" in value
+    finally:
+        process.close()
+
+
+def test_the_same_buffers_at_another_stack_index_or_length_bound_are_another_template(shared_host):
+    process = CheckerProcess("cpu", share_host=True)
+    try:
+        entries = _staged_step(2)
+        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+        bound = [(layer, dataclasses.replace(inputs, max_model_len=4096)) for layer, inputs in entries]
+        assert all(r.passed for r in _check(process, bound, pairs=ALL_PAIRS, seed=0, step=0))
+        swapped = [(entries[0][0], dataclasses.replace(entries[0][1], stack=(entries[0][1].stack[0], 1),
+                                                       kv_cache=entries[1][1].kv_cache,
+                                                       query=entries[1][1].query, output=entries[1][1].output))]
+        _check(process, swapped, pairs=ALL_PAIRS, seed=0, step=0)
+        assert process.templates == 3
     finally:
         process.close()
 

@@ -473,6 +473,9 @@ def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, Any, Any
     # lists and each becomes a tensor once.
     needed = sorted({r for *_, mine in parts for r, _ in mine})
     if first.block_table is None:  # a staged step: its requests' pages one request after another, in order
+        if needed and needed[-1] >= len(first.max_pages):
+            raise ValueError(f"request {needed[-1]} has no count of staged pages (the step's staging counted "
+                             f"{len(first.max_pages)} request(s))")
         starts = list(accumulate(first.max_pages, initial=0))
         row_of = {r: range(starts[r], starts[r + 1]) for r in needed}
     else:

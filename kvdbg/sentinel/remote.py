@@ -79,7 +79,8 @@ CHECK_SECONDS = 60.0
 # Tensors whose references are kept (see CheckerProcess._refs); past it they are worked out again.
 REFS_KEPT = 4096
 _CALL = weakref.ref.__call__  # a weak reference's object (mapped over a template's references)
-# Checks' layers whose parts the child keeps (see CheckerProcess._template); past it the oldest is forgotten.
+# Checks' layers whose parts the child keeps (see CheckerProcess._template); past it the least recently used is
+# forgotten (a template per staging program and number of graph rows: vLLM records a graph per batch size).
 TEMPLATES_KEPT = 16
 # A step's own fields of a check's inputs (kvdbg.sentinel.checker.StepInputs), sent with every check; the others
 # (the layer's query, output and pages: kvdbg's staged buffers) go once, in a template.
@@ -244,7 +245,7 @@ class CheckerProcess:
             if stack is not None:
                 parts += (stack[0].pages, stack[0].query, stack[0].output)
             for tensor in parts[1:]:
-                if not (tensor.is_cuda or self.share_host):
+                if tensor is None or not (tensor.is_cuda or self.share_host):
                     return None
             objects += parts
             shape.append((len(parts), None if stack is None else stack[1], inputs.max_model_len))
@@ -252,6 +253,7 @@ class CheckerProcess:
         known = self._templates.get(ids)
         if known is not None:
             if all(map(operator.is_, map(_CALL, known[0]), objects)):  # each still the object it was
+                self._templates.move_to_end(ids)  # the least recently used goes first past the bound
                 return known[1]
             self._forget_template(ids)  # an object let go, its id another's now
         pickler = _Pickler(io.BytesIO(), self, first, self.share_host)
