@@ -600,14 +600,17 @@ def test_a_layer_the_child_cannot_read_is_named_with_why_by_each_check_of_it():
 
 
 @pytest.fixture
-def shared_host():
-    """Host storages shared through files, which a process that is no multiprocessing child can open (torch's other
-    strategy hands descriptors over multiprocessing's own connections): the tests' way to share host buffers."""
+def sharing():
+    """A checker process whose templates' host tensors are shared buffers, as a CUDA step's staged buffers are:
+    host storages shared through files, which a process that is no multiprocessing child can open (torch's other
+    strategy hands descriptors over multiprocessing's own connections)."""
     import torch.multiprocessing as mp
 
     before = mp.get_sharing_strategy()
     mp.set_sharing_strategy("file_system")
-    yield
+    process = CheckerProcess("cpu", share_host=True)
+    yield process
+    process.close()
     mp.set_sharing_strategy(before)
 
 
@@ -627,204 +630,178 @@ def _staged_step(count: int = 3, **kw) -> list:
             for i, (layer, inputs) in enumerate(entries)]
 
 
-def test_a_staged_steps_layers_go_once_as_a_template_and_each_check_carries_its_metadata_alone(shared_host):
+def test_a_staged_steps_layers_go_once_as_a_template_and_each_check_carries_its_metadata_alone(sharing):
     # A staging program's buffers are the same objects step after step: their views go to the child once (a
     # template); each check then sends the step's metadata alone, and the child reads the buffers as they are now.
-    process = CheckerProcess("cpu", share_host=True)
-    try:
-        kinds = _sending(process)
-        entries = _staged_step(3)
-        out = entries[0][1].stack[0].output
-        right = out[1].clone()
-        answers = []
-        for step, (row, head) in enumerate([(2, 1), (5, 3)]):  # a wrong head of layer 1, another each step
-            out[1].copy_(right)
-            out[1].view(-1, HQ, D)[row, head] += 0.5
-            # The step's own metadata: new tensors every step (by value), the same buffers' views (the template).
-            seq_lens = entries[0][1].seq_lens.clone()
-            entries = [(layer, dataclasses.replace(inputs, seq_lens=seq_lens)) for layer, inputs in entries]
-            answers.append((_check(process, entries, pairs=ALL_PAIRS, seed=step, step=step), (row, head)))
-            here = check_layers(entries, pairs=ALL_PAIRS, rng=random.Random(step), step=step)
-            assert _verdicts(answers[-1][0]) == _verdicts(here)
-        assert kinds.count("template") == 1 and kinds.index("template") < kinds.index("check")
-        assert kinds[kinds.index("check") + 1:] == ["check"]  # the second step: its metadata alone
-        assert process.templates == 1 and len(process._templates) == 1
-        for results, (row, head) in answers:
-            assert [r.passed for r in results] == [True, False, True]
-            assert [(p.request, p.head) for p in results[1].failed_pairs] == [(1 if row < 5 else 2, head)]
-        # Other layer objects: another template; the first is kept (its objects are alive).
-        kinds.clear()
-        copies = [(dataclasses.replace(layer), inputs) for layer, inputs in entries]
-        assert [r.passed for r in _check(process, copies, pairs=ALL_PAIRS, seed=0, step=0)] == [True, False, True]
-        assert kinds.count("template") == 1 and process.templates == 2 and len(process._templates) == 2
-        kinds.clear()
-        assert [r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0)] == [True, False, True]
-        assert kinds == ["check"]
-    finally:
-        process.close()
+    process = sharing
+    kinds = _sending(process)
+    entries = _staged_step(3)
+    out = entries[0][1].stack[0].output
+    right = out[1].clone()
+    answers = []
+    for step, (row, head) in enumerate([(2, 1), (5, 3)]):  # a wrong head of layer 1, another each step
+        out[1].copy_(right)
+        out[1].view(-1, HQ, D)[row, head] += 0.5
+        # The step's own metadata: new tensors every step (by value), the same buffers' views (the template).
+        seq_lens = entries[0][1].seq_lens.clone()
+        entries = [(layer, dataclasses.replace(inputs, seq_lens=seq_lens)) for layer, inputs in entries]
+        answers.append((_check(process, entries, pairs=ALL_PAIRS, seed=step, step=step), (row, head)))
+        here = check_layers(entries, pairs=ALL_PAIRS, rng=random.Random(step), step=step)
+        assert _verdicts(answers[-1][0]) == _verdicts(here)
+    assert kinds.count("template") == 1 and kinds.index("template") < kinds.index("check")
+    assert kinds[kinds.index("check") + 1:] == ["check"]  # the second step: its metadata alone
+    assert process.templates == 1 and len(process._templates) == 1
+    for results, (row, head) in answers:
+        assert [r.passed for r in results] == [True, False, True]
+        assert [(p.request, p.head) for p in results[1].failed_pairs] == [(1 if row < 5 else 2, head)]
+    # Other layer objects: another template; the first is kept (its objects are alive).
+    kinds.clear()
+    copies = [(dataclasses.replace(layer), inputs) for layer, inputs in entries]
+    assert [r.passed for r in _check(process, copies, pairs=ALL_PAIRS, seed=0, step=0)] == [True, False, True]
+    assert kinds.count("template") == 1 and process.templates == 2 and len(process._templates) == 2
+    kinds.clear()
+    assert [r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0)] == [True, False, True]
+    assert kinds == ["check"]
 
 
-def test_a_template_whose_objects_went_is_forgotten_and_made_again(shared_host):
-    process = CheckerProcess("cpu", share_host=True)
-    try:
-        kinds = _sending(process)
-        entries = _staged_step(2)
-        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
-        [(ids, (_, key, named))] = list(process._templates.items())
-        assert named  # the storages and layers it names
-        # Its layers let go and others made at the same ids: the template does not answer for them.
-        gone, refs = entries, process._templates[ids][0]
-        gone_layer = type("Gone", (), {})()
-        dead = weakref.ref(gone_layer)
-        del gone_layer
-        process._templates[ids] = ([dead] + refs[1:], key, named)
-        kinds.clear()
-        assert all(r.passed for r in _check(process, gone, pairs=ALL_PAIRS, seed=0, step=0))
-        assert kinds[:2] == ["forget", "template"] and process.templates == 2 and len(process._templates) == 1
-        # A storage it names forgotten (its address another's): the template too.
-        kinds.clear()
-        [(_, (_, key, named))] = list(process._templates.items())
-        process._forget_named(next(iter(named)))
-        assert kinds == ["forget"] and not process._templates
-    finally:
-        process.close()
+def test_a_template_whose_objects_went_is_forgotten_and_made_again(sharing):
+    process = sharing
+    kinds = _sending(process)
+    entries = _staged_step(2)
+    assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+    [(ids, (_, key, named))] = list(process._templates.items())
+    assert named  # the storages and layers it names
+    # Its layers let go and others made at the same ids: the template does not answer for them.
+    gone, refs = entries, process._templates[ids][0]
+    gone_layer = type("Gone", (), {})()
+    dead = weakref.ref(gone_layer)
+    del gone_layer
+    process._templates[ids] = ([dead] + refs[1:], key, named)
+    kinds.clear()
+    assert all(r.passed for r in _check(process, gone, pairs=ALL_PAIRS, seed=0, step=0))
+    assert kinds[:2] == ["forget", "template"] and process.templates == 2 and len(process._templates) == 1
+    # A storage it names forgotten (its address another's): the template too.
+    kinds.clear()
+    [(_, (_, key, named))] = list(process._templates.items())
+    process._forget_named(next(iter(named)))
+    assert kinds == ["forget"] and not process._templates
 
 
-def test_templates_past_their_bound_are_forgotten_least_recently_used_first(monkeypatch, shared_host):
+def test_templates_past_their_bound_are_forgotten_least_recently_used_first(monkeypatch, sharing):
     # A template per staging program and number of graph rows: an engine that cycles through its graphs' sizes
     # keeps the ones it uses.
     from kvdbg.sentinel import remote
 
     monkeypatch.setattr(remote, "TEMPLATES_KEPT", 2)
-    process = CheckerProcess("cpu", share_host=True)
-    try:
-        sent, real = [], process._send
-        process._send = lambda message: (sent.append(message[:2]), real(message))
-        a, b, c = _staged_step(1), _staged_step(1), _staged_step(1)
-        keys = {}
-        for name, entries in (("a", a), ("b", b), ("a", a), ("c", c), ("a", a)):
-            sent.clear()
-            assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
-            made = [key for kind, key in sent if kind == "template"]
-            assert bool(made) == (name not in keys), name
-            keys.setdefault(name, made[0] if made else None)
-            if name == "c":  # past the bound: b, used least recently, goes; a stays
-                assert ("forget", keys["b"]) in sent and ("forget", keys["a"]) not in sent
-        assert process.templates == 3 and len(process._templates) == 2
-    finally:
-        process.close()
+    process = sharing
+    sent, real = [], process._send
+    process._send = lambda message: (sent.append(message[:2]), real(message))
+    a, b, c = _staged_step(1), _staged_step(1), _staged_step(1)
+    keys = {}
+    for name, entries in (("a", a), ("b", b), ("a", a), ("c", c), ("a", a)):
+        sent.clear()
+        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+        made = [key for kind, key in sent if kind == "template"]
+        assert bool(made) == (name not in keys), name
+        keys.setdefault(name, made[0] if made else None)
+        if name == "c":  # past the bound: b, used least recently, goes; a stays
+            assert ("forget", keys["b"]) in sent and ("forget", keys["a"]) not in sent
+    assert process.templates == 3 and len(process._templates) == 2
 
 
-def test_a_storage_or_layer_forgotten_takes_the_templates_that_name_it(shared_host):
+def test_a_storage_or_layer_forgotten_takes_the_templates_that_name_it(sharing):
     # The child holds a template's views of the storages it names: when the engine finds one of those storages, or
     # one of its layers, let go and its address or id another's (a "forget"), the templates naming it go too.
     import torch
 
-    process = CheckerProcess("cpu", share_host=True)
-    try:
-        entries = _staged_step(2)
-        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
-        [(_, key, named)] = list(process._templates.values())
-        layer_key = process._layers[id(entries[0][0])][1]
-        assert layer_key in named
-        # A layer of the same id as one given, that one let go: its key is forgotten, and the template with it.
-        gone = type("Gone", (), {})()
-        process._layers[id(entries[0][0])] = (weakref.ref(gone), layer_key)
-        del gone
-        kinds, first = _sending(process), []
-        process.layer_key(entries[0][0], first)
-        assert kinds == ["forget", "forget"] and not process._templates
-        for message in first:  # the layer given again, as a check's send would
-            process._send(message)
-        # A storage at the address of one shared, that one let go: the same.
-        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=1, step=1))
-        [(_, key, named)] = list(process._templates.values())
-        pages = entries[0][1].stack[0].pages
-        address = pages.untyped_storage().data_ptr()
-        storage_key = process._shared[address][1]
-        assert storage_key in named
-        other = torch.zeros(4)
-        process._shared[address] = (type(process._shared[address][0])(other.untyped_storage()), storage_key)
-        del other
-        kinds.clear()
-        process._refs.clear()  # the view's reference worked out again, as for a view not seen before
-        process.reference(pages, [])
-        assert kinds[:2] == ["forget", "forget"] and not process._templates
-    finally:
-        process.close()
+    process = sharing
+    entries = _staged_step(2)
+    assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+    [(_, key, named)] = list(process._templates.values())
+    layer_key = process._layers[id(entries[0][0])][1]
+    assert layer_key in named
+    # A layer of the same id as one given, that one let go: its key is forgotten, and the template with it.
+    gone = type("Gone", (), {})()
+    process._layers[id(entries[0][0])] = (weakref.ref(gone), layer_key)
+    del gone
+    kinds, first = _sending(process), []
+    process.layer_key(entries[0][0], first)
+    assert kinds == ["forget", "forget"] and not process._templates
+    for message in first:  # the layer given again, as a check's send would
+        process._send(message)
+    # A storage at the address of one shared, that one let go: the same.
+    assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=1, step=1))
+    [(_, key, named)] = list(process._templates.values())
+    pages = entries[0][1].stack[0].pages
+    address = pages.untyped_storage().data_ptr()
+    storage_key = process._shared[address][1]
+    assert storage_key in named
+    other = torch.zeros(4)
+    process._shared[address] = (type(process._shared[address][0])(other.untyped_storage()), storage_key)
+    del other
+    kinds.clear()
+    process._refs.clear()  # the view's reference worked out again, as for a view not seen before
+    process.reference(pages, [])
+    assert kinds[:2] == ["forget", "forget"] and not process._templates
 
 
-def test_the_child_forgets_a_template_it_is_told_to(shared_host):
+def test_the_child_forgets_a_template_it_is_told_to(sharing):
     # Told to forget a template, the child lets its views go: a check that named it after would be answered as
     # one it never had.
-    process = CheckerProcess("cpu", share_host=True)
-    try:
-        entries = _staged_step(1)
-        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
-        [(ids, known)] = list(process._templates.items())
-        process._forget_template(ids)
-        process._templates[ids] = known  # the engine's side as if it had not
-        process.submit(entries, pairs=ALL_PAIRS, seed=0, step=0)
-        [(kind, value)] = process.answers(30.0)
-        assert kind == "error" and f"template {known[1]} was never given" in value
-    finally:
-        process.close()
+    process = sharing
+    entries = _staged_step(1)
+    assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+    [(ids, known)] = list(process._templates.items())
+    process._forget_template(ids)
+    process._templates[ids] = known  # the engine's side as if it had not
+    process.submit(entries, pairs=ALL_PAIRS, seed=0, step=0)
+    [(kind, value)] = process.answers(30.0)
+    assert kind == "error" and f"template {known[1]} was never given" in value
 
 
-def test_the_same_buffers_at_another_stack_index_or_length_bound_are_another_template(shared_host):
-    process = CheckerProcess("cpu", share_host=True)
-    try:
-        entries = _staged_step(2)
-        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
-        bound = [(layer, dataclasses.replace(inputs, max_model_len=4096)) for layer, inputs in entries]
-        assert all(r.passed for r in _check(process, bound, pairs=ALL_PAIRS, seed=0, step=0))
-        swapped = [(entries[0][0], dataclasses.replace(entries[0][1], stack=(entries[0][1].stack[0], 1),
-                                                       kv_cache=entries[1][1].kv_cache,
-                                                       query=entries[1][1].query, output=entries[1][1].output))]
-        _check(process, swapped, pairs=ALL_PAIRS, seed=0, step=0)
-        assert process.templates == 3
-    finally:
-        process.close()
+def test_the_same_buffers_at_another_stack_index_or_length_bound_are_another_template(sharing):
+    process = sharing
+    entries = _staged_step(2)
+    assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+    bound = [(layer, dataclasses.replace(inputs, max_model_len=4096)) for layer, inputs in entries]
+    assert all(r.passed for r in _check(process, bound, pairs=ALL_PAIRS, seed=0, step=0))
+    swapped = [(entries[0][0], dataclasses.replace(entries[0][1], stack=(entries[0][1].stack[0], 1),
+                                                   kv_cache=entries[1][1].kv_cache,
+                                                   query=entries[1][1].query, output=entries[1][1].output))]
+    _check(process, swapped, pairs=ALL_PAIRS, seed=0, step=0)
+    assert process.templates == 3
 
 
-def test_a_check_naming_a_template_the_child_never_had_is_answered_as_an_error(shared_host):
-    process = CheckerProcess("cpu", share_host=True)
-    try:
-        entries = _staged_step(1)
-        real = process._send
-        process._send = lambda message: None if message[0] == "template" else real(message)
-        process.submit(entries, pairs=ALL_PAIRS, seed=0, step=0)
-        [(kind, value)] = process.answers(30.0)
-        assert kind == "error" and "was never given to the checker process" in value and process.alive()
-    finally:
-        process.close()
+def test_a_check_naming_a_template_the_child_never_had_is_answered_as_an_error(sharing):
+    process = sharing
+    entries = _staged_step(1)
+    real = process._send
+    process._send = lambda message: None if message[0] == "template" else real(message)
+    process.submit(entries, pairs=ALL_PAIRS, seed=0, step=0)
+    [(kind, value)] = process.answers(30.0)
+    assert kind == "error" and "was never given to the checker process" in value and process.alive()
 
 
-def test_a_check_that_fails_to_pickle_after_its_template_was_made_leaves_no_template(shared_host):
+def test_a_check_that_fails_to_pickle_after_its_template_was_made_leaves_no_template(sharing, monkeypatch):
     # The template is made first; should the check's own pickling then fail, nothing was sent: the next check must
     # make the template again (else the child answers that it never had it).
     import torch
 
     from kvdbg.sentinel import remote
 
-    process = CheckerProcess("cpu", share_host=True)
-    real = remote._Pickler.reducer_override
+    process, real = sharing, remote._Pickler.reducer_override
 
     def reducer_override(self, obj):
         if not self._shared and isinstance(obj, torch.Tensor):  # the check's metadata, after the template
             raise TypeError("cannot pickle this")
         return real(self, obj)
 
-    try:
-        entries = _staged_step(2)
-        remote._Pickler.reducer_override = reducer_override
-        with pytest.raises(TypeError):
-            process.submit(entries, pairs=ALL_PAIRS, seed=0, step=0)
-        assert process.templates == 0 and not process._templates and process.outstanding == 0
-        remote._Pickler.reducer_override = real
-        kinds = _sending(process)
-        assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
-        assert "template" in kinds and process.templates == 1
-    finally:
-        remote._Pickler.reducer_override = real
-        process.close()
+    entries = _staged_step(2)
+    monkeypatch.setattr(remote._Pickler, "reducer_override", reducer_override)
+    with pytest.raises(TypeError):
+        process.submit(entries, pairs=ALL_PAIRS, seed=0, step=0)
+    assert process.templates == 0 and not process._templates and process.outstanding == 0
+    monkeypatch.setattr(remote._Pickler, "reducer_override", real)
+    kinds = _sending(process)
+    assert all(r.passed for r in _check(process, entries, pairs=ALL_PAIRS, seed=0, step=0))
+    assert "template" in kinds and process.templates == 1
