@@ -20,11 +20,16 @@ import time
 MODES = ("idle", "spin")
 
 
-def stand_in(mode: str, ms: float):
-    """A ``check_layers`` that does no check: it waits, or spins, ``ms`` and compares nothing."""
+def nothing_compared(entries: list, step) -> list:
+    """Each layer's result of a check that compared nothing (no pair, no non-finite value looked for)."""
     from kvdbg.judge.compare import default_tolerance
     from kvdbg.sentinel.checker import CheckResult
 
+    return [CheckResult(layer=layer.name, step=step, tolerance=default_tolerance(layer.dtype)) for layer, _ in entries]
+
+
+def stand_in(mode: str, ms: float):
+    """A ``check_layers`` that does no check: it waits, or spins, ``ms`` and compares nothing."""
     def check_layers(entries, *args, step=None, **kwargs):
         end = time.perf_counter() + ms / 1e3
         if mode == "idle":
@@ -32,8 +37,7 @@ def stand_in(mode: str, ms: float):
         else:
             while time.perf_counter() < end:
                 pass
-        return [CheckResult(layer=layer.name, step=step, tolerance=default_tolerance(layer.dtype))
-                for layer, _ in entries]
+        return nothing_compared(entries, step)
 
     return check_layers
 

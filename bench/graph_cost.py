@@ -1167,16 +1167,21 @@ def idle_check(idle_ms: float):
     with the real check spends that time elsewhere than in the check."""
     import torch
 
-    from kvdbg.judge.compare import default_tolerance
-    from kvdbg.sentinel.checker import CheckResult
+    nothing_compared = _idle_checker().nothing_compared
 
     def check_layers(entries, *args, step=None, **kwargs):
         torch.cuda.current_stream().synchronize()  # the worker's stream, after the staging's event
         time.sleep(idle_ms / 1e3)
-        return [CheckResult(layer=layer.name, step=step, tolerance=default_tolerance(layer.dtype))
-                for layer, _ in entries]
+        return nothing_compared(entries, step)
 
     return check_layers
+
+
+def _idle_checker():
+    """bench/_idle_checker.py, beside this file (the stand-in checks of --worker-check; imported when asked)."""
+    import _idle_checker
+
+    return _idle_checker
 
 
 class StepProfiles:
@@ -1238,7 +1243,7 @@ class StepProfiles:
                         for name in set(mine) | set(quiet)}
                 out[f"{kind}_{column}"] = sorted(([name, round(us, 1)] for name, us in more.items()),
                                                  key=lambda x: -x[1])[:top]
-            out[f"{kind}_total_us"] = round(sum(tt for tt, _ in mine.values()) * 1e6 / 1, 1)
+            out[f"{kind}_total_us"] = round(sum(tt for tt, _ in mine.values()) * 1e6, 1)
         out["quiet_total_us"] = round(sum(tt for tt, _ in quiet.values()) * 1e6, 1)
         return out
 
@@ -1308,15 +1313,12 @@ def stand_in_checker(mode: str, ms: float) -> None:
     """``--worker-check idle|spin`` on the checker process's path: the sentinel starts ``bench/_idle_checker.py``
     in place of kvdbg's child. It receives and rebuilds every check as the child does, then sleeps (``idle``) or
     spins one CPU core (``spin``) ``ms`` in place of the check, without the device, and compares nothing."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _idle_checker
-
     from kvdbg.sentinel import remote
 
-    real_init = remote.CheckerProcess.__init__
+    stand_in, real_init = _idle_checker().command(mode, ms), remote.CheckerProcess.__init__
 
     def init(self, device, *args, command=None, **kwargs):
-        real_init(self, device, *args, command=command or _idle_checker.command(mode, ms), **kwargs)
+        real_init(self, device, *args, command=command or stand_in, **kwargs)
 
     remote.CheckerProcess.__init__ = init
 
@@ -1633,7 +1635,7 @@ def engine_child(args) -> dict:
     started = time.monotonic()
     deadline = started + args.child_limit - 10
     os.environ.update(kind_environment(kind, args.scratch))
-    if kind == "sentinel":  # its checks in the checker process, or in its worker thread (and always so when idle)
+    if kind == "sentinel":  # its checks in the checker process (kvdbg's child or the stand-in), or its worker thread
         os.environ["KVDBG_SENTINEL_PROCESS"] = "1" if args.sentinel_process == "on" else "0"
         if args.sentinel_process == "on" and args.worker_check != "real":
             stand_in_checker(args.worker_check, args.idle_ms)
