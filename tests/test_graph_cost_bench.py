@@ -883,7 +883,8 @@ def test_the_checker_processs_checks_are_timed_where_the_engines_thread_sends_an
     records["sentinel"]["sentinel_reference"] = "device"  # the bench's --sentinel-reference, said where it matters
     gc.print_figures(gc.figures(records), records)
     assert "its checker process's checks: 2 (their reference on the device); each sent" in capsys.readouterr().out
-    assert "buffers shared with the child by the first check 0, by the last 0; layers given 2, 2; templates made 0, 0" in out
+    assert "buffers shared with the child by the first check 0, by the last 0; layers given 2, 2; " \
+           "templates made 0, 0" in out
     assert "after it was sent" in out and "its worker thread's checks" not in out
 
 

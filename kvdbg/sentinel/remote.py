@@ -35,9 +35,9 @@ share (an IPC handle, an event, a reference count) and for the child to open,
 every check. Their layers' constants go once too, and so do the views of the
 buffers a staging program's steps are read through (a template): a check
 then carries its step's metadata alone, where pickling every layer's inputs
-again took the engine's thread some 250 us a check on an H100 host. A step checked from the
-engine's own tensors (eager mode, or a graph step's copies that are not
-staged) stays in the worker thread. The engine sends a check only after its
+again took the engine's thread some 250 us a check on an H100 host. A step
+checked from the engine's own tensors (eager mode, or a graph step's copies
+that are not staged) stays in the worker thread. The engine sends a check only after its
 staging's event is done, and lets the staging go only when the answer is
 back, as it does for a check in the thread.
 
