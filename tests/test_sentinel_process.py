@@ -5,6 +5,7 @@ name. CPU tensors travel by value here; the CUDA buffers' sharing is tests/test_
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import random
 import sys
 import types
@@ -13,7 +14,7 @@ import weakref
 import pytest
 
 from kvdbg.errors import OptionError
-from kvdbg.sentinel.checker import check_layers
+from kvdbg.sentinel.checker import CheckResult, PassedCheck, Sentinel, check_layers
 from kvdbg.sentinel.config import SentinelConfig
 from kvdbg.sentinel.child import main
 from kvdbg.sentinel.remote import CheckerProcess, CheckerProcessError
@@ -51,6 +52,7 @@ def test_the_process_finds_what_the_engines_process_finds(checker, kw, stacked):
     here = check_layers(entries, pairs=ALL_PAIRS, rng=random.Random(7), step=4)
     there = _check(checker, entries, pairs=ALL_PAIRS, seed=7, step=4)
     assert _verdicts(there) == _verdicts(here)
+    assert [type(r) for r in there] == [PassedCheck, CheckResult, CheckResult]  # a wrong layer's comes whole
     assert [(p.request, p.head) for p in there[1].failed_pairs] == [(1, 2)]
     assert (there[2].nonfinite.request, there[2].nonfinite.head) == (2, 3)
     for a, b in zip(here, there):
@@ -392,6 +394,31 @@ def test_a_check_that_fails_to_pickle_leaves_no_storage_counted_as_the_childs(mo
         assert process._shared == {1000: ("kept", 3)} and process.outstanding == 0 and process.shares == 0
     finally:
         process.close()
+
+
+def test_a_passed_layer_is_answered_in_a_compact_form_that_reads_as_its_check_result():
+    entries = _one_step_of_layers(2)
+    entries[1][1].output.view(-1, HQ, D)[1:5, 2] += 0.5  # layer 1: request 1, head 2
+    passed, failed = check_layers(entries, pairs=ALL_PAIRS, rng=random.Random(7), step=4)
+    compact = pickle.loads(pickle.dumps(PassedCheck.of(passed), protocol=pickle.HIGHEST_PROTOCOL))
+    assert len(pickle.dumps(compact)) < len(pickle.dumps(passed)) / 2
+    for name in ("layer", "step", "tolerance", "num_tokens", "nonfinite", "passed", "failed_pairs", "pairs",
+                 "pair_count"):
+        assert getattr(compact, name) == getattr(passed, name), name
+    assert compact.pair_count == len(ALL_PAIRS) and compact.finding() is None
+    counts = []
+    for result in (passed, compact):
+        sentinel = Sentinel(SentinelConfig(directory="/tmp/unused", rate=1.0))
+        sentinel.record(result)
+        counts.append(dict(sentinel.counts))
+    assert counts[0] == counts[1] == {"checked": 1, "pairs": len(ALL_PAIRS)}
+    # What it cannot hold travels whole: a failed layer, a non-finite one, a passed pair's kept statistics (its
+    # layer's other pairs failed the quick test), anything that is not a CheckResult.
+    kept = [p for p in failed.pairs if p.passed and p.diff is not None]
+    assert kept
+    for whole in (failed, dataclasses.replace(passed, nonfinite=failed.nonfinite or object()),
+                  dataclasses.replace(passed, pairs=kept), "checked"):
+        assert PassedCheck.of(whole) is None
 
 
 def _slow_child(seconds: float) -> str:

@@ -144,8 +144,52 @@ class CheckResult:
     def passed(self) -> bool:
         return self.nonfinite is None and not self.failed_pairs
 
+    @property
+    def pair_count(self) -> int:
+        return len(self.pairs)
+
     def finding(self) -> "SentinelFinding | None":
         return None if self.passed else SentinelFinding(self)
+
+
+class PassedCheck:
+    """A :class:`CheckResult` that passed, as the checker process answers it (:mod:`kvdbg.sentinel.remote`): its
+    output finite and each of its pairs within the tolerance, with no statistics (``diff`` None). It reads as that
+    CheckResult; its pairs are kept as flat ints, (request, head) after (request, head), and made PairResults only
+    when read: the engine's thread, which reads the answer, mostly only counts them."""
+
+    __slots__ = ("layer", "step", "tolerance", "num_tokens", "_flat")
+    passed = True
+    nonfinite = None
+    failed_pairs: list = []
+
+    def __init__(self, layer: str, step: int | None, tolerance: Tolerance, num_tokens: int, flat: tuple):
+        self.layer, self.step, self.tolerance, self.num_tokens, self._flat = layer, step, tolerance, num_tokens, flat
+
+    @classmethod
+    def of(cls, result: CheckResult) -> "PassedCheck | None":
+        """``result`` in this form; None when it is not a CheckResult, failed, or kept a pair's statistics (it then
+        travels whole)."""
+        if not isinstance(result, CheckResult) or result.nonfinite is not None \
+                or any(p.diff is not None for p in result.pairs):
+            return None
+        return cls(result.layer, result.step, result.tolerance, result.num_tokens,
+                   tuple(v for p in result.pairs for v in (p.request, p.head)))
+
+    def __reduce__(self) -> tuple:
+        return PassedCheck, (self.layer, self.step, self.tolerance, self.num_tokens, self._flat)
+
+    @property
+    def pairs(self) -> list[PairResult]:
+        flat = self._flat
+        return [PairResult(flat[i], flat[i + 1], None) for i in range(0, len(flat), 2)]
+
+    @property
+    def pair_count(self) -> int:
+        return len(self._flat) // 2
+
+    def finding(self) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -671,7 +715,7 @@ class Sentinel:
 
     def record(self, result: CheckResult) -> None:
         self.counts["checked"] += 1
-        self.counts["pairs"] += len(result.pairs)
+        self.counts["pairs"] += result.pair_count
         if not result.passed:
             self.counts["failed"] += 1
             self.findings.append(result.finding())
@@ -731,7 +775,7 @@ class _Job:
     host_ready: list = field(default_factory=list)
     seed: int = 0  # its pairs' seed, drawn when it was handed over (the same pairs in the thread and the process)
     done: threading.Event = field(default_factory=threading.Event)
-    results: list | None = None  # a CheckResult per entry
+    results: list | None = None  # a CheckResult per entry (a PassedCheck where the checker process answered one)
     error: BaseException | None = None
 
     @property

@@ -21,7 +21,8 @@ it and reads the answer, at its hooks, without waiting::
                   send "check" (the template's  ->  the layers' inputs: the template's, with the step's
                   key, the step's metadata          metadata; check_layers() on its own CUDA context
                   by value)
-    each hook while it is out: an answer back?  <-  the CheckResults (plain data)
+    each hook while it is out: an answer back?  <-  the CheckResults (plain data; a passed one as a
+                                                    PassedCheck: its pairs as ints, made PairResults if read)
 
 (At first the worker thread sent the check and waited for its answer: it woke
 a dozen times a check, after the staging's event and on the socket, each
@@ -198,11 +199,12 @@ class CheckerProcess:
         return len(self._out)
 
     def answers(self, timeout: float = 0.0) -> list:
-        """The answers the child sent back since the last call, oldest first, each ``("ok", its CheckResults)`` or
-        ``("error", the check's own error in words)``; with ``timeout``, waiting up to that many seconds for every
-        outstanding check's. Raises CheckerProcessError when the child died, or took over ``check_seconds`` for a
-        check (counted from its send, or from the answer before it when it waited behind that one; the child is then
-        ended); the checks still outstanding are then lost (the caller checks them otherwise)."""
+        """The answers the child sent back since the last call, oldest first, each ``("ok", its CheckResults)`` (a
+        passed one a PassedCheck) or ``("error", the check's own error in words)``; with ``timeout``, waiting up to
+        that many seconds for every outstanding check's. Raises CheckerProcessError when the child died, or took
+        over ``check_seconds`` for a check (counted from its send, or from the answer before it when it waited behind
+        that one; the child is then ended); the checks still outstanding are then lost (the caller checks them
+        otherwise)."""
         got = []
         deadline = time.monotonic() + timeout
         while self._out:
@@ -498,12 +500,13 @@ def reference_device(target: Any, reference: str) -> Any:
 
 def serve(conn: Any, device: str, check_layers: Any, reference: str = "host") -> int:
     """The child's loop: answer the engine's messages until it stops or its end closes (``check_layers``:
-    :func:`kvdbg.sentinel.checker.check_layers`, handed in by :mod:`kvdbg.sentinel.child`, so that this module,
-    which the checker imports, imports nothing of it). ``reference``: where a CUDA step's reference is worked out
-    (``KVDBG_SENTINEL_REFERENCE``, :func:`reference_device`)."""
+    :func:`kvdbg.sentinel.checker.check_layers`, handed in by :mod:`kvdbg.sentinel.child`, or a bench's stand-in;
+    this module, which the checker imports, imports the checker only here, in the child). ``reference``: where a
+    CUDA step's reference is worked out (``KVDBG_SENTINEL_REFERENCE``, :func:`reference_device`)."""
     import torch
     import torch.multiprocessing  # noqa: F401  (the CUDA IPC rebuild functions)
 
+    from kvdbg.sentinel.checker import PassedCheck  # the child's: the engine's process reads answers as plain pickle
     from kvdbg.util.background import confine_torch_to_this_thread
 
     confine_torch_to_this_thread()
@@ -559,8 +562,12 @@ def serve(conn: Any, device: str, check_layers: Any, reference: str = "host") ->
             try:
                 key, part, pairs, seed, step = _Loader(message[1], storages, layers, target).load()
                 entries = part if key is None else _from_template(templates, key, part)
-                answer = ("ok", check_layers(entries, pairs=pairs, rng=random.Random(seed), step=step,
-                                             reference_device=on))
+                results = check_layers(entries, pairs=pairs, rng=random.Random(seed), step=step,
+                                       reference_device=on)
+                # A passed layer's result in its compact form: reading 8 layers' answer took the engine's thread
+                # some 23 us as CheckResults, about 5 as PassedChecks (a failed one travels whole, its statistics
+                # with it)
+                answer = ("ok", [PassedCheck.of(result) or result for result in results])
             except Exception as exc:  # the check's own failure, for the engine to report
                 answer = ("error", f"{type(exc).__name__}: {exc}")
             if target.type == "cuda":  # no read of the engine's buffers left on the device once it answers
