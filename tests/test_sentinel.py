@@ -247,6 +247,44 @@ def test_a_staged_steps_pages_one_request_after_another_are_read_without_a_block
         check_layers([(layer, fewer)], pairs=ALL_PAIRS, step=2)
 
 
+def _in_whole_buffers(entries: list, extra: int) -> list:
+    """Stacked entries whose query and output lie in buffers ``extra`` rows longer, NaN past the step's rows (the
+    rows a larger graph wrote), read to the step's rows (``StepInputs.rows``), as a staging program hands them."""
+    first = entries[0][1]
+    stack = first.stack[0]
+    rows = min(first.query.shape[0], first.output.shape[0])
+    kinds = {}
+    for kind in ("query", "output"):
+        old = getattr(stack, kind)[:, :rows]
+        kinds[kind] = torch.full((old.shape[0], rows + extra, *old.shape[2:]), float("nan"), dtype=old.dtype)
+        kinds[kind][:, :rows].copy_(old)
+    whole = types.SimpleNamespace(pages=stack.pages, **kinds)
+    return [(layer, dataclasses.replace(inputs, query=whole.query[at], output=whole.output[at], stack=(whole, at),
+                                        rows=rows))
+            for layer, inputs in entries for at in [inputs.stack[1]]]
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["apart", "stacked"])
+def test_a_staged_steps_whole_buffers_are_read_to_its_rows_alone(stacked):
+    # A staging program's copies are buffers of the largest graph's rows; a step's graph wrote the first of them,
+    # and the rest hold another step's (NaN here): the check reads the step's rows alone, apart or stacked.
+    entries = _stacked(_one_step_of_layers(3))
+    entries[1][1].output.view(-1, HQ, D)[1:5, 2] += 0.5  # layer 1: request 1, head 2
+    whole = _in_whole_buffers(entries, extra=6)
+    if not stacked:
+        whole = [(layer, dataclasses.replace(inputs, stack=None)) for layer, inputs in whole]
+    cut = check_layers(entries, pairs=ALL_PAIRS, step=4)
+    read = check_layers(whole, pairs=ALL_PAIRS, step=4)
+    assert [[(p.request, p.head, p.passed) for p in r.pairs] for r in read] == \
+        [[(p.request, p.head, p.passed) for p in r.pairs] for r in cut]
+    assert [r.passed for r in read] == [True, False, True] and all(r.nonfinite is None for r in read)
+    assert whole[0][1].query.shape[0] == whole[0][1].rows + 6  # nothing of the caller's was cut
+    # Fewer rows than the step's tokens: refused, never read past them.
+    short = [(layer, dataclasses.replace(inputs, rows=inputs.rows - 1)) for layer, inputs in whole]
+    with pytest.raises(RuntimeError):
+        check_layers(short, pairs=ALL_PAIRS, step=4)
+
+
 @LAYER_KINDS
 @pytest.mark.parametrize("order", [None, [4, 1, 2]], ids=["in_order", "some_of_a_stack"])
 def test_layers_whose_copies_lie_in_one_stack_are_checked_as_each_alone(kw, order):

@@ -18,7 +18,7 @@ from kvdbg.sentinel.checker import CheckResult, PassedCheck, Sentinel, check_lay
 from kvdbg.sentinel.config import SentinelConfig
 from kvdbg.sentinel.child import main
 from kvdbg.sentinel.remote import CheckerProcess, CheckerProcessError
-from tests.test_sentinel import ALL_PAIRS, D, HQ, LAYER_KINDS, _one_step_of_layers, _stacked
+from tests.test_sentinel import ALL_PAIRS, D, HQ, LAYER_KINDS, _in_whole_buffers, _one_step_of_layers, _stacked
 
 
 @pytest.fixture(scope="module")
@@ -797,6 +797,25 @@ def test_the_same_buffers_at_another_stack_index_or_length_bound_are_another_tem
                                                    query=entries[1][1].query, output=entries[1][1].output))]
     _check(process, swapped, pairs=ALL_PAIRS, seed=0, step=0)
     assert process.templates == 3
+
+
+def test_one_programs_buffers_read_to_another_number_of_rows_are_one_template(sharing):
+    # vLLM records a graph per batch size, and one staging program serves them all: its buffers are the same objects
+    # whatever the rows, so a check of another graph's step sends its rows alone, not another template.
+    process = sharing
+    kinds = _sending(process)
+    entries = _in_whole_buffers(_staged_step(2), extra=6)
+    rows = entries[0][1].rows
+    for step, cut in enumerate([rows + 3, rows]):
+        step_entries = [(layer, dataclasses.replace(inputs, rows=cut)) for layer, inputs in entries]
+        there = _check(process, step_entries, pairs=ALL_PAIRS, seed=step, step=step)
+        here = check_layers(step_entries, pairs=ALL_PAIRS, rng=random.Random(step), step=step)
+        assert _verdicts(there) == _verdicts(here) and all(r.passed for r in there)
+    # Each check's own rows: a graph's fewer than the step's tokens is refused there, as here.
+    with pytest.raises(RuntimeError, match="in the checker process"):
+        _check(process, [(layer, dataclasses.replace(inputs, rows=rows - 1)) for layer, inputs in entries],
+               pairs=ALL_PAIRS, seed=0, step=2)
+    assert kinds.count("template") == 1 and process.templates == 1
 
 
 def test_a_check_naming_a_template_the_child_never_had_is_answered_as_an_error(sharing):

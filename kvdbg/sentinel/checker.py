@@ -99,6 +99,9 @@ class StepInputs:
     # their first axis (a graph step's staging: kvdbg.vllm_plugin.graph_staging.StagedStack). Layers of one stack are
     # read with one gather per kind, not one per layer (check_layers).
     stack: tuple | None = None
+    # The rows of query and output that hold the step (None: all theirs): a staged step's copies are buffers of the
+    # largest graph's rows, the same for every graph, of which the step's graph wrote the first ``rows``
+    rows: int | None = None
 
 
 @dataclass
@@ -319,6 +322,7 @@ def check_layers(entries: list[tuple[CaptureLayer, StepInputs]], *, pairs: list[
     check and the comparison stay each layer's own.
     """
     rng = rng or random.Random()
+    entries = [entry if entry[1].rows is None else _cut(entry) for entry in entries]
     results: list[CheckResult | None] = [None] * len(entries)
     groups: list[tuple[tuple, list[int]]] = []
     for index, entry in enumerate(entries):
@@ -334,6 +338,15 @@ def check_layers(entries: list[tuple[CaptureLayer, StepInputs]], *, pairs: list[
                                                        reference_device)):
             results[index] = result
     return results
+
+
+def _cut(entry: tuple[CaptureLayer, StepInputs]) -> tuple[CaptureLayer, StepInputs]:
+    """An entry whose query and output are whole buffers (``rows``) as one whose are the step's rows (a step with
+    more tokens than those is then refused as any other)."""
+    layer, inputs = entry
+    rows = inputs.rows
+    return layer, dataclasses.replace(inputs, query=inputs.query[:rows],
+                                      output=None if inputs.output is None else inputs.output[:rows], rows=None)
 
 
 def _alike_key(entry: tuple[CaptureLayer, StepInputs]) -> tuple:

@@ -85,7 +85,7 @@ _CALL = weakref.ref.__call__  # a weak reference's object (mapped over a templat
 TEMPLATES_KEPT = 16
 # A step's own fields of a check's inputs (kvdbg.sentinel.checker.StepInputs), sent with every check; the others
 # (the layer's query, output and pages: kvdbg's staged buffers) go once, in a template.
-STEP_FIELDS = ("block_table", "seq_lens", "query_start_loc", "causal", "max_pages")
+STEP_FIELDS = ("block_table", "seq_lens", "query_start_loc", "causal", "max_pages", "rows")
 
 
 class CheckerProcessError(RuntimeError):

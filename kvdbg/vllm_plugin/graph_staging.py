@@ -172,6 +172,9 @@ class StagedLayer:
     query: "torch.Tensor"  # the graph's rows of the layer's query buffer, copied
     output: "torch.Tensor | None"
     stack: tuple | None = None  # (StagedStack, index): the copies are that stack's at index (kvdbg.sentinel.checker)
+    # (query copy, output copy or None): the whole buffers ``query`` and ``output`` are the first rows of (every
+    # graph's rows), the same objects for every number of rows (the sentinel's checks name them and the rows)
+    whole: tuple = ()
 
 
 class StagedStack(NamedTuple):
@@ -407,7 +410,7 @@ class _Program:
             stack = self.stack
             views = {name: StagedLayer(pages, page_dim, query_copy[:rows],
                                        None if output_copy is None else output_copy[:rows],
-                                       None if stack is None else (stack, index))
+                                       None if stack is None else (stack, index), (query_copy, output_copy))
                      for index, (name, _, page_dim, _, query_copy, _, output_copy, pages) in enumerate(self.layers)}
             self._views[rows] = views
         return views

@@ -303,9 +303,14 @@ class SentinelHooks:
             host = ctx.host
             seq_lens, offsets = (ctx.seq_lens, ctx.query_start_loc) if host is None else \
                 (host.seq_lens, host.query_start_loc)
-            inputs = StepInputs(query=copies.query, kv_cache=copies.pages, block_table=table, seq_lens=seq_lens,
-                                query_start_loc=offsets, causal=causal, output=copies.output,
-                                max_model_len=ctx.max_model_len, max_pages=max_pages, stack=copies.stack)
+            # The copies' whole buffers and the graph's rows of them: the same objects for every graph the program
+            # stages, so the checker process is given them once per program (kvdbg.sentinel.remote's templates),
+            # not once per batch size.
+            query, output = copies.whole or (copies.query, copies.output)
+            inputs = StepInputs(query=query, kv_cache=copies.pages, block_table=table, seq_lens=seq_lens,
+                                query_start_loc=offsets, causal=causal, output=output,
+                                max_model_len=ctx.max_model_len, max_pages=max_pages, stack=copies.stack,
+                                rows=staged.rows if copies.whole else None)
             waiting = _Waiting(impl, layer, target, kv_layout, ctx, None, None, None, inputs, step,
                                staged=staged.hold(), cache=kv_cache)
             if batch is None:
@@ -361,7 +366,10 @@ class SentinelHooks:
                          finding.kind)
             return
         cache = w.inputs.kv_cache if w.staged is None else w.cache
-        backend, tensors, provenance = state.step_capture(w.impl, w.ctx, w.inputs.query, w.key, w.value,
+        query, output, rows = w.inputs.query, w.inputs.output, w.inputs.rows
+        if rows is not None:  # a staged step's whole buffers: the graph's rows of them are the step's
+            query, output = query[:rows], None if output is None else output[:rows]
+        backend, tensors, provenance = state.step_capture(w.impl, w.ctx, query, w.key, w.value,
                                                           cache, w.pre, w.layer, w.kv_layout)
         if w.staged is not None:  # the pages from the step's staged copy, by engine page id
             tensors.staged = w.staged.pages_for(w.target.name)
@@ -371,7 +379,7 @@ class SentinelHooks:
         if pending is None:
             self._announce(finding, None)
             return
-        self.capturer.finish(pending, w.inputs.output, on_written=lambda path: self._announce(finding, path))
+        self.capturer.finish(pending, output, on_written=lambda path: self._announce(finding, path))
 
     def _announce(self, finding: SentinelFinding, path: str | None) -> None:
         request, head = finding.first
