@@ -218,6 +218,38 @@ def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sen
     assert sorted({h.head for h in comparison.failed}) == [2]
 
 
+def test_a_staged_steps_check_names_its_programs_whole_buffers_and_its_graphs_rows(sentinel_env):
+    """One staging program serves every graph size: a step's check names the program's whole buffers (the same
+    objects for every size, so the checker process is given them once) and the rows its graph wrote, and reads
+    nothing past them (here NaN left there)."""
+    from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _run_as_graph
+
+    from kvdbg.sentinel.checker import Sentinel
+
+    monkeypatch, _ = sentinel_env
+    vllm_plugin.register()
+    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)
+    _record_graph(engine, 16, 8, monkeypatch)
+    _record_graph(engine, 8, 4, monkeypatch)
+    seen = []
+    real = Sentinel.check_layers
+    monkeypatch.setattr(Sentinel, "check_layers", lambda self, entries, step: seen.append(entries) or
+                        real(self, entries, step))
+    for tokens, reqs in ((16, 8), (8, 4)):
+        _run_as_graph(engine, _padded(engine.common(), reqs=reqs, tokens=tokens), _padded_inputs(engine, tokens),
+                      tokens, monkeypatch)
+        if tokens == 16:  # rows the next, smaller graph does not write
+            for _, inputs in seen[-1]:
+                inputs.query[8:].fill_(float("nan"))
+                inputs.output[8:].fill_(float("nan"))
+    assert [[inputs.rows for _, inputs in entries] for entries in seen] == [[16, 16], [8, 8]]
+    assert [id(inputs.query) for _, inputs in seen[0]] == [id(inputs.query) for _, inputs in seen[1]]
+    assert [id(inputs.output) for _, inputs in seen[0]] == [id(inputs.output) for _, inputs in seen[1]]
+    assert all(inputs.query.shape[0] == 16 for entries in seen for _, inputs in entries)
+    counts = _hooks().sentinel.counts
+    assert counts["checked"] == 4 and counts["failed"] == 0 and counts["errors"] == 0
+
+
 def _graph_engine(monkeypatch, layers: int, query_len: int, tokens: int, reqs: int):
     """The plugin registered on a stand-in engine whose full graph of ``tokens`` is recorded with kvdbg's copies and
     plain: (engine, plugin state, sentinel hooks, the graph's batch, vLLM's entry, its wrapper)."""
