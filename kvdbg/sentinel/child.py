@@ -22,11 +22,14 @@ def main(argv: list[str]) -> int:
     conn = Connection(int(argv[0]))
     # The engine's process says when to stop (or closes its end): a Ctrl-C meant for the engine is not for this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from kvdbg.sentinel.checker import check_layers
+    from kvdbg.sentinel.checker import check_layers, compact
     from kvdbg.sentinel.remote import serve
 
+    def answer(entries, **kwargs):
+        return compact(check_layers(entries, **kwargs))
+
     try:
-        return serve(conn, argv[1], check_layers, *argv[2:])
+        return serve(conn, argv[1], answer, *argv[2:])
     except (EOFError, OSError):
         return 0
 

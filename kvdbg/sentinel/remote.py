@@ -499,14 +499,14 @@ def reference_device(target: Any, reference: str) -> Any:
 
 
 def serve(conn: Any, device: str, check_layers: Any, reference: str = "host") -> int:
-    """The child's loop: answer the engine's messages until it stops or its end closes (``check_layers``:
-    :func:`kvdbg.sentinel.checker.check_layers`, handed in by :mod:`kvdbg.sentinel.child`, or a bench's stand-in;
-    this module, which the checker imports, imports the checker only here, in the child). ``reference``: where a
-    CUDA step's reference is worked out (``KVDBG_SENTINEL_REFERENCE``, :func:`reference_device`)."""
+    """The child's loop: answer the engine's messages until it stops or its end closes (``check_layers``: a check's
+    results as its answer carries them, :func:`kvdbg.sentinel.checker.check_layers` in the compact form of
+    :func:`kvdbg.sentinel.checker.compact`, handed in by :mod:`kvdbg.sentinel.child`, so that this module, which
+    the checker imports, imports nothing of it). ``reference``: where a CUDA step's reference is worked out
+    (``KVDBG_SENTINEL_REFERENCE``, :func:`reference_device`)."""
     import torch
     import torch.multiprocessing  # noqa: F401  (the CUDA IPC rebuild functions)
 
-    from kvdbg.sentinel.checker import PassedCheck  # the child's: the engine's process reads answers as plain pickle
     from kvdbg.util.background import confine_torch_to_this_thread
 
     confine_torch_to_this_thread()
@@ -562,12 +562,8 @@ def serve(conn: Any, device: str, check_layers: Any, reference: str = "host") ->
             try:
                 key, part, pairs, seed, step = _Loader(message[1], storages, layers, target).load()
                 entries = part if key is None else _from_template(templates, key, part)
-                results = check_layers(entries, pairs=pairs, rng=random.Random(seed), step=step,
-                                       reference_device=on)
-                # A passed layer's result in its compact form: reading 8 layers' answer took the engine's thread
-                # some 23 us as CheckResults, about 5 as PassedChecks (a failed one travels whole, its statistics
-                # with it)
-                answer = ("ok", [PassedCheck.of(result) or result for result in results])
+                answer = ("ok", check_layers(entries, pairs=pairs, rng=random.Random(seed), step=step,
+                                             reference_device=on))
             except Exception as exc:  # the check's own failure, for the engine to report
                 answer = ("error", f"{type(exc).__name__}: {exc}")
             if target.type == "cuda":  # no read of the engine's buffers left on the device once it answers
