@@ -267,7 +267,8 @@ def _in_whole_buffers(entries: list, extra: int) -> list:
 @pytest.mark.parametrize("stacked", [False, True], ids=["apart", "stacked"])
 def test_a_staged_steps_whole_buffers_are_read_to_its_rows_alone(stacked):
     # A staging program's copies are buffers of the largest graph's rows; a step's graph wrote the first of them,
-    # and the rest hold another step's (NaN here): the check reads the step's rows alone, apart or stacked.
+    # and the rest hold another step's (NaN here): the check reads the step's rows alone, apart or stacked, and
+    # refuses a step with more tokens than its graph's rows.
     entries = _stacked(_one_step_of_layers(3))
     entries[1][1].output.view(-1, HQ, D)[1:5, 2] += 0.5  # layer 1: request 1, head 2
     whole = _in_whole_buffers(entries, extra=6)

@@ -220,8 +220,8 @@ def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sen
 
 def test_a_staged_steps_check_names_its_programs_whole_buffers_and_its_graphs_rows(sentinel_env):
     """One staging program serves every graph size: a step's check names the program's whole buffers (the same
-    objects for every size, so the checker process is given them once) and the rows its graph wrote, and reads
-    nothing past them (here NaN left there)."""
+    objects for every size, so the checker process is given them once) and the rows its graph wrote; the rows a
+    larger graph wrote past them (NaN here) are not the step's, and it passes."""
     from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _run_as_graph
 
     from kvdbg.sentinel.checker import Sentinel
@@ -248,6 +248,26 @@ def test_a_staged_steps_check_names_its_programs_whole_buffers_and_its_graphs_ro
     assert all(inputs.query.shape[0] == 16 for entries in seen for _, inputs in entries)
     counts = _hooks().sentinel.counts
     assert counts["checked"] == 4 and counts["failed"] == 0 and counts["errors"] == 0
+
+
+def test_a_wrong_step_of_a_smaller_graph_is_captured_with_its_graphs_rows(sentinel_env):
+    """A staged step's copies are the program's whole buffers (the largest graph's rows): the capture of a wrong
+    step takes its own graph's rows of them, as the engine handed its kernel."""
+    from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _run_as_graph
+
+    monkeypatch, directory = sentinel_env
+    _wrong_head_2_of_layer_1(monkeypatch)
+    vllm_plugin.register()
+    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)
+    _record_graph(engine, 16, 8, monkeypatch)
+    _record_graph(engine, 8, 4, monkeypatch)
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=8), _padded_inputs(engine, 8), 8, monkeypatch)
+    (path,) = _files(directory)
+    snap = load_snapshot(path)
+    assert snap.meta.capture["query_rows_given"] == 8 and snap.steps[0].num_reqs == 3
+    result = api.replay(path, ["reference"])
+    (comparison,) = [c for c in result.comparisons if (c.actual, c.expected) == ("captured", "reference")]
+    assert result.verdict.exit_code == 1 and sorted({h.head for h in comparison.failed}) == [2]
 
 
 def _graph_engine(monkeypatch, layers: int, query_len: int, tokens: int, reqs: int):

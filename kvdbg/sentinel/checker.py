@@ -164,7 +164,6 @@ class PassedCheck:
     __slots__ = ("layer", "step", "tolerance", "num_tokens", "_flat")
     passed = True
     nonfinite = None
-    failed_pairs: list = []
 
     def __init__(self, layer: str, step: int | None, tolerance: Tolerance, num_tokens: int, flat: tuple):
         self.layer, self.step, self.tolerance, self.num_tokens, self._flat = layer, step, tolerance, num_tokens, flat
@@ -173,7 +172,7 @@ class PassedCheck:
     def of(cls, result: CheckResult) -> "PassedCheck | None":
         """``result`` in this form; None when it is not a CheckResult, failed, or kept a pair's statistics (it then
         travels whole)."""
-        if not isinstance(result, CheckResult) or result.nonfinite is not None \
+        if not isinstance(result, CheckResult) or not result.passed \
                 or any(p.diff is not None for p in result.pairs):
             return None
         return cls(result.layer, result.step, result.tolerance, result.num_tokens,
@@ -186,6 +185,10 @@ class PassedCheck:
     def pairs(self) -> list[PairResult]:
         flat = self._flat
         return [PairResult(flat[i], flat[i + 1], None) for i in range(0, len(flat), 2)]
+
+    @property
+    def failed_pairs(self) -> list[PairResult]:
+        return []
 
     @property
     def pair_count(self) -> int:

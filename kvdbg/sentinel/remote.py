@@ -17,9 +17,10 @@ it and reads the answer, at its hooks, without waiting::
                   send "share" once per buffer ->   open the buffer (CUDA IPC), keep it
                   send "define" once per layer ->   keep its constants (a CaptureLayer)
                   send "template" once per      ->  keep the layers' query, output and pages as views
-                  staging program and rows          of the buffers
+                  staging program                   of the buffers
                   send "check" (the template's  ->  the layers' inputs: the template's, with the step's
-                  key, the step's metadata          metadata; check_layers() on its own CUDA context
+                  key, the step's metadata and      metadata; check_layers() on its own CUDA context
+                  its graph's rows
                   by value)
     each hook while it is out: an answer back?  <-  the CheckResults (plain data; a passed one as a
                                                     PassedCheck: its pairs as ints, made PairResults if read)
@@ -81,7 +82,7 @@ CHECK_SECONDS = 60.0
 REFS_KEPT = 4096
 _CALL = weakref.ref.__call__  # a weak reference's object (mapped over a template's references)
 # Checks' layers whose parts the child keeps (see CheckerProcess._template); past it the least recently used is
-# forgotten (a template per staging program and number of graph rows: vLLM records a graph per batch size).
+# forgotten (a template per staging program and set of sampled layers; one program serves every graph size).
 TEMPLATES_KEPT = 16
 # A step's own fields of a check's inputs (kvdbg.sentinel.checker.StepInputs), sent with every check; the others
 # (the layer's query, output and pages: kvdbg's staged buffers) go once, in a template.
@@ -235,8 +236,8 @@ class CheckerProcess:
 
     def _template(self, entries: list, first: list) -> int | None:
         """The key of the template the child holds for these layers' parts that stay from one check to the next
-        (each layer, and its query, output and pages: views of kvdbg's staged buffers, the same objects every
-        step a staging program stages), made first (a ``template`` added to ``first``) when it holds none; a check
+        (each layer, and its query, output and pages: kvdbg's staged buffers whole, the same objects every step
+        a staging program stages, whatever its graph's rows), made first (a ``template`` added to ``first``) when it holds none; a check
         then sends only each layer's ``STEP_FIELDS``. None when a part is a host tensor (it travels by value: its
         values are the step's)."""
         objects: list = []

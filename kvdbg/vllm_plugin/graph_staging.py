@@ -172,8 +172,8 @@ class StagedLayer:
     query: "torch.Tensor"  # the graph's rows of the layer's query buffer, copied
     output: "torch.Tensor | None"
     stack: tuple | None = None  # (StagedStack, index): the copies are that stack's at index (kvdbg.sentinel.checker)
-    # (query copy, output copy or None): the whole buffers ``query`` and ``output`` are the first rows of (every
-    # graph's rows), the same objects for every number of rows (the sentinel's checks name them and the rows)
+    # (query copy, output copy or None): the whole buffers (the largest graph's rows) whose first rows ``query`` and
+    # ``output`` are; the same objects whatever the graph (the sentinel's checks name them, and the rows)
     whole: tuple = ()
 
 
