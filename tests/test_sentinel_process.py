@@ -184,7 +184,8 @@ def test_host_tensors_travel_as_their_bytes_once_each_and_come_back_equal():
 
     table = torch.arange(24, dtype=torch.int32).reshape(4, 6)
     values = [table, table[:, ::2], torch.tensor(3.5, dtype=torch.bfloat16), torch.empty(0, 5),
-              torch.tensor([True, False]), torch.randn(3, 4).to(torch.float8_e4m3fn)]
+              torch.tensor([True, False]), torch.randn(3, 4).to(torch.float8_e4m3fn),
+              torch.randn(2, 3, requires_grad=True), torch.arange(6, dtype=torch.int64).reshape(2, 3).t()]
     payload = io.BytesIO()
     _Pickler(payload, types.SimpleNamespace(_torch=torch), []).dump({"a": values, "again": table})
     assert payload.getvalue().count(table.numpy().tobytes()) == 1  # the table's bytes once, though named twice
@@ -192,7 +193,8 @@ def test_host_tensors_travel_as_their_bytes_once_each_and_come_back_equal():
     assert back["again"] is back["a"][0]  # one tensor, as the check's grouping by identity needs
     for sent, got in zip(values, back["a"]):
         assert got.dtype == sent.dtype and got.shape == sent.shape
-        assert torch.equal(got.reshape(-1).view(torch.uint8), sent.contiguous().reshape(-1).view(torch.uint8))
+        assert torch.equal(got.reshape(-1).view(torch.uint8),
+                           sent.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
 def test_the_childs_loader_makes_views_of_the_storages_it_holds_one_per_tensor():

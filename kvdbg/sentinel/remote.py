@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import io
 import logging
 import operator
@@ -87,6 +88,7 @@ TEMPLATES_KEPT = 16
 # A step's own fields of a check's inputs (kvdbg.sentinel.checker.StepInputs), sent with every check; the others
 # (the layer's query, output and pages: kvdbg's staged buffers) go once, in a template.
 STEP_FIELDS = ("block_table", "seq_lens", "query_start_loc", "causal", "max_pages", "rows")
+_STEP = operator.attrgetter(*STEP_FIELDS)  # a check's inputs' STEP_FIELDS as a tuple, in one call
 
 
 class CheckerProcessError(RuntimeError):
@@ -170,8 +172,7 @@ class CheckerProcess:
         payload = io.BytesIO()
         try:
             key = self._template(entries, first)
-            part = entries if key is None else [tuple(getattr(inputs, name) for name in STEP_FIELDS)
-                                                 for _, inputs in entries]
+            part = entries if key is None else [_STEP(inputs) for _, inputs in entries]
             _Pickler(payload, self, first).dump((key, part, pairs, seed, step))
         except BaseException:  # nothing sent: what it was about to give the child is not the child's
             keys = {message[1] for message in first}
@@ -237,28 +238,32 @@ class CheckerProcess:
     def _template(self, entries: list, first: list) -> int | None:
         """The key of the template the child holds for these layers' parts that stay from one check to the next
         (each layer, and its query, output and pages: kvdbg's staged buffers whole, the same objects every step
-        a staging program stages, whatever its graph's rows), made first (a ``template`` added to ``first``) when it holds none; a check
-        then sends only each layer's ``STEP_FIELDS``. None when a part is a host tensor (it travels by value: its
-        values are the step's)."""
+        a staging program stages, whatever its graph's rows), made first (a ``template`` added to ``first``) when
+        it holds none; a check then sends only each layer's ``STEP_FIELDS``. None when a part is a host tensor (it
+        travels by value: its values are the step's)."""
         objects: list = []
         shape: list = []
         for layer, inputs in entries:
-            parts = [layer, inputs.query, inputs.kv_cache, inputs.output]
             stack = inputs.stack
-            if stack is not None:
-                parts += (stack[0].pages, stack[0].query, stack[0].output)
-            for tensor in parts[1:]:
-                if tensor is None or not (tensor.is_cuda or self.share_host):
-                    return None
-            objects += parts
-            shape.append((len(parts), None if stack is None else stack[1], inputs.max_model_len))
+            if stack is None:
+                objects += (layer, inputs.query, inputs.kv_cache, inputs.output)
+                shape.append((4, None, inputs.max_model_len))
+            else:
+                held = stack[0]
+                objects += (layer, inputs.query, inputs.kv_cache, inputs.output, held.pages, held.query, held.output)
+                shape.append((7, stack[1], inputs.max_model_len))
         ids = (tuple(map(id, objects)), tuple(shape))
         known = self._templates.get(ids)
         if known is not None:
-            if all(map(operator.is_, map(_CALL, known[0]), objects)):  # each still the object it was
+            # Each still the object it was (then still where it was when the template was made: on the device)
+            if all(map(operator.is_, map(_CALL, known[0]), objects)):
                 self._templates.move_to_end(ids)  # the least recently used goes first past the bound
                 return known[1]
             self._forget_template(ids)  # an object let go, its id another's now
+        layer_class = _layer_class()
+        for part in objects:
+            if part.__class__ is not layer_class and (part is None or not (part.is_cuda or self.share_host)):
+                return None
         pickler = _Pickler(io.BytesIO(), self, first, self.share_host)
         pickler.dump([(layer, _without_step(inputs)) for layer, inputs in entries])
         key, self._next_key = self._next_key, self._next_key + 1
@@ -390,9 +395,7 @@ class _Pickler(pickle.Pickler):
 
     def __init__(self, file, owner: CheckerProcess, first: list, share_host: bool = False):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        from kvdbg.capture.inputs import CaptureLayer
-
-        self._owner, self._first, self._tensor, self._layer = owner, first, owner._torch.Tensor, CaptureLayer
+        self._owner, self._first, self._tensor, self._layer = owner, first, owner._torch.Tensor, _layer_class()
         self.file, self._shared = file, share_host  # host tensors as shared buffers too (a template's, on a CPU)
         self.named: set[int] = set()  # the storages' and layers' keys it named
 
@@ -407,9 +410,20 @@ class _Pickler(pickle.Pickler):
             ref = self._owner.reference(obj, self._first)
             self.named.add(ref[0])
             return _from_storage, ref
-        data = obj.detach().contiguous()
-        return _from_host, (str(data.dtype)[6:], tuple(data.shape),
-                            data.reshape(-1).view(self._owner._torch.uint8).numpy().tobytes() if data.numel() else b"")
+        try:  # a step's metadata (integers): its bytes in order through numpy, one torch call
+            data = obj.numpy().tobytes()
+        except (TypeError, RuntimeError):  # a type numpy lacks (bfloat16), or a tensor that needs its gradient
+            flat = obj.detach().contiguous().reshape(-1)
+            data = flat.view(self._owner._torch.uint8).numpy().tobytes() if flat.numel() else b""
+        return _from_host, (str(obj.dtype)[6:], tuple(obj.shape), data)
+
+
+@functools.cache
+def _layer_class() -> type:
+    """:class:`kvdbg.capture.inputs.CaptureLayer`, imported once (not on every check)."""
+    from kvdbg.capture.inputs import CaptureLayer
+
+    return CaptureLayer
 
 
 def _without_step(inputs: Any) -> Any:
