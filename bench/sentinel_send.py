@@ -1,0 +1,131 @@
+"""What a staged graph step's check costs the engine's thread to send to the sentinel's checker process, and to read
+back, on a CPU.
+
+Usage:
+    .venv/bin/python bench/sentinel_send.py [--layers 8] [--checks 300] [--pause-ms 3]
+
+The protocol of a CUDA step (kvdbg.sentinel.remote) run on the host: the tests' staged step (its layers' copies in
+one stack, whole buffers read to the graph's rows, 3 requests) with its buffers shared with the child as CUDA
+buffers are (``share_host``, torch's file-system sharing), so that the template goes once and each check carries its
+step's metadata alone. Two children answer, check by check in turn, so a neighbour's load falls on both alike:
+
+    compact   kvdbg's child (python -m kvdbg.sentinel.child): a passed layer's result as a PassedCheck
+    whole     the same serve loop answering with check_layers' CheckResults, as the child did before
+
+Printed, as medians over the checks: the send's Python (less its socket write), the socket write, and the read of
+each child's answer (its receive and unpickling, timed once the answer is there), with whole / compact. Ends with
+one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# The child that answers whole CheckResults: kvdbg's serve loop with check_layers as it returns them.
+WHOLE_CHILD = ("import sys\n"
+               "from multiprocessing.connection import Connection\n"
+               "from kvdbg.sentinel.checker import check_layers\n"
+               "from kvdbg.sentinel.remote import serve\n"
+               "sys.exit(serve(Connection(int(sys.argv[1])), sys.argv[2], check_layers, *sys.argv[3:]))\n")
+
+
+class _TimedWrites:
+    """Each socket write of a CheckerProcess (its _send), timed: a check's send less them is its Python."""
+
+    def __init__(self, process):
+        self.ns = 0
+        real = process._send
+
+        def timed(message):
+            start = time.perf_counter_ns()
+            try:
+                return real(message)
+            finally:
+                self.ns += time.perf_counter_ns() - start
+
+        process._send = timed
+
+
+def _read_time(process, seconds: float = 30.0) -> tuple[int, list]:
+    """The answer's read once it is there (ns), and the answer."""
+    if not process._conn.poll(seconds):
+        raise RuntimeError(f"no answer from the checker process (pid {process.pid}) within {seconds:g} s")
+    start = time.perf_counter_ns()
+    got = process.answers(0.0)
+    spent = time.perf_counter_ns() - start
+    if len(got) != 1 or got[0][0] != "ok":
+        raise RuntimeError(f"the checker process answered {got!r}")
+    return spent, got[0][1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8, help="layers of the staged step (default 8)")
+    parser.add_argument("--checks", type=int, default=300, help="checks sent to each child (default 300)")
+    parser.add_argument("--pause-ms", type=float, default=3.0,
+                        help="pause after each answer, as between an engine's steps (default 3)")
+    args = parser.parse_args(argv)
+    if args.layers < 1 or args.checks < 2 or not args.pause_ms >= 0:
+        parser.error("--layers must be at least 1, --checks at least 2 and --pause-ms at least 0")
+
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # host buffers shared as a CUDA step's are
+    from kvdbg.sentinel.remote import CheckerProcess
+    from tests.test_sentinel import _in_whole_buffers
+    from tests.test_sentinel_process import _staged_step
+
+    entries = _in_whole_buffers(_staged_step(args.layers), extra=6)
+    children = {"compact": CheckerProcess("cpu", share_host=True),
+                "whole": CheckerProcess("cpu", share_host=True, command=[sys.executable, "-c", WHOLE_CHILD])}
+    writes = {name: _TimedWrites(process) for name, process in children.items()}
+    times: dict[str, list[int]] = {"python": [], "write": [], "read_compact": [], "read_whole": []}
+    kinds: dict[str, set] = {"compact": set(), "whole": set()}
+    warm = min(20, args.checks // 2)
+    try:
+        for check in range(args.checks):
+            for name, process in children.items():
+                # The step's own metadata: host copies new every step, the staged buffers the same (the template).
+                seq_lens = entries[0][1].seq_lens.clone()
+                step = [(layer, dataclasses.replace(inputs, seq_lens=seq_lens)) for layer, inputs in entries]
+                writes[name].ns = 0
+                process.submit(step, pairs=4, seed=check, step=check)
+                sent, written = process.last_times[0], writes[name].ns
+                read, results = _read_time(process)
+                kinds[name].update(type(result).__name__ for result in results)
+                if check >= warm:
+                    if name == "compact":  # the send is the same whichever child reads it
+                        times["python"].append(sent - written)
+                        times["write"].append(written)
+                    times[f"read_{name}"].append(read)
+                time.sleep(args.pause_ms / 1e3)
+        made = {name: process.templates for name, process in children.items()}
+    finally:
+        for process in children.values():
+            process.close()
+    medians = {name: statistics.median(values) / 1e3 for name, values in times.items()}
+    ratio = medians["read_whole"] / medians["read_compact"]
+    print(f"sentinel send, {args.layers} layers, {args.checks - warm} checks a child after {warm} (medians, us):")
+    print(f"  the send's Python, less its socket write  {medians['python']:8.1f}")
+    print(f"  its socket write                          {medians['write']:8.1f}")
+    print(f"  the answer read, compact ({'/'.join(sorted(kinds['compact']))})  {medians['read_compact']:8.1f}")
+    print(f"  the answer read, whole ({'/'.join(sorted(kinds['whole']))})      {medians['read_whole']:8.1f}"
+          f"   whole / compact {ratio:.2f}x")
+    print(f"  templates made: compact child {made['compact']}, whole child {made['whole']}")
+    print("SSEND-SUMMARY " + json.dumps({"layers": args.layers, "checks": args.checks - warm, "us": medians,
+                                         "read_whole_over_compact": ratio, "templates": made,
+                                         "answer_kinds": {n: sorted(k) for n, k in kinds.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""bench/sentinel_send.py on the CPU: it runs the checker process's protocol of a staged step end to end, one template
+a child, and reads each child's answer in its own form."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+
+def test_the_send_bench_times_a_staged_checks_send_and_both_forms_of_its_answer():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "sentinel_send.py"), "--layers", "2",
+                           "--checks", "6", "--pause-ms", "0"], capture_output=True, text=True, timeout=240,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("SSEND-SUMMARY ")]
+    summary = json.loads(line.split(" ", 1)[1])
+    assert summary["layers"] == 2 and summary["checks"] == 3  # 6 a child, the first 3 not counted
+    assert summary["templates"] == {"compact": 1, "whole": 1}  # the buffers went once; each check its metadata
+    assert summary["answer_kinds"] == {"compact": ["PassedCheck"], "whole": ["CheckResult"]}
+    assert all(value > 0 for value in summary["us"].values())
+    assert "whole / compact" in done.stdout
+
+
+def test_the_send_bench_refuses_too_few_checks():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "sentinel_send.py"), "--checks", "1"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2 and "--checks at least 2" in done.stderr
