@@ -446,6 +446,32 @@ def test_a_checks_time_limit_counts_from_the_answer_it_waited_behind():
         process.close()
 
 
+def test_a_look_without_waiting_asks_the_socket_only_once_an_answer_may_be_there():
+    # Each hook of the engine's thread looks for answers while a check is out: the socket's poll and the child's are
+    # two system calls a step. Within half the last check's time in the child (at most TOO_SOON_NS) it does not ask.
+    import time
+
+    from kvdbg.sentinel import remote
+
+    process = CheckerProcess("cpu", command=[sys.executable, "-c", _slow_child(0.2)])
+    try:
+        asked = []
+        real = process._conn.poll
+        process._conn.poll = lambda timeout=0.0: asked.append(timeout) or real(timeout)
+        process.submit([], pairs=1, seed=0, step=0)
+        assert process.answers(0.0) == [] and len(asked) == 1  # no check answered yet: nothing known, asked
+        assert process.answers(20.0) == [("ok", ["checked"])]
+        assert process._too_soon == remote.TOO_SOON_NS  # half of 0.2 s, over the bound
+        asked.clear()
+        process.submit([], pairs=1, seed=0, step=1)
+        assert process.answers(0.0) == [] and asked == []  # too soon: not asked
+        time.sleep(remote.TOO_SOON_NS / 1e9 + 0.01)
+        assert process.answers(0.0) == [] and len(asked) == 1  # asked now; the check still runs
+        assert process.answers(20.0) == [("ok", ["checked"])] and process.outstanding == 0
+    finally:
+        process.close()
+
+
 def test_a_check_larger_than_the_sockets_buffer_is_sent_while_the_child_checks_another():
     # The child reads messages as they come, also during a check: the engine's thread never waits on a full socket
     # for a check to end. Here each check takes 2 s in the child; the second, 8 MiB of host data, is sent at once.

@@ -79,6 +79,8 @@ __all__ = ["CheckerProcess", "CheckerProcessError"]
 # Seconds the child may take to start (import torch and kvdbg, make its CUDA context), and to answer one check.
 START_SECONDS = 120.0
 CHECK_SECONDS = 60.0
+# The longest a look for answers without waiting skips the socket after a check went to work (see answers).
+TOO_SOON_NS = 20_000_000
 # Tensors whose references are kept (see CheckerProcess._refs); past it they are worked out again.
 REFS_KEPT = 4096
 _CALL = weakref.ref.__call__  # a weak reference's object (mapped over a template's references)
@@ -130,6 +132,11 @@ class CheckerProcess:
         self.last_times = (0, 0)  # the last check's (pickling and sending), the last answer's wait since its send, ns
         self._out: collections.deque = collections.deque()  # each outstanding check's send time (perf_counter_ns)
         self._since = 0  # when the oldest outstanding check became the one the child works on (its time limit's start)
+        # How long after that a look without waiting does not ask the socket (nor whether the child lives): half the
+        # last check's time in the child, at most TOO_SOON_NS. A hook of the engine's thread looks every step while a
+        # check is out (the socket's poll and the child's, two system calls); an answer takes some steps (11 ms on an
+        # H100 host).
+        self._too_soon = 0
         self._next_key = 0
         self._torch = torch
         index = "" if self.device.type != "cuda" else str(self.device.index if self.device.index is not None
@@ -206,8 +213,11 @@ class CheckerProcess:
         that many seconds for every outstanding check's. Raises CheckerProcessError when the child died, or took
         over ``check_seconds`` for a check (counted from its send, or from the answer before it when it waited behind
         that one; the child is then ended); the checks still outstanding are then lost (the caller checks them
-        otherwise)."""
+        otherwise). Without ``timeout``, nothing is asked before half the last check's time in the child (at most
+        ``TOO_SOON_NS``) has passed since the oldest outstanding check went to work."""
         got = []
+        if timeout <= 0 and self._out and time.perf_counter_ns() - self._since < self._too_soon:
+            return got
         deadline = time.monotonic() + timeout
         while self._out:
             ready = self._conn.poll(max(0.0, min(0.5, deadline - time.monotonic())))  # the lock let go while it waits
@@ -226,7 +236,9 @@ class CheckerProcess:
             except (EOFError, OSError):  # its end closed: it exited, or is exiting
                 raise self._exited("to answer a check") from None
             sent = self._out.popleft()
-            self._since = time.perf_counter_ns()  # the next check's time counts from here: it waited behind this one
+            now = time.perf_counter_ns()
+            self._too_soon = min((now - self._since) // 2, TOO_SOON_NS)
+            self._since = now  # the next check's time counts from here: it waited behind this one
             try:
                 kind, value = pickle.loads(data)
             except Exception as exc:  # that check's answer alone is lost
