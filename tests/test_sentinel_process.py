@@ -846,6 +846,18 @@ def test_one_programs_buffers_read_to_another_number_of_rows_are_one_template(sh
     assert kinds.count("template") == 1 and process.templates == 1
 
 
+def test_a_template_is_made_only_of_buffers_the_child_holds(checker, sharing):
+    # Host tensors not shared travel by value, their values the step's: no template. Nor with a part missing (a
+    # layer with no output copy): its check goes whole, and the child says what is wrong with it.
+    assert all(r.passed for r in _check(checker, _staged_step(2), pairs=ALL_PAIRS, seed=0, step=0))
+    assert checker.templates == 0 and not checker._templates
+    entries = _staged_step(2)
+    entries[1] = (entries[1][0], dataclasses.replace(entries[1][1], output=None))
+    with pytest.raises(RuntimeError, match="in the checker process"):
+        _check(sharing, entries, pairs=ALL_PAIRS, seed=0, step=0)
+    assert sharing.templates == 0 and not sharing._templates
+
+
 def test_a_check_naming_a_template_the_child_never_had_is_answered_as_an_error(sharing):
     process = sharing
     entries = _staged_step(1)

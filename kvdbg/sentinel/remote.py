@@ -272,10 +272,12 @@ class CheckerProcess:
                 self._templates.move_to_end(ids)  # the least recently used goes first past the bound
                 return known[1]
             self._forget_template(ids)  # an object let go, its id another's now
-        layer_class = _layer_class()
-        for part in objects:
-            if part.__class__ is not layer_class and (part is None or not (part.is_cuda or self.share_host)):
-                return None
+        at = 0
+        for count, _, _ in shape:  # each layer's parts after the layer itself
+            for part in objects[at + 1:at + count]:
+                if part is None or not (part.is_cuda or self.share_host):
+                    return None
+            at += count
         pickler = _Pickler(io.BytesIO(), self, first, self.share_host)
         pickler.dump([(layer, _without_step(inputs)) for layer, inputs in entries])
         key, self._next_key = self._next_key, self._next_key + 1
