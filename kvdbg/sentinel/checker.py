@@ -949,8 +949,8 @@ class DeferredChecks:
                     job.done.set()
                     continue
                 self._sent.append(self._unsent.popleft())
-            if self._sent:
-                left = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._sent:  # without a wait, a hook's look (which skips the socket while an answer is unlikely)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 for kind, value in remote.answers(left):
                     job = self._sent.popleft()
                     if kind == "ok":

@@ -207,17 +207,20 @@ class CheckerProcess:
         """Checks submitted and not answered yet."""
         return len(self._out)
 
-    def answers(self, timeout: float = 0.0) -> list:
+    def answers(self, timeout: float | None = 0.0) -> list:
         """The answers the child sent back since the last call, oldest first, each ``("ok", its CheckResults)`` (a
         passed one a PassedCheck) or ``("error", the check's own error in words)``; with ``timeout``, waiting up to
         that many seconds for every outstanding check's. Raises CheckerProcessError when the child died, or took
         over ``check_seconds`` for a check (counted from its send, or from the answer before it when it waited behind
         that one; the child is then ended); the checks still outstanding are then lost (the caller checks them
-        otherwise). Without ``timeout``, nothing is asked before half the last check's time in the child (at most
-        ``TOO_SOON_NS``) has passed since the oldest outstanding check went to work."""
+        otherwise). ``timeout=None``: a hook's look, every step while a check is out, which asks nothing (the socket,
+        the child: two system calls) before half the last check's time in the child (at most ``TOO_SOON_NS``) has
+        passed since the oldest outstanding check went to work; else as ``timeout=0``."""
         got = []
-        if timeout <= 0 and self._out and time.perf_counter_ns() - self._since < self._too_soon:
-            return got
+        if timeout is None:
+            if self._out and time.perf_counter_ns() - self._since < self._too_soon:
+                return got
+            timeout = 0.0
         deadline = time.monotonic() + timeout
         while self._out:
             ready = self._conn.poll(max(0.0, min(0.5, deadline - time.monotonic())))  # the lock let go while it waits
