@@ -12,9 +12,10 @@ step's metadata alone. Two children answer, check by check in turn, so a neighbo
     compact   kvdbg's child (python -m kvdbg.sentinel.child): a passed layer's result as a PassedCheck
     whole     the same serve loop answering with check_layers' CheckResults, as the child did before
 
-Printed, as medians over the checks: the send's Python (less its socket write), the socket write, and the read of
-each child's answer (its receive and unpickling, timed once the answer is there), with whole / compact. Ends with
-one JSON line.
+Printed, as medians over the checks: the send's Python (less its socket write), the socket write, the read of each
+child's answer (its receive and unpickling, timed once the answer is there), with whole / compact, and, just after
+kvdbg's child was sent a check, a hook's look (``answers(None)``: too soon for an answer, it asks nothing) against a
+read that asks the socket and the child (``answers(0.0)``, the answer not there yet). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -39,20 +40,21 @@ WHOLE_CHILD = ("import sys\n"
 
 
 class _TimedWrites:
-    """Each socket write of a CheckerProcess (its _send), timed: a check's send less them is its Python."""
+    """Each socket write of a CheckerProcess (its connection's send_bytes), timed: a check's send less them is its
+    Python."""
 
     def __init__(self, process):
         self.ns = 0
-        real = process._send
+        real = process._conn.send_bytes
 
-        def timed(message):
+        def timed(data, *args):
             start = time.perf_counter_ns()
             try:
-                return real(message)
+                return real(data, *args)
             finally:
                 self.ns += time.perf_counter_ns() - start
 
-        process._send = timed
+        process._conn.send_bytes = timed
 
 
 def _read_time(process, seconds: float = 30.0) -> tuple[int, list]:
@@ -60,7 +62,7 @@ def _read_time(process, seconds: float = 30.0) -> tuple[int, list]:
     if not process._conn.poll(seconds):
         raise RuntimeError(f"no answer from the checker process (pid {process.pid}) within {seconds:g} s")
     start = time.perf_counter_ns()
-    got = process.answers(1e-6)  # a read (a look with no wait may skip the socket so soon after the send)
+    got = process.answers(0.0)
     spent = time.perf_counter_ns() - start
     if len(got) != 1 or got[0][0] != "ok":
         raise RuntimeError(f"the checker process answered {got!r}")
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     children = {"compact": CheckerProcess("cpu", share_host=True),
                 "whole": CheckerProcess("cpu", share_host=True, command=[sys.executable, "-c", WHOLE_CHILD])}
     writes = {name: _TimedWrites(process) for name, process in children.items()}
-    times: dict[str, list[int]] = {"python": [], "write": [], "read_compact": [], "read_whole": []}
+    times: dict[str, list[int]] = {"python": [], "write": [], "read_compact": [], "read_whole": [], "look_skips": [],
+                                   "look_asks": []}
     kinds: dict[str, set] = {"compact": set(), "whole": set()}
     warm = min(20, args.checks // 2)
     try:
@@ -108,11 +111,25 @@ def main(argv: list[str] | None = None) -> int:
                         times["write"].append(written)
                     times[f"read_{name}"].append(read)
                 time.sleep(args.pause_ms / 1e3)
+        # Then, as many checks again to kvdbg's child alone: just after each send, a hook's look (too soon for an
+        # answer: it asks nothing) and a read that asks (the answer not there yet, most times: those are kept).
+        process = children["compact"]
+        for check in range(args.checks - warm):
+            process.submit(entries, pairs=4, seed=check, step=check)
+            start = time.perf_counter_ns()
+            early = process.answers(None)
+            between = time.perf_counter_ns()
+            early += process.answers(0.0)
+            if not early:
+                times["look_skips"].append(between - start)
+                times["look_asks"].append(time.perf_counter_ns() - between)
+                _read_time(process)
+            time.sleep(args.pause_ms / 1e3)
         made = {name: process.templates for name, process in children.items()}
     finally:
         for process in children.values():
             process.close()
-    medians = {name: statistics.median(values) / 1e3 for name, values in times.items()}
+    medians = {name: statistics.median(values) / 1e3 if values else None for name, values in times.items()}
     ratio = medians["read_whole"] / medians["read_compact"]
     print(f"sentinel send, {args.layers} layers, {args.checks - warm} checks a child after {warm} (medians, us):")
     print(f"  the send's Python, less its socket write  {medians['python']:8.1f}")
@@ -120,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  the answer read, compact ({'/'.join(sorted(kinds['compact']))})  {medians['read_compact']:8.1f}")
     print(f"  the answer read, whole ({'/'.join(sorted(kinds['whole']))})      {medians['read_whole']:8.1f}"
           f"   whole / compact {ratio:.2f}x")
+    looks = len(times["look_skips"])
+    if looks:
+        print(f"  a hook's look just after the send, too soon to ask  {medians['look_skips']:8.1f}   "
+              f"a read that asks then {medians['look_asks']:.1f} ({looks} checks)")
     print(f"  templates made: compact child {made['compact']}, whole child {made['whole']}")
     print("SSEND-SUMMARY " + json.dumps({"layers": args.layers, "checks": args.checks - warm, "us": medians,
                                          "read_whole_over_compact": ratio, "templates": made,
