@@ -282,7 +282,8 @@ def test_a_staged_steps_whole_buffers_are_read_to_its_rows_alone(stacked):
     assert whole[0][1].query.shape[0] == whole[0][1].rows + 6  # nothing of the caller's was cut
     # Fewer rows than the step's tokens: refused, never read past them.
     short = [(layer, dataclasses.replace(inputs, rows=inputs.rows - 1)) for layer, inputs in whole]
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.attn: the step has 6 token\(s\), its query and "
+                                         r"output hold 5 row\(s\)"):
         check_layers(short, pairs=ALL_PAIRS, step=4)
 
 
@@ -319,7 +320,7 @@ def test_a_stacked_step_with_more_tokens_than_its_copies_rows_is_refused_not_rea
     tokens = int(entries[0][1].query_start_loc[-1])
     cut = [(layer, dataclasses.replace(inputs, query=inputs.query[:tokens - 1], output=inputs.output[:tokens - 1]))
            for layer, inputs in entries]
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match=f"the step has {tokens} token\\(s\\), its query and output hold {tokens - 1}"):
         check_layers(cut, pairs=ALL_PAIRS, step=1)
     assert all(result.passed for result in check_layers(entries, pairs=ALL_PAIRS, step=1))
 

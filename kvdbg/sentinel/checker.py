@@ -103,6 +103,14 @@ class StepInputs:
     # largest graph's rows, the same for every graph, of which the step's graph wrote the first ``rows``
     rows: int | None = None
 
+    def cut(self) -> "StepInputs":
+        """These inputs with query and output cut to their ``rows`` (itself when they are the step's already)."""
+        rows = self.rows
+        if rows is None:
+            return self
+        return dataclasses.replace(self, query=self.query[:rows],
+                                   output=None if self.output is None else self.output[:rows], rows=None)
+
 
 @dataclass
 class PairResult:
@@ -199,9 +207,10 @@ class PassedCheck:
 
 
 def compact(results: list) -> list:
-    """A check's results as the checker process answers them: each passed layer's as a :class:`PassedCheck` (the
-    engine's thread read 8 layers' answer in some 23 us as CheckResults, about 5 as PassedChecks, on a CPU of the
-    project's CI), a wrong one's whole, with its statistics."""
+    """A check's results as the checker process answers them: each passed layer's as a :class:`PassedCheck` (8
+    layers' answer unpickles in some 23 us as CheckResults, about 5 as PassedChecks, in a loop on a CPU of the
+    project's CI; read once between steps, receive included, 1.1-1.6 times faster: bench/sentinel_send.py), a wrong
+    one's whole, with its statistics."""
     return [PassedCheck.of(result) or result for result in results]
 
 
@@ -332,7 +341,10 @@ def check_layers(entries: list[tuple[CaptureLayer, StepInputs]], *, pairs: list[
     check and the comparison stay each layer's own.
     """
     rng = rng or random.Random()
-    entries = [entry if entry[1].rows is None else _cut(entry) for entry in entries]
+    entries = [entry if entry[1].rows is None else (entry[0], entry[1].cut()) for entry in entries]
+    for layer, inputs in entries:
+        if inputs.output is None:
+            raise ValueError(f"layer {layer.name}: the step's output was not given to the check")
     results: list[CheckResult | None] = [None] * len(entries)
     groups: list[tuple[tuple, list[int]]] = []
     for index, entry in enumerate(entries):
@@ -348,15 +360,6 @@ def check_layers(entries: list[tuple[CaptureLayer, StepInputs]], *, pairs: list[
                                                        reference_device)):
             results[index] = result
     return results
-
-
-def _cut(entry: tuple[CaptureLayer, StepInputs]) -> tuple[CaptureLayer, StepInputs]:
-    """An entry whose query and output are whole buffers (``rows``) as one whose are the step's rows (a step with
-    more tokens than those is then refused as any other)."""
-    layer, inputs = entry
-    rows = inputs.rows
-    return layer, dataclasses.replace(inputs, query=inputs.query[:rows],
-                                      output=None if inputs.output is None else inputs.output[:rows], rows=None)
 
 
 def _alike_key(entry: tuple[CaptureLayer, StepInputs]) -> tuple:
@@ -395,6 +398,11 @@ def _check_alike(entries: list[tuple[CaptureLayer, StepInputs]], pairs: list[tup
                for entry in entries]
     if num_tokens == 0:
         return results
+    for entry_layer, inputs in entries:  # named, not a reshape's error: a graph's copies shorter than the step
+        rows = min(inputs.query.shape[0], inputs.output.shape[0])
+        if rows < num_tokens:
+            raise ValueError(f"layer {entry_layer.name}: the step has {num_tokens} token(s), its query and output "
+                             f"hold {rows} row(s)")
     stacked = _stacked_rows(entries, num_tokens, hq, d)
     if stacked is None:
         outputs = [_rows(inputs.output, num_tokens, hq, d) for _, inputs in entries]

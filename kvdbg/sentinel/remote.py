@@ -79,7 +79,7 @@ __all__ = ["CheckerProcess", "CheckerProcessError"]
 # Seconds the child may take to start (import torch and kvdbg, make its CUDA context), and to answer one check.
 START_SECONDS = 120.0
 CHECK_SECONDS = 60.0
-# The longest a look for answers without waiting skips the socket after a check went to work (see answers).
+# The longest a hook's look for answers (answers(None)) skips the socket after a check went to work.
 TOO_SOON_NS = 20_000_000
 # Tensors whose references are kept (see CheckerProcess._refs); past it they are worked out again.
 REFS_KEPT = 4096
@@ -132,10 +132,10 @@ class CheckerProcess:
         self.last_times = (0, 0)  # the last check's (pickling and sending), the last answer's wait since its send, ns
         self._out: collections.deque = collections.deque()  # each outstanding check's send time (perf_counter_ns)
         self._since = 0  # when the oldest outstanding check became the one the child works on (its time limit's start)
-        # How long after that a look without waiting does not ask the socket (nor whether the child lives): half the
-        # last check's time in the child, at most TOO_SOON_NS. A hook of the engine's thread looks every step while a
-        # check is out (the socket's poll and the child's, two system calls); an answer takes some steps (11 ms on an
-        # H100 host).
+        # How long after that a hook's look (answers(None)) does not ask the socket, nor whether the child lives:
+        # half the last check's time in the child, at most TOO_SOON_NS. A hook of the engine's thread looks every
+        # step while a check is out (the socket's poll and the child's, two system calls); an answer takes some steps
+        # (11 ms on an H100 host).
         self._too_soon = 0
         self._next_key = 0
         self._torch = torch
@@ -255,7 +255,7 @@ class CheckerProcess:
         (each layer, and its query, output and pages: kvdbg's staged buffers whole, the same objects every step
         a staging program stages, whatever its graph's rows), made first (a ``template`` added to ``first``) when
         it holds none; a check then sends only each layer's ``STEP_FIELDS``. None when a part is a host tensor (it
-        travels by value: its values are the step's)."""
+        travels by value: its values are the step's) or missing."""
         objects: list = []
         shape: list = []
         for layer, inputs in entries:

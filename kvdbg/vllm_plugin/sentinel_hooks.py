@@ -366,9 +366,8 @@ class SentinelHooks:
                          finding.kind)
             return
         cache = w.inputs.kv_cache if w.staged is None else w.cache
-        query, output, rows = w.inputs.query, w.inputs.output, w.inputs.rows
-        if rows is not None:  # a staged step's whole buffers: the graph's rows of them are the step's
-            query, output = query[:rows], None if output is None else output[:rows]
+        step_inputs = w.inputs.cut()  # a staged step's whole buffers: the graph's rows of them are the step's
+        query, output = step_inputs.query, step_inputs.output
         backend, tensors, provenance = state.step_capture(w.impl, w.ctx, query, w.key, w.value,
                                                           cache, w.pre, w.layer, w.kv_layout)
         if w.staged is not None:  # the pages from the step's staged copy, by engine page id
