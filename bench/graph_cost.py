@@ -1019,6 +1019,9 @@ def figures(records: dict[str, dict]) -> dict:
     baseline_rounds = base + base2
     if base and base2:
         out["baseline_drift"] = ratio_of_rounds(base2, base)
+        # The same for the graph's device time: what the paired figure's device part (kvdbg's process against the
+        # kvdbg-absent ones) cannot be told from.
+        out["baseline_drift_graph"] = ratio_of_rounds(base2, base, "graph_ms")
     capture = records.get("capture", {}).get("phases", {})
     if capture.get("armed") and baseline_rounds:
         step = ratio_of_rounds(capture["armed"], baseline_rounds)
@@ -2044,7 +2047,9 @@ def print_figures(figs: dict, records: dict) -> None:
               f"async scheduling {engine.get('async_scheduling')}")
     if "baseline_drift" in figs:
         d = figs["baseline_drift"]
-        print(f"  two kvdbg-absent engines: second / first {pct(d.get('ratio'))} (rounds {d.get('rounds')})")
+        g = figs.get("baseline_drift_graph") or {}
+        print(f"  two kvdbg-absent engines: second / first {pct(d.get('ratio'))} (rounds {d.get('rounds')}); "
+              f"their graphs on the device {pct(g.get('ratio'))}")
     for name, line in (("armed", ARMED_LINE), ("sentinel", SENTINEL_LINE)):
         f = figs.get(name)
         if f:

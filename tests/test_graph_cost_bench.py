@@ -73,7 +73,7 @@ def _records(armed_ms=5.05, sentinel_ms=5.02, hooks_added=1500.0, span_ms=3.0, n
         "sentinel": {"problems": [], "phases": {"rounds": [_round(sentinel_ms) for _ in range(4)]},
                      "sentinel_counts": {"checked": 30}},
         "hooks": {"problems": [], "rows": []},
-        "baseline2": {"problems": [], "phases": {"rounds": [_round(5.1) for _ in range(4)]}},
+        "baseline2": {"problems": [], "phases": {"rounds": [_round(5.1, graph_ms=2.02) for _ in range(4)]}},
     }
 
 
@@ -84,6 +84,7 @@ def test_the_three_figures_against_their_lines():
     assert figs["armed"]["ratio"] == pytest.approx(1.0) and figs["armed"]["met"]
     assert figs["sentinel"]["ratio"] == pytest.approx(5.02 / 5.05) and figs["sentinel"]["met"]
     assert figs["baseline_drift"]["ratio"] == pytest.approx(5.1 / 5.0)
+    assert figs["baseline_drift_graph"]["ratio"] == pytest.approx(2.02 / 2.0)
     assert figs["wanted_engine"]["added_us"]["median"] == 1500.0 and not figs["wanted_engine"]["met"]
     # 100 MB at 50 GB/s: 2 ms; the copies took 3 ms on the device.
     assert figs["wanted_device"]["ratio"]["median"] == pytest.approx(1.5) and figs["wanted_device"]["met"]
