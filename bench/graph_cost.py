@@ -33,7 +33,9 @@ vLLM off (vLLM's originals back, ``Bypass``) and on again between steps, by bloc
 order on, off, off, on (``Interleave``), so that the host's drift (the same engine's step time moved by 1.2-1.5x
 from one round to the next on the H200) falls on both alike. A round's figure is the mean of its decode steps
 with kvdbg against the mean of those without (the step at each change of kind left out: the batch queue still
-holds a step of the other kind), and the figure is the median over rounds of that ratio (kvdbg's Python on the
+holds a step of the other kind), and the figure is the median over rounds of that ratio for capture armed, their
+mean for the sentinel, whose cost comes in rare draws that a median over rounds counts or leaves out as they happen
+to lie (``paired_figure``'s ``over``) (kvdbg's Python on the
 engine's thread, its threads, its device work outside the graph; the capture thread and the sentinel's checks
 are let finish, untimed, before the patches go off and between rounds), times ``1 + (graph - graph_absent) / step_absent``: the most the copies
 kvdbg recorded into the graph (with the patches off vLLM replays the variant kvdbg installed last, nearly always
@@ -956,18 +958,23 @@ def ratio_of_rounds(rounds: list[dict], baseline_rounds: list[dict], key: str = 
 
 
 def paired_figure(rounds: list[dict], bypassed: list[dict], graph: dict, baseline_rounds: list[dict],
-                  block: int | None = None) -> dict:
+                  block: int | None = None, over: str = "median") -> dict:
     """kvdbg's cost on the step from within its own process: in each round, its steps with kvdbg against its steps
     with kvdbg's patches off (``run_interleaved_rounds``; ``rounds`` and ``bypassed`` summarise the two halves of
     each round, ``block`` steps a block), times what kvdbg's copies recorded into the graph add on the device,
     which both halves share (the graph's device time against the kvdbg-absent engine's, over that engine's step:
-    the most it can add, were the step waiting for the device throughout). {} without both halves."""
+    the most it can add, were the step waiting for the device throughout). {} without both halves.
+
+    ``over``: how the rounds' ratios make the figure. ``median`` (capture armed: a cost on every step, and a round
+    that a stray stall hit left out); ``mean`` (the sentinel: its cost comes in draws a round or two in three
+    holds, so the median of the rounds falls on a round with a draw or on one without, as the draws happen to
+    lie, where the mean counts each draw at its weight in the long run, which the line is about)."""
     pairs = [a["step_ms"] / b["step_ms"] for a, b in zip(rounds, bypassed)
              if a.get("step_ms") and b.get("step_ms")]
     if not pairs:
         return {}
-    host = spread(pairs)
-    out = {"host": host, "pairs": len(pairs), "block": block}
+    host = {**spread(pairs), "mean": statistics.fmean(pairs)}
+    out = {"host": host, "pairs": len(pairs), "block": block, "over": over}
     if any(a.get("drawn_split") for a in rounds):  # the sentinel's: its rounds by the draws in their kvdbg half
         groups: dict[int, list[float]] = {}
         for a, b in zip(rounds, bypassed):
@@ -978,7 +985,7 @@ def paired_figure(rounds: list[dict], bypassed: list[dict], graph: dict, baselin
         if any(r.get("step_ms") for r in baseline_rounds) else None
     if graph.get("value") is not None and graph.get("baseline") is not None and base_step:
         device = 1.0 + max(0.0, graph["value"] - graph["baseline"]) / base_step
-        out.update(device=device, ratio=host["median"] * device)
+        out.update(device=device, ratio=host[over] * device)
     return out
 
 
@@ -1093,12 +1100,12 @@ def figures(records: dict[str, dict]) -> dict:
         out["sentinel"] = {**step, "line": SENTINEL_LINE, "graph": graph,
                            **judged(step, paired_figure(sentinel, sentinel_phases.get("bypassed", []), graph,
                                                         baseline_rounds,
-                                                        records["sentinel"].get("interleaved_block")),
+                                                        records["sentinel"].get("interleaved_block"), "mean"),
                                     SENTINEL_LINE),
                            "with_hook_timers": paired_figure(sentinel_phases.get("timed", []),
                                                              sentinel_phases.get("timed_bypassed", []), graph,
                                                              baseline_rounds,
-                                                             records["sentinel"].get("interleaved_block")),
+                                                             records["sentinel"].get("interleaved_block"), "mean"),
                            "hooks_us": spread([r.get("hooks_us") for r in hooked]),
                            "hooks_us_mean": spread([r.get("hooks_us_mean") for r in hooked]),
                            **_hooks_by_name(hooked),
@@ -2066,9 +2073,12 @@ def print_figures(figs: dict, records: dict) -> None:
                 host = p["host"]
                 device = "" if p.get("device") is None else (
                     f" x {p['device']:.4f} (kvdbg's graph copies, at most) = {pct(p.get('ratio'))}")
+                over = p.get("over", "median")
+                other = "mean" if over == "median" else "median"
                 print(f"  {name:9s} paired in its process ({p['pairs']} rounds, kvdbg's patches on and off by "
-                      f"blocks of {p.get('block') or '?'} steps): {pct(host['median'])} (rounds "
-                      f"{host['min']:.4f}..{host['max']:.4f}){device}; judged on the "
+                      f"blocks of {p.get('block') or '?'} steps): {pct(host.get(over))} ({over} of the rounds; "
+                      f"their {other} {pct(host.get(other))}, rounds {host['min']:.4f}..{host['max']:.4f}){device}; "
+                      f"judged on the "
                       f"{'paired figure' if f.get('judged_on') == 'paired' else 'ratio across processes'}")
                 if p.get("by_draws"):  # the sentinel's rounds: its steps' own cost apart from its draws'
                     print(f"  {name:9s} its paired rounds by the steps drawn in their kvdbg half (the draws are "
@@ -2083,7 +2093,8 @@ def print_figures(figs: dict, records: dict) -> None:
             t = f.get("with_hook_timers") or {}
             if t.get("host"):
                 print(f"  {name:9s} paired with the bench's hook timers on ({t['pairs']} rounds after those; not "
-                      f"judged): {pct(t['host']['median'])} (rounds {t['host']['min']:.4f}..{t['host']['max']:.4f})"
+                      f"judged): {pct(t['host'].get(t.get('over', 'median')))} ({t.get('over', 'median')}; rounds "
+                      f"{t['host']['min']:.4f}..{t['host']['max']:.4f})"
                       f" x {t.get('device') or 1:.4f} = {pct(t.get('ratio'))}")
     if "sentinel_alone" in figs:
         print("  sentinel  no figure: no kvdbg-absent rounds in this run (--parts); where its time went:")

@@ -674,6 +674,28 @@ def test_the_figures_rounds_run_without_the_benchs_hook_timers(standins, tmp_pat
     assert {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS} == before
 
 
+def test_the_sentinel_is_judged_on_the_mean_of_its_rounds_and_capture_armed_on_their_median(capsys):
+    """The sentinel's cost comes in draws that one round in three holds: the median of its rounds is a round
+    without one (1.0x here, under the line), where the mean counts the draw at its weight (2 %, over it). Capture
+    armed costs every step alike, and its median leaves a round a stall hit out."""
+    records = _records()
+    halves = ([_round(5.0), _round(5.0), _round(5.3)], [_round(5.0, hooks_us=0) for _ in range(3)])
+    records["capture"]["phases"]["armed"], records["capture"]["phases"]["bypassed"] = halves
+    records["sentinel"]["phases"]["rounds"], records["sentinel"]["phases"]["bypassed"] = halves
+    records["capture"]["interleaved_block"] = records["sentinel"]["interleaved_block"] = 8
+    figs = gc.figures(records)
+    armed, sentinel = figs["armed"]["paired"], figs["sentinel"]["paired"]
+    assert armed["over"] == "median" and armed["ratio"] == pytest.approx(1.0) and figs["armed"]["met"]
+    assert sentinel["over"] == "mean" and sentinel["ratio"] == pytest.approx(1.02) and not figs["sentinel"]["met"]
+    assert sentinel["host"]["median"] == pytest.approx(1.0) and armed["host"]["mean"] == pytest.approx(1.02)
+    gc.print_figures(figs, records)
+    out = capsys.readouterr().out
+    assert "sentinel  paired in its process (3 rounds, kvdbg's patches on and off by blocks of 8 steps): 1.0200x " \
+        "(mean of the rounds; their median 1.0000x, rounds 1.0000..1.0600)" in out
+    assert "armed     paired in its process (3 rounds, kvdbg's patches on and off by blocks of 8 steps): 1.0000x " \
+        "(median of the rounds; their mean 1.0200x" in out
+
+
 def test_the_hooks_time_comes_from_the_timed_rounds_and_the_timed_pairs_are_shown_apart(capsys):
     records = _records(armed_ms=5.0, sentinel_ms=5.0)
     for kind, phases in (("capture", records["capture"]["phases"]), ("sentinel", records["sentinel"]["phases"])):
