@@ -66,6 +66,14 @@ class BuilderHooks:
             self._prepared = None  # only the latest build tells the next choice of graph (see below)
             if metadata is None or common is None or (not self.capturer.active and self.sentinel is None):
                 return False
+            tickets = self._tickets
+            if tickets and self.sentinel is None:
+                # A step of a shape whose wanted step the staged graph served before (see below, where the same
+                # is told for any build): told first, with the ticket's layers, the fewest calls.
+                ticket = tickets.get((id(builder), common.num_actual_tokens, common.num_reqs))
+                if ticket is not None and ticket.builder is builder and self._on_ticket(ticket, builder, common,
+                                                                                         metadata):
+                    return True
             self.declare(builder)
             # The buffers a full graph recorded next reads (vLLM builds its dummy batch just before recording it):
             # the graph's staged variant reads them too (graph_hooks.record_staged_graph).
@@ -119,6 +127,28 @@ class BuilderHooks:
         except Exception as exc:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
             return False
+
+    def _on_ticket(self, ticket: Any, builder: Any, common: Any, metadata: Any) -> bool:
+        """The build of a step its shape's ``ticket`` serves, kept on it (``_pending_build``) when capture wants every
+        layer of the ticket at one step: the same layers selected (the list :meth:`_selected_layers` keeps per
+        configuration), the lengths within the staged pages' reach, one causal flag. False: asked as any build."""
+        capturer = self.capturer
+        config = capturer.config
+        names = ticket.selected
+        hit = self._builder_layers.get(id(builder))
+        if hit is None or hit[0] is not config or hit[2] is not names or hit[1] is not getattr(builder, "layer_names",
+                                                                                                None) \
+                or not 0 < common.max_seq_len <= ticket.max_seq_len or common.causal.__class__ is not bool:
+            return False
+        steps = list(map(self._forward_counts.get, names, repeat(0)))
+        lo = min(steps)
+        if lo != max(steps) or not capturer.wants_all(len(names), lo):
+            return False
+        self._last_builds[id(builder)] = (builder, common)
+        if self._host_slots and common.slot_mapping is not None:
+            self._host_slots.pop(_tensor_key(common.slot_mapping), None)
+        self._pending_build = (ticket, builder, common, metadata, lo, self._counts_epoch, config)
+        return True
 
     def _quiet_builder(self, builder: Any, run: Any) -> tuple:
         """(the run's layer names, capture's configuration, whether every layer of the builder that capture selects
