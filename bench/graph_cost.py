@@ -128,7 +128,7 @@ SENTINEL_RATE = "0.01"
 # A step the capture filter names while "armed": never reached in a run.
 UNREACHED_STEP = 10**15
 KVDBG_HOOKS = ("after_build", "graph_call", "choose_graph", "before_graph_replay", "after_graph_replay", "quiet_replay",
-               "quiet_replayed")
+               "quiet_replayed", "ticket_replay")
 # The engine's thread's parts of a wanted step that --thread-times also times in thread CPU time and switches.
 ENGINE_PARTS = ("metadata_copy", "stage", "program_run")
 # Parts of a step the sentinel drew, timed on the engine's thread in the rounds with the bench's timers on (a drawn

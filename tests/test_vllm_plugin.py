@@ -1657,6 +1657,77 @@ def test_later_wanted_steps_of_a_shape_are_handed_on_its_ticket_and_each_snapsho
     assert not program.held
 
 
+def test_a_ticketed_step_through_vllms_graph_wrapper_is_told_without_the_choice_and_captured_whole(
+        standins, tmp_path, monkeypatch):
+    """Through kvdbg's patch of vLLM's graph wrapper, a step whose build was kept on its shape's ticket is told by
+    ``ticket_replay`` alone (no ``graph_call``, no choice of graph): the staged variant replays and the replay's hook
+    hands the step to the capture thread, each snapshot its own step. When the ticket cannot serve the call (the
+    program still held, a forward counted since the build, another graph), the call is asked as any other."""
+    import types
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0-20", layers=3)
+    wrapper, entry = _record_variants(16)
+    program = next(iter(state._staged_variants.values()))[1]
+    asked: list = []
+    for hook in ("graph_call", "choose_graph", "ticket_replay"):
+        def spied(*args, _real=getattr(state, hook), _name=hook, **kwargs):
+            asked.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(state, hook, spied)
+
+    def step(**change):
+        asked.clear()
+        common = _padded(engine.common(), reqs=4, tokens=16)
+        outputs = _run_as_graph(engine, common, _padded_inputs(engine, 16), 16, monkeypatch, wrapper=wrapper,
+                                through=True, **change)
+        assert state.drain_graph_capture(10)
+        program.poll_released(wait=True)
+        return common.seq_lens[:3].tolist(), [o[:12].clone() for o in outputs]
+
+    expected = [step()]
+    assert "choose_graph" in asked and len(state._tickets) == 1  # the shape's first wanted step earns the ticket
+    for _ in range(2):
+        expected.append(step())
+        assert asked == ["ticket_replay"] and entry.cudagraph == "staged"
+    # The program held by a reader: asked as any call, the graph with the copies replays, the step staged from the host.
+    program.hold()
+    expected.append(step())
+    assert asked == ["ticket_replay", "graph_call", "choose_graph"] and entry.cudagraph == "copies"
+    program.release(issued=False)
+    # A forward counted between the build and the call: asked again, and still wanted on every layer (staged).
+    real_build = engine.builder.build
+
+    def build_then_count(*args, **kwargs):
+        metadata = real_build(*args, **kwargs)
+        state._counts_epoch += 1  # as any forward's count moves it (the layers still at one step)
+        return metadata
+
+    monkeypatch.setattr(engine.builder, "build", build_then_count)
+    expected.append(step())
+    assert asked == ["ticket_replay", "graph_call", "choose_graph"] and entry.cudagraph == "staged"
+    monkeypatch.setattr(engine.builder, "build", real_build)
+    # Another graph in vLLM's forward context than the ticket's (the same wrapper): not told on the ticket, the
+    # build still kept for the call's other hooks.
+    engine.builder.build(0, _padded(engine.common(), reqs=4, tokens=16))
+    assert state._pending_build is not None
+    other = types.SimpleNamespace(cudagraph_runtime_mode=wrapper.runtime_mode, batch_descriptor=_Batch((8,)))
+    state._forward_context = (lambda: True, lambda: other)
+    assert state.ticket_replay(wrapper) is None and state._pending_build is not None and state._in_graph_ran is None
+    state._settle_build()
+    snaps = snapshots(tmp_path)
+    assert sorted({s.meta.capture["step"] for s in snaps}) == list(range(len(expected))) and len(snaps) == 15
+    for snap in snaps:
+        seq_lens, outputs = expected[snap.meta.capture["step"]]
+        layer = engine.names.index(snap.meta.capture["layer"])
+        assert snap.steps[0].seq_lens.tolist() == seq_lens
+        torch.testing.assert_close(snap.steps[0].output.reshape(12, -1), outputs[layer].reshape(12, -1), rtol=0,
+                                   atol=0)
+    account = vllm_plugin.active_capturer().engine_time
+    assert account.handed == 5 and account.staged == 5 and account.in_graph == 4 and account.waits == 0
+    assert state.capturer.dropped["internal"] == 0 and not program.held
+
+
 def test_a_build_kept_on_its_ticket_is_kept_as_any_build_when_its_step_is_not_handed_on_it(
         standins, tmp_path, monkeypatch):
     """A ticketed build whose step does not replay the staged variant is kept as any build when something reads it:

@@ -567,6 +567,41 @@ class GraphHooks:
             self.capturer.report(exc, "a CUDA graph's replay told quiet ahead")
             return None
 
+    def ticket_replay(self, wrapper: Any) -> Any:
+        """The coming call of ``wrapper`` as the step its build kept on a ticket (``_pending_build``), told with a few
+        reads instead of :meth:`graph_call`, :meth:`choose_graph` and :meth:`before_graph_replay`: the ticket's graph
+        and batch, no forward counted and the filters the same since the build, its program free, no capture of an
+        earlier step still to issue. Then the staged variant is installed, the step kept as :meth:`choose_graph`
+        keeps it for :meth:`after_graph_replay`, and the batch returned; None: the call is asked as any other (the
+        build still kept)."""
+        try:
+            pending = self._pending_build
+            ticket = pending[0]
+            if ticket.wrapper is not wrapper or pending[5] != self._counts_epoch \
+                    or pending[6] is not self.capturer.config or ticket.program._holders \
+                    or self._graph_job is not None or self.sentinel is not None:
+                return None
+            context = self._forward_context  # kept by graph_call, which the shape's first wanted step went through
+            if context is None or not context[0]():
+                return None
+            forward = context[1]()
+            batch = forward.batch_descriptor
+            if forward.cudagraph_runtime_mode is not wrapper.runtime_mode or batch != ticket.batch:
+                return None
+            variants = self._graph_variants.get((id(wrapper), batch))
+            if variants is None or wrapper.concrete_cudagraph_entries.get(batch) is not variants[0]:
+                return None  # vLLM let its graphs go since: the choice of graph learns it
+            self._pending_build = self._prepared = self._quiet = None
+            self._in_graph_ran = (batch, ticket.program, ticket, pending)
+            entry = variants[0]
+            entry.cudagraph, entry.output = ticket.graph
+            self._plain_ran = False
+            self.staged_replays += 1
+            return batch
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's forward: the call is asked as any other
+            self.capturer.report(exc, "a CUDA graph's replay on a ticket")
+            return None
+
     def quiet_replayed(self, run: "_QuietRun") -> None:
         """The quiet run's step is queued (:meth:`quiet_replay`): its layers' forwards counted, nothing else.
 
