@@ -717,14 +717,20 @@ def test_the_hooks_time_comes_from_the_timed_rounds_and_the_timed_pairs_are_show
 
 
 def test_the_stand_ins_wanted_row_times_a_step_the_staged_graph_serves_against_an_unwanted_one(standins, tmp_path):
-    """The hooks part's wanted row: every timed wanted step replays the staged variant (the row stops otherwise)
-    and is handed over with its staging, and the row's figures are those steps' medians less an unwanted step's."""
+    """The hooks part's wanted row: every timed wanted step replays the staged variant through kvdbg's patch of
+    vLLM's graph wrapper (the row stops otherwise), on its shape's ticket after the first, and is handed over with
+    its staging; unwanted steps replay the plain one on quiet runs; the row's figures are those steps' medians less
+    an unwanted step's."""
     import pytest as _pytest
 
     from tests.test_vllm_plugin import _Batch, _record_variants
 
     enable(standins, tmp_path)
     patch = _pytest.MonkeyPatch()
+    state = vllm_plugin._state
+    served: list = []
+    told = state.ticket_replay
+    patch.setattr(state, "ticket_replay", lambda wrapper: served.append(told(wrapper)) or served[-1])
     try:
         row = gc._wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants, 8,
                              steps_timed=50)
@@ -732,10 +738,12 @@ def test_the_stand_ins_wanted_row_times_a_step_the_staged_graph_serves_against_a
         patch.undo()
     assert row["mode"] == "wanted" and row["graph_slots"] == 8 and row["steps"] == 50
     assert row["staged_in_graph"] == 350  # every wanted step, warm-up included, staged inside the graph
+    assert row["tickets"] == 1 and len(served) == 349 and all(batch is not None for batch in served)
+    assert state.plain_replays >= 350 and state.staged_replays == 350
     hooks = row["by_hook_us"]
+    assert set(hooks) == {"after_build", "replay"} == set(row["unwanted_by_hook_us"])
     assert row["added_us"] == _pytest.approx(sum(hooks.values()) - sum(row["unwanted_by_hook_us"].values()))
-    assert row["replay_hooks_us"] == _pytest.approx(hooks["choose_graph"] + hooks["before_graph_replay"]
-                                                    + hooks["after_graph_replay"])
+    assert row["replay_hooks_us"] == _pytest.approx(hooks["replay"])
 
 
 def test_a_cold_row_runs_the_other_work_before_each_of_its_steps_and_fewer_of_them(standins, tmp_path):
@@ -748,6 +756,10 @@ def test_a_cold_row_runs_the_other_work_before_each_of_its_steps_and_fewer_of_th
     calls = []
     enable(standins, tmp_path)
     patch = _pytest.MonkeyPatch()
+    state = vllm_plugin._state
+    served: list = []
+    told = state.ticket_replay
+    patch.setattr(state, "ticket_replay", lambda wrapper: served.append(told(wrapper)) or served[-1])
     try:
         row = gc._wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants, 8,
                              steps_timed=60, cold=lambda: calls.append(1))
