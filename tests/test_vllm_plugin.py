@@ -1707,14 +1707,46 @@ def test_a_ticketed_step_through_vllms_graph_wrapper_is_told_without_the_choice_
     expected.append(step())
     assert asked == ["ticket_replay", "graph_call", "choose_graph"] and entry.cudagraph == "staged"
     monkeypatch.setattr(engine.builder, "build", real_build)
-    # Another graph in vLLM's forward context than the ticket's (the same wrapper): not told on the ticket, the
-    # build still kept for the call's other hooks.
-    engine.builder.build(0, _padded(engine.common(), reqs=4, tokens=16))
-    assert state._pending_build is not None
-    other = types.SimpleNamespace(cudagraph_runtime_mode=wrapper.runtime_mode, batch_descriptor=_Batch((8,)))
-    state._forward_context = (lambda: True, lambda: other)
-    assert state.ticket_replay(wrapper) is None and state._pending_build is not None and state._in_graph_ran is None
-    state._settle_build()
+    # Each fact the ticket holds, moved after the build: not told on the ticket, the build still kept for the call's
+    # other hooks, the entry as it was.
+    batch = _Batch((16,))
+    other = _Batch((8,))  # another graph of the same wrapper, with variants of its own (here the same entry)
+    wrapper.concrete_cudagraph_entries[other] = entry
+    state._graph_variants[(id(wrapper), other)] = state._graph_variants[(id(wrapper), batch)]
+    mode = wrapper.runtime_mode
+    pieces = types.SimpleNamespace(name="PIECEWISE")
+    elsewhere = types.SimpleNamespace(concrete_cudagraph_entries=wrapper.concrete_cudagraph_entries, runtime_mode=mode)
+    state._graph_variants[(id(elsewhere), batch)] = state._graph_variants[(id(wrapper), batch)]
+    job, sentinel, config = object(), object(), state.capturer.config
+    cases = {  # (the call's wrapper, its batch, its mode), then what else moved (and how it is put back)
+        "another graph": ((wrapper, other, mode), None, None),
+        "another wrapper": ((elsewhere, batch, mode), None, None),
+        "another mode": ((wrapper, batch, pieces), None, None),
+        "filters changed": ((wrapper, batch, mode), lambda: state.capturer.reconfigure(steps="0-30"),
+                            lambda: state.capturer.reconfigure(steps="0-20")),
+        "a capture out": ((wrapper, batch, mode), lambda: setattr(state, "_graph_job", job),
+                          lambda: setattr(state, "_graph_job", None)),
+        "the sentinel on": ((wrapper, batch, mode), lambda: setattr(state, "sentinel", sentinel),
+                            lambda: setattr(state, "sentinel", None)),
+        "a forward counted": ((wrapper, batch, mode), lambda: setattr(state, "_counts_epoch", state._counts_epoch + 1),
+                              None),
+    }
+    for case, ((called, seen, seen_mode), move, back) in cases.items():
+        engine.builder.build(0, _padded(engine.common(), reqs=4, tokens=16))
+        pending = state._pending_build
+        assert pending is not None, case
+        if move is not None:
+            move()
+        forward = types.SimpleNamespace(cudagraph_runtime_mode=seen_mode, batch_descriptor=seen)
+        state._forward_context = (lambda: True, lambda: forward)
+        before = (entry.cudagraph, state.staged_replays)
+        assert state.ticket_replay(called) is None, case
+        assert state._pending_build is pending and state._in_graph_ran is None, case
+        assert (entry.cudagraph, state.staged_replays) == before, case
+        if back is not None:
+            back()
+        state._settle_build()
+    assert state.capturer.config is not config  # reconfigured back: a new configuration, the same filters
     snaps = snapshots(tmp_path)
     assert sorted({s.meta.capture["step"] for s in snaps}) == list(range(len(expected))) and len(snaps) == 15
     for snap in snaps:

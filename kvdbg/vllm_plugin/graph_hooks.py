@@ -53,10 +53,12 @@ touched in a step costs microseconds (its code and objects evicted by the engine
   the same wrapper, batch descriptor and entry, nothing built for a capture or handed over, no check of the
   sentinel's out but on its own staged copies);
 - **tickets** (:class:`_Ticket`): once a wanted step of a shape was staged inside vLLM's graph with its metadata,
-  a later wanted build of that shape keeps nothing; the choice takes the staged variant on the ticket and the
-  replay's hook hands the build as given to the capture thread, which makes the step's context there
-  (:meth:`GraphHooks._ticket_job`). A ticketed build read any other way is kept then, as any build
-  (``BuilderHooks._settle_build``).
+  a later wanted build of that shape keeps nothing (``BuilderHooks._on_ticket``); through vLLM's graph wrapper the
+  call installs the staged variant on the ticket with a few reads (:meth:`GraphHooks.ticket_replay`: the ticket's
+  wrapper, batch descriptor and entry, no count moved, the filters the same, the program free; else the choice
+  takes it the same way), and the replay's hook hands the build as given to the capture thread, which makes the
+  step's context there (:meth:`GraphHooks._ticket_job`). A ticketed build read any other way is kept then, as any
+  build (``BuilderHooks._settle_build``).
 
 Padding rows of a graph's batch (vLLM pads a batch up to the graph's size with requests of no tokens on the
 null block) are not requests: the builder hook keeps only the rows with tokens, and the query rows past the
@@ -187,9 +189,10 @@ class _QuietRun:
 @dataclass(eq=False, slots=True)
 class _Ticket:
     """What a wanted step of one shape (a builder's padded tokens and rows) needs on the engine's thread once one
-    such step was staged inside vLLM's graph (``GraphHooks._make_ticket``): its build is then kept as given, the choice
-    of graph checks the few facts below, and the replay's hook counts the forwards and hands the step to the capture
-    thread, which makes its context and staged step there (``GraphHooks._ticket_job``)."""
+    such step was staged inside vLLM's graph (``GraphHooks._make_ticket``): its build is then kept as given, the call
+    of vLLM's graph wrapper (``GraphHooks.ticket_replay``, or the choice of graph) checks the few facts below, and the
+    replay's hook counts the forwards and hands the step to the capture thread, which makes its context and staged
+    step there (``GraphHooks._ticket_job``)."""
 
     builder: Any
     selected: list  # the builder's layers capture's layer filter selects (the list kept per configuration)
@@ -591,10 +594,10 @@ class GraphHooks:
             variants = self._graph_variants.get((id(wrapper), batch))
             if variants is None or wrapper.concrete_cudagraph_entries.get(batch) is not variants[0]:
                 return None  # vLLM let its graphs go since: the choice of graph learns it
-            self._pending_build = self._prepared = self._quiet = None
-            self._in_graph_ran = (batch, ticket.program, ticket, pending)
             entry = variants[0]
             entry.cudagraph, entry.output = ticket.graph
+            self._pending_build = self._prepared = self._quiet = None
+            self._in_graph_ran = (batch, ticket.program, ticket, pending)
             self._plain_ran = False
             self.staged_replays += 1
             return batch
