@@ -68,8 +68,9 @@ class BuilderHooks:
                 return False
             tickets = self._tickets
             if tickets and self.sentinel is None:
-                # A step of a shape whose wanted step the staged graph served before (see below, where the same
-                # is told for any build): told first, with the ticket's layers, the fewest calls.
+                # A step of a shape whose wanted step the staged graph served before: nothing kept now. The graph's
+                # call (ticket_replay, or the choice of graph) hands it to the capture thread whole, or it is kept
+                # as below (_settle_build) for whatever reads it otherwise. Told first, with the fewest calls.
                 ticket = tickets.get((id(builder), common.num_actual_tokens, common.num_reqs))
                 if ticket is not None and ticket.builder is builder and self._on_ticket(ticket, builder, common,
                                                                                          metadata):
@@ -106,16 +107,12 @@ class BuilderHooks:
                 lo, hi = min(steps), max(steps)
                 if lo == hi:  # the usual case: the selected layers all at one step, told with one check
                     for_capture = self.capturer.selects_step(lo)
-                    if for_capture and self._tickets:
+                    if for_capture and self._tickets and self.sentinel is None:
+                        # A ticketed build the check above could not tell (the first after new filters: the layers
+                        # kept per configuration only now made again), told the same way.
                         ticket = self._tickets.get((id(builder), common.num_actual_tokens, common.num_reqs))
-                        if ticket is not None and ticket.selected is names and self.sentinel is None \
-                                and 0 < common.max_seq_len <= ticket.max_seq_len and common.causal.__class__ is bool \
-                                and self.capturer.wants_all(len(names), lo):
-                            # A step of a shape whose wanted step the staged graph served before: nothing kept now.
-                            # The choice of graph hands it to the capture thread whole, or keeps it as below
-                            # (_settle_build) for whatever reads it otherwise.
-                            self._pending_build = (ticket, builder, common, metadata, lo, self._counts_epoch,
-                                                   self.capturer.config)
+                        if ticket is not None and ticket.builder is builder \
+                                and self._on_ticket(ticket, builder, common, metadata):
                             return True
                 else:
                     for_capture = not self.capturer.takes_no_step(lo, hi) and any(

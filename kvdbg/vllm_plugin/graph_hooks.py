@@ -580,16 +580,14 @@ class GraphHooks:
         try:
             pending = self._pending_build
             ticket = pending[0]
-            if ticket.wrapper is not wrapper or pending[5] != self._counts_epoch \
-                    or pending[6] is not self.capturer.config or ticket.program._holders \
-                    or self._graph_job is not None or self.sentinel is not None:
+            if not self._ticket_fits(pending, wrapper) or self._graph_job is not None or self.sentinel is not None:
                 return None
             context = self._forward_context  # kept by graph_call, which the shape's first wanted step went through
             if context is None or not context[0]():
                 return None
             forward = context[1]()
             batch = forward.batch_descriptor
-            if forward.cudagraph_runtime_mode is not wrapper.runtime_mode or batch != ticket.batch:
+            if forward.cudagraph_runtime_mode is not wrapper.runtime_mode or batch != ticket.batch:  # another graph
                 return None
             variants = self._graph_variants.get((id(wrapper), batch))
             if variants is None or wrapper.concrete_cudagraph_entries.get(batch) is not variants[0]:
@@ -604,6 +602,14 @@ class GraphHooks:
         except Exception as exc:  # noqa: BLE001 - never into vLLM's forward: the call is asked as any other
             self.capturer.report(exc, "a CUDA graph's replay on a ticket")
             return None
+
+    def _ticket_fits(self, pending: tuple, wrapper: Any) -> bool:
+        """Whether the build kept on a ticket (``_pending_build``) may be handed on it by this call of ``wrapper``
+        (its graph's batch told by the caller): the ticket's wrapper, no forward counted and the filters the same
+        since the build, the program free."""
+        ticket = pending[0]
+        return ticket.wrapper is wrapper and pending[5] == self._counts_epoch and pending[6] is self.capturer.config \
+            and not ticket.program._holders
 
     def quiet_replayed(self, run: "_QuietRun") -> None:
         """The quiet run's step is queued (:meth:`quiet_replay`): its layers' forwards counted, nothing else.
@@ -666,8 +672,7 @@ class GraphHooks:
             fast = None
             if pending is not None:
                 ticket = pending[0]
-                if ticket.wrapper is wrapper and ticket.batch == batch and pending[5] == self._counts_epoch \
-                        and pending[6] is self.capturer.config and not ticket.program._holders:
+                if ticket.batch == batch and self._ticket_fits(pending, wrapper):
                     # Wanted on every layer, told at the build; the program free: the staged variant, nothing kept.
                     self._pending_build = None
                     fast = (batch, ticket.program, ticket, pending)
