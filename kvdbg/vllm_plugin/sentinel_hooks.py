@@ -192,15 +192,61 @@ class SentinelHooks:
         the graph's copies of their query and output (``graph_hooks``), with the metadata their build kept (None:
         no build seen); with ``staged``, from the step's copies staged on the device (``graph_staging``): query,
         output and pages, all the step's layers handed to the worker as one job."""
-        batch: list[_Waiting] | None = [] if staged is not None else None
+        if staged is not None:
+            batch = self._staged_checks(state, sampled, staged)
+            if batch:
+                self._check_staged(state, batch, staged)
+            return
         for slot, step, ctx in sampled:
             try:
                 self._check(state, slot.impl, slot.layer, step, slot.query, None, None, slot.kv_cache, ctx,
-                            slot.output, None, staged=staged, batch=batch)
+                            slot.output, None)
             except Exception as exc:
                 self._failed(exc, "after a CUDA graph's replay")
-        if batch:
-            self._check_staged(state, batch, staged)
+
+    def _staged_checks(self, state, sampled: list, staged: Any) -> list[_Waiting]:
+        """A staged step's sampled layers as one job's entries, each holding the staging. What the layers share is
+        read once per build context (a step is staged with one: graph_hooks), not once per layer: whether its
+        mask can be checked, the pages each request holds, its lengths and offsets. Each layer's copies are
+        then read through its block table in staged positions: none (the requests' pages lie one after another,
+        ``max_pages[r]`` of them for request r: :class:`kvdbg.sentinel.checker.StepInputs`)."""
+        batch: list[_Waiting] = []
+        shared, shared_for = None, None
+        for slot, step, ctx in sampled:
+            try:
+                if ctx is not shared_for:
+                    shared_for, shared = ctx, None
+                    causal = self._checkable(ctx)
+                    if causal is not None:
+                        # The build's host copies of the lengths and offsets where it made them (a device build's:
+                        # the check reads them on the host, and a device tensor made for one step would be a new
+                        # buffer for the checker process to open, every check); the job waits for their copies
+                        # (DeferredChecks).
+                        host = ctx.host
+                        seq_lens, offsets = (ctx.seq_lens, ctx.query_start_loc) if host is None else \
+                            (host.seq_lens, host.query_start_loc)
+                        shared = (causal, seq_lens, offsets, self._staged_table(staged)[1], ctx.max_model_len)
+                if shared is None:
+                    continue
+                layer = slot.layer
+                checked = self._checked_layer(state, slot.impl, layer, slot.kv_cache, slot.output.dtype)
+                if checked is None:
+                    continue
+                causal, seq_lens, offsets, max_pages, max_model_len = shared
+                copies = staged.layers[layer.layer_name]
+                # The copies' whole buffers and the graph's rows of them: the same objects for every graph the
+                # program stages, so the checker process is given them once per program (kvdbg.sentinel.remote's
+                # templates), not once per batch size.
+                query, output = copies.whole or (copies.query, copies.output)
+                inputs = StepInputs(query=query, kv_cache=copies.pages, block_table=None, seq_lens=seq_lens,
+                                    query_start_loc=offsets, causal=causal, output=output,
+                                    max_model_len=max_model_len, max_pages=max_pages, stack=copies.stack,
+                                    rows=staged.rows if copies.whole else None)
+                batch.append(_Waiting(slot.impl, layer, checked[1], checked[0], ctx, None, None, None, inputs, step,
+                                      staged=staged.hold(), cache=slot.kv_cache))
+            except Exception as exc:
+                self._failed(exc, "after a CUDA graph's replay")
+        return batch
 
     def _check_staged(self, state, batch: list[_Waiting], staged: Any) -> None:
         """A staged step's sampled layers, checked together (:func:`kvdbg.sentinel.checker.check_layers`: alike
@@ -270,54 +316,16 @@ class SentinelHooks:
                 waiting.staged.release(issued=read)
 
     def _check(self, state, impl: Any, layer: Any, step: int, query, key, value, kv_cache, ctx, output,
-               pre: "PreUpdate | None", staged: Any = None, batch: "list[_Waiting] | None" = None) -> None:
-        """Check one sampled step (on CPU now; on CUDA in the worker, collected later) and capture it if wrong; a
-        staged step's layer on CUDA joins ``batch``, which the caller hands to the worker whole."""
-        name = layer.layer_name
-        if ctx is None:
-            self._say_once("metadata", "kvdbg sentinel: a sampled step's metadata was not built by a wrapped "
-                           "builder; such steps are not checked")
-            return
-        if ctx.refused is not None:  # a mask the reference cannot be given either (capture says it once)
-            self._say_once(f"refused:{ctx.refused.split(' ')[0]}", f"kvdbg sentinel: steps whose mask a "
-                           f"snapshot cannot hold are not checked ({ctx.refused})")
-            return
-        causal = _causal(ctx.causal)
+               pre: "PreUpdate | None") -> None:
+        """Check one sampled step of a layer (on CPU now; on CUDA in the worker, collected later) and capture it if
+        wrong."""
+        causal = self._checkable(ctx)
         if causal is None:
-            self._say_once("causal", "kvdbg sentinel: a batch mixing causal and non-causal requests is not "
-                           "checked")
             return
-        kv_layout = state.engine_layout(impl, layer, state._info(impl), kv_cache)
-        if kv_layout is None:
+        checked = self._checked_layer(state, impl, layer, kv_cache, output.dtype)
+        if checked is None:
             return
-        info = state._info(impl)
-        target = state.capture_layer(impl, layer, kv_layout, output.dtype)
-        if not self.sentinel.can_check(target, info.backend_name if info else None):
-            return
-        if staged is not None:  # kvdbg's copies of the step, read through its block table in staged positions
-            copies = staged.layers[name]
-            table, max_pages = self._staged_table(staged)
-            # The build's host copies of the lengths and offsets where it made them (a device build's: the check
-            # reads them on the host, and a device tensor made for one step would be a new buffer for the checker
-            # process to open, every check); the job waits for their copies (DeferredChecks).
-            host = ctx.host
-            seq_lens, offsets = (ctx.seq_lens, ctx.query_start_loc) if host is None else \
-                (host.seq_lens, host.query_start_loc)
-            # The copies' whole buffers and the graph's rows of them: the same objects for every graph the program
-            # stages, so the checker process is given them once per program (kvdbg.sentinel.remote's templates),
-            # not once per batch size.
-            query, output = copies.whole or (copies.query, copies.output)
-            inputs = StepInputs(query=query, kv_cache=copies.pages, block_table=table, seq_lens=seq_lens,
-                                query_start_loc=offsets, causal=causal, output=output,
-                                max_model_len=ctx.max_model_len, max_pages=max_pages, stack=copies.stack,
-                                rows=staged.rows if copies.whole else None)
-            waiting = _Waiting(impl, layer, target, kv_layout, ctx, None, None, None, inputs, step,
-                               staged=staged.hold(), cache=kv_cache)
-            if batch is None:
-                self._check_staged(state, [waiting], staged)
-            else:
-                batch.append(waiting)
-            return
+        kv_layout, target = checked
         inputs = StepInputs(query=query, kv_cache=kv_cache, block_table=ctx.block_table, seq_lens=ctx.seq_lens,
                             query_start_loc=ctx.query_start_loc, causal=causal, output=output,
                             max_model_len=ctx.max_model_len)
@@ -325,13 +333,44 @@ class SentinelHooks:
             if self._deferred is None:
                 self._deferred = DeferredChecks(self.sentinel, kv_cache.device)
             kept = self._deferred.submit(target, inputs, step)
-            self._waiting[name] = _Waiting(impl, layer, target, kv_layout, ctx, pre, key, value, kept, step)
+            self._waiting[layer.layer_name] = _Waiting(impl, layer, target, kv_layout, ctx, pre, key, value, kept,
+                                                       step)
             return
         result = self.sentinel.check(target, inputs, step)
         finding = result.finding()
         if finding is not None:
             self._capture(state, finding, _Waiting(impl, layer, target, kv_layout, ctx, pre, key, value, inputs,
                                                    step))
+
+    def _checkable(self, ctx: Any) -> bool | None:
+        """The mask of the step a build context describes (causal or not), or None when the step is not checked:
+        no wrapped builder built it, the snapshot could not hold its mask, or its requests mix both masks (each
+        said once)."""
+        if ctx is None:
+            self._say_once("metadata", "kvdbg sentinel: a sampled step's metadata was not built by a wrapped "
+                           "builder; such steps are not checked")
+            return None
+        if ctx.refused is not None:  # a mask the reference cannot be given either (capture says it once)
+            self._say_once(f"refused:{ctx.refused.split(' ')[0]}", f"kvdbg sentinel: steps whose mask a "
+                           f"snapshot cannot hold are not checked ({ctx.refused})")
+            return None
+        causal = _causal(ctx.causal)
+        if causal is None:
+            self._say_once("causal", "kvdbg sentinel: a batch mixing causal and non-causal requests is not "
+                           "checked")
+        return causal
+
+    def _checked_layer(self, state, impl: Any, layer: Any, kv_cache: Any, model_dtype: Any) -> tuple | None:
+        """(cache layout, capture layer) of a layer the sentinel can check, or None (why is said once: by the
+        plugin for a cache layout it refuses, by the sentinel for a layer or backend its reference cannot model)."""
+        info = state._info(impl)
+        kv_layout = state.engine_layout(impl, layer, info, kv_cache)
+        if kv_layout is None:
+            return None
+        target = state.capture_layer(impl, layer, kv_layout, model_dtype)
+        if not self.sentinel.can_check(target, info.backend_name if info else None):
+            return None
+        return kv_layout, target
 
     def _staged_table(self, staged: Any) -> tuple:
         """A staged step's (block table, pages per request) for its checks: no table (the requests' pages lie one
