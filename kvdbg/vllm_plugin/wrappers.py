@@ -160,15 +160,8 @@ def _wrap_graph_call(state: _PluginState, original):
     @functools.wraps(original)
     def __call__(self, *args, **kwargs):
         start = _clock()
-        run = state.quiet_replay(self)
-        if run is not None:  # a step told unwanted ahead: the plain graph installed, the forwards counted after
-            spent = _clock() - start
-            result = original(self, *args, **kwargs)
-            start = _clock()
-            state.quiet_replayed(run)
-            _account(state, False, spent + _clock() - start)
-            return result
         if state._pending_build is not None:  # a build kept on its shape's ticket: its graph told with no choice
+            # (no quiet run goes on past such a build: quiet_replay would refuse it)
             batch = state.ticket_replay(self)
             if batch is not None:
                 spent = _clock() - start
@@ -176,6 +169,15 @@ def _wrap_graph_call(state: _PluginState, original):
                 start = _clock()
                 copied = state.after_graph_replay(batch)
                 _account(state, copied, spent + _clock() - start)
+                return result
+        else:
+            run = state.quiet_replay(self)
+            if run is not None:  # a step told unwanted ahead: the plain graph installed, the forwards counted after
+                spent = _clock() - start
+                result = original(self, *args, **kwargs)
+                start = _clock()
+                state.quiet_replayed(run)
+                _account(state, False, spent + _clock() - start)
                 return result
         what = state.graph_call(self)
         if what is None:
