@@ -533,3 +533,99 @@ def test_a_replay_told_quiet_goes_on_while_staged_checks_are_out_and_collects_th
     hooks._waiting["model.layers.0.self_attn.attn"] = object()
     assert not hooks.quiet_replay_ready(state)
     hooks._waiting.clear()
+
+
+class _Staged:
+    """A staged step as the sentinel's hook reads it (graph_staging.StagedStep): its layers' copies, the pages each
+    request holds, and holds counted."""
+
+    rows = 4
+    ready = None
+
+    def __init__(self, names, sized_fails=False):
+        from types import SimpleNamespace
+
+        import numpy as np
+
+        self.layers = {n: SimpleNamespace(pages=f"pages:{n}", query=f"q:{n}", output=f"o:{n}", whole=None, stack=None)
+                       for n in names}
+        self.counts = np.array([1, 2])
+        self.holds = self.sized_calls = 0
+        self.sized_fails = sized_fails
+
+    def sized(self):
+        self.sized_calls += 1
+        if self.sized_fails:
+            raise RuntimeError("sized")
+
+    def hold(self):
+        self.holds += 1
+        return self
+
+
+class _Ctx:
+    """A build's context as the hook reads it; ``host`` raises with ``host_fails``."""
+
+    def __init__(self, tag, refused=None, host_fails=False):
+        self.tag, self.refused, self.causal, self.host_fails = tag, refused, True, host_fails
+        self.seq_lens, self.query_start_loc = f"lens {tag}", f"offsets {tag}"
+        self.max_model_len, self.block_table = 64, None
+
+    @property
+    def host(self):
+        if self.host_fails:
+            raise RuntimeError("host")
+        return None
+
+
+@pytest.mark.parametrize("case", ["contexts A B A", "no context first", "host read fails", "layout refused",
+                                  "nothing checkable"])
+def test_a_staged_steps_layers_read_what_their_context_shares_once_and_each_fails_alone(case, tmp_path):
+    """The sentinel's hook for a staged graph step (SentinelHooks.after_graph_replay with ``staged``): each layer's
+    check carries its own build context's lengths; the pages per request are read once per step, and only for a
+    layer that is checked; a context that cannot be read fails each of its layers (counted each, no staging held);
+    a step with no context says so once; a layer whose cache layout is refused is left out quietly."""
+    from types import SimpleNamespace as NS
+
+    from kvdbg.sentinel.checker import Sentinel
+    from kvdbg.sentinel.config import SentinelConfig
+    from kvdbg.vllm_plugin.sentinel_hooks import SentinelHooks
+
+    names = ["l0", "l1", "l2"]
+    a, b = _Ctx("A"), _Ctx("B")
+    ctxs, refused, sized_fails = {
+        "contexts A B A": ([a, b, a], set(), False),
+        "no context first": ([None, a, a], set(), False),
+        "host read fails": ([_Ctx("C", host_fails=True)] * 3, set(), False),
+        "layout refused": ([a, a, a], {"l1"}, False),
+        "nothing checkable": ([a, a, a], set(names), True),
+    }[case]
+    hooks = SentinelHooks(Sentinel(SentinelConfig(rate=1.0, directory=str(tmp_path))), capturer=None)
+    said, failed, handed = [], [], []
+    hooks._say_once = lambda key, message, level=logging.INFO: said.append(key)
+    hooks._failed = lambda exc, where: failed.append(str(exc))
+    hooks._check_staged = lambda state, batch, staged: handed.append(batch)
+    state = NS(_info=lambda impl: NS(backend_name="TRITON_ATTN"),
+               engine_layout=lambda impl, layer, info, kv: None if layer.layer_name in refused else "layout",
+               capture_layer=lambda impl, layer, layout, dtype: NS(name=layer.layer_name))
+    hooks.sentinel.can_check = lambda target, backend: True
+    staged = _Staged(names, sized_fails)
+    # A layer whose layout is refused may have no output (a forward that returned none): never read for it.
+    sampled = [(NS(impl="impl", layer=NS(layer_name=n), kv_cache="cache",
+                   output=None if n in refused else NS(dtype="bf16")), 7, ctx) for n, ctx in zip(names, ctxs)]
+    hooks.after_graph_replay(state, sampled, staged)
+    batch = handed[0] if handed else []
+    assert staged.holds == len(batch) and len(handed) <= 1
+    entries = [(w.layer.layer_name, w.inputs.seq_lens, w.inputs.max_pages, w.inputs.block_table) for w in batch]
+    if case == "contexts A B A":
+        assert entries == [("l0", "lens A", [1, 2], None), ("l1", "lens B", [1, 2], None),
+                           ("l2", "lens A", [1, 2], None)]
+        assert staged.sized_calls == 1 and not failed and not said
+    elif case == "no context first":
+        assert [e[0] for e in entries] == ["l1", "l2"] and said == ["metadata"] and not failed
+    elif case == "host read fails":
+        assert not batch and failed == ["host"] * 3 and staged.sized_calls == 0
+    elif case == "layout refused":
+        assert [e[0] for e in entries] == ["l0", "l2"] and not failed and not said
+    else:
+        assert not batch and not failed and staged.sized_calls == 0

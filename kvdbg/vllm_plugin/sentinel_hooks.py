@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvdbg.sentinel")
 
+_UNREAD = object()  # _staged_checks: no build context read yet (None is one: no build seen)
+
 # How long shutdown waits for the check of a last sampled device step.
 COLLECT_SECONDS = 5.0
 
@@ -71,8 +73,8 @@ class SentinelHooks:
         self._waiting: dict[str, _Waiting] = {}
         self._staged: list[_Waiting] = []  # checks of staged graph steps, in the worker; polled, never waited for
         self._deferred: DeferredChecks | None = None
-        self._table_for: Any = None  # the staged step whose table _table holds (_staged_table)
-        self._table: tuple = ()
+        self._pages_for: Any = None  # the staged step whose pages per request _pages holds (_staged_pages)
+        self._pages: list[int] = []
         self._said: set[str] = set()
         self._closed = False
         atexit.register(self.close)
@@ -207,15 +209,15 @@ class SentinelHooks:
     def _staged_checks(self, state, sampled: list, staged: Any) -> list[_Waiting]:
         """A staged step's sampled layers as one job's entries, each holding the staging. What the layers share is
         read once per build context (a step is staged with one: graph_hooks), not once per layer: whether its
-        mask can be checked, the pages each request holds, its lengths and offsets. Each layer's copies are
-        then read through its block table in staged positions: none (the requests' pages lie one after another,
-        ``max_pages[r]`` of them for request r: :class:`kvdbg.sentinel.checker.StepInputs`)."""
+        mask can be checked, its lengths and offsets; the pages each request holds once per staged step. A
+        layer's check is given no block table: its requests' staged pages lie one after another, ``max_pages[r]``
+        of them for request r (:class:`kvdbg.sentinel.checker.StepInputs`)."""
         batch: list[_Waiting] = []
-        shared, shared_for = None, None
+        shared, shared_for = None, _UNREAD
         for slot, step, ctx in sampled:
             try:
                 if ctx is not shared_for:
-                    shared_for, shared = ctx, None
+                    shared_for, shared = _UNREAD, None  # kept only once read whole: a failure is met by each layer
                     causal = self._checkable(ctx)
                     if causal is not None:
                         # The build's host copies of the lengths and offsets where it made them (a device build's:
@@ -225,14 +227,16 @@ class SentinelHooks:
                         host = ctx.host
                         seq_lens, offsets = (ctx.seq_lens, ctx.query_start_loc) if host is None else \
                             (host.seq_lens, host.query_start_loc)
-                        shared = (causal, seq_lens, offsets, self._staged_table(staged)[1], ctx.max_model_len)
+                        shared = (causal, seq_lens, offsets, ctx.max_model_len)
+                    shared_for = ctx
                 if shared is None:
                     continue
                 layer = slot.layer
-                checked = self._checked_layer(state, slot.impl, layer, slot.kv_cache, slot.output.dtype)
+                checked = self._checked_layer(state, slot.impl, layer, slot.kv_cache, slot.output)
                 if checked is None:
                     continue
-                causal, seq_lens, offsets, max_pages, max_model_len = shared
+                causal, seq_lens, offsets, max_model_len = shared
+                max_pages = self._staged_pages(staged)
                 copies = staged.layers[layer.layer_name]
                 # The copies' whole buffers and the graph's rows of them: the same objects for every graph the
                 # program stages, so the checker process is given them once per program (kvdbg.sentinel.remote's
@@ -322,7 +326,7 @@ class SentinelHooks:
         causal = self._checkable(ctx)
         if causal is None:
             return
-        checked = self._checked_layer(state, impl, layer, kv_cache, output.dtype)
+        checked = self._checked_layer(state, impl, layer, kv_cache, output)
         if checked is None:
             return
         kv_layout, target = checked
@@ -360,28 +364,26 @@ class SentinelHooks:
                            "checked")
         return causal
 
-    def _checked_layer(self, state, impl: Any, layer: Any, kv_cache: Any, model_dtype: Any) -> tuple | None:
+    def _checked_layer(self, state, impl: Any, layer: Any, kv_cache: Any, output: Any) -> tuple | None:
         """(cache layout, capture layer) of a layer the sentinel can check, or None (why is said once: by the
         plugin for a cache layout it refuses, by the sentinel for a layer or backend its reference cannot model)."""
         info = state._info(impl)
         kv_layout = state.engine_layout(impl, layer, info, kv_cache)
         if kv_layout is None:
             return None
-        target = state.capture_layer(impl, layer, kv_layout, model_dtype)
+        target = state.capture_layer(impl, layer, kv_layout, output.dtype)
         if not self.sentinel.can_check(target, info.backend_name if info else None):
             return None
         return kv_layout, target
 
-    def _staged_table(self, staged: Any) -> tuple:
-        """A staged step's (block table, pages per request) for its checks: no table (the requests' pages lie one
-        after another in the staged copy: :class:`kvdbg.sentinel.checker.StepInputs`), and one list of its pages
-        per request, made once for all its layers (their checks then share it, as
-        :func:`kvdbg.sentinel.checker.check_layers` asks)."""
-        if self._table_for is not staged:
+    def _staged_pages(self, staged: Any) -> list[int]:
+        """The pages each request of a staged step holds, one list made once for all its layers (their checks then
+        share it, as :func:`kvdbg.sentinel.checker.check_layers` asks)."""
+        if self._pages_for is not staged:
             staged.sized()
-            self._table = (None, staged.counts.tolist())
-            self._table_for = staged
-        return self._table
+            self._pages = staged.counts.tolist()
+            self._pages_for = staged
+        return self._pages
 
     # ---------------------------------------------------------------- capture
 

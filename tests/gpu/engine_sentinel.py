@@ -67,11 +67,11 @@ def _count_graph_steps() -> dict:
     seen = {"handed": 0, "without_metadata": 0, "staged": 0}
     original = SentinelHooks.after_graph_replay
 
-    def after_graph_replay(self, state, slot, ctx, step, staged=None):
-        seen["handed"] += 1
-        seen["without_metadata"] += ctx is None
-        seen["staged"] += staged is not None  # checked from kvdbg's staged copies, never waited for
-        return original(self, state, slot, ctx, step, staged)
+    def after_graph_replay(self, state, sampled, staged=None):  # a step's sampled layers, (slot, step, ctx) each
+        seen["handed"] += len(sampled)
+        seen["without_metadata"] += sum(ctx is None for _, _, ctx in sampled)
+        seen["staged"] += len(sampled) if staged is not None else 0  # checked from kvdbg's staged copies
+        return original(self, state, sampled, staged)
 
     SentinelHooks.after_graph_replay = after_graph_replay
     return seen
