@@ -184,6 +184,46 @@ def test_a_placement_dependent_backend_flips_and_the_reference_never_does(contig
     assert "never flips: reference" in verdict.summary
 
 
+class _RefusesFp8Instance(_ContiguousInstance):
+    """A backend that runs as the reference does but refuses an FP8 cache, as vLLM's CPU_ATTN does on a CPU
+    without AVX-512 (BackendUnavailable, in its own words)."""
+
+    def __init__(self, meta, options):
+        from kvdbg.errors import BackendUnavailable
+
+        if meta.layer.is_fp8:
+            raise BackendUnavailable("FP8 KV cache refused on this CPU")
+        super().__init__(meta, options)
+        self.builder = self.inner.builder  # the reference's own pages: right
+
+
+def test_a_backend_that_cannot_run_under_a_variant_is_said_in_the_verdict(monkeypatch):
+    """A backend that ran as captured but could not run under a variant: its cell is n/a with the backend's reason,
+    and the verdict's summary names it (the variant compared nothing of it), rather than 'no variant flips'
+    alone."""
+    from kvdbg import backends
+    from kvdbg.backends.base import BackendSpec, Capabilities
+
+    module = types.ModuleType("kvdbg_test_refuses_fp8")
+    module.BACKEND = BackendSpec(name="refuses_fp8", engine_name="REFUSES_FP8", summary="refuses FP8 caches",
+                                 capabilities=Capabilities(who="refuses_fp8"), create=_RefusesFp8Instance)
+    monkeypatch.setitem(sys.modules, "kvdbg_test_refuses_fp8", module)
+    monkeypatch.setitem(backends.BACKEND_MODULES, "refuses_fp8", "kvdbg_test_refuses_fp8")
+    snap = synth_snapshot(SynthSpec(seq_lens=(50, 33), query_len=1))
+    result = sweep(snap, ["kv-dtype"], ["reference", "refuses_fp8"], required=["refuses_fp8"])
+    rows = {r.variant.name: r for r in result.rows}
+    fp8 = [name for name in rows if "fp8" in name]
+    assert fp8 and rows["baseline"].cells["refuses_fp8"].status == "pass", rows["baseline"].cells
+    for name in fp8:
+        cell = rows[name].cells["refuses_fp8"]
+        assert cell.status == "n/a" and "FP8 KV cache refused on this CPU" in cell.reason
+        assert rows[name].to_json()["not_run"] == [{"backend": "refuses_fp8", "reason": cell.reason}]
+    assert all(not r.not_run for name, r in rows.items() if name not in fp8)
+    verdict = sweep_verdict(result)
+    assert verdict.exit_code == 0  # the snapshot as captured passes; a variant is a what-if
+    assert f"could not run: refuses_fp8 under {fp8[0]} (" in verdict.summary, verdict.summary
+
+
 def test_a_correct_snapshot_passes_every_exact_answer_knob():
     snap = synth_snapshot(SynthSpec(seq_lens=(50, 33), query_len=2, causal=True, sliding_window=24,
                                     engine_output="reference", backend="FLEX_ATTENTION"))

@@ -87,6 +87,9 @@ class SweepRow:
     cells: dict[str, Cell] = field(default_factory=dict)
     input_errors: list[str] = field(default_factory=list)  # error findings about the variant's inputs
     error: str | None = None  # the variant could not be replayed (its reference raised)
+    # Backends that could not run under this variant, with why (their cell n/a): said in the verdict's summary, not
+    # left to the table alone, since the variant then compares nothing of theirs.
+    not_run: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def flipped(self) -> list[str]:
@@ -95,6 +98,7 @@ class SweepRow:
     def to_json(self) -> dict:
         return {**self.variant.to_json(), "variant": self.variant.name, "error": self.error,
                 "input_errors": self.input_errors, "flipped": self.flipped,
+                "not_run": [{"backend": name, "reason": reason} for name, reason in self.not_run],
                 "cells": {name: cell.to_json() for name, cell in self.cells.items()}}
 
 
@@ -246,8 +250,9 @@ def _row(variant: Variant, result: "ReplayResult", comparisons: list["Comparison
             continue
         status = statuses.get(name)
         if status is None or not status.available:
-            row.cells[name] = Cell(name, "n/a", counted=col.counted,
-                                   reason=(status.reason if status is not None else None) or "not run")
+            reason = (status.reason if status is not None else None) or "not run"
+            row.cells[name] = Cell(name, "n/a", counted=col.counted, reason=reason)
+            row.not_run.append((name, reason))
             continue
         runs = [s.runs[name] for s in result.steps if name in s.runs]
         if runs and all(r.not_applicable is not None for r in runs):
@@ -325,6 +330,9 @@ def sweep_verdict(result: SweepResult) -> "Verdict":
     broken = [row.variant.name for row in result.rows[1:] if row.error]
     if broken:
         parts.append(f"could not replay: {', '.join(broken)}")
+    not_run = [f"{name} under {row.variant.name} ({reason})" for row in result.rows[1:] for name, reason in row.not_run]
+    if not_run:
+        parts.append(f"could not run: {'; '.join(not_run)}")
     skipped = [row.variant.name for row in result.rows[1:] if row.variant.unavailable_here]
     if skipped:
         parts.append(f"not run here: {', '.join(skipped)}")

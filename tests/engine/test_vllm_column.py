@@ -221,7 +221,9 @@ def test_sweep_judges_the_vllm_column_in_every_variant():
     assert vllm_cpu_fp8() or refused, cells
     assert all(status != "pass" and VLLM_CPU_FP8_REFUSAL in (reason or "") for _, status, reason in refused), cells
     assert len(ran) >= 8 and all(cell[1] == "pass" for cell in cells if cell not in refused), cells
-    assert sweep_verdict(result).exit_code == 0
+    verdict = sweep_verdict(result)
+    assert verdict.exit_code == 0
+    assert not refused or f"could not run: vllm under {refused[0][0]} (" in verdict.summary, verdict.summary
 
 
 @pytest.mark.parametrize("backend, page_size", [("CPU_ATTN", 32), ("FLEX_ATTENTION", 16)])
