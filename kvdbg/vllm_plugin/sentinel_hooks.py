@@ -246,8 +246,10 @@ class SentinelHooks:
                                     query_start_loc=offsets, causal=causal, output=output,
                                     max_model_len=max_model_len, max_pages=max_pages, stack=copies.stack,
                                     rows=staged.rows if copies.whole else None)
-                batch.append(_Waiting(slot.impl, layer, checked[1], checked[0], ctx, None, None, None, inputs, step,
-                                      staged=staged.hold(), cache=slot.kv_cache))
+                waiting = _Waiting(slot.impl, layer, checked[1], checked[0], ctx, None, None, None, inputs, step,
+                                   cache=slot.kv_cache)
+                waiting.staged = staged.hold()  # last: nothing after it can fail and leave the staging held
+                batch.append(waiting)
             except Exception as exc:
                 self._failed(exc, "after a CUDA graph's replay")
         return batch
