@@ -128,7 +128,9 @@ SENTINEL_RATE = "0.01"
 # A step the capture filter names while "armed": never reached in a run.
 UNREACHED_STEP = 10**15
 KVDBG_HOOKS = ("after_build", "graph_call", "choose_graph", "before_graph_replay", "after_graph_replay", "quiet_replay",
-               "quiet_replayed", "ticket_replay")
+               "quiet_replayed", "ticket_replay", "ticket_replayed")
+# The hooks after a replay: timed with what the bench marks on the step (its step, whether it copied, its device job).
+REPLAY_HOOKS = ("after_graph_replay", "ticket_replayed")
 # The engine's thread's parts of a wanted step that --thread-times also times in thread CPU time and switches.
 ENGINE_PARTS = ("metadata_copy", "stage", "program_run")
 # Parts of a step the sentinel drew, timed on the engine's thread in the rounds with the bench's timers on (a drawn
@@ -289,7 +291,8 @@ class Timing:
         """Put back what :meth:`install_graphs` and :meth:`install_kvdbg` replaced (an engine's step stays)."""
         for owner, name, original in reversed(self._replaced):
             if original is None:
-                delattr(owner, name)
+                if name in owner.__dict__:  # (hook_timers(False) takes an inherited hook's timer off the same way)
+                    delattr(owner, name)
             else:
                 setattr(owner, name, original)
         self._replaced.clear()
@@ -455,46 +458,49 @@ class Timing:
                                     "device_caught_up": caught_up}
         return self.steps
 
-    # kvdbg's hooks
-    def install_kvdbg(self) -> None:
+    def _timed_replay_hook(self, name: str, hook):
+        """``hook`` (one of REPLAY_HOOKS) timed into the step's record, with the step it replayed, whether it copied,
+        and for a device-timed step the device's marks around its work; a ticketed step's stand-in job made off the
+        clock. ``ticket_replayed`` called from within ``after_graph_replay`` (the choice of graph took the ticket)
+        is that hook's work, not timed again."""
         import torch
 
-        from kvdbg.capture.capturer import Capturer
-        from kvdbg.vllm_plugin import state as plugin_state
-
         timing = self
-        cls = plugin_state._PluginState
-        for name in KVDBG_HOOKS:
-            if name != "after_graph_replay":
-                own = cls.__dict__.get(name)
-                self._replace(cls, name, _timed(timing, name, getattr(cls, name), "hooks"))
-                self._hook_timers.append((cls, name, own, cls.__dict__[name]))
-        replay_own, replay_hook = cls.__dict__.get("after_graph_replay"), cls.after_graph_replay
+        ticketed = name == "ticket_replayed"
 
-        def after_graph_replay(state, batch, *args, **kwargs):
+        def timed(state, arg, *args, **kwargs):
+            if ticketed:
+                if timing.handing is not None:  # within after_graph_replay's clock
+                    return hook(state, arg, *args, **kwargs)
+                fast, batch = arg, arg[0]
+                step = fast[3][4]  # the build's step, as kept on the ticket: no count read here
+            else:
+                batch = arg
+                slots = state._graph_layers.get(batch)
+                step = state._forward_counts.get(slots[0].name, 0) if slots else None
+                fast = state._in_graph_ran
+                if fast is None or len(fast) != 4 or fast[0] != batch:
+                    fast = None
             record = timing.current
-            slots = state._graph_layers.get(batch)
-            step = state._forward_counts.get(slots[0].name, 0) if slots else None
             device_timed = record is not None and step is not None and step in timing.device_steps
             if device_timed:
                 torch.cuda._sleep(timing.sleep_cycles)  # the device stays busy while the hook issues its copies
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
             timing.handing = (record, start if device_timed else None)
-            fast = state._in_graph_ran
-            if fast is not None and len(fast) == 4 and fast[0] == batch:  # a step on its ticket: the stand-in made
-                timing.stand_in = _ticket_stand_in(fast, *timing.handing)  # here, off the hook's clock
+            if fast is not None:  # a step on its ticket: the stand-in made here, off the hook's clock
+                timing.stand_in = _ticket_stand_in(fast, *timing.handing)
             thread = _thread_clock() if timing.thread_times and record is not None else None
             began = time.perf_counter_ns()
             try:
-                copied = replay_hook(state, batch, *args, **kwargs)
+                copied = hook(state, arg, *args, **kwargs)
             finally:
                 timing.handing = None
             spent = time.perf_counter_ns() - began
             if record is not None:
-                record["hooks"]["after_graph_replay"] = record["hooks"].get("after_graph_replay", 0) + spent
+                record["hooks"][name] = record["hooks"].get(name, 0) + spent
                 if thread is not None:
-                    _thread_add(record, "after_graph_replay", thread)
+                    _thread_add(record, name, thread)
                 record["replayed_step"], record["copied"] = step, bool(copied)
                 if state.sentinel is not None and step is not None:  # the step's draw, as the hook made it
                     record["drawn"] = bool(state.sentinel.sentinel._draws.get(step))
@@ -509,31 +515,31 @@ class Timing:
                     record["device_mark"] = _device_mark(start)
             return copied
 
-        self._replace(cls, "after_graph_replay", after_graph_replay)
-        self._hook_timers.append((cls, "after_graph_replay", replay_own, after_graph_replay))
-        hand_over = cls._hand_over
+        return timed
 
-        def _hand_over(state, job):
-            """The job marked with the step's record (the capture thread counts its bytes there) and the start of
-            a device-timed step, before the capture thread can take it."""
-            job.bench_record, job.bench_start = timing.handing or (timing.current, None)
-            timing.handed_job = job
-            return hand_over(state, job)
+    # kvdbg's hooks
+    def install_kvdbg(self) -> None:
+        import torch
 
-        self._replace(cls, "_hand_over", _hand_over)
+        from kvdbg.capture.capturer import Capturer
+        from kvdbg.vllm_plugin import state as plugin_state
+
+        timing = self
+        cls = plugin_state._PluginState
         # A step handed on its shape's ticket (graph_hooks._Ticket) has no job yet on the engine's thread: the capture
         # thread makes it. A stand-in takes the job's place here (its step's record, the device start, the program),
-        # the real job carries them once made, and its timing events come back to the stand-in when it is done.
-        hand_ticket, ticket_job = cls._hand_ticket, cls._ticket_job
+        # the real job carries them once made, and its timing events come back to the stand-in when it is done. Put
+        # under the hook's timer (which makes the stand-in off its clock), so that it stays with the timers off.
+        ticket_replayed, ticket_job = cls.ticket_replayed, cls._ticket_job
         tickets: dict = {}
 
-        def _hand_ticket(state, fast):
+        def _ticket_replayed(state, fast):
             stand_in, timing.stand_in = timing.stand_in, None
-            if stand_in is None:  # handed from elsewhere than the replay's hook (never, in vLLM 0.33)
+            if stand_in is None:  # made by neither replay hook's timer (the timers off)
                 stand_in = _ticket_stand_in(fast, *(timing.handing or (timing.current, None)))
             tickets[id(fast)] = stand_in
             timing.handed_job = stand_in
-            return hand_ticket(state, fast)
+            return ticket_replayed(state, fast)
 
         def _ticket_job(state, fast):
             stand_in = tickets.pop(id(fast), None)
@@ -546,8 +552,27 @@ class Timing:
                                                                              stand_in.bench_start, stand_in)
             return job
 
-        self._replace(cls, "_hand_ticket", _hand_ticket)
+        self._replace(cls, "ticket_replayed", _ticket_replayed)
         self._replace(cls, "_ticket_job", _ticket_job)
+        for name in KVDBG_HOOKS:
+            if name not in REPLAY_HOOKS:
+                own = cls.__dict__.get(name)
+                self._replace(cls, name, _timed(timing, name, getattr(cls, name), "hooks"))
+                self._hook_timers.append((cls, name, own, cls.__dict__[name]))
+        for name in REPLAY_HOOKS:
+            own = cls.__dict__.get(name)
+            self._replace(cls, name, self._timed_replay_hook(name, getattr(cls, name)))
+            self._hook_timers.append((cls, name, own, cls.__dict__[name]))
+        hand_over = cls._hand_over
+
+        def _hand_over(state, job):
+            """The job marked with the step's record (the capture thread counts its bytes there) and the start of
+            a device-timed step, before the capture thread can take it."""
+            job.bench_record, job.bench_start = timing.handing or (timing.current, None)
+            timing.handed_job = job
+            return hand_over(state, job)
+
+        self._replace(cls, "_hand_over", _hand_over)
         capture_job = cls._capture_graph_job
 
         def _capture_graph_job(state, job, streams):

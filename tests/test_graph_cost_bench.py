@@ -585,7 +585,7 @@ def test_a_step_handed_on_its_ticket_counts_its_bytes_into_its_own_step_through_
         wrapper, entry = _record_variants(16)
         vllm_plugin.active_capturer().reconfigure(steps=IntRanges.of("1-3", "steps"))
         stand_ins, records = [], []
-        handing = state._hand_ticket  # the bench's wrapper: what it leaves for the step's record
+        handing = state.ticket_replayed  # the bench's wrapper: what it leaves for the step's record
 
         def spied(fast):
             try:
@@ -593,7 +593,7 @@ def test_a_step_handed_on_its_ticket_counts_its_bytes_into_its_own_step_through_
             finally:
                 stand_ins.append(timing.handed_job)
 
-        monkeypatch.setattr(state, "_hand_ticket", spied)
+        monkeypatch.setattr(state, "ticket_replayed", spied)
         for _ in range(4):
             timing.current = gc._new_step()
             _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
@@ -649,7 +649,9 @@ def test_the_staging_calls_bench_says_it_needs_a_gpu_and_exits_2():
 def test_the_figures_rounds_run_without_the_benchs_hook_timers(standins, tmp_path, monkeypatch):
     """The rounds a step-time figure is made of run kvdbg's hooks without the bench's timers around them (Python
     of the bench's own, on the engine's thread in kvdbg's steps only): the hooks still run (each layer's count
-    moves on) and nothing is timed; switched on again, they are timed as before; restore puts kvdbg's own back."""
+    moves on) and nothing is timed; switched on again, they are timed as before; restore puts kvdbg's own back.
+    The one layer the timers leave is the bench's stand-in for a ticketed step's job (its record), under
+    ``ticket_replayed``'s timer."""
     from kvdbg.vllm_plugin import state as plugin_state
 
     before = {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS}
@@ -657,11 +659,14 @@ def test_the_figures_rounds_run_without_the_benchs_hook_timers(standins, tmp_pat
     try:
         timed = {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS}
         assert all(timed[name] is not before[name] for name in gc.KVDBG_HOOKS)
+        untimed = {**before, "ticket_replayed": next(own for _, name, own, _ in timing._hook_timers
+                                                     if name == "ticket_replayed")}
+        assert untimed["ticket_replayed"].__name__ == "_ticket_replayed"
         records = []
         for on in (False, True):
             timing.hook_timers(on)
             assert {name: plugin_state._PluginState.__dict__.get(name) for name in gc.KVDBG_HOOKS} == \
-                (timed if on else before)
+                (timed if on else untimed)
             timing.current = gc._new_step()
             _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
                           monkeypatch)

@@ -1760,6 +1760,84 @@ def test_a_ticketed_step_through_vllms_graph_wrapper_is_told_without_the_choice_
     assert state.capturer.dropped["internal"] == 0 and not program.held
 
 
+def test_a_wanted_step_at_the_end_of_a_quiet_run_is_told_at_its_build_on_its_ticket_without_reading_a_count(
+        standins, tmp_path, monkeypatch):
+    """Capture armed for a few steps, as a user arms it: the graph's replays between two wanted steps run as a quiet
+    run, which stops at the next step the filters take. That step's build is told on its shape's ticket right at the
+    run's end, with the run's step (the layers' counts neither read nor written then), its replay moves the run on,
+    and its snapshots are those of the steps the filters named, each layer's from its own step, the counts after it
+    what the engine's forwards make them. With capture off by then, or no room left under the snapshot limit, the
+    step is asked as any other build: nothing kept on the ticket, nothing captured."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "2,5,8,11", layers=3)
+    wrapper, entry = _record_variants(16)
+    program = next(iter(state._staged_variants.values()))[1]
+    told, real = [], state._on_ticket
+
+    def on_ticket(*args):
+        told.append((args[4:], state._uncounted is not None))
+        return real(*args)
+
+    monkeypatch.setattr(state, "_on_ticket", on_ticket)
+    expected, pending = {}, {}
+    for step in range(12):
+        if step == 11:  # capture off before the last wanted step: asked as any build, nothing kept or captured
+            state.capturer.disable("the test is done with it")
+        told.clear()
+        common = _padded(engine.common(), reqs=4, tokens=16)
+        real_build = engine.builder.build
+
+        def build(*args, **kwargs):
+            metadata = real_build(*args, **kwargs)
+            pending[step] = (state._pending_build is not None, state._uncounted is not None)
+            return metadata
+
+        monkeypatch.setattr(engine.builder, "build", build)
+        outputs = _run_as_graph(engine, common, _padded_inputs(engine, 16), 16, monkeypatch, wrapper=wrapper,
+                                through=True)
+        monkeypatch.setattr(engine.builder, "build", real_build)
+        assert state.drain_graph_capture(10)
+        program.poll_released(wait=True)
+        expected[step] = (common.seq_lens[:3].tolist(), [o[:12].clone() for o in outputs])
+        if step in (5, 8):  # told at the run's end: the run's step, its counts still unwritten at the build
+            assert told == [((step,), True)] and pending[step] == (True, True), step
+            assert entry.cudagraph == "staged"
+        elif step == 2:  # the shape's first wanted step: asked, and it earns the ticket
+            assert told == [] and pending[step][0] is False
+        elif step == 11:  # capture off: asked on the ticket at the run's end, refused, and asked as any build
+            assert [end for end, _ in told] == [(11,)] and pending[step][0] is False
+        if step in (2, 5, 8, 11):  # every layer's forwards, read back (a read writes a quiet run's counts in)
+            assert set(state._forward_counts.values()) == {step + 1}, step
+    snaps = snapshots(tmp_path)
+    assert sorted({s.meta.capture["step"] for s in snaps}) == [2, 5, 8] and len(snaps) == 9
+    for snap in snaps:
+        seq_lens, outputs = expected[snap.meta.capture["step"]]
+        layer = engine.names.index(snap.meta.capture["layer"])
+        assert snap.steps[0].seq_lens.tolist() == seq_lens
+        torch.testing.assert_close(snap.steps[0].output.reshape(12, -1), outputs[layer].reshape(12, -1), rtol=0,
+                                   atol=0)
+    assert state.capturer.dropped["internal"] == 0 and state.capturer.dropped["off"] == 3 and not program.held
+
+
+def test_a_quiet_runs_end_that_the_snapshot_limit_leaves_no_room_for_is_not_told_on_the_ticket(
+        standins, tmp_path, monkeypatch):
+    """The snapshot limit reached by the wanted steps before: the step a quiet run stopped at is asked as any build
+    (the limit turns capture off there), not kept on its ticket."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "2,7,12", layers=3)
+    state.capturer.reconfigure(max_snapshots=6)
+    wrapper, entry = _record_variants(16)
+    program = next(iter(state._staged_variants.values()))[1]
+    told, real = [], state._on_ticket
+    monkeypatch.setattr(state, "_on_ticket", lambda *args: told.append(args[4:]) or real(*args))
+    for step in range(13):
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch, wrapper=wrapper, through=True)
+        assert state.drain_graph_capture(10)
+        program.poll_released(wait=True)
+    assert [end for end in told if end] == [(7,), (12,)]  # asked at the run's end: 12's refused (no room)
+    assert sorted({s.meta.capture["step"] for s in snapshots(tmp_path)}) == [2, 7]
+    assert not state.capturer.active and set(state._forward_counts.values()) == {13}
+
+
 def test_a_build_kept_on_its_ticket_is_kept_as_any_build_when_its_step_is_not_handed_on_it(
         standins, tmp_path, monkeypatch):
     """A ticketed build whose step does not replay the staged variant is kept as any build when something reads it:

@@ -287,12 +287,17 @@ class Capturer(CaptureWriter):
         """Whether ``count`` layers that the layer filter selects would each be captured now at ``step``, told at
         once (a replayed graph's layers, all at one step): True or False when it can tell without a call per layer
         (on, nothing refused, room for them all under the snapshot limit); None: ask :meth:`wants` layer by layer."""
-        if not self.active or self._refused:
-            return None
-        config = self.config
-        if config.max_snapshots is not None and len(self.written) + self._in_flight + count > config.max_snapshots:
+        if not self.takes_all(count):
             return None
         return self.selects_step(step)
+
+    def takes_all(self, count: int) -> bool:
+        """Whether ``count`` layers' steps that the filters take would each be captured now: on, nothing refused,
+        room for them all under the snapshot limit (:meth:`wants_all` for a step known to be taken)."""
+        if self.disabled_reason is not None or self._refused:
+            return False
+        limit = self.config.max_snapshots
+        return limit is None or len(self.written) + self._in_flight + count <= limit
 
     def wants(self, layer_name: str, step: int | None = None, rank: int | None = None) -> bool:
         """Whether a step of this layer would be captured now (filters and count budget).

@@ -49,18 +49,30 @@ class BuilderHooks:
         (not only for the sentinel)."""
         try:
             run = self._quiet_run
-            if run is not None and run.epoch == self._counts_epoch and run.step < run.horizon \
-                    and run.config is self.capturer.config and self._pending_build is None and common is not None:
-                # A step of a quiet run (below) for a builder told before (its layers' declarations noted then):
-                # what every build keeps, nothing more.
-                known = self._quiet_builders.get(id(builder))
-                if known is not None and known[2] and known[0] is run.names and known[1] is run.config \
-                        and metadata is not None:
-                    self._prepared = None
-                    self._last_builds[id(builder)] = (builder, common)
-                    if self._host_slots and common.slot_mapping is not None:
-                        self._host_slots.pop(_tensor_key(common.slot_mapping), None)
-                    return False
+            if run is not None and run.epoch == self._counts_epoch and run.config is self.capturer.config \
+                    and self._pending_build is None and common is not None:
+                if run.step < run.horizon:
+                    # A step of a quiet run (below) for a builder told before (its layers' declarations noted
+                    # then): what every build keeps, nothing more.
+                    known = self._quiet_builders.get(id(builder))
+                    if known is not None and known[2] and known[0] is run.names and known[1] is run.config \
+                            and metadata is not None:
+                        self._prepared = None
+                        self._last_builds[id(builder)] = (builder, common)
+                        if self._host_slots and common.slot_mapping is not None:
+                            self._host_slots.pop(_tensor_key(common.slot_mapping), None)
+                        return False
+                elif run.step == run.taken and self._tickets and self.sentinel is None and metadata is not None:
+                    # The step the quiet run stopped at because capture's filters take it, nothing counted since its
+                    # last replay: every layer of its graph is at its step, which the filters take. Told on its
+                    # shape's ticket here, by this hook's own lines as far as it can be: a wanted step is rare, so
+                    # whatever it calls is likely out of the processor's caches.
+                    ticket = self._tickets.get((id(builder), common.num_actual_tokens, common.num_reqs))
+                    if ticket is not None and ticket.builder is builder and ticket.covers \
+                            and ticket.names is run.names and self._on_ticket(ticket, builder, common, metadata,
+                                                                              run.step):
+                        self._prepared = None
+                        return True
             if self._pending_build is not None:  # an earlier build kept on a ticket that no hook read: kept now
                 self._settle_build()
             self._prepared = None  # only the latest build tells the next choice of graph (see below)
@@ -125,10 +137,11 @@ class BuilderHooks:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
             return False
 
-    def _on_ticket(self, ticket: Any, builder: Any, common: Any, metadata: Any) -> bool:
+    def _on_ticket(self, ticket: Any, builder: Any, common: Any, metadata: Any, taken: int | None = None) -> bool:
         """The build of a step its shape's ``ticket`` serves, kept on it (``_pending_build``) when capture wants every
         layer of the ticket at one step: the same layers selected (the list :meth:`_selected_layers` keeps per
-        configuration), the lengths within the staged pages' reach, one causal flag. False: asked as any build."""
+        configuration), the lengths within the staged pages' reach, one causal flag. False: asked as any build.
+        ``taken``: the layers' step, known to be one capture's filters take (a quiet run's end, see after_build)."""
         capturer = self.capturer
         config = capturer.config
         names = ticket.selected
@@ -137,10 +150,15 @@ class BuilderHooks:
                                                                                                 None) \
                 or not 0 < common.max_seq_len <= ticket.max_seq_len or common.causal.__class__ is not bool:
             return False
-        steps = list(map(self._forward_counts.get, names, repeat(0)))
-        lo = min(steps)
-        if lo != max(steps) or not capturer.wants_all(len(names), lo):
-            return False
+        if taken is not None:  # the counts not read: written in later, should the quiet run's be still unwritten
+            lo = taken
+            if not capturer.takes_all(len(names)):
+                return False
+        else:
+            steps = list(map(self._forward_counts.get, names, repeat(0)))
+            lo = min(steps)
+            if lo != max(steps) or not capturer.wants_all(len(names), lo):
+                return False
         self._last_builds[id(builder)] = (builder, common)
         if self._host_slots and common.slot_mapping is not None:
             self._host_slots.pop(_tensor_key(common.slot_mapping), None)

@@ -173,12 +173,16 @@ class _QuietRun:
     the choice of graph for it ask nothing of the filters or the sentinel, and the replay's hook only counts."""
 
     __slots__ = ("batch", "names", "config", "step", "horizon", "epoch", "chosen", "wrapper", "entry", "plain",
-                 "table")
+                 "table", "taken")
 
     def __init__(self, batch: Any, names: tuple, config: Any, step: int, horizon: int, epoch: int,
-                 graph: tuple = (None, None, None)):
+                 graph: tuple = (None, None, None), taken: int = -1):
         self.batch, self.names, self.config = batch, names, config
         self.step, self.horizon, self.epoch = step, horizon, epoch  # the layers' next step; the first one not told
+        # The horizon when capture's filters take it (for a layer the layer filter selects, on this rank), else -1:
+        # a build of that step, with nothing counted since the run's last replay, may be told on its shape's ticket
+        # right there (builder_hooks.after_build).
+        self.taken = taken
         self.chosen = None  # the batch descriptor the choice took the run for, until its replay's hook
         # vLLM's wrapper, its entry for the batch and the graph's plain variant: what GraphHooks.quiet_replay installs;
         # and the wrapper's table of entries then (a new table: its graphs recorded anew)
@@ -206,6 +210,9 @@ class _Ticket:
     max_seq_len: float  # the longest request the program's pages hold at the shape's rows (inf: any)
     tokens: int
     rows: int  # the rows of each layer's query and output copies
+    entry: Any = None  # vLLM's entry for the batch, and the wrapper's table of entries then (a new table: its
+    table: Any = None  # graphs recorded anew; vLLM never replaces an entry in a table, see quiet_replay)
+    covers: bool = False  # every selected layer is one of the graph's (their steps then a quiet run's, if any)
 
 
 class _GraphCaptureThread:
@@ -575,30 +582,33 @@ class GraphHooks:
         reads instead of :meth:`graph_call`, :meth:`choose_graph` and :meth:`before_graph_replay`: the ticket's graph
         and batch, no forward counted and the filters the same since the build, its program free, no capture of an
         earlier step still to issue. Then the staged variant is installed, the step kept as :meth:`choose_graph`
-        keeps it for :meth:`after_graph_replay`, and the batch returned; None: the call is asked as any other (the
-        build still kept)."""
+        keeps it, and that returned for :meth:`ticket_replayed` once vLLM queued the replay; None: the call is asked as
+        any other (the build still kept)."""
         try:
             pending = self._pending_build
             ticket = pending[0]
-            if not self._ticket_fits(pending, wrapper) or self._graph_job is not None or self.sentinel is not None:
+            # _ticket_fits, read here in line: a wanted step is rare, so each call of its own would be a cold one.
+            if ticket.wrapper is not wrapper or pending[5] != self._counts_epoch \
+                    or pending[6] is not self.capturer.config or ticket.program._holders \
+                    or self._graph_job is not None or self.sentinel is not None:
                 return None
             context = self._forward_context  # kept by graph_call, which the shape's first wanted step went through
             if context is None or not context[0]():
                 return None
             forward = context[1]()
             batch = forward.batch_descriptor
-            if forward.cudagraph_runtime_mode is not wrapper.runtime_mode or batch != ticket.batch:  # another graph
+            # The ticket's graph, and vLLM's table of graphs the ticket's: vLLM lets its graphs go through
+            # clear_graphs (forget_graphs drops every ticket) or by giving the wrapper a new table.
+            if forward.cudagraph_runtime_mode is not wrapper.runtime_mode or batch != ticket.batch \
+                    or wrapper.concrete_cudagraph_entries is not ticket.table:
                 return None
-            variants = self._graph_variants.get((id(wrapper), batch))
-            if variants is None or wrapper.concrete_cudagraph_entries.get(batch) is not variants[0]:
-                return None  # vLLM let its graphs go since: the choice of graph learns it
-            entry = variants[0]
+            entry = ticket.entry
             entry.cudagraph, entry.output = ticket.graph
             self._pending_build = self._prepared = self._quiet = None
-            self._in_graph_ran = (batch, ticket.program, ticket, pending)
+            fast = self._in_graph_ran = (batch, ticket.program, ticket, pending)
             self._plain_ran = False
             self.staged_replays += 1
-            return batch
+            return fast
         except Exception as exc:  # noqa: BLE001 - never into vLLM's forward: the call is asked as any other
             self.capturer.report(exc, "a CUDA graph's replay on a ticket")
             return None
@@ -748,29 +758,33 @@ class GraphHooks:
             self._quiet = (batch, names, steps, self.capturer.config, self._counts_epoch)
             step = steps[0]
             if steps.count(step) == len(steps):  # and the steps after it, as far as nothing can want them
-                horizon = self._quiet_horizon(batch, step + 1)
+                horizon, taken = self._quiet_horizon(batch, step + 1)
                 self._quiet_run = None if horizon <= step + 1 else _QuietRun(
-                    batch, names, self.capturer.config, step + 1, horizon, self._counts_epoch + 1, graph)
+                    batch, names, self.capturer.config, step + 1, horizon, self._counts_epoch + 1, graph,
+                    horizon if taken else -1)
         return False
 
-    def _quiet_horizon(self, batch: Any, first: int) -> int:
+    def _quiet_horizon(self, batch: Any, first: int) -> tuple[int, bool]:
         """The first step from ``first`` on (at most QUIET_AHEAD steps on) that capture's step filter may take or the
-        sentinel draws, for the graph's layers as :meth:`_nothing_wanted` last told them (its ``_graph_takers``);
-        the sentinel's draws are made here, in the order of the steps, as its hooks would make them."""
+        sentinel draws, for the graph's layers as :meth:`_nothing_wanted` last told them (its ``_graph_takers``),
+        and whether capture's filters take it; the sentinel's draws are made here, in the order of the steps, as
+        its hooks would make them."""
         hit = self._graph_takers[batch]
         last = first + QUIET_AHEAD - 1
         capturer = self.capturer
+        taken = False
         if hit[2] and not capturer.takes_no_step(first, last):
             last = next(step for step in range(first, last + 1) if not capturer.takes_no_step(step, step))
             if last == first:
-                return first
+                return first, True
             last -= 1
+            taken = True
         if hit[3]:
             drawn = self.sentinel.sentinel.drawn
             for step in range(first, last + 1):
                 if drawn(step):
-                    return step
-        return last + 1
+                    return step, False
+        return last + 1, taken
 
     def _nothing_wanted(self, batch: Any, names: tuple, steps: list, active_only: bool = False) -> bool:
         """Whether no layer of the graph is at a step capture's step filter may take (for a layer its layer filter
@@ -870,7 +884,7 @@ class GraphHooks:
         if fast is not None:
             self._in_graph_ran = None
             if fast[0] == batch:  # the staged variant replayed: the step was told wanted when it was chosen
-                return self._hand_ticket(fast) if len(fast) == 4 else self._hand_in_graph(fast)
+                return self.ticket_replayed(fast) if len(fast) == 4 else self._hand_in_graph(fast)
             if len(fast) == 4:  # not the graph chosen for it (never seen): its build kept, the step asked as below
                 self._pending_build = fast[3]
                 self._settle_build()
@@ -1021,8 +1035,11 @@ class GraphHooks:
                 or not set(names) <= set(selected):
             return
         staged = self._staged_variants.get((id(wrapper), batch))
+        variants = self._graph_variants.get((id(wrapper), batch))
         facts = self._builder_facts.get(id(builder))
-        if staged is None or staged[1] is not program or facts is None:
+        table = wrapper.concrete_cudagraph_entries
+        if staged is None or staged[1] is not program or facts is None or variants is None \
+                or table.get(batch) is not variants[0]:
             return
         # The batch's padded rows, not its real requests (worked out when the build's bound was read): the capture
         # thread tells a ticketed step with the rows alone (InGraphProgram.serves, host=False).
@@ -1034,20 +1051,30 @@ class GraphHooks:
         key = (id(builder), common.num_actual_tokens, common.num_reqs)
         self._tickets[key] = _Ticket(builder, selected, facts, wrapper, batch, staged[0], program,
                                      tuple(item[0] for item in items), names, longest, batch.num_tokens,
-                                     int(items[0][0].query.shape[0]))
+                                     int(items[0][0].query.shape[0]), variants[0], table,
+                                     set(selected) <= set(names))
 
-    def _hand_ticket(self, fast: tuple) -> bool:
-        """A wanted step handed on its ticket (:meth:`choose_graph`): its layers' forwards counted, the program held,
-        the rest left to the capture thread (:meth:`_ticket_job`)."""
+    def ticket_replayed(self, fast: tuple) -> bool:
+        """A wanted step handed on its ticket (:meth:`ticket_replay`, or :meth:`choose_graph` then
+        :meth:`after_graph_replay`) once vLLM queued its replay: its layers' forwards counted, the program held, the
+        rest left to the capture thread (:meth:`_ticket_job`). A wanted step is rare, so whatever it calls is
+        likely out of the processor's caches: the program's hold is taken here in line, not by a call."""
+        self._in_graph_ran = None
         ticket, step = fast[2], fast[3][4]
-        self._forward_counts.update(zip(ticket.names, repeat(step + 1)))
+        run = self._uncounted
+        if run is not None and run.names is ticket.names and run.step == step:
+            run.step = step + 1  # the graph's layers' counts are still the quiet run's: moved on there, unwritten
+        else:
+            self._forward_counts.update(zip(ticket.names, repeat(step + 1)))
         self._counts_epoch += 1
         held = False
         try:
             thread = self._graph_thread
             if thread is None:
                 thread = self._graph_thread = _GraphCaptureThread(self)
-            ticket.program.hold()
+            program = ticket.program
+            with program._lock:  # program.hold(), in line
+                program._holders += 1
             held = True
             thread.jobs.put(fast)
         except Exception as exc:  # never into vLLM: each layer's step said lost, the program let go

@@ -162,12 +162,12 @@ def _wrap_graph_call(state: _PluginState, original):
         start = _clock()
         if state._pending_build is not None:  # a build kept on its shape's ticket: its graph told with no choice
             # (no quiet run goes on past such a build: quiet_replay would refuse it)
-            batch = state.ticket_replay(self)
-            if batch is not None:
+            fast = state.ticket_replay(self)
+            if fast is not None:
                 spent = _clock() - start
                 result = original(self, *args, **kwargs)
                 start = _clock()
-                copied = state.after_graph_replay(batch)
+                copied = state.ticket_replayed(fast)
                 _account(state, copied, spent + _clock() - start)
                 return result
         else:

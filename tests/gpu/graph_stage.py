@@ -309,10 +309,27 @@ class Probes:
 
         counting("before_forward", "layer_hooks")
         counting("before_cache_update", "layer_hooks")
-        # A replay's hook: after_graph_replay, or quiet_replayed for a step of a run told unwanted ahead (which
-        # skips the graph call's questions and that hook: graph_hooks.quiet_replay).
+        # A replay's hook: after_graph_replay, quiet_replayed for a step of a run told unwanted ahead (which
+        # skips the graph call's questions and that hook: graph_hooks.quiet_replay), or ticket_replayed for a step
+        # told on its shape's ticket (graph_hooks.ticket_replay), counted once when after_graph_replay calls it.
         counting("after_graph_replay", "graph_hooks")
         counting("quiet_replayed", "graph_hooks")
+        within, ticketed = state.after_graph_replay, state.ticket_replayed
+        inside = [False]
+
+        def after_graph_replay(*args, **kwargs):
+            inside[0] = True
+            try:
+                return within(*args, **kwargs)
+            finally:
+                inside[0] = False
+
+        def ticket_replayed(*args, **kwargs):
+            if probes.current is not None and not inside[0]:
+                probes.current["graph_hooks"] += 1
+            return ticketed(*args, **kwargs)
+
+        state.after_graph_replay, state.ticket_replayed = after_graph_replay, ticket_replayed
         counting("quiet_replayed", "quiet_replays")
         from kvdbg.sentinel.remote import CheckerProcess
 
