@@ -1891,6 +1891,10 @@ class Evict:
             torch.cumsum(self.table[i], 0).tolist()
 
 
+# The stand-ins' wanted row: capture's step filter takes every this many steps (the others' median a quiet run's).
+WANTED_EVERY = 5
+
+
 def _steps_for(cold: "Evict | None", warm: int, timed: int) -> tuple[int, int]:
     """Warm-up and timed steps of a row: fewer with ``cold`` (each step then runs Evict first, about 12 ms)."""
     return (warm, timed) if cold is None else (max(1, warm // 6), max(1, timed // 6))
@@ -1941,11 +1945,14 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
 
 def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants,
                 layers: int, steps_timed: int = 2000, cold: "Evict | None" = None) -> dict:
-    """A wanted step's hooks on the stand-ins, against an unwanted step's in the same process: the graph recorded
-    three times (the staged variant serves the wanted step), every layer wanted; the step handed over goes
-    nowhere (its staging let go at once): the capture thread's work is no part of the engine's thread. The replay
-    goes through kvdbg's patch of vLLM's graph wrapper, vLLM's own call a no-op, as the engine's does: an unwanted
-    step then replays on a quiet run, a wanted one on its shape's ticket once the first has earned it."""
+    """A wanted step's hooks on the stand-ins, against the unwanted steps' between them in the same process: the
+    graph recorded three times (the staged variant serves the wanted step); capture's step filter takes every
+    WANTED_EVERY-th step, every layer of it, as an engine armed for a few steps meets them (a quiet run, then
+    the wanted step it stopped at). The step handed over goes nowhere (its staging let go at once): the capture
+    thread's work is no part of the engine's thread. The replay goes through kvdbg's patch of vLLM's graph
+    wrapper, vLLM's own call a no-op, as the engine's does: an unwanted step then replays on a quiet run (but the
+    first after a wanted one, which tells the run), a wanted one on its shape's ticket once the first has earned
+    it."""
     from kvdbg.capture.config import IntRanges
     from kvdbg.vllm_plugin.wrappers import _wrap_graph_call
 
@@ -1977,27 +1984,29 @@ def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_grap
     patch.setattr(state, "_graph_thread", types.SimpleNamespace(jobs=types.SimpleNamespace(put=queued.append),
                                                                 drain=lambda timeout: True,
                                                                 stop=lambda timeout: None))
-    times: dict[str, dict[str, list[int]]] = {}
-    for kind, steps in (("unwanted", IntRanges.of(UNREACHED_STEP, "steps")), ("wanted", None)):
-        state.capturer.reconfigure(steps=steps)
-        spent = times[kind] = {"after_build": [], "replay": []}
-        warm, timed = _steps_for(cold, 300, steps_timed)
-        for i in range(warm + timed):
-            if cold is not None:
-                cold()
-            t0 = time.perf_counter_ns()
-            state.after_build(engine.builder, common, metadata)
-            t1 = time.perf_counter_ns()
-            replay(wrapper)
-            t2 = time.perf_counter_ns()
-            for job in queued:
-                job[1].release(issued=False)
-            queued.clear()
-            if entry.cudagraph != ("staged" if kind == "wanted" else "plain"):
-                raise RuntimeError(f"a {kind} stand-in step replayed the {entry.cudagraph} graph")
-            if i >= warm:  # the first ones warm up
-                spent["after_build"].append(t1 - t0)
-                spent["replay"].append(t2 - t1)
+    times: dict[str, dict[str, list[int]]] = {kind: {"after_build": [], "replay": []} for kind in ("unwanted", "wanted")}
+    warm, timed = _steps_for(cold, 300, steps_timed)
+    every = WANTED_EVERY
+    first = state._forward_counts.get(state._graph_layers[batch][0].name, 0)  # the layers' next step
+    state.capturer.reconfigure(steps=IntRanges.of(range(first + every - 1, first + every * (warm + timed), every),
+                                                  "steps"))
+    for i in range(every * (warm + timed)):
+        kind = "wanted" if i % every == every - 1 else "unwanted"
+        if cold is not None:
+            cold()
+        t0 = time.perf_counter_ns()
+        state.after_build(engine.builder, common, metadata)
+        t1 = time.perf_counter_ns()
+        replay(wrapper)
+        t2 = time.perf_counter_ns()
+        for job in queued:
+            job[1].release(issued=False)
+        queued.clear()
+        if entry.cudagraph != ("staged" if kind == "wanted" else "plain"):
+            raise RuntimeError(f"a {kind} stand-in step replayed the {entry.cudagraph} graph")
+        if i >= every * warm:  # the first ones warm up
+            times[kind]["after_build"].append(t1 - t0)
+            times[kind]["replay"].append(t2 - t1)
     medians = {kind: {hook: statistics.median(v) / 1e3 for hook, v in hooks.items()} for kind, hooks in times.items()}
     wanted, unwanted = medians["wanted"], medians["unwanted"]
     return {"mode": "wanted", "layers": layers, "graph_slots": len(state._graph_layers.get(batch, [])),

@@ -723,10 +723,11 @@ def test_the_hooks_time_comes_from_the_timed_rounds_and_the_timed_pairs_are_show
 
 
 def test_the_stand_ins_wanted_row_times_a_step_the_staged_graph_serves_against_an_unwanted_one(standins, tmp_path):
-    """The hooks part's wanted row: every timed wanted step replays the staged variant through kvdbg's patch of
-    vLLM's graph wrapper (the row stops otherwise), on its shape's ticket after the first, and is handed over with
-    its staging; unwanted steps replay the plain one on quiet runs; the row's figures are those steps' medians less
-    an unwanted step's."""
+    """The hooks part's wanted row: capture takes every WANTED_EVERY-th step; every timed wanted step replays the
+    staged variant through kvdbg's patch of vLLM's graph wrapper (the row stops otherwise), on its shape's ticket
+    after the first, told at its build as the end of the quiet run before it, and is handed over with its staging;
+    unwanted steps replay the plain one, on quiet runs but the first after a wanted step; the row's figures are the
+    wanted steps' medians less the unwanted ones'."""
     import pytest as _pytest
 
     from tests.test_vllm_plugin import _Batch, _record_variants
@@ -740,22 +741,28 @@ def test_the_stand_ins_wanted_row_times_a_step_the_staged_graph_serves_against_a
     quiet: list = []
     quiet_told = state.quiet_replay
     patch.setattr(state, "quiet_replay", lambda wrapper: quiet.append(quiet_told(wrapper)) or quiet[-1])
+    ends: list = []
+    on_ticket = state._on_ticket
+    patch.setattr(state, "_on_ticket", lambda *args: ends.append(args[4:]) or on_ticket(*args))
     try:
         row = gc._wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants, 8,
                              steps_timed=50)
     finally:
         patch.undo()
+    every = gc.WANTED_EVERY
+    assert every >= 3  # a quiet run between two wanted steps
     assert row["mode"] == "wanted" and row["graph_slots"] == 8 and row["steps"] == 50
     assert row["staged_in_graph"] == 350  # every wanted step, warm-up included, staged inside the graph
-    assert row["tickets"] == 1 and len(served) == 349 and all(batch is not None for batch in served)
+    assert row["tickets"] == 1 and len(served) == 349 and all(fast is not None for fast in served)
     assert state.staged_replays == 350
-    # The unwanted steps (350): all but each quiet run's first told quiet ahead (a run is told for QUIET_AHEAD steps
-    # at most). Of the wanted ones, only the first is asked (not told quiet): the others' builds were kept on the
-    # ticket, whose call is told first.
-    from kvdbg.vllm_plugin.graph_hooks import QUIET_AHEAD
-
-    assert len(quiet) == 351 and sum(run is not None for run in quiet[:350]) >= 350 - 350 // (QUIET_AHEAD - 1) - 1
-    assert quiet[350] is None
+    # Each wanted build after the first told on the ticket at the quiet run's end, its step the run's (no count read);
+    # the builds of the unwanted steps that are asked try the ticket too, which their step refuses.
+    assert [end[0] for end in ends if end] == [fast[3][4] for fast in served]
+    assert len(ends) == 2 * 349 and all(not end for end in ends[::2])
+    # The unwanted steps: the first after each wanted one (and the very first) asked, which tells a quiet run for the
+    # others. The first wanted step is asked too; the others' builds were kept on the ticket, whose call is first.
+    unwanted = (every - 1) * 350
+    assert len(quiet) == unwanted + 1 and sum(run is not None for run in quiet) == unwanted - 350
     hooks = row["by_hook_us"]
     assert set(hooks) == {"after_build", "replay"} == set(row["unwanted_by_hook_us"])
     assert row["added_us"] == _pytest.approx(sum(hooks.values()) - sum(row["unwanted_by_hook_us"].values()))
@@ -764,7 +771,8 @@ def test_the_stand_ins_wanted_row_times_a_step_the_staged_graph_serves_against_a
 
 def test_a_cold_row_runs_the_other_work_before_each_of_its_steps_and_fewer_of_them(standins, tmp_path):
     """--cold: each step of a row (warm-up and timed, wanted and unwanted) comes after a call of the evicting work,
-    outside its timers; a sixth of the steps."""
+    outside its timers; a sixth of the steps (the wanted row: of its wanted steps, each with the unwanted ones
+    before it)."""
     import pytest as _pytest
 
     from tests.test_vllm_plugin import _Batch, _record_variants
@@ -778,7 +786,7 @@ def test_a_cold_row_runs_the_other_work_before_each_of_its_steps_and_fewer_of_th
     finally:
         patch.undo()
     assert gc._steps_for(None, 300, 60) == (300, 60) and gc._steps_for(object(), 300, 60) == (50, 10)
-    assert row["steps"] == 10 and len(calls) == 2 * (50 + 10) and row["staged_in_graph"] == 60
+    assert row["steps"] == 10 and len(calls) == gc.WANTED_EVERY * (50 + 10) and row["staged_in_graph"] == 60
     evict = gc.Evict()
     evict()
     evict()
