@@ -1900,6 +1900,18 @@ def _steps_for(cold: "Evict | None", warm: int, timed: int) -> tuple[int, int]:
     return (warm, timed) if cold is None else (max(1, warm // 6), max(1, timed // 6))
 
 
+def _timed_stand_in_step(state, engine, common, metadata, replay, wrapper, cold: "Evict | None") -> tuple[int, int]:
+    """One stand-in step (``cold``'s work first, untimed): its build's hook, then the replay through kvdbg's patch
+    of vLLM's graph wrapper; each one's wall time in ns."""
+    if cold is not None:
+        cold()
+    t0 = time.perf_counter_ns()
+    state.after_build(engine.builder, common, metadata)
+    t1 = time.perf_counter_ns()
+    replay(wrapper)
+    return t1 - t0, time.perf_counter_ns() - t1
+
+
 def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode: str, layers: int,
                cold: "Evict | None" = None) -> dict:
     engine = StandinEngine("FLEX_ATTENTION", layers=layers, causal=True, window=None, query_len=1,
@@ -1927,16 +1939,10 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
     build_ns, replay_ns = [], []
     for _ in range(sum(_steps_for(cold, 0, 2000))):
         checked = counts["checked"] if counts is not None else 0
-        if cold is not None:
-            cold()
-        t0 = time.perf_counter_ns()
-        state.after_build(engine.builder, common, metadata)
-        t1 = time.perf_counter_ns()
-        replay(wrapper)
-        t2 = time.perf_counter_ns()
+        build, replayed = _timed_stand_in_step(state, engine, common, metadata, replay, wrapper, cold)
         if counts is None or counts["checked"] == checked:  # a step the sentinel drew is a check, not this cost
-            build_ns.append(t1 - t0)
-            replay_ns.append(t2 - t1)
+            build_ns.append(build)
+            replay_ns.append(replayed)
     return {"mode": mode, "layers": layers, "graph_slots": len(state._graph_layers.get(batch, [])),
             "steps": len(build_ns), "after_build_us": statistics.median(build_ns) / 1e3,
             "replay_hooks_us": statistics.median(replay_ns) / 1e3,
@@ -1992,21 +1998,15 @@ def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_grap
                                                   "steps"))
     for i in range(every * (warm + timed)):
         kind = "wanted" if i % every == every - 1 else "unwanted"
-        if cold is not None:
-            cold()
-        t0 = time.perf_counter_ns()
-        state.after_build(engine.builder, common, metadata)
-        t1 = time.perf_counter_ns()
-        replay(wrapper)
-        t2 = time.perf_counter_ns()
+        build, replayed = _timed_stand_in_step(state, engine, common, metadata, replay, wrapper, cold)
         for job in queued:
             job[1].release(issued=False)
         queued.clear()
         if entry.cudagraph != ("staged" if kind == "wanted" else "plain"):
             raise RuntimeError(f"a {kind} stand-in step replayed the {entry.cudagraph} graph")
         if i >= every * warm:  # the first ones warm up
-            times[kind]["after_build"].append(t1 - t0)
-            times[kind]["replay"].append(t2 - t1)
+            times[kind]["after_build"].append(build)
+            times[kind]["replay"].append(replayed)
     medians = {kind: {hook: statistics.median(v) / 1e3 for hook, v in hooks.items()} for kind, hooks in times.items()}
     wanted, unwanted = medians["wanted"], medians["unwanted"]
     return {"mode": "wanted", "layers": layers, "graph_slots": len(state._graph_layers.get(batch, [])),

@@ -1657,6 +1657,17 @@ def test_later_wanted_steps_of_a_shape_are_handed_on_its_ticket_and_each_snapsho
     assert not program.held
 
 
+def _assert_each_snapshot_is_its_step(snaps, expected, engine):
+    """Each snapshot holds its own step: the lengths and the layer's output (its 12 real tokens) the engine had at
+    the step its metadata names (``expected``: step -> (seq_lens, each layer's output))."""
+    for snap in snaps:
+        seq_lens, outputs = expected[snap.meta.capture["step"]]
+        layer = engine.names.index(snap.meta.capture["layer"])
+        assert snap.steps[0].seq_lens.tolist() == seq_lens
+        torch.testing.assert_close(snap.steps[0].output.reshape(12, -1), outputs[layer].reshape(12, -1), rtol=0,
+                                   atol=0)
+
+
 def test_a_ticketed_step_through_vllms_graph_wrapper_is_told_without_the_choice_and_captured_whole(
         standins, tmp_path, monkeypatch):
     """Through kvdbg's patch of vLLM's graph wrapper, a step whose build was kept on its shape's ticket is told by
@@ -1749,12 +1760,7 @@ def test_a_ticketed_step_through_vllms_graph_wrapper_is_told_without_the_choice_
     assert state.capturer.config is not config  # reconfigured back: a new configuration, the same filters
     snaps = snapshots(tmp_path)
     assert sorted({s.meta.capture["step"] for s in snaps}) == list(range(len(expected))) and len(snaps) == 15
-    for snap in snaps:
-        seq_lens, outputs = expected[snap.meta.capture["step"]]
-        layer = engine.names.index(snap.meta.capture["layer"])
-        assert snap.steps[0].seq_lens.tolist() == seq_lens
-        torch.testing.assert_close(snap.steps[0].output.reshape(12, -1), outputs[layer].reshape(12, -1), rtol=0,
-                                   atol=0)
+    _assert_each_snapshot_is_its_step(snaps, expected, engine)
     account = vllm_plugin.active_capturer().engine_time
     assert account.handed == 5 and account.staged == 5 and account.in_graph == 4 and account.waits == 0
     assert state.capturer.dropped["internal"] == 0 and not program.held
@@ -1781,6 +1787,7 @@ def test_a_wanted_step_at_the_end_of_a_quiet_run_is_told_at_its_build_on_its_tic
     expected, pending = {}, {}
     for step in range(12):
         if step == 11:  # capture off before the last wanted step: asked as any build, nothing kept or captured
+            assert state.capturer.flush(10)  # (what turning it off finds with the writer is dropped)
             state.capturer.disable("the test is done with it")
         told.clear()
         common = _padded(engine.common(), reqs=4, tokens=16)
@@ -1809,12 +1816,7 @@ def test_a_wanted_step_at_the_end_of_a_quiet_run_is_told_at_its_build_on_its_tic
             assert set(state._forward_counts.values()) == {step + 1}, step
     snaps = snapshots(tmp_path)
     assert sorted({s.meta.capture["step"] for s in snaps}) == [2, 5, 8] and len(snaps) == 9
-    for snap in snaps:
-        seq_lens, outputs = expected[snap.meta.capture["step"]]
-        layer = engine.names.index(snap.meta.capture["layer"])
-        assert snap.steps[0].seq_lens.tolist() == seq_lens
-        torch.testing.assert_close(snap.steps[0].output.reshape(12, -1), outputs[layer].reshape(12, -1), rtol=0,
-                                   atol=0)
+    _assert_each_snapshot_is_its_step(snaps, expected, engine)
     assert state.capturer.dropped["internal"] == 0 and state.capturer.dropped["off"] == 3 and not program.held
 
 
@@ -1831,7 +1833,7 @@ def test_a_quiet_runs_end_that_the_snapshot_limit_leaves_no_room_for_is_not_told
     for step in range(13):
         _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
                       monkeypatch, wrapper=wrapper, through=True)
-        assert state.drain_graph_capture(10)
+        assert state.drain_graph_capture(10) and state.capturer.flush(10)  # the limit counts the writer's too
         program.poll_released(wait=True)
     assert [end for end in told if end] == [(7,), (12,)]  # asked at the run's end: 12's refused (no room)
     assert sorted({s.meta.capture["step"] for s in snapshots(tmp_path)}) == [2, 7]
