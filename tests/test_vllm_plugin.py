@@ -1673,7 +1673,8 @@ def test_a_ticketed_step_through_vllms_graph_wrapper_is_told_without_the_choice_
     """Through kvdbg's patch of vLLM's graph wrapper, a step whose build was kept on its shape's ticket is told by
     ``ticket_replay`` alone (no ``graph_call``, no choice of graph): the staged variant replays and the replay's hook
     hands the step to the capture thread, each snapshot its own step. When the ticket cannot serve the call (the
-    program still held, a forward counted since the build, another graph), the call is asked as any other."""
+    program still held, a forward counted since the build, another graph, vLLM's graphs let go), the call is asked
+    as any other."""
     import types
 
     engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0-20", layers=3)
@@ -1741,6 +1742,9 @@ def test_a_ticketed_step_through_vllms_graph_wrapper_is_told_without_the_choice_
                             lambda: setattr(state, "sentinel", None)),
         "a forward counted": ((wrapper, batch, mode), lambda: setattr(state, "_counts_epoch", state._counts_epoch + 1),
                               None),
+        # Last (its tickets gone): vLLM's clear_graphs, which empties the wrapper's table in place (the same dict).
+        "vLLM's graphs let go": ((wrapper, batch, mode), lambda: (state.forget_graphs(wrapper),
+                                                                 wrapper.concrete_cudagraph_entries.clear()), None),
     }
     for case, ((called, seen, seen_mode), move, back) in cases.items():
         engine.builder.build(0, _padded(engine.common(), reqs=4, tokens=16))

@@ -339,7 +339,7 @@ class GraphHooks:
         self._graph_shapes.add(shape)
         self._graph_rows = max(self._graph_rows, shape[1] or shape[0])
         self._stage_layouts.clear()  # a recording may give a layer larger copy buffers: worked out again
-        self._tickets.clear()  # a graph's variants are recorded anew: each shape earns its ticket again
+        self._drop_tickets()  # a graph's variants are recorded anew: each shape earns its ticket again
         self._end_quiet_run()
         self._pending_build = None  # the recording's own build (a dummy batch): never a step
         self._recording = batch
@@ -587,9 +587,10 @@ class GraphHooks:
         try:
             pending = self._pending_build
             ticket = pending[0]
-            # _ticket_fits, read here in line: a wanted step is rare, so each call of its own would be a cold one.
+            # _ticket_fits, read here in line (keep the two alike): a wanted step is rare, so each call of its own
+            # would be a cold one.
             if ticket.wrapper is not wrapper or pending[5] != self._counts_epoch \
-                    or pending[6] is not self.capturer.config or ticket.program._holders \
+                    or pending[6] is not self.capturer.config or ticket.program._holders or ticket.table is None \
                     or self._graph_job is not None or self.sentinel is not None:
                 return None
             context = self._forward_context  # kept by graph_call, which the shape's first wanted step went through
@@ -598,7 +599,7 @@ class GraphHooks:
             forward = context[1]()
             batch = forward.batch_descriptor
             # The ticket's graph, and vLLM's table of graphs the ticket's: vLLM lets its graphs go through
-            # clear_graphs (forget_graphs drops every ticket) or by giving the wrapper a new table.
+            # clear_graphs (forget_graphs lets every ticket go: _drop_tickets) or by giving the wrapper a new table.
             if forward.cudagraph_runtime_mode is not wrapper.runtime_mode or batch != ticket.batch \
                     or wrapper.concrete_cudagraph_entries is not ticket.table:
                 return None
@@ -613,13 +614,21 @@ class GraphHooks:
             self.capturer.report(exc, "a CUDA graph's replay on a ticket")
             return None
 
+    def _drop_tickets(self) -> None:
+        """Every shape's ticket gone, and each one let go marked so (its table none), so that a build kept on one
+        before (``_pending_build``) is no longer told on it: vLLM's ``clear_graphs`` empties the wrapper's table in
+        place, which :meth:`ticket_replay`'s check of the table's identity alone would not see."""
+        for ticket in self._tickets.values():
+            ticket.table = None
+        self._tickets.clear()
+
     def _ticket_fits(self, pending: tuple, wrapper: Any) -> bool:
         """Whether the build kept on a ticket (``_pending_build``) may be handed on it by this call of ``wrapper``
         (its graph's batch told by the caller): the ticket's wrapper, no forward counted and the filters the same
         since the build, the program free."""
         ticket = pending[0]
         return ticket.wrapper is wrapper and pending[5] == self._counts_epoch and pending[6] is self.capturer.config \
-            and not ticket.program._holders
+            and not ticket.program._holders and ticket.table is not None
 
     def quiet_replayed(self, run: "_QuietRun") -> None:
         """The quiet run's step is queued (:meth:`quiet_replay`): its layers' forwards counted, nothing else.
@@ -671,7 +680,7 @@ class GraphHooks:
         if wrapper.concrete_cudagraph_entries.get(batch) is not entry:  # vLLM let its graphs go since
             del self._graph_variants[(id(wrapper), batch)]
             self._staged_variants.pop((id(wrapper), batch), None)
-            self._tickets.clear()
+            self._drop_tickets()
             self._plain_ran = False
             if pending is not None:
                 self._settle_build()
@@ -724,7 +733,7 @@ class GraphHooks:
             del self._graph_variants[key]
         for key in [key for key in self._staged_variants if key[0] == id(wrapper)]:
             del self._staged_variants[key]
-        self._tickets.clear()
+        self._drop_tickets()
         self._end_quiet_run()
         # Programs no staged variant runs any more go too (a step still reading one keeps it until done), and the
         # builds kept for the next recording: vLLM clears its graphs after profiling their memory with a cache and

@@ -400,7 +400,7 @@ class _Program:
         return False
 
     def hold(self) -> None:
-        with self._lock:
+        with self._lock:  # (graph_hooks' ticket_replayed takes a hold the same way, in line: keep the two alike)
             self._holders += 1
 
     def views(self, rows: int) -> dict[str, StagedLayer]:
