@@ -222,6 +222,9 @@ def test_a_backend_that_cannot_run_under_a_variant_is_said_in_the_verdict(monkey
     verdict = sweep_verdict(result)
     assert verdict.exit_code == 0  # the snapshot as captured passes; a variant is a what-if
     assert f"could not run: refuses_fp8 under {fp8[0]} (" in verdict.summary, verdict.summary
+    # A backend that could not run as captured either is not listed variant by variant.
+    result.rows[0].not_run.append(("refuses_fp8", "refused as captured too"))
+    assert "could not run" not in sweep_verdict(result).summary
 
 
 def test_a_correct_snapshot_passes_every_exact_answer_knob():

@@ -330,7 +330,10 @@ def sweep_verdict(result: SweepResult) -> "Verdict":
     broken = [row.variant.name for row in result.rows[1:] if row.error]
     if broken:
         parts.append(f"could not replay: {', '.join(broken)}")
-    not_run = [f"{name} under {row.variant.name} ({reason})" for row in result.rows[1:] for name, reason in row.not_run]
+    # A backend that ran as captured but not under a variant (one that never ran is the baseline verdict's to say).
+    absent = {name for name, _ in base.not_run}
+    not_run = [f"{name} under {row.variant.name} ({reason})" for row in result.rows[1:] for name, reason in row.not_run
+               if name not in absent]
     if not_run:
         parts.append(f"could not run: {'; '.join(not_run)}")
     skipped = [row.variant.name for row in result.rows[1:] if row.variant.unavailable_here]
