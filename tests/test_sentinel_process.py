@@ -276,6 +276,7 @@ def test_a_submitted_check_whose_child_dies_or_hangs_is_said_by_answers():
     finally:
         process.close(5.0)
     process = CheckerProcess("cpu")
+    os.kill(process.pid, signal.SIGSTOP)  # never answering before it dies (a quick check could, between two lines)
     process.submit(_one_step_of_layers(1), pairs=1, seed=0, step=0)
     process._process.kill()
     process._process.wait()
