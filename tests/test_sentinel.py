@@ -247,6 +247,40 @@ def test_a_staged_steps_pages_one_request_after_another_are_read_without_a_block
         check_layers([(layer, fewer)], pairs=ALL_PAIRS, step=2)
 
 
+def test_a_step_staged_inside_the_graph_has_its_pages_per_request_worked_out_from_its_lengths():
+    # Staged inside vLLM's graph, the device counted each request's pages from its length (at most the block table's
+    # width); the engine's thread hands that rule, and the check works the counts out once the lengths are on the host.
+    from kvdbg.sentinel.checker import PagesOfLengths, settle_pages
+
+    layer = _layer()
+    inputs = make_step(layer, seed=3)
+    inputs.output.view(-1, HQ, D)[4, 1] += 0.5  # request 1's last query token, head 1
+    counts = [-(-n // PS) for n in inputs.seq_lens.tolist()]
+    ids = [int(p) for r, c in enumerate(counts) for p in inputs.block_table[r, :c]]
+    width = inputs.block_table.shape[1]
+    staged = dataclasses.replace(inputs, kv_cache=inputs.kv_cache[ids], block_table=None,
+                                 max_pages=PagesOfLengths(PS, width, len(ids)))
+    [(_, settled)] = settle_pages([(layer, staged)])
+    assert settled.max_pages == counts and staged.max_pages == PagesOfLengths(PS, width, len(ids))
+    [listed] = check_layers([(layer, dataclasses.replace(staged, max_pages=counts))], pairs=ALL_PAIRS, step=2)
+    [ruled] = check_layers([(layer, staged)], pairs=ALL_PAIRS, step=2)
+    assert [(p.request, p.head) for p in ruled.failed_pairs] == [(1, 1)]
+    assert [(p.request, p.head, p.diff.max_abs) for p in ruled.pairs] == \
+        [(p.request, p.head, p.diff.max_abs) for p in listed.pairs]
+    # Two layers on one lengths tensor share one list: still one reference problem.
+    pair = settle_pages([(layer, staged), (layer, staged)])
+    assert pair[0][1].max_pages is pair[1][1].max_pages
+    # Lengths past the staged positions (the host's bound at the build exceeded): nothing there was staged.
+    over = dataclasses.replace(staged, max_pages=PagesOfLengths(PS, width, len(ids) - 1))
+    with pytest.raises(ValueError, match=f"the step reads {len(ids)} pages, more than the {len(ids) - 1} that "
+                                         "kvdbg's staging inside the CUDA graph holds"):
+        check_layers([(layer, over)], pairs=ALL_PAIRS, step=2)
+    # A request longer than the block table's width: its count stops there, and its check is refused as such.
+    narrow = dataclasses.replace(staged, max_pages=PagesOfLengths(PS, counts[0] - 1, len(ids)))
+    with pytest.raises(ValueError, match=f"request 0 is 37 tokens long, past the {counts[0] - 1} pages staged"):
+        check_layers([(layer, narrow)], pairs=ALL_PAIRS, step=2)
+
+
 def _in_whole_buffers(entries: list, extra: int) -> list:
     """Stacked entries whose query and output lie in buffers ``extra`` rows longer, NaN past the step's rows (the
     rows a larger graph wrote), read to the step's rows (``StepInputs.rows``), as a staging program hands them."""

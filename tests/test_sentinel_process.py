@@ -690,6 +690,23 @@ def _staged_step(count: int = 3, **kw) -> list:
             for i, (layer, inputs) in enumerate(entries)]
 
 
+def test_a_step_staged_inside_the_graph_goes_with_its_rule_for_pages_and_the_child_works_them_out(sharing):
+    # A step staged inside vLLM's graph: the engine's thread sends the rule the device counted pages by, not the counts
+    # (it never reads them back); the child's verdicts are those of the counts themselves.
+    from kvdbg.sentinel.checker import PagesOfLengths
+
+    process = sharing
+    entries = _staged_step(3)
+    counts = entries[0][1].max_pages
+    width = max(counts) + 1
+    ruled = [(layer, dataclasses.replace(inputs, max_pages=PagesOfLengths(8, width, sum(counts))))
+             for layer, inputs in entries]
+    entries[0][1].stack[0].output[1].view(-1, HQ, D)[2, 1] += 0.5
+    there = _check(process, ruled, pairs=ALL_PAIRS, seed=1, step=1)
+    here = check_layers(entries, pairs=ALL_PAIRS, rng=random.Random(1), step=1)
+    assert _verdicts(there) == _verdicts(here) and [r.passed for r in there] == [True, False, True]
+
+
 def test_a_staged_steps_layers_go_once_as_a_template_and_each_check_carries_its_metadata_alone(sharing):
     # A staging program's buffers are the same objects step after step: their views go to the child once (a
     # template); each check then sends the step's metadata alone, and the child reads the buffers as they are now.

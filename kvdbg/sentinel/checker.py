@@ -42,7 +42,7 @@ import time
 from collections import Counter
 from itertools import accumulate, chain
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,8 +58,8 @@ from kvdbg.sentinel.config import ENV_INTERVAL, ENV_MAX, ENV_PROCESS, SentinelCo
 
 logger = logging.getLogger("kvdbg.sentinel")
 
-__all__ = ["CheckResult", "DeferredChecks", "PairResult", "PassedCheck", "Sentinel", "SentinelFinding", "StepInputs",
-           "check_layers", "check_step", "compact", "unchecked_reason"]
+__all__ = ["CheckResult", "DeferredChecks", "PagesOfLengths", "PairResult", "PassedCheck", "Sentinel", "SentinelFinding",
+           "StepInputs", "check_layers", "check_step", "compact", "settle_pages", "unchecked_reason"]
 
 # Query rows of one request held to the reference per pair (its last ones): the whole output is still
 # checked for NaN/inf, but a long prefill costs no more than a short one.
@@ -77,6 +77,42 @@ UNCHECKED_BACKENDS = {
 }
 
 
+class PagesOfLengths(NamedTuple):
+    """A staged step's pages per request as the program inside vLLM's graph counted them on the device (graph_staging's
+    ``InGraphProgram``): ``ceil(length / page_size)`` pages, at most ``width`` (the block table's columns), the
+    requests one after another in at most ``limit`` staged positions. The engine's thread never reads the count back:
+    the check works it out from the step's lengths once they are on the host (:func:`settle_pages`)."""
+
+    page_size: int
+    width: int
+    limit: int
+
+
+def settle_pages(entries: list) -> list:
+    """``entries`` ((layer, StepInputs) each) with every :class:`PagesOfLengths` made the list of pages per request it
+    stands for: one list per lengths tensor, shared by the entries that share it (they stay one reference problem,
+    :func:`_alike_key`). ValueError when the step's pages overflow the staged positions (the host's bound on its
+    lengths at the build was exceeded): nothing past them was staged."""
+    settled: dict = {}
+    out = []
+    for layer, inputs in entries:
+        marker = inputs.max_pages
+        if marker.__class__ is PagesOfLengths:
+            key = (id(inputs.seq_lens), marker)
+            pages = settled.get(key)
+            if pages is None:
+                page, width = marker.page_size, marker.width
+                pages = [min(-(-int(n) // page), width) for n in inputs.seq_lens.to("cpu", torch.int64).tolist()]
+                if sum(pages) > marker.limit:
+                    raise ValueError(f"the step reads {sum(pages)} pages, more than the {marker.limit} that kvdbg's "
+                                     "staging inside the CUDA graph holds (the host's bound on the lengths at the "
+                                     "build was exceeded)")
+                settled[key] = pages
+            inputs = dataclasses.replace(inputs, max_pages=pages)
+        out.append((layer, inputs))
+    return out
+
+
 @dataclass
 class StepInputs:
     """What one layer's backend read and wrote on one step (engine tensors; nothing is copied here)."""
@@ -92,8 +128,10 @@ class StepInputs:
     output: torch.Tensor  # [num_tokens(+padding), Hq, D] or [num_tokens, Hq * D]
     max_model_len: int | None = None
     # Pages each request's row of block_table holds (a staged step's pages per request); a request whose length
-    # needs more is refused before anything is read past them.
-    max_pages: list[int] | None = None
+    # needs more is refused before anything is read past them. A :class:`PagesOfLengths`: the device counted them
+    # from the lengths (a step staged inside vLLM's graph), worked out the same way here once the lengths are on the
+    # host (:func:`check_layers`).
+    max_pages: "list[int] | PagesOfLengths | None" = None
     # (stack, index): the layer's query, output and pages are ``stack.query[index]`` (its first rows),
     # ``stack.output[index]`` and ``stack.pages[index]`` of buffers that hold several layers' copies of one step along
     # their first axis (a graph step's staging: kvdbg.vllm_plugin.graph_staging.StagedStack). Layers of one stack are
@@ -341,7 +379,7 @@ def check_layers(entries: list[tuple[CaptureLayer, StepInputs]], *, pairs: list[
     check and the comparison stay each layer's own.
     """
     rng = rng or random.Random()
-    entries = [entry if entry[1].rows is None else (entry[0], entry[1].cut()) for entry in entries]
+    entries = [entry if entry[1].rows is None else (entry[0], entry[1].cut()) for entry in settle_pages(entries)]
     for layer, inputs in entries:
         if inputs.output is None:
             raise ValueError(f"layer {layer.name}: the step's output was not given to the check")
@@ -565,7 +603,7 @@ def _reference_pairs(layer: CaptureLayer, parts: list[tuple[StepInputs, Any, Any
             live = -(-seq_lens[r] // page_size)
             if inputs.max_pages is not None and live > inputs.max_pages[r]:
                 raise ValueError(f"request {r} is {seq_lens[r]} tokens long, past the {inputs.max_pages[r]} pages "
-                                 "staged for it from the host's bound on its length")
+                                 "staged for it (the host's bound on its length, or the block table's width)")
             if live > len(row_of[r]):
                 raise ValueError(f"request {r} is {seq_lens[r]} tokens long, past the {len(row_of[r])} pages of its "
                                  "block table row")
