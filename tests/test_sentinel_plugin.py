@@ -158,9 +158,11 @@ def test_closing_with_checks_still_out_keeps_to_its_one_time_limit(sentinel_env,
     assert any("kvdbg sentinel in pid" in r.getMessage() for r in caplog.records)
 
 
-def test_the_sentinel_alone_records_no_staged_variant_of_a_graph(sentinel_env):
-    """The sentinel alone: capture selects no layer, so no step could replay a graph's staged variant; it is not
-    recorded (its staging would hold device memory for nothing)."""
+def test_the_sentinel_alone_records_a_staged_variant_only_when_it_checks_every_layer_the_graph_copies(sentinel_env,
+                                                                                                      tmp_path):
+    """The sentinel alone: a graph's staged variant is recorded when the sentinel checks every layer the graph copies
+    (a step it draws then replays it); with capture on for another layer, neither covers the graph's layers and it is
+    not (no step could replay it: its staging would hold device memory for nothing)."""
     from tests.test_vllm_plugin import _record_graph, _record_variants
 
     monkeypatch, _ = sentinel_env
@@ -170,7 +172,175 @@ def test_the_sentinel_alone_records_no_staged_variant_of_a_graph(sentinel_env):
     _record_variants(8)
     state = vllm_plugin._state
     assert state._graph_layers and state._graph_variants
+    assert len(state._staged_variants) == 1 and len(state._in_graph_programs) == 1
+
+    # The sentinel checking layer 0 (its graph then copies that layer alone: recorded as above), capture on for
+    # layer 1: the graph copies both, and no step is drawn or wanted on both.
+    vllm_plugin.unregister()
+    monkeypatch.setenv("KVDBG_SENTINEL_LAYERS", "model.layers.0.self_attn.attn")
+    monkeypatch.setenv("KVDBG_CAPTURE_DIR", str(tmp_path / "captured"))
+    monkeypatch.setenv("KVDBG_CAPTURE_LAYERS", "model.layers.1.self_attn.attn")
+    vllm_plugin.register()
+    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)
+    _record_graph(engine, 8, 4, monkeypatch)
+    _record_variants(8)
+    state = vllm_plugin._state
+    assert len(state._graph_layers[next(iter(state._graph_layers))]) == 2 and state._graph_variants
     assert not state._staged_variants and not state._in_graph_programs
+
+
+def test_a_drawn_step_replays_the_staged_variant_and_is_checked_from_its_copies_with_no_host_staging(
+        sentinel_env, caplog):
+    """A step the sentinel draws replays the graph's staged variant: the program inside the graph staged its pages,
+    query and output, so the engine's thread stages nothing (no program of the host's is ever made) and reads no
+    count back: the check works each request's pages out from the step's lengths. A wrong head is caught and
+    captured from those copies, the step's padding rows no requests; an honest step of another batch passes; every
+    hold on the program is let go."""
+    from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _record_variants, _run_as_graph
+
+    from kvdbg.sentinel.checker import PagesOfLengths, Sentinel
+    from kvdbg.vllm_plugin.graph_staging import StagedStep
+
+    monkeypatch, directory = sentinel_env
+    _wrong_head_2_of_layer_1(monkeypatch)
+    seen = []
+    real = Sentinel.check_layers
+    monkeypatch.setattr(Sentinel, "check_layers", lambda self, entries, step: seen.append(
+        [inputs.max_pages for _, inputs in entries]) or real(self, entries, step))
+    sized = []
+    real_sized = StagedStep.sized
+    monkeypatch.setattr(StagedStep, "sized", lambda self: sized.append(self) or real_sized(self))
+    with caplog.at_level(logging.INFO, logger="kvdbg"):
+        vllm_plugin.register()
+        engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)
+        tokens, reqs = 8, 4  # three requests of 2 tokens, padded to a graph of 8 tokens and 4 rows
+        _record_graph(engine, tokens, reqs, monkeypatch)
+        wrapper, entry = _record_variants(tokens)
+        state = vllm_plugin._state
+        program = next(iter(state._in_graph_programs.values()))
+        replayed = []
+        for _ in range(2):
+            _run_as_graph(engine, _padded(engine.common(), reqs=reqs, tokens=tokens), _padded_inputs(engine, tokens),
+                          tokens, monkeypatch, wrapper=wrapper)
+            replayed.append(entry.cudagraph)
+        (path,) = _files(directory)
+    hooks = _hooks()
+    assert replayed == ["staged", "staged"] and state.staged_replays == 2
+    # No count read back but by the capture of the wrong step (the first; the second is wrong the same way: not
+    # captured again)
+    assert len({id(staged) for staged in sized}) == 1
+    assert state._stager is None  # nothing staged from the host
+    # Each check was handed what the program counted, as a rule on the lengths, and worked it out itself.
+    assert [marks for marks in seen] == [[PagesOfLengths(16, program.width, program.size)] * 2] * 2
+    assert hooks.sentinel.counts["checked"] == 4 and hooks.sentinel.counts["failed"] == 2
+    assert hooks.sentinel.counts["errors"] == 0
+    assert not program.held and program.reusable()
+    snap = load_snapshot(path)
+    assert snap.steps[0].num_reqs == 3  # the graph's padding rows are not requests
+    result = api.replay(path, ["reference"])
+    (comparison,) = [c for c in result.comparisons if (c.actual, c.expected) == ("captured", "reference")]
+    assert result.verdict.exit_code == 1 and sorted({h.head for h in comparison.failed}) == [2]
+    lines = [r.getMessage() for r in caplog.records if "is wrong" in r.getMessage()]
+    assert lines == [f"kvdbg sentinel: layer model.layers.1.self_attn.attn step 0 is wrong (output disagrees with "
+                     f"the exact reference): first failing request 0 head 2; snapshot {path}"]
+
+
+def test_a_drawn_step_capture_wants_on_every_layer_or_none_is_staged_once_inside_the_graph_for_both(
+        sentinel_env, tmp_path):
+    """The sentinel and capture on together: a step both take (capture's steps 0 and 2, every layer; the sentinel
+    draws every step) replays the staged variant once, the sentinel's checks and the capture thread each holding it;
+    a step capture leaves (1) replays it for the sentinel alone. Capture's snapshots are the steps it wants, exact;
+    each check passes; nothing is staged from the host and every hold is let go."""
+    import torch
+
+    from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _record_variants, _run_as_graph, \
+        snapshots
+
+    monkeypatch, _ = sentinel_env
+    captured = tmp_path / "captured"
+    monkeypatch.setenv("KVDBG_CAPTURE_DIR", str(captured))
+    monkeypatch.setenv("KVDBG_CAPTURE_STEPS", "0,2")
+    vllm_plugin.register()
+    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)
+    tokens, reqs = 8, 4
+    _record_graph(engine, tokens, reqs, monkeypatch)
+    wrapper, entry = _record_variants(tokens)
+    state = vllm_plugin._state
+    program = next(iter(state._in_graph_programs.values()))
+    replayed, outputs = [], []
+    for _ in range(3):
+        common = _padded(engine.common(), reqs=reqs, tokens=tokens)
+        out = _run_as_graph(engine, common, _padded_inputs(engine, tokens), tokens, monkeypatch, wrapper=wrapper)
+        outputs.append([o[:6].clone() for o in out])
+        replayed.append(entry.cudagraph)
+        assert state.drain_graph_capture(10)  # the capture thread done with it: the program free for the next
+    assert replayed == ["staged"] * 3 and state._stager is None
+    counts = _hooks().sentinel.counts
+    assert counts["checked"] == 6 and counts["failed"] == 0 and counts["errors"] == 0
+    snaps = snapshots(captured)
+    assert sorted((s.meta.capture["step"], s.meta.capture["layer"]) for s in snaps) == \
+        [(step, name) for step in (0, 2) for name in engine.names]
+    for snap in snaps:
+        layer = engine.names.index(snap.meta.capture["layer"])
+        expected = outputs[snap.meta.capture["step"]][layer]
+        torch.testing.assert_close(snap.steps[0].output.reshape(expected.shape), expected, rtol=0, atol=0)
+    account = vllm_plugin.active_capturer().engine_time
+    assert account.in_graph == 2 and account.waits == 0
+    assert not program.held and program.reusable()
+
+
+@pytest.mark.parametrize("capture_on", [False, True], ids=["sentinel alone", "capture on, its thread idle"])
+def test_a_hold_the_sentinels_capture_left_pending_is_let_go_by_the_next_choice_of_graph(sentinel_env, tmp_path,
+                                                                                        capture_on):
+    """After the sentinel captured a wrong step from the program's copies, its hold is let go once those copies are
+    done on the device (an event, as on a GPU; here one that has passed): the next drawn step's choice asks, so every
+    step still replays the staged variant, with capture's thread idle or absent."""
+    from tests.test_vllm_plugin import _padded, _padded_inputs, _record_graph, _record_variants, _run_as_graph
+
+    from kvdbg.vllm_plugin.graph_staging import InGraphProgram
+
+    class Passed:
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+    monkeypatch, _ = sentinel_env
+    pended = []
+
+    def release(self, issued=True):  # a GPU's: an issued release pends until asked
+        with self._lock:
+            if issued:
+                pended.append(1)
+                self._pending.append(Passed())
+            else:
+                self._holders = max(0, self._holders - 1)
+
+    monkeypatch.setattr(InGraphProgram, "release", release)
+    _wrong_head_2_of_layer_1(monkeypatch)
+    if capture_on:
+        monkeypatch.setenv("KVDBG_CAPTURE_DIR", str(tmp_path / "captured"))
+        monkeypatch.setenv("KVDBG_CAPTURE_STEPS", "0")
+    vllm_plugin.register()
+    engine = StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=2, query_len=2)
+    _record_graph(engine, 8, 4, monkeypatch)
+    wrapper, entry = _record_variants(8)
+    state = vllm_plugin._state
+    program = next(iter(state._in_graph_programs.values()))
+    replayed = []
+    for _ in range(4):
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=8), _padded_inputs(engine, 8), 8, monkeypatch,
+                      wrapper=wrapper)
+        replayed.append(entry.cudagraph)
+        if capture_on and not replayed[1:]:  # capture's step: its thread done, then idle (nothing pending then)
+            assert state.drain_graph_capture(10)
+    assert replayed == ["staged"] * 4 and state._stager is None
+    counts = _hooks().sentinel.counts
+    assert counts["failed"] == 4 and counts["captured"] == 1
+    assert pended  # (on a CPU the sentinel's checks run in line, each letting its layer's hold go issued)
+    state._poll_in_graph_releases()
+    assert not program.held
 
 
 def test_a_wrong_step_replayed_from_a_full_cuda_graph_is_caught_and_captured(sentinel_env, caplog):
@@ -460,7 +630,8 @@ def test_checks_of_staged_graph_steps_are_collected_when_done_and_never_waited_f
 def test_a_checked_staging_is_let_go_with_no_event_unless_the_engine_read_it(sentinel_env, monkeypatch):
     """A done check's reads are done on the device (its worker or process synchronised first): its staging is let
     go without an event on the engine's stream (issued=False). A step found wrong is captured from the staging on
-    the engine's stream, so that one is let go with the event (issued=True); a check that failed read nothing more."""
+    the engine's stream, so that one is let go with the event (issued=True); one found wrong again, whose capture the
+    sentinel does not admit (the same finding), and a check that failed read nothing more."""
     import threading
 
     from kvdbg.sentinel.checker import CheckResult, NonFinite
@@ -470,7 +641,8 @@ def test_a_checked_staging_is_let_go_with_no_event_unless_the_engine_read_it(sen
     StandinEngine("FLEX_ATTENTION", causal=True, window=None, layers=1, query_len=1).step()
     state, hooks = vllm_plugin._state, _hooks()
     captured = []
-    monkeypatch.setattr(hooks, "_capture", lambda state, finding, waiting: captured.append(finding.kind))
+    monkeypatch.setattr(hooks, "_capture", lambda state, finding, waiting: captured.append(finding.kind)
+                        or len(captured) == 1)
 
     class Job:
         def __init__(self, result=None, error=None):
@@ -480,13 +652,13 @@ def test_a_checked_staging_is_let_go_with_no_event_unless_the_engine_read_it(sen
 
     honest = CheckResult(layer="x", step=3, tolerance=None)
     wrong = CheckResult(layer="x", step=4, tolerance=None, nonfinite=NonFinite(2, 1, 0, 1, 0))
-    jobs = [Job(honest), Job(wrong), Job(error=RuntimeError("the check raised"))]
+    jobs = [Job(honest), Job(wrong), Job(wrong), Job(error=RuntimeError("the check raised"))]
     staged = [_StagedStandIn() for _ in jobs]
     hooks._staged = [_Waiting(None, None, None, None, None, None, None, None, None, 3, staged=st, job=job)
                      for st, job in zip(staged, jobs)]
     hooks.poll_staged(state)
-    assert hooks._staged == [] and captured == ["nonfinite"]
-    assert [s.issued for s in staged] == [[False], [True], [False]]
+    assert hooks._staged == [] and captured == ["nonfinite", "nonfinite"]
+    assert [s.issued for s in staged] == [[False], [True], [False], [False]]
 
 
 @pytest.mark.parametrize("cache_layout", ["LBNHC", "BHLNC"])
@@ -541,6 +713,7 @@ class _Staged:
 
     rows = 4
     ready = None
+    count = 3  # staged by a program of the host's: its counts known (one inside vLLM's graph: -1, the device's)
 
     def __init__(self, names, sized_fails=False):
         from types import SimpleNamespace

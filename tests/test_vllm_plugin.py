@@ -2116,9 +2116,11 @@ def test_a_staged_step_whose_requests_cannot_be_worked_out_after_the_replay_is_l
 
 
 def test_the_staged_variant_is_recorded_only_where_a_step_can_replay_it(standins, tmp_path, monkeypatch, caplog):
-    """A step replays the staged variant only when capture wants every layer the graph copies for kvdbg. Capture's
-    layer filter alone narrows those layers, and the variant serves them; the sentinel checking layers capture leaves
-    out widens them, and the third recording (with its staging's device memory) is not made, said once."""
+    """A step replays the staged variant only when capture wants, or the sentinel draws, every layer the graph copies
+    for kvdbg. Capture's layer filter alone narrows those layers, and the variant serves them; the sentinel checking
+    every layer the graph copies, it serves its draws; the sentinel checking a layer capture leaves out and capture
+    one the sentinel leaves out, neither covers the graph's layers, and the third recording (with its staging's
+    device memory) is not made, said once."""
     caplog.set_level(logging.INFO, logger="kvdbg.capture")
     enable(standins, tmp_path, KVDBG_CAPTURE_LAYERS="model.layers.1.self_attn.attn", KVDBG_CAPTURE_STEPS="0")
     engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
@@ -2135,8 +2137,20 @@ def test_the_staged_variant_is_recorded_only_where_a_step_can_replay_it(standins
     state = vllm_plugin._state
     assert state.sentinel is not None
     _record_graph(engine, 16, 4, monkeypatch)
-    wrapper, entry = _record_variants(16)
+    _record_variants(16)
     assert len(state._graph_layers[_Batch((16,))]) == 2  # the sentinel checks both layers
+    assert len(state._staged_variants) == 1 and "staging in it" in caplog.text
+    assert "the sentinel draws replays that variant" in caplog.text
+    vllm_plugin.unregister()
+
+    enable(standins, tmp_path / "apart", KVDBG_CAPTURE_LAYERS="model.layers.1.self_attn.attn",
+           KVDBG_CAPTURE_STEPS="0", KVDBG_SENTINEL="0.5", KVDBG_SENTINEL_LAYERS="model.layers.0.self_attn.attn",
+           KVDBG_CAPTURE_BACKENDS="FLASHINFER_TS")
+    engine = StandinEngine("FLASHINFER_TS", layers=2, seq_lens=(300, 77, 150), query_len=4)
+    state = vllm_plugin._state
+    _record_graph(engine, 16, 4, monkeypatch)
+    wrapper, entry = _record_variants(16)
+    assert len(state._graph_layers[_Batch((16,))]) == 2  # capture's layer 1, the sentinel's layer 0
     assert state._graph_variants and not state._staged_variants and not state._in_graph_programs
     assert entry.cudagraph == "copies"  # given back the graph with the copies, as after any recording
     assert caplog.text.count("not recorded a third time with kvdbg's staging") == 1

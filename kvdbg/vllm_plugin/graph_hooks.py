@@ -17,10 +17,11 @@ the step's block table, lengths and query offsets as for any step) and vLLM's ``
   (:meth:`GraphHooks.record_plain_graph`), and before each replay the plugin installs the one with the copies
   for a step that capture's filters select or the sentinel draws, the plain one for any other
   (:meth:`GraphHooks.choose_graph`): a step nothing wants is the engine's own device work alone. With capture
-  on, vLLM records it a third time with the copies and, after the forward, kvdbg's staging program
-  (:meth:`GraphHooks.record_staged_graph`, ``graph_staging.InGraphProgram``): a step capture wants on every layer
-  replays that variant when the program is free and the step's pages fit, and is handed over with no torch call
-  on the engine's thread (:meth:`GraphHooks._hand_in_graph`); other wanted steps are staged as below;
+  or the sentinel on, vLLM records it a third time with the copies and, after the forward, kvdbg's staging program
+  (:meth:`GraphHooks.record_staged_graph`, ``graph_staging.InGraphProgram``): a step capture wants on every layer,
+  or the sentinel draws on every layer (capture wanting all of them or none), replays that variant when the
+  program is free and the step's pages fit, and is handed over with no torch call on the engine's thread
+  (:meth:`GraphHooks._hand_in_graph`); other wanted or drawn steps are staged as below;
 - **after each replay**, the selected layers' steps are counted as if their forwards had run. A step capture
   wants or the sentinel samples is first *staged* (``graph_staging``): on the engine's stream, right after the
   graph's work, a small program of kvdbg's (recorded once per size as a CUDA graph of its own) copies the
@@ -325,11 +326,11 @@ class GraphHooks:
         sentinel may have sampled. No check is handed to the worker while a graph records (its hooks see the
         stream capturing); between the pieces of a piecewise graph one may be, and the next piece collects it."""
         self.await_graph_capture()
+        if self.sentinel is not None:  # first: a wrong step it captures now leaves a hold to let go below
+            self.sentinel.before_graph_replay(self, recording=True)
         if self._in_graph_programs:  # the capture thread idle and every staged read done: it queries nothing now
             self.drain_graph_capture(GRAPH_CAPTURE_WAIT_S)
             self._poll_in_graph_releases(wait=True)
-        if self.sentinel is not None:
-            self.sentinel.before_graph_replay(self, recording=True)
 
     def begin_graph_recording(self, batch: Any) -> None:
         """A full graph for ``batch`` (vLLM's batch descriptor) is about to be recorded: its selected layers are
@@ -372,27 +373,30 @@ class GraphHooks:
         self._graph_variants[(id(wrapper), batch)] = (entry, copying, plain)
 
     def record_staged_graph(self, wrapper: Any, batch: Any, record: Any, forward_state: Any = None) -> None:
-        """After the plain variant, a third recording of vLLM's full graph for ``batch`` when capture is on: the
-        layers' copies again, then, after the model's forward and inside the graph, the staging of the step
-        (:class:`~kvdbg.vllm_plugin.graph_staging.InGraphProgram`: the pages the step's lengths read, the
-        query and output copies, the metadata). A wanted step that replays it is staged with no torch call on
-        the engine's thread (:meth:`choose_graph`). Should it fail, it is said once, and wanted steps replay the
-        graph with the copies and are staged from the host as before."""
+        """After the plain variant, a third recording of vLLM's full graph for ``batch`` when capture is on or the
+        sentinel checks, for every layer the graph copies: the layers' copies again, then, after the model's forward
+        and inside the graph, the staging of the step (:class:`~kvdbg.vllm_plugin.graph_staging.InGraphProgram`:
+        the pages the step's lengths read, the query and output copies, the metadata). A wanted or drawn step that
+        replays it is staged with no torch call on the engine's thread (:meth:`choose_graph`). Should it fail, it is
+        said once, and such steps replay the graph with the copies and are staged from the host as before."""
         key = (id(wrapper), batch)
         self._staged_variants.pop(key, None)
         variants = self._graph_variants.get(key)
         slots = self._graph_layers.get(batch)
-        if variants is None or not slots or not self.capturer.active:
+        if variants is None or not slots:
             return
-        if not all(self.capturer.layer_selected(slot.name) for slot in slots):
-            # A step replays this variant only when capture wants every layer the graph copies for kvdbg
-            # (_every_layer_wanted): with layers there that only the sentinel checks (the sentinel alone, or its
-            # layer filter wider than capture's), its staging would hold device memory and never run.
-            if not self._staged_skip_said and any(self.capturer.layer_selected(slot.name) for slot in slots):
+        # A step replays this variant only when capture wants every layer the graph copies for kvdbg or the sentinel
+        # draws every one (_in_graph_step): else its staging would hold device memory and never run.
+        captured = self.capturer.active and all(self.capturer.layer_selected(slot.name) for slot in slots)
+        checked = self.sentinel is not None and all(self.sentinel.sentinel.layer_selected(slot.name) for slot in slots)
+        if not captured and not checked:
+            if not self._staged_skip_said and self.capturer.active \
+                    and any(self.capturer.layer_selected(slot.name) for slot in slots):
                 self._staged_skip_said = True
                 logger.info("kvdbg: the full CUDA graphs are not recorded a third time with kvdbg's staging in them: "
-                            "the sentinel checks layers that capture's layer filter leaves out, and a step is staged "
-                            "inside the graph only when capture wants every layer the graph copies; wanted steps are "
+                            "the graphs copy layers for the sentinel that capture's layer filter leaves out, and the "
+                            "sentinel's leaves out some capture selects; a step is staged inside the graph only when "
+                            "capture wants, or the sentinel draws, every layer the graph copies. Such steps are "
                             "staged by the engine's thread after the replay")
             return
         entry, copying, _ = variants
@@ -420,8 +424,10 @@ class GraphHooks:
             return
         if not self._staged_variants:
             logger.info("kvdbg: each full CUDA graph is also recorded with kvdbg's staging in it (%d pages of every "
-                        "selected layer, %.0f MiB): a step capture wants replays that variant when its pages fit "
-                        "and no earlier step's staging is still being read", program.size, program.nbytes / 2**20)
+                        "selected layer, %.0f MiB): a step %s replays that variant when its pages fit and no earlier "
+                        "step's staging is still being read", program.size, program.nbytes / 2**20,
+                        " or ".join(what for what, on in (("capture wants", captured), ("the sentinel draws", checked))
+                                    if on))
         self._staged_variants[key] = (staged, program)
 
     def _record_variant(self, entry: Any, copying: tuple, record: Any, forward_state: Any, batch: Any,
@@ -496,23 +502,55 @@ class GraphHooks:
 
     def _in_graph_step(self, batch: Any, program: Any, slots: list, names: tuple, steps: list) -> tuple | None:
         """The coming replay of ``batch``'s graph as a step the staged variant serves, or None: every layer of the
-        graph wanted at one step with one build's context (capture's filters and budget asked once), the sentinel's
-        draw not on it (its checks read steps the host staged), no reader holding the program, the build read the
-        program's buffers and its pages fit. Then (batch, program, names, steps, wanted layers, hint, metadata
-        staged) for :meth:`after_graph_replay`, which hands the step over with nothing asked again."""
+        graph at one step with one build's context, wanted by capture on every layer (its filters and budget asked
+        once) or drawn by the sentinel on every layer (and then wanted by capture on all or none), no reader holding
+        the program, the build read the program's buffers and its pages fit. Then (batch, program, names, steps,
+        layers, hint, metadata staged, captured, checked) for :meth:`after_graph_replay`, which hands the step to
+        the capture thread and the sentinel with nothing asked again."""
         step = steps[0]
         if steps.count(step) != len(steps):
             return None
-        if self.sentinel is not None and self.sentinel.sentinel.drawn(step):
+        checked = self.sentinel is not None and self.sentinel.sentinel.drawn(step)
+        if checked:
+            items = self._every_layer_checked(batch, slots, names, step)
+            if items is None:
+                return None
+            captured = self._capture_takes_all(batch, names, step)
+            if not captured and not self._no_layer_wanted(batch, step):
+                return None  # capture wants some of its layers: the host stages the step for both
+        else:
+            items = self._every_layer_wanted(batch, slots, names, step)
+            captured = True
+        if items is None:
             return None
-        items = self._every_layer_wanted(batch, slots, names, step)
-        if items is None or not program.reusable():
-            return None
+        if not program.reusable():
+            # Holds let go whose readers' copies may be done by now: asked here too (the capture thread asks between
+            # its jobs, and waits for its next one when none was pending then; with the sentinel alone nobody else
+            # does). One event query each, only while a hold is pending.
+            if not program._pending or program.poll_released() or not program.reusable():
+                return None
         hint = items[0][2].stage
         serves = 0 if hint is None else program.serves(hint)
         if not serves:
             return None
-        return batch, program, names, steps, items, hint, serves == 2
+        return batch, program, names, steps, items, hint, serves == 2, captured, checked
+
+    def _every_layer_checked(self, batch: Any, slots: list, names: tuple, step: int) -> list | None:
+        """Every layer of the graph, all at ``step``, checked by the sentinel with one build's context (the layers'
+        names all selected by its layer filter, kept per graph); None: the host stages the step."""
+        sentinel = self.sentinel.sentinel
+        hit = self._graph_checked.get(batch)
+        if hit is None or hit[0] is not names:
+            hit = self._graph_checked[batch] = (names, all(map(sentinel.layer_selected, names)))
+        return self._every_layer_built(slots, names, step) if hit[1] else None
+
+    def _no_layer_wanted(self, batch: Any, step: int) -> bool:
+        """Whether capture takes no layer of the graph at ``step`` (as :meth:`_nothing_wanted` last told its layers:
+        none selected on this rank, or the step filter takes none; a step it would take with capture off is counted
+        dropped by the layers' hooks, so not this)."""
+        hit = self._graph_takers.get(batch)
+        return hit is not None and hit[1] is self.capturer.config and (not hit[2]
+                                                                       or self.capturer.takes_no_step(step, step))
 
     def _prepared_step(self, wrapper: Any, batch: Any, prepared: tuple) -> tuple | None:
         """:meth:`_in_graph_step` for a step its build already told wanted on every layer at one step (the build's
@@ -531,14 +569,14 @@ class GraphHooks:
         if covered is None or covered[0] is not names or covered[1] is not names_built:
             covered = self._covered[batch] = (names, names_built, distinct and set(names) <= set(names_built))
         if not covered[2] or (self.sentinel is not None and self.sentinel.sentinel.drawn(step)):
-            return None
+            return None  # the sentinel's draw: asked as below (_in_graph_step)
         program = staged[1]
         hint = ctx.stage
         serves = 0 if hint is None or not program.reusable() else program.serves(hint)
         if not serves:
             return None
         return (batch, program, names, [step] * len(names), list(zip(slots, repeat(step), repeat(ctx))), hint,
-                serves == 2)
+                serves == 2, True, False)
 
     def quiet_replay(self, wrapper: Any) -> "_QuietRun | None":
         """The coming call of ``wrapper`` as the next step of the quiet run told for it (:class:`_QuietRun`), told
@@ -1007,15 +1045,23 @@ class GraphHooks:
         return True
 
     def _hand_in_graph(self, fast: tuple) -> bool:
-        """A wanted step the staged variant of its graph staged (:meth:`_in_graph_step`): its layers' forwards
-        counted, the step handed to the capture thread, holding the program until that thread has read it."""
-        batch, program, names, steps, items, hint, with_metadata, wrapper = fast
+        """A step the staged variant of its graph staged (:meth:`_in_graph_step`): its layers' forwards counted, the
+        step handed to the sentinel when it drew it (its checks hold the program until collected) and to the capture
+        thread when capture wants it, holding the program until that thread has read it."""
+        batch, program, names, steps, items, hint, with_metadata, captured, checked, wrapper = fast
         self._forward_counts.update(zip(names, map(add, steps, repeat(1))))
         self._counts_epoch += 1
         try:  # without staged metadata, the step's requests are worked out here, from the build's host offsets
             staged = program.staged_step(items[0][0].query.shape[0], hint, with_metadata)
         except Exception as exc:  # never into vLLM: each layer's step is said lost
-            self._steps_lost(exc, [(slot, step) for slot, step, _ in items])
+            if captured:
+                self._steps_lost(exc, [(slot, step) for slot, step, _ in items])
+            if checked:
+                self.sentinel._failed(exc, "after a CUDA graph's replay")
+            return False
+        if checked:
+            self.sentinel.after_graph_replay(self, items, staged)
+        if not captured:
             return False
         # The runner's buffers were not the program's: the build's copies, now.
         handed = self._hand_job(_GraphJob(items, batch.num_tokens), staged, [] if with_metadata else [items[0][2]],
@@ -1137,12 +1183,20 @@ class GraphHooks:
         """Every layer of the graph, all at ``step``, wanted with one build's context: told with one check of capture's
         filters and budget instead of a call per layer (the layers' names all selected, kept per graph and
         configuration); None: asked layer by layer."""
+        return self._every_layer_built(slots, names, step) if self._capture_takes_all(batch, names, step) else None
+
+    def _capture_takes_all(self, batch: Any, names: tuple, step: int) -> bool:
+        """Whether capture wants every layer of the graph at ``step``, told with one check of its filters and budget
+        (the layers' names all selected, kept per graph and configuration)."""
         capturer = self.capturer
         hit = self._graph_every.get(batch)
         if hit is None or hit[0] is not names or hit[1] is not capturer.config:
             hit = self._graph_every[batch] = (names, capturer.config, all(map(capturer.layer_selected, names)))
-        if not hit[2] or not capturer.wants_all(len(names), step):
-            return None
+        return bool(hit[2] and capturer.wants_all(len(names), step))
+
+    def _every_layer_built(self, slots: list, names: tuple, step: int) -> list | None:
+        """(slot, step, context) of every layer of the graph, when each one's latest build is of ``step`` and they
+        share one context; else None."""
         builds = self._graph_builds
         first = builds.get(names[0])
         if first is None or first[0] != step:

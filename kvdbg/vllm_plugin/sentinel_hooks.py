@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from kvdbg.capture.capturer import Capturer
 from kvdbg.capture.config import ENV_DIR as ENV_CAPTURE_DIR
 from kvdbg.capture.config import CaptureConfig
-from kvdbg.sentinel.checker import DeferredChecks, Sentinel, SentinelFinding, StepInputs
+from kvdbg.sentinel.checker import DeferredChecks, PagesOfLengths, Sentinel, SentinelFinding, StepInputs
 from kvdbg.vllm_plugin import vllm_facts
 
 if TYPE_CHECKING:
@@ -313,8 +313,8 @@ class SentinelHooks:
                 self.sentinel.record(result)
                 finding = result.finding()
                 if finding is not None:
-                    read = True
-                    self._capture(state, finding, waiting)
+                    read = True  # (kept should the capture raise midway)
+                    read = self._capture(state, finding, waiting)
             finally:
                 # A done job's reads are done on the device (the worker synchronises its stream, the checker process
                 # its context, before the job is done): only a capture's copies, queued on the engine's stream, need
@@ -378,12 +378,19 @@ class SentinelHooks:
             return None
         return kv_layout, target
 
-    def _staged_pages(self, staged: Any) -> list[int]:
+    def _staged_pages(self, staged: Any) -> "list[int] | PagesOfLengths":
         """The pages each request of a staged step holds, one list made once for all its layers (their checks then
-        share it, as :func:`kvdbg.sentinel.checker.check_layers` asks)."""
+        share it, as :func:`kvdbg.sentinel.checker.check_layers` asks). For a step staged inside vLLM's graph, whose
+        device counted them from the lengths it read, what the check works them out from once the lengths are on the
+        host (:class:`~kvdbg.sentinel.checker.PagesOfLengths`): reading the count back here would make the engine's
+        thread wait for the graph's work."""
         if self._pages_for is not staged:
-            staged.sized()
-            self._pages = staged.counts.tolist()
+            if staged.count < 0:
+                program = staged.program
+                self._pages = PagesOfLengths(program.page_size, program.width, program.size)
+            else:
+                staged.sized()
+                self._pages = staged.counts.tolist()
             self._pages_for = staged
         return self._pages
 
@@ -403,11 +410,13 @@ class SentinelHooks:
         if finding is not None:
             self._capture(state, finding, waiting)
 
-    def _capture(self, state, finding: SentinelFinding, w: _Waiting) -> None:
+    def _capture(self, state, finding: SentinelFinding, w: _Waiting) -> bool:
+        """Capture a wrong step (when the sentinel admits its finding); whether its copies were begun (a staged step's
+        staging was read then: its next use waits for them)."""
         if not self.sentinel.admit(finding):
             logger.debug("kvdbg sentinel: %s step %s is wrong again (%s); not captured", w.target.name, w.step,
                          finding.kind)
-            return
+            return False
         cache = w.inputs.kv_cache if w.staged is None else w.cache
         step_inputs = w.inputs.cut()  # a staged step's whole buffers: the graph's rows of them are the step's
         query, output = step_inputs.query, step_inputs.output
@@ -420,8 +429,9 @@ class SentinelHooks:
                                       notes=finding.text())
         if pending is None:
             self._announce(finding, None)
-            return
+            return True  # begun and given up: it may have issued copies before it was
         self.capturer.finish(pending, output, on_written=lambda path: self._announce(finding, path))
+        return True
 
     def _announce(self, finding: SentinelFinding, path: str | None) -> None:
         request, head = finding.first

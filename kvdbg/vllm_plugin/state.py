@@ -150,6 +150,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         # whether the sentinel's does), so that a step nothing wants is told with one search (graph_hooks).
         self._graph_takers: dict[Any, tuple] = {}
         self._graph_every: dict[Any, tuple] = {}  # per graph: (its names, configuration, capture selects them all)
+        self._graph_checked: dict[Any, tuple] = {}  # per graph: (its names, the sentinel checks them all)
         self._sentinel_layers: dict[int, tuple] = {}  # per builder: (its layer names, those the sentinel checks)
         self._max_graph_tokens: int | None = None
         self._forward_context = None
