@@ -1818,20 +1818,25 @@ def hooks_child(args) -> dict:
         from tests.test_vllm_plugin import StandinEngine, _Batch, _padded, _record_graph, _record_variants
 
         variants = [(mode, layers, None) for mode in ("armed", "sentinel", "wanted") for layers in (8, 32, 80)]
+        variants.append(("drawn", 8, None))
         if args.cold:
             evict = Evict()
-            variants += [(mode, 8, evict) for mode in ("armed", "sentinel", "wanted")]
+            variants += [(mode, 8, evict) for mode in ("armed", "sentinel", "wanted", "drawn")]
         for mode, layers, cold in variants:
             for name in [k for k in os.environ if k.startswith("KVDBG_")]:
                 del os.environ[name]
-            os.environ.update({k: v for k, v in kind_environment("sentinel" if mode == "sentinel" else "capture",
-                                                                  args.scratch).items() if k.startswith("KVDBG_")})
+            os.environ.update({k: v for k, v in kind_environment("sentinel" if mode in ("sentinel", "drawn")
+                                                                  else "capture", args.scratch).items()
+                               if k.startswith("KVDBG_")})
             vllm_plugin.register()
             patch = pytest.MonkeyPatch()
             try:
                 if mode == "wanted":
                     row = _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph,
                                       _record_variants, layers, cold=cold)
+                elif mode == "drawn":
+                    row = _drawn_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph,
+                                     _record_variants, layers, cold=cold, profile=args.profile)
                 else:
                     row = _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode,
                                      layers, cold=cold)
@@ -2017,6 +2022,142 @@ def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_grap
             "tickets": len(state._tickets), "staged_in_graph": state.capturer.engine_time.in_graph}
 
 
+class _EveryNth:
+    """A sentinel's random source whose draw hits every ``every``-th step (its one draw a step, in order)."""
+
+    def __init__(self, every: int):
+        self.every, self.calls = every, 0
+
+    def random(self) -> float:
+        self.calls += 1
+        return 0.0 if self.calls % self.every == 0 else 1.0
+
+
+def _drawn_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants,
+               layers: int, steps_timed: int = 400, cold: "Evict | None" = None, profile: bool = False) -> dict:
+    """A step the sentinel draws, on the stand-ins, against the steps it does not draw between them in the same
+    process: the graph recorded three times, the staged variant serving each drawn step (every DRAWN_EVERY-th); its
+    check handed, as on a GPU, to the sentinel's device worker (here on the CPU) and from there to its checker
+    process (the CPU's way in: host buffers shared as a GPU's staged ones are), which checks it on the second core.
+    The checks out are collected, untimed, before each drawn step, so that each drawn step finds the program free
+    (as in an engine at rate 0.01, whose draws come hundreds of steps apart); the send goes at the drawn step's own
+    hook (its staging's readiness is known at once on a CPU) and the answers are read by the hooks after it, as on
+    a GPU. A wrong step is not captured here (the stand-ins' staged outputs are not the reference's): each check is
+    counted, and the capture path is no part of these rows. With ``profile``: the drawn steps' hooks under
+    cProfile too, their heaviest functions returned (``profile_top``)."""
+    import torch
+
+    from kvdbg.sentinel.checker import DeferredChecks
+    from kvdbg.sentinel.remote import CheckerProcess
+    from kvdbg.vllm_plugin.wrappers import _wrap_graph_call
+
+    engine = StandinEngine("FLEX_ATTENTION", layers=layers, causal=True, window=None, query_len=1,
+                           seq_lens=(60, 33, 17), num_heads=8, num_kv_heads=2, head_size=64, num_blocks=64)
+    state = vllm_plugin._state
+    hooks = state.sentinel
+    _record_graph(engine, 4, 4, patch)
+    wrapper, entry = _record_variants(4)
+    if not state._staged_variants:
+        raise RuntimeError("the stand-in graph was not recorded with kvdbg's staging in it")
+    common = _padded(engine.common(), reqs=4, tokens=4)
+    metadata = type(engine.builder).build._kvdbg_original(engine.builder, 0, common)
+    batch = _Batch((4,))
+    wrapper.runtime_mode = full = _FullMode()
+    forward = types.SimpleNamespace(cudagraph_runtime_mode=full, batch_descriptor=batch)
+    state._forward_context = (lambda: True, lambda: forward)
+
+    body_ns = [0]
+    profiling: list = []  # the profiler while it runs: off for the program's run
+
+    def graph(_):  # the staged variant's program runs inside the graph: here after the (no-op) replay, its time
+        ran = state._in_graph_ran  # (the device's, in an engine) taken out of the replay's below, and the profile's
+        if ran is not None and entry.cudagraph == "staged":
+            for on in profiling:
+                on.disable()
+            t0 = time.perf_counter_ns()
+            ran[1].graph_body(4)
+            body_ns[0] += time.perf_counter_ns() - t0
+            for on in profiling:
+                on.enable()
+
+    replay = _wrap_graph_call(state, graph)
+    sentinel = hooks.sentinel
+    found = []
+    patch.setattr(hooks, "_capture", lambda state, finding, waiting: found.append(finding.kind) or False)
+    # Host storages shared through files: the checker process is no multiprocessing child, so torch's other
+    # strategy (descriptors over multiprocessing's connections) cannot hand them over.
+    import torch.multiprocessing as mp
+
+    patch.setattr(mp, "_sharing_strategy", "file_system")  # set_sharing_strategy's own, undone with the row
+    deferred = hooks._deferred = DeferredChecks(sentinel, torch.device("cpu"), process=False)
+    deferred.remote = CheckerProcess("cpu", share_host=True, reference=sentinel.config.reference)
+    sentinel._draws.clear()
+    sentinel._rng = _EveryNth(DRAWN_EVERY)
+    times: dict[str, dict[str, list[int]]] = {kind: {"after_build": [], "replay": []}
+                                              for kind in ("undrawn", "drawn", "after")}
+    warm, timed = _steps_for(cold, 20, steps_timed)
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+    try:
+        first = state._forward_counts.get(state._graph_layers[batch][0].name, 0)
+        for i in range(DRAWN_EVERY * (warm + timed)):
+            step = first + i
+            drawn = sentinel.drawn(step)
+            if drawn:
+                hooks.poll_staged(state, wait=10.0)  # untimed: the checks out collected, the program free
+            checked = sentinel.counts["checked"]
+            on = profiler is not None and drawn and i >= DRAWN_EVERY * warm
+            if on:
+                profiling.append(profiler)
+                profiler.enable()
+            body_ns[0] = 0
+            build, replayed = _timed_stand_in_step(state, engine, common, metadata, replay, wrapper, cold)
+            replayed -= body_ns[0]
+            if on:
+                profiler.disable()
+                profiling.clear()
+            if drawn and entry.cudagraph != "staged":
+                raise RuntimeError(f"a drawn stand-in step replayed the {entry.cudagraph} graph")
+            kind = "drawn" if drawn else ("after" if sentinel.drawn(step - 1) else "undrawn")
+            if i >= DRAWN_EVERY * warm and (drawn or sentinel.counts["checked"] == checked):
+                times[kind]["after_build"].append(build)
+                times[kind]["replay"].append(replayed)
+        hooks.poll_staged(state, wait=10.0)
+    finally:
+        deferred.close(5.0)
+    in_process = sentinel.staged_checks.get("process", 0)
+    if sentinel.counts["errors"] or in_process != warm + timed:
+        raise RuntimeError(f"the stand-ins' drawn steps: {warm + timed} drawn, {in_process} checked in the checker "
+                           f"process, {sentinel.counts['errors']} errors")
+    medians = {kind: {hook: statistics.median(v) / 1e3 for hook, v in kinds.items()} for kind, kinds in times.items()
+               if kinds["replay"]}
+    drawn, undrawn = medians["drawn"], medians["undrawn"]
+    row = {"mode": "drawn", "layers": layers, "graph_slots": len(state._graph_layers.get(batch, [])),
+           "steps": len(times["drawn"]["after_build"]), "after_build_us": drawn["after_build"],
+           "replay_hooks_us": drawn["replay"], "per_layer_us": (drawn["after_build"] + drawn["replay"]) / layers,
+           "by_hook_us": drawn, "undrawn_by_hook_us": undrawn, "after_by_hook_us": medians.get("after"),
+           "added_us": sum(drawn.values()) - sum(undrawn.values()),
+           "checks": {"checked": sentinel.counts["checked"], "errors": sentinel.counts["errors"],
+                      "in_the_process": sentinel.staged_checks.get("process", 0), "wrong_not_captured": len(found)}}
+    if profiler is not None:
+        import pstats
+
+        stats = pstats.Stats(profiler)
+        calls = max(1, row["steps"])
+        heavy = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]  # own time
+        row["profile_top"] = [{"function": _function_name(key), "calls_per_step": value[1] / calls,
+                               "own_us_per_step": value[2] * 1e6 / calls, "with_callees_us_per_step":
+                               value[3] * 1e6 / calls} for key, value in heavy]
+    return row
+
+
+# The stand-ins' drawn row: the sentinel draws every this many steps.
+DRAWN_EVERY = 5
+
+
 # --------------------------------------------------------------------------- the parent
 
 
@@ -2181,7 +2322,17 @@ def print_figures(figs: dict, records: dict) -> None:
               + (f"; {row['added_us']:.1f} us over an unwanted step (build "
                  f"{row['by_hook_us']['after_build'] - row['unwanted_by_hook_us']['after_build']:.1f}, replay "
                  f"{row['by_hook_us']['replay'] - row['unwanted_by_hook_us']['replay']:.1f}; staged inside the graph "
-                 f"{row['staged_in_graph']})" if row.get("added_us") is not None else ""))
+                 f"{row['staged_in_graph']})" if row.get("staged_in_graph") is not None else ""))
+        if row["mode"] == "drawn":
+            undrawn, after, checks = row["undrawn_by_hook_us"], row.get("after_by_hook_us") or {}, row["checks"]
+            print(f"    {row['added_us']:.1f} us over a step not drawn (build "
+                  f"{row['by_hook_us']['after_build'] - undrawn['after_build']:.1f}, replay "
+                  f"{row['by_hook_us']['replay'] - undrawn['replay']:.1f}); the step after it build "
+                  f"{after.get('after_build', 0):.1f}, replay {after.get('replay', 0):.1f} us; "
+                  f"{checks['in_the_process']} checks in the checker process, {checks['errors']} errors")
+            for top in row.get("profile_top") or []:
+                print(f"      {top['own_us_per_step']:8.1f} us own, {top['with_callees_us_per_step']:8.1f} us with "
+                      f"callees, {top['calls_per_step']:5.1f} calls a drawn step: {top['function']}")
 
 
 def _print_sentinel_split(name: str, f: dict) -> None:
