@@ -773,7 +773,8 @@ def test_a_staged_steps_layers_read_what_their_context_shares_once_and_each_fail
         "layout refused": ([a, a, a], {"l1"}, False),
         "nothing checkable": ([a, a, a], set(names), True),
     }[case]
-    hooks = SentinelHooks(Sentinel(SentinelConfig(rate=1.0, directory=str(tmp_path))), capturer=None)
+    hooks = SentinelHooks(Sentinel(SentinelConfig(rate=1.0, directory=str(tmp_path))),
+                          capturer=NS(layer_refused=lambda name: None))
     said, failed, handed = [], [], []
     hooks._say_once = lambda key, message, level=logging.INFO: said.append(key)
     hooks._failed = lambda exc, where: failed.append(str(exc))
@@ -785,7 +786,8 @@ def test_a_staged_steps_layers_read_what_their_context_shares_once_and_each_fail
     staged = _Staged(names, sized_fails)
     # A layer whose layout is refused may have no output (a forward that returned none): never read for it.
     sampled = [(NS(impl="impl", layer=NS(layer_name=n), kv_cache="cache",
-                   output=None if n in refused else NS(dtype="bf16")), 7, ctx) for n, ctx in zip(names, ctxs)]
+                   output=None if n in refused else NS(dtype="bf16"), checked=None), 7, ctx)
+               for n, ctx in zip(names, ctxs)]
     hooks.after_graph_replay(state, sampled, staged)
     batch = handed[0] if handed else []
     assert staged.holds == len(batch) and len(handed) <= 1
@@ -802,3 +804,40 @@ def test_a_staged_steps_layers_read_what_their_context_shares_once_and_each_fail
         assert [e[0] for e in entries] == ["l0", "l2"] and not failed and not said
     else:
         assert not batch and not failed and staged.sized_calls == 0
+
+
+def test_a_graph_layers_check_constants_are_worked_out_once_and_a_layer_refused_since_is_left_out(tmp_path):
+    """A staged step's layers: what each layer's check needs that stays from one replay to the next (its cache
+    layout, its capture layer, whether the sentinel can check it) is asked once per slot of the recorded graph,
+    the first step the sentinel draws on it; a later drawn step asks none of it. A layer that capture refused
+    since (an unusable input it met) is left out of the next step's checks, as the layout's own check leaves it."""
+    from types import SimpleNamespace as NS
+
+    from kvdbg.sentinel.checker import Sentinel
+    from kvdbg.sentinel.config import SentinelConfig
+    from kvdbg.vllm_plugin.graph_hooks import GraphSlot
+    from kvdbg.vllm_plugin.sentinel_hooks import SentinelHooks
+
+    names = ["l0", "l1", "l2"]
+    refused: set = set()
+    hooks = SentinelHooks(Sentinel(SentinelConfig(rate=1.0, directory=str(tmp_path))),
+                          capturer=NS(layer_refused=lambda name: "unusable" if name in refused else None))
+    handed = []
+    hooks._check_staged = lambda state, batch, staged: handed.append([w.layer.layer_name for w in batch])
+    asked = []
+    state = NS(_info=lambda impl: NS(backend_name="TRITON_ATTN"),
+               engine_layout=lambda impl, layer, info, kv: asked.append(layer.layer_name) or "layout",
+               capture_layer=lambda impl, layer, layout, dtype: NS(name=layer.layer_name))
+    hooks.sentinel.can_check = lambda target, backend: target.name != "l2"  # a layer its reference cannot model
+    slots = [GraphSlot(n, "impl", NS(layer_name=n), "cache", "query", NS(dtype="bf16")) for n in names]
+    ctx = _Ctx("A")
+    for step in range(3):
+        if step == 2:
+            refused.add("l0")
+        hooks.after_graph_replay(state, [(slot, step, ctx) for slot in slots], _Staged(names))
+    assert asked == names  # once per slot, l2's "cannot check" kept too
+    assert handed == [["l0", "l1"], ["l0", "l1"], ["l1"]]
+    # Another graph's slots of the same layers are asked for themselves
+    others = [GraphSlot(n, "impl", NS(layer_name=n), "cache", "query", NS(dtype="bf16")) for n in names]
+    hooks.after_graph_replay(state, [(slot, 3, ctx) for slot in others], _Staged(names))
+    assert asked == names * 2 and handed[-1] == ["l1"]

@@ -232,12 +232,13 @@ class SentinelHooks:
                 if shared is None:
                     continue
                 layer = slot.layer
-                checked = self._checked_layer(state, slot.impl, layer, slot.kv_cache, slot.output)
-                if checked is None:
-                    continue
+                checked = self._graph_layer(state, slot)
+                if checked is None or self.capturer.layer_refused(layer.layer_name) is not None:
+                    continue  # (a layer capture refused since: said once, by capture)
+                kv_layout, target = checked
+                copies = staged.layers[layer.layer_name]
                 causal, seq_lens, offsets, max_model_len = shared
                 max_pages = self._staged_pages(staged)
-                copies = staged.layers[layer.layer_name]
                 # The copies' whole buffers and the graph's rows of them: the same objects for every graph the
                 # program stages, so the checker process is given them once per program (kvdbg.sentinel.remote's
                 # templates), not once per batch size.
@@ -246,13 +247,22 @@ class SentinelHooks:
                                     query_start_loc=offsets, causal=causal, output=output,
                                     max_model_len=max_model_len, max_pages=max_pages, stack=copies.stack,
                                     rows=staged.rows if copies.whole else None)
-                waiting = _Waiting(slot.impl, layer, checked[1], checked[0], ctx, None, None, None, inputs, step,
+                waiting = _Waiting(slot.impl, layer, target, kv_layout, ctx, None, None, None, inputs, step,
                                    cache=slot.kv_cache)
                 waiting.staged = staged.hold()  # last: nothing after it can fail and leave the staging held
                 batch.append(waiting)
             except Exception as exc:
                 self._failed(exc, "after a CUDA graph's replay")
         return batch
+
+    def _graph_layer(self, state, slot: Any) -> tuple | None:
+        """(cache layout, capture layer) of a graph's layer the sentinel can check (:meth:`_checked_layer`), or None:
+        worked out once per slot of a recorded graph (the same impl, layer and cache every replay) and kept on it,
+        so that a drawn step asks none of it again, layer by layer."""
+        known = slot.checked
+        if known is None:
+            known = slot.checked = (self._checked_layer(state, slot.impl, slot.layer, slot.kv_cache, slot.output),)
+        return known[0]
 
     def _check_staged(self, state, batch: list[_Waiting], staged: Any) -> None:
         """A staged step's sampled layers, checked together (:func:`kvdbg.sentinel.checker.check_layers`: alike
