@@ -773,15 +773,15 @@ def test_a_staged_steps_layers_read_what_their_context_shares_once_and_each_fail
         "layout refused": ([a, a, a], {"l1"}, False),
         "nothing checkable": ([a, a, a], set(names), True),
     }[case]
-    hooks = SentinelHooks(Sentinel(SentinelConfig(rate=1.0, directory=str(tmp_path))),
-                          capturer=NS(layer_refused=lambda name: None))
+    hooks = SentinelHooks(Sentinel(SentinelConfig(rate=1.0, directory=str(tmp_path))), capturer=None)
     said, failed, handed = [], [], []
     hooks._say_once = lambda key, message, level=logging.INFO: said.append(key)
     hooks._failed = lambda exc, where: failed.append(str(exc))
     hooks._check_staged = lambda state, batch, staged: handed.append(batch)
     state = NS(_info=lambda impl: NS(backend_name="TRITON_ATTN"),
                engine_layout=lambda impl, layer, info, kv: None if layer.layer_name in refused else "layout",
-               capture_layer=lambda impl, layer, layout, dtype: NS(name=layer.layer_name))
+               capture_layer=lambda impl, layer, layout, dtype: NS(name=layer.layer_name), _declared={},
+               capturer=NS(layer_refused=lambda name: None))
     hooks.sentinel.can_check = lambda target, backend: True
     staged = _Staged(names, sized_fails)
     # A layer whose layout is refused may have no output (a forward that returned none): never read for it.
@@ -806,11 +806,14 @@ def test_a_staged_steps_layers_read_what_their_context_shares_once_and_each_fail
         assert not batch and not failed and staged.sized_calls == 0
 
 
-def test_a_graph_layers_check_constants_are_worked_out_once_and_a_layer_refused_since_is_left_out(tmp_path):
+def test_a_graph_layers_check_constants_are_worked_out_once_and_asked_again_when_what_decides_them_changes(
+        tmp_path):
     """A staged step's layers: what each layer's check needs that stays from one replay to the next (its cache
     layout, its capture layer, whether the sentinel can check it) is asked once per slot of the recorded graph,
-    the first step the sentinel draws on it; a later drawn step asks none of it. A layer that capture refused
-    since (an unusable input it met) is left out of the next step's checks, as the layout's own check leaves it."""
+    the first step the sentinel draws on it; a later drawn step asks none of it. It is asked again for a layer whose
+    quantisation scales or declaration changed, and for one the sentinel could not check (asked each step); a
+    layer whose layout the engine's capture refused since is left out of the next step's checks, as the layout's
+    own check leaves it out."""
     from types import SimpleNamespace as NS
 
     from kvdbg.sentinel.checker import Sentinel
@@ -818,26 +821,40 @@ def test_a_graph_layers_check_constants_are_worked_out_once_and_a_layer_refused_
     from kvdbg.vllm_plugin.graph_hooks import GraphSlot
     from kvdbg.vllm_plugin.sentinel_hooks import SentinelHooks
 
-    names = ["l0", "l1", "l2"]
+    names = ["l0", "l1", "l2", "l3"]
     refused: set = set()
     hooks = SentinelHooks(Sentinel(SentinelConfig(rate=1.0, directory=str(tmp_path))),
-                          capturer=NS(layer_refused=lambda name: "unusable" if name in refused else None))
+                          capturer=NS(layer_refused=lambda name: None))  # the sentinel's own: refuses nothing
     handed = []
     hooks._check_staged = lambda state, batch, staged: handed.append([w.layer.layer_name for w in batch])
     asked = []
-    state = NS(_info=lambda impl: NS(backend_name="TRITON_ATTN"),
-               engine_layout=lambda impl, layer, info, kv: asked.append(layer.layer_name) or "layout",
-               capture_layer=lambda impl, layer, layout, dtype: NS(name=layer.layer_name))
+    capturer = NS(layer_refused=lambda name: "unusable" if name in refused else None)  # the engine's capture
+
+    def engine_layout(impl, layer, info, kv):  # as the plugin's: None for a layer capture refused
+        asked.append(layer.layer_name)
+        return None if capturer.layer_refused(layer.layer_name) else "layout"
+
+    state = NS(_info=lambda impl: NS(backend_name="TRITON_ATTN"), engine_layout=engine_layout, capturer=capturer,
+               capture_layer=lambda impl, layer, layout, dtype: NS(name=layer.layer_name),
+               _declared={n: object() for n in names})
     hooks.sentinel.can_check = lambda target, backend: target.name != "l2"  # a layer its reference cannot model
-    slots = [GraphSlot(n, "impl", NS(layer_name=n), "cache", "query", NS(dtype="bf16")) for n in names]
+    layers = {n: NS(layer_name=n, _q_scale_float=1.0, _k_scale_float=1.0, _v_scale_float=1.0) for n in names}
+    slots = [GraphSlot(n, "impl", layers[n], "cache", "query", NS(dtype="bf16")) for n in names]
     ctx = _Ctx("A")
-    for step in range(3):
-        if step == 2:
-            refused.add("l0")
+
+    def drawn(step, slots=slots):
+        asked.clear()
         hooks.after_graph_replay(state, [(slot, step, ctx) for slot in slots], _Staged(names))
-    assert asked == names  # once per slot, l2's "cannot check" kept too
-    assert handed == [["l0", "l1"], ["l0", "l1"], ["l1"]]
+        return sorted(asked), handed[-1]
+
+    assert drawn(0) == (names, ["l0", "l1", "l3"])
+    assert drawn(1) == (["l2"], ["l0", "l1", "l3"])  # only the layer it cannot check is asked again
+    layers["l1"]._k_scale_float = 0.5  # scales calibrated anew
+    state._declared["l3"] = object()  # declared anew
+    assert drawn(2) == (["l1", "l2", "l3"], ["l0", "l1", "l3"])
+    refused.add("l0")
+    assert drawn(3) == (["l2"], ["l1", "l3"])
+    assert drawn(4) == (["l2"], ["l1", "l3"])
     # Another graph's slots of the same layers are asked for themselves
-    others = [GraphSlot(n, "impl", NS(layer_name=n), "cache", "query", NS(dtype="bf16")) for n in names]
-    hooks.after_graph_replay(state, [(slot, 3, ctx) for slot in others], _Staged(names))
-    assert asked == names * 2 and handed[-1] == ["l1"]
+    others = [GraphSlot(n, "impl", layers[n], "cache", "query", NS(dtype="bf16")) for n in names]
+    assert drawn(5, others) == (names, ["l1", "l3"])

@@ -142,8 +142,8 @@ class GraphSlot:
     query: "torch.Tensor"
     output: "torch.Tensor | None" = None
     staging: Any = None  # (page_dim, page_size) of the layer's cache, for graph_staging; read once
-    # ((cache layout, capture layer) or None,): what the sentinel's staged checks of the layer need, worked out once
-    # (sentinel_hooks.SentinelHooks._graph_layer)
+    # (declaration, scales, (cache layout, capture layer)): what the sentinel's staged checks of the layer need, worked
+    # out once (sentinel_hooks.SentinelHooks._graph_layer)
     checked: Any = None
 
 

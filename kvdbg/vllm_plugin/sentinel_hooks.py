@@ -233,8 +233,8 @@ class SentinelHooks:
                     continue
                 layer = slot.layer
                 checked = self._graph_layer(state, slot)
-                if checked is None or self.capturer.layer_refused(layer.layer_name) is not None:
-                    continue  # (a layer capture refused since: said once, by capture)
+                if checked is None:
+                    continue
                 kv_layout, target = checked
                 copies = staged.layers[layer.layer_name]
                 causal, seq_lens, offsets, max_model_len = shared
@@ -257,12 +257,20 @@ class SentinelHooks:
 
     def _graph_layer(self, state, slot: Any) -> tuple | None:
         """(cache layout, capture layer) of a graph's layer the sentinel can check (:meth:`_checked_layer`), or None:
-        worked out once per slot of a recorded graph (the same impl, layer and cache every replay) and kept on it,
-        so that a drawn step asks none of it again, layer by layer."""
+        kept on the slot of the recorded graph (the same impl, layer and cache every replay) once worked out, so
+        that a drawn step asks none of it again, layer by layer; asked again should what else decides it change (the
+        layer's declaration, its quantisation scales, a refusal of its layout by capture), and while it is None."""
+        layer = slot.layer
+        name = layer.layer_name
+        declared = state._declared.get(name)
+        scales = (getattr(layer, "_q_scale_float", None), getattr(layer, "_k_scale_float", None),
+                  getattr(layer, "_v_scale_float", None))
         known = slot.checked
-        if known is None:
-            known = slot.checked = (self._checked_layer(state, slot.impl, slot.layer, slot.kv_cache, slot.output),)
-        return known[0]
+        if known is not None and known[0] is declared and known[1] == scales:
+            return None if state.capturer.layer_refused(name) is not None else known[2]
+        checked = self._checked_layer(state, slot.impl, layer, slot.kv_cache, slot.output)
+        slot.checked = None if checked is None else (declared, scales, checked)
+        return checked
 
     def _check_staged(self, state, batch: list[_Waiting], staged: Any) -> None:
         """A staged step's sampled layers, checked together (:func:`kvdbg.sentinel.checker.check_layers`: alike
