@@ -2039,12 +2039,14 @@ def _drawn_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
     process: the graph recorded three times, the staged variant serving each drawn step (every DRAWN_EVERY-th); its
     check handed, as on a GPU, to the sentinel's device worker (here on the CPU) and from there to its checker
     process (the CPU's way in: host buffers shared as a GPU's staged ones are), which checks it on the second core.
-    The checks out are collected, untimed, before each drawn step, so that each drawn step finds the program free
-    (as in an engine at rate 0.01, whose draws come hundreds of steps apart); the send goes at the drawn step's own
-    hook (its staging's readiness is known at once on a CPU) and the answers are read by the hooks after it, as on
-    a GPU. A wrong step is not captured here (the stand-ins' staged outputs are not the reference's): each check is
-    counted, and the capture path is no part of these rows. With ``profile``: the drawn steps' hooks under
-    cProfile too, their heaviest functions returned (``profile_top``)."""
+    The send goes at the drawn step's own hook (its staging's readiness is known at once on a CPU); the row then
+    waits, untimed, for the answer to be back, and the step after the drawn one (``after``) reads it and collects
+    the verdicts in its hooks, as an engine's step does some steps later (11 ms on an H100 host); each drawn step
+    so finds the program free, as in an engine at rate 0.01, whose draws come hundreds of steps apart. A wrong
+    step is not captured here (the stand-ins' staged outputs are not the reference's): each check is counted, and
+    the capture path is no part of these rows. With ``profile``: as many drawn steps again after the timed ones,
+    under cProfile, their heaviest functions returned (``profile_top``; their times, the profiler's overhead in
+    them, are no part of the row's figures)."""
     import torch
 
     from kvdbg.sentinel.checker import DeferredChecks
@@ -2090,26 +2092,26 @@ def _drawn_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
 
     patch.setattr(mp, "_sharing_strategy", "file_system")  # set_sharing_strategy's own, undone with the row
     deferred = hooks._deferred = DeferredChecks(sentinel, torch.device("cpu"), process=False)
-    deferred.remote = CheckerProcess("cpu", share_host=True, reference=sentinel.config.reference)
     sentinel._draws.clear()
     sentinel._rng = _EveryNth(DRAWN_EVERY)
     times: dict[str, dict[str, list[int]]] = {kind: {"after_build": [], "replay": []}
                                               for kind in ("undrawn", "drawn", "after")}
     warm, timed = _steps_for(cold, 20, steps_timed)
+    profiled = timed if profile else 0  # drawn steps after the timed ones, under the profiler, their times not kept
     profiler = None
     if profile:
         import cProfile
 
         profiler = cProfile.Profile()
     try:
+        deferred.remote = CheckerProcess("cpu", share_host=True, reference=sentinel.config.reference)
         first = state._forward_counts.get(state._graph_layers[batch][0].name, 0)
-        for i in range(DRAWN_EVERY * (warm + timed)):
+        for i in range(DRAWN_EVERY * (warm + timed + profiled)):
             step = first + i
             drawn = sentinel.drawn(step)
             if drawn:
-                hooks.poll_staged(state, wait=10.0)  # untimed: the checks out collected, the program free
-            checked = sentinel.counts["checked"]
-            on = profiler is not None and drawn and i >= DRAWN_EVERY * warm
+                hooks.poll_staged(state, wait=10.0)  # untimed: any check still out collected, the program free
+            on = profiler is not None and drawn and i >= DRAWN_EVERY * (warm + timed)
             if on:
                 profiling.append(profiler)
                 profiler.enable()
@@ -2121,16 +2123,25 @@ def _drawn_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
                 profiling.clear()
             if drawn and entry.cudagraph != "staged":
                 raise RuntimeError(f"a drawn stand-in step replayed the {entry.cudagraph} graph")
+            if drawn:  # untimed: until the check's answer is back (an engine's check spans a few steps), unread,
+                remote = deferred.remote  # so that the next step's hooks read it and collect it
+                if not remote._conn.poll(10.0):
+                    raise RuntimeError("the checker process did not answer a drawn stand-in step within 10 s")
+                # and past the time a hook's look waits before it asks the socket (half the last check's time)
+                early = remote._too_soon - (time.perf_counter_ns() - remote._since)
+                if early > 0:
+                    time.sleep(early / 1e9)
             kind = "drawn" if drawn else ("after" if sentinel.drawn(step - 1) else "undrawn")
-            if i >= DRAWN_EVERY * warm and (drawn or sentinel.counts["checked"] == checked):
+            if DRAWN_EVERY * warm <= i < DRAWN_EVERY * (warm + timed):
                 times[kind]["after_build"].append(build)
                 times[kind]["replay"].append(replayed)
         hooks.poll_staged(state, wait=10.0)
     finally:
         deferred.close(5.0)
     in_process = sentinel.staged_checks.get("process", 0)
-    if sentinel.counts["errors"] or in_process != warm + timed:
-        raise RuntimeError(f"the stand-ins' drawn steps: {warm + timed} drawn, {in_process} checked in the checker "
+    drawn_steps = warm + timed + profiled
+    if sentinel.counts["errors"] or in_process != drawn_steps:
+        raise RuntimeError(f"the stand-ins' drawn steps: {drawn_steps} drawn, {in_process} checked in the checker "
                            f"process, {sentinel.counts['errors']} errors")
     medians = {kind: {hook: statistics.median(v) / 1e3 for hook, v in kinds.items()} for kind, kinds in times.items()
                if kinds["replay"]}
@@ -2146,7 +2157,7 @@ def _drawn_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
         import pstats
 
         stats = pstats.Stats(profiler)
-        calls = max(1, row["steps"])
+        calls = max(1, profiled)
         heavy = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]  # own time
         row["profile_top"] = [{"function": _function_name(key), "calls_per_step": value[1] / calls,
                                "own_us_per_step": value[2] * 1e6 / calls, "with_callees_us_per_step":
@@ -2324,12 +2335,13 @@ def print_figures(figs: dict, records: dict) -> None:
                  f"{row['by_hook_us']['replay'] - row['unwanted_by_hook_us']['replay']:.1f}; staged inside the graph "
                  f"{row['staged_in_graph']})" if row.get("staged_in_graph") is not None else ""))
         if row["mode"] == "drawn":
-            undrawn, after, checks = row["undrawn_by_hook_us"], row.get("after_by_hook_us") or {}, row["checks"]
+            undrawn, after, checks = row["undrawn_by_hook_us"], row.get("after_by_hook_us"), row["checks"]
             print(f"    {row['added_us']:.1f} us over a step not drawn (build "
                   f"{row['by_hook_us']['after_build'] - undrawn['after_build']:.1f}, replay "
-                  f"{row['by_hook_us']['replay'] - undrawn['replay']:.1f}); the step after it build "
-                  f"{after.get('after_build', 0):.1f}, replay {after.get('replay', 0):.1f} us; "
-                  f"{checks['in_the_process']} checks in the checker process, {checks['errors']} errors")
+                  f"{row['by_hook_us']['replay'] - undrawn['replay']:.1f}); the step after it, which collects its "
+                  + ("verdicts: none timed" if not after else
+                     f"verdicts: build {after['after_build']:.1f}, replay {after['replay']:.1f} us")
+                  + f"; {checks['in_the_process']} checks in the checker process, {checks['errors']} errors")
             for top in row.get("profile_top") or []:
                 print(f"      {top['own_us_per_step']:8.1f} us own, {top['with_callees_us_per_step']:8.1f} us with "
                       f"callees, {top['calls_per_step']:5.1f} calls a drawn step: {top['function']}")

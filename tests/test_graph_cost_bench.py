@@ -773,12 +773,17 @@ def test_the_stand_ins_drawn_row_checks_each_drawn_step_in_the_checker_process_f
                                                                                                      tmp_path):
     """The hooks part's drawn row: the sentinel draws every DRAWN_EVERY-th step; each drawn step replays the staged
     variant (the row stops otherwise) and its check goes, from the engine's thread, to a checker process that reads
-    the program's buffers, shared once; none fails and none is checked in the engine's process. The row's figures are
-    the drawn steps' medians less those of the steps not drawn, the program's own run (the device's, in an engine)
-    out of them; with ``profile``, the heaviest functions of the drawn steps' hooks."""
+    the program's buffers, shared once; the step after it reads the answer in its hooks and collects the verdicts;
+    none fails and none is checked in the engine's process. The row's figures are the timed drawn steps' medians
+    less those of the steps not drawn, the program's own run (the device's, in an engine) out of them; with
+    ``profile``, the heaviest functions of as many drawn steps again, run after the timed ones (their times kept out
+    of the figures)."""
     import pytest as _pytest
 
     from tests.test_vllm_plugin import _Batch, _record_variants
+
+    from kvdbg.sentinel.remote import CheckerProcess
+    from kvdbg.vllm_plugin import graph_staging
 
     standins.setenv("KVDBG_SENTINEL", "0.01")
     standins.setenv("KVDBG_SENTINEL_DIR", str(tmp_path / "sentinel"))
@@ -787,28 +792,32 @@ def test_the_stand_ins_drawn_row_checks_each_drawn_step_in_the_checker_process_f
     patch = _pytest.MonkeyPatch()
     state = vllm_plugin._state
     bodies: list = []
+    looks: list = []  # (a hook's look, answers it read)
+    real_answers = CheckerProcess.answers
     try:
-        from kvdbg.vllm_plugin import graph_staging
-
         real_body = graph_staging.InGraphProgram.graph_body
         patch.setattr(graph_staging.InGraphProgram, "graph_body",
                       lambda self, rows: bodies.append(rows) or real_body(self, rows))
+        patch.setattr(CheckerProcess, "answers", lambda self, timeout=0.0: looks.append(
+            (timeout is None, len(got := real_answers(self, timeout)))) or got)
         row = gc._drawn_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants, 8,
                             steps_timed=12, profile=True)
     finally:
         patch.undo()
     every = gc.DRAWN_EVERY
-    drawn = 20 + 12  # warm-up and timed
-    assert row["mode"] == "drawn" and row["graph_slots"] == 8 and row["steps"] == 12
+    drawn = 20 + 12 + 12  # warm-up, timed, profiled
+    assert row["mode"] == "drawn" and row["graph_slots"] == 8 and row["steps"] == 12 and every >= 3
     # The program ran inside the staged graph for each drawn step, and for no other (once more: its recording)
     assert len(bodies) == drawn + 1
     assert state.staged_replays == drawn and state._stager is None  # nothing staged from the host
     checks = row["checks"]
     assert checks["in_the_process"] == drawn and checks["errors"] == 0 and checks["checked"] == drawn * 8
+    # Every answer was read by a hook's look (the step after the drawn one), none by the row's own waits
+    assert sum(n for hook, n in looks if hook) == drawn and sum(n for hook, n in looks if not hook) == 0
     assert set(row["by_hook_us"]) == {"after_build", "replay"} == set(row["undrawn_by_hook_us"])
+    assert set(row["after_by_hook_us"]) == {"after_build", "replay"}
     assert row["added_us"] == _pytest.approx(sum(row["by_hook_us"].values())
                                              - sum(row["undrawn_by_hook_us"].values()))
-    assert row["added_us"] > 0 and every >= 3
     top = row["profile_top"]
     assert 0 < len(top) <= 25 and all(t["with_callees_us_per_step"] >= t["own_us_per_step"] >= 0 for t in top)
     assert all("graph_body" not in t["function"] for t in top)  # the program's run is not the hooks'
