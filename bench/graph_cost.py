@@ -1954,19 +1954,11 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
             "per_layer_us": (statistics.median(build_ns) + statistics.median(replay_ns)) / 1e3 / layers}
 
 
-def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants,
-                layers: int, steps_timed: int = 2000, cold: "Evict | None" = None) -> dict:
-    """A wanted step's hooks on the stand-ins, against the unwanted steps' between them in the same process: the
-    graph recorded three times (the staged variant serves the wanted step); capture's step filter takes every
-    WANTED_EVERY-th step, every layer of it, as an engine armed for a few steps meets them (a quiet run, then
-    the wanted step it stopped at). The step handed over goes nowhere (its staging let go at once): the capture
-    thread's work is no part of the engine's thread. The replay goes through kvdbg's patch of vLLM's graph
-    wrapper, vLLM's own call a no-op, as the engine's does: an unwanted step then replays on a quiet run (but the
-    first after a wanted one, which tells the run), a wanted one on its shape's ticket once the first has earned
-    it."""
-    from kvdbg.capture.config import IntRanges
-    from kvdbg.vllm_plugin.wrappers import _wrap_graph_call
-
+def _staged_stand_in(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants,
+                     layers: int) -> tuple:
+    """The stand-in engine of the wanted and drawn rows, its graph of 4 tokens recorded three times (the staged
+    variant too), and vLLM's forward context as kvdbg's patch of the graph wrapper reads it: (engine, wrapper,
+    entry, common metadata, metadata, batch descriptor)."""
     engine = StandinEngine("FLEX_ATTENTION", layers=layers, causal=True, window=None, query_len=1,
                            seq_lens=(60, 33, 17), num_heads=8, num_kv_heads=2, head_size=64, num_blocks=64)
     state = vllm_plugin._state
@@ -1980,6 +1972,26 @@ def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_grap
     wrapper.runtime_mode = full = _FullMode()
     forward = types.SimpleNamespace(cudagraph_runtime_mode=full, batch_descriptor=batch)
     state._forward_context = (lambda: True, lambda: forward)
+    return engine, wrapper, entry, common, metadata, batch
+
+
+def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants,
+                layers: int, steps_timed: int = 2000, cold: "Evict | None" = None) -> dict:
+    """A wanted step's hooks on the stand-ins, against the unwanted steps' between them in the same process: the
+    graph recorded three times (the staged variant serves the wanted step); capture's step filter takes every
+    WANTED_EVERY-th step, every layer of it, as an engine armed for a few steps meets them (a quiet run, then
+    the wanted step it stopped at). The step handed over goes nowhere (its staging let go at once): the capture
+    thread's work is no part of the engine's thread. The replay goes through kvdbg's patch of vLLM's graph
+    wrapper, vLLM's own call a no-op, as the engine's does: an unwanted step then replays on a quiet run (but the
+    first after a wanted one, which tells the run), a wanted one on its shape's ticket once the first has earned
+    it."""
+    from kvdbg.capture.config import IntRanges
+    from kvdbg.vllm_plugin.wrappers import _wrap_graph_call
+
+    state = vllm_plugin._state
+    engine, wrapper, entry, common, metadata, batch = _staged_stand_in(vllm_plugin, patch, StandinEngine, _Batch,
+                                                                       _padded, _record_graph, _record_variants,
+                                                                       layers)
     replay = _wrap_graph_call(state, lambda graph: None)
 
     def handed(job):
@@ -2053,20 +2065,11 @@ def _drawn_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
     from kvdbg.sentinel.remote import CheckerProcess
     from kvdbg.vllm_plugin.wrappers import _wrap_graph_call
 
-    engine = StandinEngine("FLEX_ATTENTION", layers=layers, causal=True, window=None, query_len=1,
-                           seq_lens=(60, 33, 17), num_heads=8, num_kv_heads=2, head_size=64, num_blocks=64)
     state = vllm_plugin._state
     hooks = state.sentinel
-    _record_graph(engine, 4, 4, patch)
-    wrapper, entry = _record_variants(4)
-    if not state._staged_variants:
-        raise RuntimeError("the stand-in graph was not recorded with kvdbg's staging in it")
-    common = _padded(engine.common(), reqs=4, tokens=4)
-    metadata = type(engine.builder).build._kvdbg_original(engine.builder, 0, common)
-    batch = _Batch((4,))
-    wrapper.runtime_mode = full = _FullMode()
-    forward = types.SimpleNamespace(cudagraph_runtime_mode=full, batch_descriptor=batch)
-    state._forward_context = (lambda: True, lambda: forward)
+    engine, wrapper, entry, common, metadata, batch = _staged_stand_in(vllm_plugin, patch, StandinEngine, _Batch,
+                                                                       _padded, _record_graph, _record_variants,
+                                                                       layers)
 
     body_ns = [0]
     profiling: list = []  # the profiler while it runs: off for the program's run
