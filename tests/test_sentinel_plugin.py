@@ -858,3 +858,33 @@ def test_a_graph_layers_check_constants_are_worked_out_once_and_asked_again_when
     # Another graph's slots of the same layers are asked for themselves
     others = [GraphSlot(n, "impl", layers[n], "cache", "query", NS(dtype="bf16")) for n in names]
     assert drawn(5, others) == (names, ["l1", "l3"])
+
+
+@pytest.mark.parametrize("worker", ["none", "cuda", "cpu"])
+def test_a_staged_step_of_a_cpu_cache_goes_to_a_worker_only_when_one_was_given_for_the_cpu(worker, tmp_path):
+    """A staged step's checks on a CPU cache are checked in line, as they always were, even where the sentinel holds
+    a device worker for a GPU (CUDA available beside a CPU engine); only a worker made for the CPU itself (the
+    bench's stand-in rows and the tests' way into the checker process) is handed them."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from kvdbg.sentinel.checker import Sentinel
+    from kvdbg.sentinel.config import SentinelConfig
+    from kvdbg.vllm_plugin.sentinel_hooks import SentinelHooks
+
+    hooks = SentinelHooks(Sentinel(SentinelConfig(rate=1.0, directory=str(tmp_path))), capturer=None)
+    inline, submitted, released = [], [], []
+    hooks.sentinel.check_layers = lambda entries, step: inline.append(len(entries)) or []
+    if worker != "none":
+        hooks._deferred = NS(device=torch.device(worker, 0) if worker == "cuda" else torch.device("cpu"),
+                             submit_staged=lambda entries, step, ready, host_ready: submitted.append(len(entries))
+                             or NS())
+    staged = NS(ready=None, release=lambda issued=True: released.append(issued))
+    batch = [NS(cache=torch.zeros(1), ctx=NS(host=None), target=f"t{i}", inputs=f"i{i}", step=3, staged=staged)
+             for i in range(2)]
+    hooks._check_staged(None, batch, staged)
+    if worker == "cpu":
+        assert submitted == [2] and not inline and len(hooks._staged) == 2 and not released
+    else:
+        assert inline == [2] and not submitted and not hooks._staged and released == [True, True]

@@ -275,9 +275,10 @@ class SentinelHooks:
     def _check_staged(self, state, batch: list[_Waiting], staged: Any) -> None:
         """A staged step's sampled layers, checked together (:func:`kvdbg.sentinel.checker.check_layers`: alike
         layers make one reference problem): on CUDA as one job in the worker, collected whenever it is done;
-        on a CPU now (unless a device worker was given: the bench's and tests' way into that path on a CPU). Each
+        on a CPU now, unless a worker was given for the CPU (the bench's and tests' way into that path there). Each
         layer holds the staging until its check is collected."""
-        if self._deferred is not None or getattr(batch[0].cache, "is_cuda", False):
+        cache = batch[0].cache
+        if getattr(cache, "is_cuda", False) or (self._deferred is not None and self._deferred.device == cache.device):
             try:
                 if self._deferred is None:
                     self._deferred = DeferredChecks(self.sentinel, batch[0].cache.device)
