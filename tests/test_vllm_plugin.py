@@ -2032,6 +2032,65 @@ def test_a_quiet_runs_replays_through_vllms_wrapper_ask_nothing_and_choose_and_c
     assert after_other == [9, 10]  # both asked: the other graph is not the run's, and it moved the counts on
 
 
+def test_a_quiet_run_lends_its_builders_vllms_own_build_and_takes_it_back_before_any_step_it_did_not_tell(
+        standins, tmp_path, monkeypatch):
+    """Once a quiet run's replay went through vLLM's graph wrapper, the builders whose layers the run holds get vLLM's
+    own build, and the worker its own execute_model (graph_hooks._lend_builders): the run's next steps run no hook
+    of kvdbg's but the graph wrapper's. They get the hooks back
+    before the build of any step the run did not tell: the step the filter takes (captured as before), a step after
+    an eager one, another graph's, new filters (from any thread), and when the plugin goes away."""
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from kvdbg.capture.config import IntRanges
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "4", layers=3)
+    _record_graph(engine, 32, 4, monkeypatch)
+    other = _record_variants(32)[0]
+    wrapper, entry = _record_variants(16)
+    worker = WorkerWrapperBase()
+    builds = []
+    real = type(state).after_build
+    monkeypatch.setattr(type(state), "after_build", lambda self, builder, *a: (builds.append(builder),
+                                                                                real(self, builder, *a))[1])
+
+    def graph_step(tokens=16, on=wrapper):
+        builds.clear()
+        worker.execute_model(lambda: _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=tokens),
+                                                   _padded_inputs(engine, tokens), tokens, monkeypatch, wrapper=on,
+                                                   through=True))
+        return len(builds), lent()
+
+    def lent():
+        both = "build" in vars(engine.builder), "execute_model" in vars(worker)
+        assert both[0] == both[1]  # lent and taken back together
+        return both[0]
+
+    # Step 0 asked (a run told to step 4); step 1 the run's first replay, its build hooked, then the builder lent;
+    # steps 2 and 3 built with vLLM's own build; after step 3's replay the next step is the one the filter takes.
+    assert [graph_step() for _ in range(4)] == [(1, False), (1, True), (0, True), (0, False)]
+    assert entry.cudagraph == "plain" and {state._forward_counts[n] for n in engine.names} == {4}
+    assert graph_step() == (1, False) and entry.cudagraph == "staged"  # step 4: told by its hooked build, captured
+    assert state.drain_graph_capture(10) and state.capturer.flush(10)
+    assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [4, 4, 4]
+    assert [graph_step() for _ in range(3)] == [(1, False), (1, True), (0, True)]  # steps 5 (asked) to 7
+    engine.step(common=engine.common())  # an eager step 8: its layers' forwards take the builder back
+    assert not lent() and {state._forward_counts[n] for n in engine.names} == {9}
+    engine.seq_lens = [n - 9 * engine.query_len for n in engine.seq_lens]  # the stand-in's few pages: room again
+    assert [graph_step() for _ in range(2)] == [(1, False), (1, True)]  # 9 asked, a run told anew
+    assert graph_step(32, other) == (0, False)  # another graph's step 11 (its build lent): its call takes it back
+    assert [graph_step() for _ in range(2)] == [(1, False), (1, True)]  # asked again: the counts moved
+    assert {state._forward_counts[n] for n in engine.names} == {14}
+    assert state.capturer.flush(10) and sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [4, 4, 4]
+    state.capturer.reconfigure(steps=IntRanges.of("14", "steps"))  # new filters take it back at once: step 14 told
+    assert not lent() and graph_step() == (1, False) and entry.cudagraph == "staged"
+    assert state.drain_graph_capture(10) and state.capturer.flush(10)
+    assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [4, 4, 4, 14, 14, 14]
+    assert [graph_step() for _ in range(2)] == [(1, False), (1, True)]
+    vllm_plugin.unregister()  # the class's own build back, and nothing of kvdbg's on the builder or the worker
+    assert not lent() and not hasattr(type(engine.builder).build, "_kvdbg_original")
+    assert not hasattr(WorkerWrapperBase.execute_model, "_kvdbg_original")
+
+
 def test_a_quiet_runs_counts_are_written_at_their_first_read_and_an_eager_step_after_them_is_counted_right(
         standins, tmp_path, monkeypatch):
     """A replay of a quiet run leaves its layers' counts to their first read (graph_hooks.quiet_replayed: a dict write

@@ -207,6 +207,8 @@ class Capturer(CaptureWriter):
         self.engine_time = EngineTime()
         self._rank: tuple[int, str] | None = None
         self._closed = False
+        # Called after each reconfigure (the vLLM plugin: builds it no longer hooks may be wanted under new filters).
+        self.on_reconfigure: list[Callable[[], None]] = []
         _OPEN.add(self)
 
     @classmethod
@@ -224,6 +226,8 @@ class Capturer(CaptureWriter):
         self._layer_cache = {}
         if "queue_bytes" in changes or "max_bytes" in changes:
             self._queue_budget = None
+        for hook in list(self.on_reconfigure):
+            hook()
 
     def select_layers(self, layers) -> None:
         """Change which layers are captured from now on (a pattern as in ``KVDBG_CAPTURE_LAYERS``, or a callable)."""

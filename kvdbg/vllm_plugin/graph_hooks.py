@@ -85,8 +85,11 @@ logger = logging.getLogger("kvdbg.capture")
 # Where vLLM defines the wrapper that records and replays its CUDA graphs.
 GRAPH_WRAPPER = ("vllm.compilation.cuda_graph", "CUDAGraphWrapper")
 # How many steps ahead a graph's replays are told unwanted at once (GraphHooks._quiet_horizon): the capture's step
-# filter searched and the sentinel's draws made that far ahead, once per run of steps.
-QUIET_AHEAD = 32
+# filter searched and the sentinel's draws made that far ahead, once per run of steps. The step that tells a run
+# asks every question, its code cold in an engine (about 100 us at 32 ahead on a 2-core CPU with the caches
+# evicted, docs/benchmarks.md), so a longer run spreads it over more steps; the draws cost the same either way
+# (one a step, made once).
+QUIET_AHEAD = 128
 # The longest the engine's thread waits for the graph capture thread to issue a step's copies (it takes about a
 # millisecond a layer; this is for a thread stuck on a device that no longer answers).
 GRAPH_CAPTURE_WAIT_S = 30.0
@@ -177,7 +180,7 @@ class _QuietRun:
     the choice of graph for it ask nothing of the filters or the sentinel, and the replay's hook only counts."""
 
     __slots__ = ("batch", "names", "config", "step", "horizon", "epoch", "chosen", "wrapper", "entry", "plain",
-                 "table", "taken")
+                 "table", "taken", "lent")
 
     def __init__(self, batch: Any, names: tuple, config: Any, step: int, horizon: int, epoch: int,
                  graph: tuple = (None, None, None), taken: int = -1):
@@ -192,6 +195,7 @@ class _QuietRun:
         # and the wrapper's table of entries then (a new table: its graphs recorded anew)
         self.wrapper, self.entry, self.plain = graph
         self.table = getattr(self.wrapper, "concrete_cudagraph_entries", None)
+        self.lent = False  # whether its builders were lent vLLM's own build (GraphHooks._lend_builders)
 
 
 @dataclass(eq=False, slots=True)
@@ -284,6 +288,8 @@ class GraphHooks:
         of N tokens for uniform decode batches and one for mixed batches are two graphs): ``"record"`` a full
         graph (attention inside), ``"record_pieces"`` a piecewise one (attention runs in Python between its
         pieces, also while they record), ``"replay"`` a full one; None: no graph, or piecewise pieces replayed."""
+        if self._lent:  # no quiet run's replay (quiet_replay took them back already, but for a ticket's call)
+            self._take_builders_back()
         try:
             context = self._forward_context
             if context is None:
@@ -594,10 +600,10 @@ class GraphHooks:
                     or run.step >= run.horizon or run.config is not self.capturer.config \
                     or self._pending_build is not None or self._prepared is not None or self._graph_job is not None \
                     or (self.sentinel is not None and not self.sentinel.quiet_replay_ready(self)):
-                return None
+                return self._not_quiet()
             context = self._forward_context  # kept by graph_call, which the run's first step went through
             if context is None or not context[0]():
-                return None
+                return self._not_quiet()
             forward = context[1]()
             batch = forward.batch_descriptor
             # vLLM's entry for the batch still the run's: vLLM lets its graphs go through clear_graphs (which ends the
@@ -605,7 +611,7 @@ class GraphHooks:
             # replaces an entry in a table.
             if forward.cudagraph_runtime_mode is not wrapper.runtime_mode or batch != run.batch \
                     or wrapper.concrete_cudagraph_entries is not run.table:
-                return None
+                return self._not_quiet()
             self._in_graph_ran = self._quiet = None
             entry = run.entry
             if entry.cudagraph is not run.plain[0]:
@@ -685,13 +691,74 @@ class GraphHooks:
                 self._uncounted, self._counts_off = run, counts
                 del self._forward_counts
             run.epoch = self._counts_epoch = self._counts_epoch + 1
+            if run.step < run.horizon:  # the next step is the run's too: its builds need no hook
+                if not run.lent:
+                    self._lend_builders(run)
+            elif self._lent:  # the next step is one the filters or the sentinel may want: its builds told
+                self._take_builders_back()
         except Exception as exc:  # noqa: BLE001 - never into vLLM
             self._end_quiet_run()
             self.capturer.report(exc, "after a CUDA graph's replay told quiet ahead")
 
+    def _lend_builders(self, run: "_QuietRun") -> None:
+        """vLLM's own methods back, as attributes of the objects themselves, on what the quiet run's next steps call
+        but need no hook of kvdbg's in, until :meth:`_take_builders_back`: each builder the run holds (every layer of
+        it that capture selects or the sentinel checks is one of the run's graph's, :meth:`BuilderHooks._quiet_builder`)
+        and the worker's ``execute_model`` (its hook only waits for a capture still copying, and none is while a run
+        lasts: a step handed over takes them back first). A quiet build only kept the build for a graph's next
+        recording, which no step of a run makes (a recording goes through the graph call, which takes them back
+        first, and finds no build kept: its staged variant is not recorded, as for any graph whose build was not
+        seen). Lent once a run (``run.lent``), only with nothing of a build waited for or kept (no capture still
+        copying, no build on a ticket, no host copy of a slot mapping).
+
+        Each is taken back before any step the run did not tell builds: at the run's horizon, at any graph call that
+        is not the run's replay, at a layer's forward in Python, at new filters (from any thread:
+        ``Capturer.on_reconfigure``), when a step is handed over, and when the plugin goes away."""
+        run.lent = True
+        if self._graph_job is not None or self._pending_build is not None or self._host_slots:
+            return
+        with self._lending:
+            for key, (builder, _) in list(self._last_builds.items()):
+                known = self._quiet_builders.get(key)
+                if known is None or not known[2] or known[0] is not run.names or known[1] is not run.config:
+                    continue
+                if self._lend(builder, "build"):
+                    del self._last_builds[key]
+            if self._worker is not None:
+                self._lend(self._worker, "execute_model")
+
+    def _lend(self, owner: Any, name: str) -> bool:
+        """vLLM's own method ``name`` bound on ``owner`` itself, over the class's patch (under ``_lending``)."""
+        own = getattr(owner, "__dict__", None)
+        original = getattr(getattr(type(owner), name, None), "_kvdbg_original", None)
+        if own is None or name in own or original is None:
+            return False
+        setattr(owner, name, original.__get__(owner, type(owner)))
+        self._lent.append((owner, name))
+        return True
+
+    def _take_builders_back(self) -> None:
+        """Every method :meth:`_lend_builders` lent vLLM's own to has kvdbg's hook back (the class's patch)."""
+        with self._lending:
+            lent, self._lent = self._lent, []
+            for owner, name in lent:
+                own = owner.__dict__.get(name)
+                if own is not None and getattr(own, "__self__", None) is owner:
+                    delattr(owner, name)
+
+    def _not_quiet(self) -> None:
+        """A graph call that is no quiet run's replay: the builders lent to the run are taken back (the step's own build
+        ran without kvdbg's hook; a step of the run's layers before its horizon is one nothing wants)."""
+        if self._lent:
+            self._take_builders_back()
+        return None
+
     def _end_quiet_run(self) -> None:
-        """No run told any more, and none left holding vLLM's wrapper or a graph (its replays' counts written now)."""
+        """No run told any more, and none left holding vLLM's wrapper or a graph (its replays' counts written now), nor
+        a builder lent vLLM's own build."""
         self._quiet_run = None
+        if self._lent:
+            self._take_builders_back()
         if self._uncounted is not None:
             self.count_quiet_replays()
 
@@ -1297,6 +1364,8 @@ class GraphHooks:
             self._graph_thread = _GraphCaptureThread(self)
         if job.staged is None:  # the capture thread reads the engine's memory: the next step waits for it
             self._graph_job = job
+            if self._lent:  # (none is lent while a quiet run lasts, which no step handed over is part of)
+                self._take_builders_back()
         self.capturer.engine_time.handed += 1
         self._graph_thread.jobs.put(job)
 

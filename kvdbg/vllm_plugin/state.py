@@ -9,6 +9,7 @@ import importlib.util
 import logging
 import os
 import time
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -137,6 +138,13 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         # hold all it would ask about: (the run's names, capture's configuration, whether they do).
         self._quiet_run: Any = None
         self._quiet_builders: dict[int, tuple] = {}
+        # (object, method name) lent vLLM's own method while a quiet run lasts (GraphHooks._lend_builders), and the
+        # worker whose execute_model is patched (its last caller).
+        self._lent: list[tuple[Any, str]] = []
+        self._lending = threading.Lock()
+        self._worker: Any = None
+        if capturer is not None:  # new filters may want the next build: what a quiet run lent goes back at once
+            capturer.on_reconfigure.append(self._take_builders_back)
         # The quiet run whose replays are not yet written into _forward_counts, and that dict, off the instance
         # meanwhile: GraphHooks.quiet_replayed leaves the counts to their first read (_UncountedReplays).
         self._uncounted: Any = None
@@ -338,6 +346,11 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
 
     def restore(self) -> None:
         self.install_plain_graphs()  # vLLM's replays then write no buffer of kvdbg's
+        self._take_builders_back()
+        self._worker = None
+        hooks = getattr(self.capturer, "on_reconfigure", None)
+        if hooks is not None and self._take_builders_back in hooks:
+            hooks.remove(self._take_builders_back)
         for cls, attr, had_own, original in reversed(self._patches):
             if had_own:
                 setattr(cls, attr, original)

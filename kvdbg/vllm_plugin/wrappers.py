@@ -105,6 +105,8 @@ def _wrap_execute_model(state: _PluginState, original):
     def execute_model(self, *args, **kwargs):
         if state._graph_job is not None:
             state.await_graph_capture()
+        if state._worker is not self:  # a quiet run lends it vLLM's own method (graph_hooks._lend_builders)
+            state._worker = self
         return original(self, *args, **kwargs)
 
     execute_model._kvdbg_original = original
