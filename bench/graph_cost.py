@@ -98,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import json
 import os
 import shutil
@@ -1531,6 +1532,7 @@ class Bypass:
             else:
                 delattr(cls, attr)
         self.state.install_plain_graphs()  # vLLM then replays whichever graph is in its entry
+        self.state._take_builders_back()  # nothing of kvdbg's on vLLM's objects either (a quiet run's lent methods)
 
     def on(self) -> None:
         for cls, attr, _, _, wrapped in self.items:
@@ -1819,13 +1821,16 @@ def hooks_child(args) -> dict:
 
         variants = [(mode, layers, None) for mode in ("armed", "sentinel", "wanted") for layers in (8, 32, 80)]
         variants.append(("drawn", 8, None))
+        variants += [(mode, 8, None) for mode in ("patched_armed", "patched_sentinel")]
         if args.cold:
             evict = Evict()
-            variants += [(mode, 8, evict) for mode in ("armed", "sentinel", "wanted", "drawn")]
+            variants += [(mode, 8, evict) for mode in ("armed", "sentinel", "wanted", "drawn", "patched_armed",
+                                                       "patched_sentinel")]
         for mode, layers, cold in variants:
             for name in [k for k in os.environ if k.startswith("KVDBG_")]:
                 del os.environ[name]
-            os.environ.update({k: v for k, v in kind_environment("sentinel" if mode in ("sentinel", "drawn")
+            os.environ.update({k: v for k, v in kind_environment("sentinel" if mode in ("sentinel", "drawn",
+                                                                                    "patched_sentinel")
                                                                   else "capture", args.scratch).items()
                                if k.startswith("KVDBG_")})
             vllm_plugin.register()
@@ -1837,6 +1842,11 @@ def hooks_child(args) -> dict:
                 elif mode == "drawn":
                     row = _drawn_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph,
                                      _record_variants, layers, cold=cold, profile=args.profile)
+                elif mode.startswith("patched_"):
+                    record.setdefault("patched", []).append(
+                        {**_patched_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph,
+                                        mode[len("patched_"):], layers, cold=cold), "cold": cold is not None})
+                    continue
                 else:
                     row = _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode,
                                      layers, cold=cold)
@@ -1952,6 +1962,89 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
             "steps": len(build_ns), "after_build_us": statistics.median(build_ns) / 1e3,
             "replay_hooks_us": statistics.median(replay_ns) / 1e3,
             "per_layer_us": (statistics.median(build_ns) + statistics.median(replay_ns)) / 1e3 / layers}
+
+
+def _patched_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode: str, layers: int,
+                 cold: "Evict | None" = None) -> dict:
+    """A decode step nothing wants through every patch kvdbg puts on it, as vLLM calls them: the worker's
+    ``execute_model``, the builder's ``build`` (looked up on the builder, so that a quiet run's lent build,
+    graph_hooks' ``_lend_builders``, is what runs) and the graph wrapper's call, each around a no-op of vLLM's;
+    against the same three calls of vLLM's alone, steps alternating. Unlike the hooks rows, this holds the patches'
+    own frames and clocks, and the steps that tell a quiet run (``run_start``), which a median leaves out and
+    the mean does not."""
+    from kvdbg.vllm_plugin.wrappers import _wrap_build, _wrap_execute_model, _wrap_graph_call
+
+    engine = StandinEngine("FLEX_ATTENTION", layers=layers, causal=True, window=None, query_len=1,
+                           seq_lens=(60, 33, 17), num_heads=8, num_kv_heads=2, head_size=64, num_blocks=64)
+    state = vllm_plugin._state
+    _record_graph(engine, 4, 4, patch)
+    common = _padded(engine.common(), reqs=4, tokens=4)
+    metadata = type(engine.builder).build._kvdbg_original(engine.builder, 0, common)
+    batch = _Batch((4,))
+    entry = types.SimpleNamespace(cudagraph="with kvdbg's copies", output=None)
+    wrapper = types.SimpleNamespace(concrete_cudagraph_entries={batch: entry})
+    state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
+    wrapper.runtime_mode = full = _FullMode()
+    forward = types.SimpleNamespace(cudagraph_runtime_mode=full, batch_descriptor=batch)
+    state._forward_context = (lambda: True, lambda: forward)
+
+    def build(builder, common_prefix_len, common_attn_metadata, fast_build=False):  # vLLM's, its result ready
+        return metadata
+
+    def graph(graph_wrapper):  # vLLM's replay: nothing on the CPU
+        return None
+
+    class Patched(type(engine.builder)):  # the stand-in's builder class with kvdbg's patch around vLLM's no-op
+        pass
+
+    class Own(type(engine.builder)):
+        pass
+
+    Patched.build, Own.build = _wrap_build(state, build), build
+    builder, own = engine.builder, copy.copy(engine.builder)
+    builder.__class__, own.__class__ = Patched, Own
+    replay = _wrap_graph_call(state, graph)
+
+    def step(runner):
+        builder.build(0, common)
+        replay(wrapper)
+
+    def own_step(runner):
+        own.build(0, common)
+        graph(wrapper)
+
+    class Worker:  # vLLM's worker, its execute_model patched around the step
+        execute_model = _wrap_execute_model(state, lambda worker, scheduler_output: step(worker))
+
+    worker = Worker()
+    counts = state.sentinel.sentinel.counts if state.sentinel is not None else None
+    times: dict[str, list] = {"quiet": [], "run_start": [], "own": []}
+    lent = 0
+    for i in range(sum(_steps_for(cold, 0, 2000))):
+        for kvdbg in ((True, False) if i % 2 else (False, True)):
+            if cold is not None:
+                cold()
+            if not kvdbg:
+                t0 = time.perf_counter_ns()
+                own_step(None)
+                times["own"].append(time.perf_counter_ns() - t0)
+                continue
+            run = state._quiet_run
+            told = run is not None and run.step < run.horizon
+            checked = counts["checked"] if counts is not None else 0
+            t0 = time.perf_counter_ns()
+            worker.execute_model(None)
+            spent = time.perf_counter_ns() - t0
+            lent += "build" in vars(builder) and "execute_model" in vars(worker)
+            if counts is None or counts["checked"] == checked:  # a step the sentinel drew is a check, not this cost
+                times["quiet" if told else "run_start"].append(spent)
+    own_us = statistics.median(times["own"]) / 1e3
+    every = times["quiet"] + times["run_start"]
+    return {"mode": mode, "layers": layers, "steps": len(every), "run_starts": len(times["run_start"]),
+            "lent_steps": lent, "own_us": own_us, "quiet_us": statistics.median(times["quiet"]) / 1e3,
+            "run_start_us": statistics.median(times["run_start"]) / 1e3 if times["run_start"] else None,
+            "added_us": statistics.median(times["quiet"]) / 1e3 - own_us,
+            "mean_added_us": statistics.fmean(every) / 1e3 - statistics.fmean(times["own"]) / 1e3}
 
 
 def _staged_stand_in(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants,
@@ -2330,6 +2423,12 @@ def print_figures(figs: dict, records: dict) -> None:
                   f"ms; from the program to the capture thread's last issue (its host time between them) "
                   f"{f['span_ms']['median']:.2f} ms")
     hooks = records.get("hooks", {}).get("rows", [])
+    for row in records.get("hooks", {}).get("patched", []):
+        print(f"  stand-ins{', cold' if row['cold'] else ''}, a step through kvdbg's patches, {row['mode']:8s} "
+              f"{row['layers']} layers: {row['added_us']:.1f} us over vLLM's own calls ({row['own_us']:.1f}); with "
+              f"the steps that tell a run ({row['run_starts']} of {row['steps']}, "
+              f"{row['run_start_us'] or 0:.1f} us each) {row['mean_added_us']:.1f} us; vLLM's own build and "
+              f"execute_model lent in {row['lent_steps']}")
     for row in hooks:
         print(f"  stand-ins{', cold' if row.get('cold') else ''}, {row['mode']:8s} {row['layers']:3d} layers: after_build {row['after_build_us']:.1f} us, "
               f"replay hooks {row['replay_hooks_us']:.1f} us a step ({row['per_layer_us']:.2f} us a layer)"

@@ -386,8 +386,9 @@ def test_an_interleaved_round_splits_into_its_steps_with_kvdbg_and_without():
 
 
 def test_the_bypass_swaps_kvdbgs_patches_for_vllms_originals_and_back(standins, tmp_path, monkeypatch):
-    """A round with kvdbg's patches off runs vLLM's own methods (no kvdbg hook, no count); on again, kvdbg's; and
-    between rounds the bench lets kvdbg's background work finish (a wanted step's capture), untimed."""
+    """A round with kvdbg's patches off runs vLLM's own methods (no kvdbg hook, no count, nothing lent on vLLM's
+    objects); on again, kvdbg's; and between rounds the bench lets kvdbg's background work finish (a wanted step's
+    capture), untimed."""
     from kvdbg.vllm_plugin import vllm_facts  # noqa: F401  (the stand-ins' vLLM is loaded)
 
     timing, engine = _armed_graph_engine(standins, tmp_path, monkeypatch)
@@ -397,8 +398,10 @@ def test_the_bypass_swaps_kvdbgs_patches_for_vllms_originals_and_back(standins, 
         wrapped = builder_cls.__dict__["build"]
         bypass = gc.Bypass(state)
         assert bypass.items and all(attr not in gc.Bypass.KEPT for _, attr, *_ in bypass.items)
+        with state._lending:  # as a quiet run lends it (graph_hooks._lend_builders): taken back with the patches
+            assert state._lend(engine.builder, "build") and "build" in vars(engine.builder)
         bypass.off()
-        assert builder_cls.build is wrapped._kvdbg_original
+        assert builder_cls.build is wrapped._kvdbg_original and "build" not in vars(engine.builder)
         counts = dict(state._forward_counts)
         timing.current = record = gc._new_step()
         _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
