@@ -18,7 +18,9 @@ this module runs inside that venv. Steps:
    no fault it writes nothing; with three test-only faults it captures each at
    its step, and ``kvdbg replay`` on each fails naming it;
 5. replay every snapshot with ``kvdbg replay --json`` and check the comparisons
-   and findings; check that each case produced the batches it claims;
+   and findings (the first of each backend in a process of its own, the rest by
+   worker processes that run the same console script one snapshot after another,
+   ``replay_worker``); check that each case produced the batches it claims;
 6. print a summary; exit 1 on any failed check.
 """
 
@@ -34,6 +36,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from tests.engine.replay_worker import ReplayWorkers
 from tests.engine.tiny_model import TinyModel, write_model
 from tests.engine.sentinel_case import sentinel_runs
 
@@ -188,7 +191,9 @@ def batch_kind(query_lens: list[int]) -> str:
     return "prefill"
 
 
-def replay_one(backend: str, case: str, path: str, out: str) -> Outcome:
+def replay_one(backend: str, case: str, path: str, out: str, workers: "ReplayWorkers | None" = None) -> Outcome:
+    """``kvdbg replay --json PATH`` and its checks: in a process of its own, or by one of ``workers`` (the console
+    script's function in a process that replays one snapshot after another, tests/engine/replay_worker.py)."""
     import torch  # noqa: F401  (loaded once per stage process, not per snapshot)
     from kvdbg.snapshot.store import load_snapshot
 
@@ -198,7 +203,10 @@ def replay_one(backend: str, case: str, path: str, out: str) -> Outcome:
     qsl = step.query_start_loc.tolist()
     outcome.kind = batch_kind([b - a for a, b in zip(qsl, qsl[1:])])
     t0 = time.monotonic()
-    proc = subprocess.run([os.path.join(BIN, "kvdbg"), "replay", "--json", path], capture_output=True, text=True)
+    if workers is None:
+        proc = subprocess.run([os.path.join(BIN, "kvdbg"), "replay", "--json", path], capture_output=True, text=True)
+    else:
+        proc = workers.replay(path)
     outcome.replay_s = time.monotonic() - t0
     if proc.returncode not in (0, 1):
         outcome.problems.append(f"kvdbg replay exit {proc.returncode}: {proc.stderr.strip()[:300]}")
@@ -719,9 +727,19 @@ def main() -> int:
         else:
             log(f"{backend} {model}: {lines[0].split('[kvdbg] ')[-1][:220]}")
     t0 = time.monotonic()
-    with ThreadPoolExecutor(args.jobs) as pool:
-        outcomes = list(pool.map(lambda j: replay_one(*j, out), jobs))
+    # The first snapshot of each backend in a `kvdbg replay` process of its own, as a user runs it; the rest by
+    # --jobs worker processes running the same console script one snapshot after another (each imports vLLM once).
+    alone = {next(i for i, job in enumerate(jobs) if job[0] == backend) for backend in {job[0] for job in jobs}}
+    workers = ReplayWorkers(args.jobs, os.path.join(out, "logs"))
+    try:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            outcomes = list(pool.map(lambda ij: replay_one(*ij[1], out, None if ij[0] in alone else workers),
+                                     enumerate(jobs)))
+    finally:
+        workers.close()
     replay_s = time.monotonic() - t0
+    log(f"replays: {len(alone)} in a process of their own, {len(jobs) - len(alone)} by {workers.started} worker "
+        f"process(es) (tests/engine/replay_worker.py)")
 
     log("")
     log(f"{'backend':<15}{'case':<20}{'snaps':>6}{'pass':>6}  {'kinds':<30}{'min cos(capt,ref)':>17}  tolerated findings")
