@@ -2,8 +2,9 @@
 
 Usage (the GPU machine: tests/gpu/run_graph_cost.sh puts vLLM 0.33's sources and stand-ins on the path):
     bash tests/gpu/run_graph_cost.sh OUT [--parts baseline,armed,wanted,sentinel,hooks,baseline2] [--budget 330]
-The hooks' Python alone, on any machine (the tests' vLLM stand-ins, no GPU, no vLLM); ``--cold`` adds rows with
-other work between the steps (``Evict``), whose figures are of the engine's order:
+The hooks' Python alone, on any machine (the tests' vLLM stand-ins, no GPU, no vLLM), and a whole step nothing
+wants through kvdbg's three patches against vLLM's own calls (``_patched_row``); ``--cold`` adds rows with other
+work between the steps (``Evict``), whose figures are of the engine's order:
     python bench/graph_cost.py OUT --parts hooks [--cold]
 
 Three figures, each against its line:
@@ -2017,6 +2018,7 @@ def _patched_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_gra
         execute_model = _wrap_execute_model(state, lambda worker, scheduler_output: step(worker))
 
     worker = Worker()
+    state._wrappers.update((Patched.build, Worker.execute_model))  # kvdbg's own patches, as state._patch notes them
     counts = state.sentinel.sentinel.counts if state.sentinel is not None else None
     times: dict[str, list] = {"quiet": [], "run_start": [], "own": []}
     lent = 0

@@ -772,6 +772,35 @@ def test_the_stand_ins_wanted_row_times_a_step_the_staged_graph_serves_against_a
     assert row["replay_hooks_us"] == _pytest.approx(hooks["replay"])
 
 
+def test_the_stand_ins_patched_row_times_whole_steps_through_kvdbgs_patches_most_with_vllms_own_methods_lent(
+        standins, tmp_path):
+    """The hooks part's patched rows: armed, every step goes through kvdbg's three patches as vLLM calls them, counted
+    (each layer's forwards); after each step that tells a quiet run and the run's first replay, the builder and the
+    worker run vLLM's own methods, lent (graph_hooks._lend_builders), until the run's horizon."""
+    import pytest as _pytest
+
+    from kvdbg.vllm_plugin.graph_hooks import QUIET_AHEAD
+    from tests.test_vllm_plugin import _Batch
+
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="100000")
+    patch = _pytest.MonkeyPatch()
+    state = vllm_plugin._state
+    try:
+        row = gc._patched_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, "armed", 8)
+        names = list(state._graph_layers[_Batch((4,))])
+        assert {state._forward_counts[slot.name] for slot in names} == {2000}
+    finally:
+        patch.undo()
+    assert row["mode"] == "armed" and row["steps"] == 2000
+    runs = -(-2000 // QUIET_AHEAD)
+    assert row["run_starts"] == runs  # each run's first step asks every question, the rest are told
+    # Lent after every step but each run's first (which tells it) and last (whose replay takes them back); the last
+    # run ends with the row, before its last step.
+    assert row["lent_steps"] == 2000 - 2 * runs + 1
+    assert row["own_us"] > 0 and row["quiet_us"] > 0 and row["run_start_us"] > 0
+    assert row["added_us"] == _pytest.approx(row["quiet_us"] - row["own_us"])
+
+
 def test_the_stand_ins_drawn_row_checks_each_drawn_step_in_the_checker_process_from_the_staged_graph(standins,
                                                                                                      tmp_path):
     """The hooks part's drawn row: the sentinel draws every DRAWN_EVERY-th step; each drawn step replays the staged

@@ -2091,6 +2091,56 @@ def test_a_quiet_run_lends_its_builders_vllms_own_build_and_takes_it_back_before
     assert not hasattr(WorkerWrapperBase.execute_model, "_kvdbg_original")
 
 
+def test_new_filters_set_while_a_quiet_replay_is_queued_lend_nothing_and_the_next_step_is_captured(
+        standins, tmp_path, monkeypatch):
+    """Filters changed from another thread between a quiet replay's check of them and its lending (while vLLM queues
+    the replay): the lending sees the new filters under its lock and lends nothing, so the next step, which they
+    want, is built through kvdbg's hook and captured."""
+    from kvdbg.capture.config import IntRanges
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "40", layers=3)
+    wrapper, entry = _record_variants(16)
+    real = type(state)._lend_builders
+
+    def lend_after_new_filters(self, run):
+        self.capturer.reconfigure(steps=IntRanges.of(str(run.step), "steps"))  # the step after this replay
+        return real(self, run)
+
+    monkeypatch.setattr(type(state), "_lend_builders", lend_after_new_filters)
+    for _ in range(2):  # step 0 asked, a run told; step 1 the run's first replay, whose lending sees new filters
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch, wrapper=wrapper, through=True)
+    assert "build" not in vars(engine.builder)
+    _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16, monkeypatch,
+                  wrapper=wrapper, through=True)
+    assert entry.cudagraph == "staged" and state.drain_graph_capture(10) and state.capturer.flush(10)
+    assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [2, 2, 2]
+    assert not state.capturer.dropped
+
+
+def test_a_quiet_run_lends_nothing_over_another_tools_wrapper_of_kvdbgs_patch(standins, tmp_path, monkeypatch):
+    """A tool that wraps the builder's build after kvdbg did (functools.wraps copies kvdbg's marks onto its wrapper)
+    keeps its wrapper on every step: a quiet run lends vLLM's own method only over kvdbg's own patch."""
+    import functools
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "40", layers=2)
+    wrapper, _ = _record_variants(16)
+    builder_cls = type(engine.builder)
+    kvdbgs, seen = builder_cls.build, []
+
+    @functools.wraps(kvdbgs)
+    def traced(self, *args, **kwargs):
+        seen.append(1)
+        return kvdbgs(self, *args, **kwargs)
+
+    monkeypatch.setattr(builder_cls, "build", traced)
+    for _ in range(5):
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch, wrapper=wrapper, through=True)
+    assert hasattr(traced, "_kvdbg_original") and len(seen) == 5 and "build" not in vars(engine.builder)
+    assert {state._forward_counts[n] for n in engine.names} == {5}
+
+
 def test_a_quiet_runs_counts_are_written_at_their_first_read_and_an_eager_step_after_them_is_counted_right(
         standins, tmp_path, monkeypatch):
     """A replay of a quiet run leaves its layers' counts to their first read (graph_hooks.quiet_replayed: a dict write

@@ -288,9 +288,9 @@ class GraphHooks:
         of N tokens for uniform decode batches and one for mixed batches are two graphs): ``"record"`` a full
         graph (attention inside), ``"record_pieces"`` a piecewise one (attention runs in Python between its
         pieces, also while they record), ``"replay"`` a full one; None: no graph, or piecewise pieces replayed."""
-        if self._lent:  # no quiet run's replay (quiet_replay took them back already, but for a ticket's call)
-            self._take_builders_back()
         try:
+            if self._lent:  # no quiet run's replay (quiet_replay took them back already, but for a ticket's call)
+                self._take_builders_back()
             context = self._forward_context
             if context is None:
                 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -718,6 +718,10 @@ class GraphHooks:
         if self._graph_job is not None or self._pending_build is not None or self._host_slots:
             return
         with self._lending:
+            # The filters again, under the lock: new ones set from another thread since quiet_replay read them
+            # (reconfigure sets them before it takes the lent methods back, under this lock) lend nothing.
+            if run.config is not self.capturer.config:
+                return
             for key, (builder, _) in list(self._last_builds.items()):
                 known = self._quiet_builders.get(key)
                 if known is None or not known[2] or known[0] is not run.names or known[1] is not run.config:
@@ -728,23 +732,31 @@ class GraphHooks:
                 self._lend(self._worker, "execute_model")
 
     def _lend(self, owner: Any, name: str) -> bool:
-        """vLLM's own method ``name`` bound on ``owner`` itself, over the class's patch (under ``_lending``)."""
+        """vLLM's own method ``name`` bound on ``owner`` itself, over the class's patch (under ``_lending``): only
+        where the class's method is kvdbg's own patch (not another tool's wrapper around it, nor after restore())."""
         own = getattr(owner, "__dict__", None)
-        original = getattr(getattr(type(owner), name, None), "_kvdbg_original", None)
-        if own is None or name in own or original is None:
+        patched = getattr(type(owner), name, None)
+        if own is None or name in own or patched is None or patched not in self._wrappers:
             return False
-        setattr(owner, name, original.__get__(owner, type(owner)))
+        try:
+            setattr(owner, name, patched._kvdbg_original.__get__(owner, type(owner)))
+        except (AttributeError, TypeError):  # an object that takes no attribute of that name: its hook stays
+            return False
         self._lent.append((owner, name))
         return True
 
     def _take_builders_back(self) -> None:
-        """Every method :meth:`_lend_builders` lent vLLM's own to has kvdbg's hook back (the class's patch)."""
+        """Every method :meth:`_lend_builders` lent vLLM's own to has kvdbg's hook back (the class's patch); one that
+        cannot be is said, and the others still are."""
         with self._lending:
-            lent, self._lent = self._lent, []
-            for owner, name in lent:
-                own = owner.__dict__.get(name)
-                if own is not None and getattr(own, "__self__", None) is owner:
-                    delattr(owner, name)
+            while self._lent:
+                owner, name = self._lent.pop()
+                try:
+                    own = owner.__dict__.get(name)
+                    if own is not None and getattr(own, "__self__", None) is owner:
+                        delattr(owner, name)
+                except Exception as exc:  # noqa: BLE001 - never into vLLM
+                    self.capturer.report(exc, f"giving {type(owner).__name__}.{name} kvdbg's hook back")
 
     def _not_quiet(self) -> None:
         """A graph call that is no quiet run's replay: the builders lent to the run are taken back (the step's own build

@@ -143,6 +143,7 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         self._lent: list[tuple[Any, str]] = []
         self._lending = threading.Lock()
         self._worker: Any = None
+        self._wrappers: set = set()  # the methods kvdbg put on vLLM's classes (only those are lent: _lend)
         if capturer is not None:  # new filters may want the next build: what a quiet run lent goes back at once
             capturer.on_reconfigure.append(self._take_builders_back)
         # The quiet run whose replays are not yet written into _forward_counts, and that dict, off the instance
@@ -215,8 +216,10 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
             return  # two names resolving to one class: wrap it once
         had_own = attr in cls.__dict__
         original = cls.__dict__[attr] if had_own else current
-        setattr(cls, attr, make_wrapper(self, current))
+        wrapper = make_wrapper(self, current)
+        setattr(cls, attr, wrapper)
         self._patches.append((cls, attr, had_own, original))
+        self._wrappers.add(wrapper)
 
     def watch_layers(self) -> None:
         """Wrap the attention layers' constructors: each new layer's backend is wrapped (auto) or named."""
@@ -346,14 +349,16 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
 
     def restore(self) -> None:
         self.install_plain_graphs()  # vLLM's replays then write no buffer of kvdbg's
-        self._take_builders_back()
-        self._worker = None
-        hooks = getattr(self.capturer, "on_reconfigure", None)
-        if hooks is not None and self._take_builders_back in hooks:
-            hooks.remove(self._take_builders_back)
         for cls, attr, had_own, original in reversed(self._patches):
             if had_own:
                 setattr(cls, attr, original)
             else:
                 delattr(cls, attr)
         self._patches.clear()
+        # Then what a quiet run lent (none is lent again: the classes' methods are no longer kvdbg's patches).
+        self._wrappers.clear()
+        self._take_builders_back()
+        self._worker = None
+        hooks = getattr(self.capturer, "on_reconfigure", None)
+        if hooks is not None and self._take_builders_back in hooks:
+            hooks.remove(self._take_builders_back)
