@@ -2065,6 +2065,9 @@ def test_a_quiet_run_lends_its_builders_vllms_own_build_and_takes_it_back_before
         assert both[0] == both[1]  # lent and taken back together
         return both[0]
 
+    # A host copy of another buffer's slot mapping, as a GPU engine's prefill step leaves (only read before the
+    # forward it was made for): it does not keep the run from lending.
+    state._host_slots[("another buffer",)] = (torch.zeros(4), None)
     # Step 0 asked (a run told to step 4); step 1 the run's first replay, its build hooked, then the builder lent;
     # steps 2 and 3 built with vLLM's own build; after step 3's replay the next step is the one the filter takes.
     assert [graph_step() for _ in range(4)] == [(1, False), (1, True), (0, True), (0, False)]

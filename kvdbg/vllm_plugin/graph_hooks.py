@@ -709,13 +709,15 @@ class GraphHooks:
         recording, which no step of a run makes (a recording goes through the graph call, which takes them back
         first, and finds no build kept: its staged variant is not recorded, as for any graph whose build was not
         seen). Lent once a run (``run.lent``), only with nothing of a build waited for or kept (no capture still
-        copying, no build on a ticket, no host copy of a slot mapping).
+        copying, no build on a ticket); a host copy of a lent builder's slot mapping is let go then, as its quiet
+        builds would let it go (a copy is read only before the forward it was made for, ``host_slots``, so one
+        of another buffer is never read for the run's steps).
 
         Each is taken back before any step the run did not tell builds: at the run's horizon, at any graph call that
         is not the run's replay, at a layer's forward in Python, at new filters (from any thread:
         ``Capturer.on_reconfigure``), when a step is handed over, and when the plugin goes away."""
         run.lent = True
-        if self._graph_job is not None or self._pending_build is not None or self._host_slots:
+        if self._graph_job is not None or self._pending_build is not None:
             return
         with self._lending:
             # The filters again, under the lock: new ones set from another thread since quiet_replay read them
@@ -727,7 +729,11 @@ class GraphHooks:
                 if known is None or not known[2] or known[0] is not run.names or known[1] is not run.config:
                     continue
                 if self._lend(builder, "build"):
-                    del self._last_builds[key]
+                    common = self._last_builds.pop(key)[1]
+                    if self._host_slots and common.slot_mapping is not None:
+                        from kvdbg.vllm_plugin.vllm_facts import _tensor_key
+
+                        self._host_slots.pop(_tensor_key(common.slot_mapping), None)
             if self._worker is not None:
                 self._lend(self._worker, "execute_model")
 
