@@ -67,7 +67,7 @@ MAX_QUERY_ROWS = 16
 
 # Steps whose draw the sampler keeps (layers counting their steps apart, a few steps at most, share them; a full CUDA
 # graph's steps are drawn up to 128 ahead, graph_hooks.QUIET_AHEAD, and must outlast other layers' draws till then).
-DRAWS_KEPT = 512
+DRAWS_KEPT = 1024
 
 # Backends whose forward leaves rows of the output unwritten by design (a decode-only kernel skips a
 # prefill's tokens, a ragged leftover is dropped): their output cannot be held to the reference row by row.
