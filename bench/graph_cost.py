@@ -1928,8 +1928,10 @@ def _timed_stand_in_step(state, engine, common, metadata, replay, wrapper, cold:
     return t1 - t0, time.perf_counter_ns() - t1
 
 
-def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode: str, layers: int,
-               cold: "Evict | None" = None) -> dict:
+def _plain_stand_in(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, layers: int) -> tuple:
+    """The stand-in engine of the hooks and patched rows, its graph of 4 tokens recorded twice (with kvdbg's copies,
+    and plain) as kvdbg sees vLLM's wrapper then, with a forward context that names the graph as vLLM's does:
+    (engine, common metadata, metadata, batch descriptor, wrapper)."""
     engine = StandinEngine("FLEX_ATTENTION", layers=layers, causal=True, window=None, query_len=1,
                            seq_lens=(60, 33, 17), num_heads=8, num_kv_heads=2, head_size=64, num_blocks=64)
     state = vllm_plugin._state
@@ -1937,19 +1939,26 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
     common = _padded(engine.common(), reqs=4, tokens=4)
     metadata = type(engine.builder).build._kvdbg_original(engine.builder, 0, common)
     batch = _Batch((4,))
-    # vLLM's wrapper as kvdbg sees it once the graph is recorded twice (with kvdbg's copies, and plain).
     entry = types.SimpleNamespace(cudagraph="with kvdbg's copies", output=None)
     wrapper = types.SimpleNamespace(concrete_cudagraph_entries={batch: entry})
     state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
     if not state._graph_variants:
         raise RuntimeError("the stand-in graph was not recorded twice")
-    # The replay through kvdbg's patch of vLLM's graph wrapper (graph_call, the quiet runs' path), vLLM's own call a
-    # no-op, with a forward context that names the graph as vLLM's does.
-    from kvdbg.vllm_plugin.wrappers import _wrap_graph_call
-
     wrapper.runtime_mode = full = _FullMode()
     forward = types.SimpleNamespace(cudagraph_runtime_mode=full, batch_descriptor=batch)
     state._forward_context = (lambda: True, lambda: forward)
+    return engine, common, metadata, batch, wrapper
+
+
+def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode: str, layers: int,
+               cold: "Evict | None" = None) -> dict:
+    # The replay through kvdbg's patch of vLLM's graph wrapper (graph_call, the quiet runs' path), vLLM's own call a
+    # no-op.
+    from kvdbg.vllm_plugin.wrappers import _wrap_graph_call
+
+    engine, common, metadata, batch, wrapper = _plain_stand_in(vllm_plugin, patch, StandinEngine, _Batch, _padded,
+                                                               _record_graph, layers)
+    state = vllm_plugin._state
     replay = _wrap_graph_call(state, lambda graph: None)
     counts = state.sentinel.sentinel.counts if state.sentinel is not None else None
     build_ns, replay_ns = [], []
@@ -1975,19 +1984,9 @@ def _patched_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_gra
     the mean does not."""
     from kvdbg.vllm_plugin.wrappers import _wrap_build, _wrap_execute_model, _wrap_graph_call
 
-    engine = StandinEngine("FLEX_ATTENTION", layers=layers, causal=True, window=None, query_len=1,
-                           seq_lens=(60, 33, 17), num_heads=8, num_kv_heads=2, head_size=64, num_blocks=64)
+    engine, common, metadata, batch, wrapper = _plain_stand_in(vllm_plugin, patch, StandinEngine, _Batch, _padded,
+                                                               _record_graph, layers)
     state = vllm_plugin._state
-    _record_graph(engine, 4, 4, patch)
-    common = _padded(engine.common(), reqs=4, tokens=4)
-    metadata = type(engine.builder).build._kvdbg_original(engine.builder, 0, common)
-    batch = _Batch((4,))
-    entry = types.SimpleNamespace(cudagraph="with kvdbg's copies", output=None)
-    wrapper = types.SimpleNamespace(concrete_cudagraph_entries={batch: entry})
-    state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
-    wrapper.runtime_mode = full = _FullMode()
-    forward = types.SimpleNamespace(cudagraph_runtime_mode=full, batch_descriptor=batch)
-    state._forward_context = (lambda: True, lambda: forward)
 
     def build(builder, common_prefix_len, common_attn_metadata, fast_build=False):  # vLLM's, its result ready
         return metadata
