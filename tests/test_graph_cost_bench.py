@@ -792,11 +792,13 @@ def test_the_stand_ins_patched_row_times_whole_steps_through_kvdbgs_patches_most
     finally:
         patch.undo()
     assert row["mode"] == "armed" and row["steps"] == 2000
-    runs = -(-2000 // QUIET_AHEAD)
-    assert row["run_starts"] == runs  # each run's first step asks every question, the rest are told
-    # Lent after every step but each run's first (which tells it) and last (whose replay takes them back); the last
-    # run ends with the row, before its last step.
-    assert row["lent_steps"] == 2000 - 2 * runs + 1
+    # A step that asks every question tells the QUIET_AHEAD steps after it: cycles of QUIET_AHEAD + 1 steps, and the
+    # one the row ends in.
+    full, rest = divmod(2000, QUIET_AHEAD + 1)
+    assert row["run_starts"] == full + (rest > 0)
+    # Lent after each told step's replay but the last's (which takes them back); the cycle the row ends in has no
+    # last one.
+    assert row["lent_steps"] == full * (QUIET_AHEAD - 1) + max(rest - 1, 0)
     assert row["own_us"] > 0 and row["quiet_us"] > 0 and row["run_start_us"] > 0
     assert row["added_us"] == _pytest.approx(row["quiet_us"] - row["own_us"])
 
