@@ -1928,6 +1928,13 @@ def _timed_stand_in_step(state, engine, common, metadata, replay, wrapper, cold:
     return t1 - t0, time.perf_counter_ns() - t1
 
 
+def _prefill_slots_copy(state) -> None:
+    """A host copy of another buffer's slot mapping, as every GPU engine keeps one from its prefill (a build on the
+    device copies its slot mapping to the host; the stand-ins' builds are on the CPU and copy none): each build's
+    hook then lets go of the copy at its own buffer's address, as it does in an engine."""
+    state._host_slots[-1] = (("a prefill's slot mapping",), None, None)
+
+
 def _plain_stand_in(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, layers: int) -> tuple:
     """The stand-in engine of the hooks and patched rows, its graph of 4 tokens recorded twice (with kvdbg's copies,
     and plain) as kvdbg sees vLLM's wrapper then, with a forward context that names the graph as vLLM's does:
@@ -1947,6 +1954,7 @@ def _plain_stand_in(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_
     wrapper.runtime_mode = full = _FullMode()
     forward = types.SimpleNamespace(cudagraph_runtime_mode=full, batch_descriptor=batch)
     state._forward_context = (lambda: True, lambda: forward)
+    _prefill_slots_copy(state)
     return engine, common, metadata, batch, wrapper
 
 
@@ -2066,6 +2074,7 @@ def _staged_stand_in(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record
     wrapper.runtime_mode = full = _FullMode()
     forward = types.SimpleNamespace(cudagraph_runtime_mode=full, batch_descriptor=batch)
     state._forward_context = (lambda: True, lambda: forward)
+    _prefill_slots_copy(state)
     return engine, wrapper, entry, common, metadata, batch
 
 

@@ -532,7 +532,7 @@ def slots_registry(monkeypatch):
     rows = (torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
 
     def build(builder, slot_mapping):  # what after_build does with a device build's slot mapping
-        state._host_slots.pop(vllm_facts._tensor_key(slot_mapping), None)
+        state._host_slots.pop(slot_mapping.data_ptr(), None)
         state._copy_to_host(builder, rows, slot_mapping, None, False)
 
     return state, build
@@ -582,6 +582,23 @@ def test_a_longer_view_of_a_built_buffer_is_read_from_the_device(slots_registry)
     assert state.host_slots("drafter.attn", given) == (given, None)
     slots, _ = state.host_slots("drafter.attn", SeenOnDevice(buffer[:5]))
     assert slots.tolist() == [200, 201, 202, 203, 204]
+
+
+def test_a_build_lets_go_of_any_copy_at_its_buffers_address(slots_registry):
+    """A later build that copies nothing (a quiet run's, or one no capture wants) lets go of the copy an earlier build
+    made of its buffer, whatever view of it either was given: the copy is found by the buffer's address, and
+    taken only for the very view it was made of."""
+    state, build = slots_registry
+    drafter = Builder("drafter.attn")
+    buffer = torch.arange(100, 108, dtype=torch.int64)
+    build(drafter, SeenOnDevice(buffer[:8]))
+    kept = SeenOnDevice(buffer[:8])
+    shorter = SeenOnDevice(buffer[:5])  # the same address, another view: not the copy's
+    assert state.host_slots("drafter.attn", shorter) == (shorter, None)
+    slots, ready = state.host_slots("drafter.attn", kept)
+    assert slots.tolist() == list(range(100, 108)) and ready is not None
+    state._host_slots.pop(shorter.data_ptr(), None)  # what the next build's hook does: of five rows, copying nothing
+    assert state.host_slots("drafter.attn", kept) == (kept, None)
 
 
 def test_a_causal_tensor_on_the_host_is_copied_at_build_not_kept(slots_registry):
@@ -2067,7 +2084,7 @@ def test_a_quiet_run_lends_its_builders_vllms_own_build_and_takes_it_back_before
 
     # A host copy of another buffer's slot mapping, as a GPU engine's prefill step leaves (only read before the
     # forward it was made for): it does not keep the run from lending.
-    state._host_slots[("another buffer",)] = (torch.zeros(4), None)
+    state._host_slots[-1] = (("another buffer",), torch.zeros(4), None)
     # Step 0 asked (a run told to step 4); step 1 the run's first replay, its build hooked, then the builder lent;
     # steps 2 and 3 built with vLLM's own build; after step 3's replay the next step is the one the filter takes.
     assert [graph_step() for _ in range(4)] == [(1, False), (1, True), (0, True), (0, False)]

@@ -60,7 +60,7 @@ class BuilderHooks:
                         self._prepared = None
                         self._last_builds[id(builder)] = (builder, common)
                         if self._host_slots and common.slot_mapping is not None:
-                            self._host_slots.pop(_tensor_key(common.slot_mapping), None)
+                            self._host_slots.pop(common.slot_mapping.data_ptr(), None)
                         return False
                 elif run.step == run.taken and self._tickets and self.sentinel is None and metadata is not None:
                     # The step the quiet run stopped at because capture's filters take it, nothing counted since its
@@ -94,7 +94,7 @@ class BuilderHooks:
             slot_mapping = common.slot_mapping
             if self._host_slots and slot_mapping is not None:
                 # This build's buffer may be an earlier build's (runners reuse theirs): never read a stale copy.
-                self._host_slots.pop(_tensor_key(slot_mapping), None)
+                self._host_slots.pop(slot_mapping.data_ptr(), None)
             run = self._quiet_run
             if run is not None and run.epoch == self._counts_epoch and run.step < run.horizon \
                     and run.config is self.capturer.config:
@@ -161,7 +161,7 @@ class BuilderHooks:
                 return False
         self._last_builds[id(builder)] = (builder, common)
         if self._host_slots and common.slot_mapping is not None:
-            self._host_slots.pop(_tensor_key(common.slot_mapping), None)
+            self._host_slots.pop(common.slot_mapping.data_ptr(), None)
         self._pending_build = (ticket, builder, common, metadata, lo, self._counts_epoch, config)
         return True
 
@@ -329,7 +329,7 @@ class BuilderHooks:
         ready = HostCopiesReady(rows[0].device)
         if slots is not None:
             key = _tensor_key(slot_mapping)
-            self._host_slots[key] = (slots, ready)
+            self._host_slots[slot_mapping.data_ptr()] = (key, slots, ready)
             while len(self._host_slots) > _HOST_SLOTS_KEPT:
                 self._host_slots.popitem(last=False)
             counts, builds = self._forward_counts, self._graph_builds
@@ -361,7 +361,10 @@ class BuilderHooks:
         key = _tensor_key(slot_mapping)
         if self._slots_layers.get(name) != (key, self._forward_counts.get(name, 0)):
             return slot_mapping, None
-        return self._host_slots.get(key, (slot_mapping, None))
+        kept = self._host_slots.get(slot_mapping.data_ptr())
+        if kept is None or kept[0] != key:
+            return slot_mapping, None
+        return kept[1], kept[2]
 
     def _sentinel_checks(self, builder: Any) -> bool:
         """Whether the sentinel checks the next step of any of this builder's layers (it has its own layer filter)."""

@@ -731,9 +731,7 @@ class GraphHooks:
                 if self._lend(builder, "build"):
                     common = self._last_builds.pop(key)[1]
                     if self._host_slots and common.slot_mapping is not None:
-                        from kvdbg.vllm_plugin.vllm_facts import _tensor_key
-
-                        self._host_slots.pop(_tensor_key(common.slot_mapping), None)
+                        self._host_slots.pop(common.slot_mapping.data_ptr(), None)
             if self._worker is not None:
                 self._lend(self._worker, "execute_model")
 

@@ -70,9 +70,11 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         # (vLLM may compute the FP8 scales in the first forward; a new cache layout or dtype is a new layer).
         self._layers: dict[str, tuple[tuple, "CaptureLayer"]] = {}
         self._side_table: OrderedDict[int, tuple[Any, _EngineContext]] = OrderedDict()
-        # Host copies of device slot mappings made at build time, by the device tensor's identity (data_ptr,
-        # shape, stride, dtype): do_kv_cache_update gets the builder's tensor, not its metadata.
-        self._host_slots: OrderedDict[tuple, tuple["torch.Tensor", Any]] = OrderedDict()
+        # Host copies of device slot mappings made at build time, by the device tensor's address, each with the
+        # tensor's whole identity (data_ptr, shape, stride, dtype, device) and what to wait for: do_kv_cache_update
+        # gets the builder's tensor, not its metadata. A build lets go of the copy at its buffer's address with one
+        # call (data_ptr): the identity is dearer (five calls, a device object), and builds are on every step.
+        self._host_slots: OrderedDict[int, tuple[tuple, "torch.Tensor", Any]] = OrderedDict()
         # Per layer name: the identity of the slot mapping its builder's latest copying build was given, and
         # the layer's forward count then. A copy is taken only for that tensor, before that forward: a runner
         # may rewrite the same buffer without a build (a drafter's own slot mapping) or hand the update a
