@@ -360,6 +360,27 @@ class Timing:
 
         engine.step = step
 
+    def install_gc(self) -> None:
+        """Python's garbage collections, each one's pause (from its start to its end, on whichever thread ran it:
+        every thread waits for it) added to the step then timed (``gc_ns``; ``gc_full``: those of the oldest
+        generation, which walk every object the engine holds). A round's rare long step may be one."""
+        import gc
+
+        timing, started = self, {}
+
+        def paused(phase, info):
+            if phase == "start":
+                started[threading.get_ident()] = time.perf_counter_ns()
+                return
+            begun, record = started.pop(threading.get_ident(), None), timing.current
+            if begun is None or record is None:
+                return
+            record["gc_ns"] = record.get("gc_ns", 0) + time.perf_counter_ns() - begun
+            if info.get("generation") == 2:
+                record["gc_full"] = record.get("gc_full", 0) + 1
+
+        gc.callbacks.append(paused)
+
     # graph replays
     def install_graphs(self) -> None:
         import torch
@@ -844,6 +865,10 @@ def summarize_round(steps: list[dict], window: list[dict] | None = None) -> dict
     split = drawn_split(steps, window) if any("drawn" in s for s in window) else None
     return {"steps": len(steps), "decode_steps": len(window), "step_ms": statistics.fmean(walls),
             **({} if split is None else {"drawn_split": split}),
+            # Python's garbage collections in the window's steps (Timing.install_gc): their pauses, those of the
+            # oldest generation, and the steps' mean with the pauses taken out
+            "gc_ms": sum(s.get("gc_ns", 0) for s in window) / 1e6, "gc_full": sum(s.get("gc_full", 0) for s in window),
+            "step_ms_without_gc": statistics.fmean((s["wall_ns"] - s.get("gc_ns", 0)) / 1e6 for s in window),
             "step_ms_median": statistics.median(walls),
             "graph_ms": statistics.median(graphs) if graphs else None,
             "hooks_us": statistics.median(hooks_ns(s) / 1e3 for s in window),
@@ -1008,6 +1033,15 @@ def paired_figure(rounds: list[dict], bypassed: list[dict], graph: dict, baselin
             if a.get("step_ms") and b.get("step_ms"):
                 groups.setdefault((a.get("drawn_split") or {}).get("drawn", 0), []).append(a["step_ms"] / b["step_ms"])
         out["by_draws"] = {str(k): {"rounds": len(v), "mean": statistics.fmean(v)} for k, v in sorted(groups.items())}
+    if any("gc_ms" in a for a in rounds):  # Python's garbage collections in each half, and the pairs without them
+        kept = [(a, b) for a, b in zip(rounds, bypassed) if a.get("step_ms_without_gc") and b.get("step_ms_without_gc")]
+        out["gc"] = {"kvdbg_ms": sum(a.get("gc_ms", 0) for a, _ in kept),
+                     "bypassed_ms": sum(b.get("gc_ms", 0) for _, b in kept),
+                     "kvdbg_full": sum(a.get("gc_full", 0) for a, _ in kept),
+                     "bypassed_full": sum(b.get("gc_full", 0) for _, b in kept),
+                     "host_without": {**spread([a["step_ms_without_gc"] / b["step_ms_without_gc"] for a, b in kept]),
+                                      "mean": statistics.fmean(a["step_ms_without_gc"] / b["step_ms_without_gc"]
+                                                               for a, b in kept) if kept else None}}
     base_step = statistics.median(r["step_ms"] for r in baseline_rounds if r.get("step_ms")) \
         if any(r.get("step_ms") for r in baseline_rounds) else None
     if graph.get("value") is not None and graph.get("baseline") is not None and base_step:
@@ -1684,6 +1718,7 @@ def engine_child(args) -> dict:
 
         record["load_before"] = os.getloadavg()
         timing = Timing(thread_times=args.thread_times)
+        timing.install_gc()
         timing.install_graphs()
         if kind != "absent":
             timing.install_kvdbg()
@@ -2373,6 +2408,12 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"their {other} {pct(host.get(other))}, rounds {host['min']:.4f}..{host['max']:.4f}){device}; "
                       f"judged on the "
                       f"{'paired figure' if f.get('judged_on') == 'paired' else 'ratio across processes'}")
+                g = p.get("gc")
+                if g and g["host_without"].get("n"):
+                    print(f"  {name:9s} Python's garbage collections in the paired rounds: {g['kvdbg_ms']:.1f} ms with "
+                          f"kvdbg's patches ({g['kvdbg_full']} of the oldest generation), {g['bypassed_ms']:.1f} ms "
+                          f"without ({g['bypassed_full']}); their pauses taken out, the rounds "
+                          f"{g['host_without']['median']:.4f}x (median), {g['host_without']['mean']:.4f}x (mean)")
                 if p.get("by_draws"):  # the sentinel's rounds: its steps' own cost apart from its draws'
                     print(f"  {name:9s} its paired rounds by the steps drawn in their kvdbg half (the draws are "
                           "seeded: the same each run): " + ", ".join(

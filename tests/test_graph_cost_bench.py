@@ -1275,3 +1275,29 @@ def test_where_lines_rank_the_frames_a_drawn_step_has_more_of():
     after = gc.where_lines({**where, "after_steps": 4, "after": {"d:4 wait": 6}})
     assert after[4].startswith("where (samples a step): after 1.5, quiet 3.0; a step after one's extra")
     assert after[5] == "  +1.50  d:4 wait"
+
+
+def test_garbage_collections_are_timed_into_the_step_they_paused_and_the_pairs_shown_without_them(capsys):
+    """A collection's pause counts into the step timed then (on any thread: every thread waits for it), and the
+    paired rounds are also given with the pauses taken out: a rare long round may be Python's, not kvdbg's."""
+    import gc as python_gc
+
+    timing = gc.Timing()
+    timing.install_gc()
+    try:
+        timing.current = record = gc._new_step()
+        python_gc.collect(0)
+        python_gc.collect(2)
+        timing.current = None
+        python_gc.collect(0)  # between steps: no step's
+    finally:
+        python_gc.callbacks[:] = [c for c in python_gc.callbacks if getattr(c, "__name__", "") != "paused"]
+    assert record["gc_ns"] > 0 and record["gc_full"] == 1
+    on = gc.summarize_round([_step(6.0, gc_ns=int(1e6), gc_full=1)] * 2 + [_step(5.0)] * 2)
+    off = gc.summarize_round([_step(5.0)] * 4)
+    assert on["gc_ms"] == pytest.approx(2.0) and on["gc_full"] == 2
+    assert on["step_ms"] == pytest.approx(5.5) and on["step_ms_without_gc"] == pytest.approx(5.0)
+    paired = gc.paired_figure([on], [off], {"value": 2.0, "baseline": 2.0}, [off], 4, over="mean")
+    assert paired["host"]["mean"] == pytest.approx(1.1)
+    assert paired["gc"]["kvdbg_ms"] == pytest.approx(2.0) and paired["gc"]["bypassed_ms"] == 0
+    assert paired["gc"]["host_without"]["mean"] == pytest.approx(1.0)
