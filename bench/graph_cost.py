@@ -1857,11 +1857,11 @@ def hooks_child(args) -> dict:
 
         variants = [(mode, layers, None) for mode in ("armed", "sentinel", "wanted") for layers in (8, 32, 80)]
         variants.append(("drawn", 8, None))
-        variants += [(mode, 8, None) for mode in ("patched_armed", "patched_sentinel")]
+        variants += [(mode, 8, None) for mode in ("patched_armed", "patched_sentinel", "patched_wanted")]
         if args.cold:
             evict = Evict()
             variants += [(mode, 8, evict) for mode in ("armed", "sentinel", "wanted", "drawn", "patched_armed",
-                                                       "patched_sentinel")]
+                                                       "patched_sentinel", "patched_wanted")]
         for mode, layers, cold in variants:
             for name in [k for k in os.environ if k.startswith("KVDBG_")]:
                 del os.environ[name]
@@ -1878,6 +1878,11 @@ def hooks_child(args) -> dict:
                 elif mode == "drawn":
                     row = _drawn_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph,
                                      _record_variants, layers, cold=cold, profile=args.profile)
+                elif mode == "patched_wanted":
+                    record.setdefault("patched_wanted", []).append(
+                        {**_patched_wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph,
+                                               _record_variants, layers, cold=cold), "cold": cold is not None})
+                    continue
                 elif mode.startswith("patched_"):
                     record.setdefault("patched", []).append(
                         {**_patched_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph,
@@ -2017,19 +2022,12 @@ def _hooks_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
             "per_layer_us": (statistics.median(build_ns) + statistics.median(replay_ns)) / 1e3 / layers}
 
 
-def _patched_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode: str, layers: int,
-                 cold: "Evict | None" = None) -> dict:
-    """A decode step nothing wants through every patch kvdbg puts on it, as vLLM calls them: the worker's
-    ``execute_model``, the builder's ``build`` (looked up on the builder, so that a quiet run's lent build,
-    graph_hooks' ``_lend_builders``, is what runs) and the graph wrapper's call, each around a no-op of vLLM's;
-    against the same three calls of vLLM's alone, steps alternating. Unlike the hooks rows, this holds the patches'
-    own frames and clocks, and the steps that tell a quiet run (``run_start``), which a median leaves out and
-    the mean does not."""
+def _patched_engine(state, engine, common, metadata, wrapper) -> tuple:
+    """The stand-in's step through every patch kvdbg puts on it, as vLLM calls them: the worker's ``execute_model``,
+    the builder's ``build`` (looked up on the builder, so that a quiet run's lent build, graph_hooks'
+    ``_lend_builders``, is what runs) and the graph wrapper's call, each around a no-op of vLLM's; and the same
+    three calls of vLLM's alone. (the patched builder, the worker, vLLM's own step)"""
     from kvdbg.vllm_plugin.wrappers import _wrap_build, _wrap_execute_model, _wrap_graph_call
-
-    engine, common, metadata, batch, wrapper = _plain_stand_in(vllm_plugin, patch, StandinEngine, _Batch, _padded,
-                                                               _record_graph, layers)
-    state = vllm_plugin._state
 
     def build(builder, common_prefix_len, common_attn_metadata, fast_build=False):  # vLLM's, its result ready
         return metadata
@@ -2061,6 +2059,18 @@ def _patched_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_gra
 
     worker = Worker()
     state._wrappers.update((Patched.build, Worker.execute_model))  # kvdbg's own patches, as state._patch notes them
+    return builder, worker, own_step
+
+
+def _patched_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, mode: str, layers: int,
+                 cold: "Evict | None" = None) -> dict:
+    """A decode step nothing wants through every patch kvdbg puts on it (``_patched_engine``), against the same
+    three calls of vLLM's alone, steps alternating. Unlike the hooks rows, this holds the patches' own frames and
+    clocks, and the steps that tell a quiet run (``run_start``), which a median leaves out and the mean does not."""
+    engine, common, metadata, batch, wrapper = _plain_stand_in(vllm_plugin, patch, StandinEngine, _Batch, _padded,
+                                                               _record_graph, layers)
+    state = vllm_plugin._state
+    builder, worker, own_step = _patched_engine(state, engine, common, metadata, wrapper)
     counts = state.sentinel.sentinel.counts if state.sentinel is not None else None
     times: dict[str, list] = {"quiet": [], "run_start": [], "own": []}
     lent = 0
@@ -2113,6 +2123,31 @@ def _staged_stand_in(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record
     return engine, wrapper, entry, common, metadata, batch
 
 
+def _handed_nowhere(state, patch) -> list:
+    """The stand-ins' wanted steps go nowhere: a step handed over has its staging let go at once, and one handed on
+    its shape's ticket goes to the capture thread's queue, here a list (its append is a C call, as the queue's put
+    is), which the row empties after each step's clocks, letting its programs go (``_release_queued``). The engine's
+    put also wakes the waiting capture thread, which a list does not: 5 us more on a 2-core machine
+    (python bench/thread_wake.py), which the stand-ins' rows leave out and the engine's figures hold."""
+
+    def handed(job):
+        if job.staged is not None:
+            job.staged.release(issued=False)
+
+    patch.setattr(state, "_hand_over", handed)
+    queued: list = []
+    patch.setattr(state, "_graph_thread", types.SimpleNamespace(jobs=types.SimpleNamespace(put=queued.append),
+                                                                drain=lambda timeout: True,
+                                                                stop=lambda timeout: None))
+    return queued
+
+
+def _release_queued(queued: list) -> None:
+    for job in queued:
+        job[1].release(issued=False)
+    queued.clear()
+
+
 def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants,
                 layers: int, steps_timed: int = 2000, cold: "Evict | None" = None) -> dict:
     """A wanted step's hooks on the stand-ins, against the unwanted steps' between them in the same process: the
@@ -2131,20 +2166,7 @@ def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_grap
                                                                        _padded, _record_graph, _record_variants,
                                                                        layers)
     replay = _wrap_graph_call(state, lambda graph: None)
-
-    def handed(job):
-        if job.staged is not None:
-            job.staged.release(issued=False)
-
-    patch.setattr(state, "_hand_over", handed)
-    # A step handed on its shape's ticket goes to the capture thread's queue: here a list (its append is a C call, as
-    # the queue's put is), emptied after each step's clocks, its programs let go as its jobs' staging is above. The
-    # engine's put also wakes the waiting capture thread, which a list does not: 5 us more on a 2-core machine
-    # (python bench/thread_wake.py), which this row leaves out and the engine's figures hold.
-    queued: list = []
-    patch.setattr(state, "_graph_thread", types.SimpleNamespace(jobs=types.SimpleNamespace(put=queued.append),
-                                                                drain=lambda timeout: True,
-                                                                stop=lambda timeout: None))
+    queued = _handed_nowhere(state, patch)
     times: dict[str, dict[str, list[int]]] = {kind: {"after_build": [], "replay": []} for kind in ("unwanted", "wanted")}
     warm, timed = _steps_for(cold, 300, steps_timed)
     every = WANTED_EVERY
@@ -2154,9 +2176,7 @@ def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_grap
     for i in range(every * (warm + timed)):
         kind = "wanted" if i % every == every - 1 else "unwanted"
         build, replayed = _timed_stand_in_step(state, engine, common, metadata, replay, wrapper, cold)
-        for job in queued:
-            job[1].release(issued=False)
-        queued.clear()
+        _release_queued(queued)
         if entry.cudagraph != ("staged" if kind == "wanted" else "plain"):
             raise RuntimeError(f"a {kind} stand-in step replayed the {entry.cudagraph} graph")
         if i >= every * warm:  # the first ones warm up
@@ -2169,6 +2189,62 @@ def _wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_grap
             "replay_hooks_us": wanted["replay"], "per_layer_us": (wanted["after_build"] + wanted["replay"]) / layers,
             "by_hook_us": wanted, "unwanted_by_hook_us": unwanted,
             "added_us": sum(wanted.values()) - sum(unwanted.values()),
+            "tickets": len(state._tickets), "staged_in_graph": state.capturer.engine_time.in_graph}
+
+
+def _patched_wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph, _record_variants,
+                        layers: int, steps_timed: int = 2000, cold: "Evict | None" = None) -> dict:
+    """A wanted step as the wanted row has it (capture's step filter takes every WANTED_EVERY-th step, the staged
+    graph serves it on its shape's ticket), but whole, through every patch kvdbg puts on it (``_patched_engine``),
+    against the unwanted steps between them: the quiet ones (vLLM's own build and ``execute_model`` lent), the run's
+    first replay (which lends them after it), and the one after each wanted step, which tells a run again
+    (``run_start``); an engine's runs are longer (QUIET_AHEAD), its steps nearly all quiet ones. Unlike the wanted row, this holds the
+    patches' own frames and clocks, which a wanted step runs and a lent step does not."""
+    from kvdbg.capture.config import IntRanges
+
+    state = vllm_plugin._state
+    engine, wrapper, entry, common, metadata, batch = _staged_stand_in(vllm_plugin, patch, StandinEngine, _Batch,
+                                                                       _padded, _record_graph, _record_variants,
+                                                                       layers)
+    builder, worker, own_step = _patched_engine(state, engine, common, metadata, wrapper)
+    queued = _handed_nowhere(state, patch)
+    times: dict[str, list[int]] = {"wanted": [], "quiet": [], "first_replay": [], "run_start": [], "own": []}
+    warm, timed = _steps_for(cold, 300, steps_timed)
+    every = WANTED_EVERY
+    first = state._forward_counts.get(state._graph_layers[batch][0].name, 0)
+    state.capturer.reconfigure(steps=IntRanges.of(range(first + every - 1, first + every * (warm + timed), every),
+                                                  "steps"))
+    for i in range(every * (warm + timed)):
+        kind = "wanted" if i % every == every - 1 else "unwanted"
+        run = state._quiet_run
+        told = run is not None and run.step < run.horizon
+        lent = "build" in vars(builder) and "execute_model" in vars(worker)
+        if kind == "wanted" and lent:
+            raise RuntimeError("a wanted stand-in step would run vLLM's own build, lent")
+        if cold is not None:
+            cold()
+        t0 = time.perf_counter_ns()
+        worker.execute_model(None)
+        spent = time.perf_counter_ns() - t0
+        _release_queued(queued)
+        if entry.cudagraph != ("staged" if kind == "wanted" else "plain"):
+            raise RuntimeError(f"a {kind} stand-in step replayed the {entry.cudagraph} graph")
+        if i >= every * warm:
+            # a quiet step lent vLLM's own methods; the run's first replay, which lends them after it; the step
+            # that tells a run
+            times[kind if kind == "wanted" else "quiet" if lent else "first_replay" if told else "run_start"].append(
+                spent)
+            if i % every == 0:  # vLLM's own calls, once a cycle
+                if cold is not None:
+                    cold()
+                t0 = time.perf_counter_ns()
+                own_step(None)
+                times["own"].append(time.perf_counter_ns() - t0)
+    medians = {kind: statistics.median(v) / 1e3 for kind, v in times.items() if v}
+    return {"mode": "wanted", "layers": layers, "steps": len(times["wanted"]), "wanted_us": medians["wanted"],
+            "quiet_us": medians["quiet"], "first_replay_us": medians.get("first_replay"),
+            "run_start_us": medians.get("run_start"), "own_us": medians["own"],
+            "added_us": medians["wanted"] - medians["quiet"],
             "tickets": len(state._tickets), "staged_in_graph": state.capturer.engine_time.in_graph}
 
 
@@ -2480,6 +2556,11 @@ def print_figures(figs: dict, records: dict) -> None:
               f"the steps that tell a run ({row['run_starts']} of {row['steps']}, "
               f"{row['run_start_us'] or 0:.1f} us each) {row['mean_added_us']:.1f} us; vLLM's own build and "
               f"execute_model lent in {row['lent_steps']}")
+    for row in records.get("hooks", {}).get("patched_wanted", []):
+        print(f"  stand-ins{', cold' if row['cold'] else ''}, a step through kvdbg's patches, wanted   "
+              f"{row['layers']} layers: {row['wanted_us']:.1f} us, {row['added_us']:.1f} us over a quiet step "
+              f"({row['quiet_us']:.1f}; vLLM's own calls {row['own_us']:.1f}); the step after it, which tells a run "
+              f"again, {row['run_start_us'] or 0:.1f} us; staged inside the graph {row['staged_in_graph']}")
     for row in hooks:
         print(f"  stand-ins{', cold' if row.get('cold') else ''}, {row['mode']:8s} {row['layers']:3d} layers: after_build {row['after_build_us']:.1f} us, "
               f"replay hooks {row['replay_hooks_us']:.1f} us a step ({row['per_layer_us']:.2f} us a layer)"

@@ -803,6 +803,31 @@ def test_the_stand_ins_patched_row_times_whole_steps_through_kvdbgs_patches_most
     assert row["added_us"] == _pytest.approx(row["quiet_us"] - row["own_us"])
 
 
+def test_the_stand_ins_patched_wanted_row_times_whole_wanted_steps_against_quiet_ones(standins, tmp_path):
+    """The hooks part's patched wanted row: every WANTED_EVERY-th step wanted, through kvdbg's three patches, served
+    on its shape's ticket by the staged graph; the others are told by the step after each wanted one, the run's
+    first replay, and quiet steps that run vLLM's own methods, lent."""
+    import pytest as _pytest
+
+    from tests.test_vllm_plugin import _Batch, _record_variants
+
+    enable(standins, tmp_path)
+    patch = _pytest.MonkeyPatch()
+    state = vllm_plugin._state
+    try:
+        row = gc._patched_wanted_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph,
+                                     _record_variants, 8, steps_timed=40)
+        names = [slot.name for slot in state._graph_layers[_Batch((4,))]]
+        cycles = 300 + 40  # the row's warm-up cycles, then the timed ones
+        assert {state._forward_counts[n] for n in names} == {gc.WANTED_EVERY * cycles}
+    finally:
+        patch.undo()
+    assert row["steps"] == 40 and row["tickets"] == 1
+    assert row["staged_in_graph"] == cycles  # every wanted step, staged inside the graph (the first earns the ticket)
+    assert row["wanted_us"] > 0 and row["quiet_us"] > 0 and row["first_replay_us"] > 0 and row["run_start_us"] > 0
+    assert row["added_us"] == _pytest.approx(row["wanted_us"] - row["quiet_us"])
+
+
 def test_the_stand_ins_drawn_row_checks_each_drawn_step_in_the_checker_process_from_the_staged_graph(standins,
                                                                                                      tmp_path):
     """The hooks part's drawn row: the sentinel draws every DRAWN_EVERY-th step; each drawn step replays the staged
