@@ -310,12 +310,12 @@ def test_a_hold_the_sentinels_capture_left_pending_is_let_go_by_the_next_choice_
     pended = []
 
     def release(self, issued=True):  # a GPU's: an issued release pends until asked
-        with self._lock:
-            if issued:
-                pended.append(1)
+        if issued:
+            pended.append(1)
+            with self._lock:
                 self._pending.append(Passed())
-            else:
-                self._holders = max(0, self._holders - 1)
+        else:
+            self._let_go()
 
     monkeypatch.setattr(InGraphProgram, "release", release)
     _wrong_head_2_of_layer_1(monkeypatch)

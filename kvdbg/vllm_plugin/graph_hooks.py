@@ -637,7 +637,7 @@ class GraphHooks:
             # _ticket_fits, read here in line (keep the two alike): a wanted step is rare, so each call of its own
             # would be a cold one.
             if ticket.wrapper is not wrapper or pending[5] != self._counts_epoch \
-                    or pending[6] is not self.capturer.config or ticket.program._holders or ticket.table is None \
+                    or pending[6] is not self.capturer.config or ticket.program._holds or ticket.table is None \
                     or self._graph_job is not None or self.sentinel is not None:
                 return None
             context = self._forward_context  # kept by graph_call, which the shape's first wanted step went through
@@ -675,7 +675,7 @@ class GraphHooks:
         since the build, the program free."""
         ticket = pending[0]
         return ticket.wrapper is wrapper and pending[5] == self._counts_epoch and pending[6] is self.capturer.config \
-            and not ticket.program._holders and ticket.table is not None
+            and not ticket.program._holds and ticket.table is not None
 
     def quiet_replayed(self, run: "_QuietRun") -> None:
         """The quiet run's step is queued (:meth:`quiet_replay`): its layers' forwards counted, nothing else.
@@ -1214,8 +1214,7 @@ class GraphHooks:
             if thread is None:
                 thread = self._graph_thread = _GraphCaptureThread(self)
             program = ticket.program
-            with program._lock:  # program.hold(), in line
-                program._holders += 1
+            program._holds.append(None)  # program.hold(), in line
             held = True
             thread.jobs.put(fast)
         except Exception as exc:  # never into vLLM: each layer's step said lost, the program let go

@@ -366,13 +366,23 @@ class _Program:
         self.graph = None
         self.recorded_ms = 0.0
         self._views: dict[int, dict[str, StagedLayer]] = {}
-        self._holders = 0
+        # One entry a hold: a hold appends, a release pops, each one call that Python's lock makes whole, so a hold
+        # takes no lock of its own (the engine's thread holds, the capture thread and the sentinel release; taking a
+        # threading.Lock on a wanted step was a third of its hand-over's Python, cold).
+        self._holds: list[None] = []
         self._released: list[Any] = []  # events after the holders' reads, for the next run to wait on
         self._lock = threading.Lock()
 
     @property
     def held(self) -> bool:
-        return self._holders > 0
+        return bool(self._holds)
+
+    def _let_go(self) -> None:
+        """One hold let go (none left: nothing)."""
+        try:
+            self._holds.pop()
+        except IndexError:
+            pass
 
     def reads_metadata_of(self, hint: StageHint) -> bool:
         """Whether the program's metadata copies read the buffers of this build (those it was made for)."""
@@ -390,7 +400,7 @@ class _Program:
     def reusable(self) -> bool:
         """Whether a step may be staged with this program now: no reader holds it, and its last run's copy of
         the counts is done (a reader waited for it, else the run's event says so: one query, no wait)."""
-        if self._holders:
+        if self._holds:
             return False
         if self.ready is None or self._seen >= self.runs:
             return True
@@ -400,8 +410,7 @@ class _Program:
         return False
 
     def hold(self) -> None:
-        with self._lock:  # (graph_hooks' ticket_replayed takes a hold the same way, in line: keep the two alike)
-            self._holders += 1
+        self._holds.append(None)  # (graph_hooks' ticket_replayed takes a hold the same way, in line: keep the two alike)
 
     def views(self, rows: int) -> dict[str, StagedLayer]:
         """The layers' staged copies, their query and output cut to ``rows`` (made once per number of rows)."""
@@ -426,10 +435,10 @@ class _Program:
 
             event = torch.cuda.Event()
             event.record(current_stream(self.device))
-        with self._lock:
-            if event is not None:
+        if event is not None:
+            with self._lock:
                 self._released.append(event)
-            self._holders = max(0, self._holders - 1)
+        self._let_go()
 
     def _body(self, rows: int | None = None) -> None:
         """The staging (``rows``: only the first rows of each layer's query and output buffers, those of the graph
@@ -601,7 +610,7 @@ class InGraphProgram(_Program):
     def reusable(self) -> bool:
         """No reader holds the program (a reader lets it go only once its reads are done on the device: the engine's
         thread asks no event)."""
-        return not self._holders
+        return not self._holds
 
     def release(self, issued: bool = True) -> None:
         """The holder's reads of the staged buffers are issued (on the current stream): the program is let go once
@@ -617,8 +626,7 @@ class InGraphProgram(_Program):
             with self._lock:
                 self._pending.append(done)
             return
-        with self._lock:
-            self._holders = max(0, self._holders - 1)
+        self._let_go()
 
     def poll_released(self, wait: bool = False) -> bool:
         """Let the holds go whose readers' copies are done on the device (``wait``: waiting for them); whether any
@@ -634,7 +642,7 @@ class InGraphProgram(_Program):
                 elif not event.query():
                     continue
                 pending.remove(event)
-                self._holders = max(0, self._holders - 1)
+                self._let_go()
             return bool(pending)
 
     def staged_step(self, rows: int, hint: StageHint, with_metadata: bool) -> StagedStep:
