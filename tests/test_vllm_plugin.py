@@ -1674,6 +1674,29 @@ def test_later_wanted_steps_of_a_shape_are_handed_on_its_ticket_and_each_snapsho
     assert not program.held
 
 
+def test_a_staged_steps_metadata_and_page_ids_are_read_before_any_layer_is_captured(standins, tmp_path,
+                                                                                     monkeypatch):
+    """The capture thread reads a staged step's metadata and page ids back first, before the pages' copies (on a
+    GPU, issued ahead for every layer: a read after them would wait behind them all) and before any layer's capture,
+    which then finds them read; the step is captured whole."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "0-1", layers=3)
+    wrapper, entry = _record_variants(16)
+    seen = []
+    real_start = state.start_capture
+
+    def start_capture(*args, staged=None, **kwargs):
+        seen.append((staged.step._metadata is not None, staged.step._unique is not None))
+        return real_start(*args, staged=staged, **kwargs)
+
+    monkeypatch.setattr(state, "start_capture", start_capture)
+    for _ in range(2):
+        common = _padded(engine.common(), reqs=4, tokens=16)
+        _run_as_graph(engine, common, _padded_inputs(engine, 16), 16, monkeypatch, wrapper=wrapper)
+        assert entry.cudagraph == "staged" and state.drain_graph_capture(10)
+    assert seen == [(True, True)] * 6
+    assert len(snapshots(tmp_path)) == 6 and state.capturer.dropped["internal"] == 0
+
+
 def _assert_each_snapshot_is_its_step(snaps, expected, engine):
     """Each snapshot holds its own step: the lengths and the layer's output (its 12 real tokens) the engine had at
     the step its metadata names (``expected``: step -> (seq_lens, each layer's output))."""

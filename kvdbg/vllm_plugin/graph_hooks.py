@@ -1445,6 +1445,16 @@ class GraphHooks:
                     staged.sized()  # staged inside vLLM's graph: the counts the device worked out, read back
                 except Exception as exc:  # noqa: BLE001 - each layer's step said lost below
                     sizing = exc
+            if staged is not None and sizing is None:
+                # The step's staged metadata and page ids, read back before the pages' copies are issued: a read is
+                # a copy to the host and a wait on this stream, which would otherwise wait behind every layer's
+                # pages (milliseconds). Each is kept by the staged step; one that fails is read again, and said,
+                # where the layers need it.
+                for read_first in (staged.metadata, staged.unique_ids):
+                    try:
+                        read_first()
+                    except Exception:  # noqa: BLE001 - said per layer below
+                        pass
             ahead = self._issue_ahead(job) if staged is not None and stream is not None and sizing is None else {}
             try:
                 for slot, step, ctx in job.items:
