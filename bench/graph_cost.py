@@ -450,13 +450,18 @@ class Timing:
                 # The device's own work for the step: the program, the copies issued ahead (from the first to the
                 # last, made back to back when the host issued them all before the device reached the first),
                 # and each read the capture thread made later (its page ids, the step's metadata), timed alone.
-                copies_end = getattr(job, "bench_copies_end", None)
+                copies_end, ahead_begin = getattr(job, "bench_copies_end", None), getattr(job, "bench_ahead_begin", None)
                 reads = [_elapsed(a, b) for a, b in getattr(job, "bench_reads", [])]
+                each = [_elapsed(a, b) for a, b in getattr(job, "bench_each_copy", [])]
                 record["device"] = {"engine_ms": start.elapsed_time(staged_end),
                                     "side_ms": max([c for c in copies if c is not None], default=None),
-                                    "copies_ms": None if begin is None or copies_end is None
-                                    else _elapsed(begin, copies_end),
+                                    "copies_ms": None if ahead_begin is None or copies_end is None
+                                    else _elapsed(ahead_begin, copies_end),
                                     "reads_ms": sum(r for r in reads if r is not None), "reads": len(reads),
+                                    # the copies issued ahead each alone: their sum leaves out the gaps where the
+                                    # device waited for the capture thread to issue the next one
+                                    "copies_busy_ms": None if not each or None in each else sum(each),
+                                    "copies_each": len(each),
                                     "device_caught_up": getattr(job, "bench_copies_caught_up", None),
                                     "capture_thread": True, "staged": True,
                                     # Staged by vLLM's graph itself (its staged variant): the program ran inside the
@@ -656,21 +661,45 @@ class Timing:
         copies_ahead = cls._copies_ahead
 
         def ahead(state, job):
-            """A staged step's copies issued for every layer at once: its copies to the host begin here, and end with
-            the last one issued (whether the device had already reached the first says if they ran back to back)."""
-            timed = getattr(job, "bench_start", None) is not None and getattr(job, "bench_copies_begin", None) is None
+            """A staged step's copies issued for every layer at once: they begin here, and end with the last one
+            issued (whether the device had already reached the first says if they ran back to back); the step's
+            copies to the host begin here unless a read began them."""
+            timed = getattr(job, "bench_start", None) is not None
             if timed:
-                job.bench_copies_begin = torch.cuda.Event(enable_timing=True)
-                job.bench_copies_begin.record()
+                job.bench_ahead_begin = torch.cuda.Event(enable_timing=True)
+                job.bench_ahead_begin.record()
+                if getattr(job, "bench_copies_begin", None) is None:
+                    job.bench_copies_begin = job.bench_ahead_begin
             try:
                 return copies_ahead(state, job)
             finally:
                 if timed:
                     job.bench_copies_end = torch.cuda.Event(enable_timing=True)
                     job.bench_copies_end.record()
-                    job.bench_copies_caught_up = job.bench_copies_begin.query()
+                    job.bench_copies_caught_up = job.bench_ahead_begin.query()
 
         self._replace(cls, "_copies_ahead", _timed(timing, "copies_ahead", ahead, "inner"))
+        from kvdbg.capture.buffers import StepCopies
+
+        def timed_copy(issue):
+            def issued(copies, *args, **kwargs):
+                """One copy issued ahead by the capture thread (the current stream): on a device-timed step, events
+                just before and after it, so that the copies' own device time is known apart from the gaps where
+                the device waited for the thread to issue the next one (``bench_each_copy``)."""
+                job = getattr(_capturing, "job", None)
+                if job is None or getattr(job, "bench_start", None) is None:
+                    return issue(copies, *args, **kwargs)
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record()
+                try:
+                    return issue(copies, *args, **kwargs)
+                finally:
+                    after.record()
+                    job.bench_each_copy = [*getattr(job, "bench_each_copy", []), (before, after)]
+            return issued
+
+        self._replace(StepCopies, "span_ahead", timed_copy(StepCopies.span_ahead))
+        self._replace(StepCopies, "ahead", timed_copy(StepCopies.ahead))
         # The engine's thread's part of a wanted step: the build's copies to the host, the staging program.
         from kvdbg.capture import buffers as capture_buffers
         from kvdbg.vllm_plugin.graph_staging import GraphStager
@@ -972,10 +1001,12 @@ def summarize_wanted(steps: list[dict], wanted: int) -> dict:
         device = hit["device"]
         if device.get("staged"):  # the staging on the engine's stream, then the copies from the staged buffers
             span = (device["engine_ms"] or 0.0) + (device["side_ms"] or 0.0)
-            # The device's work: the program, the copies issued ahead, the later reads; the span above also holds
-            # the capture thread's host time between them (its stream idle, waiting for the thread).
-            work = None if device.get("copies_ms") is None else \
-                (device["engine_ms"] or 0.0) + device["copies_ms"] + device.get("reads_ms", 0.0)
+            # The device's work: the program, the copies issued ahead (each one's own time where each was timed:
+            # not the gaps where the device waited for the capture thread to issue the next), the reads; the span
+            # above also holds the capture thread's host time between them (its stream idle, waiting for the thread).
+            copies = device.get("copies_busy_ms")
+            copies = device.get("copies_ms") if copies is None else copies
+            work = None if copies is None else (device["engine_ms"] or 0.0) + copies + device.get("reads_ms", 0.0)
             if device.get("in_graph"):
                 # The program ran inside the graph: what the staged graph took over the plain ones the round's other
                 # steps replayed (the layers' query and output copies and the staging) is the device's work too.
@@ -1143,6 +1174,7 @@ def figures(records: dict[str, dict]) -> dict:
                                     "judged_on": "work" if all(w["device"].get("work_ms") is not None
                                                                for w in device) else "span",
                                     "copies_ms": spread([w["device"].get("copies_ms") for w in device]),
+                                    "copies_busy_ms": spread([w["device"].get("copies_busy_ms") for w in device]),
                                     "reads_ms": spread([w["device"].get("reads_ms") for w in device]),
                                     "span_ms": spread([w["device"]["span_ms"] for w in device]),
                                     "engine_stream_ms": spread([w["device"]["engine_ms"] for w in device]),
@@ -2545,8 +2577,11 @@ def print_figures(figs: dict, records: dict) -> None:
             print(f"    staged inside vLLM's graph in {f['in_graph']} of {f['ratio']['n']}: the staged graph's time over "
                   f"the plain graph's {f['graph_extra_ms'].get('median') or 0:.3f} ms (counted in the device's work)")
         if f.get("judged_on") == "work":
+            busy = f.get("copies_busy_ms") or {}
             print(f"    the device's work: the program on the engine's stream, the copies issued ahead "
-                  f"{f['copies_ms']['median']:.2f} ms, the capture thread's later reads {f['reads_ms']['median']:.3f} "
+                  + (f"{busy['median']:.2f} ms (each one's own time; from the first to the last "
+                     f"{f['copies_ms']['median']:.2f} ms)" if busy.get("n") else f"{f['copies_ms']['median']:.2f} ms")
+                  + f", the capture thread's reads {f['reads_ms']['median']:.3f} "
                   f"ms; from the program to the capture thread's last issue (its host time between them) "
                   f"{f['span_ms']['median']:.2f} ms")
     hooks = records.get("hooks", {}).get("rows", [])

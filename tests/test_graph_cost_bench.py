@@ -137,8 +137,14 @@ def test_a_staged_steps_device_figure_is_the_devices_work_not_the_capture_thread
     # 100 MB at 50 GB/s: 2 ms, against 2.65 ms of the device's work.
     assert f["judged_on"] == "work" and f["ratio"]["median"] == pytest.approx(2.65 / 2.0) and f["met"]
     assert f["span_ms"]["median"] == pytest.approx(25.4)
+    # Each copy issued ahead timed alone: their own time, not the gaps where the device waited for the thread.
+    steps[20]["device"] = {**steps[20]["device"], "copies_ms": 3.1, "copies_busy_ms": 2.2, "device_caught_up": True}
+    records["capture"]["phases"]["wanted"][-1] = {**gc.summarize_wanted(steps, 20), "role": "device"}
+    f = gc.figures(records)["wanted_device"]
+    assert f["judged_on"] == "work" and f["ratio"]["median"] == pytest.approx(2.65 / 2.0)
+    assert f["copies_ms"]["median"] == 3.1 and f["copies_busy_ms"]["median"] == 2.2
     # Copies not issued ahead (no mark after them): the span is all the run can tell, and it is judged.
-    steps[20]["device"] = {**steps[20]["device"], "copies_ms": None}
+    steps[20]["device"] = {**steps[20]["device"], "copies_ms": None, "copies_busy_ms": None}
     records["capture"]["phases"]["wanted"][-1] = {**gc.summarize_wanted(steps, 20), "role": "device"}
     f = gc.figures(records)["wanted_device"]
     assert f["judged_on"] == "span" and f["ratio"]["median"] == pytest.approx(25.4 / 2.0) and not f["met"]
