@@ -1814,7 +1814,8 @@ def test_a_wanted_step_at_the_end_of_a_quiet_run_is_told_at_its_build_on_its_tic
         standins, tmp_path, monkeypatch):
     """Capture armed for a few steps, as a user arms it: the graph's replays between two wanted steps run as a quiet
     run, which stops at the next step the filters take. That step's build is told on its shape's ticket right at the
-    run's end, with the run's step (the layers' counts neither read nor written then), its replay moves the run on,
+    run's end, by the build's own lines, with the run's step (the layers' counts neither read nor written then; the
+    builder's selected layers those the ticket holds under the run's configuration), its replay moves the run on,
     and its snapshots are those of the steps the filters named, each layer's from its own step, the counts after it
     what the engine's forwards make them. With capture off by then, or no room left under the snapshot limit, the
     step is asked as any other build: nothing kept on the ticket, nothing captured."""
@@ -1849,13 +1850,14 @@ def test_a_wanted_step_at_the_end_of_a_quiet_run_is_told_at_its_build_on_its_tic
         assert state.drain_graph_capture(10)
         program.poll_released(wait=True)
         expected[step] = (common.seq_lens[:3].tolist(), [o[:12].clone() for o in outputs])
-        if step in (5, 8):  # told at the run's end: the run's step, its counts still unwritten at the build
-            assert told == [((step,), True)] and pending[step] == (True, True), step
+        if step in (5, 8):  # told at the run's end by the build's own lines (nothing asked of _on_ticket, which
+            # reads the counts): kept on the ticket, the layers' counts still unwritten at the build
+            assert told == [] and pending[step] == (True, True), step
             assert entry.cudagraph == "staged"
         elif step == 2:  # the shape's first wanted step: asked, and it earns the ticket
             assert told == [] and pending[step][0] is False
-        elif step == 11:  # capture off: asked on the ticket at the run's end, refused, and asked as any build
-            assert [end for end, _ in told] == [(11,)] and pending[step][0] is False
+        elif step == 11:  # capture off: refused at the run's end, then asked as any build, which keeps nothing
+            assert told == [] and pending[step][0] is False
         if step in (2, 5, 8, 11):  # every layer's forwards, read back (a read writes a quiet run's counts in)
             assert set(state._forward_counts.values()) == {step + 1}, step
     snaps = snapshots(tmp_path)
@@ -1872,16 +1874,58 @@ def test_a_quiet_runs_end_that_the_snapshot_limit_leaves_no_room_for_is_not_told
     state.capturer.reconfigure(max_snapshots=6)
     wrapper, entry = _record_variants(16)
     program = next(iter(state._staged_variants.values()))[1]
-    told, real = [], state._on_ticket
-    monkeypatch.setattr(state, "_on_ticket", lambda *args: told.append(args[4:]) or real(*args))
+    kept, real_build = {}, engine.builder.build
+
+    def build(*args, **kwargs):  # whether the build was kept on the ticket, at a quiet run's end
+        run = state._quiet_run
+        at_end = run is not None and run.step == run.taken
+        metadata = real_build(*args, **kwargs)
+        if at_end:
+            kept[run.step] = state._pending_build is not None
+        return metadata
+
+    monkeypatch.setattr(engine.builder, "build", build)
     for step in range(13):
         _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
                       monkeypatch, wrapper=wrapper, through=True)
         assert state.drain_graph_capture(10) and state.capturer.flush(10)  # the limit counts the writer's too
         program.poll_released(wait=True)
-    assert [end for end in told if end] == [(7,), (12,)]  # asked at the run's end: 12's refused (no room)
+    # Each a run's end: 2 before the shape has a ticket, 7 told on it, 12 refused (no room)
+    assert kept == {2: False, 7: True, 12: False}
     assert sorted({s.meta.capture["step"] for s in snapshots(tmp_path)}) == [2, 7]
     assert not state.capturer.active and set(state._forward_counts.values()) == {13}
+
+
+def test_a_quiet_runs_end_under_a_new_layer_filter_is_not_told_on_a_ticket_made_under_the_old_one(
+        standins, tmp_path, monkeypatch):
+    """A ticket holds the builder's selected layers under the filters it was made (or last found) under: once the
+    layer filter selects fewer, the next quiet run's end is asked as any build, and only the layers now selected
+    are captured."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "2,6,10", layers=3)
+    wrapper, entry = _record_variants(16)
+    program = next(iter(state._staged_variants.values()))[1]
+    kept, real_build = {}, engine.builder.build
+
+    def build(*args, **kwargs):
+        run = state._quiet_run
+        at_end = run is not None and run.step == run.taken
+        metadata = real_build(*args, **kwargs)
+        if at_end:
+            kept[run.step] = state._pending_build is not None
+        return metadata
+
+    monkeypatch.setattr(engine.builder, "build", build)
+    for step in range(11):
+        if step == 7:  # after step 6, told on the ticket: one layer selected from now on
+            state.capturer.select_layers(engine.names[1])
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch, wrapper=wrapper, through=True)
+        assert state.drain_graph_capture(10)
+        program.poll_released(wait=True)
+    assert kept.get(6) is True and kept.get(10) is not True
+    layers = sorted((s.meta.capture["step"], s.meta.capture["layer"]) for s in snapshots(tmp_path))
+    assert layers == sorted([(2, n) for n in engine.names] + [(6, n) for n in engine.names] + [(10, engine.names[1])])
+    assert state.capturer.dropped["internal"] == 0
 
 
 def test_a_build_kept_on_its_ticket_is_kept_as_any_build_when_its_step_is_not_handed_on_it(

@@ -65,13 +65,20 @@ class BuilderHooks:
                 elif run.step == run.taken and self._tickets and self.sentinel is None and metadata is not None:
                     # The step the quiet run stopped at because capture's filters take it, nothing counted since its
                     # last replay: every layer of its graph is at its step, which the filters take. Told on its
-                    # shape's ticket here, by this hook's own lines as far as it can be: a wanted step is rare, so
-                    # whatever it calls is likely out of the processor's caches.
+                    # shape's ticket here, by this hook's own lines (_on_ticket's, the builder's selected layers
+                    # those the ticket was last found to hold under the run's configuration): a wanted step is rare,
+                    # so whatever it calls or reads is likely out of the processor's caches.
                     ticket = self._tickets.get((id(builder), common.num_actual_tokens, common.num_reqs))
                     if ticket is not None and ticket.builder is builder and ticket.covers \
-                            and ticket.names is run.names and self._on_ticket(ticket, builder, common, metadata,
-                                                                              run.step):
+                            and ticket.names is run.names and ticket.told is run.config \
+                            and 0 < common.max_seq_len <= ticket.max_seq_len and common.causal.__class__ is bool \
+                            and self.capturer.takes_all(len(ticket.selected)):
                         self._prepared = None
+                        self._last_builds[id(builder)] = (builder, common)
+                        if self._host_slots and common.slot_mapping is not None:
+                            self._host_slots.pop(common.slot_mapping.data_ptr(), None)
+                        self._pending_build = (ticket, builder, common, metadata, run.step, self._counts_epoch,
+                                               run.config)
                         return True
             if self._pending_build is not None:  # an earlier build kept on a ticket that no hook read: kept now
                 self._settle_build()
@@ -137,11 +144,11 @@ class BuilderHooks:
             self.capturer.report(exc, f"{type(builder).__name__}.build")
             return False
 
-    def _on_ticket(self, ticket: Any, builder: Any, common: Any, metadata: Any, taken: int | None = None) -> bool:
+    def _on_ticket(self, ticket: Any, builder: Any, common: Any, metadata: Any) -> bool:
         """The build of a step its shape's ``ticket`` serves, kept on it (``_pending_build``) when capture wants every
         layer of the ticket at one step: the same layers selected (the list :meth:`_selected_layers` keeps per
         configuration), the lengths within the staged pages' reach, one causal flag. False: asked as any build.
-        ``taken``: the layers' step, known to be one capture's filters take (a quiet run's end, see after_build)."""
+        (A quiet run's end, whose step capture's filters take, is told in after_build's own lines.)"""
         capturer = self.capturer
         config = capturer.config
         names = ticket.selected
@@ -150,15 +157,11 @@ class BuilderHooks:
                                                                                                 None) \
                 or not 0 < common.max_seq_len <= ticket.max_seq_len or common.causal.__class__ is not bool:
             return False
-        if taken is not None:  # the counts not read: written in later, should the quiet run's be still unwritten
-            lo = taken
-            if not capturer.takes_all(len(names)):
-                return False
-        else:
-            steps = list(map(self._forward_counts.get, names, repeat(0)))
-            lo = min(steps)
-            if lo != max(steps) or not capturer.wants_all(len(names), lo):
-                return False
+        ticket.told = config
+        steps = list(map(self._forward_counts.get, names, repeat(0)))
+        lo = min(steps)
+        if lo != max(steps) or not capturer.wants_all(len(names), lo):
+            return False
         self._last_builds[id(builder)] = (builder, common)
         if self._host_slots and common.slot_mapping is not None:
             self._host_slots.pop(common.slot_mapping.data_ptr(), None)
@@ -397,6 +400,9 @@ class BuilderHooks:
         if hit is not None and hit[1] is names and hit[2] == selected:
             selected = hit[2]  # the same layers under new filters (a new step filter): the same list, which tickets hold
         self._builder_layers[id(builder)] = (config, names, selected)
+        for ticket in self._tickets.values():  # to be found again (_on_ticket) before a quiet run's end is told on it
+            if ticket.builder is builder:
+                ticket.told = None
         return selected
 
     def _stash(self, metadata: Any, ctx: _EngineContext) -> None:

@@ -221,6 +221,10 @@ class _Ticket:
     entry: Any = None  # vLLM's entry for the batch, and the wrapper's table of entries then (a new table: its
     table: Any = None  # graphs recorded anew; vLLM never replaces an entry in a table, see quiet_replay)
     covers: bool = False  # every selected layer is one of the graph's (their steps then a quiet run's, if any)
+    # Capture's configuration under which the builder's selected layers were last found to be ``selected``
+    # (BuilderHooks._on_ticket; let go when the builder's are worked out anew): a quiet run's end under it asks
+    # that no more (after_build).
+    told: Any = None
 
 
 class _GraphCaptureThread:
@@ -1193,7 +1197,7 @@ class GraphHooks:
         self._tickets[key] = _Ticket(builder, selected, facts, wrapper, batch, staged[0], program,
                                      tuple(item[0] for item in items), names, longest, batch.num_tokens,
                                      int(items[0][0].query.shape[0]), variants[0], table,
-                                     set(selected) <= set(names))
+                                     set(selected) <= set(names), self.capturer.config)
 
     def ticket_replayed(self, fast: tuple) -> bool:
         """A wanted step handed on its ticket (:meth:`ticket_replay`, or :meth:`choose_graph` then
