@@ -2145,9 +2145,12 @@ def test_a_quiet_run_lends_its_builders_vllms_own_build_and_takes_it_back_before
         return len(builds), lent()
 
     def lent():
-        both = "build" in vars(engine.builder), "execute_model" in vars(worker)
-        assert both[0] == both[1]  # lent and taken back together
-        return both[0]
+        if "build" in vars(engine.builder):
+            assert "execute_model" in vars(worker)  # lent together
+        return "build" in vars(engine.builder)
+
+    def worker_lent():
+        return "execute_model" in vars(worker)
 
     # A host copy of another buffer's slot mapping, as a GPU engine's prefill step leaves (only read before the
     # forward it was made for): it does not keep the run from lending.
@@ -2156,12 +2159,16 @@ def test_a_quiet_run_lends_its_builders_vllms_own_build_and_takes_it_back_before
     # steps 2 and 3 built with vLLM's own build; after step 3's replay the next step is the one the filter takes.
     assert [graph_step() for _ in range(4)] == [(1, False), (1, True), (0, True), (0, False)]
     assert entry.cudagraph == "plain" and {state._forward_counts[n] for n in engine.names} == {4}
+    # The worker's execute_model stays vLLM's own past the run (its hook only waits for a capture that reads the
+    # engine's memory; handing one over takes it back first), until an eager step, new filters or the plugin's end.
+    assert worker_lent()
     assert graph_step() == (1, False) and entry.cudagraph == "staged"  # step 4: told by its hooked build, captured
     assert state.drain_graph_capture(10) and state.capturer.flush(10)
     assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [4, 4, 4]
     assert [graph_step() for _ in range(3)] == [(1, False), (1, True), (0, True)]  # steps 5 (asked) to 7
+    assert worker_lent()
     engine.step(common=engine.common())  # an eager step 8: its layers' forwards take the builder back
-    assert not lent() and {state._forward_counts[n] for n in engine.names} == {9}
+    assert not lent() and not worker_lent() and {state._forward_counts[n] for n in engine.names} == {9}
     engine.seq_lens = [n - 9 * engine.query_len for n in engine.seq_lens]  # the stand-in's few pages: room again
     assert [graph_step() for _ in range(2)] == [(1, False), (1, True)]  # 9 asked, a run told anew
     assert graph_step(32, other) == (0, False)  # another graph's step 11 (its build lent): its call takes it back
@@ -2169,13 +2176,55 @@ def test_a_quiet_run_lends_its_builders_vllms_own_build_and_takes_it_back_before
     assert {state._forward_counts[n] for n in engine.names} == {14}
     assert state.capturer.flush(10) and sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [4, 4, 4]
     state.capturer.reconfigure(steps=IntRanges.of("14", "steps"))  # new filters take it back at once: step 14 told
-    assert not lent() and graph_step() == (1, False) and entry.cudagraph == "staged"
+    assert not lent() and not worker_lent()
+    assert graph_step() == (1, False) and entry.cudagraph == "staged"
     assert state.drain_graph_capture(10) and state.capturer.flush(10)
     assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [4, 4, 4, 14, 14, 14]
     assert [graph_step() for _ in range(2)] == [(1, False), (1, True)]
+    assert worker_lent()
     vllm_plugin.unregister()  # the class's own build back, and nothing of kvdbg's on the builder or the worker
-    assert not lent() and not hasattr(type(engine.builder).build, "_kvdbg_original")
+    assert not lent() and not worker_lent() and not hasattr(type(engine.builder).build, "_kvdbg_original")
     assert not hasattr(WorkerWrapperBase.execute_model, "_kvdbg_original")
+
+
+def test_a_step_handed_over_unstaged_takes_the_workers_execute_model_back_so_the_next_step_waits_for_it(
+        standins, tmp_path, monkeypatch):
+    """The worker's execute_model stays vLLM's own past a quiet run, but a wanted step handed to the capture thread
+    unstaged (read from the engine's memory) takes it back at once: the next step's hook waits for the copies before
+    anything of it reaches the device."""
+    import types
+
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "4", layers=2)
+    batch = _Batch((16,))
+    entry = types.SimpleNamespace(cudagraph="copies", output="copies")
+    wrapper = types.SimpleNamespace(concrete_cudagraph_entries={batch: entry}, runnable=lambda: None)
+    state.record_plain_graph(wrapper, batch, lambda: setattr(entry, "cudagraph", "plain"))
+    _unstaged(monkeypatch)
+    worker = WorkerWrapperBase()
+    waits = []
+    real_await = state.await_graph_capture
+    monkeypatch.setattr(state, "await_graph_capture", lambda: (waits.append(state._graph_job), real_await())[1])
+
+    found = []
+
+    def step():  # vLLM's runner: it writes cache pages before any build of the step (new blocks zeroed, ...)
+        found.append(state._graph_job)
+        _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
+                      monkeypatch, wrapper=wrapper, through=True)
+
+    def graph_step():
+        worker.execute_model(step)
+        return "execute_model" in vars(worker)
+
+    assert [graph_step() for _ in range(4)] == [False, True, True, True]  # lent from the run's first replay on
+    assert not graph_step()  # step 4, wanted: handed over unstaged, the worker's hook back
+    assert state._graph_job is not None and waits == []
+    graph_step()  # step 5: its execute_model hook waits for step 4's copies before the runner's first write
+    assert len(waits) == 1 and waits[0] is not None and found[-1] is None and state._graph_job is None
+    assert state.drain_graph_capture(10) and state.capturer.flush(10)
+    assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [4, 4]
 
 
 def test_new_filters_set_while_a_quiet_replay_is_queued_lend_nothing_and_the_next_step_is_captured(

@@ -293,8 +293,9 @@ class GraphHooks:
         graph (attention inside), ``"record_pieces"`` a piecewise one (attention runs in Python between its
         pieces, also while they record), ``"replay"`` a full one; None: no graph, or piecewise pieces replayed."""
         try:
-            if self._lent:  # no quiet run's replay (quiet_replay took them back already, but for a ticket's call)
-                self._take_builders_back()
+            if self._lent:  # no quiet run's replay (quiet_replay took them back already, but for a ticket's call);
+                # the worker's execute_model stays lent (_not_quiet says why)
+                self._take_builders_back(worker=False)
             context = self._forward_context
             if context is None:
                 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -698,8 +699,10 @@ class GraphHooks:
             if run.step < run.horizon:  # the next step is the run's too: its builds need no hook
                 if not run.lent:
                     self._lend_builders(run)
-            elif self._lent:  # the next step is one the filters or the sentinel may want: its builds told
-                self._take_builders_back()
+            elif self._lent:  # the next step is one the filters or the sentinel may want: its builds told (the
+                # worker's execute_model stays vLLM's own: its hook only waits for a capture that reads the engine's
+                # memory, and handing one over takes it back first)
+                self._take_builders_back(worker=False)
         except Exception as exc:  # noqa: BLE001 - never into vLLM
             self._end_quiet_run()
             self.capturer.report(exc, "after a CUDA graph's replay told quiet ahead")
@@ -708,8 +711,8 @@ class GraphHooks:
         """vLLM's own methods back, as attributes of the objects themselves, on what the quiet run's next steps call
         but need no hook of kvdbg's in, until :meth:`_take_builders_back`: each builder the run holds (every layer of
         it that capture selects or the sentinel checks is one of the run's graph's, :meth:`BuilderHooks._quiet_builder`)
-        and the worker's ``execute_model`` (its hook only waits for a capture still copying, and none is while a run
-        lasts: a step handed over takes them back first). A quiet build only kept the build for a graph's next
+        and the worker's ``execute_model`` (its hook only waits for a capture that reads the engine's memory, and none
+        is while a run lasts: a step handed over so takes them back first). A quiet build only kept the build for a graph's next
         recording, which no step of a run makes (a recording goes through the graph call, which takes them back
         first, and finds no build kept: its staged variant is not recorded, as for any graph whose build was not
         seen). Lent once a run (``run.lent``), only with nothing of a build waited for or kept (no capture still
@@ -717,9 +720,11 @@ class GraphHooks:
         builds would let it go (a copy is read only before the forward it was made for, ``host_slots``, so one
         of another buffer is never read for the run's steps).
 
-        Each is taken back before any step the run did not tell builds: at the run's horizon, at any graph call that
-        is not the run's replay, at a layer's forward in Python, at new filters (from any thread:
-        ``Capturer.on_reconfigure``), when a step is handed over, and when the plugin goes away."""
+        Each builder's is taken back before any step the run did not tell builds: at the run's horizon, at any graph
+        call that is not the run's replay, at a layer's forward in Python, at new filters (from any thread:
+        ``Capturer.on_reconfigure``), when a step is handed over, and when the plugin goes away. The worker's stays
+        past the horizon and other graph calls (its hook would have nothing to wait for), and comes back with the
+        others at the rest: a step handed over to be read from the engine's memory first of all."""
         run.lent = True
         if self._graph_job is not None or self._pending_build is not None:
             return
@@ -753,24 +758,31 @@ class GraphHooks:
         self._lent.append((owner, name))
         return True
 
-    def _take_builders_back(self) -> None:
+    def _take_builders_back(self, worker: bool = True) -> None:
         """Every method :meth:`_lend_builders` lent vLLM's own to has kvdbg's hook back (the class's patch); one that
-        cannot be is said, and the others still are."""
+        cannot be is said, and the others still are. ``worker=False``: the worker's ``execute_model`` stays lent."""
         with self._lending:
+            kept = []
             while self._lent:
                 owner, name = self._lent.pop()
+                if not worker and name == "execute_model":
+                    kept.append((owner, name))
+                    continue
                 try:
                     own = owner.__dict__.get(name)
                     if own is not None and getattr(own, "__self__", None) is owner:
                         delattr(owner, name)
                 except Exception as exc:  # noqa: BLE001 - never into vLLM
                     self.capturer.report(exc, f"giving {type(owner).__name__}.{name} kvdbg's hook back")
+            self._lent.extend(kept)
 
     def _not_quiet(self) -> None:
         """A graph call that is no quiet run's replay: the builders lent to the run are taken back (the step's own build
-        ran without kvdbg's hook; a step of the run's layers before its horizon is one nothing wants)."""
+        ran without kvdbg's hook; a step of the run's layers before its horizon is one nothing wants). The worker's
+        execute_model stays vLLM's own (its hook only waits for a capture that reads the engine's memory, and handing
+        one over takes it back first)."""
         if self._lent:
-            self._take_builders_back()
+            self._take_builders_back(worker=False)
         return None
 
     def _end_quiet_run(self) -> None:
@@ -1383,7 +1395,7 @@ class GraphHooks:
             self._graph_thread = _GraphCaptureThread(self)
         if job.staged is None:  # the capture thread reads the engine's memory: the next step waits for it
             self._graph_job = job
-            if self._lent:  # (none is lent while a quiet run lasts, which no step handed over is part of)
+            if self._lent:  # the worker's execute_model, lent past a quiet run: its hook waits for this job
                 self._take_builders_back()
         self.capturer.engine_time.handed += 1
         self._graph_thread.jobs.put(job)
