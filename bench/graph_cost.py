@@ -898,6 +898,9 @@ def summarize_round(steps: list[dict], window: list[dict] | None = None) -> dict
             # oldest generation, and the steps' mean with the pauses taken out
             "gc_ms": sum(s.get("gc_ns", 0) for s in window) / 1e6, "gc_full": sum(s.get("gc_full", 0) for s in window),
             "step_ms_without_gc": statistics.fmean((s["wall_ns"] - s.get("gc_ns", 0)) / 1e6 for s in window),
+            # the longest step, and the mean without it: a round whose excess is one stall shows it here
+            "step_ms_max": max(walls),
+            "step_ms_trimmed": statistics.fmean(sorted(walls)[:-1]) if len(walls) > 1 else walls[0],
             "step_ms_median": statistics.median(walls),
             "graph_ms": statistics.median(graphs) if graphs else None,
             "hooks_us": statistics.median(hooks_ns(s) / 1e3 for s in window),
@@ -1073,6 +1076,12 @@ def paired_figure(rounds: list[dict], bypassed: list[dict], graph: dict, baselin
                      "host_without": {**spread([a["step_ms_without_gc"] / b["step_ms_without_gc"] for a, b in kept]),
                                       "mean": statistics.fmean(a["step_ms_without_gc"] / b["step_ms_without_gc"]
                                                                for a, b in kept) if kept else None}}
+    trimmed = [(a, b) for a, b in zip(rounds, bypassed) if a.get("step_ms_trimmed") and b.get("step_ms_trimmed")]
+    if trimmed:  # each half without its longest step
+        pairs_trimmed = [a["step_ms_trimmed"] / b["step_ms_trimmed"] for a, b in trimmed]
+        out["trimmed"] = {**spread(pairs_trimmed), "mean": statistics.fmean(pairs_trimmed),
+                          "longest_ms": spread([a["step_ms_max"] for a, _ in trimmed]),
+                          "longest_bypassed_ms": spread([b["step_ms_max"] for _, b in trimmed])}
     base_step = statistics.median(r["step_ms"] for r in baseline_rounds if r.get("step_ms")) \
         if any(r.get("step_ms") for r in baseline_rounds) else None
     if graph.get("value") is not None and graph.get("baseline") is not None and base_step:
@@ -2522,6 +2531,12 @@ def print_figures(figs: dict, records: dict) -> None:
                           f"kvdbg's patches ({g['kvdbg_full']} of the oldest generation), {g['bypassed_ms']:.1f} ms "
                           f"without ({g['bypassed_full']}); their pauses taken out, the rounds "
                           f"{g['host_without']['median']:.4f}x (median), {g['host_without']['mean']:.4f}x (mean)")
+                t = p.get("trimmed")
+                if t and t.get("n"):
+                    print(f"  {name:9s} each half without its longest step (not judged): {t['median']:.4f}x (median), "
+                          f"{t['mean']:.4f}x (mean); the longest step with kvdbg's patches {t['longest_ms']['median']:.2f} "
+                          f"ms (median; up to {t['longest_ms']['max']:.2f}), without "
+                          f"{t['longest_bypassed_ms']['median']:.2f} ms (up to {t['longest_bypassed_ms']['max']:.2f})")
                 if p.get("by_draws"):  # the sentinel's rounds: its steps' own cost apart from its draws'
                     print(f"  {name:9s} its paired rounds by the steps drawn in their kvdbg half (the draws are "
                           "seeded: the same each run): " + ", ".join(

@@ -1334,3 +1334,6 @@ def test_garbage_collections_are_timed_into_the_step_they_paused_and_the_pairs_s
     assert paired["host"]["mean"] == pytest.approx(1.1)
     assert paired["gc"]["kvdbg_ms"] == pytest.approx(2.0) and paired["gc"]["bypassed_ms"] == 0
     assert paired["gc"]["host_without"]["mean"] == pytest.approx(1.0)
+    # each half without its longest step: the two 6 ms steps' one left out
+    assert on["step_ms_max"] == 6.0 and on["step_ms_trimmed"] == pytest.approx(16.0 / 3)
+    assert paired["trimmed"]["mean"] == pytest.approx(16.0 / 15) and paired["trimmed"]["longest_ms"]["max"] == 6.0
