@@ -601,6 +601,23 @@ def test_a_build_lets_go_of_any_copy_at_its_buffers_address(slots_registry):
     assert state.host_slots("drafter.attn", kept) == (kept, None)
 
 
+def test_a_new_copy_at_a_kept_address_is_the_last_to_be_let_go(slots_registry):
+    """Copies are let go oldest first past the few kept: a build that copies its buffer again puts its copy last."""
+    from kvdbg.vllm_plugin.vllm_facts import _HOST_SLOTS_KEPT
+
+    state, build = slots_registry
+    first = torch.arange(100, 104, dtype=torch.int64)
+    others = [torch.full((4,), i, dtype=torch.int64) for i in range(_HOST_SLOTS_KEPT)]
+    build(Builder("a"), SeenOnDevice(first))
+    for i, other in enumerate(others[:-1]):
+        build(Builder(f"o{i}"), SeenOnDevice(other))
+    build(Builder("a"), SeenOnDevice(first))  # copied again: the newest
+    build(Builder("last"), SeenOnDevice(others[-1]))  # one past the kept: the oldest goes, not "a"'s
+    assert len(state._host_slots) == _HOST_SLOTS_KEPT
+    slots, ready = state.host_slots("a", SeenOnDevice(first))
+    assert slots.tolist() == [100, 101, 102, 103] and ready is not None
+
+
 def test_a_causal_tensor_on_the_host_is_copied_at_build_not_kept(slots_registry):
     """A runner that keeps a per-request causal tensor on the host and rewrites it: the build's copy holds."""
     state, build = slots_registry

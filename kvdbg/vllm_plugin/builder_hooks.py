@@ -331,8 +331,9 @@ class BuilderHooks:
         bt, sl, qsl, slots, host_causal = copies_to_host([*rows, slot_mapping, tensor_causal])
         ready = HostCopiesReady(rows[0].device)
         if slots is not None:
-            key = _tensor_key(slot_mapping)
-            self._host_slots[slot_mapping.data_ptr()] = (key, slots, ready)
+            key, address = _tensor_key(slot_mapping), slot_mapping.data_ptr()
+            self._host_slots.pop(address, None)  # the newest copy last, the first to be kept
+            self._host_slots[address] = (key, slots, ready)
             while len(self._host_slots) > _HOST_SLOTS_KEPT:
                 self._host_slots.popitem(last=False)
             counts, builds = self._forward_counts, self._graph_builds
@@ -410,7 +411,7 @@ class BuilderHooks:
             setattr(metadata, _ENGINE_ATTR, ctx)
             return
         except (AttributeError, TypeError):  # frozen dataclass or __slots__: keep it beside
-            pass
+            self._host_slots.pop(address, None)  # the newest copy last, the first to be kept
         self._side_table[id(metadata)] = (metadata, ctx)
         while len(self._side_table) > _SIDE_TABLE_SIZE:
             self._side_table.popitem(last=False)

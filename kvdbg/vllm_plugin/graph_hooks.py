@@ -755,26 +755,28 @@ class GraphHooks:
             setattr(owner, name, patched._kvdbg_original.__get__(owner, type(owner)))
         except (AttributeError, TypeError):  # an object that takes no attribute of that name: its hook stays
             return False
-        self._lent.append((owner, name))
+        if name == "execute_model":  # the worker's, kept apart: it may stay lent past the run (_not_quiet)
+            self._worker_lent = owner
+        else:
+            self._lent.append((owner, name))
         return True
 
     def _take_builders_back(self, worker: bool = True) -> None:
         """Every method :meth:`_lend_builders` lent vLLM's own to has kvdbg's hook back (the class's patch); one that
         cannot be is said, and the others still are. ``worker=False``: the worker's ``execute_model`` stays lent."""
         with self._lending:
-            kept = []
-            while self._lent:
-                owner, name = self._lent.pop()
-                if not worker and name == "execute_model":
-                    kept.append((owner, name))
-                    continue
+            lent = self._lent
+            if worker and self._worker_lent is not None:
+                lent.append((self._worker_lent, "execute_model"))
+                self._worker_lent = None
+            while lent:
+                owner, name = lent.pop()
                 try:
                     own = owner.__dict__.get(name)
                     if own is not None and getattr(own, "__self__", None) is owner:
                         delattr(owner, name)
                 except Exception as exc:  # noqa: BLE001 - never into vLLM
                     self.capturer.report(exc, f"giving {type(owner).__name__}.{name} kvdbg's hook back")
-            self._lent.extend(kept)
 
     def _not_quiet(self) -> None:
         """A graph call that is no quiet run's replay: the builders lent to the run are taken back (the step's own build
@@ -789,7 +791,7 @@ class GraphHooks:
         """No run told any more, and none left holding vLLM's wrapper or a graph (its replays' counts written now), nor
         a builder lent vLLM's own build."""
         self._quiet_run = None
-        if self._lent:
+        if self._lent or self._worker_lent is not None:
             self._take_builders_back()
         if self._uncounted is not None:
             self.count_quiet_replays()
@@ -1209,7 +1211,7 @@ class GraphHooks:
         self._tickets[key] = _Ticket(builder, selected, facts, wrapper, batch, staged[0], program,
                                      tuple(item[0] for item in items), names, longest, batch.num_tokens,
                                      int(items[0][0].query.shape[0]), variants[0], table,
-                                     set(selected) <= set(names), self.capturer.config)
+                                     set(selected) <= set(names), self._builder_layers[id(builder)][0])
 
     def ticket_replayed(self, fast: tuple) -> bool:
         """A wanted step handed on its ticket (:meth:`ticket_replay`, or :meth:`choose_graph` then
@@ -1395,7 +1397,7 @@ class GraphHooks:
             self._graph_thread = _GraphCaptureThread(self)
         if job.staged is None:  # the capture thread reads the engine's memory: the next step waits for it
             self._graph_job = job
-            if self._lent:  # the worker's execute_model, lent past a quiet run: its hook waits for this job
+            if self._lent or self._worker_lent is not None:  # the worker's hook waits for this job
                 self._take_builders_back()
         self.capturer.engine_time.handed += 1
         self._graph_thread.jobs.put(job)

@@ -435,7 +435,7 @@ class _Program:
 
             event = torch.cuda.Event()
             event.record(current_stream(self.device))
-        if event is not None:
+        if event is not None:  # first: a run that finds the program free must find the event to wait on too
             with self._lock:
                 self._released.append(event)
         self._let_go()

@@ -140,9 +140,11 @@ class _PluginState(LayerHooks, BuilderHooks, StepHooks, GraphHooks):
         # hold all it would ask about: (the run's names, capture's configuration, whether they do).
         self._quiet_run: Any = None
         self._quiet_builders: dict[int, tuple] = {}
-        # (object, method name) lent vLLM's own method while a quiet run lasts (GraphHooks._lend_builders), and the
-        # worker whose execute_model is patched (its last caller).
+        # (builder, "build") lent vLLM's own method while a quiet run lasts (GraphHooks._lend_builders); the worker lent
+        # its own execute_model (kept apart: it may stay lent past the run); the worker whose execute_model is patched
+        # (its last caller).
         self._lent: list[tuple[Any, str]] = []
+        self._worker_lent: Any = None
         self._lending = threading.Lock()
         self._worker: Any = None
         self._wrappers: set = set()  # the methods kvdbg put on vLLM's classes (only those are lent: _lend)

@@ -81,7 +81,8 @@ class StepHooks:
             step = self._forward_counts.get(name, 0)
             self._forward_counts[name] = step + 1
             self._counts_epoch += 1
-            if self._lent:  # a layer's forward in Python: no quiet run's replay goes on (graph_hooks._lend_builders)
+            if self._lent or self._worker_lent is not None:  # a layer's forward in Python: no quiet run's replay
+                # goes on (graph_hooks._lend_builders)
                 self._take_builders_back()
             pre = self._pre_updates.pop(name, None)
             if pre is not None and pre.step != step:
