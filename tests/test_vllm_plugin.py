@@ -1883,17 +1883,12 @@ def test_a_wanted_step_at_the_end_of_a_quiet_run_is_told_at_its_build_on_its_tic
     assert state.capturer.dropped["internal"] == 0 and state.capturer.dropped["off"] == 3 and not program.held
 
 
-def test_a_quiet_runs_end_that_the_snapshot_limit_leaves_no_room_for_is_not_told_on_the_ticket(
-        standins, tmp_path, monkeypatch):
-    """The snapshot limit reached by the wanted steps before: the step a quiet run stopped at is asked as any build
-    (the limit turns capture off there), not kept on its ticket."""
-    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "2,7,12", layers=3)
-    state.capturer.reconfigure(max_snapshots=6)
-    wrapper, entry = _record_variants(16)
-    program = next(iter(state._staged_variants.values()))[1]
+def _kept_at_run_ends(engine, state, monkeypatch) -> dict:
+    """{step: whether its build was kept on its shape's ticket} for each build at a quiet run's end (the step the run
+    stopped at because capture's filters take it), filled as the engine builds."""
     kept, real_build = {}, engine.builder.build
 
-    def build(*args, **kwargs):  # whether the build was kept on the ticket, at a quiet run's end
+    def build(*args, **kwargs):
         run = state._quiet_run
         at_end = run is not None and run.step == run.taken
         metadata = real_build(*args, **kwargs)
@@ -1902,6 +1897,18 @@ def test_a_quiet_runs_end_that_the_snapshot_limit_leaves_no_room_for_is_not_told
         return metadata
 
     monkeypatch.setattr(engine.builder, "build", build)
+    return kept
+
+
+def test_a_quiet_runs_end_that_the_snapshot_limit_leaves_no_room_for_is_not_told_on_the_ticket(
+        standins, tmp_path, monkeypatch):
+    """The snapshot limit reached by the wanted steps before: the step a quiet run stopped at is asked as any build
+    (the limit turns capture off there), not kept on its ticket."""
+    engine, state = _staged_engine(standins, tmp_path, monkeypatch, "2,7,12", layers=3)
+    state.capturer.reconfigure(max_snapshots=6)
+    wrapper, entry = _record_variants(16)
+    program = next(iter(state._staged_variants.values()))[1]
+    kept = _kept_at_run_ends(engine, state, monkeypatch)
     for step in range(13):
         _run_as_graph(engine, _padded(engine.common(), reqs=4, tokens=16), _padded_inputs(engine, 16), 16,
                       monkeypatch, wrapper=wrapper, through=True)
@@ -1921,17 +1928,7 @@ def test_a_quiet_runs_end_under_a_new_layer_filter_is_not_told_on_a_ticket_made_
     engine, state = _staged_engine(standins, tmp_path, monkeypatch, "2,6,10", layers=3)
     wrapper, entry = _record_variants(16)
     program = next(iter(state._staged_variants.values()))[1]
-    kept, real_build = {}, engine.builder.build
-
-    def build(*args, **kwargs):
-        run = state._quiet_run
-        at_end = run is not None and run.step == run.taken
-        metadata = real_build(*args, **kwargs)
-        if at_end:
-            kept[run.step] = state._pending_build is not None
-        return metadata
-
-    monkeypatch.setattr(engine.builder, "build", build)
+    kept = _kept_at_run_ends(engine, state, monkeypatch)
     for step in range(11):
         if step == 7:  # after step 6, told on the ticket: one layer selected from now on
             state.capturer.select_layers(engine.names[1])
