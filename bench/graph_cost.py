@@ -647,13 +647,7 @@ class Timing:
                 if getattr(job, "bench_copies_begin", None) is None:  # no copies issued ahead: they begin here
                     job.bench_copies_begin = torch.cuda.Event(enable_timing=True)
                     job.bench_copies_begin.record()
-                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                before.record()
-                try:
-                    return read(staged)
-                finally:
-                    after.record()
-                    job.bench_reads = [*getattr(job, "bench_reads", []), (before, after)]
+                return _events_around(job, "bench_reads", read, staged)
             return staged_read
 
         self._replace(StagedStep, "unique_ids", timed_read(StagedStep.unique_ids))
@@ -689,13 +683,7 @@ class Timing:
                 job = getattr(_capturing, "job", None)
                 if job is None or getattr(job, "bench_start", None) is None:
                     return issue(copies, *args, **kwargs)
-                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                before.record()
-                try:
-                    return issue(copies, *args, **kwargs)
-                finally:
-                    after.record()
-                    job.bench_each_copy = [*getattr(job, "bench_each_copy", []), (before, after)]
+                return _events_around(job, "bench_each_copy", issue, copies, *args, **kwargs)
             return issued
 
         self._replace(StepCopies, "span_ahead", timed_copy(StepCopies.span_ahead))
@@ -755,6 +743,19 @@ class Timing:
             return finish(capturer, pending, *args, **kwargs)
 
         self._replace(Capturer, "finish", finish_counting)
+
+
+def _events_around(job, attr: str, call, *args, **kwargs):
+    """``call`` between two timing events on the current stream, the pair added to the job's list ``attr``."""
+    import torch
+
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before.record()
+    try:
+        return call(*args, **kwargs)
+    finally:
+        after.record()
+        setattr(job, attr, [*getattr(job, attr, []), (before, after)])
 
 
 def _elapsed(start, end) -> float | None:
