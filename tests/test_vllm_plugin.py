@@ -454,6 +454,37 @@ def test_the_hooks_account_for_the_engine_time_of_copied_steps_apart_from_the_ot
                      r"hook call\(s\) \([\d,.]+ us each\)$", line), line
 
 
+def test_a_build_whose_metadata_takes_no_attribute_is_kept_beside_it_and_its_step_captured(standins, tmp_path,
+                                                                                            monkeypatch):
+    """A backend whose metadata takes no attribute of kvdbg's (a frozen dataclass, __slots__): the build's context is
+    kept in a side table by the object's identity, and its step is captured as any other."""
+    from vllm.v1.attention.backends import flex_attention as flex
+
+    class Sealed(flex.FlexAttentionMetadata):
+        def __setattr__(self, name, value):
+            if name.startswith("_kvdbg"):
+                raise AttributeError(f"{type(self).__name__} takes no attribute {name!r}")
+            object.__setattr__(self, name, value)
+
+    real = flex.FlexAttentionMetadataBuilder.build
+
+    def build(self, *args, **kwargs):
+        metadata = real(self, *args, **kwargs)
+        metadata.__class__ = Sealed
+        return metadata
+
+    monkeypatch.setattr(flex.FlexAttentionMetadataBuilder, "build", build)  # before kvdbg wraps it
+    enable(standins, tmp_path, KVDBG_CAPTURE_STEPS="1")
+    engine = StandinEngine("FLEX_ATTENTION", layers=2, causal=True, window=None)
+    for _ in range(3):
+        engine.step()
+    capturer = vllm_plugin.active_capturer()
+    assert capturer.flush(30)
+    assert vllm_plugin._state._side_table and not capturer.failures
+    assert sorted(s.meta.capture["step"] for s in snapshots(tmp_path)) == [1, 1]
+    assert capturer.dropped["internal"] == 0
+
+
 def test_the_account_says_nothing_when_no_hook_was_timed():
     from kvdbg.capture.capturer import EngineTime
 

@@ -411,7 +411,7 @@ class BuilderHooks:
             setattr(metadata, _ENGINE_ATTR, ctx)
             return
         except (AttributeError, TypeError):  # frozen dataclass or __slots__: keep it beside
-            self._host_slots.pop(address, None)  # the newest copy last, the first to be kept
+            pass
         self._side_table[id(metadata)] = (metadata, ctx)
         while len(self._side_table) > _SIDE_TABLE_SIZE:
             self._side_table.popitem(last=False)
