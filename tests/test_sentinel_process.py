@@ -5,6 +5,7 @@ name. CPU tensors travel by value here; the CUDA buffers' sharing is tests/test_
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import random
 import sys
@@ -16,7 +17,7 @@ import pytest
 from kvdbg.errors import OptionError
 from kvdbg.sentinel.checker import CheckResult, PassedCheck, Sentinel, check_layers
 from kvdbg.sentinel.config import SentinelConfig
-from kvdbg.sentinel.child import main
+from kvdbg.sentinel.child import behind_the_engine, main
 from kvdbg.sentinel.remote import CheckerProcess, CheckerProcessError
 from tests.test_sentinel import ALL_PAIRS, D, HQ, LAYER_KINDS, _in_whole_buffers, _one_step_of_layers, _stacked
 
@@ -112,6 +113,26 @@ def test_a_check_not_answered_in_time_ends_the_process():
     finally:
         process.close(5.0)
     assert not process.alive()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux's scheduling policies")
+def test_the_child_and_every_thread_it_started_are_scheduled_as_batch_work(checker):
+    # Woken by a check, a thread of the default policy may take the core of the engine's thread that sent it
+    # (bench/sentinel_send.py --load); a batch one does not.
+    assert checker.info["scheduling"] == "batch"
+    threads = os.listdir(f"/proc/{checker.pid}/task")
+    assert len(threads) >= 2  # its main thread and its socket's reader at least
+    assert {os.sched_getscheduler(int(tid)) for tid in threads} == {os.SCHED_BATCH}
+
+
+def test_a_child_refused_batch_scheduling_says_why_and_checks_as_before(monkeypatch):
+    def refused(pid, policy, param):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    assert behind_the_engine() == "default (SCHED_BATCH refused: Operation not permitted)"
+    monkeypatch.delattr(os, "SCHED_BATCH", raising=False)
+    assert behind_the_engine() == "default (this system has no SCHED_BATCH)"
 
 
 def test_the_module_run_by_hand_says_how_it_is_started(capsys):

@@ -918,8 +918,9 @@ class DeferredChecks:
             remote.close()
         else:
             self.remote = remote
-            logger.info("kvdbg sentinel: checks of staged steps run in a process of their own (pid %d, %s)",
-                        remote.pid, remote.info.get("device"))
+            logger.info("kvdbg sentinel: checks of staged steps run in a process of their own (pid %d, %s, "
+                        "scheduled: %s)", remote.pid, remote.info.get("device"),
+                        remote.info.get("scheduling", "not told"))
         self._started.set()
 
     def process_ready(self, timeout: float | None = None) -> bool:

@@ -6,8 +6,26 @@ imports that module.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+
+
+def behind_the_engine() -> str:
+    """This process's threads, and those it starts later (torch's among them), scheduled as batch work (Linux's
+    ``SCHED_BATCH``), and the policy in words: ``batch``, else why not. A check sent wakes this process's reader;
+    under the default policy the woken thread may take the very core of the engine's thread that sent it, which
+    then waits in its socket write while the check runs (on a busy host, milliseconds: ``bench/sentinel_send.py
+    --load``). A batch thread takes no core on waking and still gets its fair share of a busy CPU, so checks are
+    answered as before, a little later when the cores are all taken."""
+    policy = getattr(os, "SCHED_BATCH", None)
+    if policy is None or not hasattr(os, "sched_setscheduler"):
+        return "default (this system has no SCHED_BATCH)"
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError as exc:
+        return f"default (SCHED_BATCH refused: {exc.strerror or exc})"
+    return "batch"
 
 
 def main(argv: list[str]) -> int:
@@ -20,6 +38,7 @@ def main(argv: list[str]) -> int:
               "sentinel, not by hand)", file=sys.stderr)
         return 2
     conn = Connection(int(argv[0]))
+    scheduling = behind_the_engine()  # before any thread starts: each inherits it
     # The engine's process says when to stop (or closes its end): a Ctrl-C meant for the engine is not for this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from kvdbg.sentinel.checker import check_layers, compact
@@ -29,7 +48,7 @@ def main(argv: list[str]) -> int:
         return compact(check_layers(entries, **kwargs))
 
     try:
-        return serve(conn, argv[1], answer, *argv[2:])
+        return serve(conn, argv[1], answer, *argv[2:], facts={"scheduling": scheduling})
     except (EOFError, OSError):
         return 0
 

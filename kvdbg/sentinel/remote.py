@@ -530,12 +530,13 @@ def reference_device(target: Any, reference: str) -> Any:
     return torch.device("cpu") if target.type == "cuda" and reference == "host" else None
 
 
-def serve(conn: Any, device: str, check_layers: Any, reference: str = "host") -> int:
+def serve(conn: Any, device: str, check_layers: Any, reference: str = "host", facts: dict | None = None) -> int:
     """The child's loop: answer the engine's messages until it stops or its end closes (``check_layers``: a check's
     results as its answer carries them, :func:`kvdbg.sentinel.checker.check_layers` in the compact form of
     :func:`kvdbg.sentinel.checker.compact`, handed in by :mod:`kvdbg.sentinel.child`, so that this module, which
     the checker imports, imports nothing of it). ``reference``: where a CUDA step's reference is worked out
-    (``KVDBG_SENTINEL_REFERENCE``, :func:`reference_device`)."""
+    (``KVDBG_SENTINEL_REFERENCE``, :func:`reference_device`); ``facts``: told in the ready message besides the
+    child's pid, torch and device (the child's scheduling)."""
     import torch
     import torch.multiprocessing  # noqa: F401  (the CUDA IPC rebuild functions)
 
@@ -549,7 +550,8 @@ def serve(conn: Any, device: str, check_layers: Any, reference: str = "host") ->
         torch.cuda.set_device(target)
         torch.empty(1, device=target)  # the CUDA context, now rather than on the first check
     on = reference_device(target, reference)
-    conn.send_bytes(pickle.dumps(("ready", {"pid": os.getpid(), "torch": torch.__version__, "device": str(target)})))
+    conn.send_bytes(pickle.dumps(("ready", {**(facts or {}), "pid": os.getpid(), "torch": torch.__version__,
+                                            "device": str(target)})))
     # Messages are read as they come, also while a check runs: the engine's thread, which sends them, never waits
     # on a full socket (a step's host tables may be larger than its buffer).
     inbox: queue.SimpleQueue = queue.SimpleQueue()
