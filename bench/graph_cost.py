@@ -2384,7 +2384,8 @@ def _drawn_row(vllm_plugin, patch, StandinEngine, _Batch, _padded, _record_graph
                 raise RuntimeError(f"a drawn stand-in step replayed the {entry.cudagraph} graph")
             if drawn:  # untimed: until the check's answer is back (an engine's check spans a few steps), unread,
                 remote = deferred.remote  # so that the next step's hooks read it and collect it
-                if not remote._conn.poll(10.0):
+                # (nothing out: a drawn step slowed by the profiler read its answer in its own last hooks)
+                if remote.outstanding and not remote._conn.poll(10.0):
                     raise RuntimeError("the checker process did not answer a drawn stand-in step within 10 s")
                 # and past the time a hook's look waits before it asks the socket (half the last check's time)
                 early = remote._too_soon - (time.perf_counter_ns() - remote._since)
