@@ -19,7 +19,8 @@ other work, which leaves the engine's thread no idle core to send from. A woken 
 then take the sender's core, and the socket write lasts until the scheduler gives it back.
 
 Printed, as medians over the checks: the send's Python (less its socket write), the socket write to each of the
-first two children (with its mean and 90th percentile: it is the long writes that cost), the read of each
+first two children (with its mean and 90th percentile: it is the long writes that cost), and how long after the
+send their answer was there (the check's time in the child, its wake and its answer's), the read of each
 child's answer (its receive and unpickling, timed once the answer is there), with whole / compact, and, just after
 kvdbg's child was sent a check, a hook's look (``answers(None)``: too soon for an answer, it asks nothing) against a
 read that asks the socket and the child (``answers(0.0)``, the answer not there yet). Ends with one JSON line.
@@ -78,6 +79,10 @@ def _read_time(process, seconds: float = 30.0) -> tuple[int, list]:
     """The answer's read once it is there (ns), and the answer."""
     if not process._conn.poll(seconds):
         raise RuntimeError(f"no answer from the checker process (pid {process.pid}) within {seconds:g} s")
+    return _read(process)
+
+
+def _read(process) -> tuple[int, list]:
     start = time.perf_counter_ns()
     got = process.answers(0.0)
     spent = time.perf_counter_ns() - start
@@ -112,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 "whole": CheckerProcess("cpu", share_host=True, command=[sys.executable, "-c", WHOLE_CHILD])}
     scheduling = {name: process.info.get("scheduling", "default") for name, process in children.items()}
     writes = {name: _TimedWrites(process) for name, process in children.items()}
-    times: dict[str, list[int]] = {"python": [], "write_compact": [], "write_default": [], "read_compact": [],
+    times: dict[str, list[int]] = {"python": [], "write_compact": [], "write_default": [], "answer_compact": [],
+                                   "answer_default": [], "read_compact": [],
                                    "read_default": [], "read_whole": [], "look_skips": [], "look_asks": []}
     kinds: dict[str, set] = {name: set() for name in children}
     warm = min(20, args.checks // 2)
@@ -126,13 +132,18 @@ def main(argv: list[str] | None = None) -> int:
                 writes[name].ns = 0
                 process.submit(step, pairs=4, seed=check, step=check)
                 sent, written = process.last_times[0], writes[name].ns
-                read, results = _read_time(process)
+                sent_at = time.perf_counter_ns()
+                if not process._conn.poll(30.0):
+                    raise RuntimeError(f"no answer from the checker process (pid {process.pid}) within 30 s")
+                came = time.perf_counter_ns() - sent_at
+                read, results = _read(process)
                 kinds[name].update(type(result).__name__ for result in results)
                 if check >= warm:
                     if name == "compact":  # the send's Python is the same whichever child reads it
                         times["python"].append(sent - written)
                     if name != "whole":
                         times[f"write_{name}"].append(written)
+                        times[f"answer_{name}"].append(came)
                     times[f"read_{name}"].append(read)
                 time.sleep(args.pause_ms / 1e3)
         # Then, as many checks again to kvdbg's child alone: just after each send, a hook's look (too soon for an
@@ -169,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  its socket write, {label:<22}  {w['median']:8.1f}   mean {w['mean']:.1f}, 90th percentile "
               f"{w['p90']:.1f}")
     print(f"  mean write, default / kvdbg's child  {writes_us['default']['mean'] / writes_us['compact']['mean']:.2f}x")
+    print(f"  the answer there after the send, kvdbg's child {medians['answer_compact']:8.1f}   the default policy "
+          f"{medians['answer_default']:.1f}")
     print(f"  the answer read, compact ({'/'.join(sorted(kinds['compact']))})  {medians['read_compact']:8.1f}")
     print(f"  the answer read, whole ({'/'.join(sorted(kinds['whole']))})      {medians['read_whole']:8.1f}"
           f"   whole / compact {ratio:.2f}x")

@@ -30,7 +30,8 @@ def test_the_send_bench_times_a_staged_checks_send_and_both_forms_of_its_answer(
                                      "default (this system has no SCHED_BATCH)", "default": "default",
                                      "whole": "default"}
     us = summary["us"]
-    assert all(us[name] > 0 for name in ("python", "write_compact", "write_default", "read_compact", "read_whole"))
+    assert all(us[name] > 0 for name in ("python", "write_compact", "write_default", "answer_compact", "answer_default",
+                                         "read_compact", "read_whole"))
     writes = summary["writes_us"]
     assert all(0 < writes[name]["median"] <= writes[name]["p90"] and writes[name]["mean"] > 0
                for name in ("compact", "default"))
