@@ -47,7 +47,9 @@ If the child cannot start, dies or does not answer (60 s), it is said once as
 a warning and ended, and the checks it had not answered go to the worker
 thread, as do later ones. The child exits when its socket closes (the
 engine's process ended or closed it). It holds a CUDA context of its own on
-the engine's device (a few hundred MiB) and the check's working memory.
+the engine's device (a few hundred MiB) and the check's working memory. Its
+threads are scheduled as batch work (:func:`kvdbg.sentinel.child.behind_the_engine`):
+woken by a check, none takes the core of the engine's thread that sent it.
 """
 
 from __future__ import annotations
