@@ -46,7 +46,9 @@ time against the kvdbg-absent engine's (``paired_figure``). The ratio across pro
 run kvdbg's hooks without the bench's timers around them (``Timing.hook_timers``: Python of the bench's, on the
 engine's thread in kvdbg's steps only, which would count as kvdbg's); ``--timed-rounds`` more rounds, paired the
 same way, time the hooks (the hooks' time a step comes from them) and give the paired ratio with the timers on,
-printed beside the figure, not judged.
+printed beside the figure, not judged. Each paired figure also gets its 95 % interval, the rounds resampled with
+replacement (``interval``, seeded), and whether that interval lies wholly on one side of the line: where it
+straddles the line, the rounds cannot tell met from missed, and the verdict (the figure's own) is said with that.
 
 The wanted step, in the capture engine after its armed rounds: one round to warm up (pinned buffers are
 allocated for the first capture), then rounds with one wanted decode step each (the filter set to that step
@@ -102,6 +104,7 @@ import collections
 import copy
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -122,6 +125,9 @@ ARMED_LINE = 1.02  # step time, armed with no step wanted / kvdbg absent
 WANTED_ENGINE_US_LINE = 50.0  # engine's thread added by a wanted step (all layers)
 WANTED_DEVICE_LINE = 1.5  # device time added / the step's bytes at the measured device-to-host bandwidth
 SENTINEL_LINE = 1.01  # step time, sentinel at 0.01 / kvdbg absent
+# A paired figure's interval: the rounds resampled this many times (seeded: a run's records give one interval)
+INTERVAL_RESAMPLES = 2000
+INTERVAL_LEVEL = 0.95
 
 PARTS = ("baseline", "armed", "wanted", "sentinel", "hooks", "baseline2")
 ENGINE_KIND = {"baseline": "absent", "armed": "capture", "wanted": "capture", "sentinel": "sentinel",
@@ -1033,6 +1039,20 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": values[0], "max": values[-1], "n": len(values)}
 
 
+def interval(values: list[float], statistic, resamples: int = INTERVAL_RESAMPLES,
+             level: float = INTERVAL_LEVEL) -> list[float] | None:
+    """The ``level`` percentile interval of ``statistic`` over ``values`` by the bootstrap (the rounds resampled with
+    replacement, ``resamples`` times, from a fixed seed), or None under 4 values. A paired figure's rounds vary by
+    several percent where its line is 1 or 2 % over 1: whether they can tell met from missed is its interval's
+    side of the line."""
+    if len(values) < 4:
+        return None
+    rng = random.Random(0)
+    n = len(values)
+    stats = sorted(statistic([values[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+    return [stats[int((1 - level) / 2 * resamples)], stats[int((1 + level) / 2 * resamples) - 1]]
+
+
 def ratio_of_rounds(rounds: list[dict], baseline_rounds: list[dict], key: str = "step_ms") -> dict:
     """Median over rounds against the baseline's median, and each round's value over that median (its spread)."""
     mine = [r[key] for r in rounds if r.get(key) is not None]
@@ -1060,7 +1080,8 @@ def paired_figure(rounds: list[dict], bypassed: list[dict], graph: dict, baselin
              if a.get("step_ms") and b.get("step_ms")]
     if not pairs:
         return {}
-    host = {**spread(pairs), "mean": statistics.fmean(pairs)}
+    host = {**spread(pairs), "mean": statistics.fmean(pairs),
+            "interval": interval(pairs, statistics.median if over == "median" else statistics.fmean)}
     out = {"host": host, "pairs": len(pairs), "block": block, "over": over}
     if any(a.get("drawn_split") for a in rounds):  # the sentinel's: its rounds by the draws in their kvdbg half
         groups: dict[int, list[float]] = {}
@@ -1087,7 +1108,8 @@ def paired_figure(rounds: list[dict], bypassed: list[dict], graph: dict, baselin
         if any(r.get("step_ms") for r in baseline_rounds) else None
     if graph.get("value") is not None and graph.get("baseline") is not None and base_step:
         device = 1.0 + max(0.0, graph["value"] - graph["baseline"]) / base_step
-        out.update(device=device, ratio=host[over] * device)
+        out.update(device=device, ratio=host[over] * device,
+                   interval=None if host["interval"] is None else [v * device for v in host["interval"]])
     return out
 
 
@@ -1095,7 +1117,11 @@ def judged(step: dict, paired: dict, line: float) -> dict:
     """The figure a line is judged on: the paired one where it could be made (one process: the drift between
     two processes, ``baseline_drift``, is larger than these lines), else the ratio across processes."""
     if paired.get("ratio") is not None:
-        return {"paired": paired, "judged_on": "paired", "met": paired["ratio"] <= line}
+        # Whether the rounds tell met from missed: the figure's interval wholly on one side of the line (None: too
+        # few rounds for one). Said beside the verdict, which stays the figure's own.
+        bounds = paired.get("interval")
+        resolved = None if bounds is None else (bounds[1] <= line or bounds[0] > line)
+        return {"paired": paired, "judged_on": "paired", "met": paired["ratio"] <= line, "resolved": resolved}
     return {"paired": paired, "judged_on": "processes", "met": step.get("ratio", 99) <= line}
 
 
@@ -2527,6 +2553,12 @@ def print_figures(figs: dict, records: dict) -> None:
                       f"their {other} {pct(host.get(other))}, rounds {host['min']:.4f}..{host['max']:.4f}){device}; "
                       f"judged on the "
                       f"{'paired figure' if f.get('judged_on') == 'paired' else 'ratio across processes'}")
+                if p.get("interval"):
+                    lo, hi = p["interval"]
+                    side = ("the line is inside it: these rounds cannot tell met from missed" if lo <= line < hi
+                            else "wholly under the line" if hi <= line else "wholly over the line")
+                    print(f"  {name:9s} its {INTERVAL_LEVEL:.0%} interval (the rounds resampled): {lo:.4f}x..{hi:.4f}x, "
+                          f"{side}")
                 g = p.get("gc")
                 if g and g["host_without"].get("n"):
                     print(f"  {name:9s} Python's garbage collections in the paired rounds: {g['kvdbg_ms']:.1f} ms with "

@@ -297,6 +297,39 @@ def test_the_sentinels_paired_rounds_are_told_apart_by_the_steps_drawn_in_their_
     assert "by_draws" not in gc.figures(records)["armed"].get("paired", {})
 
 
+def test_a_paired_figure_says_whether_its_rounds_can_tell_met_from_missed(capsys):
+    """Rounds that vary by several percent around a 1 % line cannot tell met from missed: the figure's bootstrap
+    interval (seeded, the same for the same rounds) is printed with its side of the line, beside the verdict, which
+    stays the figure's own."""
+    records = _records()
+    # The sentinel: rounds 0.97x to 1.05x, mean 1.01x: the line inside the interval.
+    ratios = [0.97, 1.05, 0.99, 1.03, 1.00, 1.02, 0.98, 1.04]
+    records["sentinel"]["phases"]["rounds"] = [_round(5.0 * r) for r in ratios]
+    records["sentinel"]["phases"]["bypassed"] = [_round(5.0, hooks_us=0) for _ in ratios]
+    # Capture armed: every round 1.001x to 1.003x, under its 1.02x line.
+    records["capture"]["phases"]["armed"] = [_round(5.0 * (1.001 + 0.0005 * (i % 5))) for i in range(8)]
+    records["capture"]["phases"]["bypassed"] = [_round(5.0, hooks_us=0) for _ in range(8)]
+    records["capture"]["interleaved_block"] = records["sentinel"]["interleaved_block"] = 8
+    figs = gc.figures(records)
+    sentinel, armed = figs["sentinel"], figs["armed"]
+    lo, hi = sentinel["paired"]["interval"]
+    assert lo < statistics.fmean(ratios) < hi and lo <= gc.SENTINEL_LINE < hi
+    assert sentinel["resolved"] is False
+    assert armed["resolved"] is True and armed["met"] and armed["paired"]["interval"][1] <= gc.ARMED_LINE
+    assert gc.figures(records)["sentinel"]["paired"]["interval"] == [lo, hi]  # seeded
+    gc.print_figures(figs, records)
+    out = capsys.readouterr().out
+    assert "sentinel  its 95% interval (the rounds resampled): " in out
+    assert "the line is inside it: these rounds cannot tell met from missed" in out
+    assert "wholly under the line" in out
+    # Every round over the line: resolved, and missed.
+    records["sentinel"]["phases"]["rounds"] = [_round(5.0 * (r + 0.1)) for r in ratios]
+    figs = gc.figures(records)
+    assert figs["sentinel"]["resolved"] is True and not figs["sentinel"]["met"]
+    # Under 4 rounds: no interval, nothing said of it.
+    assert gc.interval([1.0, 1.1, 1.2], statistics.fmean) is None
+
+
 class _Switches:
     """A stand-in for Bypass: kvdbg's patches as a flag, every swap counted, and its plugin state's background
     work let finish (``settle``) counted among the swaps."""
