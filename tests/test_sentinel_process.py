@@ -119,19 +119,49 @@ def test_a_check_not_answered_in_time_ends_the_process():
 def test_the_child_and_every_thread_it_started_are_scheduled_as_batch_work(checker):
     # Woken by a check, a thread of the default policy may take the core of the engine's thread that sent it
     # (bench/sentinel_send.py --load); a batch one does not.
+    if os.sched_getscheduler(0) != os.SCHED_OTHER:  # the child starts under this process's policy, and keeps some
+        pytest.skip("this test process does not run under the default scheduling policy")
     assert checker.info["scheduling"] == "batch"
+    _check(checker, _one_step_of_layers(1), pairs=1, seed=0, step=0)  # its reader started and busy by now
     threads = os.listdir(f"/proc/{checker.pid}/task")
     assert len(threads) >= 2  # its main thread and its socket's reader at least
     assert {os.sched_getscheduler(int(tid)) for tid in threads} == {os.SCHED_BATCH}
 
 
-def test_a_child_refused_batch_scheduling_says_why_and_checks_as_before(monkeypatch):
-    def refused(pid, policy, param):
+def test_the_childs_scheduling_is_said_as_it_is_when_it_cannot_or_need_not_be_batch(monkeypatch):
+    """Never called for real here: it would make this test process batch work. The system's calls stand in."""
+    policy = {"now": 0}
+    for name, value in (("SCHED_OTHER", 0), ("SCHED_BATCH", 3), ("SCHED_IDLE", 5), ("SCHED_FIFO", 1)):
+        monkeypatch.setattr(os, name, value, raising=False)
+    monkeypatch.setattr(os, "sched_param", lambda priority: priority, raising=False)
+    monkeypatch.setattr(os, "sched_getscheduler", lambda pid: policy["now"], raising=False)
+
+    def refused(pid, new, param):
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    def granted(pid, new, param):
+        policy["now"] = new
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused, raising=False)
     assert behind_the_engine() == "default (SCHED_BATCH refused: Operation not permitted)"
-    monkeypatch.delattr(os, "SCHED_BATCH", raising=False)
+    policy["now"] = 1
+    assert behind_the_engine() == "fifo (SCHED_BATCH refused: Operation not permitted)"
+    # An engine run as idle or batch work: its policy already takes no core on waking, and is kept (batch would
+    # outrank an idle engine).
+    monkeypatch.setattr(os, "sched_setscheduler", granted, raising=False)
+    policy["now"] = 5
+    assert behind_the_engine() == "idle (the engine's, kept)" and policy["now"] == 5
+    policy["now"] = 3
+    assert behind_the_engine() == "batch (the engine's, kept)"
+    policy["now"] = 0
+    assert behind_the_engine() == "batch" and policy["now"] == 3
+
+    def unreadable(pid):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "sched_getscheduler", unreadable)
+    assert behind_the_engine() == "unknown (its policy could not be read: Function not implemented)"
+    monkeypatch.delattr(os, "SCHED_BATCH")
     assert behind_the_engine() == "default (this system has no SCHED_BATCH)"
 
 

@@ -13,18 +13,28 @@ import sys
 
 def behind_the_engine() -> str:
     """This process's threads, and those it starts later (torch's among them), scheduled as batch work (Linux's
-    ``SCHED_BATCH``), and the policy in words: ``batch``, else why not. A check sent wakes this process's reader;
-    under the default policy the woken thread may take the very core of the engine's thread that sent it, which
-    then waits in its socket write while the check runs (on a busy host, milliseconds: ``bench/sentinel_send.py
-    --load``). A batch thread takes no core on waking and still gets its fair share of a busy CPU, so checks are
-    answered as before, a little later when the cores are all taken."""
-    policy = getattr(os, "SCHED_BATCH", None)
-    if policy is None or not hasattr(os, "sched_setscheduler"):
+    ``SCHED_BATCH``), and the policy they run under in words: ``batch``, else which and why. A check sent wakes
+    this process's reader; under the default policy the woken thread may take the very core of the engine's
+    thread that sent it, which then waits in its socket write while the check runs (on a busy host,
+    milliseconds: ``bench/sentinel_send.py --load``). A batch thread takes no core on waking and still gets its
+    fair share of a busy CPU, so checks are answered as before, a little later when the cores are all taken.
+    The child starts under the engine's policy: one that already takes no core on waking (batch, idle) is kept,
+    so that an engine run as idle work does not get a checker that outranks it."""
+    if not hasattr(os, "SCHED_BATCH") or not hasattr(os, "sched_setscheduler"):
         return "default (this system has no SCHED_BATCH)"
+    names = {getattr(os, f"SCHED_{name}"): name.lower() for name in ("OTHER", "BATCH", "IDLE", "FIFO", "RR")
+             if hasattr(os, f"SCHED_{name}")}
     try:
-        os.sched_setscheduler(0, policy, os.sched_param(0))
+        current = os.sched_getscheduler(0)
     except OSError as exc:
-        return f"default (SCHED_BATCH refused: {exc.strerror or exc})"
+        return f"unknown (its policy could not be read: {exc.strerror or exc})"
+    name = "default" if current == getattr(os, "SCHED_OTHER", None) else names.get(current, f"policy {current}")
+    if current in (os.SCHED_BATCH, getattr(os, "SCHED_IDLE", None)):
+        return f"{name} (the engine's, kept)"
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError as exc:
+        return f"{name} (SCHED_BATCH refused: {exc.strerror or exc})"
     return "batch"
 
 
