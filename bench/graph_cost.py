@@ -1050,7 +1050,7 @@ def interval(values: list[float], statistic, resamples: int = INTERVAL_RESAMPLES
     rng = random.Random(0)
     n = len(values)
     stats = sorted(statistic([values[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
-    return [stats[int((1 - level) / 2 * resamples)], stats[int((1 + level) / 2 * resamples) - 1]]
+    return [stats[round((1 - level) / 2 * resamples)], stats[round((1 + level) / 2 * resamples) - 1]]
 
 
 def ratio_of_rounds(rounds: list[dict], baseline_rounds: list[dict], key: str = "step_ms") -> dict:
@@ -2557,8 +2557,8 @@ def print_figures(figs: dict, records: dict) -> None:
                     lo, hi = p["interval"]
                     side = ("the line is inside it: these rounds cannot tell met from missed" if lo <= line < hi
                             else "wholly under the line" if hi <= line else "wholly over the line")
-                    print(f"  {name:9s} its {INTERVAL_LEVEL:.0%} interval (the rounds resampled): {lo:.4f}x..{hi:.4f}x, "
-                          f"{side}")
+                    print(f"  {name:9s} its {INTERVAL_LEVEL:.0%} interval (the rounds resampled): "
+                          f"{lo:.4f}x..{hi:.4f}x, {side}")
                 g = p.get("gc")
                 if g and g["host_without"].get("n"):
                     print(f"  {name:9s} Python's garbage collections in the paired rounds: {g['kvdbg_ms']:.1f} ms with "

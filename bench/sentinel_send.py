@@ -11,19 +11,21 @@ step's metadata alone. Three children answer, check by check in turn, so a neigh
 
     compact   kvdbg's child (python -m kvdbg.sentinel.child): a passed layer's result as a PassedCheck, its threads
               scheduled as batch work (SCHED_BATCH: woken by a check, they take no core from the sender)
-    default   the same serve loop and answers under the default policy, as the child was before
+    default   the same serve loop and answers under the bench's own policy (the default one, as a rule), as
+              the child was before
     whole     the same serve loop answering with check_layers' CheckResults, as the child did before that
 
-``--load N`` keeps N other processes busy (a loop each, default policy) while the checks run: a serving host's
+``--load N`` keeps N other processes busy (a loop each, ended with the bench) while the checks run: a serving host's
 other work, which leaves the engine's thread no idle core to send from. A woken child of the default policy may
 then take the sender's core, and the socket write lasts until the scheduler gives it back.
 
 Printed, as medians over the checks: the send's Python (less its socket write), the socket write to each of the
-first two children (with its mean and 90th percentile: it is the long writes that cost), and how long after the
-send their answer was there (the check's time in the child, its wake and its answer's), the read of each
-child's answer (its receive and unpickling, timed once the answer is there), with whole / compact, and, just after
-kvdbg's child was sent a check, a hook's look (``answers(None)``: too soon for an answer, it asks nothing) against a
-read that asks the socket and the child (``answers(0.0)``, the answer not there yet). Ends with one JSON line.
+first two children (with its mean and 90th percentile: it is the long writes that cost), and how long from the
+send's start their answer was there (the send, the check's time in the child, its wake and its answer's), the
+read of each child's answer (its receive and unpickling, timed once the answer is there), with whole / compact,
+and, just after kvdbg's child was sent a check, a hook's look (``answers(None)``: too soon for an answer, it asks
+nothing) against a read that asks the socket and the child (``answers(0.0)``, the answer not there yet). Ends with
+one JSON line.
 """
 
 from __future__ import annotations
@@ -53,8 +55,12 @@ DEFAULT_CHILD = ("import sys\n"
                  "from kvdbg.sentinel.remote import serve\n"
                  "answer = lambda entries, **kwargs: compact(check_layers(entries, **kwargs))\n"
                  "sys.exit(serve(Connection(int(sys.argv[1])), sys.argv[2], answer, *sys.argv[3:]))\n")
-# A busy neighbour (--load).
-BUSY = "while True:\n    pass\n"
+# A busy neighbour (--load), which ends once the bench is gone (killed, it runs no finally).
+BUSY = ("import os, sys\n"
+        "parent = int(sys.argv[1])\n"
+        "while os.getppid() == parent:\n"
+        "    for _ in range(100000):\n"
+        "        pass\n")
 
 
 class _TimedWrites:
@@ -73,6 +79,15 @@ class _TimedWrites:
                 self.ns += time.perf_counter_ns() - start
 
         process._conn.send_bytes = timed
+
+
+def _policy_name() -> str:
+    """This process's scheduling policy in a word (the third child's, which starts under it)."""
+    if not hasattr(os, "sched_getscheduler"):
+        return "default"
+    policy = os.sched_getscheduler(0)
+    return next((name.lower() if name != "OTHER" else "default" for name in ("OTHER", "BATCH", "IDLE", "FIFO", "RR")
+                 if getattr(os, f"SCHED_{name}", None) == policy), f"policy {policy}")
 
 
 def _read_time(process, seconds: float = 30.0) -> tuple[int, list]:
@@ -115,14 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     children = {"compact": CheckerProcess("cpu", share_host=True),
                 "default": CheckerProcess("cpu", share_host=True, command=[sys.executable, "-c", DEFAULT_CHILD]),
                 "whole": CheckerProcess("cpu", share_host=True, command=[sys.executable, "-c", WHOLE_CHILD])}
-    scheduling = {name: process.info.get("scheduling", "default") for name, process in children.items()}
+    scheduling = {name: process.info.get("scheduling", _policy_name()) for name, process in children.items()}
     writes = {name: _TimedWrites(process) for name, process in children.items()}
     times: dict[str, list[int]] = {"python": [], "write_compact": [], "write_default": [], "answer_compact": [],
                                    "answer_default": [], "read_compact": [],
                                    "read_default": [], "read_whole": [], "look_skips": [], "look_asks": []}
     kinds: dict[str, set] = {name: set() for name in children}
     warm = min(20, args.checks // 2)
-    busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(args.load)]
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY, str(os.getpid())]) for _ in range(args.load)]
     try:
         for check in range(args.checks):
             for name, process in children.items():
@@ -130,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                 seq_lens = entries[0][1].seq_lens.clone()
                 step = [(layer, dataclasses.replace(inputs, seq_lens=seq_lens)) for layer, inputs in entries]
                 writes[name].ns = 0
+                sent_at = time.perf_counter_ns()  # the answer's wait counts the send: a check may run during it
                 process.submit(step, pairs=4, seed=check, step=check)
                 sent, written = process.last_times[0], writes[name].ns
-                sent_at = time.perf_counter_ns()
                 if not process._conn.poll(30.0):
                     raise RuntimeError(f"no answer from the checker process (pid {process.pid}) within 30 s")
                 came = time.perf_counter_ns() - sent_at
@@ -175,12 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sentinel send, {args.layers} layers, {args.checks - warm} checks a child after {warm}, {args.load} busy "
           f"processes on {os.cpu_count()} cores (medians, us):")
     print(f"  the send's Python, less its socket write  {medians['python']:8.1f}")
-    for name, label in (("compact", f"kvdbg's child ({scheduling['compact']})"), ("default", "the default policy")):
+    own = _policy_name()
+    for name, label in (("compact", f"kvdbg's child ({scheduling['compact']})"), ("default", f"the bench's ({own})")):
         w = writes_us[name]
         print(f"  its socket write, {label:<22}  {w['median']:8.1f}   mean {w['mean']:.1f}, 90th percentile "
               f"{w['p90']:.1f}")
     print(f"  mean write, default / kvdbg's child  {writes_us['default']['mean'] / writes_us['compact']['mean']:.2f}x")
-    print(f"  the answer there after the send, kvdbg's child {medians['answer_compact']:8.1f}   the default policy "
+    print(f"  the answer there, from the send's start: kvdbg's child {medians['answer_compact']:8.1f}   the bench's "
           f"{medians['answer_default']:.1f}")
     print(f"  the answer read, compact ({'/'.join(sorted(kinds['compact']))})  {medians['read_compact']:8.1f}")
     print(f"  the answer read, whole ({'/'.join(sorted(kinds['whole']))})      {medians['read_whole']:8.1f}"

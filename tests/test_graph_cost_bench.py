@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import statistics
 import time
 import types
@@ -328,6 +329,19 @@ def test_a_paired_figure_says_whether_its_rounds_can_tell_met_from_missed(capsys
     assert figs["sentinel"]["resolved"] is True and not figs["sentinel"]["met"]
     # Under 4 rounds: no interval, nothing said of it.
     assert gc.interval([1.0, 1.1, 1.2], statistics.fmean) is None
+    # kvdbg's graph copies add to the absent engines' graph (2.0 and 2.02 ms, median 2.01) against their step (5.0
+    # and 5.1 ms, median 5.05): the interval is the rounds' times that factor.
+    records["sentinel"]["phases"]["rounds"] = [_round(5.0 * r, graph_ms=2.05) for r in ratios]
+    records["sentinel"]["phases"]["bypassed"] = [_round(5.0, graph_ms=2.05, hooks_us=0) for _ in ratios]
+    paired = gc.figures(records)["sentinel"]["paired"]
+    device = 1 + (2.05 - 2.01) / 5.05
+    assert paired["device"] == pytest.approx(device)
+    assert paired["interval"] == pytest.approx([lo * device, hi * device])
+    assert paired["host"]["interval"] == pytest.approx([lo, hi])
+    # The percentiles' ranks are symmetric at any level: at 80 %, of 10 resamples the 2nd and the 9th.
+    rng = random.Random(0)
+    firsts = sorted([rng.randrange(100) for _ in range(100)][0] for _ in range(10))
+    assert gc.interval(list(range(100)), lambda v: v[0], resamples=10, level=0.8) == [firsts[1], firsts[8]]
 
 
 class _Switches:
