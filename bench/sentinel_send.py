@@ -83,11 +83,9 @@ class _TimedWrites:
 
 def _policy_name() -> str:
     """This process's scheduling policy in a word (the third child's, which starts under it)."""
-    if not hasattr(os, "sched_getscheduler"):
-        return "default"
-    policy = os.sched_getscheduler(0)
-    return next((name.lower() if name != "OTHER" else "default" for name in ("OTHER", "BATCH", "IDLE", "FIFO", "RR")
-                 if getattr(os, f"SCHED_{name}", None) == policy), f"policy {policy}")
+    from kvdbg.sentinel.child import policy_name
+
+    return policy_name(os.sched_getscheduler(0)) if hasattr(os, "sched_getscheduler") else "default"
 
 
 def _read_time(process, seconds: float = 30.0) -> tuple[int, list]:

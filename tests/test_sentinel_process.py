@@ -159,6 +159,11 @@ def test_the_childs_scheduling_is_said_as_it_is_when_it_cannot_or_need_not_be_ba
     def unreadable(pid):
         raise OSError(38, "Function not implemented")
 
+    policy["now"] = 7
+    assert behind_the_engine() == "batch" and policy["now"] == 3  # a policy it has no name for: said by number
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    policy["now"] = 7
+    assert behind_the_engine() == "policy 7 (SCHED_BATCH refused: Operation not permitted)"
     monkeypatch.setattr(os, "sched_getscheduler", unreadable)
     assert behind_the_engine() == "unknown (its policy could not be read: Function not implemented)"
     monkeypatch.delattr(os, "SCHED_BATCH")

@@ -11,6 +11,15 @@ import signal
 import sys
 
 
+def policy_name(policy: int) -> str:
+    """A scheduling policy's number (``os.sched_getscheduler``) in a word: ``default`` (SCHED_OTHER), ``batch``,
+    ``idle``, ``fifo``, ``rr``, else ``policy N``."""
+    if policy == getattr(os, "SCHED_OTHER", None):
+        return "default"
+    names = ("BATCH", "IDLE", "FIFO", "RR")
+    return next((name.lower() for name in names if getattr(os, f"SCHED_{name}", None) == policy), f"policy {policy}")
+
+
 def behind_the_engine() -> str:
     """This process's threads, and those it starts later (torch's among them), scheduled as batch work (Linux's
     ``SCHED_BATCH``), and the policy they run under in words: ``batch``, else which and why. A check sent wakes
@@ -22,13 +31,11 @@ def behind_the_engine() -> str:
     so that an engine run as idle work does not get a checker that outranks it."""
     if not hasattr(os, "SCHED_BATCH") or not hasattr(os, "sched_setscheduler"):
         return "default (this system has no SCHED_BATCH)"
-    names = {getattr(os, f"SCHED_{name}"): name.lower() for name in ("OTHER", "BATCH", "IDLE", "FIFO", "RR")
-             if hasattr(os, f"SCHED_{name}")}
     try:
         current = os.sched_getscheduler(0)
     except OSError as exc:
         return f"unknown (its policy could not be read: {exc.strerror or exc})"
-    name = "default" if current == getattr(os, "SCHED_OTHER", None) else names.get(current, f"policy {current}")
+    name = policy_name(current)
     if current in (os.SCHED_BATCH, getattr(os, "SCHED_IDLE", None)):
         return f"{name} (the engine's, kept)"
     try:
